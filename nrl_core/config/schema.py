@@ -1,0 +1,205 @@
+"""A small declarative schema for nrl's YAML configuration.
+
+Why not pydantic or dataclasses: the schema is assembled at run time from the core's sections and
+the sections that installed plugins contribute (``policy.megatron_cfg`` exists only when the
+Megatron plugin is installed), every error must name the full dotted key path in one line, unknown
+keys need a did-you-mean, and NeMo RL's spellings must be accepted as aliases. Two small frozen
+types, :class:`Field` and :class:`Section`, do all of that in one place.
+
+Validation returns a new plain ``dict`` with defaults filled in; the input is never modified.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+from dataclasses import dataclass, field, replace
+from typing import Any, Mapping, Union
+
+from nrl_core.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+
+class _Required:
+    def __repr__(self) -> str:
+        return "REQUIRED"
+
+
+REQUIRED: Any = _Required()
+"""Default of a field that has none: the user must set it."""
+
+_TYPE_NAMES = {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
+               list: "a list", dict: "a mapping", type(None): "null"}
+
+
+def _type_name(types: tuple[type, ...]) -> str:
+    return " or ".join(_TYPE_NAMES.get(t, t.__name__) for t in types)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Field:
+    """One leaf value.
+
+    ``type`` is what YAML must produce (``float`` also accepts an integer, never a boolean);
+    ``item_type`` checks list items; ``nullable`` admits ``null``; ``choices`` limits the values;
+    ``inert`` marks a NeMo RL key that nrl accepts so copied configs validate, but that has no
+    effect here (a warning says so when the user sets it to a non-default value).
+    """
+
+    type: Union[type, tuple[type, ...]]
+    default: Any = REQUIRED
+    doc: str = ""
+    nullable: bool = False
+    choices: tuple[Any, ...] | None = None
+    item_type: Union[type, tuple[type, ...], None] = None
+    inert: bool = False
+
+    @property
+    def types(self) -> tuple[type, ...]:
+        return self.type if isinstance(self.type, tuple) else (self.type,)
+
+    def validate(self, value: Any, path: str) -> Any:
+        if value is None:
+            if self.nullable:
+                return None
+            raise ConfigError(path, f"must be {_type_name(self.types)}, got null; set a value or remove the key")
+        if not _matches(value, self.types):
+            raise ConfigError(path, f"must be {_type_name(self.types)}, got {_describe(value)}")
+        if float in self.types and isinstance(value, int) and not isinstance(value, bool) and int not in self.types:
+            value = float(value)
+        if self.item_type is not None and isinstance(value, list):
+            item_types = self.item_type if isinstance(self.item_type, tuple) else (self.item_type,)
+            for i, item in enumerate(value):
+                if not _matches(item, item_types):
+                    raise ConfigError(f"{path}[{i}]", f"must be {_type_name(item_types)}, got {_describe(item)}")
+        if self.choices is not None and value not in self.choices:
+            options = ", ".join(repr(c) for c in self.choices)
+            raise ConfigError(path, f"must be one of {options}, got {value!r}")
+        if self.inert and value != self.default:
+            logger.warning("%s is accepted for NeMo RL compatibility but has no effect in nrl", path)
+        return value
+
+
+def _matches(value: Any, types: tuple[type, ...]) -> bool:
+    for t in types:
+        if t is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return True
+        if t is int and isinstance(value, int) and not isinstance(value, bool):
+            return True
+        if t not in (int, float) and isinstance(value, t):
+            return True
+    return False
+
+
+def _describe(value: Any) -> str:
+    text = repr(value)
+    if len(text) > 40:
+        text = text[:37] + "..."
+    return f"{_TYPE_NAMES.get(type(value), type(value).__name__)} {text}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Section:
+    """A mapping of named fields and subsections.
+
+    ``open`` sections accept any extra key unchecked (free-form ``kwargs``); ``nullable`` ones
+    accept ``null`` in place of the mapping; ``aliases`` maps an accepted old or NeMo RL spelling
+    to ours (``{"dtensor_cfg": "dtensor_config"}``); ``required`` sections must be present.
+    """
+
+    fields: Mapping[str, Union[Field, "Section"]] = field(default_factory=dict)
+    doc: str = ""
+    required: bool = False
+    nullable: bool = False
+    open: bool = False
+    aliases: Mapping[str, str] = field(default_factory=dict)
+
+    def with_fields(self, **extra: Union[Field, "Section"]) -> "Section":
+        """A copy with fields added or replaced: how plugin sections are attached to the core's."""
+        return replace(self, fields={**self.fields, **extra})
+
+    def validate(self, value: Any, path: str = "") -> dict[str, Any] | None:
+        if value is None:
+            if self.nullable:
+                return None
+            value = {}
+        if not isinstance(value, Mapping):
+            raise ConfigError(path or "<root>", f"must be a mapping of keys to values, got {_describe(value)}")
+        value = self._resolve_aliases(value, path)
+        out: dict[str, Any] = {}
+        for key, item in value.items():
+            key_path = _join(path, key)
+            if not isinstance(key, str):
+                raise ConfigError(key_path, "keys must be strings; quote the key in YAML")
+            spec = self.fields.get(key)
+            if spec is None:
+                if self.open:
+                    out[key] = item
+                    continue
+                raise ConfigError(key_path, self._unknown_key_message(key))
+            out[key] = spec.validate(item, key_path)
+        for key, spec in self.fields.items():
+            if key in out:
+                continue
+            key_path = _join(path, key)
+            if isinstance(spec, Section):
+                if spec.required:
+                    raise ConfigError(key_path, "required section is missing; add it to the config")
+                out[key] = None if spec.nullable else spec.validate({}, key_path)
+            elif spec.default is REQUIRED:
+                raise ConfigError(key_path, "required key is missing; add it to the config")
+            else:
+                out[key] = _copy_default(spec.default)
+        return out
+
+    def _resolve_aliases(self, value: Mapping[str, Any], path: str) -> dict[str, Any]:
+        resolved = dict(value)
+        for old, new in self.aliases.items():
+            if old not in resolved:
+                continue
+            if new in resolved:
+                raise ConfigError(_join(path, old), f"is an alias of {_join(path, new)}, which is also set; keep only one")
+            resolved[new] = resolved.pop(old)
+        return resolved
+
+    def _unknown_key_message(self, key: str) -> str:
+        known = list(self.fields) + list(self.aliases)
+        close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+        if close:
+            return f"unknown key; did you mean '{close[0]}'?"
+        if not known:
+            return "unknown key; this section takes no keys"
+        return f"unknown key; valid keys are: {', '.join(sorted(self.fields))}"
+
+    def subsection(self, dotted: str) -> "Section":
+        """The subsection at ``dotted`` (``policy.generation``), for attaching plugin schemas."""
+        node: Section = self
+        for part in dotted.split("."):
+            child = node.fields.get(part)
+            if not isinstance(child, Section):
+                raise KeyError(dotted)
+            node = child
+        return node
+
+    def attach(self, dotted: str, name: str, section: "Section", *, aliases: Mapping[str, str] | None = None) -> "Section":
+        """A copy with ``section`` attached as ``name`` under the subsection ``dotted`` ("" is the root)."""
+        if not dotted:
+            updated = self.with_fields(**{name: section})
+            return replace(updated, aliases={**updated.aliases, **(aliases or {})})
+        head, _, rest = dotted.partition(".")
+        child = self.fields[head]
+        assert isinstance(child, Section), head
+        return self.with_fields(**{head: child.attach(rest, name, section, aliases=aliases)})
+
+
+def _join(path: str, key: Any) -> str:
+    return f"{path}.{key}" if path else str(key)
+
+
+def _copy_default(default: Any) -> Any:
+    if isinstance(default, (list, dict)):
+        import copy
+
+        return copy.deepcopy(default)
+    return default

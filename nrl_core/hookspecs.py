@@ -1,0 +1,111 @@
+"""Every hook nrl calls. A plugin implements any subset with ``@nrl_core.hookimpl``.
+
+Two kinds of hook:
+
+* **registration** hooks (collecting): every plugin's answer is gathered. Each returns a list of
+  descriptor dataclasses from :mod:`nrl_core.contracts` (or ``None`` for nothing). The core builds
+  one registry per hook, keyed by ``name``, and rejects duplicates. They are called once per
+  process, lazily, the first time a registry is needed.
+* **dispatch** hooks (first result): called with an object, the plugin that owns that object's
+  type does the work and returns ``True``; every other plugin returns ``None``. The core logs who
+  answered and fails if nobody did.
+
+pluggy calls implementations with keyword arguments only and never fills an implementation
+parameter that has a default; arguments are added here only additively.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+if TYPE_CHECKING:
+    from nrl_core.contracts import (
+        AlgorithmSpec,
+        CheckpointOptions,
+        EnvironmentSpec,
+        GenerationBackendSpec,
+        MetricSinkSpec,
+        RefitTransportSpec,
+        TrainingBackendSpec,
+    )
+
+PROJECT_NAME = "nrl"
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+"""Decorate a plugin's hook implementations with this (re-exported as ``nrl_core.hookimpl``)."""
+
+
+@hookspec
+def nrl_training_backends() -> "list[TrainingBackendSpec] | None":
+    """Training backends this plugin provides.
+
+    Called by the core when it validates a config or selects a backend (``nrl config check``,
+    ``nrl train``). Collecting. Each spec's ``config_schema`` is attached at
+    ``policy.<config_key>``; the backend is a candidate when that section says ``enabled: true``.
+    """
+
+
+@hookspec
+def nrl_generation_backends() -> "list[GenerationBackendSpec] | None":
+    """Generation backends this plugin provides.
+
+    Called by the core when it validates a config or builds the generation workers. Collecting.
+    Selected by ``policy.generation.backend``; the spec's schema is attached at
+    ``policy.generation.<config_key>``.
+    """
+
+
+@hookspec
+def nrl_environments() -> "list[EnvironmentSpec] | None":
+    """Reward environments this plugin provides.
+
+    Called by the core when it validates ``env`` and when an algorithm builds its environments.
+    Collecting. The schema is attached at ``env.<name>``.
+    """
+
+
+@hookspec
+def nrl_refit_transports() -> "list[RefitTransportSpec] | None":
+    """Ways to move weight buckets from training workers into generation workers.
+
+    Called by the refit orchestration when it is set up. Collecting.
+    """
+
+
+@hookspec
+def nrl_metric_sinks() -> "list[MetricSinkSpec] | None":
+    """Extra metric loggers (beyond console, JSONL and TensorBoard).
+
+    Called when an algorithm builds its logger. Collecting.
+    """
+
+
+@hookspec
+def nrl_algorithms() -> "list[AlgorithmSpec] | None":
+    """Algorithms runnable with ``nrl train <name>``.
+
+    Called by the CLI to dispatch ``nrl train``. Collecting.
+    """
+
+
+@hookspec(firstresult=True)
+def nrl_checkpoint_save(worker: Any, path: str, options: "CheckpointOptions") -> "bool | None":
+    """Save ``worker``'s full training state (model, optimizer, scheduler, step, RNG when
+    ``options.load_rng``) under the directory ``path``, honouring every field of ``options``.
+
+    Called on every rank of a training worker group by the checkpoint manager, inside the worker
+    process. Stops at the first non-None result: return ``True`` when ``worker`` is yours,
+    ``None`` otherwise. With ``options.async_save`` return once the save is scheduled.
+    """
+
+
+@hookspec(firstresult=True)
+def nrl_checkpoint_load(worker: Any, path: str, options: "CheckpointOptions") -> "bool | None":
+    """Load what :func:`nrl_checkpoint_save` wrote at ``path`` into ``worker``.
+
+    Called on every rank when a run resumes. Stops at the first non-None result, as for saving.
+    A checkpoint that is missing, truncated or from another model must raise
+    :class:`nrl_core.errors.NrlError` with a one-line message and leave ``worker`` unchanged.
+    """

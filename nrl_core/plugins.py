@@ -1,0 +1,304 @@
+"""Plugin loading and the registries built from the registration hooks.
+
+Plugins are modules named by entry points in the ``nrl`` group; first-party plugins are installed
+and found exactly like third-party ones. Loading is lazy (the first time anything asks), happens
+once per process, and is guarded: a plugin that fails to import is a warning naming the plugin,
+its distribution and the error, and the others still load.
+
+Environment switches:
+
+* ``NRL_STRICT_PLUGINS=1``: a plugin that fails to load is an error (use in CI).
+* ``NRL_DISABLE_PLUGIN_AUTOLOAD=1``: load no entry points (only the core's built-ins).
+* ``NRL_BLOCKED_PLUGINS=a,b``: skip these entry-point names.
+* ``NRL_TRACE_HOOKS=1``: print every hook call and result to stderr.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata as md
+import logging
+import os
+import sys
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Generic, Iterable, Iterator, TypeVar
+
+import pluggy
+
+from nrl_core import hookspecs
+from nrl_core.contracts import (
+    AlgorithmSpec,
+    EnvironmentSpec,
+    GenerationBackendSpec,
+    MetricSinkSpec,
+    RefitTransportSpec,
+    TrainingBackendSpec,
+)
+from nrl_core.errors import ConfigError, PluginError
+
+logger = logging.getLogger(__name__)
+
+ENTRY_POINT_GROUP = "nrl"
+hookimpl = hookspecs.hookimpl
+
+BUILTIN_PLUGINS: tuple[str, ...] = ("nrl_core.builtin",)
+"""Modules of the core registered directly: its algorithms, transports and metric sinks."""
+
+FIRST_PARTY_DISTRIBUTIONS: dict[str, str] = {
+    "dtensor": "nrl-backend-dtensor",
+    "megatron": "nrl-backend-megatron",
+    "vllm": "nrl-gen-vllm",
+    "math": "nrl-env-math",
+}
+"""Where the first-party plugins come from, so a miss can say what to ``pip install``."""
+
+
+class PluginLoadWarning(UserWarning):
+    """A plugin failed to load and was skipped."""
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+@dataclass(frozen=True)
+class PluginInfo:
+    """What ``nrl plugins`` shows about one registered plugin."""
+
+    name: str
+    distribution: str | None
+    version: str | None
+    hooks: list[str]
+
+
+T = TypeVar("T")
+
+
+class Registry(Generic[T]):
+    """Descriptors of one kind keyed by ``name``; duplicates are rejected when it is built."""
+
+    def __init__(self, kind: str, specs: Iterable[T]) -> None:
+        self.kind = kind
+        self._specs: dict[str, T] = {}
+        for spec in specs:
+            name = getattr(spec, "name")
+            if name in self._specs:
+                first = getattr(self._specs[name], "distribution", "?")
+                second = getattr(spec, "distribution", "?")
+                raise PluginError(
+                    f"{kind} '{name}' is registered twice (by {first} and by {second}); "
+                    f"uninstall one or block it with NRL_BLOCKED_PLUGINS"
+                )
+            self._specs[name] = spec
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._specs
+
+    def __iter__(self) -> Iterator[T]:
+        return iter(self._specs.values())
+
+    def __len__(self) -> int:
+        return len(self._specs)
+
+    def names(self) -> list[str]:
+        return sorted(self._specs)
+
+    def get(self, name: str, key_path: str) -> T:
+        """The spec called ``name``; a miss is a :class:`ConfigError` at ``key_path`` that lists
+        what is installed and which distribution would provide ``name``."""
+        try:
+            return self._specs[name]
+        except KeyError:
+            raise ConfigError(key_path, self.missing_message(name)) from None
+
+    def missing_message(self, name: str) -> str:
+        installed = ", ".join(self.names()) or "none"
+        hint = FIRST_PARTY_DISTRIBUTIONS.get(name)
+        fix = f"pip install {hint}" if hint else "install the plugin that provides it"
+        return f"{self.kind} '{name}' is not available (installed: {installed}); {fix}"
+
+
+class PluginManager:
+    """nrl's front-end over pluggy: the rest of the core calls these typed methods, never
+    ``pm.hook.*`` directly."""
+
+    def __init__(self) -> None:
+        self._pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+        self._pm.add_hookspecs(hookspecs)
+        self._loaded = False
+        self._distributions: dict[str, tuple[str, str]] = {}
+        self._registries: dict[str, Registry[Any]] = {}
+        self.failed: dict[str, str] = {}
+        if _env_flag("NRL_TRACE_HOOKS"):
+            self._pm.trace.root.setwriter(lambda text: sys.stderr.write(text))
+            self._pm.enable_tracing()
+
+    # ------------------------------------------------------------------ loading
+
+    def load(self) -> None:
+        """Register built-ins and entry-point plugins; idempotent."""
+        if self._loaded:
+            return
+        self._loaded = True
+        for module_name in BUILTIN_PLUGINS:
+            self._pm.register(__import__(module_name, fromlist=["_"]), name=module_name)
+        if not _env_flag("NRL_DISABLE_PLUGIN_AUTOLOAD"):
+            blocked = {n.strip() for n in os.environ.get("NRL_BLOCKED_PLUGINS", "").split(",") if n.strip()}
+            for ep in _unique_entry_points():
+                if ep.name in blocked:
+                    logger.info("plugin '%s' is blocked by NRL_BLOCKED_PLUGINS", ep.name)
+                    continue
+                self._load_entry_point(ep)
+        self._check_pending()
+
+    def _load_entry_point(self, ep: md.EntryPoint) -> None:
+        dist_name = ep.dist.name if ep.dist else "unknown distribution"
+        dist_version = ep.dist.version if ep.dist else "?"
+        try:
+            _check_core_requirement(ep)
+            plugin = ep.load()
+            self._pm.register(plugin, name=ep.name)
+        except Exception as exc:  # a broken plugin must not take the others down
+            message = f"plugin '{ep.name}' ({dist_name} {dist_version}) failed to load: {type(exc).__name__}: {exc}"
+            if _env_flag("NRL_STRICT_PLUGINS"):
+                raise PluginError(message + " (NRL_STRICT_PLUGINS is set)") from exc
+            self.failed[ep.name] = message
+            warnings.warn(message, PluginLoadWarning, stacklevel=2)
+            return
+        self._distributions[ep.name] = (dist_name, dist_version)
+
+    def _check_pending(self) -> None:
+        try:
+            self._pm.check_pending()
+        except pluggy.PluginValidationError as exc:
+            plugin_name = self._pm.get_name(exc.plugin) if exc.plugin is not None else "?"
+            raise PluginError(f"plugin '{plugin_name}' implements a hook nrl does not define: {exc}") from exc
+
+    @contextlib.contextmanager
+    def registered(self, plugin: object, name: str) -> Iterator[object]:
+        """Register ``plugin`` in-process for the duration of a ``with`` block (tests, notebooks)."""
+        self.load()
+        self._pm.register(plugin, name=name)
+        self._registries.clear()
+        try:
+            self._check_pending()
+            yield plugin
+        finally:
+            self._pm.unregister(name=name)
+            self._registries.clear()
+
+    # ------------------------------------------------------------------ introspection
+
+    def list_plugins(self) -> list[PluginInfo]:
+        self.load()
+        infos = []
+        for name, plugin in self._pm.list_name_plugin():
+            if plugin is None:
+                continue
+            hooks = sorted(caller.name for caller in self._pm.get_hookcallers(plugin) or [])
+            dist, version = self._distributions.get(name, (None, None))
+            if name in BUILTIN_PLUGINS:
+                dist, version = "nrl-core", _own_version()
+            infos.append(PluginInfo(name=name, distribution=dist, version=version, hooks=hooks))
+        return sorted(infos, key=lambda info: info.name)
+
+    def versions(self) -> dict[str, str]:
+        """``{distribution: version}`` of every loaded plugin, recorded in run metadata."""
+        return {info.distribution: info.version for info in self.list_plugins() if info.distribution and info.version}
+
+    # ------------------------------------------------------------------ registries
+
+    def _registry(self, kind: str, hook: Callable[[], list[Any]]) -> Registry[Any]:
+        self.load()
+        if kind not in self._registries:
+            specs = [spec for result in hook() if result for spec in result]
+            self._registries[kind] = Registry(kind, specs)
+        return self._registries[kind]
+
+    def training_backends(self) -> Registry[TrainingBackendSpec]:
+        return self._registry("training backend", self._pm.hook.nrl_training_backends)
+
+    def generation_backends(self) -> Registry[GenerationBackendSpec]:
+        return self._registry("generation backend", self._pm.hook.nrl_generation_backends)
+
+    def environments(self) -> Registry[EnvironmentSpec]:
+        return self._registry("environment", self._pm.hook.nrl_environments)
+
+    def refit_transports(self) -> Registry[RefitTransportSpec]:
+        return self._registry("refit transport", self._pm.hook.nrl_refit_transports)
+
+    def metric_sinks(self) -> Registry[MetricSinkSpec]:
+        return self._registry("metric sink", self._pm.hook.nrl_metric_sinks)
+
+    def algorithms(self) -> Registry[AlgorithmSpec]:
+        return self._registry("algorithm", self._pm.hook.nrl_algorithms)
+
+    # ------------------------------------------------------------------ dispatch hooks
+
+    def checkpoint_save(self, worker: object, path: str, options: Any) -> None:
+        self._dispatch("nrl_checkpoint_save", worker, path=path, options=options)
+
+    def checkpoint_load(self, worker: object, path: str, options: Any) -> None:
+        self._dispatch("nrl_checkpoint_load", worker, path=path, options=options)
+
+    def _dispatch(self, hook_name: str, worker: object, **kwargs: Any) -> None:
+        self.load()
+        result = getattr(self._pm.hook, hook_name)(worker=worker, **kwargs)
+        if result is None:
+            raise PluginError(
+                f"no installed plugin implements {hook_name} for {type(worker).__module__}.{type(worker).__qualname__}"
+            )
+        logger.debug("%s handled %s", hook_name, type(worker).__qualname__)
+
+
+def _unique_entry_points() -> list[md.EntryPoint]:
+    """Entry points of the group, once each even if a distribution is visible twice on sys.path."""
+    seen: set[tuple[str, str]] = set()
+    unique = []
+    for ep in md.entry_points(group=ENTRY_POINT_GROUP):
+        if (ep.name, ep.value) in seen:
+            continue
+        seen.add((ep.name, ep.value))
+        unique.append(ep)
+    return unique
+
+
+def _own_version() -> str:
+    try:
+        return md.version("nrl-core")
+    except md.PackageNotFoundError:
+        return "0+unknown"
+
+
+def _check_core_requirement(ep: md.EntryPoint) -> None:
+    """Refuse a plugin whose declared ``nrl-core`` range excludes the running core."""
+    if ep.dist is None:
+        return
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    for line in ep.dist.requires or []:
+        req = Requirement(line)
+        if req.name.replace("_", "-").lower() != "nrl-core" or req.marker is not None:
+            continue
+        version = _own_version()
+        if req.specifier and not req.specifier.contains(Version(version), prereleases=True):
+            raise PluginError(f"needs nrl-core{req.specifier} but nrl-core {version} is installed; upgrade one of them")
+
+
+_manager: PluginManager | None = None
+
+
+def get_plugin_manager() -> PluginManager:
+    """The process-wide plugin manager (created on first use; plugins load lazily)."""
+    global _manager
+    if _manager is None:
+        _manager = PluginManager()
+    return _manager
+
+
+def reset_plugin_manager() -> None:
+    """Forget the process-wide manager so the next use reloads (tests that change the environment)."""
+    global _manager
+    _manager = None

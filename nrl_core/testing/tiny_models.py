@@ -1,0 +1,143 @@
+"""Tiny random-init Hugging Face causal LMs with a locally trained tokenizer.
+
+No model hub is reachable where nrl is tested, so tests, examples and benchmarks build their models
+here: a byte-level BPE tokenizer trained on an arithmetic corpus and a Llama-, Qwen2- or
+Qwen3-shaped model, saved with ``save_pretrained`` so every engine (transformers, vLLM, the
+Megatron converter) loads it from disk exactly as it would a real checkpoint. The same family,
+size and seed always give the same files, and a build is cached under a directory keyed by them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+FAMILIES = ("llama", "qwen2", "qwen3")
+
+SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }}\n"
+    "{% elif m['role'] == 'user' %}Q: {{ m['content'] }}\n"
+    "{% else %}A: {{ m['content'] }}{{ eos_token }}\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}A:{% endif %}"
+)
+
+SIZES: dict[str, dict[str, int]] = {
+    # ~0.3M parameters: unit tests.
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2),
+    # ~1.5M parameters: end-to-end tests and the CPU demo.
+    "small": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2),
+    # ~25M parameters: benchmarks.
+    "bench": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
+                  num_key_value_heads=4),
+}
+
+
+def arithmetic_corpus(limit: int = 100) -> list[str]:
+    """Texts the tokenizer is trained on: the shapes of the arithmetic prompts and answers."""
+    lines = []
+    for a in range(limit):
+        for b in range(0, limit, 7):
+            lines.append(f"Q: What is {a} + {b}?\nA: {a + b}")
+            lines.append(f"Q: What is {a} - {b}?\nA: {a - b}")
+    lines.append("Answer with a number. \\boxed{} The answer is")
+    return lines
+
+
+def build_tokenizer(out_dir: str | os.PathLike[str], vocab_size: int = 512) -> Any:
+    """Train a byte-level BPE tokenizer locally and save it as a ``PreTrainedTokenizerFast``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(arithmetic_corpus(), trainer)
+    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                     pad_token="<pad>", unk_token="<unk>")
+    hf_tok.chat_template = CHAT_TEMPLATE
+    hf_tok.save_pretrained(str(out_dir))
+    return hf_tok
+
+
+def model_config(family: str, size: str = "tiny", vocab_size: int = 512, **overrides: Any) -> Any:
+    """The transformers config of a tiny model of ``family`` (llama, qwen2 or qwen3)."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family '{family}'; choose one of {', '.join(FAMILIES)}")
+    if size not in SIZES:
+        raise ValueError(f"unknown size '{size}'; choose one of {', '.join(SIZES)}")
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    common: dict[str, Any] = dict(
+        vocab_size=vocab_size, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2, pad_token_id=3,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, **SIZES[size],
+    )
+    if family == "llama":
+        cfg = LlamaConfig(**common, rope_theta=10000.0)
+    elif family == "qwen2":
+        cfg = Qwen2Config(**common, rope_theta=10000.0, use_sliding_window=False)
+    else:
+        cfg = Qwen3Config(**common, rope_theta=10000.0, head_dim=common["hidden_size"] // common["num_attention_heads"],
+                          use_sliding_window=False)
+    for key, value in overrides.items():
+        setattr(cfg, key, value)
+    return cfg
+
+
+def build_tiny_model(out_dir: str | os.PathLike[str], family: str = "llama", size: str = "tiny", seed: int = 0,
+                     **config_overrides: Any) -> Path:
+    """Write a random-init model of ``family`` and the local tokenizer to ``out_dir``; deterministic
+    for ``seed``. Returns ``out_dir``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    build_tokenizer(out)
+    cfg = model_config(family, size, **config_overrides)
+    cfg.torch_dtype = "float32"
+    generator_state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        # Larger-than-default init so a random model's outputs are far from uniform and greedy
+        # decoding is stable under tiny numeric differences between engines.
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if param.dim() >= 2:
+                    param.normal_(0.0, 0.08)
+    finally:
+        torch.random.set_rng_state(generator_state)
+    model.save_pretrained(str(out), safe_serialization=True)
+    return out
+
+
+def cached_tiny_model(family: str = "llama", size: str = "tiny", seed: int = 0, cache_dir: str | None = None,
+                      **config_overrides: Any) -> Path:
+    """Like :func:`build_tiny_model` but built once per (family, size, seed, overrides) under
+    ``cache_dir`` (default ``$NRL_TEST_CACHE`` or the system temp dir) and reused."""
+    key = json.dumps({"family": family, "size": size, "seed": seed, "overrides": config_overrides, "v": 1},
+                     sort_keys=True)
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+    root = Path(cache_dir or os.environ.get("NRL_TEST_CACHE") or Path(tempfile.gettempdir()) / "nrl-test-models")
+    target = root / f"{family}-{size}-s{seed}-{digest}"
+    if (target / "config.json").exists() and (target / "model.safetensors").exists():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=root, prefix=f".{target.name}."))
+    build_tiny_model(staging, family=family, size=size, seed=seed, **config_overrides)
+    try:
+        staging.rename(target)
+    except OSError:  # another process finished first; theirs is identical
+        import shutil
+
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
