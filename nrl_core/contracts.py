@@ -82,7 +82,8 @@ class TrainingBackendSpec:
     ``config_key`` is its section under ``policy`` (``megatron_cfg``); the backend is a candidate
     when that section says ``enabled: true``; among candidates the highest ``priority`` wins.
     ``worker`` is the import path of the class the core instantiates once per rank (see
-    :class:`TrainingWorker`). ``config_aliases`` are other spellings of ``config_key``.
+    :class:`TrainingWorker`). ``config_aliases`` are other spellings of ``config_key``;
+    ``parallel_size_keys`` name the section's model-parallel sizes (tensor, pipeline, context).
     """
 
     name: str
@@ -92,7 +93,16 @@ class TrainingBackendSpec:
     config_schema: Section
     distribution: str
     config_aliases: Mapping[str, str] = field(default_factory=dict)
+    parallel_size_keys: tuple[str, ...] = ()
     description: str = ""
+
+    def model_parallel_size(self, section: Mapping[str, Any]) -> int:
+        """Ranks one model replica spans (the product of ``parallel_size_keys`` in its section), so
+        the core can derive the data-parallel size without knowing the backend."""
+        size = 1
+        for key in self.parallel_size_keys:
+            size *= int(section.get(key) or 1)
+        return size
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -20,7 +20,6 @@ import importlib.metadata as md
 import logging
 import os
 import sys
-import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Generic, Iterable, Iterator, TypeVar
 
@@ -52,10 +51,6 @@ FIRST_PARTY_DISTRIBUTIONS: dict[str, str] = {
     "math": "nrl-env-math",
 }
 """Where the first-party plugins come from, so a miss can say what to ``pip install``."""
-
-
-class PluginLoadWarning(UserWarning):
-    """A plugin failed to load and was skipped."""
 
 
 def _env_flag(name: str) -> bool:
@@ -164,7 +159,7 @@ class PluginManager:
             if _env_flag("NRL_STRICT_PLUGINS"):
                 raise PluginError(message + " (NRL_STRICT_PLUGINS is set)") from exc
             self.failed[ep.name] = message
-            warnings.warn(message, PluginLoadWarning, stacklevel=2)
+            logger.warning("%s", message)
             return
         self._distributions[ep.name] = (dist_name, dist_version)
 

@@ -1,0 +1,33 @@
+"""Configuration: load (YAML, ``defaults:``, overrides, ``${...}``), validate, select backends.
+
+Names are imported lazily: ``nrl_core.contracts`` needs ``config.schema`` while
+``config.validate`` needs the contracts, and plugins import only the schema types.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "REQUIRED": "schema", "Field": "schema", "Section": "schema",
+    "apply_overrides": "loader", "deep_merge": "loader", "load_config": "loader", "resolve_interpolations": "loader",
+    "BackendChoice": "validate", "build_schema": "validate", "choose_backends": "validate",
+    "data_parallel_size": "validate", "select_training_backend": "validate", "validate_config": "validate",
+}
+
+__all__ = [*_EXPORTS, "load_and_validate"]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'nrl_core.config' has no attribute '{name}'")
+    return getattr(importlib.import_module(f"nrl_core.config.{_EXPORTS[name]}"), name)
+
+
+def load_and_validate(path: str, overrides: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
+    """``load_config`` then ``validate_config``: the config every command and algorithm uses."""
+    from nrl_core.config.loader import load_config
+    from nrl_core.config.validate import validate_config
+
+    return validate_config(load_config(path, overrides))

@@ -14,7 +14,7 @@ from __future__ import annotations
 import difflib
 import logging
 from dataclasses import dataclass, field, replace
-from typing import Any, Mapping, Union
+from typing import Any, Callable, Mapping, Union
 
 from nrl_core.errors import ConfigError
 
@@ -105,7 +105,9 @@ class Section:
 
     ``open`` sections accept any extra key unchecked (free-form ``kwargs``); ``nullable`` ones
     accept ``null`` in place of the mapping; ``aliases`` maps an accepted old or NeMo RL spelling
-    to ours (``{"dtensor_cfg": "dtensor_config"}``); ``required`` sections must be present.
+    to ours (``{"dtensor_cfg": "dtensor_config"}``); ``required`` sections must be present;
+    ``preprocess`` rewrites the raw mapping first (e.g. NeMo RL's nested
+    ``checkpoint: {async_save: ...}`` into the flat keys) and gets the section's key path.
     """
 
     fields: Mapping[str, Union[Field, "Section"]] = field(default_factory=dict)
@@ -114,6 +116,7 @@ class Section:
     nullable: bool = False
     open: bool = False
     aliases: Mapping[str, str] = field(default_factory=dict)
+    preprocess: Callable[[dict[str, Any], str], dict[str, Any]] | None = None
 
     def with_fields(self, **extra: Union[Field, "Section"]) -> "Section":
         """A copy with fields added or replaced: how plugin sections are attached to the core's."""
@@ -126,6 +129,8 @@ class Section:
             value = {}
         if not isinstance(value, Mapping):
             raise ConfigError(path or "<root>", f"must be a mapping of keys to values, got {_describe(value)}")
+        if self.preprocess is not None:
+            value = self.preprocess(dict(value), path)
         value = self._resolve_aliases(value, path)
         out: dict[str, Any] = {}
         for key, item in value.items():

@@ -1,0 +1,28 @@
+"""The core's own plugin: what nrl-core itself registers through the same hooks as any plugin."""
+
+from __future__ import annotations
+
+from nrl_core.contracts import AlgorithmSpec, RefitTransportSpec
+from nrl_core.hookspecs import hookimpl
+
+
+@hookimpl
+def nrl_algorithms() -> list[AlgorithmSpec]:
+    return []
+
+
+@hookimpl
+def nrl_refit_transports() -> list[RefitTransportSpec]:
+    """The core's transports, most specific first: the orchestrator takes the first one that
+    works for a placement, so a refit within one process never pays for shared memory."""
+    return [
+        RefitTransportSpec(name="in_process", transport="nrl_core.refit.transports:InProcessTransport",
+                           placements=("same_process",), distribution="nrl-core",
+                           description="hand tensors over by reference"),
+        RefitTransportSpec(name="shared_memory", transport="nrl_core.refit.transports:SharedMemoryTransport",
+                           placements=("same_process", "same_node"), distribution="nrl-core",
+                           description="one /dev/shm file per bucket, mapped by the receiver"),
+        RefitTransportSpec(name="broadcast", transport="nrl_core.refit.transports:BroadcastTransport",
+                           placements=("same_node", "cross_node"), distribution="nrl-core",
+                           description="torch.distributed (gloo) broadcast from training rank 0"),
+    ]

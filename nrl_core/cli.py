@@ -1,0 +1,125 @@
+"""The ``nrl`` command.
+
+``nrl plugins [--json]``, ``nrl config check|show CONFIG [overrides...]`` and
+``nrl train ALGORITHM --config CONFIG [overrides...]``. User errors (:class:`NrlError`) print one
+line, ``error: <key.path>: <what and how to fix>``, on stderr and exit 2; there is no traceback
+unless ``NRL_DEBUG=1``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from typing import Sequence
+
+import yaml
+
+from nrl_core.errors import NrlError
+
+EXIT_USAGE = 2
+
+
+def _cmd_plugins(args: argparse.Namespace) -> int:
+    from nrl_core.plugins import get_plugin_manager
+
+    pm = get_plugin_manager()
+    infos = pm.list_plugins()
+    if args.json:
+        print(json.dumps([{"name": i.name, "distribution": i.distribution, "version": i.version, "hooks": i.hooks}
+                          for i in infos], indent=2))
+        return 0
+    for info in infos:
+        print(f"{info.name:<24} {info.distribution or '-':<24} {info.version or '-':<10} {', '.join(info.hooks)}")
+    for name, message in pm.failed.items():
+        print(f"{name:<24} FAILED: {message}")
+    return 0
+
+
+def _cmd_config_check(args: argparse.Namespace) -> int:
+    from nrl_core.config import choose_backends, load_and_validate
+
+    config = load_and_validate(args.config, args.overrides)
+    choice = choose_backends(config)
+    print(f"ok: {args.config}")
+    print(f"training backend: {choice.training.name} ({choice.training.distribution})")
+    if choice.generation is not None:
+        print(f"generation backend: {choice.generation.name} ({choice.generation.distribution})")
+    else:
+        print("generation backend: none (policy.generation is null)")
+    return 0
+
+
+def _cmd_config_show(args: argparse.Namespace) -> int:
+    from nrl_core.config import load_and_validate
+
+    config = load_and_validate(args.config, args.overrides)
+    sys.stdout.write(yaml.safe_dump(config, sort_keys=False, default_flow_style=False))
+    return 0
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from nrl_core.config import load_and_validate
+    from nrl_core.contracts import import_object
+    from nrl_core.plugins import get_plugin_manager
+
+    spec = get_plugin_manager().algorithms().get(args.algorithm, "algorithm")
+    config = load_and_validate(args.config, args.overrides)
+    return int(import_object(spec.entry)(config) or 0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="nrl", description="Reinforcement-learning post-training for language models.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    plugins = sub.add_parser("plugins", help="list installed plugins and the hooks they implement")
+    plugins.add_argument("--json", action="store_true", help="JSON list of {name, distribution, version, hooks}")
+    plugins.set_defaults(func=_cmd_plugins)
+
+    config = sub.add_parser("config", help="check or show a config")
+    config_sub = config.add_subparsers(dest="config_command", required=True)
+    for name, func, text in (("check", _cmd_config_check, "validate and print the selected backends"),
+                             ("show", _cmd_config_show, "print the resolved config with every default")):
+        p = config_sub.add_parser(name, help=text)
+        p.add_argument("config", help="YAML config file")
+        p.add_argument("overrides", nargs="*", help="key.path=value, +key.path=value, ~key.path")
+        p.set_defaults(func=func)
+
+    train = sub.add_parser("train", help="run an algorithm")
+    train.add_argument("algorithm", help="algorithm name (grpo, sft, ...)")
+    train.add_argument("--config", required=True, help="YAML config file")
+    train.add_argument("overrides", nargs="*", help="key.path=value, +key.path=value, ~key.path")
+    train.set_defaults(func=_cmd_train)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    # Overrides may follow options (``train grpo --config c.yaml a.b=1``), which argparse's
+    # positional matching does not collect; take them from the leftovers.
+    args, extra = parser.parse_known_args(argv)
+    unknown_options = [e for e in extra if e.startswith("-") and not e.startswith("~")]
+    if unknown_options or (extra and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        return args.func(args)
+    except NrlError as exc:
+        if os.environ.get("NRL_DEBUG"):
+            raise
+        message = " ".join(str(exc).split())
+        print(f"error: {message}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,194 @@
+"""Validating a loaded config against the core's schema plus what installed plugins contribute,
+and choosing the training and generation backends.
+
+The result of :func:`validate_config` is a plain ``dict``: every key present, defaults filled,
+NeMo RL aliases rewritten to nrl's spelling, short forms expanded. Algorithms and workers read it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+from typing import Any, Mapping
+
+from nrl_core.config.core_schema import CORE_SCHEMA
+from nrl_core.config.schema import Section
+from nrl_core.contracts import GenerationBackendSpec, TrainingBackendSpec
+from nrl_core.errors import ConfigError
+from nrl_core.plugins import PluginManager, get_plugin_manager
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _KnownSection:
+    """A first-party plugin section that may appear in a config whose plugin is not installed."""
+
+    backend: str
+    distribution: str
+    aliases: Mapping[str, str]
+
+
+KNOWN_TRAINING_SECTIONS: dict[str, _KnownSection] = {
+    "megatron_cfg": _KnownSection("megatron", "nrl-backend-megatron", {}),
+    "dtensor_config": _KnownSection("dtensor", "nrl-backend-dtensor", {"dtensor_cfg": "dtensor_config"}),
+}
+KNOWN_GENERATION_SECTIONS: dict[str, _KnownSection] = {
+    "vllm_cfg": _KnownSection("vllm", "nrl-gen-vllm", {}),
+}
+
+_UNINSTALLED = Section(open=True, nullable=True, doc="section of a plugin that is not installed")
+
+
+@dataclass(frozen=True)
+class BackendChoice:
+    training: TrainingBackendSpec
+    generation: GenerationBackendSpec | None
+    overridden: tuple[str, ...] = ()
+
+
+def build_schema(pm: PluginManager | None = None) -> Section:
+    """The core schema with every installed plugin's section attached where it belongs."""
+    pm = pm or get_plugin_manager()
+    schema = CORE_SCHEMA
+    installed_keys: set[str] = set()
+    for spec in pm.training_backends():
+        schema = schema.attach("policy", spec.config_key, spec.config_schema, aliases=spec.config_aliases)
+        installed_keys.add(spec.config_key)
+    for key, known in KNOWN_TRAINING_SECTIONS.items():
+        if key not in installed_keys:
+            schema = schema.attach("policy", key, _UNINSTALLED, aliases=known.aliases)
+    installed_keys.clear()
+    for gspec in pm.generation_backends():
+        schema = schema.attach("policy.generation", gspec.config_key, replace(gspec.config_schema, nullable=True))
+        installed_keys.add(gspec.config_key)
+    for key, known in KNOWN_GENERATION_SECTIONS.items():
+        if key not in installed_keys:
+            schema = schema.attach("policy.generation", key, _UNINSTALLED, aliases=known.aliases)
+    for espec in pm.environments():
+        schema = schema.attach("env", espec.name, espec.config_schema)
+    return schema
+
+
+def validate_config(raw: Mapping[str, Any], pm: PluginManager | None = None) -> dict[str, Any]:
+    """Check ``raw`` (from :func:`nrl_core.config.loader.load_config`) and return the full config."""
+    pm = pm or get_plugin_manager()
+    _check_environments(raw, pm)
+    config = build_schema(pm).validate(dict(raw))
+    assert config is not None
+    _check_uninstalled_sections(config, pm)
+    _expand_short_forms(config, pm)
+    _check_consistency(config)
+    return config
+
+
+def _check_environments(raw: Mapping[str, Any], pm: PluginManager) -> None:
+    envs = raw.get("env")
+    if not isinstance(envs, Mapping):
+        return
+    registry = pm.environments()
+    for name in envs:
+        if name not in registry:
+            raise ConfigError(f"env.{name}", registry.missing_message(str(name)))
+
+
+def _check_uninstalled_sections(config: dict[str, Any], pm: PluginManager) -> None:
+    policy = config["policy"]
+    installed = {spec.config_key for spec in pm.training_backends()}
+    for key, known in KNOWN_TRAINING_SECTIONS.items():
+        section = policy.get(key)
+        if isinstance(section, Mapping) and section.get("enabled") is True and key not in installed:
+            raise ConfigError(f"policy.{key}.enabled",
+                              f"is true but the {known.backend} backend is not installed; pip install {known.distribution}")
+
+
+def _expand_short_forms(config: dict[str, Any], pm: PluginManager) -> None:
+    """Map the documented minimal shape onto the full keys (see docs/configuration.md)."""
+    policy = config["policy"]
+    if policy.get("max_seq_length") is not None:
+        policy["max_total_sequence_length"] = policy["max_seq_length"]
+    if policy.get("refit_buffer_size_gb") is not None:
+        policy["refit"]["bucket_size_mb"] = float(policy["refit_buffer_size_gb"]) * 1024
+    generation = policy["generation"]
+    if generation is not None:
+        for gspec in pm.generation_backends():
+            if gspec.name == generation["backend"] and generation.get(gspec.config_key) is None:
+                generation[gspec.config_key] = gspec.config_schema.validate({}, f"policy.generation.{gspec.config_key}")
+    if policy["tokenizer"]["name"] is None:
+        policy["tokenizer"]["name"] = policy["model_name"]
+    algorithm = config["algorithm"]
+    if algorithm["batch_size"] is not None or algorithm["gradient_accumulation_steps"] is not None:
+        micro = algorithm["batch_size"] or 1
+        accumulation = algorithm["gradient_accumulation_steps"] or 1
+        dp = data_parallel_size(config, pm)
+        policy["train_micro_batch_size"] = micro
+        policy["logprob_batch_size"] = micro
+        policy["train_global_batch_size"] = micro * accumulation * dp
+
+
+def data_parallel_size(config: Mapping[str, Any], pm: PluginManager | None = None) -> int:
+    """Training ranks divided by the ranks one model replica spans under the selected backend."""
+    world = config["cluster"]["gpus_per_node"] * config["cluster"]["num_nodes"]
+    try:
+        spec = select_training_backend(config, pm)
+    except ConfigError:
+        return world
+    model_parallel = spec.model_parallel_size(config["policy"][spec.config_key])
+    if world % model_parallel:
+        raise ConfigError(f"policy.{spec.config_key}",
+                          f"model-parallel size {model_parallel} does not divide the {world} workers of cluster.gpus_per_node x cluster.num_nodes")
+    return world // model_parallel
+
+
+def _check_consistency(config: dict[str, Any]) -> None:
+    policy = config["policy"]
+    for key in ("train_global_batch_size", "train_micro_batch_size", "logprob_batch_size", "max_total_sequence_length"):
+        if policy[key] <= 0:
+            raise ConfigError(f"policy.{key}", f"must be positive, got {policy[key]}")
+    if policy["train_global_batch_size"] % policy["train_micro_batch_size"]:
+        raise ConfigError("policy.train_global_batch_size",
+                          f"{policy['train_global_batch_size']} is not a multiple of policy.train_micro_batch_size "
+                          f"({policy['train_micro_batch_size']}); change one of them")
+    for key in ("gpus_per_node", "num_nodes"):
+        if config["cluster"][key] <= 0:
+            raise ConfigError(f"cluster.{key}", f"must be positive, got {config['cluster'][key]}")
+    loss = config["loss_fn"]
+    if loss["ratio_clip_c"] is not None and loss["ratio_clip_c"] <= 1:
+        raise ConfigError("loss_fn.ratio_clip_c", f"must be greater than 1 (dual clip) or null, got {loss['ratio_clip_c']}")
+    generation = policy["generation"]
+    if generation is not None:
+        if not 0 < generation["top_p"] <= 1:
+            raise ConfigError("policy.generation.top_p", f"must be in (0, 1], got {generation['top_p']}")
+        if generation["temperature"] < 0:
+            raise ConfigError("policy.generation.temperature", f"must be >= 0, got {generation['temperature']}")
+
+
+# --------------------------------------------------------------------------- selection
+
+
+def select_training_backend(config: Mapping[str, Any], pm: PluginManager | None = None) -> TrainingBackendSpec:
+    """The enabled training backend of highest priority; a warning names what it overrode."""
+    return choose_backends(config, pm, generation=False).training
+
+
+def choose_backends(config: Mapping[str, Any], pm: PluginManager | None = None, *, generation: bool = True) -> BackendChoice:
+    pm = pm or get_plugin_manager()
+    registry = pm.training_backends()
+    policy = config["policy"]
+    candidates = [spec for spec in registry
+                  if isinstance(policy.get(spec.config_key), Mapping) and policy[spec.config_key].get("enabled") is True]
+    if not candidates:
+        if not len(registry):
+            raise ConfigError("policy", "no training backend is installed; pip install nrl-backend-dtensor or nrl-backend-megatron")
+        keys = " or ".join(f"policy.{spec.config_key}.enabled=true" for spec in sorted(registry, key=lambda s: s.name))
+        raise ConfigError("policy", f"no training backend is enabled; set {keys}")
+    candidates.sort(key=lambda spec: spec.priority, reverse=True)
+    chosen, overridden = candidates[0], tuple(spec.name for spec in candidates[1:])
+    if overridden:
+        logger.warning("policy.%s and %s are all enabled; using '%s' (highest priority), not %s",
+                       chosen.config_key, ", ".join(f"policy.{s.config_key}" for s in candidates[1:]),
+                       chosen.name, ", ".join(f"'{n}'" for n in overridden))
+    gen_spec = None
+    if generation and policy.get("generation") is not None:
+        gen_spec = pm.generation_backends().get(policy["generation"]["backend"], "policy.generation.backend")
+    return BackendChoice(training=chosen, generation=gen_spec, overridden=overridden)
