@@ -1,0 +1,174 @@
+"""Step checkpoints on disk: atomic, resumable, pruned by a metric.
+
+Layout under ``checkpointing.checkpoint_dir``::
+
+    step_3/                 complete checkpoints only
+      training_info.json    step, metrics, dataloader position, config, plugin versions
+      policy/               whatever the training backend wrote (through nrl_checkpoint_save)
+    .tmp_step_4/            a save in progress (or one a killed run left behind)
+
+A checkpoint is written into ``.tmp_step_N`` and renamed to ``step_N`` only once every file is
+complete, asynchronous backend saves included: with ``wait`` the rename is deferred until the
+next save or :meth:`close`, after the backend's writes finished. A directory without
+``training_info.json`` is never a checkpoint, so a crash at any point leaves the previous ones
+intact and resume picks the latest complete one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from nrl_core.errors import NrlError
+
+logger = logging.getLogger(__name__)
+
+INFO_FILE = "training_info.json"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+@dataclass
+class _Pending:
+    step: int
+    tmp: Path
+    info: dict[str, Any]
+    wait: Callable[[], None]
+
+
+class CheckpointManager:
+    """Owns ``checkpoint_dir``: where saves go, which to keep, which to resume from."""
+
+    def __init__(self, section: Mapping[str, Any]) -> None:
+        self.enabled = bool(section["enabled"])
+        self.root = Path(section["checkpoint_dir"]).expanduser()
+        self.save_period = int(section["save_period"])
+        self.keep_top_k = section.get("keep_top_k")
+        self.metric_name = section.get("metric_name")
+        self.higher_is_better = bool(section.get("higher_is_better", True))
+        self._pending: _Pending | None = None
+        if self.enabled:
+            self._check_writable()
+            self._remove_incomplete()
+
+    def _check_writable(self) -> None:
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=self.root, prefix=".write_test_"):
+                pass
+        except OSError as exc:
+            raise NrlError(f"checkpointing.checkpoint_dir: '{self.root}' is not writable ({exc.strerror}); "
+                           f"choose a directory you can write to") from None
+
+    def _remove_incomplete(self) -> None:
+        for path in self.root.glob(".tmp_step_*"):
+            logger.warning("removing incomplete checkpoint %s left by an interrupted run", path)
+            shutil.rmtree(path, ignore_errors=True)
+
+    # ------------------------------------------------------------------ saving
+
+    def should_save(self, step: int, *, last_step: bool = False) -> bool:
+        return self.enabled and (last_step or (self.save_period > 0 and step % self.save_period == 0))
+
+    def prepare(self, step: int) -> Path:
+        """A fresh temporary directory for step ``step`` (publishing any deferred save first)."""
+        self.finish_pending()
+        tmp = self.root / f".tmp_step_{step}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        return tmp
+
+    def commit(self, step: int, tmp: Path, info: Mapping[str, Any], *, wait: Callable[[], None] | None = None) -> None:
+        """Publish ``tmp`` as ``step_<step>`` now, or, with ``wait``, once ``wait()`` has returned
+        (at the next :meth:`prepare` or at :meth:`close`)."""
+        pending = _Pending(step, tmp, {"step": step, **info}, wait or (lambda: None))
+        if wait is None:
+            self._publish(pending)
+        else:
+            self._pending = pending
+
+    def finish_pending(self) -> None:
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            self._publish(pending)
+
+    def close(self) -> None:
+        self.finish_pending()
+
+    def _publish(self, pending: _Pending) -> None:
+        pending.wait()
+        info_path = pending.tmp / INFO_FILE
+        with open(info_path, "w") as handle:
+            json.dump(pending.info, handle, indent=2, default=str)
+            handle.flush()
+            os.fsync(handle.fileno())
+        final = self.root / f"step_{pending.step}"
+        if final.exists():
+            retired = self.root / f".old_step_{pending.step}"
+            shutil.rmtree(retired, ignore_errors=True)
+            final.rename(retired)
+            pending.tmp.rename(final)
+            shutil.rmtree(retired, ignore_errors=True)
+        else:
+            pending.tmp.rename(final)
+        logger.info("saved checkpoint %s", final)
+        self._prune()
+
+    # ------------------------------------------------------------------ reading
+
+    def checkpoints(self) -> list[Path]:
+        """Complete checkpoints, oldest step first."""
+        if not self.root.is_dir():
+            return []
+        found = []
+        for path in self.root.iterdir():
+            match = _STEP_DIR.match(path.name)
+            if match and (path / INFO_FILE).is_file():
+                found.append((int(match.group(1)), path))
+        return [path for _, path in sorted(found)]
+
+    def latest(self) -> Path | None:
+        complete = self.checkpoints()
+        return complete[-1] if complete else None
+
+    @staticmethod
+    def load_info(path: Path) -> dict[str, Any]:
+        try:
+            return json.loads((path / INFO_FILE).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise NrlError(f"checkpoint {path} has an unreadable {INFO_FILE} ({exc}); delete that directory to resume "
+                           f"from the one before") from None
+
+    def best(self) -> Path | None:
+        ranked = self._ranked()
+        return ranked[0] if ranked else self.latest()
+
+    def _ranked(self) -> list[Path]:
+        """Checkpoints that carry the metric, best first (ties: the later step first)."""
+        scored = []
+        for path in self.checkpoints():
+            value = self.load_info(path).get("metrics", {}).get(self.metric_name) if self.metric_name else None
+            if isinstance(value, (int, float)):
+                scored.append((value, self.load_info(path)["step"], path))
+        scored.sort(key=lambda t: (t[0] if self.higher_is_better else -t[0], t[1]), reverse=True)
+        return [path for _, _, path in scored]
+
+    def _prune(self) -> None:
+        if not self.keep_top_k:
+            return
+        keep = set(self._ranked()[: self.keep_top_k])
+        complete = self.checkpoints()
+        if complete:
+            keep.add(complete[-1])
+        if len(keep) < self.keep_top_k:  # too few carry the metric: keep the newest instead
+            keep.update(complete[-self.keep_top_k:])
+        for path in complete:
+            if path not in keep:
+                logger.info("removing checkpoint %s (keep_top_k=%d by %s)", path, self.keep_top_k, self.metric_name)
+                shutil.rmtree(path, ignore_errors=True)
