@@ -11,10 +11,12 @@ Validation returns a new plain ``dict`` with defaults filled in; the input is ne
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import difflib
 import logging
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Mapping, Union
+from typing import Any, Callable, Iterator, Mapping, Union
 
 from nrl_core.errors import ConfigError
 
@@ -77,8 +79,28 @@ class Field:
             options = ", ".join(repr(c) for c in self.choices)
             raise ConfigError(path, f"must be one of {options}, got {value!r}")
         if self.inert and value != self.default:
-            logger.warning("%s is accepted for NeMo RL compatibility but has no effect in nrl", path)
+            collector = _inert_keys.get()
+            if collector is None:
+                logger.warning("%s is accepted for NeMo RL compatibility but has no effect in nrl", path)
+            else:
+                collector.append(path)
         return value
+
+
+_inert_keys: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("nrl_inert_keys", default=None)
+
+
+@contextlib.contextmanager
+def warn_inert_keys_once() -> Iterator[None]:
+    """Gather the inert keys a validation meets into one warning instead of one per key."""
+    token = _inert_keys.set([])
+    try:
+        yield
+        keys = _inert_keys.get() or []
+        if keys:
+            logger.warning("accepted for NeMo RL compatibility, no effect in nrl: %s", ", ".join(keys))
+    finally:
+        _inert_keys.reset(token)
 
 
 def _matches(value: Any, types: tuple[type, ...]) -> bool:

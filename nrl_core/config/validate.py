@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
 from nrl_core.config.core_schema import CORE_SCHEMA
-from nrl_core.config.schema import Section
+from nrl_core.config.schema import Section, warn_inert_keys_once
 from nrl_core.contracts import GenerationBackendSpec, TrainingBackendSpec
 from nrl_core.errors import ConfigError
 from nrl_core.plugins import PluginManager, get_plugin_manager
@@ -74,7 +74,8 @@ def validate_config(raw: Mapping[str, Any], pm: PluginManager | None = None) -> 
     """Check ``raw`` (from :func:`nrl_core.config.loader.load_config`) and return the full config."""
     pm = pm or get_plugin_manager()
     _check_environments(raw, pm)
-    config = build_schema(pm).validate(dict(raw))
+    with warn_inert_keys_once():
+        config = build_schema(pm).validate(dict(raw))
     assert config is not None
     _check_uninstalled_sections(config, pm)
     _expand_short_forms(config, pm)
