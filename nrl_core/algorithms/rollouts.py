@@ -1,0 +1,63 @@
+"""Turning prompts and generations into the padded ``TokenBatch`` the training backends consume."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from nrl_core.contracts import GenerationOutput, TokenBatch
+
+
+def repeat_prompts(prompts: Sequence[Sequence[int]], times: int) -> list[list[int]]:
+    """Each prompt ``times`` times in a row: the group layout advantages expect."""
+    return [list(p) for p in prompts for _ in range(times)]
+
+
+def rollout_batch(prompts: Sequence[Sequence[int]], generation: GenerationOutput, *, pad_token_id: int,
+                  max_total_length: int | None = None) -> TokenBatch:
+    """Concatenate each prompt with its response into one right-padded row.
+
+    Fields: ``token_mask`` (1 on response tokens, the ones a loss counts), ``generation_logprobs``
+    (the engine's logprob of each response token, aligned with ``input_ids``), and per sequence
+    ``truncated`` (1 when the response hit the length limit: the overlong filter's input) and
+    ``response_lengths``. Sequences longer than ``max_total_length`` are cut from the end.
+    """
+    rows = []
+    for prompt, response, logprobs in zip(prompts, generation.token_ids, generation.logprobs):
+        if len(response) != len(logprobs):
+            raise ValueError(f"generation returned {len(response)} tokens but {len(logprobs)} logprobs")
+        tokens = list(prompt) + list(response)
+        mask = [0.0] * len(prompt) + [1.0] * len(response)
+        lps = [0.0] * len(prompt) + list(logprobs)
+        if max_total_length is not None:
+            tokens, mask, lps = tokens[:max_total_length], mask[:max_total_length], lps[:max_total_length]
+        rows.append((tokens, mask, lps))
+    width = max(len(r[0]) for r in rows)
+    n = len(rows)
+    input_ids = torch.full((n, width), pad_token_id, dtype=torch.long)
+    token_mask = torch.zeros(n, width)
+    gen_logprobs = torch.zeros(n, width)
+    lengths = torch.zeros(n, dtype=torch.long)
+    for i, (tokens, mask, lps) in enumerate(rows):
+        input_ids[i, : len(tokens)] = torch.tensor(tokens)
+        token_mask[i, : len(mask)] = torch.tensor(mask)
+        gen_logprobs[i, : len(lps)] = torch.tensor(lps)
+        lengths[i] = len(tokens)
+    truncated = torch.tensor([1.0 if reason == "length" else 0.0 for reason in generation.finish_reasons])
+    return TokenBatch(input_ids=input_ids, input_lengths=lengths, fields={
+        "token_mask": token_mask,
+        "generation_logprobs": gen_logprobs,
+        "truncated": truncated,
+        "response_lengths": token_mask.sum(1),
+    })
+
+
+def sft_batch(examples: Sequence[tuple[Sequence[int], Sequence[int]]], *, pad_token_id: int,
+              max_total_length: int | None = None) -> TokenBatch:
+    """Prompt–response pairs as one padded batch with a response-only ``token_mask``."""
+    output = GenerationOutput(token_ids=[list(r) for _, r in examples], logprobs=[[0.0] * len(r) for _, r in examples],
+                              finish_reasons=["stop"] * len(examples), weight_version=0)
+    batch = rollout_batch([p for p, _ in examples], output, pad_token_id=pad_token_id, max_total_length=max_total_length)
+    del batch.fields["generation_logprobs"], batch.fields["truncated"]
+    return batch

@@ -1,0 +1,52 @@
+"""Rollout batches: prompt + response rows, response-only masks, aligned engine logprobs."""
+
+from __future__ import annotations
+
+import torch
+
+from nrl_core.algorithms.rollouts import repeat_prompts, rollout_batch, sft_batch
+from nrl_core.contracts import GenerationOutput
+
+
+def test_repeat_keeps_groups_together():
+    assert repeat_prompts([[1], [2, 3]], 2) == [[1], [1], [2, 3], [2, 3]]
+
+
+def test_rollout_batch_layout():
+    out = GenerationOutput(token_ids=[[7, 8], [9]], logprobs=[[-0.5, -0.25], [-1.0]],
+                           finish_reasons=["stop", "length"], weight_version=3)
+    batch = rollout_batch([[1, 2], [3, 4, 5]], out, pad_token_id=0)
+    assert batch.input_ids.tolist() == [[1, 2, 7, 8], [3, 4, 5, 9]]
+    assert batch.input_lengths.tolist() == [4, 4]
+    assert batch.fields["token_mask"].tolist() == [[0, 0, 1, 1], [0, 0, 0, 1]]
+    assert batch.fields["generation_logprobs"].tolist() == [[0, 0, -0.5, -0.25], [0, 0, 0, -1.0]]
+    assert batch.fields["truncated"].tolist() == [0.0, 1.0]
+    assert batch.fields["response_lengths"].tolist() == [2.0, 1.0]
+
+
+def test_rollout_batch_pads_and_truncates():
+    out = GenerationOutput(token_ids=[[7, 8, 9], [6]], logprobs=[[-1.0] * 3, [-2.0]],
+                           finish_reasons=["length", "stop"], weight_version=0)
+    batch = rollout_batch([[1], [2]], out, pad_token_id=0, max_total_length=3)
+    assert batch.input_ids.tolist() == [[1, 7, 8], [2, 6, 0]]
+    assert batch.input_lengths.tolist() == [3, 2]
+    assert batch.fields["token_mask"].tolist() == [[0, 1, 1], [0, 1, 0]]
+
+
+def test_sft_batch_masks_only_the_response():
+    batch = sft_batch([([1, 2, 3], [4, 5]), ([6], [7])], pad_token_id=0)
+    assert batch.input_ids.tolist() == [[1, 2, 3, 4, 5], [6, 7, 0, 0, 0]]
+    assert batch.fields["token_mask"].tolist() == [[0, 0, 0, 1, 1], [0, 1, 0, 0, 0]]
+    assert set(batch.fields) == {"token_mask", "response_lengths"}
+
+
+def test_select_and_shard_keep_fields_aligned():
+    out = GenerationOutput(token_ids=[[7], [8, 9], [5], [4, 3, 2]], logprobs=[[-1.0], [-1.0] * 2, [-1.0], [-1.0] * 3],
+                           finish_reasons=["stop"] * 4, weight_version=0)
+    batch = rollout_batch([[1]] * 4, out, pad_token_id=0)
+    shard = batch.shard(1, 2)  # rows 1 and 3
+    assert shard.input_ids.tolist() == [[1, 8, 9, 0], [1, 4, 3, 2]]
+    assert shard.fields["token_mask"].shape == shard.input_ids.shape
+    assert torch.equal(shard.fields["truncated"], torch.zeros(2))
+    narrow = batch.select([0, 2])
+    assert narrow.input_ids.tolist() == [[1, 7], [1, 5]]  # trimmed to the longest selected row
