@@ -185,11 +185,17 @@ CHECKPOINTING = Section(fields={
     "export_hf": Field(type=bool, default=True, doc="export the best checkpoint as a Hugging Face model"),
 })
 
-CLUSTER = Section(fields={
+CLUSTER = Section(doc="Where workers run. On a CPU machine gpus_per_node counts training workers per node.", fields={
     "gpus_per_node": Field(type=int, default=1),
     "num_nodes": Field(type=int, default=1),
     "ray_address": Field(type=str, default=None, nullable=True, doc="join this Ray cluster; null starts a local one"),
-    "cpus_per_worker": Field(type=NUMBER, default=None, nullable=True),
+    "num_cpus": Field(type=int, default=None, nullable=True, doc="CPUs a local Ray may use; null: all"),
+    "num_gpus": Field(type=int, default=None, nullable=True, doc="GPUs a local Ray may use; null: all"),
+    "cpus_per_worker": Field(type=NUMBER, default=0.1, doc="CPU reservation per worker (small: CPUs are shared)"),
+    "placement_strategy": Field(type=str, default="PACK", choices=("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")),
+    "env_vars": Section(nullable=True, open=True, doc="extra environment variables for every worker"),
+    "log_to_driver": Field(type=bool, default=True),
+    "namespace": Field(type=str, default=None, nullable=True),
 })
 
 ENV = Section(doc="Reward environments by name; plugins add their sections.")

@@ -1,0 +1,34 @@
+"""Ray orchestration: start or join a cluster, place worker groups, run them, report failures.
+
+``init_ray`` connects (local by default, an existing cluster through ``cluster.ray_address`` or
+``RAY_ADDRESS``); ``make_placement`` reserves resources, shared by colocated groups; a
+``WorkerGroup`` is N Ray actors forming one ``torch.distributed`` group around a backend's worker
+class, whose failures arrive as ``WorkerError``s that name the rank.
+"""
+
+from nrl_core.cluster.placement import Placement, make_placement
+from nrl_core.cluster.ray_cluster import init_ray, shutdown_ray, worker_env_vars
+from nrl_core.cluster.worker_group import (
+    WorkerDiedError,
+    WorkerFutures,
+    WorkerGroup,
+    WorkerInfo,
+    WorkerRaisedError,
+    WorkerTimeoutError,
+)
+from nrl_core.errors import WorkerError
+
+__all__ = [
+    "Placement",
+    "WorkerDiedError",
+    "WorkerError",
+    "WorkerFutures",
+    "WorkerGroup",
+    "WorkerInfo",
+    "WorkerRaisedError",
+    "WorkerTimeoutError",
+    "init_ray",
+    "make_placement",
+    "shutdown_ray",
+    "worker_env_vars",
+]

@@ -1,0 +1,124 @@
+"""The one Ray actor class behind every worker group.
+
+A host is a plain process wrapper: it reports who and where it is (so the driver can name it and
+find its log files if it dies), joins ``torch.distributed``, and only then builds the real worker
+class from its import path. Keeping backends as plain classes (``Cls(**kwargs, rank=, world_size=)``)
+means they also run under ``torchrun`` without Ray, and Ray never has to import them on the driver.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from datetime import timedelta
+from typing import Any, Callable
+
+__all__ = ["WorkerHost"]
+
+
+def _fd_target(fd: int) -> str | None:
+    """The file a descriptor writes to (Ray points a worker's stdout/stderr at its log files)."""
+    try:
+        target = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return None
+    return target if target.startswith("/") else None
+
+
+class WorkerHost:
+    """Hosts one rank of a worker group inside a Ray actor process."""
+
+    def __init__(self, group_name: str, rank: int, world_size: int) -> None:
+        # Line buffering, so the last thing a worker prints before it dies is in its log file.
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+            except (AttributeError, ValueError):
+                pass
+        self.group_name = group_name
+        self.rank = rank
+        self.world_size = world_size
+        self.worker: Any = None
+
+    def describe(self) -> dict[str, Any]:
+        """Identity and log locations, captured at start while the process is surely alive."""
+        import ray
+
+        ctx = ray.get_runtime_context()
+        try:
+            import torch
+
+            cuda = bool(torch.cuda.is_available())
+        except Exception:  # torch missing or broken CUDA: a CPU worker
+            cuda = False
+        return {
+            "pid": os.getpid(),
+            "node_ip": ray.util.get_node_ip_address(),
+            "node_id": ctx.get_node_id(),
+            "worker_id": ctx.get_worker_id(),
+            "stdout": _fd_target(1),
+            "stderr": _fd_target(2),
+            "cuda": cuda,
+            "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+        }
+
+    def free_port(self) -> int:
+        """A TCP port free on this node right now, for the rendezvous store rank 0 will host."""
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("", 0))
+            return int(s.getsockname()[1])
+
+    def setup_distributed(self, backend: str, env: dict[str, str], timeout_s: float) -> None:
+        """Set the torchrun-style variables and, unless ``backend`` is ``none``, join the group."""
+        os.environ.update(env)
+        if backend == "none":
+            return
+        import torch
+        import torch.distributed as dist
+
+        if backend == "nccl":
+            # Ray usually exposes exactly this actor's GPU(s); index by local rank only otherwise.
+            visible = torch.cuda.device_count()
+            torch.cuda.set_device(0 if visible == 1 else int(env["LOCAL_RANK"]) % max(visible, 1))
+        dist.init_process_group(
+            backend=backend,
+            init_method="env://",
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+
+    def construct(self, worker_cls: str, init_kwargs: dict[str, Any]) -> None:
+        """Import the worker class and build it for this rank."""
+        from nrl_core.contracts import import_object
+
+        cls = import_object(worker_cls)
+        self.worker = cls(**init_kwargs, rank=self.rank, world_size=self.world_size)
+
+    def call(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Run ``worker.<method>(*args, **kwargs)``."""
+        return getattr(self.worker, method)(*args, **kwargs)
+
+    def call_packed(self, method: str, packed: tuple[tuple[Any, ...], dict[str, Any]]) -> Any:
+        """:meth:`call` with arguments stored once in the object store for all ranks."""
+        args, kwargs = packed
+        return getattr(self.worker, method)(*args, **kwargs)
+
+    def execute(self, fn: Callable[[Any], Any]) -> Any:
+        """Run ``fn(worker)`` here (tests and one-off inspection)."""
+        return fn(self.worker)
+
+    def teardown(self) -> None:
+        """Let the worker release what it holds, then leave the process group."""
+        shutdown = getattr(self.worker, "shutdown", None)
+        if callable(shutdown):
+            shutdown()
+        self.worker = None
+        try:
+            import torch.distributed as dist
+
+            if dist.is_available() and dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:  # the process is killed right after; a failed goodbye changes nothing
+            pass

@@ -1,0 +1,167 @@
+"""Starting or joining the Ray cluster every nrl worker lives in.
+
+One entry point, :func:`init_ray`, so that a laptop run, a CI job and a multi-node job differ only
+in configuration: by default a private local Ray bound to the loopback address (nothing listens on
+the network, no dashboard); with ``cluster.ray_address`` or ``RAY_ADDRESS`` an existing cluster
+(``ray start --head`` on the first node, ``ray start --address`` on the others) is joined instead.
+
+Workers are separate processes that do not inherit the driver's ``sys.path`` or shell, so the
+environment variables they need (``PYTHONPATH``, engine knobs such as ``VLLM_*``, thread counts)
+are forwarded explicitly through the job's ``runtime_env``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from typing import Any, Iterator, Mapping
+
+import ray
+
+from nrl_core.errors import NrlError
+
+__all__ = ["init_ray", "shutdown_ray", "worker_env_vars", "FORWARDED_ENV_PREFIXES", "FORWARDED_ENV_NAMES"]
+
+log = logging.getLogger(__name__)
+
+#: Driver environment variables whose name starts with one of these reach every worker.
+FORWARDED_ENV_PREFIXES: tuple[str, ...] = (
+    "NRL_",
+    "VLLM_",
+    "HF_",
+    "TRANSFORMERS_",
+    "TORCH_",
+    "NCCL_",
+    "GLOO_",
+    "TORCHINDUCTOR_",
+)
+#: ... and so do these exact names.
+FORWARDED_ENV_NAMES: tuple[str, ...] = (
+    "PYTHONPATH",
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "TOKENIZERS_PARALLELISM",
+    "PYTORCH_CUDA_ALLOC_CONF",
+    "CUDA_LAUNCH_BLOCKING",
+)
+# Ray assigns devices per actor through this one; forwarding the driver's would defeat that.
+_NEVER_FORWARD = frozenset({"CUDA_VISIBLE_DEVICES"})
+
+
+def worker_env_vars(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment variables workers get: the forwarded subset of ``os.environ`` plus ``extra``.
+
+    ``PYTHONPATH`` also gains the driver's working directory, so modules importable from where the
+    job was launched (``python -m my_experiment``) are importable in the workers too.
+    """
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in _NEVER_FORWARD and (k in FORWARDED_ENV_NAMES or k.startswith(FORWARDED_ENV_PREFIXES))
+    }
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    cwd = os.getcwd()
+    if cwd not in paths:
+        paths.append(cwd)
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    env.update({str(k): str(v) for k, v in (extra or {}).items()})
+    return env
+
+
+def _ray_address(cluster_cfg: Mapping[str, Any]) -> str | None:
+    for value in (cluster_cfg.get("ray_address"), os.environ.get("RAY_ADDRESS")):
+        if value is not None and str(value).strip():
+            return str(value).strip()
+    return None
+
+
+def _use_token_auth_if_available() -> None:
+    """Present the cluster token when there is one and the user did not choose a mode.
+
+    ``ray start --head`` enables token authentication by default and keeps the token in
+    ``~/.ray/auth_token``; Ray 2.60's ``ray.init(address=...)`` does not look for it unless
+    ``RAY_AUTH_MODE=token`` is set, and the connection is refused. Ray's own helper for the
+    clusters it starts sets that variable and refreshes its native config, which reads the
+    environment only when refreshed; without the helper (another Ray version) nothing is changed.
+    """
+    try:
+        from ray._private.authentication.authentication_token_setup import (
+            maybe_enable_token_auth_if_token_available,
+        )
+    except ImportError:
+        return
+    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+
+
+@contextlib.contextmanager
+def _loopback_only() -> Iterator[None]:
+    """Make Ray keep ``127.0.0.1`` as the node address instead of swapping in the routable one.
+
+    On Linux Ray resolves a loopback ``_node_ip_address`` to the machine's network address (so
+    other nodes could join); its single-machine mode, which Ray itself uses on macOS and Windows
+    and exposes as ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, keeps the loopback address. The flag is
+    read from a module constant at call time, so it is switched only around the start.
+    """
+    from ray._private import ray_constants
+
+    saved = getattr(ray_constants, "ENABLE_RAY_CLUSTER", None)
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved
+
+
+def init_ray(cluster_cfg: Mapping[str, Any] | None = None) -> None:
+    """Connect this process to Ray; a no-op when it already is.
+
+    ``cluster_cfg`` is the ``cluster`` config section. Keys read here (all optional):
+    ``ray_address`` (join that cluster; ``RAY_ADDRESS`` works too), ``num_cpus`` / ``num_gpus``
+    (what a *local* Ray advertises; default: what the machine has), ``env_vars`` (extra variables
+    for every worker), ``log_to_driver`` (stream worker output to this terminal, default true) and
+    ``logging_level`` (Ray's own driver-side logging, default ``warning``).
+
+    Ray only schedules by these numbers; workers ask for fractions of a CPU (see
+    :mod:`nrl_core.cluster.placement`), so a 2-core machine can host more workers than cores.
+    """
+    if ray.is_initialized():
+        return
+    cfg: Mapping[str, Any] = cluster_cfg or {}
+    env_vars = worker_env_vars(cfg.get("env_vars"))
+    common: dict[str, Any] = {
+        "runtime_env": {"env_vars": env_vars},
+        "log_to_driver": bool(cfg.get("log_to_driver", True)),
+        "logging_level": cfg.get("logging_level", "warning"),
+        "namespace": cfg.get("namespace"),
+    }
+    address = _ray_address(cfg)
+    try:
+        if address is not None:
+            log.info("joining the Ray cluster at %s", address)
+            _use_token_auth_if_available()
+            ray.init(address=address, **common)
+            return
+        num_cpus = int(cfg.get("num_cpus") or os.cpu_count() or 1)
+        num_gpus = cfg.get("num_gpus")
+        with _loopback_only():
+            ray.init(
+                address="local",  # never attach to someone else's `ray start` by accident
+                _node_ip_address="127.0.0.1",
+                include_dashboard=False,
+                num_cpus=num_cpus,
+                num_gpus=None if num_gpus is None else int(num_gpus),
+                **common,
+            )
+    except ConnectionError as exc:
+        where = "cluster.ray_address" if cfg.get("ray_address") else "RAY_ADDRESS"
+        raise NrlError(
+            f"{where}: cannot connect to a Ray cluster at '{address}' ({exc}); start one with "
+            "`ray start --head` or unset it to run on a local Ray"
+        ) from exc
+
+
+def shutdown_ray() -> None:
+    """Disconnect from Ray (and stop the local Ray if this process started it). Idempotent."""
+    if ray.is_initialized():
+        ray.shutdown()

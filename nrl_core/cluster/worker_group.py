@@ -1,0 +1,476 @@
+"""A group of Ray actors that together are one distributed worker (N ranks, one process group).
+
+The driver talks to a backend only through a :class:`WorkerGroup`: start N actors, let them form a
+``torch.distributed`` group exactly as ``torchrun`` would (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+``MASTER_ADDR``, ``MASTER_PORT``), build the backend's worker class on each, then call methods on
+all ranks or one.
+
+Failure is the part worth the code. Ranks of one group block in collectives, so when one rank dies
+or raises, the others may wait forever, and a plain ``ray.get`` over all ranks would wait with
+them. Every call here waits with ``ray.wait`` over all ranks and stops at the first failure; the
+others get a short grace period to finish, and a group with a dead or stuck rank is killed. What
+reaches the caller is one :class:`~nrl_core.errors.WorkerError` that names the rank
+(``<group>[rank r] pid P``) and says what happened: the remote exception type and message, or, for
+a process that died, Ray's reason and the last lines it wrote to its logs.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence, TypeVar
+
+import ray
+from ray import exceptions as rex
+
+from nrl_core.cluster._host import WorkerHost
+from nrl_core.cluster._logs import tail_lines
+from nrl_core.cluster.placement import Placement
+from nrl_core.cluster.ray_cluster import init_ray, worker_env_vars
+from nrl_core.errors import WorkerError
+
+__all__ = [
+    "WorkerGroup",
+    "WorkerFutures",
+    "WorkerInfo",
+    "WorkerDiedError",
+    "WorkerRaisedError",
+    "WorkerTimeoutError",
+]
+
+T = TypeVar("T")
+
+_BACKENDS = ("auto", "gloo", "nccl", "none")
+_LOG_LINES = 15
+
+
+class WorkerDiedError(WorkerError):
+    """A worker process ended (exit, kill, out of memory) while the driver needed it."""
+
+
+class WorkerRaisedError(WorkerError):
+    """A worker method raised; ``__cause__`` is the remote exception, ``remote_traceback`` its trace."""
+
+    remote_traceback: str = ""
+
+
+class WorkerTimeoutError(WorkerError):
+    """A call did not finish within the time the caller allowed."""
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """Who and where one rank is, recorded when its actor started."""
+
+    rank: int
+    pid: int | None = None
+    node_ip: str | None = None
+    node_id: str | None = None
+    worker_id: str | None = None
+    stdout: str | None = None
+    stderr: str | None = None
+    cuda: bool = False
+    gpu_ids: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class WorkerFutures:
+    """Pending results of one call on some ranks; resolve with :meth:`WorkerGroup.get`.
+
+    ``refs`` are plain Ray object references (they can be passed on to other actors) in the order
+    of ``ranks``. ``single`` marks a one-rank call whose result is the value, not a list.
+    """
+
+    refs: tuple[ray.ObjectRef, ...]
+    ranks: tuple[int, ...]
+    what: str
+    single: bool = False
+
+
+_REMOTE_HOST: Any = None
+
+
+def _remote_host() -> Any:
+    global _REMOTE_HOST
+    if _REMOTE_HOST is None:
+        _REMOTE_HOST = ray.remote(WorkerHost)
+    return _REMOTE_HOST
+
+
+def _death_reason(exc: BaseException) -> str:
+    """Ray's explanation of a death, cut to the part that differs between deaths."""
+    if isinstance(exc, rex.OutOfMemoryError):
+        return "killed by Ray's memory monitor (out of memory)"
+    text = str(exc)
+    if "ray.kill" in text:
+        return "killed with ray.kill"
+    detail = re.search(r"Worker exit detail: (.*?)(?: Some common causes|$)", text, re.S)
+    kind = re.search(r"Worker exit type: (\w+)", text)
+    parts = [f"exit type {kind.group(1)}" if kind else "", detail.group(1).strip() if detail else ""]
+    reason = ": ".join(p for p in parts if p)
+    if not reason:
+        reason = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+    return reason
+
+
+class WorkerGroup:
+    """``num_workers`` ranks of ``worker_cls`` (an import path, ``"pkg.mod:Class"``) on Ray.
+
+    Each rank is built as ``Cls(**init_kwargs, rank=r, world_size=n)`` after the ranks joined a
+    ``torch.distributed`` group: ``distributed_backend`` ``auto`` picks NCCL when every actor sees
+    CUDA and gloo otherwise; ``none`` skips the group (engines that form their own). Without a
+    ``placement`` each actor asks Ray for ``num_cpus_per_worker`` (default 0, so CPUs can be
+    oversubscribed) and ``num_gpus_per_worker``. ``env_vars`` are added to the workers' environment
+    on top of what :func:`~nrl_core.cluster.worker_env_vars` forwards from the driver.
+
+    After one rank fails, the others get ``error_grace_s`` to finish their part of the call; ranks
+    still running then are taken to be blocked on the failed one, and the group is killed.
+    """
+
+    def __init__(
+        self,
+        worker_cls: str,
+        num_workers: int,
+        *,
+        name: str,
+        init_kwargs: dict[str, Any] | None = None,
+        env_vars: dict[str, str] | None = None,
+        placement: Placement | None = None,
+        distributed_backend: str = "auto",
+        num_cpus_per_worker: float = 0.0,
+        num_gpus_per_worker: float = 0.0,
+        start_timeout_s: float = 300.0,
+        collective_timeout_s: float = 1800.0,
+        error_grace_s: float = 3.0,
+    ) -> None:
+        if num_workers < 1:
+            raise ValueError(f"worker group '{name}' needs at least one worker, got {num_workers}")
+        if distributed_backend not in _BACKENDS:
+            raise ValueError(f"distributed_backend must be one of {_BACKENDS}, got '{distributed_backend}'")
+        if placement is not None and placement.num_workers < num_workers:
+            raise ValueError(
+                f"worker group '{name}': placement has {placement.num_workers} bundles for {num_workers} workers"
+            )
+        init_ray()
+        self.name = name
+        self.worker_cls = worker_cls
+        self.world_size = num_workers
+        self.placement = placement
+        self.error_grace_s = error_grace_s
+        self.backend = distributed_backend
+        self.master_addr: str | None = None
+        self.master_port: int | None = None
+        self._infos: list[WorkerInfo] = [WorkerInfo(rank=r) for r in range(num_workers)]
+        self._actors: list[Any] = []
+        self._closed = False
+        self._broken: str | None = None
+        try:
+            self._start(
+                init_kwargs or {},
+                env_vars or {},
+                num_cpus_per_worker,
+                num_gpus_per_worker,
+                start_timeout_s,
+                collective_timeout_s,
+            )
+        except BaseException:
+            self._kill_actors()
+            self._closed = True
+            raise
+
+    # ------------------------------------------------------------------ start-up
+
+    def _actor_options(self, rank: int, env_vars: Mapping[str, str], cpus: float, gpus: float) -> dict[str, Any]:
+        opts: dict[str, Any] = {"max_restarts": 0, "max_task_retries": 0}
+        if self.placement is not None:
+            opts.update(self.placement.actor_options(rank))
+        else:
+            opts.update(num_cpus=cpus, num_gpus=gpus)
+        # Forwarded again per group (not only at init_ray) so a Ray the user started still gets them.
+        opts["runtime_env"] = {"env_vars": worker_env_vars(env_vars)}
+        return opts
+
+    def _start(
+        self,
+        init_kwargs: dict[str, Any],
+        env_vars: Mapping[str, str],
+        cpus: float,
+        gpus: float,
+        start_timeout_s: float,
+        collective_timeout_s: float,
+    ) -> None:
+        host = _remote_host()
+        n = self.world_size
+        self._actors = [
+            host.options(**self._actor_options(r, env_vars, cpus, gpus)).remote(self.name, r, n) for r in range(n)
+        ]
+        described = self._collect(self._on_all("start-up", lambda a, r: a.describe.remote()), start_timeout_s, starting=True)
+        self._infos = [
+            WorkerInfo(
+                rank=r,
+                pid=d["pid"],
+                node_ip=d["node_ip"],
+                node_id=d["node_id"],
+                worker_id=d["worker_id"],
+                stdout=d["stdout"],
+                stderr=d["stderr"],
+                cuda=d["cuda"],
+                gpu_ids=tuple(d["gpu_ids"]),
+            )
+            for r, d in enumerate(described)
+        ]
+        if self.backend == "auto":
+            self.backend = "nccl" if all(i.cuda for i in self._infos) else "gloo"
+        # Rank 0 hosts the rendezvous store, so the port must be free on *its* node.
+        self.master_addr = self._infos[0].node_ip or "127.0.0.1"
+        self.master_port = int(self._collect(self._on_ranks([0], "free-port discovery", lambda a, r: a.free_port.remote()))[0])
+        local_rank: list[int] = []
+        per_node: dict[str | None, int] = {}
+        for info in self._infos:
+            local_rank.append(per_node.get(info.node_id, 0))
+            per_node[info.node_id] = local_rank[-1] + 1
+        envs = [
+            {
+                "RANK": str(r),
+                "WORLD_SIZE": str(n),
+                "LOCAL_RANK": str(local_rank[r]),
+                "LOCAL_WORLD_SIZE": str(per_node[self._infos[r].node_id]),
+                "MASTER_ADDR": self.master_addr,
+                "MASTER_PORT": str(self.master_port),
+            }
+            for r in range(n)
+        ]
+        backend = self.backend
+        what = "setting the rank environment" if backend == "none" else f"joining the {backend} process group"
+        self._collect(
+            self._on_all(what, lambda a, r: a.setup_distributed.remote(backend, envs[r], collective_timeout_s))
+        )
+        self._collect(
+            self._on_all(f"constructing {self.worker_cls}", lambda a, r: a.construct.remote(self.worker_cls, init_kwargs))
+        )
+
+    # ------------------------------------------------------------------ dispatch
+
+    def _check_usable(self) -> None:
+        if self._broken is not None:
+            raise WorkerError(f"worker group '{self.name}' was stopped after a failure: {self._broken}")
+        if self._closed:
+            raise WorkerError(f"worker group '{self.name}' is shut down")
+
+    def _on_all(self, what: str, submit: Callable[[Any, int], ray.ObjectRef]) -> WorkerFutures:
+        return self._on_ranks(range(self.world_size), what, submit)
+
+    def _on_ranks(self, ranks: Sequence[int], what: str, submit: Callable[[Any, int], ray.ObjectRef]) -> WorkerFutures:
+        """Submit ``submit(actor, rank)`` for each rank; ``what`` names the call in error messages."""
+        refs = tuple(submit(self._actors[r], r) for r in ranks)
+        return WorkerFutures(refs, tuple(ranks), what)
+
+    def run_all_async(self, method: str, *args: Any, **kwargs: Any) -> WorkerFutures:
+        """Call ``method(*args, **kwargs)`` on every rank; the arguments are stored once for all."""
+        self._check_usable()
+        if args or kwargs:
+            packed = ray.put((args, kwargs))
+            return self._on_all(f"{method}()", lambda a, r: a.call_packed.remote(method, packed))
+        return self._on_all(f"{method}()", lambda a, r: a.call.remote(method, (), {}))
+
+    def run_all_sharded_async(
+        self,
+        method: str,
+        per_rank_args: Sequence[tuple[Any, ...]],
+        per_rank_kwargs: Sequence[dict[str, Any]] | None = None,
+    ) -> WorkerFutures:
+        """Call ``method`` on every rank with that rank's own arguments (``per_rank_args[r]``)."""
+        self._check_usable()
+        kw = list(per_rank_kwargs) if per_rank_kwargs is not None else [{} for _ in range(self.world_size)]
+        if len(per_rank_args) != self.world_size or len(kw) != self.world_size:
+            raise ValueError(
+                f"worker group '{self.name}' has {self.world_size} ranks; got {len(per_rank_args)} argument "
+                f"tuples and {len(kw)} keyword dicts for {method}()"
+            )
+        return self._on_all(f"{method}()", lambda a, r: a.call.remote(method, tuple(per_rank_args[r]), dict(kw[r])))
+
+    def run_rank_async(self, rank: int, method: str, *args: Any, **kwargs: Any) -> WorkerFutures:
+        """Call ``method`` on one rank."""
+        self._check_usable()
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"worker group '{self.name}' has ranks 0..{self.world_size - 1}, not {rank}")
+        futures = self._on_ranks([rank], f"{method}()", lambda a, r: a.call.remote(method, args, kwargs))
+        return WorkerFutures(futures.refs, futures.ranks, futures.what, single=True)
+
+    def execute_all_async(self, fn: Callable[[Any], T]) -> WorkerFutures:
+        """Run the picklable ``fn(worker)`` on every rank."""
+        self._check_usable()
+        name = getattr(fn, "__name__", "function")
+        return self._on_all(f"execute_all({name})", lambda a, r: a.execute.remote(fn))
+
+    def get(self, futures: WorkerFutures, timeout_s: float | None = None) -> Any:
+        """Wait for ``futures``: a list in rank order (the value for a one-rank call).
+
+        Raises :class:`WorkerError` subclasses as the module docstring describes; never waits on a
+        dead rank. ``timeout_s`` bounds the wait (then :class:`WorkerTimeoutError`; the group is
+        left running, the call may still finish).
+        """
+        results = self._collect(futures, timeout_s)
+        return results[0] if futures.single else results
+
+    def run_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """Call ``method(*args, **kwargs)`` on every rank and return the results in rank order."""
+        return self.get(self.run_all_async(method, *args, **kwargs))
+
+    def run_all_sharded(
+        self,
+        method: str,
+        per_rank_args: Sequence[tuple[Any, ...]],
+        per_rank_kwargs: Sequence[dict[str, Any]] | None = None,
+    ) -> list[Any]:
+        """Call ``method`` with each rank's own arguments; results in rank order."""
+        return self.get(self.run_all_sharded_async(method, per_rank_args, per_rank_kwargs))
+
+    def run_rank(self, rank: int, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Call ``method`` on one rank and return its result."""
+        return self.get(self.run_rank_async(rank, method, *args, **kwargs))
+
+    def execute_all(self, fn: Callable[[Any], T]) -> list[T]:
+        """Run the picklable ``fn(worker)`` on every rank; results in rank order."""
+        return self.get(self.execute_all_async(fn))
+
+    # ------------------------------------------------------------------ errors
+
+    def label(self, rank: int) -> str:
+        """How messages name a rank: ``<group>[rank r] pid P``."""
+        pid = self._infos[rank].pid
+        return f"{self.name}[rank {rank}] pid {pid if pid is not None else 'unknown'}"
+
+    @property
+    def infos(self) -> list[WorkerInfo]:
+        """Identity of every rank (pid, node, log files), in rank order."""
+        return list(self._infos)
+
+    @property
+    def actors(self) -> list[Any]:
+        """The Ray actor handles in rank order, for code that passes them on (e.g. weight transfer)."""
+        return list(self._actors)
+
+    def _collect(self, futures: WorkerFutures, timeout_s: float | None = None, *, starting: bool = False) -> list[Any]:
+        rank_of = dict(zip(futures.refs, futures.ranks))
+        results: dict[int, Any] = {}
+        failures: list[tuple[int, BaseException]] = []  # in the order they were seen
+        pending = list(futures.refs)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+
+        def take(ready: list[ray.ObjectRef]) -> None:
+            for ref in ready:
+                try:
+                    results[rank_of[ref]] = ray.get(ref)
+                except Exception as exc:  # every Ray and remote error ends up here
+                    failures.append((rank_of[ref], exc))
+
+        while pending and not failures:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+            if not ready:
+                ranks = sorted(rank_of[ref] for ref in pending)
+                if starting:
+                    self._kill_actors()
+                    raise WorkerTimeoutError(
+                        f"{self.name}: ranks {ranks} did not start within {timeout_s:.0f} s; Ray has "
+                        f"{ray.available_resources()} free (are there enough CPUs/GPUs for the placement?)"
+                    )
+                raise WorkerTimeoutError(f"{self.name}: ranks {ranks} did not finish {futures.what} within {timeout_s} s")
+            take(ready)
+        if not failures:
+            return [results[r] for r in futures.ranks]
+        if pending:  # the others may be blocked on the failed rank; give them a moment
+            ready, pending = ray.wait(pending, num_returns=len(pending), timeout=self.error_grace_s)
+            take(ready)
+        stuck = sorted(rank_of[ref] for ref in pending)
+        err = self._error(futures.what, failures, stuck)
+        if stuck or isinstance(err, WorkerDiedError):
+            self._broken = str(err).splitlines()[0]
+            self._kill_actors()
+        raise err
+
+    def _error(self, what: str, failures: list[tuple[int, BaseException]], stuck: list[int]) -> WorkerError:
+        dead = {r for r, e in failures if isinstance(e, _DEATHS) and not isinstance(e, rex.RayTaskError)}
+        rank, exc = next(((r, e) for r, e in failures if r in dead), failures[0])
+        others = [f"rank {r} {'died' if r in dead else 'raised ' + type(_cause(e)).__name__}" for r, e in failures if r != rank]
+        if stuck:
+            others.append(f"ranks {stuck} were still running after {self.error_grace_s:.0f} s and were stopped")
+        suffix = f" (also: {'; '.join(others)})" if others else ""
+        if dead:
+            info = self._infos[rank]
+            where = f" on {info.node_ip}" if info.node_ip else ""
+            lines = tail_lines(info.stdout, info.stderr, _LOG_LINES)
+            if lines:
+                logs = f"\nlast log lines ({info.stdout or info.stderr}):\n" + "\n".join(f"  {line}" for line in lines)
+            elif info.stdout:
+                logs = f"\nits logs are at {info.stdout} and {info.stderr}{where}"
+            else:
+                logs = "\nit died before reporting where its logs are"
+            died = WorkerDiedError(f"{self.label(rank)} died{where} during {what}: {_death_reason(exc)}{suffix}{logs}")
+            died.__cause__ = exc
+            return died
+        if isinstance(exc, rex.RayTaskError):
+            cause = _cause(exc)
+            message = str(cause).strip().splitlines()
+            first = message[0] if message else ""
+            raised = WorkerRaisedError(
+                f"{self.label(rank)}: {what} raised {type(cause).__name__}: {first}{suffix}"
+            )
+            # Ray's str() of the error is the remote traceback (its dual-class wrapper drops the field).
+            raised.remote_traceback = getattr(exc, "traceback_str", None) or str(exc)
+            raised.__cause__ = cause
+            return raised
+        err = WorkerError(f"{self.label(rank)}: {what} failed: {type(exc).__name__}: {exc}{suffix}")
+        err.__cause__ = exc
+        return err
+
+    # ------------------------------------------------------------------ shutdown
+
+    def _kill_actors(self) -> None:
+        for actor in self._actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # already dead, or Ray already shut down
+                pass
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Let each rank release its resources (``worker.shutdown()`` if it has one, then leave the
+        process group), then kill the actors. Safe to call twice and after a failure."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._actors and self._broken is None and ray.is_initialized():
+            refs = [actor.teardown.remote() for actor in self._actors]
+            ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        if ray.is_initialized():
+            self._kill_actors()
+
+    def __enter__(self) -> "WorkerGroup":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
+    def __repr__(self) -> str:
+        state = "broken" if self._broken else "shut down" if self._closed else "running"
+        return f"WorkerGroup({self.name!r}, {self.worker_cls!r}, world_size={self.world_size}, {state})"
+
+
+_DEATHS: tuple[type[BaseException], ...] = tuple(
+    t
+    for t in (
+        getattr(rex, "RayActorError", None),
+        getattr(rex, "WorkerCrashedError", None),
+        getattr(rex, "OutOfMemoryError", None),
+        getattr(rex, "NodeDiedError", None),
+    )
+    if isinstance(t, type)
+)
+
+
+def _cause(exc: BaseException) -> BaseException:
+    """The user's exception inside Ray's wrapper (Ray keeps it as ``.cause`` when it unpickles)."""
+    cause = getattr(exc, "cause", None)
+    return cause if isinstance(cause, BaseException) else exc

@@ -1,0 +1,62 @@
+"""Small worker classes for tests/core/test_cluster.py.
+
+They live in their own module (not the test file) because Ray actors import them by path
+(``cluster_workers:CollectiveWorker``); the test puts this directory on the workers' PYTHONPATH.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+class CollectiveWorker:
+    """Sums over the group, reports its environment, and fails on request."""
+
+    def __init__(self, *, rank: int, world_size: int, tag: str = "") -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.tag = tag
+
+    def all_reduce(self, value: float) -> float:
+        t = torch.tensor([float(value)])
+        dist.all_reduce(t)
+        return float(t.item())
+
+    def whoami(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "tag": self.tag,
+            "pid": os.getpid(),
+            "backend": dist.get_backend() if dist.is_initialized() else None,
+            "env": {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")},
+            "nrl_test_mark": os.environ.get("NRL_TEST_MARK"),
+            "forwarded": os.environ.get("NRL_CLUSTER_TEST_FORWARD"),
+        }
+
+    def echo(self, *args: Any, **kwargs: Any) -> tuple[int, tuple[Any, ...], dict[str, Any]]:
+        return self.rank, args, kwargs
+
+    def die_during_all_reduce(self, dying_rank: int, marker: str) -> float:
+        """``dying_rank`` prints ``marker`` and exits at once; the others block in an all-reduce."""
+        if self.rank == dying_rank:
+            print(marker)  # no flush: the host must make sure this reaches the log anyway
+            os._exit(1)
+        time.sleep(0.2)
+        return self.all_reduce(1.0)
+
+    def explode(self, message: str) -> None:
+        raise ValueError(message)
+
+
+class FailingInit:
+    """Rank 1 refuses to build."""
+
+    def __init__(self, *, rank: int, world_size: int) -> None:
+        if rank == 1:
+            raise RuntimeError("rank 1 found an impossible setting")

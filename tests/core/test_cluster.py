@@ -1,0 +1,291 @@
+"""Ray worker groups on a real local Ray: collectives, failures by name, placement, shutdown, joining.
+
+One Ray session serves the module; workers are the small classes in ``cluster_workers.py``, which
+the actors import through the PYTHONPATH that ``init_ray`` forwards.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import ray
+
+from nrl_core.cluster import (
+    WorkerDiedError,
+    WorkerError,
+    WorkerGroup,
+    WorkerRaisedError,
+    init_ray,
+    make_placement,
+    shutdown_ray,
+    worker_env_vars,
+)
+from nrl_core.errors import NrlError
+
+HERE = Path(__file__).resolve().parent
+WORKER = "cluster_workers:CollectiveWorker"
+CLUSTER = {"num_cpus": 2, "cpus_per_worker": 0.1, "log_to_driver": False}
+
+
+def _pids_gone(pids: list[int], timeout_s: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        alive = []
+        for pid in pids:
+            try:
+                os.kill(pid, 0)
+                alive.append(pid)
+            except ProcessLookupError:
+                pass
+        if not alive:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+@pytest.fixture(scope="module")
+def ray_session() -> Iterator[None]:
+    shutdown_ray()  # this module owns its session: PYTHONPATH must reach the workers
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(HERE)] + ([saved] if saved else []))
+    os.environ["NRL_CLUSTER_TEST_FORWARD"] = "yes"  # an NRL_* variable of the driver reaches workers
+    try:
+        init_ray(CLUSTER)
+        yield
+    finally:
+        shutdown_ray()
+        os.environ.pop("NRL_CLUSTER_TEST_FORWARD", None)
+        if saved is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = saved
+
+
+@pytest.fixture(scope="module")
+def pair(ray_session: None) -> Iterator[WorkerGroup]:
+    """Two gloo ranks on a placement group of their own (the non-colocated case)."""
+    placement = make_placement(CLUSTER, 2, name="pair")
+    group = WorkerGroup(
+        WORKER, 2, name="pair", init_kwargs={"tag": "p"}, env_vars={"NRL_TEST_MARK": "marked"}, placement=placement
+    )
+    yield group
+    group.shutdown()
+    placement.remove()
+
+
+def test_worker_env_vars_forward_what_workers_need(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    monkeypatch.setenv("NRL_SOMETHING", "x")
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")  # Ray's to set per actor
+    monkeypatch.setenv("UNRELATED_SECRET", "no")
+    monkeypatch.setenv("PYTHONPATH", "/somewhere")
+    env = worker_env_vars({"EXTRA": "1"})
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "1" and env["NRL_SOMETHING"] == "x" and env["OMP_NUM_THREADS"] == "2"
+    assert "CUDA_VISIBLE_DEVICES" not in env and "UNRELATED_SECRET" not in env
+    assert env["PYTHONPATH"].split(os.pathsep) == ["/somewhere", os.getcwd()]
+    assert env["EXTRA"] == "1"
+
+
+def test_placement_that_cannot_fit_is_a_one_line_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    import ray
+
+    # As Ray reports a one-GPU node: two GPU workers cannot fit, refused before asking Ray.
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0, "GPU": 1.0})
+    with pytest.raises(NrlError, match="gpus_per_node=1"):
+        make_placement({"gpus_per_node": 1, "num_nodes": 1}, 2)
+    monkeypatch.undo()
+    with pytest.raises(NrlError, match="cluster.cpus_per_worker"):
+        make_placement({"cpus_per_worker": 0}, 2)
+
+
+def test_all_reduce_over_gloo(pair: WorkerGroup) -> None:
+    assert pair.run_all("all_reduce", 1.5) == [3.0, 3.0]
+    assert pair.run_all_sharded("all_reduce", [(1.0,), (10.0,)]) == [11.0, 11.0]
+    info = pair.run_all("whoami")
+    assert [i["rank"] for i in info] == [0, 1]
+    assert {i["backend"] for i in info} == {"gloo"}
+    assert [i["env"]["RANK"] for i in info] == ["0", "1"]
+    assert {i["env"]["WORLD_SIZE"] for i in info} == {"2"}
+    assert [i["env"]["LOCAL_RANK"] for i in info] == ["0", "1"]  # one node
+    assert {i["env"]["MASTER_ADDR"] for i in info} == {"127.0.0.1"}  # the local Ray is loopback-only
+    assert {i["env"]["MASTER_PORT"] for i in info} == {str(pair.master_port)}
+    assert {i["tag"] for i in info} == {"p"} and {i["nrl_test_mark"] for i in info} == {"marked"}
+    assert {i["forwarded"] for i in info} == {"yes"}
+    assert [i["pid"] for i in info] == [w.pid for w in pair.infos]
+
+
+def test_calls_on_one_rank_async_and_execute(pair: WorkerGroup) -> None:
+    assert pair.run_rank(1, "echo", 7, key="v") == (1, (7,), {"key": "v"})
+    futures = pair.run_all_async("echo", "x")
+    assert pair.get(futures) == [(0, ("x",), {}), (1, ("x",), {})]
+    assert pair.execute_all(lambda w: w.rank * 10) == [0, 10]
+    with pytest.raises(ValueError, match="2 ranks"):
+        pair.run_all_sharded("echo", [()])
+
+
+def test_worker_exception_names_rank_type_and_message(pair: WorkerGroup) -> None:
+    with pytest.raises(WorkerRaisedError) as info:
+        pair.run_rank(1, "explode", "bad value 42")
+    message = str(info.value)
+    assert f"pair[rank 1] pid {pair.infos[1].pid}" in message
+    assert "explode()" in message and "ValueError: bad value 42" in message
+    assert isinstance(info.value.__cause__, ValueError)
+    assert "explode" in info.value.remote_traceback
+    # Every rank had finished: nothing is stuck, so the group stays usable.
+    assert pair.run_all("all_reduce", 1.0) == [2.0, 2.0]
+
+
+def test_killed_worker_is_named_with_its_last_output_while_peer_blocks(ray_session: None) -> None:
+    group = WorkerGroup(WORKER, 2, name="dying")
+    pids = [w.pid for w in group.infos]
+    marker = "last words of rank one 7f3a"
+    started = time.monotonic()
+    with pytest.raises(WorkerDiedError) as info:
+        group.run_all("die_during_all_reduce", 1, marker)
+    elapsed = time.monotonic() - started
+    message = str(info.value)
+    assert f"dying[rank 1] pid {pids[1]} died" in message
+    assert marker in message
+    assert elapsed < 30, f"took {elapsed:.1f} s to report a dead worker"
+    with pytest.raises(WorkerError, match="stopped after a failure"):
+        group.run_all("whoami")
+    assert _pids_gone(pids), "rank 0 (blocked in the all-reduce) should have been stopped"
+    group.shutdown()
+
+
+def test_rank_raising_while_peer_blocks_in_collective_does_not_hang(ray_session: None) -> None:
+    group = WorkerGroup(WORKER, 2, name="halfway", error_grace_s=1.0)
+
+    def rank1_raises(worker: object) -> float:
+        if worker.rank == 1:  # type: ignore[attr-defined]
+            raise KeyError("missing shard")
+        return worker.all_reduce(1.0)  # type: ignore[attr-defined]
+
+    started = time.monotonic()
+    with pytest.raises(WorkerRaisedError) as info:
+        group.execute_all(rank1_raises)
+    assert time.monotonic() - started < 30
+    assert "halfway[rank 1]" in str(info.value) and "KeyError" in str(info.value)
+    assert "ranks [0] were still running" in str(info.value)
+    assert _pids_gone([w.pid for w in group.infos])
+    group.shutdown()
+
+
+def test_constructor_failure_names_the_worker(ray_session: None) -> None:
+    with pytest.raises(WorkerRaisedError) as info:
+        WorkerGroup("cluster_workers:FailingInit", 2, name="failing")
+    message = str(info.value)
+    assert "failing[rank 1] pid" in message
+    assert "cluster_workers:FailingInit" in message
+    assert "RuntimeError: rank 1 found an impossible setting" in message
+
+
+def test_gpus_per_node_counts_workers_on_a_cpu_only_cluster(ray_session: None) -> None:
+    placement = make_placement({"gpus_per_node": 2, "num_nodes": 1, "cpus_per_worker": 0.1}, 2, name="cpu-pair")
+    try:
+        assert placement.num_workers == 2 and placement.num_gpus_per_worker == 0.0
+    finally:
+        placement.remove()
+
+
+def test_colocated_groups_share_bundles_and_shutdown_stops_them(ray_session: None) -> None:
+    shared = make_placement(CLUSTER, 2, name="shared", max_colocated_groups=2)
+    assert shared.fraction == 0.5
+    train = WorkerGroup(WORKER, 2, name="train", placement=shared)
+    gen_placement = make_placement(CLUSTER, 2, colocate_with=shared)
+    assert gen_placement.placement_group.id == shared.placement_group.id
+    assert gen_placement.bundle_indices == shared.bundle_indices
+    with WorkerGroup(WORKER, 2, name="gen", placement=gen_placement) as gen:
+        # Two process groups side by side, each summing only its own ranks.
+        futures = [train.run_all_async("all_reduce", 1.0), gen.run_all_async("all_reduce", 2.0)]
+        assert [train.get(futures[0]), gen.get(futures[1])] == [[2.0, 2.0], [4.0, 4.0]]
+        assert [w.node_id for w in train.infos] == [w.node_id for w in gen.infos]
+        gen_pids = [w.pid for w in gen.infos]
+    train_pids = [w.pid for w in train.infos]
+    train.shutdown()
+    train.shutdown()  # idempotent
+    assert _pids_gone(gen_pids + train_pids)
+    with pytest.raises(WorkerError, match="shut down"):
+        train.run_all("whoami")
+    for actor in train.actors:
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(actor.describe.remote(), timeout=30)
+    shared.remove()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_for_line(proc: subprocess.Popen[str], text: str, timeout_s: float) -> str:
+    """Read ``proc``'s output until a line contains ``text``; what was read, for failure messages."""
+    seen: list[str] = []
+    found = threading.Event()
+
+    def reader() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            seen.append(line)
+            if text in line:
+                found.set()
+        found.set()  # the process ended; let the caller look
+
+    threading.Thread(target=reader, daemon=True).start()
+    found.wait(timeout_s)
+    return "".join(seen)
+
+
+_JOIN_SCRIPT = textwrap.dedent(
+    """
+    import ray
+    from nrl_core.cluster import WorkerGroup, init_ray
+    init_ray()
+    assert ray.cluster_resources().get("nrl_join_probe") == 1, ray.cluster_resources()
+    with WorkerGroup("cluster_workers:CollectiveWorker", 1, name="joined") as group:
+        print("JOINED", ray.get_runtime_context().gcs_address, group.run_all("all_reduce", 5.0))
+    """
+)
+
+
+def test_init_ray_joins_an_existing_cluster_from_ray_address() -> None:
+    """A head started with ``ray start`` (its own temp dir, stopped by its pid afterwards)."""
+    port = _free_port()
+    temp_dir = tempfile.mkdtemp(prefix="nrlray", dir="/tmp")  # short: Ray's socket paths have a limit
+    ray_bin = str(Path(sys.executable).with_name("ray"))
+    head = subprocess.Popen(
+        [ray_bin, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port), "--num-cpus", "2",
+         "--include-dashboard", "false", "--disable-usage-stats", "--temp-dir", temp_dir,
+         "--resources", '{"nrl_join_probe": 1}', "--block"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        env = dict(os.environ, RAY_ADDRESS=f"127.0.0.1:{port}")
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), env.get("PYTHONPATH")) if p)
+        head_output = _wait_for_line(head, "Ray runtime started", timeout_s=60)
+        run = subprocess.run([sys.executable, "-c", _JOIN_SCRIPT], env=env, capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, head_output + run.stdout[-2000:] + run.stderr[-3000:]
+        assert "JOINED" in run.stdout and ":" + str(port) in run.stdout and "[5.0]" in run.stdout, run.stdout
+    finally:
+        head.send_signal(signal.SIGTERM)  # `ray start --block` stops what it started
+        try:
+            head.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            head.kill()
+            head.wait()
+        shutil.rmtree(temp_dir, ignore_errors=True)
