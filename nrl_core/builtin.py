@@ -8,7 +8,12 @@ from nrl_core.hookspecs import hookimpl
 
 @hookimpl
 def nrl_algorithms() -> list[AlgorithmSpec]:
-    return []
+    return [
+        AlgorithmSpec(name="grpo", entry="nrl_core.algorithms.grpo:main", distribution="nrl-core",
+                      description="Group Relative Policy Optimization"),
+        AlgorithmSpec(name="sft", entry="nrl_core.algorithms.sft:main", distribution="nrl-core",
+                      description="supervised fine-tuning (response-only NLL)"),
+    ]
 
 
 @hookimpl

@@ -70,6 +70,14 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return int(import_object(spec.entry)(config) or 0)
 
 
+def _cmd_tiny_model(args: argparse.Namespace) -> int:
+    from nrl_core.testing.tiny_models import build_tiny_model
+
+    path = build_tiny_model(args.out, family=args.family, size=args.size, seed=args.seed)
+    print(f"wrote a random-init {args.family} ({args.size}) model and its tokenizer to {path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nrl", description="Reinforcement-learning post-training for language models.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -87,6 +95,13 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("config", help="YAML config file")
         p.add_argument("overrides", nargs="*", help="key.path=value, +key.path=value, ~key.path")
         p.set_defaults(func=func)
+
+    tiny = sub.add_parser("tiny-model", help="write a tiny random-init HF model with a locally trained tokenizer")
+    tiny.add_argument("out", help="output directory")
+    tiny.add_argument("--family", default="llama", choices=("llama", "qwen2", "qwen3"))
+    tiny.add_argument("--size", default="small", choices=("tiny", "small", "bench"))
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.set_defaults(func=_cmd_tiny_model)
 
     train = sub.add_parser("train", help="run an algorithm")
     train.add_argument("algorithm", help="algorithm name (grpo, sft, ...)")

@@ -52,12 +52,3 @@ def rollout_batch(prompts: Sequence[Sequence[int]], generation: GenerationOutput
         "response_lengths": token_mask.sum(1),
     })
 
-
-def sft_batch(examples: Sequence[tuple[Sequence[int], Sequence[int]]], *, pad_token_id: int,
-              max_total_length: int | None = None) -> TokenBatch:
-    """Prompt–response pairs as one padded batch with a response-only ``token_mask``."""
-    output = GenerationOutput(token_ids=[list(r) for _, r in examples], logprobs=[[0.0] * len(r) for _, r in examples],
-                              finish_reasons=["stop"] * len(examples), weight_version=0)
-    batch = rollout_batch([p for p, _ in examples], output, pad_token_id=pad_token_id, max_total_length=max_total_length)
-    del batch.fields["generation_logprobs"], batch.fields["truncated"]
-    return batch

@@ -14,6 +14,8 @@ import sys
 from datetime import timedelta
 from typing import Any, Callable
 
+from nrl_core.refit.endpoints import RefitEndpoints
+
 __all__ = ["WorkerHost"]
 
 
@@ -26,8 +28,13 @@ def _fd_target(fd: int) -> str | None:
     return target if target.startswith("/") else None
 
 
-class WorkerHost:
-    """Hosts one rank of a worker group inside a Ray actor process."""
+class WorkerHost(RefitEndpoints):
+    """Hosts one rank of a worker group inside a Ray actor process.
+
+    It also carries the refit endpoints (:class:`~nrl_core.refit.endpoints.RefitEndpoints`), so a
+    training rank can export weights to, or host, a generation engine, and a generation rank can
+    receive them.
+    """
 
     def __init__(self, group_name: str, rank: int, world_size: int) -> None:
         # Line buffering, so the last thing a worker prints before it dies is in its log file.

@@ -298,6 +298,18 @@ class WorkerGroup:
         futures = self._on_ranks([rank], f"{method}()", lambda a, r: a.call.remote(method, args, kwargs))
         return WorkerFutures(futures.refs, futures.ranks, futures.what, single=True)
 
+    def host_call_async(self, ranks: int | Sequence[int], method: str, *args: Any, **kwargs: Any) -> WorkerFutures:
+        """Call a method of the host actors themselves (the refit endpoints), not of their workers;
+        one rank gives its value, a list of ranks a list."""
+        self._check_usable()
+        single = isinstance(ranks, int)
+        chosen = [ranks] if single else list(ranks)
+        futures = self._on_ranks(chosen, f"{method}()", lambda actor, r: getattr(actor, method).remote(*args, **kwargs))
+        return WorkerFutures(futures.refs, futures.ranks, futures.what, single=single)
+
+    def host_call(self, ranks: int | Sequence[int], method: str, *args: Any, **kwargs: Any) -> Any:
+        return self.get(self.host_call_async(ranks, method, *args, **kwargs))
+
     def execute_all_async(self, fn: Callable[[Any], T]) -> WorkerFutures:
         """Run the picklable ``fn(worker)`` on every rank."""
         self._check_usable()

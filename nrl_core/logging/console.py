@@ -27,7 +27,8 @@ class ConsoleView:
         figures = [f"{label} {metrics[key]:.4g}" for key, label in HEADLINE if isinstance(metrics.get(key), (int, float))]
         timings = [f"{key.split('/', 1)[1]} {value:.1f}s" for key, value in metrics.items()
                    if key.startswith("timing/") and isinstance(value, (int, float))]
-        self.progress.console.print(f"step {step}: " + "  ".join(figures) + ("  |  " + "  ".join(timings) if timings else ""))
+        line = f"step {step}: " + "  ".join(figures) + ("  |  " + "  ".join(timings) if timings else "")
+        self.progress.console.print(line, soft_wrap=True)
         self.progress.update(self.task, completed=step)
 
     def close(self) -> None:

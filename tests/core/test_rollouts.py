@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from nrl_core.algorithms.rollouts import repeat_prompts, rollout_batch, sft_batch
+from nrl_core.algorithms.rollouts import repeat_prompts, rollout_batch
 from nrl_core.contracts import GenerationOutput
 
 
@@ -31,13 +31,6 @@ def test_rollout_batch_pads_and_truncates():
     assert batch.input_ids.tolist() == [[1, 7, 8], [2, 6, 0]]
     assert batch.input_lengths.tolist() == [3, 2]
     assert batch.fields["token_mask"].tolist() == [[0, 1, 1], [0, 1, 0]]
-
-
-def test_sft_batch_masks_only_the_response():
-    batch = sft_batch([([1, 2, 3], [4, 5]), ([6], [7])], pad_token_id=0)
-    assert batch.input_ids.tolist() == [[1, 2, 3, 4, 5], [6, 7, 0, 0, 0]]
-    assert batch.fields["token_mask"].tolist() == [[0, 0, 0, 1, 1], [0, 1, 0, 0, 0]]
-    assert set(batch.fields) == {"token_mask", "response_lengths"}
 
 
 def test_select_and_shard_keep_fields_aligned():

@@ -1,0 +1,134 @@
+"""Split this rank's rows into the micro-batches Megatron's pipeline schedule consumes.
+
+Every micro-batch of a step has the same ``[rows, tokens]`` shape, because pipeline stages send
+activations of a fixed shape. Without packing, rows are right-padded to the shard's longest
+sequence. With packing, sequences are placed first-fit-decreasing into bins of ``mb_tokens``
+tokens (each padded to ``sequence_length_round``), one packed row per micro-batch, and attention
+and RoPE restart at each sequence boundary (``PackedSeqParams`` in THD layout). The number of bins
+is made equal across data-parallel ranks with empty bins, so every rank runs the same schedule.
+
+(A private packer: ``nrl_core.data.packing`` did not exist when this was written.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from nrl_core.contracts import TokenBatch
+
+
+@dataclass
+class MicroBatch:
+    """Model inputs for one micro-batch and how to map per-token outputs back to its rows."""
+
+    rows: TokenBatch
+    input_ids: torch.Tensor  # [b, S]
+    position_ids: torch.Tensor  # [b, S]
+    packed: Optional[Any] = None  # PackedSeqParams
+    offsets: Optional[list[int]] = None  # start of each row inside the packed sequence
+
+    def row_logprobs(self, token_logprobs: torch.Tensor) -> torch.Tensor:
+        """``[b, S]`` per-position logprobs of the model inputs → ``[n, T]`` aligned with ``rows``."""
+        width = self.rows.input_ids.shape[1]
+        if self.offsets is None:  # zero past each row's length, as the packed path does
+            valid = torch.arange(width)[None, :] < self.rows.input_lengths[:, None]
+            return token_logprobs[:, :width] * valid
+        flat = token_logprobs[0]
+        out = []
+        for start, length in zip(self.offsets, self.rows.input_lengths.tolist()):
+            seg = flat[start:start + length]
+            seg = torch.cat([seg.new_zeros(1), seg[1:]])  # no logprob for a sequence's first token
+            out.append(torch.nn.functional.pad(seg, (0, width - length)))
+        if not out:
+            return flat[:0].reshape(0, 1).expand(0, width)
+        return torch.stack(out)
+
+
+def token_logprobs(vocab_parallel_logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """``[b, S]`` log p(token_t | tokens_<t) from tensor-parallel logit shards (position 0 → 0).
+
+    Megatron's ``vocab_parallel_cross_entropy`` reduces the max and the sum of exponentials over
+    the tensor-parallel group: no rank ever holds the full-vocabulary logits.
+    """
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    logits = vocab_parallel_logits[:, :-1].float().transpose(0, 1).contiguous()  # [S-1, b, V/tp]
+    targets = input_ids[:, 1:].transpose(0, 1).contiguous()
+    lp = -vocab_parallel_cross_entropy(logits, targets).transpose(0, 1)  # [b, S-1]
+    return torch.cat([lp.new_zeros(lp.shape[0], 1), lp], dim=1)
+
+
+def padded_micro_batches(shard: TokenBatch, mbs: int) -> list[MicroBatch]:
+    if shard.size % mbs:
+        raise ValueError(f"this rank's {shard.size} sequences do not divide into micro-batches of {mbs}; "
+                         "make the global batch a multiple of micro-batch size x data-parallel size")
+    width = int(shard.input_ids.shape[1])
+    out = []
+    for start in range(0, shard.size, mbs):
+        idx = list(range(start, start + mbs))
+        rows = shard.select(idx)
+        ids = torch.nn.functional.pad(rows.input_ids, (0, width - rows.input_ids.shape[1]))
+        pos = torch.arange(width).unsqueeze(0).expand(len(idx), -1).contiguous()
+        out.append(MicroBatch(rows=rows, input_ids=ids, position_ids=pos))
+    return out
+
+
+def _round_up(n: int, k: int) -> int:
+    return ((n + k - 1) // k) * k if k > 1 else n
+
+
+def packed_micro_batches(shard: TokenBatch, mb_tokens: int, round_to: int, dp_group: Any) -> list[MicroBatch]:
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    lengths = shard.input_lengths.tolist()
+    sizes = [_round_up(int(n), round_to) for n in lengths]
+    too_long = [n for n in sizes if n > mb_tokens]
+    if too_long:
+        raise ValueError(f"a sequence of {max(too_long)} tokens does not fit sequence_packing's mb_tokens "
+                         f"{mb_tokens}; raise train_mb_tokens/logprob_mb_tokens")
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        for b, free in enumerate(room):
+            if sizes[i] <= free:
+                bins[b].append(i)
+                room[b] -= sizes[i]
+                break
+        else:
+            bins.append([i])
+            room.append(mb_tokens - sizes[i])
+    count = torch.tensor([len(bins)], dtype=torch.long)
+    if dist.is_initialized() and dist.get_world_size(dp_group) > 1:
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=dp_group)
+    bins += [[] for _ in range(int(count) - len(bins))]
+    out = []
+    for members in bins:
+        members = sorted(members)
+        ids = torch.full((1, mb_tokens), 0, dtype=shard.input_ids.dtype)
+        pos = torch.zeros((1, mb_tokens), dtype=torch.long)
+        cu, offsets, cursor = [0], [], 0
+        for i in members:
+            n = int(lengths[i])
+            ids[0, cursor:cursor + n] = shard.input_ids[i, :n]
+            pos[0, cursor:cursor + sizes[i]] = torch.arange(sizes[i])
+            offsets.append(cursor)
+            cursor += sizes[i]
+            cu.append(cursor)
+        if cursor < mb_tokens:
+            cu.append(mb_tokens)  # trailing padding is its own segment
+        cu_t = torch.tensor(cu, dtype=torch.int32)
+        max_len = int((cu_t[1:] - cu_t[:-1]).max())
+        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_t, cu_seqlens_kv=cu_t,
+                                 max_seqlen_q=max_len, max_seqlen_kv=max_len)
+        rows = shard.select(members) if members else _empty_rows(shard)
+        out.append(MicroBatch(rows=rows, input_ids=ids, position_ids=pos, packed=params, offsets=offsets))
+    return out
+
+
+def _empty_rows(shard: TokenBatch) -> TokenBatch:
+    return TokenBatch(input_ids=shard.input_ids[:0, :1], input_lengths=shard.input_lengths[:0],
+                      fields={k: v[:0, :1] if v.dim() > 1 else v[:0] for k, v in shard.fields.items()})

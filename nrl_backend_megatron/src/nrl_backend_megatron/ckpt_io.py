@@ -1,0 +1,158 @@
+"""Training-state checkpoints through Megatron-Core's ``dist_checkpointing``, honouring every knob.
+
+* ``fully_parallel_save`` → ``FullyParallelSaveStrategyWrapper`` (data-parallel replicas split
+  the writing); off: the default strategy, where each shard's first replica writes it.
+* ``fully_parallel_load`` → ``FullyParallelLoadStrategyWrapper`` (replicas split reading and
+  exchange); off: every rank reads what it needs.
+* ``async_save`` → ``save(..., async_sharded_save=True)`` scheduled on Megatron's
+  ``AsyncCallsQueue``; the write finishes in the background and is finalized (metadata and our
+  marker written) by :meth:`CheckpointIO.finalize`, called before the next save and at exit.
+* RNG states (Python, NumPy, torch, CUDA, and the tensor-parallel RNG tracker) are always saved,
+  one object per rank; ``load_rng`` decides whether loading restores them.
+
+A checkpoint is complete when ``nrl_megatron_checkpoint.json`` exists (written last, by rank 0);
+loading checks it and the model identity first, so a partial or foreign checkpoint is a one-line
+:class:`NrlError` and leaves the worker untouched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from nrl_core.contracts import CheckpointOptions
+from nrl_core.errors import NrlError
+
+MARKER = "nrl_megatron_checkpoint.json"
+
+
+def rng_state() -> dict[str, Any]:
+    from megatron.core import tensor_parallel
+
+    state: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(),
+                             "torch": torch.get_rng_state(),
+                             "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    from megatron.core import tensor_parallel
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+class CheckpointIO:
+    """Save/load of one worker's model, optimizer, scheduler, step and RNG."""
+
+    def __init__(self, identity: Mapping[str, Any]) -> None:
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+        self.identity = dict(identity)
+        self.queue = AsyncCallsQueue()
+        self.pending: list[str] = []
+
+    # ------------------------------------------------------------------ save
+    def save(self, path: str, options: CheckpointOptions, sharded: dict[str, Any], common: dict[str, Any]) -> None:
+        from megatron.core import dist_checkpointing, parallel_state
+        from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+        from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+
+        self.finalize()  # an earlier asynchronous save completes before the next one starts
+        target = Path(path)
+        if dist.get_rank() == 0:
+            target.mkdir(parents=True, exist_ok=True)
+            (target / MARKER).unlink(missing_ok=True)
+        dist.barrier()
+        strategy = get_default_save_sharded_strategy()
+        if options.fully_parallel_save:
+            strategy = FullyParallelSaveStrategyWrapper(
+                strategy, parallel_state.get_data_parallel_group(with_context_parallel=True))
+        state = {**sharded, **common}
+        request = dist_checkpointing.save(state, str(target), sharded_strategy=strategy,
+                                          async_sharded_save=options.async_save)
+        if options.async_save:
+            request.add_finalize_fn(lambda: self._write_marker(target, options))
+            self.queue.schedule_async_request(request)
+            self.pending.append(str(target))
+        else:
+            self._write_marker(target, options)
+            dist.barrier()  # no rank may look for the marker before rank 0 has written it
+
+    def _write_marker(self, target: Path, options: CheckpointOptions) -> None:
+        if dist.get_rank() == 0:
+            meta = {**self.identity, "options": {k: getattr(options, k) for k in
+                                                 ("fully_parallel_save", "async_save")}}
+            tmp = target / (MARKER + ".tmp")
+            tmp.write_text(json.dumps(meta, indent=1))
+            os.replace(tmp, target / MARKER)
+
+    def finalize(self) -> None:
+        """Block until every asynchronous save has been written and finalized. Collective."""
+        if self.pending:
+            self.queue.maybe_finalize_async_calls(blocking=True, no_dist=False)
+            self.pending.clear()
+            dist.barrier()
+
+    # ------------------------------------------------------------------ load
+    def check(self, path: str) -> None:
+        """One-line errors for a missing, incomplete or foreign checkpoint."""
+        marker = Path(path) / MARKER
+        if not Path(path).is_dir():
+            raise NrlError(f"checkpoint {path} does not exist")
+        if not marker.is_file():
+            raise NrlError(f"checkpoint {path} is incomplete (no {MARKER}); it was interrupted or is still "
+                           "being written asynchronously")
+        meta = json.loads(marker.read_text())
+        for key, value in self.identity.items():
+            if meta.get(key) != value:
+                raise NrlError(f"checkpoint {path} is from another model or layout ({key}: {meta.get(key)!r}, "
+                               f"this run: {value!r})")
+
+    def load(self, path: str, options: CheckpointOptions, sharded: dict[str, Any]) -> dict[str, Any]:
+        from megatron.core import dist_checkpointing, parallel_state
+        from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
+        from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
+
+        self.finalize()
+        self.check(path)
+        strategy = get_default_load_sharded_strategy(path)
+        if options.fully_parallel_load:
+            strategy = FullyParallelLoadStrategyWrapper(
+                strategy, parallel_state.get_data_parallel_group(with_context_parallel=True))
+        try:
+            return dist_checkpointing.load(sharded, path, sharded_strategy=strategy)
+        except Exception as exc:  # noqa: BLE001 - surfaced as one line
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+            raise NrlError(f"cannot load checkpoint {path}: {first}") from exc
+
+
+def rng_sharded_object(key: str, state: Any) -> Any:
+    """The RNG state of this rank as a ``ShardedObject`` indexed by (pp, tp, dp) rank."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    shape = (ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size(),
+             ps.get_data_parallel_world_size(with_context_parallel=True))
+    offset = (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank(),
+              ps.get_data_parallel_rank(with_context_parallel=True))
+    return ShardedObject(key, state, shape, offset, replica_id=0)
+
+
+def register_exit_finalizer(fn: Callable[[], None]) -> None:
+    import atexit
+
+    atexit.register(fn)

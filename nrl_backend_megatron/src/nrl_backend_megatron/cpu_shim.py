@@ -1,0 +1,92 @@
+"""Let Megatron-Core run on a machine without CUDA: the one place the CUDA→CPU redirection lives.
+
+Why it exists: Megatron-Core hard-codes ``torch.cuda.current_device()``, ``device="cuda"`` factory
+calls, ``Tensor.cuda()`` and the CUDA RNG-state functions (tensor-parallel RNG tracker). On a
+CPU-only machine (tests, the CPU demo) those calls are redirected to the CPU. ``install()`` is a
+no-op when CUDA is available, so nothing here ever runs on a GPU machine. Idempotent.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any, Callable
+
+_INSTALLED = False
+
+_FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "arange", "zeros_like", "empty_like", "ones_like",
+              "randn", "rand", "randint", "as_tensor")
+
+
+def _cpu_device(device: Any) -> Any:
+    """Map any CUDA device spelling (``"cuda"``, ``"cuda:0"``, an index, a ``torch.device``) to the CPU."""
+    import torch
+
+    if isinstance(device, torch.device):
+        return torch.device("cpu") if device.type == "cuda" else device
+    if isinstance(device, str) and device.startswith("cuda"):
+        return "cpu"
+    if isinstance(device, int) and not isinstance(device, bool):
+        return "cpu"
+    return device
+
+
+def _redirect_device_kwarg(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if "device" in kwargs:
+            kwargs["device"] = _cpu_device(kwargs["device"])
+        return fn(*args, **kwargs)
+
+    wrapper.__nrl_cpu_shim__ = True  # type: ignore[attr-defined]
+    return wrapper
+
+
+def active() -> bool:
+    """Whether the redirection is installed in this process."""
+    return _INSTALLED
+
+
+def install() -> bool:
+    """Install the redirection when CUDA is absent; returns whether it is active."""
+    global _INSTALLED
+    import torch
+
+    if torch.cuda.is_available():
+        return False
+    if _INSTALLED:
+        return True
+    torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
+    torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
+    torch.cuda.empty_cache = lambda *a, **k: None  # type: ignore[assignment]
+    torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()  # type: ignore[assignment]
+    torch.cuda.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)  # type: ignore[assignment]
+    torch.cuda.random.get_rng_state = torch.cuda.get_rng_state  # type: ignore[assignment]
+    torch.cuda.manual_seed = lambda seed: torch.manual_seed(seed)  # type: ignore[assignment]
+    torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[assignment]
+    torch.nn.Module.cuda = lambda self, *a, **k: self  # type: ignore[assignment]
+    for name in _FACTORIES:
+        setattr(torch, name, _redirect_device_kwarg(getattr(torch, name)))
+
+    original_to = torch.Tensor.to
+
+    def to(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if args and isinstance(args[0], (str, torch.device, int)) and not isinstance(args[0], bool):
+            args = (_cpu_device(args[0]),) + args[1:]
+        if "device" in kwargs:
+            kwargs["device"] = _cpu_device(kwargs["device"])
+        return original_to(self, *args, **kwargs)
+
+    torch.Tensor.to = to  # type: ignore[assignment]
+
+    # The tensor-parallel RNG tracker swaps CUDA generator states; on CPU it swaps the CPU one.
+    import megatron.core.tensor_parallel.random as mp_random
+
+    mp_random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    mp_random._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    # On CPU the tracker's "CUDA" generator *is* the CPU one, so its check that the CPU state is
+    # untouched inside a fork always fires; the message is noise here, not a bug.
+    logging.getLogger(mp_random.__name__).addFilter(
+        lambda record: "CPU RNG state changed within GPU RNG context" not in record.getMessage())
+    _INSTALLED = True
+    return True

@@ -1,0 +1,129 @@
+"""Build a Megatron-Core ``GPTModel`` that computes what the Hugging Face model computes.
+
+Why each choice: the local layer spec (pure PyTorch) is the only one that runs without CUDA;
+Transformer Engine's spec is used when TE is importable (GPU machines). RoPE frequencies are taken
+from the HF model's own rotary-embedding class and written over Megatron's, so every scaling
+variant HF computes in ``inv_freq`` (default, linear, llama3) matches exactly; variants that also
+rescale cos/sin or depend on sequence length are refused in one line.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from nrl_core.errors import ConfigError
+
+from nrl_backend_megatron.convert.families import family_of, head_dim
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def te_available() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:  # noqa: BLE001
+        return False
+    return torch.cuda.is_available()
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelLayout:
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    sequence_parallel: bool = False
+
+
+def _rope_type(hf_config: Any) -> str:
+    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    return str(params.get("rope_type", params.get("type", "default")) or "default")
+
+
+def rope_theta(hf_config: Any) -> float:
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    return float(params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
+
+
+def hf_inv_freq(hf_config: Any) -> torch.Tensor:
+    """RoPE inverse frequencies exactly as the HF model computes them (scaling included)."""
+    kind = _rope_type(hf_config)
+    if kind not in SUPPORTED_ROPE_TYPES:
+        raise ConfigError("policy.model_name", f"RoPE type '{kind}' is not supported by the Megatron backend; "
+                                               f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    # The three families compute RoPE identically; Llama's class reads head_dim and rope_parameters.
+    cfg = hf_config
+    if getattr(cfg, "head_dim", None) is None:
+        cfg = type(hf_config).from_dict(hf_config.to_dict())
+        cfg.head_dim = head_dim(hf_config)
+    rope = LlamaRotaryEmbedding(cfg)
+    if not math.isclose(float(getattr(rope, "attention_scaling", 1.0)), 1.0):
+        raise ConfigError("policy.model_name", f"RoPE type '{kind}' rescales attention; not supported by the "
+                                               "Megatron backend")
+    return rope.inv_freq.detach().to(torch.float32).clone()
+
+
+def transformer_config(hf_config: Any, layout: ParallelLayout, *, params_dtype: torch.dtype,
+                       pipeline_dtype: Optional[torch.dtype] = None, activation_checkpointing: bool = False,
+                       bf16: bool = False, fp16: bool = False) -> Any:
+    """Megatron ``TransformerConfig`` equivalent to an HF Llama/Qwen2/Qwen3 config."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    family = family_of(hf_config)
+    on_gpu = te_available()
+    return TransformerConfig(
+        num_layers=hf_config.num_hidden_layers, hidden_size=hf_config.hidden_size,
+        num_attention_heads=hf_config.num_attention_heads,
+        num_query_groups=getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads,
+        kv_channels=head_dim(hf_config), ffn_hidden_size=hf_config.intermediate_size,
+        normalization="RMSNorm", layernorm_epsilon=hf_config.rms_norm_eps, gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu, add_bias_linear=False, add_qkv_bias=family.qkv_bias,
+        qk_layernorm=family.qk_norm, attention_dropout=0.0, hidden_dropout=0.0,
+        tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+        context_parallel_size=layout.cp, sequence_parallel=layout.sequence_parallel,
+        params_dtype=params_dtype, pipeline_dtype=pipeline_dtype or params_dtype, bf16=bf16, fp16=fp16,
+        use_cpu_initialization=True, perform_initialization=True,
+        bias_dropout_fusion=on_gpu, apply_rope_fusion=False, masked_softmax_fusion=on_gpu,
+        persist_layer_norm=on_gpu, gradient_accumulation_fusion=False, bias_activation_fusion=False,
+        attention_softmax_in_fp32=True,
+        recompute_granularity="full" if activation_checkpointing else None,
+        recompute_method="uniform" if activation_checkpointing else None,
+        recompute_num_layers=1 if activation_checkpointing else None,
+    )
+
+
+def layer_spec(hf_config: Any) -> Any:
+    """Transformer Engine's layer spec when usable, else the local spec with packed-sequence attention."""
+    family = family_of(hf_config)
+    if te_available():
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=family.qk_norm)
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from nrl_backend_megatron.packed_attention import PackedDotProductAttention
+
+    spec = get_gpt_layer_local_spec(qk_layernorm=family.qk_norm, normalization="RMSNorm")
+    spec.submodules.self_attention.submodules.core_attention = PackedDotProductAttention
+    return spec
+
+
+def build_gpt_model(hf_config: Any, config: Any, *, pre_process: bool, post_process: bool) -> Any:
+    """The (possibly pipeline-stage) ``GPTModel`` with HF-exact RoPE frequencies."""
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    model = GPTModel(
+        config=config, transformer_layer_spec=layer_spec(hf_config), vocab_size=hf_config.vocab_size,
+        max_sequence_length=hf_config.max_position_embeddings, pre_process=pre_process, post_process=post_process,
+        parallel_output=True, share_embeddings_and_output_weights=bool(hf_config.tie_word_embeddings),
+        position_embedding_type="rope", rotary_base=int(rope_theta(hf_config)),
+    )
+    if getattr(model, "rotary_pos_emb", None) is not None:
+        model.rotary_pos_emb.inv_freq = hf_inv_freq(hf_config).to(model.rotary_pos_emb.inv_freq.device)
+    return model

@@ -1,0 +1,118 @@
+"""Megatron-Core optimizer and learning-rate schedule from ``policy.megatron_cfg``, and the step.
+
+Why a step function of our own: Megatron-Core's fp32 gradient clipping asserts CUDA tensors
+(``clip_grads.clip_grad_by_total_norm_fp32``). Without CUDA, Megatron's optimizer is built with
+``clip_grad=0`` and :func:`optimizer_step` clips itself: the global L2 norm over the gradients
+Megatron says count for the norm (no tensor-parallel duplicates, shared embeddings once), summed
+over Megatron's grad-stats group (model-parallel; the whole world for the distributed optimizer),
+then Megatron's own ``step_with_ready_grads``. On a GPU it is just ``optimizer.step()``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+
+from nrl_core.errors import ConfigError
+
+KEY = "policy.megatron_cfg"
+
+
+@dataclass
+class OptimizerBundle:
+    optimizer: Any
+    scheduler: Any
+    clip_grad: float
+    own_clipping: bool
+
+
+def build_optimizer(models: list[Any], section: Mapping[str, Any], precision: str) -> OptimizerBundle:
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    opt = section["optimizer"]
+    sched = section["scheduler"]
+    bf16 = bool(opt["bf16"]) or precision == "bfloat16"
+    fp16 = bool(opt["fp16"]) or precision == "float16"
+    own_clipping = not torch.cuda.is_available()
+    clip = float(opt["clip_grad"])
+    config = OptimizerConfig(
+        optimizer=opt["optimizer"], lr=opt["lr"], min_lr=opt["min_lr"], weight_decay=opt["weight_decay"],
+        bf16=bf16, fp16=fp16, params_dtype=getattr(torch, opt["params_dtype"]),
+        adam_beta1=opt["adam_beta1"], adam_beta2=opt["adam_beta2"], adam_eps=opt["adam_eps"],
+        sgd_momentum=opt["sgd_momentum"], use_distributed_optimizer=opt["use_distributed_optimizer"],
+        use_precision_aware_optimizer=opt["use_precision_aware_optimizer"],
+        clip_grad=0.0 if own_clipping else clip,
+    )
+    optimizer = get_megatron_optimizer(config, models)
+    style = sched["lr_decay_style"]
+    decay_iters = sched["lr_decay_iters"]
+    warmup = int(sched["lr_warmup_iters"])
+    if decay_iters is None:
+        if style != "constant":
+            raise ConfigError(f"{KEY}.scheduler.lr_decay_iters", f"is required for lr_decay_style '{style}'")
+        decay_iters = warmup + 1
+    if decay_iters <= warmup and style != "constant":
+        raise ConfigError(f"{KEY}.scheduler.lr_decay_iters", f"must exceed lr_warmup_iters ({warmup})")
+    wd = opt["weight_decay"]
+    start_wd = wd if sched["start_weight_decay"] is None else sched["start_weight_decay"]
+    end_wd = wd if sched["end_weight_decay"] is None else sched["end_weight_decay"]
+    if sched["weight_decay_incr_style"] == "constant" and start_wd != end_wd:
+        raise ConfigError(f"{KEY}.scheduler.end_weight_decay",
+                          "must equal start_weight_decay when weight_decay_incr_style is constant")
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=sched["lr_warmup_init"], max_lr=opt["lr"], min_lr=opt["min_lr"],
+        lr_warmup_steps=warmup, lr_decay_steps=max(int(decay_iters), 1), lr_decay_style=style,
+        start_wd=start_wd, end_wd=end_wd, wd_incr_steps=max(int(decay_iters), 1),
+        wd_incr_style=sched["weight_decay_incr_style"],
+    )
+    return OptimizerBundle(optimizer, scheduler, clip, own_clipping)
+
+
+def _leaf_optimizers(optimizer: Any) -> list[Any]:
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+@torch.no_grad()
+def global_grad_norm(optimizer: Any) -> float:
+    """L2 norm of the whole model's gradient, reduced over Megatron's grad-stats group."""
+    grads: list[torch.Tensor] = []
+    for leaf in _leaf_optimizers(optimizer):
+        grads += leaf.get_main_grads_for_grad_norm()
+    total = torch.zeros(1, dtype=torch.float64)
+    for g in grads:
+        total += g.detach().double().pow(2).sum()
+    if dist.is_initialized():
+        dist.all_reduce(total, group=_leaf_optimizers(optimizer)[0].get_grad_stats_parallel_group())
+    return float(total.sqrt())
+
+
+@torch.no_grad()
+def clip_grads_(optimizer: Any, max_norm: float, total_norm: float) -> None:
+    coeff = max_norm / (total_norm + 1.0e-6)
+    if coeff >= 1.0:
+        return
+    for leaf in _leaf_optimizers(optimizer):
+        for param in leaf.get_parameters():
+            grad = param.decoupled_grad if getattr(param, "decoupled_grad", None) is not None else param.grad
+            if grad is not None:
+                grad.mul_(coeff)
+
+
+def optimizer_step(bundle: OptimizerBundle) -> tuple[bool, float | None]:
+    """One optimizer step; returns (whether it updated, the pre-clip gradient norm)."""
+    if not bundle.own_clipping:
+        ok, norm, _ = bundle.optimizer.step()
+        return bool(ok), norm
+    optimizer = bundle.optimizer
+    if optimizer.prepare_grads():  # found inf/nan (mixed precision loss scaling)
+        return False, None
+    norm = global_grad_norm(optimizer)
+    if bundle.clip_grad > 0.0 and math.isfinite(norm):
+        clip_grads_(optimizer, bundle.clip_grad, norm)
+    ok = optimizer.step_with_ready_grads()
+    return bool(ok), norm

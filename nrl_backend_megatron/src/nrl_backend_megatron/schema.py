@@ -1,0 +1,136 @@
+"""The schema of ``policy.megatron_cfg``: NeMo RL's key names, nrl's validation.
+
+Keys NeMo RL has but this backend does not implement (mixture-of-experts, kernel fusions) are
+accepted as ``inert`` fields so copied NeMo RL configs validate (a warning names them when set).
+NeMo RL's nested ``checkpoint: {async_save, fully_parallel_save, fully_parallel_load, load_rng}``
+is folded into the flat keys by :class:`MegatronCfgSection` during validation, so everything
+downstream reads only the flat spelling.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping
+
+from nrl_core.config.schema import Field, Section
+from nrl_core.errors import ConfigError
+
+CHECKPOINT_KNOBS = ("fully_parallel_save", "fully_parallel_load", "async_save", "load_rng")
+_SCALAR = (bool, int, float, str)
+
+
+def _inert(default: Any = None, types: Any = _SCALAR) -> Field:
+    return Field(type=types, default=default, nullable=True, inert=True,
+                 doc="NeMo RL key accepted for compatibility; no effect in nrl's Megatron backend")
+
+
+OPTIMIZER = Section(doc="Megatron-Core OptimizerConfig (NeMo RL names).", fields={
+    "optimizer": Field(type=str, default="adam", choices=("adam", "sgd")),
+    "lr": Field(type=float, default=5.0e-6),
+    "min_lr": Field(type=float, default=5.0e-7),
+    "weight_decay": Field(type=float, default=0.01),
+    "bf16": Field(type=bool, default=False, doc="keep bf16 params with fp32 main params"),
+    "fp16": Field(type=bool, default=False),
+    "params_dtype": Field(type=str, default="float32", choices=("float32", "bfloat16", "float16")),
+    "adam_beta1": Field(type=float, default=0.9),
+    "adam_beta2": Field(type=float, default=0.999),
+    "adam_eps": Field(type=float, default=1.0e-8),
+    "sgd_momentum": Field(type=float, default=0.9),
+    "use_distributed_optimizer": Field(type=bool, default=False),
+    "use_precision_aware_optimizer": Field(type=bool, default=False),
+    "clip_grad": Field(type=float, default=1.0, doc="global gradient-norm clip; 0 disables"),
+    "optimizer_cpu_offload": _inert(False),
+    "optimizer_offload_fraction": _inert(0.0),
+})
+
+SCHEDULER = Section(doc="Megatron-Core OptimizerParamScheduler (NeMo RL names).", fields={
+    "start_weight_decay": Field(type=float, default=None, nullable=True, doc="null: optimizer.weight_decay"),
+    "end_weight_decay": Field(type=float, default=None, nullable=True, doc="null: optimizer.weight_decay"),
+    "weight_decay_incr_style": Field(type=str, default="constant", choices=("constant", "linear", "cosine")),
+    "lr_decay_style": Field(type=str, default="constant",
+                            choices=("constant", "linear", "cosine", "inverse-square-root", "WSD")),
+    "lr_decay_iters": Field(type=int, default=None, nullable=True, doc="required unless lr_decay_style is constant"),
+    "lr_warmup_iters": Field(type=int, default=0),
+    "lr_warmup_init": Field(type=float, default=0.0),
+})
+
+DDP = Section(doc="Megatron-Core DistributedDataParallelConfig.", fields={
+    "grad_reduce_in_fp32": Field(type=bool, default=False),
+    "overlap_grad_reduce": Field(type=bool, default=False),
+    "overlap_param_gather": Field(type=bool, default=False),
+    "average_in_collective": Field(type=bool, default=False),
+    "use_custom_fsdp": _inert(False),
+    "data_parallel_sharding_strategy": _inert("optim_grads_params"),
+})
+
+NESTED_CHECKPOINT = Section(nullable=True, doc="NeMo RL's nested spelling of the four checkpoint knobs.", fields={
+    name: Field(type=bool, default=None, nullable=True) for name in CHECKPOINT_KNOBS
+})
+
+
+class MegatronCfgSection(Section):
+    """``Section`` that folds NeMo RL's nested ``checkpoint:`` block into the flat keys.
+
+    A nested value wins over the default; setting a knob both ways with different values is an error.
+    """
+
+    def validate(self, value: Any, path: str = "") -> dict[str, Any] | None:
+        raw: Mapping[str, Any] = value if isinstance(value, Mapping) else {}
+        out = super().validate(value, path)
+        if out is None:
+            return None
+        nested = out.pop("checkpoint", None) or {}
+        for name in CHECKPOINT_KNOBS:
+            nested_value = nested.get(name)
+            if nested_value is None:
+                continue
+            if name in raw and raw[name] != nested_value:
+                raise ConfigError(f"{path}.checkpoint.{name}" if path else f"checkpoint.{name}",
+                                  f"conflicts with {path}.{name}={raw[name]!r}; keep one spelling")
+            out[name] = nested_value
+        return out
+
+
+MEGATRON_CFG_SCHEMA: Section = MegatronCfgSection(doc="Megatron-Core training backend (policy.megatron_cfg).", fields={
+    "enabled": Field(type=bool, default=False),
+    "tensor_model_parallel_size": Field(type=int, default=1),
+    "pipeline_model_parallel_size": Field(type=int, default=1),
+    "context_parallel_size": Field(type=int, default=1),
+    "sequence_parallel": Field(type=bool, default=False),
+    "activation_checkpointing": Field(type=bool, default=False),
+    "empty_unused_memory_level": Field(type=int, default=0, choices=(0, 1, 2)),
+    "converter_type": _inert(None),
+    "force_reconvert_from_hf": Field(type=bool, default=False),
+    "pipeline_dtype": Field(type=str, default=None, nullable=True, choices=("float32", "bfloat16", "float16"),
+                            doc="dtype of tensors sent between pipeline stages; null: the model's dtype"),
+    "optimizer": OPTIMIZER,
+    "scheduler": SCHEDULER,
+    "distributed_data_parallel_config": DDP,
+    "fully_parallel_save": Field(type=bool, default=True),
+    "fully_parallel_load": Field(type=bool, default=True),
+    "async_save": Field(type=bool, default=False),
+    "load_rng": Field(type=bool, default=False),
+    "checkpoint": NESTED_CHECKPOINT,
+    "distributed_timeout_minutes": Field(type=int, default=None, nullable=True),
+    "check_for_nan_in_grad": Field(type=bool, default=True),
+    "logging_level": Field(type=(int, str), default=logging.INFO),
+    # NeMo RL keys accepted without effect.
+    "expert_tensor_parallel_size": _inert(1),
+    "expert_model_parallel_size": _inert(1),
+    "num_layers_in_first_pipeline_stage": _inert(None),
+    "num_layers_in_last_pipeline_stage": _inert(None),
+    "freeze_moe_router": _inert(False),
+    "moe_router_dtype": _inert(None),
+    "moe_router_load_balancing_type": _inert("none"),
+    "moe_router_bias_update_rate": _inert(0.0),
+    "moe_permute_fusion": _inert(False),
+    "moe_enable_deepep": _inert(False),
+    "moe_token_dispatcher_type": _inert(None),
+    "moe_shared_expert_overlap": _inert(False),
+    "moe_aux_loss_coeff": _inert(0.0),
+    "apply_rope_fusion": _inert(True),
+    "bias_activation_fusion": _inert(True),
+    "defer_fp32_logits": _inert(None),
+    "train_iters": _inert(None),
+    "env_vars": _inert(None, (dict,)),
+})

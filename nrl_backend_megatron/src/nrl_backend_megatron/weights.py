@@ -1,0 +1,122 @@
+"""Move full canonical Megatron tensors into a tensor/pipeline-sharded model and back out.
+
+A rank holds a pipeline stage (a contiguous range of decoder layers, plus the embedding on the
+first stage and the output layer on the last) and, of each tensor-parallel parameter, the slice
+along its ``partition_dim``. The gated MLP input ``linear_fc1`` is the exception: each rank holds
+``[gate_slice; up_slice]``, so gate and up are split separately. Export gathers across the
+tensor-parallel group (all-gather) and then the pipeline group (broadcast from the owning stage),
+so every rank sees every full tensor: a collective, every rank must iterate.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from nrl_backend_megatron.convert.mapping import local_name
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+
+
+def canonical_param_names(model: Any) -> dict[str, tuple[str, torch.nn.Parameter]]:
+    """Canonical (global layer index, local-spec) name → (local name, parameter) on this rank."""
+    out: dict[str, tuple[str, torch.nn.Parameter]] = {}
+    for name, param in model.named_parameters():
+        m = _LAYER.match(name)
+        canon = name
+        if m:
+            layer = model.decoder.layers[int(m.group(1))]
+            canon = f"decoder.layers.{layer.layer_number - 1}.{m.group(2)}"
+        out[local_name(canon)] = (name, param)
+    return out
+
+
+def _is_gated_fc1(name: str) -> bool:
+    return name.endswith("mlp.linear_fc1.weight")
+
+
+def shard(full: torch.Tensor, param: torch.Tensor, name: str, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """This rank's slice of a full tensor for ``param``."""
+    if tp_size == 1 or not getattr(param, "tensor_model_parallel", False):
+        return full
+    dim = param.partition_dim
+    if _is_gated_fc1(name):
+        gate, up = torch.chunk(full, 2, dim=0)
+        return torch.cat([torch.chunk(gate, tp_size, 0)[tp_rank], torch.chunk(up, tp_size, 0)[tp_rank]], 0)
+    return torch.chunk(full, tp_size, dim=dim)[tp_rank]
+
+
+def unshard(local: torch.Tensor, param: torch.Tensor, name: str, tp_group: Any, tp_size: int) -> torch.Tensor:
+    """The full tensor from every tensor-parallel rank's slice (collective over ``tp_group``)."""
+    if tp_size == 1 or not getattr(param, "tensor_model_parallel", False):
+        return local
+    parts = [torch.empty_like(local) for _ in range(tp_size)]
+    dist.all_gather(parts, local.contiguous(), group=tp_group)
+    if _is_gated_fc1(name):
+        gates, ups = zip(*(torch.chunk(p, 2, 0) for p in parts))
+        return torch.cat([torch.cat(gates, 0), torch.cat(ups, 0)], 0)
+    return torch.cat(parts, dim=param.partition_dim)
+
+
+@torch.no_grad()
+def load_full_state(model: Any, full: dict[str, torch.Tensor], tp_rank: int, tp_size: int,
+                    tied: bool) -> None:
+    """Copy canonical full tensors into this rank's parameters; every parameter must be covered."""
+    params = canonical_param_names(model)
+    for canon, (name, param) in params.items():
+        source = canon
+        if canon == "output_layer.weight" and tied:
+            source = "embedding.word_embeddings.weight"
+        if source not in full:
+            raise KeyError(f"converted checkpoint has no tensor for '{canon}'")
+        piece = shard(full[source], param, canon, tp_rank, tp_size)
+        if tuple(piece.shape) != tuple(param.shape):
+            raise ValueError(f"shape mismatch for '{canon}': checkpoint {tuple(piece.shape)} vs model "
+                             f"{tuple(param.shape)}")
+        param.copy_(piece.to(param.dtype))
+
+
+@torch.no_grad()
+def iter_full_tensors(model: Any, shapes: dict[str, tuple[int, ...]], *, tp_group: Any, tp_size: int,
+                      pp_group: Any, pp_size: int, pp_rank: int, dtype: torch.dtype
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield every canonical tensor in full on every rank, in the order of ``shapes``. Collective."""
+    local = canonical_param_names(model)
+    owners = _stage_owners(model, shapes, pp_group, pp_size, pp_rank)
+    for canon, shape in shapes.items():
+        owner = owners[canon]
+        if owner == pp_rank:
+            name, param = local[canon]
+            full = unshard(param.data, param, canon, tp_group, tp_size)
+            # never hand out a live parameter: the consumer may keep it while training goes on
+            full = full.to(dtype=dtype, copy=full.data_ptr() == param.data.data_ptr())
+        else:
+            full = torch.empty(shape, dtype=dtype)
+        if pp_size > 1:
+            src = dist.get_global_rank(pp_group, owner)
+            full = full.contiguous()
+            dist.broadcast(full, src=src, group=pp_group)
+        yield canon, full
+
+
+def _stage_owners(model: Any, shapes: dict[str, tuple[int, ...]], pp_group: Any, pp_size: int,
+                  pp_rank: int) -> dict[str, int]:
+    """Which pipeline stage holds each canonical tensor (the embedding's first holder wins)."""
+    mine = set(canonical_param_names(model))
+    flags = torch.tensor([[1 if n in mine else 0 for n in shapes]], dtype=torch.int64)
+    if pp_size > 1:
+        gathered = [torch.zeros_like(flags) for _ in range(pp_size)]
+        dist.all_gather(gathered, flags, group=pp_group)
+        table = torch.cat(gathered, 0)
+    else:
+        table = flags
+    owners: dict[str, int] = {}
+    for j, name in enumerate(shapes):
+        holders = torch.nonzero(table[:, j]).flatten().tolist()
+        if not holders:
+            raise KeyError(f"no pipeline stage holds '{name}'")
+        owners[name] = holders[0]
+    return owners

@@ -1,0 +1,397 @@
+"""``MegatronPolicyWorker``: one rank of the Megatron-Core training backend.
+
+Built as ``MegatronPolicyWorker(config, rank, world_size)`` with the whole validated nrl config
+(a plain dict). It starts torch.distributed if nobody did (a world on gloo without CUDA), creates
+Megatron's parallel groups, converts the HF checkpoint once (see ``checkpoint_dir``), builds the
+``GPTModel`` stage of this rank, wraps it in Megatron's DDP and builds Megatron's optimizer and
+scheduler. The driver hands every rank the *full* global batch; each rank takes its
+data-parallel shard and all ranks of a pipeline run the same micro-batches.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from functools import partial
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+import torch
+import torch.distributed as dist
+
+from nrl_core.contracts import CheckpointOptions, LossFunction, TokenBatch, WeightSpec
+from nrl_core.errors import ConfigError, NrlError
+
+from nrl_backend_megatron import cpu_shim
+from nrl_backend_megatron.batching import MicroBatch, packed_micro_batches, padded_micro_batches, token_logprobs
+from nrl_backend_megatron.checkpoint_dir import Conversion, converted_dir, ensure_converted, identity
+from nrl_backend_megatron.convert import canonical_shapes, family_of, hf_to_megatron, megatron_to_hf_items
+from nrl_backend_megatron.model import DTYPES, ParallelLayout, build_gpt_model, transformer_config
+from nrl_backend_megatron.optim import build_optimizer, optimizer_step
+from nrl_backend_megatron.parallel import check_layout, ensure_process_group, init_model_parallel
+from nrl_backend_megatron.weights import iter_full_tensors, load_full_state
+
+logger = logging.getLogger(__name__)
+
+MEGATRON_LOGGERS = ("megatron", "megatron.core")
+
+
+def set_megatron_logging(level: int | str) -> int:
+    """Apply ``logging_level`` to Megatron-Core's loggers; returns the numeric level."""
+    numeric = logging.getLevelName(level.upper()) if isinstance(level, str) else int(level)
+    if not isinstance(numeric, int):
+        raise ConfigError("policy.megatron_cfg.logging_level", f"unknown logging level {level!r}")
+    for name in MEGATRON_LOGGERS:
+        logging.getLogger(name).setLevel(numeric)
+    return numeric
+
+
+def _load_hf_state(path: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise NrlError(f"no *.safetensors files in {path}; the Megatron backend converts safetensors checkpoints")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    return state
+
+
+def _resolve_model_path(name: str) -> str:
+    if os.path.isdir(name):
+        return name
+    from huggingface_hub import snapshot_download
+
+    return snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"])
+
+
+class MegatronPolicyWorker:
+    """One rank of the Megatron-Core backend (see the module docstring)."""
+
+    def __init__(self, config: Mapping[str, Any], rank: int = 0, world_size: int = 1) -> None:
+        cpu_shim.install()
+        from transformers import AutoConfig
+
+        self.config = dict(config)
+        policy = self.config["policy"]
+        self.policy = policy
+        self.cfg = dict(policy["megatron_cfg"])
+        set_megatron_logging(self.cfg.get("logging_level", logging.INFO))
+        if policy.get("optimizer"):
+            logger.warning("policy.optimizer is ignored by the Megatron backend; configure "
+                           "policy.megatron_cfg.optimizer and policy.megatron_cfg.scheduler instead")
+        self.model_name = str(policy["model_name"])
+        self.model_path = _resolve_model_path(self.model_name)
+        self.overrides = dict(policy.get("hf_config_overrides") or {})
+        hf_config = AutoConfig.from_pretrained(self.model_path,
+                                               trust_remote_code=bool(policy.get("trust_remote_code", False)))
+        for key, value in self.overrides.items():
+            setattr(hf_config, key, value)
+        family_of(hf_config)
+        self.hf_config = hf_config
+        self.layout = ParallelLayout(tp=int(self.cfg["tensor_model_parallel_size"]),
+                                     pp=int(self.cfg["pipeline_model_parallel_size"]),
+                                     cp=int(self.cfg["context_parallel_size"]),
+                                     sequence_parallel=bool(self.cfg["sequence_parallel"]))
+        check_layout(self.layout, world_size, hf_config)
+        timeout = self.cfg.get("distributed_timeout_minutes")
+        self.started_process_group = ensure_process_group(rank, world_size, timeout)
+        init_model_parallel(self.layout, timeout)
+        self._groups()
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.model_parallel_cuda_manual_seed(int(policy.get("seed", 42) or 42))
+        self.conversion = self._convert()
+        self._build()
+        self.step = 0
+
+    # ------------------------------------------------------------------ setup
+    def _groups(self) -> None:
+        from megatron.core import parallel_state as ps
+
+        self.tp_group, self.tp_rank = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_rank()
+        self.pp_group, self.pp_rank = ps.get_pipeline_model_parallel_group(), ps.get_pipeline_model_parallel_rank()
+        self.dp_group = ps.get_data_parallel_group(with_context_parallel=True)
+        self.dp_rank = ps.get_data_parallel_rank(with_context_parallel=True)
+        self.dp_size = ps.get_data_parallel_world_size(with_context_parallel=True)
+        self.is_first_stage, self.is_last_stage = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
+
+    def _convert(self) -> Conversion:
+        """The one-time HF → Megatron conversion, shared by all ranks and runs (see checkpoint_dir)."""
+        target = converted_dir(self.model_name, self.overrides)
+        expected = identity(self.model_name, self.hf_config.to_dict(), self.overrides)
+        shapes = canonical_shapes(self.hf_config)
+        force = bool(self.cfg["force_reconvert_from_hf"])
+        result = None
+        # Rank 0 converts (under the file lock); the others wait, then verify and reuse.
+        if dist.get_rank() == 0:
+            result = ensure_converted(target, expected, shapes, self._write_conversion, force=force)
+        dist.barrier()
+        if result is None:
+            result = ensure_converted(target, expected, shapes, self._write_conversion, force=False)
+        return result
+
+    def _write_conversion(self, out: Path) -> None:
+        from safetensors.torch import save_file
+
+        state = hf_to_megatron(_load_hf_state(self.model_path), self.hf_config)
+        save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"),
+                  metadata={"format": "pt", "source": self.model_name})
+
+    def _build(self) -> None:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, \
+            finalize_model_grads
+        from safetensors.torch import load_file
+
+        precision = str(self.policy.get("precision", "float32"))
+        if precision not in DTYPES:
+            raise ConfigError("policy.precision", f"must be one of {', '.join(DTYPES)}, got {precision!r}")
+        dtype = DTYPES[precision]
+        pipeline_dtype = DTYPES[self.cfg["pipeline_dtype"]] if self.cfg.get("pipeline_dtype") else None
+        self.tconfig = transformer_config(
+            self.hf_config, self.layout, params_dtype=dtype, pipeline_dtype=pipeline_dtype,
+            activation_checkpointing=bool(self.cfg["activation_checkpointing"]),
+            bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16)
+        self.hf_config_dropout()
+        model = build_gpt_model(self.hf_config, self.tconfig, pre_process=self.is_first_stage,
+                                post_process=self.is_last_stage)
+        full = load_file(str(self.conversion.path / "model.safetensors"))
+        load_full_state(model, full, self.tp_rank, self.layout.tp, bool(self.hf_config.tie_word_embeddings))
+        del full
+        self.model = model
+        ddp_section = self.cfg["distributed_data_parallel_config"]
+        opt_section = self.cfg["optimizer"]
+        if ddp_section["overlap_param_gather"] and not opt_section["use_distributed_optimizer"]:
+            raise ConfigError("policy.megatron_cfg.distributed_data_parallel_config.overlap_param_gather",
+                              "needs policy.megatron_cfg.optimizer.use_distributed_optimizer: true")
+        self.ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=ddp_section["grad_reduce_in_fp32"],
+            overlap_grad_reduce=ddp_section["overlap_grad_reduce"],
+            overlap_param_gather=ddp_section["overlap_param_gather"],
+            average_in_collective=ddp_section["average_in_collective"],
+            use_distributed_optimizer=opt_section["use_distributed_optimizer"],
+            check_for_nan_in_grad=bool(self.cfg.get("check_for_nan_in_grad", True)),
+        )
+        self.ddp = DistributedDataParallel(config=self.tconfig, ddp_config=self.ddp_config, module=model)
+        self.tconfig.finalize_model_grads_func = finalize_model_grads
+        self.tconfig.no_sync_func = self.ddp.no_sync
+        self.opt = build_optimizer([self.ddp], self.cfg, precision)
+        if dtype != torch.float32:
+            self.tconfig.grad_scale_func = self.opt.optimizer.scale_loss
+        self.reference = {n: p.detach().clone() for n, p in model.named_parameters()}
+        from nrl_backend_megatron.ckpt_io import CheckpointIO, register_exit_finalizer
+
+        self.ckpt = CheckpointIO({"model_name": self.model_name, "tp": self.layout.tp, "pp": self.layout.pp,
+                                  "config_sha": identity(self.model_name, self.hf_config.to_dict(),
+                                                         self.overrides)["config_sha"]})
+        register_exit_finalizer(self.finalize_checkpoint)
+
+    def hf_config_dropout(self) -> None:
+        """HF's ``attention_dropout`` is Megatron's ``attention_dropout`` (0 for released models)."""
+        self.tconfig.attention_dropout = float(getattr(self.hf_config, "attention_dropout", 0.0) or 0.0)
+
+    # ------------------------------------------------------------------ forward
+    def _micro_batches(self, batch: TokenBatch, *, train: bool) -> list[MicroBatch]:
+        shard = batch.shard(self.dp_rank, self.dp_size)
+        shard.fields["__row__"] = torch.arange(shard.size)  # where each row's results go back
+        packing = self.policy.get("sequence_packing") or {}
+        if packing.get("enabled"):
+            tokens = packing.get("train_mb_tokens" if train else "logprob_mb_tokens") or \
+                self.policy["max_total_sequence_length"]
+            return packed_micro_batches(shard, int(tokens), int(packing.get("sequence_length_round") or 1),
+                                        self.dp_group)
+        size = self.policy.get("train_micro_batch_size" if train else "logprob_batch_size") or 1
+        return padded_micro_batches(shard, min(int(size), max(shard.size, 1)))
+
+    def _run(self, mbs: list[MicroBatch], loss_of: Any, *, forward_only: bool) -> list[Any]:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def forward_step(data_iterator: Iterator[MicroBatch], model: Any) -> tuple[torch.Tensor, Any]:
+            mb = next(data_iterator)
+            out = model(mb.input_ids, mb.position_ids, None, packed_seq_params=mb.packed)
+            return out, partial(loss_of, mb)
+
+        seq = int(mbs[0].input_ids.shape[1])
+        rows = int(mbs[0].input_ids.shape[0])
+        return get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(mbs), model=[self.ddp], num_microbatches=len(mbs),
+            seq_length=seq, micro_batch_size=rows, forward_only=forward_only)
+
+    def train(self, batch: TokenBatch, loss_fn: LossFunction) -> dict[str, float]:
+        """One optimizer step on the global batch; metrics summed over micro-batches and ranks."""
+        mask = batch.fields["token_mask"]
+        global_tokens = float(mask.sum())
+        global_seqs = float((mask.sum(dim=1) > 0).sum())
+        mbs = self._micro_batches(batch, train=True)
+        scale = float(len(mbs) * self.dp_size)  # undo Megatron's 1/num_microbatches and DDP's 1/dp
+
+        def loss_of(mb: MicroBatch, output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            logprobs = mb.row_logprobs(token_logprobs(output, mb.input_ids))
+            loss, metrics = loss_fn(logprobs, mb.rows, global_valid_tokens=global_tokens,
+                                    global_valid_seqs=global_seqs)
+            return loss * scale, {k: torch.tensor(float(v)) for k, v in metrics.items()}
+
+        self.ddp.train()
+        self.ddp.zero_grad_buffer()
+        self.opt.optimizer.zero_grad()
+        try:
+            reported = self._run(mbs, loss_of, forward_only=False)
+        except RuntimeError as exc:
+            if "nan" in str(exc).lower() or "inf" in str(exc).lower():
+                raise NrlError(f"NaN/Inf in gradients at step {self.step + 1} (policy.megatron_cfg."
+                               f"check_for_nan_in_grad): {str(exc).splitlines()[0][:200]}") from exc
+            raise
+        updated, grad_norm = optimizer_step(self.opt)
+        if updated:
+            self.opt.scheduler.step(increment=1)
+        self.step += 1
+        metrics = self._reduce_metrics(reported)
+        metrics.update(grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
+                       lr=float(self.opt.optimizer.param_groups[0]["lr"]), updated=float(updated))
+        return metrics
+
+    def _reduce_metrics(self, reported: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+        names = sorted({k for r in reported for k in r})
+        # Every rank must agree on the names: take them from the last pipeline stage.
+        names_obj = [names]
+        if self.layout.pp > 1:
+            dist.broadcast_object_list(names_obj, src=dist.get_global_rank(self.pp_group, self.layout.pp - 1),
+                                       group=self.pp_group)
+        names = names_obj[0]
+        values = torch.tensor([sum(float(r[k]) for r in reported if k in r) for k in names] if self.is_last_stage
+                              else [0.0] * len(names), dtype=torch.float64)
+        if self.layout.pp > 1:
+            dist.broadcast(values, src=dist.get_global_rank(self.pp_group, self.layout.pp - 1), group=self.pp_group)
+        if self.dp_size > 1:
+            dist.all_reduce(values, group=self.dp_group)
+        return {k: float(v) for k, v in zip(names, values.tolist())}
+
+    @torch.no_grad()
+    def get_logprobs(self, batch: TokenBatch) -> torch.Tensor:
+        """``[B, T]`` float32 logprobs of the full batch, identical on every rank."""
+        mbs = self._micro_batches(batch, train=False)
+        collected: list[torch.Tensor] = []
+
+        def loss_of(mb: MicroBatch, output: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+            collected.append(mb.row_logprobs(token_logprobs(output, mb.input_ids)).float())
+            return output.new_zeros(()), {}
+
+        self.ddp.eval()
+        self._run(mbs, loss_of, forward_only=True)
+        self.ddp.train()
+        width = int(batch.input_ids.shape[1])
+        shard_rows = batch.size // self.dp_size
+        local = torch.zeros(shard_rows, width)
+        if self.is_last_stage:
+            for mb, rows in zip(mbs, collected):
+                local[self._row_ids(mb), : rows.shape[1]] = rows
+        if self.layout.pp > 1:
+            dist.broadcast(local, src=dist.get_global_rank(self.pp_group, self.layout.pp - 1), group=self.pp_group)
+        if self.dp_size == 1:
+            return local
+        parts = [torch.empty_like(local) for _ in range(self.dp_size)]
+        dist.all_gather(parts, local, group=self.dp_group)
+        out = torch.empty(batch.size, width)
+        for r, part in enumerate(parts):
+            out[r::self.dp_size] = part
+        return out
+
+    @staticmethod
+    def _row_ids(mb: MicroBatch) -> list[int]:
+        return mb.rows.fields["__row__"].tolist()
+
+    def get_reference_logprobs(self, batch: TokenBatch) -> torch.Tensor:
+        """Logprobs under the initial weights: swap them in, compute, swap back."""
+        current = {n: p.detach().clone() for n, p in self.model.named_parameters()}
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for n, p in params.items():
+                p.copy_(self.reference[n])
+        try:
+            return self.get_logprobs(batch)
+        finally:
+            with torch.no_grad():
+                for n, p in params.items():
+                    p.copy_(current[n])
+
+    # ------------------------------------------------------------------ weights out
+    def _full_megatron(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter_full_tensors(self.model, canonical_shapes(self.hf_config), tp_group=self.tp_group,
+                                 tp_size=self.layout.tp, pp_group=self.pp_group, pp_size=self.layout.pp,
+                                 pp_rank=self.pp_rank, dtype=dtype)
+
+    def weight_manifest(self, dtype: str) -> list[WeightSpec]:
+        """Every HF-named weight ``export_weights`` yields, full shapes, in order."""
+        specs = []
+        for name, shape in canonical_shapes(self.hf_config).items():
+            meta = torch.empty(shape, device="meta")
+            for hf_name, t in megatron_to_hf_items(name, meta, self.hf_config):
+                specs.append(WeightSpec(name=hf_name, shape=tuple(t.shape), dtype=dtype))
+        return specs
+
+    def export_weights(self, bucket_bytes: int, dtype: str) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Full HF tensors (gathered over TP, broadcast over PP) in buckets of <= ``bucket_bytes``."""
+        bucket: list[tuple[str, torch.Tensor]] = []
+        size = 0
+        for name, full in self._full_megatron(getattr(torch, dtype)):
+            for hf_name, tensor in megatron_to_hf_items(name, full, self.hf_config):
+                nbytes = tensor.numel() * tensor.element_size()
+                if bucket and size + nbytes > bucket_bytes:
+                    yield bucket
+                    bucket, size = [], 0
+                bucket.append((hf_name, tensor))
+                size += nbytes
+        if bucket:
+            yield bucket
+
+    def export_hf(self, path: str) -> None:
+        """A ``save_pretrained``-compatible directory (rank 0 writes). Collective."""
+        from safetensors.torch import save_file
+        from transformers import AutoTokenizer
+
+        dtype = str(self.policy.get("precision", "float32"))
+        state = {n: t.contiguous() for bucket in self.export_weights(1 << 62, dtype) for n, t in bucket}
+        if dist.get_rank() == 0:
+            out = Path(path)
+            out.mkdir(parents=True, exist_ok=True)
+            save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+            self.hf_config.save_pretrained(str(out))
+            try:
+                AutoTokenizer.from_pretrained(self.model_path).save_pretrained(str(out))
+            except Exception as exc:  # noqa: BLE001 - a model without a tokenizer still exports
+                logger.warning("tokenizer not exported: %s", exc)
+        dist.barrier()
+
+    # ------------------------------------------------------------------ checkpoints
+    def _sharded_state(self, is_loading: bool) -> dict[str, Any]:
+        from nrl_backend_megatron.ckpt_io import rng_sharded_object, rng_state
+
+        model_sd = self.model.sharded_state_dict()
+        return {"model": model_sd,
+                "optimizer": self.opt.optimizer.sharded_state_dict(model_sd, is_loading=is_loading),
+                "rng_state": rng_sharded_object("rng_state", rng_state())}
+
+    def save_checkpoint(self, path: str, options: CheckpointOptions | None = None) -> None:
+        """Model, optimizer, scheduler, step and RNG via ``dist_checkpointing`` (see ckpt_io)."""
+        options = options or CheckpointOptions.from_section(self.cfg)
+        common = {"scheduler": self.opt.scheduler.state_dict(), "step": self.step}
+        self.ckpt.save(path, options, self._sharded_state(is_loading=False), common)
+
+    def load_checkpoint(self, path: str, options: CheckpointOptions | None = None) -> None:
+        """Restore what :meth:`save_checkpoint` wrote; RNG only with ``options.load_rng``."""
+        from nrl_backend_megatron.ckpt_io import set_rng_state
+
+        options = options or CheckpointOptions.from_section(self.cfg)
+        state = self.ckpt.load(path, options, self._sharded_state(is_loading=True))
+        self.model.load_state_dict(state["model"])
+        self.opt.optimizer.load_state_dict(state["optimizer"])
+        self.opt.scheduler.load_state_dict(state["scheduler"])
+        self.step = int(state["step"])
+        if options.load_rng:
+            set_rng_state(state["rng_state"])
+
+    def finalize_checkpoint(self) -> None:
+        """Wait for an asynchronous save to be written and finalized (also runs at exit)."""
+        if getattr(self, "ckpt", None) is not None and dist.is_initialized():
+            self.ckpt.finalize()

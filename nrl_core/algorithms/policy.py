@@ -1,0 +1,81 @@
+"""``Policy``: the driver's handle on the training backend's worker group.
+
+Algorithms call these methods and never see ranks: every rank receives the whole global batch
+and takes its own data-parallel shard (a backend knows its parallel layout; the driver does not),
+results come back from rank 0, already reduced or gathered by the backend.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping
+
+import torch
+
+from nrl_core.cluster import WorkerGroup, make_placement
+from nrl_core.cluster.placement import Placement
+from nrl_core.contracts import CheckpointOptions, LossFunction, TokenBatch, TrainingBackendSpec
+from nrl_core.plugins import get_plugin_manager
+
+logger = logging.getLogger(__name__)
+
+
+def _save(worker: Any, path: str, options: CheckpointOptions) -> None:
+    get_plugin_manager().checkpoint_save(worker, path, options)
+
+
+def _load(worker: Any, path: str, options: CheckpointOptions) -> None:
+    get_plugin_manager().checkpoint_load(worker, path, options)
+
+
+class Policy:
+    """The training workers of ``spec`` (one per rank of ``cluster.gpus_per_node x num_nodes``)."""
+
+    def __init__(self, config: Mapping[str, Any], spec: TrainingBackendSpec, *, colocated_generation: bool) -> None:
+        cluster = config["cluster"]
+        self.spec = spec
+        self.world_size = int(cluster["gpus_per_node"]) * int(cluster["num_nodes"])
+        self.checkpoint_options = CheckpointOptions.from_section(config["policy"][spec.config_key])
+        self.placement: Placement = make_placement(cluster, self.world_size, name="policy",
+                                                   max_colocated_groups=2 if colocated_generation else 1)
+        self.group = WorkerGroup(spec.worker, self.world_size, name=f"policy-{spec.name}",
+                                 init_kwargs={"config": dict(config)}, placement=self.placement,
+                                 env_vars=dict(cluster.get("env_vars") or {}))
+
+    # ------------------------------------------------------------------ compute
+
+    def train(self, batch: TokenBatch, loss_fn: LossFunction) -> dict[str, float]:
+        return self.group.run_all("train", batch, loss_fn)[0]
+
+    def get_logprobs(self, batch: TokenBatch) -> torch.Tensor:
+        return self.group.run_all("get_logprobs", batch)[0]
+
+    def get_reference_logprobs(self, batch: TokenBatch) -> torch.Tensor:
+        return self.group.run_all("get_reference_logprobs", batch)[0]
+
+    # ------------------------------------------------------------------ state
+
+    def save_checkpoint(self, path: str) -> None:
+        """Each rank saves through ``nrl_checkpoint_save`` (the backend's plugin answers)."""
+        options = self.checkpoint_options
+        self.group.execute_all(lambda worker: _save(worker, path, options))
+
+    def load_checkpoint(self, path: str) -> None:
+        options = self.checkpoint_options
+        self.group.execute_all(lambda worker: _load(worker, path, options))
+
+    def finalize_checkpoint(self) -> None:
+        """Block until an asynchronous save has written every file."""
+        self.group.run_all("finalize_checkpoint")
+
+    def export_hf(self, path: str) -> None:
+        self.group.run_all("export_hf", path)
+
+    @property
+    def rank0(self) -> Any:
+        """The actor of rank 0: the refit source, and the host of a colocated generation engine."""
+        return self.group.actors[0]
+
+    def shutdown(self) -> None:
+        self.group.shutdown()
+        self.placement.remove()

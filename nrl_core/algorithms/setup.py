@@ -1,0 +1,103 @@
+"""What every algorithm builds before its loop: Ray, the policy and generation workers, data,
+environment, logger and checkpoints, and, when a complete checkpoint exists, the resumed state."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+import torch
+
+from nrl_core.checkpoint.manager import CheckpointManager
+from nrl_core.config import choose_backends
+from nrl_core.contracts import Environment, import_object
+from nrl_core.plugins import get_plugin_manager
+
+logger = logging.getLogger(__name__)
+
+
+class PhaseTimer:
+    """Wall-clock seconds per named phase of one step (``timing/<phase>`` metrics)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
+
+    def metrics(self) -> dict[str, float]:
+        return {f"timing/{k}": v for k, v in self.seconds.items()}
+
+
+def load_tokenizer(config: Mapping[str, Any]) -> Any:
+    from transformers import AutoTokenizer
+
+    from nrl_core.errors import NrlError
+
+    name = config["policy"]["tokenizer"]["name"]
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=config["policy"]["trust_remote_code"])
+    except (OSError, ValueError) as exc:
+        raise NrlError(f"policy.tokenizer.name: cannot load a tokenizer from '{name}' "
+                       f"({type(exc).__name__}); point it at a local Hugging Face model directory") from None
+    if config["policy"]["tokenizer"].get("chat_template"):
+        tokenizer.chat_template = config["policy"]["tokenizer"]["chat_template"]
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def build_environment(config: Mapping[str, Any]) -> Environment:
+    name = config["data"]["env_name"]
+    spec = get_plugin_manager().environments().get(name, "data.env_name")
+    section = (config.get("env") or {}).get(name)
+    if section is None:
+        section = spec.config_schema.validate({}, f"env.{name}")
+    return import_object(spec.environment)(section)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+    except ImportError:
+        pass
+
+
+@dataclass
+class RunState:
+    """What the driver itself saves in a checkpoint beside the backend's state."""
+
+    step: int = 0
+    dataloader: dict[str, Any] = field(default_factory=dict)
+    generation: list[dict[str, Any]] = field(default_factory=list)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def resume_point(checkpoints: CheckpointManager) -> tuple[Path | None, RunState]:
+    """The latest complete checkpoint and the driver state saved in it (or a fresh state)."""
+    latest = checkpoints.latest() if checkpoints.enabled else None
+    if latest is None:
+        return None, RunState()
+    info = checkpoints.load_info(latest)
+    state = RunState(step=int(info["step"]), dataloader=info.get("dataloader", {}),
+                     generation=info.get("generation", []), metrics=info.get("metrics", {}))
+    logger.info("resuming from %s (step %d)", latest, state.step)
+    return latest, state
+
+
+def backends(config: Mapping[str, Any]) -> Any:
+    return choose_backends(config)

@@ -1,0 +1,60 @@
+"""Supervised fine-tuning: negative log-likelihood of the responses, prompts masked out."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping, Sequence
+
+from nrl_core.algorithms.base import AlgorithmRun
+from nrl_core.algorithms.loss import NLLLoss
+from nrl_core.algorithms.setup import PhaseTimer, load_tokenizer
+from nrl_core.data import DatumSpec, prepare_data, sft_batch
+
+logger = logging.getLogger(__name__)
+
+
+class SFT(AlgorithmRun):
+    section = "sft"
+
+    def __init__(self, config: Mapping[str, Any]) -> None:
+        self.tokenizer = load_tokenizer(config)
+        data = prepare_data(config["data"], self.tokenizer, processor="sft",
+                            max_length=config["policy"]["max_total_sequence_length"])
+        self.val_data: list[DatumSpec] = data.val or []
+        self.loss_fn = NLLLoss()
+        super().__init__(config, batch_size=int(config["policy"]["train_global_batch_size"]), train_data=data.train)
+
+    def step(self, examples: Sequence[DatumSpec]) -> dict[str, float]:
+        timer = PhaseTimer()
+        batch = sft_batch(examples, self.tokenizer.pad_token_id)
+        with timer("training"):
+            metrics = self.policy.train(batch, self.loss_fn)
+        return {**{f"train/{k}": v for k, v in metrics.items()}, **timer.metrics()}
+
+    def validate(self) -> dict[str, float]:
+        """Mean response NLL over ``sft.val_batches`` batches of the validation set."""
+        if not self.val_data:
+            return {}
+        size = int(self.cfg["val_global_batch_size"])
+        total, tokens = 0.0, 0.0
+        for start in range(0, min(len(self.val_data), size * int(self.cfg["val_batches"])), size):
+            batch = sft_batch(self.val_data[start:start + size], self.tokenizer.pad_token_id)
+            logprobs = self.policy.get_logprobs(batch)
+            mask = batch.fields["token_mask"]
+            total -= float((logprobs * mask).sum())
+            tokens += float(mask.sum())
+        return {"val/loss": total / max(tokens, 1.0)}
+
+    def validation_due(self, step: int) -> bool:
+        return bool(self.val_data) and super().validation_due(step)
+
+
+def main(config: Mapping[str, Any]) -> int:
+    """``nrl train sft``."""
+    run = SFT(config)
+    try:
+        final = run.run()
+    finally:
+        run.close()
+    logger.info("SFT finished: %s", {k: round(v, 4) for k, v in final.items() if k.startswith(("val/", "train/loss"))})
+    return 0

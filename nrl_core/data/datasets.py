@@ -1,0 +1,207 @@
+"""Prompt–answer records read from local disk: JSONL files and Hugging Face ``datasets`` formats.
+
+Why our own JSONL reader: a training run that dies on line 48,213 of a data file should say so in
+one line (file and line number), not in a traceback from inside a JSON parser. The other formats
+(``.json``, ``.parquet``, ``.arrow`` files and ``save_to_disk`` directories) go through Hugging
+Face ``datasets``, always from local paths; nothing here touches the network.
+
+A record is a plain ``dict``; every record must carry the configured ``input_key`` (the prompt)
+and ``output_key`` (the ground truth, or the response for SFT). Problems are
+:class:`~nrl_core.errors.NrlError`\\ s whose message names the file and the line or row.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+from nrl_core.errors import ConfigError, NrlError
+
+__all__ = [
+    "DATASET_FORMATS",
+    "DataSplits",
+    "load_data_splits",
+    "load_records",
+    "read_jsonl",
+    "register_generator",
+    "write_jsonl",
+]
+
+Record = dict[str, Any]
+
+#: File suffix → the ``datasets`` builder that reads it (JSONL has its own reader, see above).
+DATASET_FORMATS: dict[str, str] = {".json": "json", ".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
+
+#: Built-in dataset generators selectable as ``data.dataset_name``; each takes the
+#: ``data.generate`` mapping as keyword arguments and returns (train, val) records.
+_GENERATORS: dict[str, Callable[..., tuple[list[Record], list[Record]]]] = {}
+
+
+def register_generator(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorator: make a ``(**kwargs) -> (train, val)`` function selectable as ``data.dataset_name``."""
+
+    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+        _GENERATORS[name] = fn
+        return fn
+
+    return wrap
+
+
+def read_jsonl(path: str | os.PathLike[str]) -> list[Record]:
+    """Every object of a JSON Lines file; blank lines are skipped.
+
+    A line that is not a JSON object is an ``NrlError`` naming the file and its 1-based line number.
+    """
+    return [record for _, record in _read_jsonl_numbered(Path(path))]
+
+
+def _read_jsonl_numbered(p: Path) -> list[tuple[int, Record]]:
+    records: list[tuple[int, Record]] = []
+    try:
+        with p.open("r", encoding="utf-8") as f:
+            for lineno, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise NrlError(f"{p}:{lineno}: malformed JSON line ({exc.msg} at column {exc.colno}); "
+                                   "each line must be one JSON object") from None
+                if not isinstance(obj, dict):
+                    raise NrlError(f"{p}:{lineno}: expected a JSON object per line, got {type(obj).__name__}")
+                records.append((lineno, obj))
+    except UnicodeDecodeError as exc:
+        raise NrlError(f"{p}: not UTF-8 text ({exc.reason}); is it really a JSONL file?") from None
+    except OSError as exc:
+        raise NrlError(f"{p}: cannot read ({exc.strerror})") from None
+    return records
+
+
+def write_jsonl(records: Sequence[Mapping[str, Any]], path: str | os.PathLike[str]) -> Path:
+    """Write ``records`` as JSON Lines (parent directories created); returns the path."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(p.name + ".tmp")
+    with tmp.open("w", encoding="utf-8") as f:
+        for record in records:
+            f.write(json.dumps(dict(record), ensure_ascii=False) + "\n")
+    tmp.replace(p)  # a reader never sees a half-written file
+    return p
+
+
+def _load_hf(path: Path, split: str) -> list[Record]:
+    """Read a ``save_to_disk`` directory or a json/parquet/arrow/csv file through ``datasets``."""
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    import datasets
+
+    datasets.utils.logging.disable_progress_bar()
+    datasets.utils.logging.set_verbosity_error()
+    try:
+        if path.is_dir():
+            loaded = datasets.load_from_disk(str(path))
+        else:
+            builder = DATASET_FORMATS[path.suffix.lower()]
+            loaded = datasets.load_dataset(builder, data_files=str(path), split="train")
+    except NrlError:
+        raise
+    except Exception as exc:  # datasets raises many types; the user needs the file and the reason
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise NrlError(f"{path}: cannot be read as a dataset ({type(exc).__name__}: {reason})") from None
+    if isinstance(loaded, datasets.DatasetDict):
+        if split not in loaded:
+            raise NrlError(f"{path}: dataset has no split '{split}' (splits: {', '.join(loaded)})")
+        loaded = loaded[split]
+    return [dict(row) for row in loaded]
+
+
+def load_records(
+    path: str | os.PathLike[str],
+    *,
+    input_key: str = "problem",
+    output_key: str = "expected_answer",
+    split: str = "train",
+) -> list[Record]:
+    """Load and check prompt–answer records from a local file or ``save_to_disk`` directory.
+
+    ``.jsonl`` files use :func:`read_jsonl`; ``.json``, ``.parquet``, ``.arrow`` and ``.csv`` files
+    and directories written by ``Dataset.save_to_disk`` use Hugging Face ``datasets`` (``split``
+    picks the split of a saved ``DatasetDict``). Every record must have ``input_key`` and
+    ``output_key`` with non-null values; a dataset with no records is an error.
+    """
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise NrlError(f"{p}: no such file or directory; check the data path (or generate the data first)")
+    suffix = p.suffix.lower()
+    if p.is_dir():
+        if not ((p / "dataset_info.json").exists() or (p / "dataset_dict.json").exists()):
+            raise NrlError(f"{p}: directory is not a dataset saved with save_to_disk; point at a data file instead")
+        numbered = [(f"{p} row {i}", r) for i, r in enumerate(_load_hf(p, split))]
+    elif suffix == ".jsonl":
+        numbered = [(f"{p}:{line}", r) for line, r in _read_jsonl_numbered(p)]
+    elif suffix in DATASET_FORMATS:
+        numbered = [(f"{p} row {i}", r) for i, r in enumerate(_load_hf(p, split))]
+    else:
+        known = ", ".join([".jsonl", *DATASET_FORMATS])
+        raise NrlError(f"{p}: unknown data file type '{suffix or '(none)'}'; use one of {known}")
+    if not numbered:
+        raise NrlError(f"{p}: dataset is empty; it needs at least one record with '{input_key}' and '{output_key}'")
+    for where, record in numbered:
+        for key in (input_key, output_key):
+            if record.get(key) is None:
+                present = ", ".join(sorted(k for k in record)) or "none"
+                raise NrlError(f"{where}: record has no '{key}' (keys: {present}); "
+                               f"fix the data or set data.{'input_key' if key == input_key else 'output_key'}")
+    return [record for _, record in numbered]
+
+
+@dataclass(frozen=True)
+class DataSplits:
+    """The records of a run: ``train`` always, ``val`` when the config provides validation data."""
+
+    train: list[Record]
+    val: list[Record] | None
+    source: str
+
+
+def load_data_splits(data_cfg: Mapping[str, Any]) -> DataSplits:
+    """Records for the validated ``data`` config section.
+
+    * ``train_data_path`` (and optionally ``val_data_path``): local files or dataset directories;
+    * else ``dataset_name``: a built-in generator (``arithmetic``, arguments from ``data.generate``)
+      or a local path, read like ``train_data_path``.
+    """
+    input_key = data_cfg.get("input_key") or "problem"
+    output_key = data_cfg.get("output_key") or "expected_answer"
+    keys = dict(input_key=input_key, output_key=output_key)
+    train_path, val_path = data_cfg.get("train_data_path"), data_cfg.get("val_data_path")
+    name = data_cfg.get("dataset_name")
+    if train_path:
+        train = load_records(train_path, **keys)
+        val = load_records(val_path, **keys) if val_path else None
+        return DataSplits(train=train, val=val, source=str(train_path))
+    if name and name in _available_generators():
+        kwargs = dict(data_cfg.get("generate") or {})
+        try:
+            train, val = _GENERATORS[name](**kwargs)
+        except TypeError as exc:
+            raise ConfigError("data.generate", f"bad arguments for the '{name}' generator: {exc}") from None
+        if val_path:
+            val = load_records(val_path, **keys)
+        return DataSplits(train=train, val=val or None, source=f"generator:{name}")
+    if name:
+        if Path(name).expanduser().exists():
+            return DataSplits(train=load_records(name, **keys),
+                              val=load_records(val_path, **keys) if val_path else None, source=name)
+        generators = ", ".join(sorted(_available_generators())) or "none"
+        raise ConfigError("data.dataset_name", f"'{name}' is neither a local file nor a built-in generator "
+                                               f"(generators: {generators}); set data.train_data_path to a local file")
+    raise ConfigError("data", "no training data; set data.train_data_path or data.dataset_name")
+
+
+def _available_generators() -> dict[str, Callable[..., Any]]:
+    import nrl_core.data.arithmetic  # noqa: F401  (registers itself)
+
+    return _GENERATORS

@@ -1,0 +1,243 @@
+"""Turning records into tokenized prompts (GRPO) and prompt–response pairs (SFT).
+
+A *processor* maps one record to a :class:`DatumSpec`; processors are chosen by name
+(``data.processor``) from a small registry, ``math`` for prompt–answer problems and ``sft`` for
+prompt–response pairs. The prompt text is built the same way for both, so a model warm-started
+with SFT sees exactly the prompts GRPO will give it:
+
+1. the record's ``input_key`` is put into the prompt template (``data.prompt_file``, a text file
+   with one ``{}`` placeholder, NeMo RL's ``cot.txt`` style), or used as it is;
+2. an optional system prompt (``data.system_prompt_file``) comes first;
+3. with ``data.use_chat_template`` the tokenizer's chat template renders them as a conversation
+   with the generation prompt appended; otherwise the text is tokenized as it is.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+from nrl_core.errors import ConfigError, NrlError
+
+__all__ = ["DatumSpec", "PreparedData", "PromptConfig", "Processor", "build_prompt", "get_processor",
+           "math_processor", "prepare_data", "process_records", "register_processor", "sft_processor"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True)
+class DatumSpec:
+    """One tokenized example.
+
+    ``prompt_ids`` are what a generation engine is given; ``metadata`` is handed to the
+    environment with the response (``{"ground_truth": "19"}`` for math). SFT examples also carry
+    ``response_ids`` (ending with the end-of-sequence token when the template emits one);
+    ``input_ids`` and ``token_mask`` are then the full sequence and its response-only loss mask.
+    """
+
+    idx: int
+    prompt_text: str
+    prompt_ids: list[int]
+    metadata: dict[str, Any] = field(default_factory=dict)
+    response_text: str = ""
+    response_ids: list[int] = field(default_factory=list)
+
+    @property
+    def input_ids(self) -> list[int]:
+        return self.prompt_ids + self.response_ids
+
+    @property
+    def token_mask(self) -> list[int]:
+        """1 on response tokens (the ones an SFT loss counts), 0 on prompt tokens."""
+        return [0] * len(self.prompt_ids) + [1] * len(self.response_ids)
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt_ids) + len(self.response_ids)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PromptConfig:
+    """How records become prompts: the ``data`` section's prompt settings, files already read."""
+
+    input_key: str = "problem"
+    output_key: str = "expected_answer"
+    template: str | None = None
+    system_prompt: str | None = None
+    use_chat_template: bool = True
+    max_input_seq_length: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.template is not None and "{}" not in self.template:
+            raise ConfigError("data.prompt_file", "the prompt template has no '{}' placeholder for the problem; add one")
+        if self.max_input_seq_length is not None and self.max_input_seq_length < 1:
+            raise ConfigError("data.max_input_seq_length", f"must be >= 1, got {self.max_input_seq_length}")
+
+    @classmethod
+    def from_data_config(cls, data_cfg: Mapping[str, Any]) -> "PromptConfig":
+        """Build from the validated ``data`` section, reading ``prompt_file`` and ``system_prompt_file``."""
+        return cls(
+            input_key=data_cfg.get("input_key") or "problem",
+            output_key=data_cfg.get("output_key") or "expected_answer",
+            template=_read_text(data_cfg.get("prompt_file"), "data.prompt_file"),
+            system_prompt=_read_text(data_cfg.get("system_prompt_file"), "data.system_prompt_file"),
+            use_chat_template=bool(data_cfg.get("use_chat_template", True)),
+            max_input_seq_length=data_cfg.get("max_input_seq_length"),
+        )
+
+    def user_content(self, problem: str) -> str:
+        # str.replace, not str.format: templates (and problems) may contain other braces, e.g. LaTeX.
+        return self.template.replace("{}", problem, 1) if self.template is not None else problem
+
+
+def _read_text(path: str | None, key_path: str) -> str | None:
+    if not path:
+        return None
+    p = Path(path).expanduser()
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(key_path, f"cannot read '{p}' ({exc.strerror}); fix the path or set it to null") from None
+    return text.rstrip("\n")
+
+
+def _messages(problem: str, cfg: PromptConfig) -> list[dict[str, str]]:
+    messages = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
+    return messages + [{"role": "user", "content": cfg.user_content(problem)}]
+
+
+def _chat_text(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConfigError("data.use_chat_template", "the tokenizer has no chat template; set "
+                                                    "data.use_chat_template: false or policy.tokenizer.chat_template")
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def build_prompt(problem: str, tokenizer: Any, cfg: PromptConfig) -> tuple[str, list[int]]:
+    """The prompt text and token ids for ``problem`` (steps 1–3 of the module docstring)."""
+    if cfg.use_chat_template:
+        text = _chat_text(tokenizer, _messages(problem, cfg), add_generation_prompt=True)
+        return text, list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    text = cfg.user_content(problem)
+    if cfg.system_prompt:
+        text = f"{cfg.system_prompt}\n{text}"
+    return text, list(tokenizer(text, add_special_tokens=True)["input_ids"])
+
+
+Processor = Callable[[Mapping[str, Any], int, Any, PromptConfig], DatumSpec]
+"""``(record, index, tokenizer, prompt_config) -> DatumSpec``."""
+
+_PROCESSORS: dict[str, Processor] = {}
+
+
+def register_processor(name: str) -> Callable[[Processor], Processor]:
+    """Decorator: make a processor selectable as ``data.processor: <name>``."""
+
+    def wrap(fn: Processor) -> Processor:
+        _PROCESSORS[name] = fn
+        return fn
+
+    return wrap
+
+
+def get_processor(name: str) -> Processor:
+    try:
+        return _PROCESSORS[name]
+    except KeyError:
+        raise ConfigError("data.processor", f"unknown processor '{name}'; available: "
+                                            f"{', '.join(sorted(_PROCESSORS))}") from None
+
+
+@register_processor("math")
+def math_processor(record: Mapping[str, Any], idx: int, tokenizer: Any, cfg: PromptConfig) -> DatumSpec:
+    """A prompt for the math environment: ``metadata["ground_truth"]`` is the ``output_key`` value."""
+    text, ids = build_prompt(str(record[cfg.input_key]), tokenizer, cfg)
+    return DatumSpec(idx=idx, prompt_text=text, prompt_ids=ids,
+                     metadata={"ground_truth": str(record[cfg.output_key])})
+
+
+@register_processor("sft")
+def sft_processor(record: Mapping[str, Any], idx: int, tokenizer: Any, cfg: PromptConfig) -> DatumSpec:
+    """A prompt and the response to learn (``output_key``), masked so only the response counts.
+
+    With a chat template the response tokens are what the template adds after the generation
+    prompt for an assistant turn, up to and including its end-of-sequence token; without one, the
+    response text followed by the end-of-sequence token.
+    """
+    problem, response = str(record[cfg.input_key]), str(record[cfg.output_key])
+    prompt_text, prompt_ids = build_prompt(problem, tokenizer, cfg)
+    eos = getattr(tokenizer, "eos_token_id", None)
+    tail: str | None = None
+    if cfg.use_chat_template:
+        full = _chat_text(tokenizer, _messages(problem, cfg) + [{"role": "assistant", "content": response}],
+                          add_generation_prompt=False)
+        if full.startswith(prompt_text):
+            tail = full[len(prompt_text):]
+    if tail is not None:
+        response_ids = list(tokenizer(tail, add_special_tokens=False)["input_ids"])
+        if eos is not None and eos in response_ids:  # drop what a template writes after the turn ends
+            response_ids = response_ids[: len(response_ids) - response_ids[::-1].index(eos)]
+    else:
+        response_ids = list(tokenizer(response, add_special_tokens=False)["input_ids"])
+        if eos is not None:
+            response_ids.append(eos)
+    return DatumSpec(idx=idx, prompt_text=prompt_text, prompt_ids=prompt_ids,
+                     metadata={"ground_truth": response},
+                     response_text=response, response_ids=response_ids)
+
+
+def process_records(records: Sequence[Mapping[str, Any]], tokenizer: Any, cfg: PromptConfig,
+                    processor: str = "math", *, max_length: int | None = None) -> list[DatumSpec]:
+    """Every record through the named processor, keeping only what fits.
+
+    A prompt longer than ``cfg.max_input_seq_length`` is dropped (a truncated problem is a
+    different problem); an SFT example longer than ``max_length`` has its response truncated, or
+    is dropped when its prompt alone does not fit. Dropping everything is an error.
+    """
+    fn = get_processor(processor)
+    out: list[DatumSpec] = []
+    dropped = 0
+    for idx, record in enumerate(records):
+        datum = fn(record, idx, tokenizer, cfg)
+        if cfg.max_input_seq_length is not None and len(datum.prompt_ids) > cfg.max_input_seq_length:
+            dropped += 1
+            continue
+        if max_length is not None and datum.length > max_length:
+            if len(datum.prompt_ids) >= max_length:
+                dropped += 1
+                continue
+            datum.response_ids = datum.response_ids[: max_length - len(datum.prompt_ids)]
+        out.append(datum)
+    if dropped:
+        logger.warning("dropped %d of %d examples longer than the length limit (data.max_input_seq_length=%s)",
+                       dropped, len(records), cfg.max_input_seq_length)
+    if not out:
+        raise NrlError(f"all {len(records)} examples are longer than data.max_input_seq_length="
+                       f"{cfg.max_input_seq_length}; raise it or shorten the prompt template")
+    return out
+
+
+@dataclass(frozen=True)
+class PreparedData:
+    """Tokenized train (and validation) examples for a run, from :func:`prepare_data`."""
+
+    train: list[DatumSpec]
+    val: list[DatumSpec] | None
+    prompt_config: PromptConfig
+
+
+def prepare_data(data_cfg: Mapping[str, Any], tokenizer: Any, *, processor: str | None = None,
+                 max_length: int | None = None) -> PreparedData:
+    """Everything an algorithm needs from the validated ``data`` section in one call: records
+    (:func:`nrl_core.data.datasets.load_data_splits`) through the prompt processor
+    (``processor`` overrides ``data.processor``; SFT passes ``"sft"``)."""
+    from nrl_core.data.datasets import load_data_splits
+
+    splits = load_data_splits(data_cfg)
+    cfg = PromptConfig.from_data_config(data_cfg)
+    name = processor or data_cfg.get("processor") or "math"
+    train = process_records(splits.train, tokenizer, cfg, name, max_length=max_length)
+    val = process_records(splits.val, tokenizer, cfg, name, max_length=max_length) if splits.val else None
+    return PreparedData(train=train, val=val, prompt_config=cfg)

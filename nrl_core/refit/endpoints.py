@@ -1,0 +1,139 @@
+"""The two halves of a refit as they run inside the processes that own the weights.
+
+:func:`send_handles` runs next to the training worker (rank 0), :func:`receive_into` next to the
+generation worker. :func:`refit_local` runs both in one process. :class:`RefitEndpoints` exposes
+them as Ray actor methods: an actor class that hosts workers inherits it, and the orchestrator
+drives a refit between two such actors (the generation actor pulls the training actor's handles
+through a Ray streaming generator, so buckets flow while later ones are still being exported).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Iterable, Iterator
+
+from nrl_core.contracts import WeightSpec, import_object
+from nrl_core.refit.buckets import manifest_bytes
+from nrl_core.refit.report import RefitReport
+from nrl_core.refit.transports import RefitSession, RefitTransport
+
+STREAM_BACKPRESSURE = 2
+"""Buckets a training actor may run ahead of the generation actor (bounds shared memory in flight)."""
+
+
+def get_transport(name: str) -> RefitTransport:
+    """Instantiate the transport registered as ``name`` (``nrl_refit_transports``)."""
+    from nrl_core.plugins import get_plugin_manager
+
+    spec = get_plugin_manager().refit_transports().get(name, "policy.refit.transport")
+    return import_object(spec.transport)()
+
+
+def send_handles(source: Any, transport_name: str, session: RefitSession, bucket_bytes: int,
+                 dtype: str) -> Iterator[Any]:
+    """Export ``source``'s weights bucket by bucket through the transport; yield the handles."""
+    sender = get_transport(transport_name).sender(session)
+    try:
+        for bucket in source.export_weights(bucket_bytes, dtype):
+            handle = sender.send(bucket)
+            if handle is not None:
+                yield handle
+    finally:
+        sender.close()
+
+
+def receive_into(sink: Any, transport_name: str, session: RefitSession, handles: Iterable[Any],
+                 manifest: list[WeightSpec]) -> int:
+    """Rebuild the buckets from ``handles`` and hand them to ``sink.import_weights``; the version."""
+    transport = get_transport(transport_name)
+    receiver = transport.receiver(session)
+    try:
+        return int(sink.import_weights(receiver.buckets(handles), manifest))
+    finally:
+        receiver.close()
+        transport.cleanup(session)
+
+
+def refit_local(source: Any, sink: Any, transport_name: str, bucket_bytes: int, dtype: str) -> RefitReport:
+    """Both halves in this process (``in_process``, or ``shared_memory`` to exercise its path)."""
+    if transport_name == "broadcast":
+        raise ValueError("the broadcast transport needs the sender and the receiver in different processes")
+    start = time.perf_counter()
+    transport = get_transport(transport_name)
+    session = transport.prepare(RefitSession())
+    manifest = source.weight_manifest(dtype)
+    try:
+        handles = send_handles(source, transport_name, session, bucket_bytes, dtype)
+        version = receive_into(sink, transport_name, session, handles, manifest)
+    finally:
+        transport.cleanup(session)
+    return RefitReport(bytes=manifest_bytes(manifest), seconds=time.perf_counter() - start, version=version,
+                       transport=transport_name, placement="same_process")
+
+
+class RefitEndpoints:
+    """Mixin for Ray actor classes that host a training and/or a generation worker.
+
+    The training side is ``self.worker``; the generation side is ``self.generation_worker`` when the
+    actor also hosts one (colocated placement, built with :meth:`nrl_colocate_generation`), else
+    ``self.worker``. Override :meth:`nrl_refit_source` / :meth:`nrl_refit_sink` to change that.
+    """
+
+    worker: Any = None
+    generation_worker: Any = None
+
+    def nrl_refit_source(self) -> Any:
+        return self.worker
+
+    def nrl_refit_sink(self) -> Any:
+        return self.generation_worker if self.generation_worker is not None else self.worker
+
+    def nrl_colocate_generation(self, worker_cls: str, config: dict[str, Any], rank: int = 0,
+                                world_size: int = 1) -> None:
+        """Build a generation worker (import path) inside this actor, beside its training worker."""
+        self.generation_worker = import_object(worker_cls)(config, rank=rank, world_size=world_size)
+
+    def nrl_generation_call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Call a method of the colocated generation worker (``generate``, ``shutdown``...)."""
+        return getattr(self.nrl_refit_sink(), method)(*args, **kwargs)
+
+    def nrl_refit_node_id(self) -> str:
+        import ray
+
+        return str(ray.get_runtime_context().get_node_id())
+
+    def nrl_refit_manifest(self, dtype: str) -> list[WeightSpec]:
+        return list(self.nrl_refit_source().weight_manifest(dtype))
+
+    def nrl_refit_prepare(self, transport_name: str, session: RefitSession) -> RefitSession:
+        return get_transport(transport_name).prepare(session)
+
+    def nrl_refit_send(self, transport_name: str, session: RefitSession, bucket_bytes: int,
+                       dtype: str) -> Iterator[Any]:
+        """A generator: call with ``.options(num_returns="streaming")``."""
+        yield from send_handles(self.nrl_refit_source(), transport_name, session, bucket_bytes, dtype)
+
+    def nrl_refit_receive(self, source: Any, transport_name: str, session: RefitSession, bucket_bytes: int,
+                          dtype: str, manifest: list[WeightSpec]) -> int:
+        """Pull the handles from the ``source`` actor (``None``: the data comes out of band, as
+        with ``broadcast``) and import them; returns the new weight version."""
+        handles: Iterable[Any] = ()
+        if source is not None:
+            import ray
+
+            stream = source.nrl_refit_send.options(
+                num_returns="streaming", _generator_backpressure_num_objects=STREAM_BACKPRESSURE
+            ).remote(transport_name, session, bucket_bytes, dtype)
+            handles = (ray.get(ref) for ref in stream)
+        return receive_into(self.nrl_refit_sink(), transport_name, session, handles, manifest)
+
+    def nrl_refit_drain(self, bucket_bytes: int, dtype: str, times: int = 1) -> None:
+        """Run the source's export ``times`` times and drop the buckets: what ranks other than 0 of
+        a sharded training backend do during a refit, since gathering full tensors is collective."""
+        for _ in range(times):
+            for _ in self.nrl_refit_source().export_weights(bucket_bytes, dtype):
+                pass
+
+    def nrl_refit_local(self, transport_name: str, bucket_bytes: int, dtype: str) -> RefitReport:
+        return refit_local(self.nrl_refit_source(), self.nrl_refit_sink(), transport_name, bucket_bytes, dtype)
+

@@ -1,0 +1,146 @@
+"""``refit()``: move the training side's current weights into the generation side.
+
+It works the same whether source and sink are local objects (one process) or Ray actors (the
+training and the generation workers in their own processes): the transport is chosen by where
+they are (same process -> ``in_process``, same node -> ``shared_memory``, otherwise
+``broadcast``) unless the config names one (``policy.refit.transport``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Mapping, Sequence
+
+from nrl_core.errors import ConfigError
+from nrl_core.refit.buckets import DEFAULT_BUCKET_BYTES, bucket_bytes_from_gb, manifest_bytes
+from nrl_core.refit.endpoints import STREAM_BACKPRESSURE, refit_local
+from nrl_core.refit.report import RefitReport
+from nrl_core.refit.transports import PLACEMENTS, RefitSession
+
+TRANSPORT_KEY = "policy.refit.transport"
+
+
+def _is_actor(obj: Any) -> bool:
+    return type(obj).__module__.startswith("ray.") and type(obj).__name__ == "ActorHandle"
+
+
+def choose_transport(placement: str, override: str | None = None) -> str:
+    """The transport for ``placement``: ``override`` if given (checked against where it works),
+    else the first registered transport that works there."""
+    from nrl_core.plugins import get_plugin_manager
+
+    if placement not in PLACEMENTS:
+        raise ValueError(f"unknown placement '{placement}'; one of {', '.join(PLACEMENTS)}")
+    registry = get_plugin_manager().refit_transports()
+    if override:
+        spec = registry.get(override, TRANSPORT_KEY)
+        if placement not in spec.placements:
+            raise ConfigError(TRANSPORT_KEY, f"transport '{override}' cannot be used when training and generation "
+                                             f"are {placement.replace('_', ' ')} (it works {', '.join(spec.placements)}); "
+                                             f"remove the key to choose automatically")
+        return override
+    for spec in registry:
+        if placement in spec.placements:
+            return spec.name
+    raise ConfigError(TRANSPORT_KEY, f"no installed refit transport works {placement.replace('_', ' ')} "
+                                     f"(installed: {', '.join(registry.names()) or 'none'})")
+
+
+def refit_options(config: Mapping[str, Any]) -> dict[str, Any]:
+    """``transport``, ``bucket_bytes`` and ``dtype`` for :func:`refit` from a validated config:
+    ``policy.refit.transport`` (null: by placement), the bucket size from
+    ``policy.refit_buffer_size_gb`` (NeMo RL's spelling, GiB) when set, else
+    ``policy.refit.bucket_size_mb`` (MiB), and the dtype from ``policy.precision``."""
+    policy = config.get("policy", {}) or {}
+    section = policy.get("refit") or {}
+    gb = policy.get("refit_buffer_size_gb")
+    mb = section.get("bucket_size_mb")
+    if gb:
+        bucket_bytes = bucket_bytes_from_gb(gb)
+    elif mb:
+        bucket_bytes = bucket_bytes_from_gb(mb / 1024)
+    else:
+        bucket_bytes = DEFAULT_BUCKET_BYTES
+    return {"transport": section.get("transport"), "bucket_bytes": bucket_bytes,
+            "dtype": policy.get("precision") or "float32"}
+
+
+def refit(source: Any, sink: Any | Sequence[Any], transport: str | None = None,
+          bucket_bytes: int = DEFAULT_BUCKET_BYTES, dtype: str = "float32") -> RefitReport:
+    """Stream ``source``'s weights (a :class:`~nrl_core.contracts.TrainingWorker`-like object with
+    ``weight_manifest``/``export_weights``, or a Ray actor hosting one) into ``sink`` (a
+    :class:`~nrl_core.contracts.GenerationWorker` or actor; several actors for data-parallel
+    generation). Actors must inherit :class:`~nrl_core.refit.endpoints.RefitEndpoints`.
+
+    Raises :class:`~nrl_core.refit.manifest.RefitError` (sinks keep their old weights) when what
+    arrives does not match the source's manifest.
+    """
+    from nrl_core.refit.buckets import parse_dtype, dtype_name
+
+    dtype = dtype_name(parse_dtype(dtype))
+    sinks = list(sink) if isinstance(sink, (list, tuple)) else [sink]
+    if not sinks:
+        raise ValueError("refit needs at least one sink")
+    if not _is_actor(source) and not any(_is_actor(s) for s in sinks):
+        reports = [refit_local(source, s, choose_transport("same_process", transport), bucket_bytes, dtype)
+                   for s in sinks]
+        return _combine(reports)
+    if not (_is_actor(source) and all(_is_actor(s) for s in sinks)):
+        raise TypeError("refit: source and sinks must be all local objects or all Ray actors")
+    return _refit_actors(source, sinks, transport, bucket_bytes, dtype)
+
+
+def _combine(reports: list[RefitReport]) -> RefitReport:
+    if len(reports) == 1:
+        return reports[0]
+    return RefitReport(bytes=sum(r.bytes for r in reports), seconds=sum(r.seconds for r in reports),
+                       version=reports[-1].version, transport=reports[0].transport, placement=reports[0].placement)
+
+
+def _refit_actors(source: Any, sinks: list[Any], override: str | None, bucket_bytes: int, dtype: str) -> RefitReport:
+    import ray
+
+    start = time.perf_counter()
+    same_actor = [s for s in sinks if s._actor_id == source._actor_id]
+    others = [s for s in sinks if s._actor_id != source._actor_id]
+    versions: list[int] = []
+    moved = 0
+    name = "in_process"
+    placement = "same_process"
+    for s in same_actor:  # colocated: generation lives in the training actor
+        report = ray.get(s.nrl_refit_local.remote(choose_transport("same_process", override), bucket_bytes, dtype))
+        versions.append(report.version)
+        moved += report.bytes
+        name = report.transport
+    if others:
+        source_node = ray.get(source.nrl_refit_node_id.remote())
+        nodes = ray.get([s.nrl_refit_node_id.remote() for s in others])
+        placement = "same_node" if all(n == source_node for n in nodes) else "cross_node"
+        name = choose_transport(placement, override)
+        manifest = ray.get(source.nrl_refit_manifest.remote(dtype))
+        moved += manifest_bytes(manifest) * len(others)
+        if name == "broadcast":
+            versions += _broadcast(source, others, manifest, bucket_bytes, dtype)
+        else:  # each sink pulls its own stream from the source
+            for s in others:
+                session = ray.get(source.nrl_refit_prepare.remote(name, RefitSession()))
+                versions.append(ray.get(s.nrl_refit_receive.remote(source, name, session, bucket_bytes, dtype,
+                                                                    manifest)))
+    return RefitReport(bytes=moved, seconds=time.perf_counter() - start, version=max(versions), transport=name,
+                       placement=placement)
+
+
+def _broadcast(source: Any, sinks: list[Any], manifest: list, bucket_bytes: int, dtype: str) -> list[int]:
+    """One sender, every sink receiving the same broadcast concurrently."""
+    import ray
+
+    session = RefitSession(options={"world_size": 1 + len(sinks)})
+    session = ray.get(source.nrl_refit_prepare.remote("broadcast", session))
+    pending = [s.nrl_refit_receive.remote(None, "broadcast", session.with_options(rank=i + 1), bucket_bytes, dtype,
+                                          manifest) for i, s in enumerate(sinks)]
+    stream = source.nrl_refit_send.options(num_returns="streaming",
+                                           _generator_backpressure_num_objects=STREAM_BACKPRESSURE).remote(
+        "broadcast", session, bucket_bytes, dtype)
+    for ref in stream:  # broadcast yields no handles; this waits for the sender and surfaces its errors
+        ray.get(ref)
+    return [int(v) for v in ray.get(pending)]

@@ -1,0 +1,355 @@
+"""The three core refit transports, registered by :mod:`nrl_core.builtin`.
+
+A transport has two halves that run where the data is:
+
+* a :class:`TransportSender` in the training process turns each bucket into a small picklable
+  *handle* (or ``None`` when the data travels out of band);
+* a :class:`TransportReceiver` in the generation process turns the stream of handles back into
+  buckets of tensors.
+
+The orchestration carries the handles (a local generator in one process, a Ray streaming
+generator between actors); the transport carries the bytes.
+
+* ``in_process``: the handle *is* the bucket; tensors are handed over by reference.
+* ``shared_memory``: each bucket is packed into one flat file under ``/dev/shm`` through
+  ``torch.UntypedStorage.from_file(shared=True)``; the handle holds the file name and the
+  (name, dtype, shape, offset) of each tensor. The receiver maps the file, unlinks it at once
+  (the mapping keeps the pages alive until its views are dropped) and builds views, so the only
+  copy on the path is the sender's pack.
+* ``broadcast``: a ``torch.distributed`` gloo group of the training rank 0 (root) and the
+  generation ranks, created from a ``TCPStore`` the sender hosts; each bucket is a header, its
+  pickled layout, and one flat ``uint8`` buffer broadcast. Works across nodes.
+"""
+
+from __future__ import annotations
+
+import datetime
+import glob
+import os
+import pickle
+import socket
+import tempfile
+import uuid
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Protocol
+
+from nrl_core.refit.buckets import Bucket, dtype_name, parse_dtype, tensor_nbytes
+
+if TYPE_CHECKING:
+    import torch
+
+PLACEMENTS = ("same_process", "same_node", "cross_node")
+_ALIGN = 64
+
+
+@dataclass(frozen=True)
+class RefitSession:
+    """What both halves of one refit agree on; picklable, created by the orchestrator.
+
+    ``options`` is transport-specific (the broadcast group's address, world size and the
+    receiver's rank); :meth:`RefitTransport.prepare` fills it in on the sender's side.
+    """
+
+    id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def with_options(self, **options: Any) -> "RefitSession":
+        return replace(self, options={**self.options, **options})
+
+
+class TransportSender(Protocol):
+    def send(self, bucket: Bucket) -> Any:
+        """Ship ``bucket``; return its small picklable handle, or ``None`` if it went out of band."""
+
+    def close(self) -> None:
+        """End of stream (called once after the last bucket, also after an error)."""
+
+
+class TransportReceiver(Protocol):
+    def buckets(self, handles: Iterable[Any]) -> Iterator[Bucket]:
+        """The buckets, in order, rebuilt from the sender's non-``None`` handles."""
+
+    def close(self) -> None: ...
+
+
+class RefitTransport(Protocol):
+    """A transport class, named by a :class:`~nrl_core.contracts.RefitTransportSpec`; built with no
+    arguments on both sides."""
+
+    name: str
+
+    def prepare(self, session: RefitSession) -> RefitSession:
+        """Runs on the sender's side before the refit starts (choose an address, a directory)."""
+
+    def sender(self, session: RefitSession) -> TransportSender: ...
+
+    def receiver(self, session: RefitSession) -> TransportReceiver: ...
+
+    def cleanup(self, session: RefitSession) -> None:
+        """Remove anything left behind by an interrupted refit; safe to call twice."""
+
+
+# --------------------------------------------------------------------------- in_process
+
+
+class _ByReference:
+    def send(self, bucket: Bucket) -> Bucket:
+        return bucket
+
+    def buckets(self, handles: Iterable[Any]) -> Iterator[Bucket]:
+        return iter(handles)
+
+    def close(self) -> None:
+        pass
+
+
+class InProcessTransport:
+    """Source and sink share a process: buckets pass by reference, nothing is copied."""
+
+    name = "in_process"
+
+    def prepare(self, session: RefitSession) -> RefitSession:
+        return session
+
+    def sender(self, session: RefitSession) -> TransportSender:
+        return _ByReference()
+
+    def receiver(self, session: RefitSession) -> TransportReceiver:
+        return _ByReference()
+
+    def cleanup(self, session: RefitSession) -> None:
+        pass
+
+
+# --------------------------------------------------------------------------- packing
+
+
+@dataclass(frozen=True)
+class PackedLayout:
+    """Where each tensor of a bucket sits in its flat byte buffer."""
+
+    nbytes: int
+    entries: tuple[tuple[str, str, tuple[int, ...], int], ...]  # (name, dtype, shape, byte offset)
+
+
+def layout_of(bucket: Bucket) -> PackedLayout:
+    entries = []
+    offset = 0
+    for name, tensor in bucket:
+        entries.append((name, dtype_name(tensor.dtype), tuple(int(d) for d in tensor.shape), offset))
+        offset += -(-tensor_nbytes(tensor) // _ALIGN) * _ALIGN
+    return PackedLayout(nbytes=max(offset, 1), entries=tuple(entries))
+
+
+def pack_into(flat: "torch.Tensor", bucket: Bucket, layout: PackedLayout) -> None:
+    """Copy each tensor of ``bucket`` into its slot of the ``uint8`` buffer ``flat``."""
+    for (name, tensor), (_, _, _, offset) in zip(bucket, layout.entries):
+        if tensor.numel() == 0:
+            continue
+        slot = flat[offset:offset + tensor_nbytes(tensor)].view(tensor.dtype).view(tensor.shape)
+        slot.copy_(tensor.detach())
+
+
+def views_of(flat: "torch.Tensor", layout: PackedLayout) -> Bucket:
+    """The bucket as views into ``flat`` (no copy)."""
+    import torch
+
+    bucket: Bucket = []
+    for name, dtype_str, shape, offset in layout.entries:
+        dtype = parse_dtype(dtype_str)
+        numel = 1
+        for d in shape:
+            numel *= d
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        bucket.append((name, flat[offset:offset + nbytes].view(dtype).view(shape)))
+    return bucket
+
+
+# --------------------------------------------------------------------------- shared_memory
+
+
+def _shm_dir() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+
+
+@dataclass(frozen=True)
+class ShmHandle:
+    path: str
+    layout: PackedLayout
+
+
+def _map(path: str, nbytes: int) -> "torch.Tensor":
+    """Map (creating if needed) ``path`` as a flat ``uint8`` tensor shared with other processes."""
+    import torch
+
+    storage = torch.UntypedStorage.from_file(path, shared=True, nbytes=nbytes)
+    return torch.empty(0, dtype=torch.uint8).set_(storage)
+
+
+class _ShmSender:
+    def __init__(self, session: RefitSession) -> None:
+        self._prefix = os.path.join(session.options.get("shm_dir") or _shm_dir(), f"nrl-refit-{session.id}-")
+        self._seq = 0
+
+    def send(self, bucket: Bucket) -> ShmHandle:
+        layout = layout_of(bucket)
+        path = f"{self._prefix}{self._seq:06d}"
+        self._seq += 1
+        try:
+            flat = _map(path, layout.nbytes)
+            pack_into(flat, bucket, layout)
+        except BaseException:
+            _unlink(path)
+            raise
+        del flat  # the sender's mapping goes; the file (and its pages) stay for the receiver
+        return ShmHandle(path=path, layout=layout)
+
+    def close(self) -> None:
+        pass
+
+
+class _ShmReceiver:
+    def buckets(self, handles: Iterable[Any]) -> Iterator[Bucket]:
+        for handle in handles:
+            flat = _map(handle.path, handle.layout.nbytes)
+            _unlink(handle.path)  # the name goes now; pages live until the views are dropped
+            yield views_of(flat, handle.layout)
+
+    def close(self) -> None:
+        pass
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+class SharedMemoryTransport:
+    """Same node, different processes: one ``/dev/shm`` file per bucket, mapped by the receiver."""
+
+    name = "shared_memory"
+
+    def prepare(self, session: RefitSession) -> RefitSession:
+        return session.with_options(shm_dir=session.options.get("shm_dir") or _shm_dir())
+
+    def sender(self, session: RefitSession) -> TransportSender:
+        return _ShmSender(session)
+
+    def receiver(self, session: RefitSession) -> TransportReceiver:
+        return _ShmReceiver()
+
+    def cleanup(self, session: RefitSession) -> None:
+        directory = session.options.get("shm_dir") or _shm_dir()
+        for path in glob.glob(os.path.join(directory, f"nrl-refit-{session.id}-*")):
+            _unlink(path)
+
+
+# --------------------------------------------------------------------------- broadcast
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _node_address() -> str:
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return str(ray.util.get_node_ip_address())
+    except ImportError:
+        pass
+    return "127.0.0.1"
+
+
+class _Group:
+    """A private gloo group for one refit (never the default group: training owns that one)."""
+
+    def __init__(self, session: RefitSession, rank: int) -> None:
+        import torch.distributed as dist
+
+        opts = session.options
+        timeout = datetime.timedelta(seconds=float(opts.get("timeout_s", 600)))
+        self._store = dist.TCPStore(opts["host"], int(opts["port"]), int(opts["world_size"]), rank == 0,
+                                    timeout=timeout)
+        self._pg = dist.ProcessGroupGloo(dist.PrefixStore(f"nrl-refit-{session.id}", self._store), rank,
+                                         int(opts["world_size"]), timeout)
+        self._bopts = dist.BroadcastOptions()
+        self._bopts.rootRank = 0
+
+    def broadcast(self, tensor: "torch.Tensor") -> None:
+        self._pg.broadcast([tensor], self._bopts).wait()
+
+
+class _BroadcastSender:
+    def __init__(self, session: RefitSession) -> None:
+        self._group = _Group(session, rank=0)
+
+    def send(self, bucket: Bucket) -> None:
+        import torch
+
+        layout = layout_of(bucket)
+        meta = torch.frombuffer(bytearray(pickle.dumps(layout)), dtype=torch.uint8)
+        self._group.broadcast(torch.tensor([meta.numel(), layout.nbytes], dtype=torch.int64))
+        self._group.broadcast(meta)
+        flat = torch.empty(layout.nbytes, dtype=torch.uint8)
+        pack_into(flat, bucket, layout)
+        self._group.broadcast(flat)
+        return None
+
+    def close(self) -> None:
+        import torch
+
+        self._group.broadcast(torch.zeros(2, dtype=torch.int64))  # end of stream
+
+
+class _BroadcastReceiver:
+    def __init__(self, session: RefitSession) -> None:
+        self._group = _Group(session, rank=int(session.options["rank"]))
+
+    def buckets(self, handles: Iterable[Any]) -> Iterator[Bucket]:
+        import torch
+
+        while True:
+            header = torch.zeros(2, dtype=torch.int64)
+            self._group.broadcast(header)
+            meta_len, nbytes = (int(v) for v in header)
+            if meta_len == 0:
+                return
+            meta = torch.empty(meta_len, dtype=torch.uint8)
+            self._group.broadcast(meta)
+            layout: PackedLayout = pickle.loads(meta.numpy().tobytes())
+            flat = torch.empty(nbytes, dtype=torch.uint8)
+            self._group.broadcast(flat)
+            yield views_of(flat, layout)
+
+    def close(self) -> None:
+        pass
+
+
+class BroadcastTransport:
+    """A gloo broadcast group spanning training rank 0 and the generation ranks; any placement.
+
+    ``session.options``: ``world_size`` (1 + generation ranks; default 2), ``rank`` on each
+    receiver (1..world_size-1), ``host``/``port`` filled in by :meth:`prepare` on the sender.
+    """
+
+    name = "broadcast"
+
+    def prepare(self, session: RefitSession) -> RefitSession:
+        host = session.options.get("host") or _node_address()
+        return session.with_options(host=host, port=session.options.get("port") or _free_port(host),
+                                    world_size=int(session.options.get("world_size", 2)))
+
+    def sender(self, session: RefitSession) -> TransportSender:
+        return _BroadcastSender(session)
+
+    def receiver(self, session: RefitSession) -> TransportReceiver:
+        return _BroadcastReceiver(session.with_options(rank=session.options.get("rank", 1)))
+
+    def cleanup(self, session: RefitSession) -> None:
+        pass

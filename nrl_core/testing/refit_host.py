@@ -1,0 +1,112 @@
+"""A minimal Ray actor class for refit tests and benchmarks: hosts one worker built from an import
+path and exposes the refit endpoints.
+
+The cluster's :class:`~nrl_core.cluster.worker_group.WorkerGroup` hosts production workers; this
+class exists so refit can be tested between processes without a process group or a backend.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from nrl_core.contracts import import_object
+from nrl_core.refit.endpoints import RefitEndpoints
+
+
+class RefitTestHost(RefitEndpoints):
+    """``RefitTestHost(worker_cls, *args, **kwargs)`` builds ``worker_cls(*args, **kwargs)``."""
+
+    def __init__(self, worker_cls: str, *args: Any, **kwargs: Any) -> None:
+        import os
+
+        for key, value in kwargs.pop("env", {}).items():
+            os.environ[key] = value
+        self.worker = import_object(worker_cls)(*args, **kwargs)
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.worker, method)(*args, **kwargs)
+
+    def execute(self, fn: Callable[["RefitTestHost"], Any]) -> Any:
+        """Run ``fn(host)`` in the actor (the host, so it can reach both workers)."""
+        return fn(self)
+
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
+
+
+class RandomWeightSource:
+    """A weight source of seeded random tensors (``{name: shape}``), for engine-free refit tests."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], seed: int = 0, dtype: str = "float32") -> None:
+        import torch
+
+        from nrl_core.refit.buckets import parse_dtype
+
+        gen = torch.Generator().manual_seed(seed)
+        self.tensors = {name: torch.randn(shape, generator=gen).to(parse_dtype(dtype)) for name, shape in shapes.items()}
+
+    def weight_manifest(self, dtype: str) -> list[Any]:
+        from nrl_core.refit.buckets import manifest_of
+
+        return manifest_of(self._named(dtype))
+
+    def _named(self, dtype: str) -> Any:
+        from nrl_core.refit.buckets import parse_dtype
+
+        return ((name, t.to(parse_dtype(dtype))) for name, t in self.tensors.items())
+
+    def export_weights(self, bucket_bytes: int, dtype: str) -> Any:
+        from nrl_core.refit.buckets import iter_buckets
+
+        return iter_buckets(self._named(dtype), bucket_bytes)
+
+    def checksums(self) -> dict[str, float]:
+        return {name: float(t.double().sum()) for name, t in self.tensors.items()}
+
+
+class RecordingSink:
+    """A generation-side stand-in that verifies the manifest and keeps a copy of what arrived."""
+
+    def __init__(self) -> None:
+        self.weight_version = 0
+        self.received: dict[str, Any] = {}
+        self.buckets = 0
+
+    def import_weights(self, buckets: Any, manifest: list[Any]) -> int:
+        from nrl_core.refit.buckets import spec_of
+        from nrl_core.refit.manifest import verify
+
+        staged = []
+        for bucket in buckets:
+            self.buckets += 1
+            staged.extend(bucket)
+        verify([spec_of(n, t) for n, t in staged], manifest)
+        self.received = {name: t.clone() for name, t in staged}
+        self.weight_version += 1
+        return self.weight_version
+
+    def checksums(self) -> dict[str, float]:
+        return {name: float(t.double().sum()) for name, t in self.received.items()}
+
+
+def perturb_weights(model: Any, seed: int, scale: float = 0.05) -> None:
+    """Add seeded noise to every parameter: a deterministic stand-in for training steps (the same
+    seed gives the same tensors in any process)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, param in sorted(model.named_parameters()):
+            param.add_(torch.randn(param.shape, generator=gen, dtype=param.dtype) * scale)
+
+
+def perturb_hosted_source(host: RefitTestHost, seed: int, scale: float = 0.05, fresh_from: str | None = None) -> None:
+    """``host.execute`` target: perturb the HF model of the host's training-side weight source
+    (first reloading it from the checkpoint ``fresh_from`` when given)."""
+    if fresh_from is not None:
+        from nrl_core.refit.hf_source import HFWeightSource
+
+        host.worker.model = HFWeightSource(fresh_from).model
+    perturb_weights(host.worker.model, seed, scale)

@@ -1,0 +1,64 @@
+"""The engine's own view of which weights a refit must deliver: its checkpoint's tensors.
+
+The manifest comes from the training side; checking it against the checkpoint the engine was
+built from catches a training backend that names or shapes weights wrongly *consistently* (in
+both the manifest and the tensors), which the manifest check alone cannot see, before vLLM's
+loader would fail halfway through a model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from nrl_core.contracts import WeightSpec
+from nrl_core.refit.manifest import RefitError
+
+_OPTIONAL = ("lm_head.weight",)  # dropped from checkpoints with tied embeddings, still in state_dicts
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def checkpoint_shapes(model_dir: str | os.PathLike[str]) -> dict[str, tuple[int, ...]]:
+    """``{name: shape}`` of every tensor in the directory's safetensors files (headers only)."""
+    from safetensors import safe_open
+
+    root = Path(model_dir)
+    files = sorted(root.glob("*.safetensors"))
+    shapes: dict[str, tuple[int, ...]] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                shapes[key] = tuple(int(d) for d in f.get_slice(key).get_shape())
+    return shapes
+
+
+def _tied(model_dir: str | os.PathLike[str]) -> bool:
+    try:
+        return bool(json.loads((Path(model_dir) / "config.json").read_text()).get("tie_word_embeddings", False))
+    except OSError:
+        return False
+
+
+def check_against_checkpoint(manifest: list[WeightSpec], checkpoint: dict[str, tuple[int, ...]],
+                             model_dir: str) -> None:
+    """Raise :class:`RefitError` if ``manifest`` leaves out, adds or reshapes checkpoint tensors."""
+    if not checkpoint:
+        return  # not a safetensors checkpoint: nothing to compare with
+    names = {spec.name for spec in manifest}
+    optional = set(_OPTIONAL) if _tied(model_dir) else set()
+    missing = sorted(n for n in checkpoint if n not in names)
+    unknown = sorted(n for n in names if n not in checkpoint and n not in optional and not n.endswith(_IGNORED_SUFFIXES))
+    reshaped = sorted(f"{s.name} (got {list(s.shape)}, the engine's model has {list(checkpoint[s.name])})"
+                      for s in manifest if s.name in checkpoint and tuple(s.shape) != checkpoint[s.name])
+    if not (missing or unknown or reshaped):
+        return
+    parts = []
+    if missing:
+        parts.append(f"the manifest lacks {len(missing)} of the model's weights: {', '.join(missing[:8])}")
+    if unknown:
+        parts.append(f"the model has no weights named: {', '.join(unknown[:8])}")
+    if reshaped:
+        parts.append(f"wrong shape for this model: {', '.join(reshaped[:8])}")
+    raise RefitError("refit rejected, weights unchanged; " + "; ".join(parts), missing=missing, extra=unknown,
+                     mismatched=[r.split(" ")[0] for r in reshaped])

@@ -1,0 +1,30 @@
+"""Schema of ``policy.generation.vllm_cfg``: vLLM's engine options, NeMo RL's spellings."""
+
+from __future__ import annotations
+
+from nrl_core.config.schema import Field, Section
+
+VLLM_CFG = Section(doc="vLLM engine options (the vllm generation backend).", fields={
+    "tensor_parallel_size": Field(type=int, default=1, doc="vLLM tensor-parallel ranks per engine"),
+    "pipeline_parallel_size": Field(type=int, default=1, doc="vLLM pipeline-parallel stages per engine"),
+    "gpu_memory_utilization": Field(type=float, default=0.6,
+                                    doc="fraction of GPU memory vLLM may claim (GPU only; see kv_cache_space_gb)"),
+    "max_model_len": Field(type=int, default=None, nullable=True,
+                           doc="prompt + response tokens; null: policy.max_total_sequence_length"),
+    "enforce_eager": Field(type=bool, default=False, doc="skip CUDA graphs / compilation"),
+    "async_engine": Field(type=bool, default=False,
+                          doc="accepted; the CPU worker always runs the synchronous in-process engine"),
+    "precision": Field(type=str, default=None, nullable=True,
+                       choices=("float32", "bfloat16", "float16", "auto"), doc="null: policy.precision"),
+    "kv_cache_space_gb": Field(type=float, default=1.0,
+                               doc="CPU KV cache in GiB (what VLLM_CPU_KVCACHE_SPACE sets; the variable wins if set)"),
+    "seed": Field(type=int, default=None, nullable=True,
+                  doc="base sampling seed; null: policy.seed, else the algorithm's seed"),
+    # NeMo RL keys accepted so copied configs validate; they change nothing here.
+    "expert_parallel_size": Field(type=int, default=1, inert=True),
+    "use_deep_gemm": Field(type=bool, default=False, inert=True),
+    "num_last_layers_in_bf16": Field(type=int, default=0, inert=True),
+    "num_first_layers_in_bf16": Field(type=int, default=0, inert=True),
+    "load_format": Field(type=str, default="auto", inert=True),
+    "skip_tokenizer_init": Field(type=bool, default=False, inert=True),
+})

@@ -1,0 +1,20 @@
+"""Entry point (group ``nrl``, name ``vllm``): registers the ``vllm`` generation backend."""
+
+from __future__ import annotations
+
+from nrl_core.contracts import GenerationBackendSpec
+from nrl_core.hookspecs import hookimpl
+
+from nrl_gen_vllm.config import VLLM_CFG
+
+
+@hookimpl
+def nrl_generation_backends() -> list[GenerationBackendSpec]:
+    return [GenerationBackendSpec(
+        name="vllm",
+        config_key="vllm_cfg",
+        worker="nrl_gen_vllm.worker:VllmGenerationWorker",
+        config_schema=VLLM_CFG,
+        distribution="nrl-gen-vllm",
+        description="vllm.LLM rollouts; refit through vLLM's layerwise reload",
+    )]

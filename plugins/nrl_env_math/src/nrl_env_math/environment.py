@@ -1,0 +1,203 @@
+"""The ``math`` environment: rewards for responses whose answer equals the ground truth.
+
+Model output is never executed. Responses are handled as text: the answer is cut out with regular
+expressions and compared by math-verify's LaTeX parser (see :mod:`nrl_env_math.verify`); nothing
+from a response reaches ``eval``, ``exec`` or an import.
+
+Scoring runs in ``num_workers`` Ray actors (:class:`~nrl_env_math.worker.VerifierWorker`), a
+batch split evenly across them, so slow symbolic checks neither block the driver nor each other.
+Two failure levels:
+
+* a *sample* whose verification exceeds ``timeout_seconds`` scores ``reward_incorrect`` and is
+  counted in the ``timeouts`` metric; training goes on;
+* a *worker* that dies, or stays silent for ``timeout_seconds`` x its samples +
+  ``hang_grace_seconds`` (stuck where the alarm cannot reach), is a
+  :class:`~nrl_core.errors.WorkerError` naming it (``math-verifier[1] pid 1234``). The worker is
+  killed and a fresh one started, so the environment stays usable after the error.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from nrl_core.contracts import EnvResult, EnvSample
+from nrl_core.errors import ConfigError, WorkerError
+
+from nrl_env_math.plugin import MATH_ENV_SCHEMA
+from nrl_env_math.verify import extract_answer
+
+__all__ = ["MathEnvironment"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Slot:
+    """One worker: its actor, its name, and (until it answered once) the pending start-up call."""
+
+    label: str
+    actor: Any
+    ready: Any = None
+    pid: int | None = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.label} pid {self.pid}" if self.pid is not None else self.label
+
+
+class MathEnvironment:
+    """Scores math responses; ``config`` is the ``env.math`` section (defaults filled in here too,
+    so a partial mapping works outside a validated run)."""
+
+    def __init__(self, config: Mapping[str, Any]) -> None:
+        import ray
+
+        from nrl_core.cluster import init_ray
+
+        cfg = MATH_ENV_SCHEMA.validate(dict(config), "env.math")
+        assert cfg is not None
+        for key in ("num_workers", "timeout_seconds", "startup_timeout_seconds"):
+            if cfg[key] <= 0:
+                raise ConfigError(f"env.math.{key}", f"must be > 0, got {cfg[key]}")
+        self.config = cfg
+        init_ray()
+        from nrl_env_math.worker import VerifierWorker
+
+        self._actor_cls = ray.remote(max_restarts=0, max_task_retries=0)(VerifierWorker)
+        self._slots = [self._spawn(i) for i in range(cfg["num_workers"])]
+        self._await_ready()
+
+    # ------------------------------------------------------------------ workers
+
+    def _spawn(self, index: int) -> _Slot:
+        label = f"math-verifier[{index}]"
+        actor = self._actor_cls.options(num_cpus=float(self.config["cpus_per_worker"])).remote(
+            label, self.config["verifier"], float(self.config["timeout_seconds"]))
+        return _Slot(label=label, actor=actor, ready=actor.info.remote())
+
+    def _await_ready(self) -> None:
+        import ray
+
+        limit = float(self.config["startup_timeout_seconds"])
+        for i, slot in enumerate(self._slots):
+            if slot.ready is None:
+                continue
+            try:
+                info = ray.get(slot.ready, timeout=limit)
+            except ray.exceptions.GetTimeoutError:
+                self._replace(i)
+                raise WorkerError(f"env.math: verifier worker {slot.name} did not start within {limit:g} s; "
+                                  "raise env.math.startup_timeout_seconds or check the Ray cluster's free CPUs") from None
+            except Exception as exc:
+                self._replace(i)
+                raise WorkerError(f"env.math: verifier worker {slot.name} failed to start: {_first_line(exc)}") from None
+            slot.pid, slot.ready = info["pid"], None
+            if not info["per_sample_timeout"]:
+                logger.warning("%s cannot use alarms; only the hang limit bounds slow samples", slot.name)
+
+    def _replace(self, index: int) -> None:
+        """Kill the worker at ``index`` and start a fresh one in its place (ready on next use)."""
+        import ray
+
+        try:
+            ray.kill(self._slots[index].actor, no_restart=True)
+        except Exception:  # already gone
+            pass
+        self._slots[index] = self._spawn(index)
+
+    # ------------------------------------------------------------------ scoring
+
+    def score(self, samples: list[EnvSample]) -> EnvResult:
+        """Rewards in the order of ``samples``; metrics ``accuracy``, ``reward_mean``, ``timeouts``,
+        ``errors`` (verifier exceptions), ``no_answer`` (responses with no answer to extract)."""
+        if not samples:
+            return EnvResult(rewards=[], metrics={"accuracy": 0.0, "reward_mean": 0.0, "timeouts": 0.0,
+                                                  "errors": 0.0, "no_answer": 0.0, "num_samples": 0.0})
+        if not self._slots:
+            raise WorkerError("env.math: the environment was shut down; build a new MathEnvironment")
+        self._await_ready()
+        pairs = [(s.response, str(s.metadata.get("ground_truth", ""))) for s in samples]
+        statuses = self._run(pairs)
+        correct, incorrect = float(self.config["reward_correct"]), float(self.config["reward_incorrect"])
+        rewards = [correct if st == "correct" else incorrect for st in statuses]
+        n = float(len(samples))
+        metrics = {
+            "accuracy": statuses.count("correct") / n,
+            "reward_mean": sum(rewards) / n,
+            "timeouts": float(statuses.count("timeout")),
+            "errors": float(statuses.count("error")),
+            "no_answer": float(sum(extract_answer(r) is None for r, _ in pairs)),
+            "num_samples": n,
+        }
+        return EnvResult(rewards=rewards, metrics=metrics)
+
+    def _run(self, pairs: list[tuple[str, str]]) -> list[str]:
+        """Split ``pairs`` over the workers (round-robin) and wait for all of them.
+
+        After a failure the other workers are still waited for (up to their own deadlines), so no
+        stale work is left queued in front of the next batch; then the failed workers are replaced
+        and the first failure is raised.
+        """
+        import ray
+
+        n_workers = len(self._slots)
+        chunks = {i: pairs[i::n_workers] for i in range(n_workers) if pairs[i::n_workers]}
+        start = time.monotonic()
+        grace = float(self.config["hang_grace_seconds"])
+        per_sample = float(self.config["timeout_seconds"])
+        pending = {self._slots[i].actor.score.remote(chunk): i for i, chunk in chunks.items()}
+        deadline = {i: start + per_sample * len(chunk) + grace for i, chunk in chunks.items()}
+        results: dict[int, list[str]] = {}
+        failures: dict[int, str] = {}
+        while pending:
+            wait_for = max(0.0, min(deadline[i] for i in pending.values()) - time.monotonic())
+            done, _ = ray.wait(list(pending), num_returns=1, timeout=wait_for)
+            for ref in done:
+                i = pending.pop(ref)
+                try:
+                    results[i] = ray.get(ref)
+                except ray.exceptions.RayActorError as exc:
+                    failures[i] = f"died while scoring {len(chunks[i])} samples ({_first_line(exc)})"
+                except Exception as exc:
+                    failures[i] = f"raised while scoring {len(chunks[i])} samples: {_first_line(exc)}"
+            now = time.monotonic()
+            for ref, i in list(pending.items()):
+                if now >= deadline[i]:
+                    del pending[ref]
+                    failures[i] = (f"hung: no answer for {len(chunks[i])} samples within {deadline[i] - start:.1f} s "
+                                   f"(timeout_seconds x samples + hang_grace_seconds)")
+        if failures:
+            first = min(failures)
+            names = {i: self._slots[i].name for i in failures}
+            for i in failures:
+                self._replace(i)
+            more = f" ({len(failures) - 1} more workers failed too)" if len(failures) > 1 else ""
+            raise WorkerError(f"env.math: verifier worker {names[first]} {failures[first]}; "
+                              f"it was replaced by a fresh worker{more}")
+        statuses: list[str] = [""] * len(pairs)
+        for i, chunk_statuses in results.items():
+            statuses[i::n_workers] = chunk_statuses
+        return statuses
+
+    def shutdown(self) -> None:
+        """Kill every worker. Idempotent."""
+        import ray
+
+        for slot in self._slots:
+            try:
+                ray.kill(slot.actor, no_restart=True)
+            except Exception:
+                pass
+        self._slots = []
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("Traceback") and set(line) != {"="}:
+            return f"{type(exc).__name__}: {line}"
+    return type(exc).__name__

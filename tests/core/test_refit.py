@@ -1,0 +1,173 @@
+"""Refit machinery without any engine: buckets, manifest checks, transport choice, and the three
+transports moving tensors in one process, between processes, and between Ray actors."""
+
+from __future__ import annotations
+
+import glob
+import multiprocessing as mp
+
+import pytest
+import torch
+
+from nrl_core.contracts import WeightSpec
+from nrl_core.errors import ConfigError
+from nrl_core.refit import RefitError, iter_buckets, refit, refit_options, verify
+from nrl_core.refit.buckets import manifest_bytes
+from nrl_core.refit.endpoints import receive_into, send_handles
+from nrl_core.refit.orchestrator import choose_transport
+from nrl_core.refit.transports import RefitSession, SharedMemoryTransport
+from nrl_core.testing.refit_host import RandomWeightSource, RecordingSink
+
+SHAPES = {"embed.weight": (64, 32), "layers.0.w": (32, 96), "layers.0.b": (96,), "layers.1.w": (96, 32),
+          "norm.weight": (32,), "scalar": ()}
+
+
+def _leftovers(session_id: str) -> list[str]:
+    return glob.glob(f"/dev/shm/nrl-refit-{session_id}-*")
+
+
+# --------------------------------------------------------------------------- buckets and manifests
+
+
+def test_buckets_are_bounded_ordered_and_complete() -> None:
+    named = [(f"t{i}", torch.zeros(n)) for i, n in enumerate([10, 20, 5, 100, 1, 1])]
+    buckets = list(iter_buckets(named, bucket_bytes=25 * 4))
+    assert [[n for n, _ in b] for b in buckets] == [["t0"], ["t1", "t2"], ["t3"], ["t4", "t5"]]
+    assert [n for b in buckets for n, _ in b] == [n for n, _ in named]
+    with pytest.raises(ValueError):
+        list(iter_buckets(named, 0))
+
+
+def test_manifest_check_accepts_exact_and_names_every_problem() -> None:
+    manifest = [WeightSpec(name="a", shape=(2, 3), dtype="float32"), WeightSpec(name="b", shape=(3,), dtype="float32"),
+                WeightSpec(name="c", shape=(1,), dtype="float32")]
+    verify(manifest, manifest)
+    received = [WeightSpec(name="a", shape=(3, 2), dtype="float32"), WeightSpec(name="b", shape=(3,), dtype="bfloat16"),
+                WeightSpec(name="b", shape=(3,), dtype="bfloat16"), WeightSpec(name="zz", shape=(1,), dtype="float32")]
+    with pytest.raises(RefitError) as info:
+        verify(received, manifest)
+    err = info.value
+    assert err.missing == ["c"] and err.extra == ["zz"] and err.duplicate == ["b"] and sorted(err.mismatched) == ["a", "b"]
+    text = str(err)
+    for key in ("c", "zz", "a (got [3, 2] float32, expected [2, 3] float32)", "weights unchanged"):
+        assert key in text
+
+
+def test_transport_choice_by_placement_and_override() -> None:
+    assert choose_transport("same_process") == "in_process"
+    assert choose_transport("same_node") == "shared_memory"
+    assert choose_transport("cross_node") == "broadcast"
+    assert choose_transport("same_node", "broadcast") == "broadcast"
+    with pytest.raises(ConfigError, match="policy.refit.transport"):
+        choose_transport("cross_node", "shared_memory")
+    with pytest.raises(ConfigError, match="not available"):
+        choose_transport("same_node", "carrier_pigeon")
+
+
+def test_refit_options_read_nemo_rl_and_nrl_spellings() -> None:
+    opts = refit_options({"policy": {"precision": "bfloat16", "refit_buffer_size_gb": 0.5,
+                                     "refit": {"transport": "shared_memory", "bucket_size_mb": 64}}})
+    assert opts == {"transport": "shared_memory", "bucket_bytes": 2**29, "dtype": "bfloat16"}
+    assert refit_options({"policy": {"refit": {"bucket_size_mb": 64}}})["bucket_bytes"] == 64 * 2**20
+
+
+# --------------------------------------------------------------------------- transports
+
+
+def test_in_process_refit_hands_tensors_over_by_reference() -> None:
+    source, sink = RandomWeightSource(SHAPES, seed=1), RecordingSink()
+    seen: list[int] = []
+    original = sink.import_weights
+
+    def spy(buckets, manifest):
+        buckets = list(buckets)
+        seen.extend(t.data_ptr() for b in buckets for _, t in b)
+        return original(iter(buckets), manifest)
+
+    sink.import_weights = spy  # type: ignore[method-assign]
+    report = refit(source, sink, bucket_bytes=4096)
+    assert report.transport == "in_process" and report.version == 1
+    assert report.bytes == manifest_bytes(source.weight_manifest("float32"))
+    assert set(seen) == {t.data_ptr() for t in source.tensors.values()}  # no copy on the way
+    assert sink.checksums() == source.checksums()
+
+
+def test_shared_memory_in_one_process_round_trips_bf16_and_cleans_up() -> None:
+    source, sink = RandomWeightSource(SHAPES, seed=2, dtype="bfloat16"), RecordingSink()
+    before = set(glob.glob("/dev/shm/nrl-refit-*"))
+    report = refit(source, sink, transport="shared_memory", bucket_bytes=4096, dtype="bfloat16")
+    assert report.transport == "shared_memory" and sink.buckets > 2
+    for name, tensor in source.tensors.items():
+        assert torch.equal(sink.received[name], tensor) and sink.received[name].dtype == torch.bfloat16
+    assert set(glob.glob("/dev/shm/nrl-refit-*")) <= before
+
+
+def _send_from_child(session: RefitSession, queue: "mp.Queue") -> None:
+    source = RandomWeightSource(SHAPES, seed=3)
+    for handle in send_handles(source, "shared_memory", session, 2048, "float32"):
+        queue.put(handle)
+    queue.put(None)
+
+
+def test_shared_memory_between_two_processes_delivers_identical_tensors() -> None:
+    transport = SharedMemoryTransport()
+    session = transport.prepare(RefitSession())
+    queue: mp.Queue = mp.get_context("spawn").Queue()
+    child = mp.get_context("spawn").Process(target=_send_from_child, args=(session, queue))
+    child.start()
+    handles = iter(queue.get, None)
+    sink = RecordingSink()
+    receive_into(sink, "shared_memory", session, handles, RandomWeightSource(SHAPES, seed=3).weight_manifest("float32"))
+    child.join(timeout=60)
+    assert child.exitcode == 0
+    expected = RandomWeightSource(SHAPES, seed=3)
+    assert sink.buckets > 2
+    for name, tensor in expected.tensors.items():
+        assert torch.equal(sink.received[name], tensor)
+    assert _leftovers(session.id) == []
+
+
+def test_missing_tensor_is_rejected_and_shared_memory_is_cleaned_up() -> None:
+    source, sink = RandomWeightSource(SHAPES, seed=4), RecordingSink()
+    before = set(glob.glob("/dev/shm/nrl-refit-*"))
+    manifest = source.weight_manifest("float32") + [WeightSpec(name="lost.weight", shape=(4,), dtype="float32")]
+    source.weight_manifest = lambda dtype: manifest  # type: ignore[method-assign]
+    with pytest.raises(RefitError, match="lost.weight"):
+        refit(source, sink, transport="shared_memory", bucket_bytes=2048)
+    assert sink.weight_version == 0
+    assert set(glob.glob("/dev/shm/nrl-refit-*")) <= before
+
+
+# --------------------------------------------------------------------------- between Ray actors
+
+
+@pytest.fixture(scope="module")
+def ray_actors():
+    ray = pytest.importorskip("ray")
+    from nrl_core.testing.refit_host import RefitTestHost
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+                 runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+    host = ray.remote(RefitTestHost)
+    source = host.remote("nrl_core.testing.refit_host:RandomWeightSource", SHAPES, seed=5)
+    sinks = [host.remote("nrl_core.testing.refit_host:RecordingSink") for _ in range(2)]
+    yield ray, source, sinks
+    for actor in [source, *sinks]:
+        ray.kill(actor)
+    if started:
+        ray.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("transport", [None, "broadcast"])
+def test_refit_between_ray_actors(ray_actors, transport) -> None:
+    ray, source, sinks = ray_actors
+    assert len(set(ray.get([a.pid.remote() for a in [source, *sinks]]))) == 3
+    report = refit(source, sinks, transport=transport, bucket_bytes=2048)
+    assert report.transport == (transport or "shared_memory") and report.placement == "same_node"
+    expected = ray.get(source.call.remote("checksums"))
+    for sink in sinks:
+        assert ray.get(sink.call.remote("checksums")) == expected
+    assert report.bytes == 2 * manifest_bytes(RandomWeightSource(SHAPES).weight_manifest("float32"))

@@ -1,0 +1,260 @@
+"""Multi-process tests (gloo, world size 1 and 2). Scenarios are combined per spawned run because
+starting a Megatron process costs most of the time; each run returns plain results and the
+assertions live in the test functions."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core", reason="nrl-backend-megatron's engine is not installed")
+pytest.importorskip("nrl_backend_megatron")
+
+from nrl_core.testing.tiny_models import cached_tiny_model
+
+from _helpers import make_batch, make_config, run_world
+
+FAMILIES = ("llama", "qwen2", "qwen3")
+
+
+def _hf_reference(family: str, batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF logits and target logprobs, computed in this (non-distributed) process."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(cached_tiny_model(family), dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(batch.input_ids).logits
+    lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, batch.input_ids[:, 1:, None])[..., 0]
+    lp = torch.cat([torch.zeros(lp.shape[0], 1), lp], 1)
+    return logits, lp * (torch.arange(lp.shape[1])[None] < batch.input_lengths[:, None])
+
+
+# ------------------------------------------------------------------ world of 1: HF parity, packing, caching
+def world1(rank: int, world: int, paths: dict[str, str]) -> dict[str, Any]:
+    from nrl_backend_megatron.worker import MegatronPolicyWorker
+
+    out: dict[str, Any] = {}
+    batch = make_batch()
+    for family, path in paths.items():
+        w = MegatronPolicyWorker(make_config(path), rank, world)
+        with torch.no_grad():
+            pos = torch.arange(batch.input_ids.shape[1])[None].expand(batch.size, -1)
+            w.model.eval()
+            out[f"{family}/logits"] = w.model(batch.input_ids, pos, None).float()
+        out[f"{family}/logprobs"] = w.get_logprobs(batch)
+        out[f"{family}/converted"] = w.conversion.converted
+        if family == "llama":
+            packed = MegatronPolicyWorker(make_config(path, sequence_packing={
+                "enabled": True, "train_mb_tokens": 32, "logprob_mb_tokens": 32, "sequence_length_round": 4}),
+                rank, world)
+            out["packed/converted"] = packed.conversion.converted
+            out["packed/logprobs"] = packed.get_logprobs(batch)
+    return out
+
+
+@pytest.fixture(scope="module")
+def w1(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("mcore-ckpt")
+    paths = {f: str(cached_tiny_model(f)) for f in FAMILIES}
+    (result,) = run_world(world1, 1, paths, env={"NRL_MEGATRON_CHECKPOINT_DIR": str(root)})
+    result["root"] = root
+    return result
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_megatron_logits_equal_hf(w1: dict[str, Any], family: str) -> None:
+    batch = make_batch()
+    logits, lp = _hf_reference(family, batch)
+    n = int(batch.input_lengths.min())
+    assert (w1[f"{family}/logits"][:, :n] - logits[:, :n]).abs().max() < 1e-4
+    assert (w1[f"{family}/logprobs"] - lp).abs().max() < 1e-4
+
+
+@pytest.mark.slow
+def test_sequence_packing_matches_padded_logprobs(w1: dict[str, Any]) -> None:
+    assert (w1["packed/logprobs"] - w1["llama/logprobs"]).abs().max() < 1e-5
+
+
+@pytest.mark.slow
+def test_conversion_happens_once_then_is_reused(w1: dict[str, Any]) -> None:
+    assert w1["llama/converted"] is True and w1["packed/converted"] is False  # second worker reuses
+    assert all(w1[f"{f}/converted"] for f in FAMILIES)
+    assert any(p.name.startswith("model_") for p in w1["root"].iterdir())
+
+
+# ------------------------------------------------------------------ world of 2: parallel layouts
+def world2(rank: int, world: int, path: str, ckpt: str) -> dict[str, Any]:
+    from nrl_core.algorithms.loss import NLLLoss
+    from nrl_core.contracts import CheckpointOptions
+    from nrl_core.errors import NrlError
+    from nrl_backend_megatron import ckpt_io
+    from nrl_backend_megatron.worker import MegatronPolicyWorker
+
+    out: dict[str, Any] = {}
+    batch, loss = make_batch(), NLLLoss()
+
+    def run(tag: str, megatron: dict) -> MegatronPolicyWorker:
+        w = MegatronPolicyWorker(make_config(path, megatron=megatron), rank, world)
+        out[f"{tag}/logprobs"] = w.get_logprobs(batch)
+        out[f"{tag}/export"] = {n: t for bucket in w.export_weights(20_000, "float32") for n, t in bucket}
+        out[f"{tag}/buckets"] = [sum(t.numel() * 4 for _, t in b) for b in w.export_weights(20_000, "float32")]
+        out[f"{tag}/manifest"] = w.weight_manifest("float32")
+        out[f"{tag}/metrics"] = [w.train(batch, loss) for _ in range(3)]
+        return w
+
+    run("dp2", {})
+    run("pp2", {"pipeline_model_parallel_size": 2})
+    w = run("tp2", {"tensor_model_parallel_size": 2})
+
+    # Which strategy wrappers the knobs select (spies around Megatron's own classes).
+    calls: list[str] = []
+    from megatron.core.dist_checkpointing.strategies import fully_parallel as fp
+
+    for cls in (fp.FullyParallelSaveStrategyWrapper, fp.FullyParallelLoadStrategyWrapper):
+        original = cls.__init__
+
+        def spy(self, *a, __orig=original, __name=cls.__name__, **k):
+            calls.append(__name)
+            __orig(self, *a, **k)
+        cls.__init__ = spy
+    w.save_checkpoint(f"{ckpt}/default")  # knobs from the config section: defaults
+    out["default/marker_on_return"] = (Path(ckpt) / "default" / ckpt_io.MARKER).exists()
+    w.load_checkpoint(f"{ckpt}/default")
+    out["default/wrappers"] = list(calls)
+    calls.clear()
+    w.save_checkpoint(f"{ckpt}/plain", CheckpointOptions(fully_parallel_save=False))
+    w.load_checkpoint(f"{ckpt}/plain", CheckpointOptions(fully_parallel_load=False))
+    out["plain/wrappers"] = list(calls)
+    for bad in ("missing", "default_other"):
+        try:
+            if bad == "default_other":
+                w.ckpt.identity["model_name"] = "someone/else"
+                w.load_checkpoint(f"{ckpt}/default")
+            else:
+                w.load_checkpoint(f"{ckpt}/{bad}")
+        except NrlError as exc:
+            out[f"error/{bad}"] = str(exc)
+    w.ckpt.identity["model_name"] = w.model_name
+
+    # Resume with dropout on (RNG matters): async save, load_rng true/false.
+    w = MegatronPolicyWorker(make_config(path, megatron={"tensor_model_parallel_size": 2, "async_save": True},
+                                         hf_config_overrides={"attention_dropout": 0.3}), rank, world)
+    w.train(batch, loss)
+    w.save_checkpoint(f"{ckpt}/async")  # async_save from the config
+    out["async/marker_on_return"] = (Path(ckpt) / "async" / ckpt_io.MARKER).exists()
+    try:
+        w.load_checkpoint(f"{ckpt}/async_not_there")
+    except NrlError:
+        pass
+    out["async/next_loss"] = w.train(batch, loss)["loss"]
+    w.finalize_checkpoint()
+    out["async/marker_after_finalize"] = (Path(ckpt) / "async" / ckpt_io.MARKER).exists()
+    torch.manual_seed(1000 + rank)
+    w.load_checkpoint(f"{ckpt}/async", CheckpointOptions(load_rng=True))
+    out["rng_true/next_loss"] = w.train(batch, loss)["loss"]
+    torch.manual_seed(2000 + rank)
+    w.load_checkpoint(f"{ckpt}/async")  # load_rng default: false
+    out["rng_false/next_loss"] = w.train(batch, loss)["loss"]
+
+    # NaN in a gradient: off lets it through, on (the default) stops the step.
+    def nan_loss(logprobs, mb, **kw):
+        value, metrics = loss(logprobs, mb, **kw)
+        return value * float("nan"), metrics
+
+    for check in (False, True):
+        w = MegatronPolicyWorker(make_config(path, megatron={"check_for_nan_in_grad": check}), rank, world)
+        try:
+            out[f"nan/{check}"] = ("trained", w.train(batch, nan_loss)["grad_norm"])
+        except Exception as exc:  # noqa: BLE001
+            out[f"nan/{check}"] = (type(exc).__name__, str(exc))
+    return out
+
+
+@pytest.fixture(scope="module")
+def w2(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    root = tmp_path_factory.mktemp("mcore-conv2")
+    ckpt = tmp_path_factory.mktemp("mcore-train-ckpt")
+    return run_world(world2, 2, str(cached_tiny_model("llama")), str(ckpt),
+                     env={"NRL_MEGATRON_CHECKPOINT_DIR": str(root)})
+
+
+@pytest.fixture(scope="module")
+def w1_baseline(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("mcore-conv1")
+    (result,) = run_world(baseline, 1, str(cached_tiny_model("llama")), env={"NRL_MEGATRON_CHECKPOINT_DIR": str(root)})
+    return result
+
+
+def baseline(rank: int, world: int, path: str) -> dict[str, Any]:
+    from nrl_core.algorithms.loss import NLLLoss
+    from nrl_backend_megatron.worker import MegatronPolicyWorker
+
+    w = MegatronPolicyWorker(make_config(path), rank, world)
+    batch = make_batch()
+    return {"logprobs": w.get_logprobs(batch), "metrics": [w.train(batch, NLLLoss()) for _ in range(3)]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2"])
+def test_parallel_layout_equals_single_rank(w2, w1_baseline, layout: str) -> None:
+    for rank in w2:
+        assert (rank[f"{layout}/logprobs"] - w1_baseline["logprobs"]).abs().max() < 1e-5
+        ours = [m["loss"] for m in rank[f"{layout}/metrics"]]
+        ref = [m["loss"] for m in w1_baseline["metrics"]]
+        assert max(abs(a - b) for a, b in zip(ours, ref)) < 1e-5
+        gn = [m["grad_norm"] for m in rank[f"{layout}/metrics"]]
+        assert max(abs(a - b["grad_norm"]) for a, b in zip(gn, w1_baseline["metrics"])) < 1e-4
+
+
+@pytest.mark.slow
+def test_loss_falls(w1_baseline) -> None:
+    losses = [m["loss"] for m in w1_baseline["metrics"]]
+    assert losses[2] < losses[1] < losses[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_export_gathers_full_hf_tensors(w2, layout: str) -> None:
+    """Sharded weights gathered back (TP all-gather, PP broadcast) are the HF file's, bit for bit."""
+    from safetensors.torch import load_file
+
+    hf = load_file(str(cached_tiny_model("llama") / "model.safetensors"))
+    for rank in w2:
+        exported = rank[f"{layout}/export"]
+        assert exported.keys() == hf.keys()
+        assert all(exported[k].shape == hf[k].shape for k in hf)
+        assert [s.name for s in rank[f"{layout}/manifest"]] == list(exported)
+        assert max(rank[f"{layout}/buckets"]) <= max(20_000, max(t.numel() * 4 for t in hf.values()))
+    # every rank sees the same full tensors
+    assert all(torch.equal(w2[0][f"{layout}/export"][k], w2[1][f"{layout}/export"][k]) for k in hf)
+    assert all(torch.equal(w2[0][f"{layout}/export"][k], hf[k]) for k in hf)
+
+
+@pytest.mark.slow
+def test_checkpoint_knobs(w2) -> None:
+    for rank in w2:
+        assert rank["default/wrappers"] == ["FullyParallelSaveStrategyWrapper", "FullyParallelLoadStrategyWrapper"]
+        assert rank["plain/wrappers"] == []
+        assert rank["async/marker_on_return"] is False and rank["async/marker_after_finalize"] is True
+        assert rank["rng_true/next_loss"] == rank["async/next_loss"]  # bit-identical resume
+        assert rank["rng_false/next_loss"] != rank["async/next_loss"]
+    assert w2[0]["default/marker_on_return"] is True
+
+
+@pytest.mark.slow
+def test_bad_training_checkpoints_are_one_line(w2) -> None:
+    for rank in w2:
+        assert "does not exist" in rank["error/missing"] and "\n" not in rank["error/missing"]
+        assert "another model" in rank["error/default_other"] and "\n" not in rank["error/default_other"]
+
+
+@pytest.mark.slow
+def test_nan_gradient_caught_only_when_checked(w2) -> None:
+    for rank in w2:
+        status, detail = rank["nan/True"]
+        assert status == "NrlError" and "check_for_nan_in_grad" in detail and "\n" not in detail
+        assert rank["nan/False"][0] == "trained"

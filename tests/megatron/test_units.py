@@ -1,0 +1,250 @@
+"""Fast in-process tests: schema knobs, plugin registration, directory resolution, conversion
+caching and its failure modes, layout checks, weight mapping round trip."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core", reason="nrl-backend-megatron's engine is not installed")
+pytest.importorskip("nrl_backend_megatron")
+
+from nrl_core.contracts import CheckpointOptions
+from nrl_core.errors import ConfigError, NrlError
+from nrl_core.testing.tiny_models import cached_tiny_model, model_config
+
+from nrl_backend_megatron import checkpoint_dir as cd
+from nrl_backend_megatron.schema import MEGATRON_CFG_SCHEMA
+
+KEY = "policy.megatron_cfg"
+
+
+def validate(section: dict) -> dict:
+    return MEGATRON_CFG_SCHEMA.validate(section, KEY)
+
+
+# ------------------------------------------------------------------ knobs: default and user value
+KNOB_DEFAULTS = {"fully_parallel_save": True, "fully_parallel_load": True, "async_save": False, "load_rng": False,
+                 "distributed_timeout_minutes": None, "check_for_nan_in_grad": True, "logging_level": logging.INFO,
+                 "force_reconvert_from_hf": False}
+KNOB_VALUES = {"fully_parallel_save": False, "fully_parallel_load": False, "async_save": True, "load_rng": True,
+               "distributed_timeout_minutes": 7, "check_for_nan_in_grad": False, "logging_level": "WARNING",
+               "force_reconvert_from_hf": True}
+
+
+@pytest.mark.parametrize("knob", sorted(KNOB_DEFAULTS))
+def test_knob_default_and_user_value(knob: str) -> None:
+    assert validate({})[knob] == KNOB_DEFAULTS[knob]
+    assert validate({knob: KNOB_VALUES[knob]})[knob] == KNOB_VALUES[knob]
+
+
+def test_nested_checkpoint_spelling_is_an_alias() -> None:
+    out = validate({"checkpoint": {"async_save": True, "load_rng": True}})
+    assert out["async_save"] is True and out["load_rng"] is True and "checkpoint" not in out
+    assert CheckpointOptions.from_section(out) == CheckpointOptions(async_save=True, load_rng=True)
+    with pytest.raises(ConfigError, match="conflicts"):
+        validate({"async_save": False, "checkpoint": {"async_save": True}})
+
+
+def test_inert_nemo_rl_keys_accepted_and_unknown_rejected() -> None:
+    validate({"expert_model_parallel_size": 1, "moe_router_dtype": None, "apply_rope_fusion": True})
+    with pytest.raises(ConfigError, match="did you mean"):
+        validate({"tensor_model_paralel_size": 2})
+
+
+def test_plugin_registers_backend() -> None:
+    from nrl_backend_megatron import plugin
+
+    (spec,) = plugin.nrl_training_backends()
+    assert (spec.name, spec.config_key, spec.priority) == ("megatron", "megatron_cfg", 20)
+    assert spec.worker == "nrl_backend_megatron.worker:MegatronPolicyWorker"
+    assert plugin.nrl_checkpoint_save(worker=object(), path="x", options=CheckpointOptions()) is None
+    assert plugin.nrl_checkpoint_load(worker=object(), path="x", options=CheckpointOptions()) is None
+
+
+def test_logging_level_reaches_megatron_loggers() -> None:
+    from nrl_backend_megatron.worker import set_megatron_logging
+
+    assert set_megatron_logging(logging.INFO) == logging.INFO
+    assert logging.getLogger("megatron.core").level == logging.INFO
+    set_megatron_logging("WARNING")
+    assert logging.getLogger("megatron.core").level == logging.WARNING
+    with pytest.raises(ConfigError):
+        set_megatron_logging("LOUD")
+
+
+def test_distributed_timeout_flows_into_process_groups(monkeypatch: pytest.MonkeyPatch) -> None:
+    from megatron.core import parallel_state
+
+    from nrl_backend_megatron import parallel
+    from nrl_backend_megatron.model import ParallelLayout
+
+    seen: dict = {}
+    monkeypatch.setattr(parallel.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(parallel.dist, "init_process_group", lambda **kw: seen.setdefault("pg", kw))
+    monkeypatch.setattr(parallel_state, "model_parallel_is_initialized", lambda: False)
+    monkeypatch.setattr(parallel_state, "initialize_model_parallel", lambda **kw: seen.setdefault("mp", kw))
+    parallel.ensure_process_group(0, 1, None)
+    parallel.init_model_parallel(ParallelLayout(), None)
+    assert "timeout" not in seen["pg"] and "distributed_timeout_minutes" not in seen["mp"]  # framework defaults
+    seen.clear()
+    parallel.ensure_process_group(0, 1, 7)
+    parallel.init_model_parallel(ParallelLayout(), 7)
+    assert seen["pg"]["timeout"].total_seconds() == 420 and seen["mp"]["distributed_timeout_minutes"] == 7
+
+
+# ------------------------------------------------------------------ directory resolution
+def test_checkpoint_root_priority(tmp_path: Path) -> None:
+    home = str(tmp_path / "home")
+    assert cd.checkpoint_root({"HOME": home}) == Path(home) / ".cache/huggingface/nemo_rl"
+    assert cd.checkpoint_root({"HOME": home, "HF_HOME": "/hf"}) == Path("/hf/nemo_rl")
+    assert cd.checkpoint_root({"HOME": home, "HF_HOME": "/hf", cd.ENV_VAR: "/explicit"}) == Path("/explicit")
+    assert cd.checkpoint_root({"HOME": home, cd.ENV_VAR: "/explicit"}) == Path("/explicit")
+    assert cd.checkpoint_root({"HOME": home, "HF_HOME": "/hf", cd.ENV_VAR: "  "}) == Path("/hf/nemo_rl")
+    assert cd.checkpoint_root({"HOME": home, "HF_HOME": "", cd.ENV_VAR: ""}) == Path(home) / ".cache/huggingface/nemo_rl"
+
+
+def test_model_subdir_naming(tmp_path: Path) -> None:
+    assert cd.model_subdir("Qwen/Qwen3-0.6B") == Path("Qwen/Qwen3-0.6B")
+    local = tmp_path / "my model"
+    local.mkdir()
+    sub = cd.model_subdir(str(local))
+    assert sub.name.startswith("model_") and "/" not in str(sub) and str(local).strip("/").replace("/", "_") in str(sub)
+    hashed = cd.model_subdir("Qwen/Qwen3-0.6B", {"rope_theta": 5.0})
+    assert hashed.parent == Path("Qwen") and hashed.name.startswith("Qwen3-0.6B-") and hashed != cd.model_subdir(
+        "Qwen/Qwen3-0.6B", {"rope_theta": 6.0})
+
+
+# ------------------------------------------------------------------ conversion life cycle
+SHAPES = {"w": (2, 3)}
+
+
+def _writer(value: float, calls: list):
+    def write(out: Path) -> None:
+        from safetensors.torch import save_file
+
+        calls.append(out)
+        save_file({"w": torch.full((2, 3), value)}, str(out / cd.WEIGHTS))
+    return write
+
+
+def _ident(name: str = "m") -> dict:
+    return cd.identity(name, {"a": 1}, None)
+
+
+def test_conversion_is_cached(tmp_path: Path) -> None:
+    target = tmp_path / "org" / "m"
+    calls: list = []
+    first = cd.ensure_converted(target, _ident(), SHAPES, _writer(1.0, calls))
+    marker = target / cd.MARKER
+    stat = marker.stat()
+    second = cd.ensure_converted(target, _ident(), SHAPES, _writer(2.0, calls))
+    assert first.converted and not second.converted and len(calls) == 1
+    assert (marker.stat().st_ino, marker.stat().st_mtime_ns) == (stat.st_ino, stat.st_mtime_ns)
+    forced = cd.ensure_converted(target, _ident(), SHAPES, _writer(3.0, calls), force=True)
+    assert forced.converted and len(calls) == 2 and marker.stat().st_ino != stat.st_ino
+    assert not [p for p in target.parent.iterdir() if p.name.startswith(".m.tmp")]
+
+
+def test_bad_conversions_are_one_line_errors(tmp_path: Path) -> None:
+    target = tmp_path / "m"
+    cd.ensure_converted(target, _ident(), SHAPES, _writer(1.0, []))
+    with pytest.raises(cd.CheckpointDirError, match="another model") as err:
+        cd.ensure_converted(target, _ident("other"), SHAPES, _writer(1.0, []))
+    assert "\n" not in str(err.value)
+    weights = target / cd.WEIGHTS
+    weights.write_bytes(weights.read_bytes()[:-4])  # truncated
+    with pytest.raises(cd.CheckpointDirError, match="corrupt"):
+        cd.ensure_converted(target, _ident(), SHAPES, _writer(1.0, []))
+    partial = tmp_path / "p"
+    partial.mkdir()
+    (partial / cd.WEIGHTS).write_bytes(b"junk")
+    with pytest.raises(cd.CheckpointDirError, match="incomplete"):
+        cd.ensure_converted(partial, _ident(), SHAPES, _writer(1.0, []))
+
+
+def test_failed_conversion_never_overwrites_a_good_one(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    target = tmp_path / "m"
+    cd.ensure_converted(target, _ident(), SHAPES, _writer(1.0, []))
+
+    def crash(out: Path) -> None:
+        (out / cd.WEIGHTS).write_bytes(b"half")
+        raise RuntimeError("killed mid-conversion")
+
+    with pytest.raises(RuntimeError):
+        cd.ensure_converted(target, _ident(), SHAPES, crash, force=True)
+    assert torch.equal(load_file(str(target / cd.WEIGHTS))["w"], torch.ones(2, 3))
+    assert not cd.ensure_converted(target, _ident(), SHAPES, crash).converted
+    assert [p.name for p in tmp_path.iterdir() if not p.name.startswith(".m.lock") and p.name != ".m.lock"] == ["m"]
+
+
+# ------------------------------------------------------------------ mapping and model checks
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_hf_megatron_hf_round_trip_is_bit_identical(family: str) -> None:
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    from nrl_backend_megatron.convert import canonical_shapes, hf_to_megatron, megatron_to_hf
+
+    path = cached_tiny_model(family)
+    cfg = AutoConfig.from_pretrained(path)
+    hf = load_file(str(path / "model.safetensors"))
+    mg = hf_to_megatron(hf, cfg)
+    assert {k: tuple(v.shape) for k, v in mg.items()} == canonical_shapes(cfg)
+    back = megatron_to_hf(mg, cfg)
+    assert back.keys() == hf.keys()
+    assert all(torch.equal(back[k], hf[k]) for k in hf)
+
+
+def test_tied_embeddings_round_trip() -> None:
+    from nrl_backend_megatron.convert import hf_to_megatron, megatron_to_hf
+
+    cfg = model_config("qwen3", tie_word_embeddings=True)
+    cfg.architectures = ["Qwen3ForCausalLM"]
+    hf = {k: torch.randn(v) for k, v in _hf_shapes(cfg).items()}
+    mg = hf_to_megatron(hf, cfg)
+    assert "output_layer.weight" not in mg
+    assert all(torch.equal(megatron_to_hf(mg, cfg)[k], hf[k]) for k in hf)
+
+
+def _hf_shapes(cfg) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    return {k: tuple(v.shape) for k, v in model.state_dict().items() if k != "lm_head.weight"}
+
+
+def test_unsupported_architecture_is_one_line() -> None:
+    from transformers import GPT2Config
+
+    from nrl_backend_megatron.convert import family_of
+
+    cfg = GPT2Config()
+    cfg.architectures = ["GPT2LMHeadModel"]
+    with pytest.raises(ConfigError, match="supported: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM") as err:
+        family_of(cfg)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("layout,world,match", [
+    (dict(tp=3), 3, "attention heads"),
+    (dict(tp=4), 4, "key/value heads"),
+    (dict(pp=3), 3, "layers"),
+    (dict(tp=2), 3, "world size"),
+    (dict(cp=2), 2, "Transformer Engine"),
+])
+def test_indivisible_layouts_are_one_line_errors(layout: dict, world: int, match: str) -> None:
+    from nrl_backend_megatron.model import ParallelLayout
+    from nrl_backend_megatron.parallel import check_layout
+
+    cfg = model_config("llama")  # 4 heads, 2 kv heads, 2 layers
+    with pytest.raises(ConfigError, match=match) as err:
+        check_layout(ParallelLayout(**layout), world, cfg)
+    assert "\n" not in str(err.value) and str(err.value).startswith("policy.megatron_cfg.")

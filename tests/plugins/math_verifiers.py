@@ -1,0 +1,22 @@
+"""A verifier that misbehaves on purpose, loaded by the math environment's Ray workers in tests
+(``env.math.verifier: tests.plugins.math_verifiers:misbehave_on_marker``)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+from nrl_env_math.verify import verify_response
+
+
+def misbehave_on_marker(response: str, ground_truth: str) -> bool:
+    """``CRASH`` ends the worker process abruptly (like a segfault or the OOM killer); ``HANG``
+    blocks the alarm signal and sleeps, stuck where the per-sample timeout cannot reach (like a
+    long computation inside a C extension). Anything else is verified normally."""
+    if response == "CRASH":
+        os._exit(3)
+    if response == "HANG":
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
+        time.sleep(600)
+    return verify_response(response, ground_truth)

@@ -1,0 +1,138 @@
+"""The vLLM generation worker in this process: HF parity, refit, logprobs, rejected refits, seeds."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any, Callable, Iterator
+
+import pytest
+import torch
+
+from nrl_core.plugins import get_plugin_manager
+from nrl_core.refit import RefitError, refit
+from nrl_core.refit.hf_source import HFWeightSource
+from tests.vllm.helpers import hf_greedy, hf_model, hf_token_logprobs
+
+LOGPROB_TOLERANCE = 1e-3
+"""Max |vLLM - HF| logprob of a sampled token, float32 on CPU (both engines compute the same
+model; the differences are kernel-level reduction order)."""
+
+
+class EditedSource(HFWeightSource):
+    """An HF source whose exported stream (not its manifest) is edited: a broken training backend."""
+
+    def __init__(self, model: Any, edit: Callable[[list[tuple[str, torch.Tensor]]], list[tuple[str, torch.Tensor]]]):
+        super().__init__(model)
+        self.edit = edit
+
+    def export_weights(self, bucket_bytes: int, dtype: str) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        yield self.edit([item for bucket in super().export_weights(bucket_bytes, dtype) for item in bucket])
+
+
+@pytest.fixture
+def restore_checkpoint(engine, model_dir):
+    """Put the checkpoint's weights back after a test that changed them."""
+    yield
+    refit(HFWeightSource(model_dir), engine, bucket_bytes=2**20)
+
+
+def test_plugin_registers_vllm_backend_and_schema() -> None:
+    spec = get_plugin_manager().generation_backends().get("vllm", "policy.generation.backend")
+    assert spec.config_key == "vllm_cfg" and spec.distribution == "nrl-gen-vllm"
+    cfg = spec.config_schema.validate({}, "policy.generation.vllm_cfg")
+    assert cfg["tensor_parallel_size"] == 1 and cfg["kv_cache_space_gb"] == 1.0 and cfg["max_model_len"] is None
+
+
+def test_greedy_matches_hf_generate(engine, model_dir, prompts) -> None:
+    out = engine.generate(prompts, greedy=True)
+    assert out.token_ids == hf_greedy(hf_model(model_dir), prompts)
+    assert set(out.finish_reasons) <= {"stop", "length"} and out.weight_version == engine.weight_version
+    assert all(len(lp) == len(ids) for lp, ids in zip(out.logprobs, out.token_ids))
+
+
+def test_refit_with_changed_weights_matches_hf(engine, model_dir, prompts, restore_checkpoint) -> None:
+    before = engine.generate(prompts, greedy=True).token_ids
+    trained = hf_model(model_dir, perturb_seed=7)
+    version = engine.weight_version
+    report = refit(HFWeightSource(trained), engine, bucket_bytes=256 * 1024)
+    assert report.version == version + 1 == engine.weight_version and report.transport == "in_process"
+    after = engine.generate(prompts, greedy=True)
+    assert after.weight_version == version + 1
+    assert after.token_ids == hf_greedy(trained, prompts)
+    assert after.token_ids != before
+    # a refit that changes nothing leaves the output unchanged (but is still a new version)
+    refit(HFWeightSource(trained), engine, transport="shared_memory", bucket_bytes=256 * 1024)
+    assert engine.generate(prompts, greedy=True).token_ids == after.token_ids
+    assert engine.weight_version == version + 2
+
+
+def test_sampled_logprobs_agree_with_hf(engine, model_dir, prompts, restore_checkpoint) -> None:
+    trained = hf_model(model_dir, perturb_seed=8)
+    refit(HFWeightSource(trained), engine)
+    out = engine.generate(prompts * 4)
+    gaps = []
+    for prompt, ids, lps in zip(prompts * 4, out.token_ids, out.logprobs):
+        ref = hf_token_logprobs(trained, prompt, ids)
+        gaps += [abs(a - b) for a, b in zip(lps, ref)]
+    mean, worst = statistics.fmean(gaps), max(gaps)
+    print(f"\nvLLM vs HF sampled-token logprob gap over {len(gaps)} tokens (float32, CPU): "
+          f"mean {mean:.2e}, max {worst:.2e}")
+    assert worst < LOGPROB_TOLERANCE
+
+
+def _drop(name: str):
+    return lambda items: [(n, t) for n, t in items if n != name]
+
+
+def _add(name: str):
+    return lambda items: items + [(name, torch.zeros(8))]
+
+
+def _reshape(name: str):
+    return lambda items: [(n, t[:-1] if n == name else t) for n, t in items]
+
+
+def _retype(name: str):
+    return lambda items: [(n, t.to(torch.bfloat16) if n == name else t) for n, t in items]
+
+
+def _twice(name: str):
+    return lambda items: items + [(n, t) for n, t in items if n == name]
+
+
+@pytest.mark.parametrize("edit, key", [
+    (_drop("model.layers.1.self_attn.k_proj.weight"), "model.layers.1.self_attn.k_proj.weight"),
+    (_add("model.layers.0.mlp.extra_proj.weight"), "model.layers.0.mlp.extra_proj.weight"),
+    (_reshape("model.layers.0.mlp.up_proj.weight"), "model.layers.0.mlp.up_proj.weight"),
+    (_retype("model.norm.weight"), "model.norm.weight"),
+    (_twice("lm_head.weight"), "lm_head.weight"),
+], ids=["missing", "extra", "wrong-shape", "wrong-dtype", "duplicate"])
+def test_bad_refit_names_keys_and_keeps_old_weights(engine, model_dir, prompts, edit, key) -> None:
+    before = engine.generate(prompts, greedy=True).token_ids
+    version = engine.weight_version
+    source = EditedSource(hf_model(model_dir, perturb_seed=9), edit)  # changed weights: a load would show
+    with pytest.raises(RefitError, match=key.replace(".", r"\.")):
+        refit(source, engine, bucket_bytes=256 * 1024)
+    assert engine.weight_version == version
+    assert engine.generate(prompts, greedy=True).token_ids == before
+
+
+def test_consistently_misnamed_weights_are_rejected_against_the_checkpoint(engine, model_dir, prompts) -> None:
+    """A manifest and stream that agree with each other but not with the engine's model."""
+    before = engine.generate(prompts, greedy=True).token_ids
+    source = HFWeightSource(hf_model(model_dir, perturb_seed=10))
+    source.model.model.layers[0].mlp.register_parameter("gate_bias", torch.nn.Parameter(torch.zeros(4)))
+    with pytest.raises(RefitError, match=r"model\.layers\.0\.mlp\.gate_bias"):
+        refit(source, engine)
+    assert engine.generate(prompts, greedy=True).token_ids == before
+
+
+def test_seeded_sampling_is_reproducible(engine, prompts) -> None:
+    state = engine.sampling_state()
+    first = engine.generate(prompts * 2)
+    second = engine.generate(prompts * 2)
+    engine.load_sampling_state(state)
+    again = engine.generate(prompts * 2)
+    assert again.token_ids == first.token_ids and again.logprobs == first.logprobs
+    assert second.token_ids != first.token_ids  # the call counter moves the seeds on
+    assert first.token_ids[0] != first.token_ids[len(prompts)]  # same prompt, different request seed
