@@ -1,0 +1,354 @@
+"""Checkpoint I/O of the dtensor worker through ``torch.distributed.checkpoint`` (DCP).
+
+Layout of a checkpoint directory::
+
+    model_optim/           DCP shards of model + optimizer      (fully_parallel_save)
+    consolidated.pt        one file of full tensors from rank 0 (fully_parallel_save: false)
+    trainer_state.pt       step and scheduler state (rank 0)
+    rng/rank{r}.pt         torch/CUDA/python/numpy RNG states of each rank
+    nrl_checkpoint.json    written last, once every file is complete: format, architecture,
+                           parameter shapes and every file's size
+
+``nrl_checkpoint.json`` is the commit marker: a directory without it is incomplete, a file whose
+size differs from the one recorded is truncated, and recorded shapes that differ from the model's
+mean another architecture. Loading checks all of that, then reads into *copies* of the state and
+only copies into the live model and optimizer once everything has been read, so a failed load
+leaves the worker untouched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from nrl_core.contracts import CheckpointOptions
+from nrl_core.errors import NrlError
+
+MARKER = "nrl_checkpoint.json"
+SHARDED_DIR = "model_optim"
+CONSOLIDATED = "consolidated.pt"
+TRAINER_STATE = "trainer_state.pt"
+FORMAT_VERSION = 1
+
+
+@dataclass(kw_only=True)
+class TrainState:
+    """What the checkpoint code needs from a worker (kept narrow so it is testable on its own)."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    get_step: Callable[[], int]
+    set_step: Callable[[int], None]
+    architecture: dict[str, Any]
+    param_shapes: dict[str, list[int]]
+    async_group: dist.ProcessGroup | None = None
+
+
+@dataclass
+class _Pending:
+    path: str
+    futures: list[Future] = field(default_factory=list)
+    marker: dict[str, Any] = field(default_factory=dict)
+
+
+def _rng_state() -> dict[str, Any]:
+    import numpy as np
+
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate(),
+                             "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    import numpy as np
+
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _clone(tree: Any) -> Any:
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().clone()
+    if isinstance(tree, dict):
+        return {k: _clone(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_clone(v) for v in tree]
+    return tree
+
+
+def _file_sizes(root: str) -> dict[str, int]:
+    sizes = {}
+    for base, _, files in os.walk(root):
+        for name in files:
+            if name == MARKER:
+                continue
+            full = os.path.join(base, name)
+            sizes[os.path.relpath(full, root)] = os.path.getsize(full)
+    return sizes
+
+
+class CheckpointIO:
+    """Saves and loads one worker's state; holds the pending asynchronous save, if any."""
+
+    def __init__(self, state: TrainState) -> None:
+        self.state = state
+        self._pending: _Pending | None = None
+
+    # ------------------------------------------------------------------ save
+
+    def save(self, path: str, options: CheckpointOptions) -> None:
+        """Save everything under ``path`` (collective). With ``async_save`` return once the write
+        is scheduled; it completes at the next save, load or :meth:`finalize`."""
+        self.finalize()
+        rank = dist.get_rank()
+        os.makedirs(os.path.join(path, "rng"), exist_ok=True)
+        pending = _Pending(path=path)
+        if options.fully_parallel_save:
+            msd, osd = get_state_dict(self.state.model, self.state.optimizer)
+            target = {"model": msd, "optim": osd}
+            if options.async_save:
+                pending.futures.append(dcp.async_save(target, checkpoint_id=os.path.join(path, SHARDED_DIR),
+                                                      process_group=self.state.async_group))
+            else:
+                dcp.save(target, checkpoint_id=os.path.join(path, SHARDED_DIR))
+            fmt = "sharded"
+        else:
+            full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            msd, osd = get_state_dict(self.state.model, self.state.optimizer, options=full)
+            if rank == 0:
+                write = lambda: torch.save({"model": msd, "optim": osd}, os.path.join(path, CONSOLIDATED))  # noqa: E731
+                pending.futures.append(_in_thread(write) if options.async_save else _done(write()))
+            fmt = "consolidated"
+        torch.save(_rng_state(), os.path.join(path, "rng", f"rank{rank}.pt"))
+        if rank == 0:
+            torch.save({"step": self.state.get_step(), "scheduler": self.state.scheduler.state_dict()},
+                       os.path.join(path, TRAINER_STATE))
+        pending.marker = {"format": fmt, "format_version": FORMAT_VERSION, "step": self.state.get_step(),
+                          "world_size": dist.get_world_size(), "architecture": self.state.architecture,
+                          "param_shapes": self.state.param_shapes}
+        self._pending = pending
+        if not options.async_save:
+            self.finalize()
+
+    def finalize(self) -> None:
+        """Wait for the pending save on every rank, then commit it (rank 0 writes the marker).
+        Collective when a save is pending."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        for future in pending.futures:
+            future.result()
+        dist.barrier()
+        if dist.get_rank() == 0:
+            marker = dict(pending.marker, files=_file_sizes(pending.path))
+            tmp = os.path.join(pending.path, MARKER + ".tmp")
+            with open(tmp, "w") as f:
+                json.dump(marker, f, indent=1)
+            os.replace(tmp, os.path.join(pending.path, MARKER))
+        dist.barrier()
+
+    # ------------------------------------------------------------------ load
+
+    def validate(self, path: str) -> dict[str, Any]:
+        """The checkpoint's marker after checking completeness, sizes and architecture."""
+        if not os.path.isdir(path):
+            raise NrlError(f"checkpoint directory '{path}' does not exist")
+        marker_path = os.path.join(path, MARKER)
+        if not os.path.exists(marker_path):
+            raise NrlError(f"checkpoint '{path}' is incomplete or not a dtensor checkpoint (no {MARKER}); "
+                           f"the save may have been interrupted")
+        try:
+            with open(marker_path) as f:
+                marker = json.load(f)
+        except (OSError, ValueError):
+            raise NrlError(f"checkpoint '{path}' has an unreadable {MARKER}; the save may have been interrupted") from None
+        for rel, size in marker.get("files", {}).items():
+            full = os.path.join(path, rel)
+            if not os.path.exists(full):
+                raise NrlError(f"checkpoint '{path}' is truncated: file '{rel}' is missing")
+            if os.path.getsize(full) != size:
+                raise NrlError(f"checkpoint '{path}' is truncated: file '{rel}' has {os.path.getsize(full)} bytes, "
+                               f"{size} were written")
+        theirs, ours = marker.get("param_shapes", {}), self.state.param_shapes
+        arch = marker.get("architecture", {}).get("model_type")
+        if theirs != ours:
+            diff = sorted(set(theirs) ^ set(ours)) or [k for k in ours if theirs[k] != ours[k]]
+            name = diff[0]
+            raise NrlError(f"checkpoint '{path}' is from another architecture ({arch}): parameter '{name}' has shape "
+                           f"{theirs.get(name, 'missing')} there and {ours.get(name, 'missing')} in this model")
+        return marker
+
+    def load(self, path: str, options: CheckpointOptions) -> None:
+        """Load ``path`` into the worker (collective). Raises :class:`NrlError` leaving it unchanged."""
+        self.finalize()
+        marker = self.validate(path)
+        if options.load_rng and not os.path.exists(os.path.join(path, "rng", f"rank{dist.get_rank()}.pt")):
+            raise NrlError(f"checkpoint '{path}' has no RNG state for rank {dist.get_rank()} (saved at world size "
+                           f"{marker.get('world_size')}); resume at the same world size or set load_rng: false")
+        try:
+            if options.fully_parallel_load:
+                model_sd, optim_sd, sd_options = self._read_every_rank(path, marker["format"])
+            else:
+                model_sd, optim_sd, sd_options = self._read_rank0_broadcast(path, marker["format"])
+            trainer = torch.load(os.path.join(path, TRAINER_STATE), weights_only=False)
+            rng = (torch.load(os.path.join(path, "rng", f"rank{dist.get_rank()}.pt"), weights_only=False)
+                   if options.load_rng else None)
+        except NrlError:
+            raise
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP/pickle errors become one line
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise NrlError(f"checkpoint '{path}' could not be read ({type(exc).__name__}: {first[:200]}); "
+                           f"it is truncated or corrupt") from None
+        # Everything is read: only now touch the live objects.
+        set_state_dict(self.state.model, self.state.optimizer, model_state_dict=model_sd,
+                       optim_state_dict=optim_sd, options=sd_options)
+        self.state.scheduler.load_state_dict(trainer["scheduler"])
+        self.state.set_step(int(trainer["step"]))
+        if rng is not None:
+            _set_rng_state(rng)
+
+    def _read_every_rank(self, path: str, fmt: str) -> tuple[Any, Any, StateDictOptions]:
+        if fmt == "sharded":
+            msd, osd = get_state_dict(self.state.model, self.state.optimizer)
+            staged = {"model": _clone(msd), "optim": _clone(osd)}
+            dcp.load(staged, checkpoint_id=os.path.join(path, SHARDED_DIR))
+            return staged["model"], staged["optim"], StateDictOptions()
+        full = torch.load(os.path.join(path, CONSOLIDATED), weights_only=False, map_location="cpu")
+        return self._shard_like_live(full["model"], full["optim"])
+
+    def _shard_like_live(self, model_sd: Any, optim_sd: Any) -> tuple[Any, Any, StateDictOptions]:
+        """Full tensors (present on every rank) cut into this rank's shards of the live layout.
+
+        Why not ``set_state_dict(full_state_dict=True)``: it assigns new parameter objects, which
+        leaves the optimizer pointing at the old ones; a sharded load copies in place.
+        """
+        live_m, live_o = get_state_dict(self.state.model, self.state.optimizer)
+        return _shard_like(model_sd, live_m), _shard_like(optim_sd, live_o), StateDictOptions()
+
+    def _read_rank0_broadcast(self, path: str, fmt: str) -> tuple[Any, Any, StateDictOptions]:
+        rank0 = dist.get_rank() == 0
+        error: list[Any] = [None]
+        model_sd: Any = {}
+        optim_sd: Any = {}
+        if fmt == "sharded":
+            # rank 0 reads the shards of every rank into full-size tensors, without collectives
+            msd, osd = get_state_dict(self.state.model, self.state.optimizer,
+                                      options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if rank0:
+            try:
+                if fmt == "sharded":
+                    staged = {"model": _clone(msd), "optim": _clone(osd)}
+                    dcp.load(staged, checkpoint_id=os.path.join(path, SHARDED_DIR), no_dist=True)
+                    model_sd, optim_sd = staged["model"], staged["optim"]
+                else:
+                    full = torch.load(os.path.join(path, CONSOLIDATED), weights_only=False, map_location="cpu")
+                    model_sd, optim_sd = full["model"], full["optim"]
+            except (Exception, CheckpointException) as exc:  # noqa: BLE001 - shared with the other ranks
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                error[0] = f"{type(exc).__name__}: {first[:200]}"
+        dist.broadcast_object_list(error, src=0)
+        if error[0] is not None:
+            raise NrlError(f"checkpoint '{path}' could not be read on rank 0 ({error[0]}); it is truncated or corrupt")
+        model_sd, optim_sd = broadcast_tree([model_sd, optim_sd] if rank0 else None)
+        return self._shard_like_live(model_sd, optim_sd)
+
+
+def _shard_like(full: Any, live: Any, where: str = "") -> Any:
+    if isinstance(live, DTensor):
+        if not isinstance(full, torch.Tensor) or tuple(full.shape) != tuple(live.shape):
+            raise NrlError(f"checkpoint entry '{where}' does not match the model (shape "
+                           f"{getattr(full, 'shape', None)} vs {tuple(live.shape)})")
+        return distribute_tensor(full.to(live.device, live.dtype), live.device_mesh, live.placements,
+                                 src_data_rank=None)
+    if isinstance(live, dict) and isinstance(full, dict):
+        if where.endswith("param_groups") or not live:
+            return full
+        missing = [k for k in live if k not in full]
+        if missing:
+            raise NrlError(f"checkpoint lacks '{where + '.' if where else ''}{missing[0]}' that the model has")
+        return {k: _shard_like(full[k], v, f"{where}.{k}" if where else str(k)) for k, v in live.items()}
+    if isinstance(live, torch.Tensor) and isinstance(full, torch.Tensor):
+        return full.to(live.device)
+    return full
+
+
+class _TensorSlot:
+    def __init__(self, shape: torch.Size, dtype: torch.dtype) -> None:
+        self.shape, self.dtype = shape, dtype
+
+
+def broadcast_tree(tree: Any) -> Any:
+    """Send rank 0's nested dict/list of tensors and plain values to every rank: the structure
+    with tensor placeholders as one object, then each tensor with ``dist.broadcast``.
+
+    Why not ``set_state_dict(broadcast_from_rank0=True)``: with optimizer state it expects every
+    rank to already hold a matching skeleton, which a fresh worker does not have.
+    """
+    tensors: list[torch.Tensor] = []
+
+    def strip(node: Any) -> Any:
+        if isinstance(node, torch.Tensor):
+            tensors.append(node)
+            return _TensorSlot(node.shape, node.dtype)
+        if isinstance(node, dict):
+            return {k: strip(v) for k, v in node.items()}
+        if isinstance(node, (list, tuple)):
+            return type(node)(strip(v) for v in node)
+        return node
+
+    box = [strip(tree) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    received = iter(tensors)
+
+    def fill(node: Any) -> Any:
+        if isinstance(node, _TensorSlot):
+            t = next(received).to(device) if dist.get_rank() == 0 else torch.empty(node.shape, dtype=node.dtype,
+                                                                                  device=device)
+            dist.broadcast(t, src=0)
+            return t.cpu()
+        if isinstance(node, dict):
+            return {k: fill(v) for k, v in node.items()}
+        if isinstance(node, (list, tuple)):
+            return type(node)(fill(v) for v in node)
+        return node
+
+    return fill(box[0])
+
+
+def _in_thread(fn: Callable[[], Any]) -> Future:
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn())
+        except BaseException as exc:  # noqa: BLE001
+            future.set_exception(exc)
+
+    threading.Thread(target=run, daemon=True).start()
+    return future
+
+
+def _done(value: Any) -> Future:
+    future: Future = Future()
+    future.set_result(value)
+    return future
+

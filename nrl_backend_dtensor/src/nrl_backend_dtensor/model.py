@@ -1,0 +1,112 @@
+"""Loading the Hugging Face causal LM and computing per-token logprobs from it.
+
+:class:`LogprobModel` wraps the HF model so that one ``forward`` returns token logprobs instead of
+logits. Why a wrapper: FSDP2 gathers a module's parameters around that module's ``forward``; with
+the wrapper as the FSDP root, the embedding, final norm and output projection stay gathered for the
+whole forward and backward, and the logprob head can chunk over the sequence (never holding the
+full ``[B, T, V]`` logits) while gradients still reach the sharded weights through FSDP's hooks.
+Parameter names gain the prefix ``hf.``; :data:`HF_PREFIX` is stripped wherever names leave.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from nrl_core.errors import NrlError
+
+HF_PREFIX = "hf."
+
+
+def hf_name(name: str) -> str:
+    """The Hugging Face name of a wrapper parameter (``hf.model.x`` -> ``model.x``)."""
+    return name[len(HF_PREFIX):] if name.startswith(HF_PREFIX) else name
+
+
+def load_hf_config(model_name: str, *, trust_remote_code: bool = False,
+                   overrides: Mapping[str, Any] | None = None) -> Any:
+    """The model's config, checked to be a causal LM; one-line :class:`NrlError` otherwise."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if not os.path.isdir(model_name):
+        raise NrlError(f"policy.model_name: '{model_name}' is not a directory; point it at a local "
+                       f"Hugging Face checkpoint (config.json and weights)")
+    if not os.path.exists(os.path.join(model_name, "config.json")):
+        raise NrlError(f"policy.model_name: '{model_name}' has no config.json; it is not a Hugging Face checkpoint")
+    try:
+        config = AutoConfig.from_pretrained(model_name, trust_remote_code=trust_remote_code)
+    except Exception as exc:  # noqa: BLE001 - any failure to parse is the same user problem
+        raise NrlError(f"policy.model_name: cannot read the config in '{model_name}': "
+                       f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+    # a checkpoint names its head in `architectures` (BertForMaskedLM is a bert model_type that
+    # the causal-LM auto mapping also lists); fall back to the mapping when it is absent
+    architectures = list(getattr(config, "architectures", None) or [])
+    is_causal = (any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in architectures) if architectures
+                 else config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) or (
+        trust_remote_code and "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {}))
+    if not is_causal:
+        raise NrlError(f"policy.model_name: '{model_name}' is a '{config.model_type}' model, not a causal "
+                       f"language model; use a decoder-only checkpoint (Llama, Qwen2, Qwen3, ...)")
+    for key, value in (overrides or {}).items():
+        setattr(config, key, value)
+    return config
+
+
+def load_hf_model(model_name: str, config: Any, *, trust_remote_code: bool = False) -> nn.Module:
+    """The HF causal LM in float32 on the CPU (FSDP2 casts and moves it later)."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM.from_pretrained(model_name, config=config, dtype=torch.float32,
+                                                    trust_remote_code=trust_remote_code)
+    except Exception as exc:  # noqa: BLE001
+        raise NrlError(f"policy.model_name: cannot load the weights in '{model_name}': "
+                       f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+
+
+def _chunk_logprobs(hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor) -> torch.Tensor:
+    logits = head(hidden).float()
+    return torch.gather(logits.log_softmax(-1), -1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def token_logprobs(hidden: torch.Tensor, head: nn.Module, input_ids: torch.Tensor,
+                   chunk_size: int | None = None) -> torch.Tensor:
+    """Aligned float32 logprobs ``[B, T]``: ``out[:, t] = log p(input_ids[:, t] | < t)``, ``out[:, 0] = 0``.
+
+    With ``chunk_size`` the output projection and softmax run ``chunk_size`` positions at a time,
+    and under autograd each chunk is recomputed in backward, so peak memory holds one chunk's
+    logits rather than the whole sequence's.
+    """
+    h = hidden[:, :-1]
+    targets = input_ids[:, 1:]
+    width = h.shape[1]
+    if chunk_size is None or chunk_size >= width:
+        body = _chunk_logprobs(h, head, targets)
+    else:
+        parts = []
+        for s in range(0, width, chunk_size):
+            args = (h[:, s:s + chunk_size], head, targets[:, s:s + chunk_size])
+            parts.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False) if torch.is_grad_enabled()
+                         else _chunk_logprobs(*args))
+        body = torch.cat(parts, dim=1)
+    return torch.cat([body.new_zeros((body.shape[0], 1)), body], dim=1)
+
+
+class LogprobModel(nn.Module):
+    """An HF causal LM whose forward returns per-token logprobs of its own input (see module doc)."""
+
+    def __init__(self, hf_model: nn.Module, chunk_size: int | None = None) -> None:
+        super().__init__()
+        self.hf = hf_model
+        self.chunk_size = chunk_size
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        # attention_mask stays None: right padding never precedes a real token under a causal
+        # mask, and packed rows get their block-diagonal mask from the position resets.
+        out = self.hf.model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+        return token_logprobs(out.last_hidden_state, self.hf.get_output_embeddings(), input_ids, self.chunk_size)

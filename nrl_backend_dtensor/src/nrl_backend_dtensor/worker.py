@@ -1,0 +1,251 @@
+"""``DTensorPolicyWorker``: one rank of the FSDP2/DTensor training backend.
+
+The driver hands every rank the *full* global batch; each rank takes its data-parallel shard
+(``batch.shard(dp_rank, dp_size)``: ranks in one tensor-parallel group share a shard, as DTensor
+TP requires identical inputs), runs micro-batches with gradient accumulation and steps the
+optimizer. Results that the driver reads (metrics, logprobs) are reduced or gathered so that every
+rank returns the same global answer.
+
+Reference logprobs come from the initial weights, kept as a CPU copy of this rank's *shards* and
+swapped into the live parameters for the reference pass. Why not a second frozen model: that would
+hold a second sharded model in device memory for the whole run and double the build time; the
+swap costs two shard-sized copies per call and host memory equal to one shard.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from nrl_core.contracts import CheckpointOptions, LossFunction, TokenBatch, WeightSpec
+from nrl_core.errors import ConfigError, NrlError
+from nrl_backend_dtensor import weights as weights_io
+from nrl_backend_dtensor.checkpoint import CheckpointIO, TrainState
+from nrl_backend_dtensor.microbatch import MicroBatch, plan_micro_batches
+from nrl_backend_dtensor.model import LogprobModel, hf_name, load_hf_config, load_hf_model
+from nrl_backend_dtensor.optim import build_optimizer, build_scheduler, clip_grad_norm
+from nrl_backend_dtensor.parallel import apply_fsdp, apply_tensor_parallel, build_layout
+
+PRECISIONS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _ensure_process_group() -> None:
+    if not dist.is_initialized():
+        from nrl_core.testing.distributed import init_local_group
+
+        init_local_group()
+
+
+class DTensorPolicyWorker:
+    """One training rank (see the module docstring and ``nrl_core.contracts.TrainingWorker``)."""
+
+    def __init__(self, config: dict[str, Any], rank: int | None = None, world_size: int | None = None) -> None:
+        _ensure_process_group()
+        self.config = config
+        self.policy: dict[str, Any] = config["policy"]
+        self.dcfg: dict[str, Any] = self.policy.get("dtensor_config") or {}
+        self.rank = dist.get_rank() if rank is None else rank
+        self.world_size = dist.get_world_size() if world_size is None else world_size
+        if (self.rank, self.world_size) != (dist.get_rank(), dist.get_world_size()):
+            raise NrlError(f"worker built as rank {self.rank}/{self.world_size} but the process group is rank "
+                           f"{dist.get_rank()}/{dist.get_world_size()}")
+        seed = self.policy.get("seed")
+        self.seed = 42 if seed is None else int(seed)
+        torch.manual_seed(self.seed)
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        precision = self.policy.get("precision", "float32")
+        if precision not in PRECISIONS:
+            raise ConfigError("policy.precision", f"must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+        self.layout = build_layout(self.device.type, int(self.dcfg.get("tensor_parallel_size", 1)),
+                                   int(self.dcfg.get("context_parallel_size", 1)))
+        gbs = self.policy.get("train_global_batch_size")
+        if gbs is not None and gbs % self.layout.dp_size:
+            raise ConfigError("policy.train_global_batch_size",
+                              f"{gbs} does not divide over {self.layout.dp_size} data-parallel ranks")
+        self.sequence_parallel = bool(self.dcfg.get("sequence_parallel")) and self.layout.tp_size > 1
+
+        model_name = self.policy["model_name"]
+        trust = bool(self.policy.get("trust_remote_code", False))
+        self.hf_config = load_hf_config(model_name, trust_remote_code=trust,
+                                        overrides=self.policy.get("hf_config_overrides"))
+        hf_model = load_hf_model(model_name, self.hf_config, trust_remote_code=trust)
+        self.pad_id = int(getattr(self.hf_config, "pad_token_id", None) or 0)
+        if not self.dcfg.get("cpu_offload"):
+            hf_model.to(self.device)
+        apply_tensor_parallel(hf_model, self.layout, sequence_parallel=self.sequence_parallel,
+                              custom_plan=self.dcfg.get("custom_parallel_plan"))
+        if self.dcfg.get("activation_checkpointing"):
+            hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.model = LogprobModel(hf_model, self.policy.get("logprob_chunk_size"))
+        apply_fsdp(self.model, hf_model.model.layers, self.layout, param_dtype=PRECISIONS[precision],
+                   cpu_offload=bool(self.dcfg.get("cpu_offload")))
+
+        self.optimizer = build_optimizer(self.model.parameters(), self.policy.get("optimizer") or {})
+        self.scheduler = build_scheduler(self.optimizer, self.policy.get("scheduler"))
+        self.train_step_count = 0
+        self._reference = [self._local(p).detach().to("cpu", copy=True) for p in self.model.parameters()]
+        async_group = dist.new_group(backend="gloo")  # DCP async saves talk on their own group
+        self.checkpoint_io = CheckpointIO(TrainState(
+            model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
+            get_step=lambda: self.train_step_count, set_step=self._set_step,
+            architecture={"model_type": self.hf_config.model_type,
+                          "architectures": list(getattr(self.hf_config, "architectures", None) or [])},
+            param_shapes={s.name: list(s.shape) for s in self.weight_manifest("float32")},
+            async_group=async_group))
+
+    # ------------------------------------------------------------------ helpers
+
+    def _set_step(self, step: int) -> None:
+        self.train_step_count = step
+
+    @staticmethod
+    def _local(param: torch.Tensor) -> torch.Tensor:
+        return param.to_local() if isinstance(param, DTensor) else param
+
+    def _local_batch(self, batch: TokenBatch) -> TokenBatch:
+        if batch.size % self.layout.dp_size:
+            raise NrlError(f"a batch of {batch.size} sequences does not divide over {self.layout.dp_size} "
+                           f"data-parallel ranks; make the global batch a multiple of {self.layout.dp_size}")
+        return batch.shard(self.layout.dp_rank, self.layout.dp_size)
+
+    def _plan(self, local: TokenBatch, train: bool) -> list[MicroBatch]:
+        plan = plan_micro_batches(local, self.policy, train=train, pad_id=self.pad_id,
+                                  width_multiple=self.layout.tp_size if self.sequence_parallel else 1,
+                                  seed=self.seed + self.train_step_count)
+        # every rank must run the same number of forwards (FSDP and TP collectives)
+        count = torch.tensor([len(plan)], dtype=torch.long)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        return plan + [None] * (int(count) - len(plan))  # type: ignore[list-item]
+
+    def _forward(self, mb: MicroBatch) -> torch.Tensor:
+        return self.model(mb.input_ids.to(self.device), mb.position_ids.to(self.device))
+
+    def _dummy(self, local: TokenBatch) -> tuple[MicroBatch, TokenBatch]:
+        sub = local.select([0])
+        return plan_micro_batches(sub, {"train_micro_batch_size": 1, "logprob_batch_size": 1}, train=True,
+                                  pad_id=self.pad_id, width_multiple=self.layout.tp_size)[0], sub
+
+    def _all_reduce(self, values: list[float], op: dist.ReduceOp = dist.ReduceOp.SUM,
+                    group: dist.ProcessGroup | None = None) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t, op=op, group=group)
+        return t.tolist()
+
+    # ------------------------------------------------------------------ training
+
+    def train(self, batch: TokenBatch, loss_fn: LossFunction) -> dict[str, float]:
+        """One optimizer step on the global ``batch`` (see module docstring); metrics are global."""
+        start = time.perf_counter()
+        self.model.train()
+        local = self._local_batch(batch)
+        mask = local.fields.get("token_mask")
+        valid_tokens = float(mask.sum()) if mask is not None else float((local.input_lengths - 1).clamp(min=0).sum())
+        sample_mask = local.fields.get("sample_mask")
+        valid_seqs = float(sample_mask.sum()) if sample_mask is not None else float(local.size)
+        global_tokens, global_seqs, tokens_seen = self._all_reduce(
+            [valid_tokens, valid_seqs, float(local.input_lengths.sum())], group=self.layout.dp_group)
+
+        self.optimizer.zero_grad(set_to_none=True)
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        sums: dict[str, float] = {}
+        loss_total = 0.0
+        for mb in self._plan(local, train=True):
+            dummy = mb is None
+            if dummy:
+                mb, sub = self._dummy(local)
+            else:
+                sub = local.select(mb.rows)
+            logprobs = mb.to_padded(self._forward(mb), sub)
+            loss, metrics = loss_fn(logprobs, sub, global_valid_tokens=global_tokens, global_valid_seqs=global_seqs)
+            # FSDP averages gradients over dp ranks; the loss is already a share of the global
+            # loss, so scale by dp to get the sum. A padding micro-batch contributes nothing.
+            (loss * (0.0 if dummy else float(self.layout.dp_size))).backward()
+            if not dummy:
+                loss_total += float(loss.detach())
+                for k, v in metrics.items():
+                    sums[k] = sums.get(k, 0.0) + float(v)
+        grad_norm = clip_grad_norm(self.model.parameters(), self.policy.get("max_grad_norm"))
+        self.optimizer.step()
+        self.scheduler.step()
+        self.train_step_count += 1
+
+        keys = sorted(sums)
+        reduced = self._all_reduce([loss_total] + [sums[k] for k in keys], group=self.layout.dp_group)
+        seconds = self._all_reduce([time.perf_counter() - start], op=dist.ReduceOp.MAX)[0]
+        out = dict(zip(keys, reduced[1:]))
+        out.update(loss=reduced[0], grad_norm=grad_norm, lr=lr, num_tokens=tokens_seen,
+                   num_valid_tokens=global_tokens, step_seconds=seconds)
+        return out
+
+    # ------------------------------------------------------------------ logprobs
+
+    @torch.no_grad()
+    def get_logprobs(self, batch: TokenBatch) -> torch.Tensor:
+        """Float32 ``[B, T]`` logprobs of the global batch under the current weights, every rank."""
+        self.model.eval()
+        local = self._local_batch(batch)
+        width = int(batch.input_ids.shape[1])
+        out = torch.zeros((local.size, width), dtype=torch.float32)
+        for mb in self._plan(local, train=False):
+            if mb is None:
+                mb, _ = self._dummy(local)
+                self._forward(mb)
+                continue
+            sub = local.select(mb.rows)
+            lp = mb.to_padded(self._forward(mb), sub).float().cpu()
+            out[mb.rows, :lp.shape[1]] = lp
+        # FSDP2 keeps the root's parameters gathered after a forward without backward; put the
+        # shards back so that parameters() and state dicts see the sharded DTensors again
+        self.model.reshard()
+        gathered = [torch.empty_like(out) for _ in range(self.layout.dp_size)]
+        dist.all_gather(gathered, out, group=self.layout.dp_group)
+        full = torch.zeros((batch.size, width), dtype=torch.float32)
+        for r, part in enumerate(gathered):
+            full[r::self.layout.dp_size] = part
+        return full
+
+    @torch.no_grad()
+    def get_reference_logprobs(self, batch: TokenBatch) -> torch.Tensor:
+        """Logprobs under the initial weights (swapped in from the CPU copy, then swapped back)."""
+        self.model.reshard()
+        params = [self._local(p) for p in self.model.parameters()]
+        current = [p.detach().to("cpu", copy=True) for p in params]
+        try:
+            for p, ref in zip(params, self._reference):
+                p.copy_(ref)
+            return self.get_logprobs(batch)
+        finally:
+            for p, cur in zip(params, current):
+                p.copy_(cur)
+
+    # ------------------------------------------------------------------ weights out
+
+    def weight_manifest(self, dtype: str) -> list[WeightSpec]:
+        self.model.reshard()
+        return weights_io.manifest(self.model, dtype)
+
+    def export_weights(self, bucket_bytes: int, dtype: str) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        self.model.reshard()
+        return weights_io.export_buckets(self.model, bucket_bytes, dtype)
+
+    def export_hf(self, path: str) -> None:
+        weights_io.export_hf(self.model, self.hf_config, self.policy["model_name"], path)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save_checkpoint(self, path: str, options: CheckpointOptions | None = None) -> None:
+        self.checkpoint_io.save(path, options or CheckpointOptions.from_section(self.dcfg))
+
+    def load_checkpoint(self, path: str, options: CheckpointOptions | None = None) -> None:
+        self.checkpoint_io.load(path, options or CheckpointOptions.from_section(self.dcfg))
+
+    def finalize_checkpoint(self) -> None:
+        self.checkpoint_io.finalize()
+
+    def parameter_names(self) -> list[str]:
+        """HF names of the trainable parameters (what checkpoints and exports use)."""
+        return [hf_name(n) for n, _ in self.model.named_parameters()]

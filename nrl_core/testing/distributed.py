@@ -1,0 +1,102 @@
+"""Run a function on N local processes joined in a gloo ``torch.distributed`` group.
+
+Why: backends must be tested at world size > 1 (sharding, collectives, checkpoint resharding) on a
+CPU-only machine, without ``torchrun`` or Ray. :func:`run_distributed` spawns the ranks, gives
+each a process group, and returns each rank's result in rank order; a failure on any rank raises
+in the caller with that rank's traceback. Results travel through ``torch.save`` files, so tensors
+and plain Python objects both come back.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago (for ``MASTER_PORT``)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def init_local_group(rank: int = 0, world_size: int = 1, port: int | None = None) -> None:
+    """Initialise a gloo process group on localhost unless one exists (world of 1 by default)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if port is not None or "MASTER_PORT" not in os.environ:
+        os.environ["MASTER_PORT"] = str(port or free_port())
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+
+
+def _entry(rank: int, world_size: int, port: int, out_dir: str, threads: int, fn: Callable[..., Any],
+           args: tuple[Any, ...]) -> None:
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    init_local_group(rank, world_size, port)
+    path = Path(out_dir) / f"rank{rank}.pt"
+    try:
+        result = fn(rank, world_size, *args)
+        torch.save({"ok": True, "result": result}, path)
+    except BaseException:  # noqa: BLE001 - reported to the parent with the traceback
+        torch.save({"ok": False, "error": traceback.format_exc()}, path)
+        os._exit(1)  # peers may be blocked in a collective; do not wait for them
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, threads: int = 1,
+                    timeout: float = 600.0) -> list[Any]:
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes (gloo) and return
+    the results in rank order.
+
+    ``fn`` must be importable by name (a module-level function); its result must be picklable.
+    Raises ``RuntimeError`` naming the failing rank(s) with their tracebacks.
+    """
+    import torch
+    import torch.multiprocessing as mp
+
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="nrl-dist-") as out_dir:
+        context = mp.start_processes(_entry, args=(world_size, port, out_dir, threads, fn, args), nprocs=world_size,
+                                     join=False, start_method="spawn")
+        failed: list[str] = []
+        deadline = time.monotonic() + timeout
+        try:
+            while not context.join(timeout=1.0):
+                if time.monotonic() > deadline:
+                    failed.append(f"timed out after {timeout:.0f}s")
+                    break
+        except Exception as exc:  # a rank exited non-zero; collect every rank's report below
+            failed.append(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        results = []
+        errors = []
+        for rank in range(world_size):
+            path = Path(out_dir) / f"rank{rank}.pt"
+            if not path.exists():
+                errors.append(f"rank {rank}: no result (killed or blocked)")
+                continue
+            report = torch.load(path, weights_only=False)
+            if report["ok"]:
+                results.append(report["result"])
+            else:
+                errors.append(f"rank {rank}:\n{report['error']}")
+        if errors or failed:
+            for proc in context.processes:
+                if proc.is_alive():
+                    proc.kill()
+            raise RuntimeError("distributed run failed\n" + "\n".join(errors or failed))
+        return results

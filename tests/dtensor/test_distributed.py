@@ -1,0 +1,59 @@
+"""World size 2 on gloo (spawned ranks) against world size 1 in the pytest process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import scenarios
+from common import make_batch, make_config
+from nrl_core.algorithms.loss import NLLLoss
+from nrl_core.contracts import CheckpointOptions
+from nrl_core.testing.distributed import run_distributed
+from nrl_backend_dtensor.worker import DTensorPolicyWorker
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def single():
+    """World-size-1 reference: logprobs before and after two steps, and the losses."""
+    batch = make_batch()
+    w = DTensorPolicyWorker(make_config(), 0, 1)
+    out = {"logprobs": w.get_logprobs(batch)}
+    out["losses"] = [w.train(batch, NLLLoss())["loss"] for _ in range(2)]
+    out["logprobs_after"] = w.get_logprobs(batch)
+    qwen = DTensorPolicyWorker(make_config("qwen3"), 0, 1)
+    out["qwen3/logprobs"] = qwen.get_logprobs(batch)
+    return out
+
+
+def close(a: torch.Tensor, b: torch.Tensor, tol: float = 1e-5) -> bool:
+    return a.shape == b.shape and float((a - b).abs().max()) <= tol
+
+
+def test_fsdp_world_2_matches_world_1_and_checkpoints_reshard(single, tmp_path):
+    ranks = run_distributed(scenarios.fsdp_and_checkpoints, 2, str(tmp_path))
+    for r in ranks:
+        assert close(r["logprobs"], single["logprobs"])
+        assert all(abs(a - b) < 1e-5 for a, b in zip(r["losses"], single["losses"]))
+        assert close(r["logprobs_after"], single["logprobs_after"])
+        assert "does not divide over 2 data-parallel ranks" in r["bad_batch_error"]
+        assert "\n" not in r["bad_batch_error"]
+        loaded = [v for k, v in r.items() if k.startswith("loaded/")]
+        assert len(loaded) == 5 and all(torch.equal(v, r["logprobs_after"]) for v in loaded)
+        assert r["step/sharded"] == r["step/consolidated"] == 2
+    # a world-size-2 sharded checkpoint loads at world size 1 (DCP reshards)
+    w = DTensorPolicyWorker(make_config(), 0, 1)
+    w.load_checkpoint(str(tmp_path / "sharded"), CheckpointOptions())
+    assert close(w.get_logprobs(make_batch()), ranks[0]["logprobs_after"])
+
+
+def test_tensor_parallel_2_matches_1(single):
+    ranks = run_distributed(scenarios.tensor_parallel, 2)
+    for r in ranks:
+        for sp in (False, True):
+            assert close(r[f"sp={sp}/logprobs"], single["logprobs"]), sp
+            assert abs(r[f"sp={sp}/loss"] - single["losses"][0]) < 1e-5, sp
+            assert close(r[f"sp={sp}/logprobs_after"], ranks[0]["sp=False/logprobs_after"])
+        assert close(r["qwen3/logprobs"], single["qwen3/logprobs"])

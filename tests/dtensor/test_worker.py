@@ -1,0 +1,175 @@
+"""The dtensor worker at world size 1 (in the pytest process): training, logprobs, packing,
+weights out, checkpoints and bad input."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from common import make_batch, make_config
+from nrl_core.algorithms.loss import NLLLoss
+from nrl_core.contracts import CheckpointOptions, TrainingWorker
+from nrl_core.errors import ConfigError, NrlError
+from nrl_core.plugins import get_plugin_manager
+from nrl_core.testing.tiny_models import cached_tiny_model
+from nrl_backend_dtensor.worker import DTensorPolicyWorker
+
+
+def worker(**overrides) -> DTensorPolicyWorker:
+    return DTensorPolicyWorker(make_config(**overrides), 0, 1)
+
+
+def params(w: DTensorPolicyWorker) -> list[torch.Tensor]:
+    return [p.full_tensor().clone() for p in w.model.parameters()]
+
+
+def test_loss_falls_and_reference_stays_initial():
+    w = worker()
+    assert isinstance(w, TrainingWorker)
+    batch = make_batch()
+    initial = w.get_logprobs(batch)
+    assert initial.dtype == torch.float32 and initial.shape == batch.input_ids.shape
+    assert torch.all(initial[:, 0] == 0) and torch.all(initial[batch.input_ids == 3] == 0)
+    losses = [w.train(batch, NLLLoss())["loss"] for _ in range(4)]
+    assert losses[-1] < losses[0] - 0.5, losses
+    assert w.train_step_count == 4
+    assert torch.equal(w.get_reference_logprobs(batch), initial)
+    assert not torch.allclose(w.get_logprobs(batch), initial)
+
+
+@pytest.mark.parametrize("mode", ["packing", "dynamic", "chunked+checkpointing"])
+def test_packed_dynamic_chunked_equal_padded(mode):
+    batch = make_batch(seed=1)
+    if mode == "packing":
+        over = dict(sequence_packing={"enabled": True, "train_mb_tokens": 48, "logprob_mb_tokens": 64,
+                                      "sequence_length_round": 4})
+    elif mode == "dynamic":
+        over = dict(dynamic_batching={"enabled": True, "train_mb_tokens": 48, "logprob_mb_tokens": 64,
+                                      "sequence_length_round": 4})
+    else:
+        over = dict(logprob_chunk_size=5, dtensor_config={"activation_checkpointing": True})
+    padded, other = worker(), worker(**over)
+    assert torch.allclose(other.get_logprobs(batch), padded.get_logprobs(batch), atol=1e-5, rtol=0)
+    for _ in range(2):
+        a, b = padded.train(batch, NLLLoss()), other.train(batch, NLLLoss())
+        assert abs(a["loss"] - b["loss"]) < 1e-5 and abs(a["grad_norm"] - b["grad_norm"]) < 1e-4
+    assert torch.allclose(other.get_logprobs(batch), padded.get_logprobs(batch), atol=1e-5, rtol=0)
+
+
+def test_weights_out_and_hf_export_reload(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    w = worker(logprob_batch_size=8)  # one forward, so the hook below sees every row
+    batch = make_batch()
+    w.train(batch, NLLLoss())
+    manifest = w.weight_manifest("bfloat16")
+    buckets = list(w.export_weights(bucket_bytes=40_000, dtype="bfloat16"))
+    flat = [(n, t) for b in buckets for n, t in b]
+    assert [(n, tuple(t.shape), str(t.dtype)) for n, t in flat] == \
+        [(s.name, s.shape, "torch." + s.dtype) for s in manifest]
+    assert all(sum(t.numel() * 2 for _, t in b) <= 40_000 or len(b) == 1 for b in buckets) and len(buckets) > 1
+    assert "model.layers.0.self_attn.q_proj.weight" in dict(flat)
+
+    captured = []
+    hook = w.model.hf.lm_head.register_forward_hook(lambda m, i, o: captured.append(o.detach().clone()))
+    w.get_logprobs(batch)
+    hook.remove()
+    w.export_hf(str(tmp_path / "hf"))
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    AutoTokenizer.from_pretrained(tmp_path / "hf")
+    with torch.no_grad():
+        logits = reloaded(input_ids=batch.input_ids).logits[:, :-1]
+    assert torch.equal(logits, captured[0])
+
+
+def test_checkpoint_resume_is_bit_identical_with_load_rng(tmp_path):
+    # attention dropout makes the next step depend on the RNG state
+    over = dict(hf_config_overrides={"attention_dropout": 0.2})
+    batch = make_batch()
+    a = worker(**over)
+    a.train(batch, NLLLoss())
+    a.save_checkpoint(str(tmp_path / "ck"), CheckpointOptions(load_rng=True))
+    saved = params(a)
+    expected = a.train(batch, NLLLoss())["loss"]
+
+    b = worker(**over)
+    b.load_checkpoint(str(tmp_path / "ck"), CheckpointOptions(load_rng=True))
+    assert all(torch.equal(x, y) for x, y in zip(params(b), saved)) and b.train_step_count == 1
+    assert b.train(batch, NLLLoss())["loss"] == expected  # bit-identical
+
+    c = worker(**over)
+    c.load_checkpoint(str(tmp_path / "ck"), CheckpointOptions(load_rng=False))
+    assert c.train(batch, NLLLoss())["loss"] != expected  # the RNG state is what made it identical
+
+
+def test_checkpoint_hooks_async_and_consolidated(tmp_path):
+    pm = get_plugin_manager()
+    a = worker()
+    batch = make_batch()
+    a.train(batch, NLLLoss())
+    pm.checkpoint_save(a, str(tmp_path / "async"), CheckpointOptions(async_save=True))
+    pm.checkpoint_save(a, str(tmp_path / "cons"), CheckpointOptions(fully_parallel_save=False))  # waits for async
+    a.finalize_checkpoint()
+    expected = a.get_logprobs(batch)
+    for name, opts in [("async", CheckpointOptions()), ("cons", CheckpointOptions(fully_parallel_load=False))]:
+        b = worker()
+        pm.checkpoint_load(b, str(tmp_path / name), opts)
+        assert torch.equal(b.get_logprobs(batch), expected), name
+        assert all(p is q for p, q in zip(b.model.parameters(), b.optimizer.param_groups[0]["params"]))
+        assert a.train(batch, NLLLoss())["loss"] != 0  # keeps training after a load
+
+
+def test_failed_loads_are_one_line_and_leave_the_model_untouched(tmp_path):
+    a = worker()
+    batch = make_batch()
+    a.save_checkpoint(str(tmp_path / "good"), CheckpointOptions())
+    a.train(batch, NLLLoss())
+    before = a.get_logprobs(batch)
+
+    truncated = tmp_path / "truncated"
+    shutil.copytree(tmp_path / "good", truncated)
+    shard = next(p for p in (truncated / "model_optim").iterdir() if p.suffix == ".distcp")
+    shard.write_bytes(shard.read_bytes()[:100])
+    incomplete = tmp_path / "incomplete"
+    shutil.copytree(tmp_path / "good", incomplete)
+    os.remove(incomplete / "nrl_checkpoint.json")
+    other = DTensorPolicyWorker(make_config("qwen3"), 0, 1)
+    other.save_checkpoint(str(tmp_path / "qwen3"), CheckpointOptions())
+
+    cases = {str(tmp_path / "missing"): "does not exist", str(truncated): "truncated",
+             str(incomplete): "incomplete", str(tmp_path / "qwen3"): "another architecture"}
+    for path, words in cases.items():
+        for opts in (CheckpointOptions(), CheckpointOptions(fully_parallel_load=False)):
+            with pytest.raises(NrlError, match=words) as info:
+                a.load_checkpoint(path, opts)
+            assert "\n" not in str(info.value)
+    # a truncated shard that passes the size check still fails inside DCP, before any copy
+    (truncated / "nrl_checkpoint.json").unlink()
+    shutil.copy(tmp_path / "good" / "nrl_checkpoint.json", truncated / "nrl_checkpoint.json")
+    import json
+    marker = json.loads((truncated / "nrl_checkpoint.json").read_text())
+    marker["files"] = {k: v for k, v in marker["files"].items() if not k.endswith(".distcp")}
+    (truncated / "nrl_checkpoint.json").write_text(json.dumps(marker))
+    with pytest.raises(NrlError, match="truncated or corrupt") as info:
+        a.load_checkpoint(str(truncated), CheckpointOptions())
+    assert "\n" not in str(info.value)
+    assert torch.equal(a.get_logprobs(batch), before) and a.train_step_count == 1
+
+
+def test_bad_model_and_config_are_one_line(tmp_path):
+    from transformers import BertConfig
+
+    BertConfig(architectures=["BertForMaskedLM"], hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32).save_pretrained(
+        tmp_path / "bert")
+    cases = [(dict(model_name=str(tmp_path / "nope")), NrlError, "is not a directory"),
+             (dict(model_name=str(tmp_path / "bert")), NrlError, "not a causal language model"),
+             (dict(dtensor_config={"context_parallel_size": 2}), ConfigError, "not supported"),
+             (dict(dtensor_config={"tensor_parallel_size": 2}), ConfigError, "does not divide the world size")]
+    for overrides, error, words in cases:
+        with pytest.raises(error, match=words) as info:
+            worker(**overrides)
+        assert "\n" not in str(info.value)
+    assert cached_tiny_model("llama").exists()
