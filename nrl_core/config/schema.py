@@ -127,7 +127,8 @@ class Section:
 
     ``open`` sections accept any extra key unchecked (free-form ``kwargs``); ``nullable`` ones
     accept ``null`` in place of the mapping; ``aliases`` maps an accepted old or NeMo RL spelling
-    to ours (``{"dtensor_cfg": "dtensor_config"}``); ``required`` sections must be present;
+    to ours (``{"dtensor_cfg": "dtensor_config"}``); ``required`` sections must be present; an
+    absent section takes its defaults, also a ``nullable`` one (only an explicit ``null`` is None);
     ``preprocess`` rewrites the raw mapping first (e.g. NeMo RL's nested
     ``checkpoint: {async_save: ...}`` into the flat keys) and gets the section's key path.
     """
@@ -173,7 +174,7 @@ class Section:
             if isinstance(spec, Section):
                 if spec.required:
                     raise ConfigError(key_path, "required section is missing; add it to the config")
-                out[key] = None if spec.nullable else spec.validate({}, key_path)
+                out[key] = spec.validate({}, key_path)  # absent: defaults (only an explicit null is None)
             elif spec.default is REQUIRED:
                 raise ConfigError(key_path, "required key is missing; add it to the config")
             else:

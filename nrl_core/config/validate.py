@@ -78,6 +78,7 @@ def validate_config(raw: Mapping[str, Any], pm: PluginManager | None = None) -> 
         config = build_schema(pm).validate(dict(raw))
     assert config is not None
     _check_uninstalled_sections(config, pm)
+    _enable_default_backend(raw, config, pm)
     _expand_short_forms(config, pm)
     _check_consistency(config)
     return config
@@ -101,6 +102,22 @@ def _check_uninstalled_sections(config: dict[str, Any], pm: PluginManager) -> No
         if isinstance(section, Mapping) and section.get("enabled") is True and key not in installed:
             raise ConfigError(f"policy.{key}.enabled",
                               f"is true but the {known.backend} backend is not installed; pip install {known.distribution}")
+
+
+def _enable_default_backend(raw: Mapping[str, Any], config: dict[str, Any], pm: PluginManager) -> None:
+    """A config that names no training backend section at all (the documented minimal shape)
+    trains with the installed backend of *lowest* priority, the general-purpose one (DTensor
+    when installed), as NeMo RL's base configs do. Naming any section, even disabled, opts out."""
+    policy_raw = raw.get("policy") if isinstance(raw.get("policy"), Mapping) else {}
+    registry = pm.training_backends()
+    spellings = {key for spec in registry for key in (spec.config_key, *spec.config_aliases)}
+    spellings |= {key for known_key, known in KNOWN_TRAINING_SECTIONS.items() for key in (known_key, *known.aliases)}
+    if not len(registry) or any(key in policy_raw for key in spellings):
+        return
+    default = min(registry, key=lambda spec: spec.priority)
+    config["policy"][default.config_key]["enabled"] = True
+    logger.info("no training backend section in the config; using '%s' (set policy.<backend section>.enabled "
+                "to choose)", default.name)
 
 
 def _expand_short_forms(config: dict[str, Any], pm: PluginManager) -> None:

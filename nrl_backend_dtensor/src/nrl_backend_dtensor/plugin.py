@@ -25,6 +25,7 @@ def nrl_training_backends() -> list[TrainingBackendSpec]:
         worker=WORKER_PATH,
         config_schema=DTENSOR_CONFIG_SCHEMA,
         distribution="nrl-backend-dtensor",
+        parallel_size_keys=("tensor_parallel_size", "context_parallel_size"),
         description="PyTorch FSDP2 (fully_shard) with optional DTensor tensor parallelism",
     )]
 
