@@ -125,11 +125,15 @@ class GRPO(AlgorithmRun):
     # ------------------------------------------------------------------ state beyond the policy
 
     def extra_state(self) -> dict[str, Any]:
-        return {"generation": self.generation.sampling_states()}
+        return {"generation": self.generation.sampling_states(), "generation_stale": self.generation.stale}
 
     def restore_extra_state(self, info: Mapping[str, Any]) -> None:
+        """The engines started from the HF checkpoint: load the restored policy's weights into them
+        now, then put back their sampling position and weight label and whether the saved run
+        would have refit before its next step, so the resumed run continues exactly."""
+        self.generation.update_weights()
         self.generation.load_sampling_states(info.get("generation", []))
-        self.generation.mark_stale()
+        self.generation.stale = bool(info.get("generation_stale", True))
 
     def shutdown(self) -> None:
         try:

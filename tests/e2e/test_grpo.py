@@ -17,7 +17,7 @@ from nrl_core.testing.tiny_models import cached_tiny_model
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "examples" / "configs" / "grpo_tiny_cpu.yaml"
-TIMING = ("timing/", "throughput/")
+TIMING = ("timing/", "throughput/", "train/step_seconds")
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +33,7 @@ def nrl_train(tmp: Path, model: Path, *overrides: str, algorithm: str = "grpo") 
         "grpo.val_at_start=false", "data.generate.num_train=64", "data.generate.num_val=8",
         f"checkpointing.checkpoint_dir={tmp / 'ckpt'}", "checkpointing.save_period=1",
         f"logger.log_dir={tmp / 'logs'}", "logger.tensorboard_enabled=false", "logger.plot=false",
-        "checkpointing.export_hf=false", *overrides,
+        "checkpointing.export_hf=false", "checkpointing.keep_top_k=null", *overrides,
     ]
     env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "NRL_STRICT_PLUGINS": "1"}
     return subprocess.run([sys.executable, "-m", "nrl_core.cli", "train", algorithm, "--config", str(CONFIG), *args],

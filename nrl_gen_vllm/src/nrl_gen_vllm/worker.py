@@ -102,13 +102,15 @@ class VllmGenerationWorker:
         return self._calls
 
     def sampling_state(self) -> dict[str, int]:
-        """What, with the weights, determines the next samples: save it with a checkpoint."""
-        return {"calls": self._calls, "seed": self._seed}
+        """What, with the weights, determines the next samples (and the version label the next refit
+        continues from): save it with a checkpoint."""
+        return {"calls": self._calls, "seed": self._seed, "weight_version": self._version}
 
     def load_sampling_state(self, state: Mapping[str, int]) -> None:
         """Restore :meth:`sampling_state` so the next calls repeat the saved run's samples."""
         self._calls = int(state["calls"])
         self._seed = int(state.get("seed", self._seed))
+        self._version = int(state.get("weight_version", self._version))
 
     def generate(self, prompts: list[list[int]], *, greedy: bool = False) -> GenerationOutput:
         """Complete each prompt (token ids); per-request seeds make the samples reproducible."""
