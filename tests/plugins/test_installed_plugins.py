@@ -31,7 +31,8 @@ def site(tmp_path_factory) -> Path:
 
 
 def nrl(site: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
-    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]), **env}
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]),
+                   "NRL_STRICT_PLUGINS": "", "NRL_DISABLE_PLUGIN_AUTOLOAD": "", "NRL_TRACE_HOOKS": "", **env}
     environment.setdefault("NRL_BLOCKED_PLUGINS", ALL_BUT_MISSPELT)
     return subprocess.run([sys.executable, "-m", "nrl_core.cli", *args], capture_output=True, text=True, env=environment)
 
