@@ -8,10 +8,9 @@ longest; "packed" packs into rows of --mb-tokens tokens. Tokens/s counts real (u
 Training FLOPs are estimated as 6 x parameters x real tokens plus the attention score/value
 products (6 x layers x hidden x sum(len^2)) and compared with a plain ``torch.mm`` measured here.
 
-The packing budget matters on CPU: a packed row is attended with a block-diagonal mask, which the
-CPU SDPA kernel computes densely, so rows much longer than the longest sequence pay quadratic
-attention on masked-out blocks. With a budget of 512 (the longest sequence) packed ran 2.2x the
-padded tokens/s on the small model; with 2048 it ran 0.26x.
+Packed rows are attended segment by segment (nrl_backend_dtensor.packed_attention), so a
+row's attention costs the sum of its sequences' squared lengths, not the row length squared; a
+larger budget then means fewer, fuller micro-batches. Measured figures are in docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -36,7 +35,7 @@ def main() -> None:
     parser.add_argument("--size", default="small", choices=["tiny", "small", "bench"])
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--micro-batch", type=int, default=4)
-    parser.add_argument("--mb-tokens", type=int, default=512)
+    parser.add_argument("--mb-tokens", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args()
 

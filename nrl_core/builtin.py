@@ -18,16 +18,17 @@ def nrl_algorithms() -> list[AlgorithmSpec]:
 
 @hookimpl
 def nrl_refit_transports() -> list[RefitTransportSpec]:
-    """The core's transports, most specific first: the orchestrator takes the first one that
-    works for a placement, so a refit within one process never pays for shared memory."""
+    """The core's transports, the most specific with the highest priority: the orchestrator takes
+    the highest one that works for a placement, so a refit within one process never pays for
+    shared memory."""
     return [
         RefitTransportSpec(name="in_process", transport="nrl_core.refit.transports:InProcessTransport",
-                           placements=("same_process",), distribution="nrl-core",
+                           placements=("same_process",), distribution="nrl-core", priority=30,
                            description="hand tensors over by reference"),
         RefitTransportSpec(name="shared_memory", transport="nrl_core.refit.transports:SharedMemoryTransport",
-                           placements=("same_process", "same_node"), distribution="nrl-core",
+                           placements=("same_process", "same_node"), distribution="nrl-core", priority=20,
                            description="one /dev/shm file per bucket, mapped by the receiver"),
         RefitTransportSpec(name="broadcast", transport="nrl_core.refit.transports:BroadcastTransport",
-                           placements=("same_node", "cross_node"), distribution="nrl-core",
+                           placements=("same_node", "cross_node"), distribution="nrl-core", priority=10,
                            description="torch.distributed (gloo) broadcast from training rank 0"),
     ]

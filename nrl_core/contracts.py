@@ -138,13 +138,15 @@ class RefitTransportSpec:
     """A way to move weight buckets from training to generation, returned by ``nrl_refit_transports``.
 
     ``placements`` lists where it works: ``"same_process"``, ``"same_node"``, ``"cross_node"``.
-    The core picks the first registered transport for the placement unless the config names one.
+    Unless the config names one (``policy.refit.transport``), the core picks the transport of
+    highest ``priority`` that works for the placement (the core's own: 30, 20, 10).
     """
 
     name: str
     transport: str
     placements: tuple[str, ...]
     distribution: str
+    priority: int = 0
     description: str = ""
 
 

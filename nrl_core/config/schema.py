@@ -210,8 +210,10 @@ class Section:
             node = child
         return node
 
-    def attach(self, dotted: str, name: str, section: "Section", *, aliases: Mapping[str, str] | None = None) -> "Section":
-        """A copy with ``section`` attached as ``name`` under the subsection ``dotted`` ("" is the root)."""
+    def attach(self, dotted: str, name: str, section: Union[Field, "Section"], *,
+               aliases: Mapping[str, str] | None = None) -> "Section":
+        """A copy with ``section`` (or a field) attached as ``name`` under the subsection ``dotted``
+        ("" is the root)."""
         if not dotted:
             updated = self.with_fields(**{name: section})
             return replace(updated, aliases={**updated.aliases, **(aliases or {})})

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
 from nrl_core.config.core_schema import CORE_SCHEMA
-from nrl_core.config.schema import Section, warn_inert_keys_once
+from nrl_core.config.schema import Field, Section, warn_inert_keys_once
 from nrl_core.contracts import GenerationBackendSpec, TrainingBackendSpec
 from nrl_core.errors import ConfigError
 from nrl_core.plugins import PluginManager, get_plugin_manager
@@ -67,6 +67,9 @@ def build_schema(pm: PluginManager | None = None) -> Section:
             schema = schema.attach("policy.generation", key, _UNINSTALLED, aliases=known.aliases)
     for espec in pm.environments():
         schema = schema.attach("env", espec.name, espec.config_schema)
+    for sink in pm.metric_sinks():  # logger.<name>_enabled switches it on; logger.<name> holds its options
+        schema = schema.attach("logger", f"{sink.name}_enabled", Field(type=bool, default=False))
+        schema = schema.attach("logger", sink.name, Section(open=True))
     return schema
 
 

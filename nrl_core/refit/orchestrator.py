@@ -26,7 +26,7 @@ def _is_actor(obj: Any) -> bool:
 
 def choose_transport(placement: str, override: str | None = None) -> str:
     """The transport for ``placement``: ``override`` if given (checked against where it works),
-    else the first registered transport that works there."""
+    else the registered transport of highest priority that works there."""
     from nrl_core.plugins import get_plugin_manager
 
     if placement not in PLACEMENTS:
@@ -39,7 +39,7 @@ def choose_transport(placement: str, override: str | None = None) -> str:
                                              f"are {placement.replace('_', ' ')} (it works {', '.join(spec.placements)}); "
                                              f"remove the key to choose automatically")
         return override
-    for spec in registry:
+    for spec in sorted(registry, key=lambda spec: -spec.priority):
         if placement in spec.placements:
             return spec.name
     raise ConfigError(TRANSPORT_KEY, f"no installed refit transport works {placement.replace('_', ' ')} "

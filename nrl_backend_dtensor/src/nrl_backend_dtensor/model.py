@@ -61,9 +61,12 @@ def load_hf_model(model_name: str, config: Any, *, trust_remote_code: bool = Fal
     """The HF causal LM in float32 on the CPU (FSDP2 casts and moves it later)."""
     from transformers import AutoModelForCausalLM
 
+    from nrl_backend_dtensor.packed_attention import register
+
     try:
         return AutoModelForCausalLM.from_pretrained(model_name, config=config, dtype=torch.float32,
-                                                    trust_remote_code=trust_remote_code)
+                                                    trust_remote_code=trust_remote_code,
+                                                    attn_implementation=register())
     except Exception as exc:  # noqa: BLE001
         raise NrlError(f"policy.model_name: cannot load the weights in '{model_name}': "
                        f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None

@@ -81,26 +81,15 @@ def _round_up(n: int, k: int) -> int:
     return ((n + k - 1) // k) * k if k > 1 else n
 
 
-def packed_micro_batches(shard: TokenBatch, mb_tokens: int, round_to: int, dp_group: Any) -> list[MicroBatch]:
+def packed_micro_batches(shard: TokenBatch, mb_tokens: int, round_to: int, dp_group: Any,
+                         algorithm: str = "modified_first_fit_decreasing", seed: int = 0) -> list[MicroBatch]:
     from megatron.core.packed_seq_params import PackedSeqParams
+
+    from nrl_core.data.packing import pack_bins
 
     lengths = shard.input_lengths.tolist()
     sizes = [_round_up(int(n), round_to) for n in lengths]
-    too_long = [n for n in sizes if n > mb_tokens]
-    if too_long:
-        raise ValueError(f"a sequence of {max(too_long)} tokens does not fit sequence_packing's mb_tokens "
-                         f"{mb_tokens}; raise train_mb_tokens/logprob_mb_tokens")
-    bins: list[list[int]] = []
-    room: list[int] = []
-    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
-        for b, free in enumerate(room):
-            if sizes[i] <= free:
-                bins[b].append(i)
-                room[b] -= sizes[i]
-                break
-        else:
-            bins.append([i])
-            room.append(mb_tokens - sizes[i])
+    bins = [list(b) for b in pack_bins(lengths, mb_tokens, algorithm, round_to=round_to, seed=seed)]
     count = torch.tensor([len(bins)], dtype=torch.long)
     if dist.is_initialized() and dist.get_world_size(dp_group) > 1:
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=dp_group)

@@ -200,7 +200,8 @@ class MegatronPolicyWorker:
             tokens = packing.get("train_mb_tokens" if train else "logprob_mb_tokens") or \
                 self.policy["max_total_sequence_length"]
             return packed_micro_batches(shard, int(tokens), int(packing.get("sequence_length_round") or 1),
-                                        self.dp_group)
+                                        self.dp_group, algorithm=packing.get("algorithm") or
+                                        "modified_first_fit_decreasing")
         size = self.policy.get("train_micro_batch_size" if train else "logprob_batch_size") or 1
         return padded_micro_batches(shard, min(int(size), max(shard.size, 1)))
 
@@ -332,18 +333,11 @@ class MegatronPolicyWorker:
 
     def export_weights(self, bucket_bytes: int, dtype: str) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Full HF tensors (gathered over TP, broadcast over PP) in buckets of <= ``bucket_bytes``."""
-        bucket: list[tuple[str, torch.Tensor]] = []
-        size = 0
-        for name, full in self._full_megatron(getattr(torch, dtype)):
-            for hf_name, tensor in megatron_to_hf_items(name, full, self.hf_config):
-                nbytes = tensor.numel() * tensor.element_size()
-                if bucket and size + nbytes > bucket_bytes:
-                    yield bucket
-                    bucket, size = [], 0
-                bucket.append((hf_name, tensor))
-                size += nbytes
-        if bucket:
-            yield bucket
+        from nrl_core.refit.buckets import iter_buckets
+
+        named = (item for name, full in self._full_megatron(getattr(torch, dtype))
+                 for item in megatron_to_hf_items(name, full, self.hf_config))
+        yield from iter_buckets(named, bucket_bytes)
 
     def export_hf(self, path: str) -> None:
         """A ``save_pretrained``-compatible directory (rank 0 writes). Collective."""
