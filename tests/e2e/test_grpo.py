@@ -116,9 +116,14 @@ def test_keep_top_k_keeps_the_best_and_the_latest(tmp_path, model):
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == sorted({f"step_{best}", "step_3"})
 
 
-def test_unknown_environment_and_missing_dataset_are_one_line(tmp_path, model):
+def test_unknown_environment_missing_dataset_and_unwritable_checkpoints_are_one_line(tmp_path, model):
     proc = nrl_train(tmp_path, model, "data.env_name=chess")
     assert proc.returncode == 2
     assert "error: data.env_name: environment 'chess' is not available (installed: math)" in proc.stderr
     proc = nrl_train(tmp_path, model, f"data.train_data_path={tmp_path / 'nope.jsonl'}")
     assert proc.returncode == 2 and "nope.jsonl" in proc.stderr and "Traceback" not in proc.stderr
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    proc = nrl_train(tmp_path, model, f"checkpointing.checkpoint_dir={blocker / 'ckpt'}")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert f"error: checkpointing.checkpoint_dir: '{blocker / 'ckpt'}' is not writable" in proc.stderr
