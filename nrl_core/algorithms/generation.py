@@ -119,5 +119,6 @@ class Generation:
 
     def shutdown(self) -> None:
         if self.group is not None:
+            self.policy.group.host_call(0, "nrl_refit_release")  # the training side's shared buffers
             self.group.shutdown()
             self.placement.remove()

@@ -134,6 +134,12 @@ class RefitEndpoints:
             for _ in self.nrl_refit_source().export_weights(bucket_bytes, dtype):
                 pass
 
+    def nrl_refit_release(self) -> None:
+        """Free the shared-memory buffers this process keeps for refits (at shutdown)."""
+        from nrl_core.refit.transports import release_shared_buffers
+
+        release_shared_buffers()
+
     def nrl_refit_local(self, transport_name: str, bucket_bytes: int, dtype: str) -> RefitReport:
         return refit_local(self.nrl_refit_source(), self.nrl_refit_sink(), transport_name, bucket_bytes, dtype)
 

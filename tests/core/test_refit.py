@@ -4,6 +4,7 @@ transports moving tensors in one process, between processes, and between Ray act
 from __future__ import annotations
 
 import glob
+import os
 import multiprocessing as mp
 
 import pytest
@@ -15,7 +16,12 @@ from nrl_core.refit import RefitError, iter_buckets, refit, refit_options, verif
 from nrl_core.refit.buckets import manifest_bytes
 from nrl_core.refit.endpoints import receive_into, send_handles
 from nrl_core.refit.orchestrator import choose_transport
-from nrl_core.refit.transports import RefitSession, SharedMemoryTransport
+from nrl_core.refit.transports import (
+    RefitSession,
+    SharedMemoryTransport,
+    _remove_stale_pool_files,
+    release_shared_buffers,
+)
 from nrl_core.testing.refit_host import RandomWeightSource, RecordingSink
 
 SHAPES = {"embed.weight": (64, 32), "layers.0.w": (32, 96), "layers.0.b": (96,), "layers.1.w": (96, 32),
@@ -99,7 +105,33 @@ def test_shared_memory_in_one_process_round_trips_bf16_and_cleans_up() -> None:
     assert report.transport == "shared_memory" and sink.buckets > 2
     for name, tensor in source.tensors.items():
         assert torch.equal(sink.received[name], tensor) and sink.received[name].dtype == torch.bfloat16
+    release_shared_buffers()
     assert set(glob.glob("/dev/shm/nrl-refit-*")) <= before
+
+
+def test_shared_memory_buffers_are_reused_across_refits() -> None:
+    sink = RecordingSink()
+    refit(RandomWeightSource(SHAPES, seed=5), sink, transport="shared_memory", bucket_bytes=4096)
+    pool = sorted(glob.glob(f"/dev/shm/nrl-refit-pool-{os.getpid()}-*"))
+    inodes = [os.stat(p).st_ino for p in pool]
+    second = RandomWeightSource(SHAPES, seed=6)
+    refit(second, sink, transport="shared_memory", bucket_bytes=4096)
+    assert sorted(glob.glob(f"/dev/shm/nrl-refit-pool-{os.getpid()}-*")) == pool and pool
+    assert [os.stat(p).st_ino for p in pool] == inodes  # the same files, rewritten
+    assert all(torch.equal(sink.received[name], t) for name, t in second.tensors.items())
+    release_shared_buffers()
+    assert glob.glob(f"/dev/shm/nrl-refit-pool-{os.getpid()}-*") == []
+
+
+def test_shared_memory_without_reuse_leaves_nothing_behind() -> None:
+    transport = SharedMemoryTransport()
+    session = transport.prepare(RefitSession()).with_options(reuse_buffers=False)
+    source, sink = RandomWeightSource(SHAPES, seed=7), RecordingSink()
+    handles = list(send_handles(source, "shared_memory", session, 2048, "float32"))
+    assert all(not h.reused for h in handles) and _leftovers(session.id)
+    receive_into(sink, "shared_memory", session, iter(handles), source.weight_manifest("float32"))
+    assert _leftovers(session.id) == []
+    assert all(torch.equal(sink.received[name], t) for name, t in source.tensors.items())
 
 
 def _send_from_child(session: RefitSession, queue: "mp.Queue") -> None:
@@ -125,6 +157,15 @@ def test_shared_memory_between_two_processes_delivers_identical_tensors() -> Non
     for name, tensor in expected.tensors.items():
         assert torch.equal(sink.received[name], tensor)
     assert _leftovers(session.id) == []
+    assert glob.glob(f"/dev/shm/nrl-refit-pool-{child.pid}-*") == []  # the child released its buffers at exit
+
+
+def test_buffers_of_a_killed_sender_are_removed_by_the_next_pool() -> None:
+    dead_pid = 2**22 + 12345  # above the kernel's pid range: never a live process
+    stale = f"/dev/shm/nrl-refit-pool-{dead_pid}-000000"
+    open(stale, "wb").close()
+    _remove_stale_pool_files("/dev/shm")
+    assert not os.path.exists(stale)
 
 
 def test_missing_tensor_is_rejected_and_shared_memory_is_cleaned_up() -> None:
@@ -135,6 +176,7 @@ def test_missing_tensor_is_rejected_and_shared_memory_is_cleaned_up() -> None:
     with pytest.raises(RefitError, match="lost.weight"):
         refit(source, sink, transport="shared_memory", bucket_bytes=2048)
     assert sink.weight_version == 0
+    release_shared_buffers()
     assert set(glob.glob("/dev/shm/nrl-refit-*")) <= before
 
 
