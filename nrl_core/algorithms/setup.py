@@ -14,7 +14,6 @@ from typing import Any, Iterator, Mapping
 import torch
 
 from nrl_core.checkpoint.manager import CheckpointManager
-from nrl_core.config import choose_backends
 from nrl_core.contracts import Environment, import_object
 from nrl_core.plugins import get_plugin_manager
 
@@ -79,12 +78,10 @@ def seed_everything(seed: int) -> None:
 
 @dataclass
 class RunState:
-    """What the driver itself saves in a checkpoint beside the backend's state."""
+    """Where the driver's loop stands: the last completed step and the dataloader position."""
 
     step: int = 0
     dataloader: dict[str, Any] = field(default_factory=dict)
-    generation: list[dict[str, Any]] = field(default_factory=list)
-    metrics: dict[str, float] = field(default_factory=dict)
 
 
 def resume_point(checkpoints: CheckpointManager) -> tuple[Path | None, RunState]:
@@ -93,11 +90,6 @@ def resume_point(checkpoints: CheckpointManager) -> tuple[Path | None, RunState]
     if latest is None:
         return None, RunState()
     info = checkpoints.load_info(latest)
-    state = RunState(step=int(info["step"]), dataloader=info.get("dataloader", {}),
-                     generation=info.get("generation", []), metrics=info.get("metrics", {}))
+    state = RunState(step=int(info["step"]), dataloader=info.get("dataloader", {}))
     logger.info("resuming from %s (step %d)", latest, state.step)
     return latest, state
-
-
-def backends(config: Mapping[str, Any]) -> Any:
-    return choose_backends(config)

@@ -42,9 +42,11 @@ def _check(lengths: Sequence[int], budget: int) -> None:
                        f"raise policy.sequence_packing.*_mb_tokens to at least {longest}")
 
 
-def _first_fit(order: Sequence[int], lengths: Sequence[int], budget: int) -> Bins:
-    bins: Bins = []
-    room: list[int] = []
+def _first_fit(order: Sequence[int], lengths: Sequence[int], budget: int,
+               bins: Bins | None = None, room: list[int] | None = None) -> Bins:
+    """Each item of ``order`` into the first bin with room (``bins``/``room``: ones already open)."""
+    bins = [] if bins is None else bins
+    room = [] if room is None else room
     for i in order:
         for b, free in enumerate(room):
             if lengths[i] <= free:
@@ -90,16 +92,7 @@ def modified_first_fit_decreasing(lengths: Sequence[int], budget: int, seed: int
                 break
     rest = sorted((i for i in range(len(lengths)) if i not in used and lengths[i] <= budget / 2),
                   key=lambda i: (-lengths[i], i))
-    for i in rest:
-        for b, free in enumerate(room):
-            if lengths[i] <= free:
-                bins[b].append(i)
-                room[b] -= lengths[i]
-                break
-        else:
-            bins.append([i])
-            room.append(budget - lengths[i])
-    return bins
+    return _first_fit(rest, lengths, budget, bins, room)
 
 
 PACKING_ALGORITHMS: dict[str, Callable[[Sequence[int], int, int], Bins]] = {
