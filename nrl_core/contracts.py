@@ -203,6 +203,22 @@ class TokenBatch:
                   for k, v in self.fields.items()}
         return TokenBatch(input_ids=self.input_ids[idx, :width], input_lengths=lengths, fields=fields)
 
+    def loss_counts(self) -> tuple[float, float]:
+        """``(valid tokens, valid sequences)``: the normalisers a :class:`LossFunction` gets.
+
+        A token counts when ``token_mask`` is set and its sequence's ``sample_mask`` (when
+        present) is 1; a sequence counts when it has a counted token. Every backend uses this one
+        definition (summed over data-parallel ranks), so losses mean the same on all of them.
+        """
+        import torch
+
+        mask = self.fields.get("token_mask")
+        if mask is None:
+            mask = (torch.arange(self.input_ids.shape[1])[None, :] < self.input_lengths[:, None]).float()
+        if "sample_mask" in self.fields:
+            mask = mask * self.fields["sample_mask"].to(mask.dtype).unsqueeze(1)
+        return float(mask.sum()), float((mask.sum(dim=1) > 0).sum())
+
     def shard(self, rank: int, world_size: int) -> "TokenBatch":
         """Rows ``rank::world_size``: the contiguous-free split that keeps groups spread evenly."""
         if self.size % world_size:

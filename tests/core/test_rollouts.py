@@ -43,3 +43,12 @@ def test_select_and_shard_keep_fields_aligned():
     assert torch.equal(shard.fields["truncated"], torch.zeros(2))
     narrow = batch.select([0, 2])
     assert narrow.input_ids.tolist() == [[1, 7], [1, 5]]  # trimmed to the longest selected row
+
+
+def test_loss_counts_honour_the_sample_mask():
+    out = GenerationOutput(token_ids=[[7, 8], [9], [5, 6, 4]], logprobs=[[-1.0] * 2, [-1.0], [-1.0] * 3],
+                           finish_reasons=["stop", "length", "stop"], weight_version=0)
+    batch = rollout_batch([[1], [2], [3]], out, pad_token_id=0)
+    assert batch.loss_counts() == (6.0, 3.0)
+    batch.fields["sample_mask"] = torch.tensor([1.0, 0.0, 1.0])  # the truncated one filtered out
+    assert batch.loss_counts() == (5.0, 2.0)

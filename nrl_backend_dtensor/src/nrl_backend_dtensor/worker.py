@@ -142,10 +142,7 @@ class DTensorPolicyWorker:
         start = time.perf_counter()
         self.model.train()
         local = self._local_batch(batch)
-        mask = local.fields.get("token_mask")
-        valid_tokens = float(mask.sum()) if mask is not None else float((local.input_lengths - 1).clamp(min=0).sum())
-        sample_mask = local.fields.get("sample_mask")
-        valid_seqs = float(sample_mask.sum()) if sample_mask is not None else float(local.size)
+        valid_tokens, valid_seqs = local.loss_counts()
         global_tokens, global_seqs, tokens_seen = self._all_reduce(
             [valid_tokens, valid_seqs, float(local.input_lengths.sum())], group=self.layout.dp_group)
 

@@ -221,9 +221,7 @@ class MegatronPolicyWorker:
 
     def train(self, batch: TokenBatch, loss_fn: LossFunction) -> dict[str, float]:
         """One optimizer step on the global batch; metrics summed over micro-batches and ranks."""
-        mask = batch.fields["token_mask"]
-        global_tokens = float(mask.sum())
-        global_seqs = float((mask.sum(dim=1) > 0).sum())
+        global_tokens, global_seqs = batch.loss_counts()  # every rank holds the global batch
         mbs = self._micro_batches(batch, train=True)
         scale = float(len(mbs) * self.dp_size)  # undo Megatron's 1/num_microbatches and DDP's 1/dp
 
