@@ -99,7 +99,12 @@ def main() -> None:
     if cross:
         import ray
 
+        import torch
+
         env = {k: os.environ[k] for k in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_ENABLE_V1_MULTIPROCESSING") if k in os.environ}
+        # Ray starts actors with one intra-op thread; give them the driver's, as the in-process
+        # reference has, so the comparison is about the transfer and not the thread count.
+        env["OMP_NUM_THREADS"] = str(torch.get_num_threads())
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})
     results = {}
     for name in args.sizes.split(","):

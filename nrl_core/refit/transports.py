@@ -276,6 +276,7 @@ class _ShmSender:
 class _ShmReceiver:
     def buckets(self, handles: Iterable[Any]) -> Iterator[Bucket]:
         for handle in handles:
+            _check_exists(handle)
             if handle.reused:  # the sender rewrites this file next refit: keep it mapped
                 flat = _RECEIVER_MAPS.get(handle.path)
                 if flat is None or flat.numel() != handle.layout.nbytes:
@@ -287,6 +288,20 @@ class _ShmReceiver:
 
     def close(self) -> None:
         pass
+
+
+def _check_exists(handle: ShmHandle) -> None:
+    """Mapping a missing file would create an empty one and load zeros as weights: refuse instead."""
+    try:
+        size = os.path.getsize(handle.path)
+    except OSError:
+        size = -1
+    if size < handle.layout.nbytes:
+        from nrl_core.refit.manifest import RefitError
+
+        raise RefitError(f"refit rejected, weights unchanged; the shared-memory buffer {handle.path} is gone or short "
+                         f"({size} of {handle.layout.nbytes} bytes): the sending process exited or released it "
+                         f"before the receiver read it")
 
 
 def _unlink(path: str) -> None:

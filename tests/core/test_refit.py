@@ -4,6 +4,7 @@ transports moving tensors in one process, between processes, and between Ray act
 from __future__ import annotations
 
 import glob
+from typing import Any
 import os
 import multiprocessing as mp
 
@@ -134,22 +135,26 @@ def test_shared_memory_without_reuse_leaves_nothing_behind() -> None:
     assert all(torch.equal(sink.received[name], t) for name, t in source.tensors.items())
 
 
-def _send_from_child(session: RefitSession, queue: "mp.Queue") -> None:
+def _send_from_child(session: RefitSession, queue: "mp.Queue", received: Any) -> None:
     source = RandomWeightSource(SHAPES, seed=3)
     for handle in send_handles(source, "shared_memory", session, 2048, "float32"):
         queue.put(handle)
     queue.put(None)
+    received.wait(60)  # a sender outlives the refit it serves; its buffers go when it exits
 
 
 def test_shared_memory_between_two_processes_delivers_identical_tensors() -> None:
     transport = SharedMemoryTransport()
     session = transport.prepare(RefitSession())
-    queue: mp.Queue = mp.get_context("spawn").Queue()
-    child = mp.get_context("spawn").Process(target=_send_from_child, args=(session, queue))
+    ctx = mp.get_context("spawn")
+    queue: mp.Queue = ctx.Queue()
+    received = ctx.Event()
+    child = ctx.Process(target=_send_from_child, args=(session, queue, received))
     child.start()
-    handles = iter(queue.get, None)
+    handles = list(iter(queue.get, None))
     sink = RecordingSink()
-    receive_into(sink, "shared_memory", session, handles, RandomWeightSource(SHAPES, seed=3).weight_manifest("float32"))
+    receive_into(sink, "shared_memory", session, iter(handles), RandomWeightSource(SHAPES, seed=3).weight_manifest("float32"))
+    received.set()
     child.join(timeout=60)
     assert child.exitcode == 0
     expected = RandomWeightSource(SHAPES, seed=3)
@@ -158,6 +163,10 @@ def test_shared_memory_between_two_processes_delivers_identical_tensors() -> Non
         assert torch.equal(sink.received[name], tensor)
     assert _leftovers(session.id) == []
     assert glob.glob(f"/dev/shm/nrl-refit-pool-{child.pid}-*") == []  # the child released its buffers at exit
+    # Once the sender is gone its buffers are too: a late receiver gets an error, never zeros.
+    with pytest.raises(RefitError, match="is gone or short"):
+        receive_into(RecordingSink(), "shared_memory", session, iter(handles[:1]),
+                     RandomWeightSource(SHAPES, seed=3).weight_manifest("float32"))
 
 
 def test_buffers_of_a_killed_sender_are_removed_by_the_next_pool() -> None:
