@@ -23,6 +23,8 @@ class AlgorithmRun:
     """One run of an algorithm: build, ``run()`` the step loop, ``close()``."""
 
     section: str  # the algorithm's config section ("grpo", "sft")
+    summary_prefixes: tuple[str, ...] = ("val/",)  # metrics the final log line reports
+    val_data: Sequence[DatumSpec] = ()
 
     def __init__(self, config: Mapping[str, Any], *, batch_size: int, train_data: Sequence[DatumSpec],
                  colocated_generation: bool = False, with_generation: bool = False) -> None:
@@ -69,7 +71,7 @@ class AlgorithmRun:
     def validation_due(self, step: int) -> bool:
         period = int(self.cfg["val_period"])
         at_end = step == self.max_steps and bool(self.cfg.get("val_at_end"))
-        return (period > 0 and step % period == 0) or at_end
+        return bool(self.val_data) and ((period > 0 and step % period == 0) or at_end)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -126,3 +128,15 @@ class AlgorithmRun:
 
     def shutdown(self) -> None:
         self.policy.shutdown()
+
+    @classmethod
+    def main(cls, config: Mapping[str, Any]) -> int:
+        """``nrl train <section>``: build, run every step, close (even after an error)."""
+        run = cls(config)
+        try:
+            final = run.run()
+        finally:
+            run.close()
+        logger.info("%s finished: %s", cls.section.upper(),
+                    {k: round(v, 4) for k, v in final.items() if k.startswith(cls.summary_prefixes)})
+        return 0

@@ -8,7 +8,6 @@ logprobs of what was sampled, train with the clipped policy-gradient loss; the l
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -23,11 +22,11 @@ from nrl_core.contracts import EnvSample, GenerationOutput, TokenBatch
 from nrl_core.data import DatumSpec, prepare_data
 from nrl_core.errors import ConfigError
 
-logger = logging.getLogger(__name__)
 
 
 class GRPO(AlgorithmRun):
     section = "grpo"
+    summary_prefixes = ("val/", "train/reward")
 
     def __init__(self, config: Mapping[str, Any]) -> None:
         if config["policy"]["generation"] is None:
@@ -112,9 +111,6 @@ class GRPO(AlgorithmRun):
             rewards.extend(result.rewards)
         return {"val/reward": sum(rewards) / len(rewards), "val/accuracy": sum(r > 0 for r in rewards) / len(rewards)}
 
-    def validation_due(self, step: int) -> bool:
-        return bool(self.val_data) and super().validation_due(step)
-
     @staticmethod
     def rollout_metrics(rewards: torch.Tensor, rollouts: GenerationOutput, batch: TokenBatch) -> dict[str, float]:
         return {"train/reward": float(rewards.mean()),
@@ -152,12 +148,4 @@ def _check_batch_sizes(config: Mapping[str, Any]) -> None:
                           f"(grpo.num_prompts_per_step x num_generations_per_prompt); make it a divisor")
 
 
-def main(config: Mapping[str, Any]) -> int:
-    """``nrl train grpo``."""
-    run = GRPO(config)
-    try:
-        final = run.run()
-    finally:
-        run.close()
-    logger.info("GRPO finished: %s", {k: round(v, 4) for k, v in final.items() if k.startswith(("val/", "train/reward"))})
-    return 0
+main = GRPO.main

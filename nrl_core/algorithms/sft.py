@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Mapping, Sequence
 
 from nrl_core.algorithms.base import AlgorithmRun
@@ -10,11 +9,11 @@ from nrl_core.algorithms.loss import NLLLoss
 from nrl_core.algorithms.setup import PhaseTimer, load_tokenizer
 from nrl_core.data import DatumSpec, prepare_data, sft_batch
 
-logger = logging.getLogger(__name__)
 
 
 class SFT(AlgorithmRun):
     section = "sft"
+    summary_prefixes = ("val/", "train/loss")
 
     def __init__(self, config: Mapping[str, Any]) -> None:
         self.tokenizer = load_tokenizer(config)
@@ -45,16 +44,5 @@ class SFT(AlgorithmRun):
             tokens += float(mask.sum())
         return {"val/loss": total / max(tokens, 1.0)}
 
-    def validation_due(self, step: int) -> bool:
-        return bool(self.val_data) and super().validation_due(step)
 
-
-def main(config: Mapping[str, Any]) -> int:
-    """``nrl train sft``."""
-    run = SFT(config)
-    try:
-        final = run.run()
-    finally:
-        run.close()
-    logger.info("SFT finished: %s", {k: round(v, 4) for k, v in final.items() if k.startswith(("val/", "train/loss"))})
-    return 0
+main = SFT.main

@@ -6,9 +6,8 @@ plugin costs nothing beyond the schema.
 
 from __future__ import annotations
 
-from typing import Any
-
-from nrl_core.contracts import CheckpointOptions, TrainingBackendSpec
+from nrl_core.checkpoint.hooks import worker_checkpoint_hooks
+from nrl_core.contracts import TrainingBackendSpec
 from nrl_core.hookspecs import hookimpl
 from nrl_backend_dtensor.schema import DTENSOR_CONFIG_SCHEMA
 
@@ -30,23 +29,4 @@ def nrl_training_backends() -> list[TrainingBackendSpec]:
     )]
 
 
-def _is_ours(worker: Any) -> bool:
-    # Compare by class path, not isinstance: importing the worker module for a foreign worker
-    # would pull in torch-heavy code needlessly.
-    return any(f"{c.__module__}:{c.__qualname__}" == WORKER_PATH for c in type(worker).__mro__)
-
-
-@hookimpl
-def nrl_checkpoint_save(worker: Any, path: str, options: CheckpointOptions) -> bool | None:
-    if not _is_ours(worker):
-        return None
-    worker.save_checkpoint(path, options)
-    return True
-
-
-@hookimpl
-def nrl_checkpoint_load(worker: Any, path: str, options: CheckpointOptions) -> bool | None:
-    if not _is_ours(worker):
-        return None
-    worker.load_checkpoint(path, options)
-    return True
+nrl_checkpoint_save, nrl_checkpoint_load = worker_checkpoint_hooks(WORKER_PATH)

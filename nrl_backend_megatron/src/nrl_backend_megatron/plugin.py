@@ -6,9 +6,8 @@ the checkpoint hooks only import it when they are handed a worker.
 
 from __future__ import annotations
 
-from typing import Any
-
-from nrl_core.contracts import CheckpointOptions, TrainingBackendSpec
+from nrl_core.checkpoint.hooks import worker_checkpoint_hooks
+from nrl_core.contracts import TrainingBackendSpec
 from nrl_core.hookspecs import hookimpl
 
 from nrl_backend_megatron.schema import MEGATRON_CFG_SCHEMA
@@ -26,23 +25,4 @@ def nrl_training_backends() -> list[TrainingBackendSpec]:
     )]
 
 
-def _is_ours(worker: Any) -> bool:
-    # Compare by class path so a non-Megatron worker never triggers a megatron import.
-    cls = type(worker)
-    return f"{cls.__module__}:{cls.__qualname__}" == WORKER_PATH
-
-
-@hookimpl
-def nrl_checkpoint_save(worker: Any, path: str, options: CheckpointOptions) -> bool | None:
-    if not _is_ours(worker):
-        return None
-    worker.save_checkpoint(path, options)
-    return True
-
-
-@hookimpl
-def nrl_checkpoint_load(worker: Any, path: str, options: CheckpointOptions) -> bool | None:
-    if not _is_ours(worker):
-        return None
-    worker.load_checkpoint(path, options)
-    return True
+nrl_checkpoint_save, nrl_checkpoint_load = worker_checkpoint_hooks(WORKER_PATH)
