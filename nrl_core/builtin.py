@@ -29,6 +29,6 @@ def nrl_refit_transports() -> list[RefitTransportSpec]:
                            placements=("same_process", "same_node"), distribution="nrl-core", priority=20,
                            description="one /dev/shm file per bucket, mapped by the receiver"),
         RefitTransportSpec(name="broadcast", transport="nrl_core.refit.transports:BroadcastTransport",
-                           placements=("same_node", "cross_node"), distribution="nrl-core", priority=10,
+                           placements=("same_node", "cross_node"), distribution="nrl-core", priority=10, collective=True,
                            description="torch.distributed (gloo) broadcast from training rank 0"),
     ]

@@ -140,6 +140,12 @@ class RefitTransportSpec:
     ``placements`` lists where it works: ``"same_process"``, ``"same_node"``, ``"cross_node"``.
     Unless the config names one (``policy.refit.transport``), the core picks the transport of
     highest ``priority`` that works for the placement (the core's own: 30, 20, 10).
+
+    ``collective`` says how the bytes travel. False (``in_process``, ``shared_memory``): the sender
+    turns every bucket into a handle that stays valid until the refit's cleanup, so the training
+    side exports once and every generation worker reads the same handles. True (``broadcast``):
+    sender and receivers must run at the same time (a process group) and the sender returns no
+    handles.
     """
 
     name: str
@@ -147,6 +153,7 @@ class RefitTransportSpec:
     placements: tuple[str, ...]
     distribution: str
     priority: int = 0
+    collective: bool = False
     description: str = ""
 
 

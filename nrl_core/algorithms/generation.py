@@ -101,14 +101,13 @@ class Generation:
     def update_weights(self) -> RefitReport:
         """Move the policy's current weights into every engine.
 
-        Exporting full tensors is collective for sharded backends, so while rank 0 streams its
-        buckets to the engines the other ranks run the same export and drop the result."""
+        Exporting full tensors is collective for sharded backends, so while rank 0 exports its
+        buckets for the engines the other ranks run the same export and drop the result."""
         opts = self.refit_options
-        exports = len([a for a in self.actors if a._actor_id != self.policy.rank0._actor_id]) or 1
         drains = None
         if self.policy.world_size > 1:
             drains = self.policy.group.host_call_async(list(range(1, self.policy.world_size)), "nrl_refit_drain",
-                                                       opts["bucket_bytes"], opts["dtype"], exports)
+                                                       opts["bucket_bytes"], opts["dtype"])
         report = refit(self.policy.rank0, self.actors, transport=opts["transport"],
                        bucket_bytes=opts["bucket_bytes"], dtype=opts["dtype"])
         if drains is not None:

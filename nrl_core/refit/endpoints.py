@@ -3,13 +3,21 @@
 :func:`send_handles` runs next to the training worker (rank 0), :func:`receive_into` next to the
 generation worker. :func:`refit_local` runs both in one process. :class:`RefitEndpoints` exposes
 them as Ray actor methods: an actor class that hosts workers inherits it, and the orchestrator
-drives a refit between two such actors (the generation actor pulls the training actor's handles
-through a Ray streaming generator, so buckets flow while later ones are still being exported).
+drives a refit between such actors.
+
+With a handle-based transport (``shared_memory``) the training actor exports every bucket first
+(:meth:`RefitEndpoints.nrl_refit_export`) and each generation actor imports the same handles
+(:meth:`RefitEndpoints.nrl_refit_import`): the generation side stages the whole model before it
+loads anything anyway (a refit that fails its manifest check must leave the engine untouched), so
+streaming buckets would overlap nothing, and one export serves any number of engines. A
+collective transport (``broadcast``) needs both halves running at once: the training actor sends
+through a Ray streaming generator while the generation actors receive.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
 from nrl_core.contracts import WeightSpec, import_object
@@ -18,7 +26,18 @@ from nrl_core.refit.report import RefitReport
 from nrl_core.refit.transports import RefitSession, RefitTransport
 
 STREAM_BACKPRESSURE = 2
-"""Buckets a training actor may run ahead of the generation actor (bounds shared memory in flight)."""
+"""Buckets a training actor may run ahead of the generation actors in a collective transport."""
+
+
+@dataclass(frozen=True)
+class ExportedWeights:
+    """One export through a handle-based transport: everything a generation actor needs to import
+    it (small and picklable; the bytes stay where the transport put them)."""
+
+    transport: str
+    session: RefitSession
+    manifest: list[WeightSpec]
+    handles: list[Any]
 
 
 def get_transport(name: str) -> RefitTransport:
@@ -44,14 +63,15 @@ def send_handles(source: Any, transport_name: str, session: RefitSession, bucket
 
 def receive_into(sink: Any, transport_name: str, session: RefitSession, handles: Iterable[Any],
                  manifest: list[WeightSpec]) -> int:
-    """Rebuild the buckets from ``handles`` and hand them to ``sink.import_weights``; the version."""
-    transport = get_transport(transport_name)
-    receiver = transport.receiver(session)
+    """Rebuild the buckets from ``handles`` and hand them to ``sink.import_weights``; the version.
+
+    Leaves the transport's cleanup to the caller: other receivers may still be reading the same
+    handles."""
+    receiver = get_transport(transport_name).receiver(session)
     try:
         return int(sink.import_weights(receiver.buckets(handles), manifest))
     finally:
         receiver.close()
-        transport.cleanup(session)
 
 
 def refit_local(source: Any, sink: Any, transport_name: str, bucket_bytes: int, dtype: str) -> RefitReport:
@@ -102,6 +122,35 @@ class RefitEndpoints:
 
         return str(ray.get_runtime_context().get_node_id())
 
+    def nrl_refit_export(self, transport_name: str, bucket_bytes: int, dtype: str) -> ExportedWeights:
+        """Export the source's weights through a handle-based transport, for any number of
+        :meth:`nrl_refit_import` calls; :meth:`nrl_refit_cleanup` ends the refit."""
+        transport = get_transport(transport_name)
+        session = transport.prepare(RefitSession())
+        try:
+            manifest = list(self.nrl_refit_source().weight_manifest(dtype))
+            handles = list(send_handles(self.nrl_refit_source(), transport_name, session, bucket_bytes, dtype))
+        except BaseException:
+            transport.cleanup(session)
+            raise
+        return ExportedWeights(transport=transport_name, session=session, manifest=manifest, handles=handles)
+
+    def nrl_refit_import(self, exported: ExportedWeights) -> int:
+        """Load an export of another actor into this actor's generation worker; the new version."""
+        return receive_into(self.nrl_refit_sink(), exported.transport, exported.session, exported.handles,
+                            exported.manifest)
+
+    def nrl_refit_cleanup(self, exported: list[Any]) -> None:
+        """End a refit this actor exported: ``[ref]`` to its :class:`ExportedWeights` (wrapped in a
+        list so that a failed export reaches here as the ref, not as an error)."""
+        import ray
+
+        try:
+            done: ExportedWeights = ray.get(exported[0])
+        except Exception:  # the export failed and cleaned up after itself
+            return
+        get_transport(done.transport).cleanup(done.session)
+
     def nrl_refit_manifest(self, dtype: str) -> list[WeightSpec]:
         return list(self.nrl_refit_source().weight_manifest(dtype))
 
@@ -110,29 +159,20 @@ class RefitEndpoints:
 
     def nrl_refit_send(self, transport_name: str, session: RefitSession, bucket_bytes: int,
                        dtype: str) -> Iterator[Any]:
-        """A generator: call with ``.options(num_returns="streaming")``."""
+        """The sending half of a collective transport: a generator, call with
+        ``.options(num_returns="streaming")``."""
         yield from send_handles(self.nrl_refit_source(), transport_name, session, bucket_bytes, dtype)
 
-    def nrl_refit_receive(self, source: Any, transport_name: str, session: RefitSession, bucket_bytes: int,
-                          dtype: str, manifest: list[WeightSpec]) -> int:
-        """Pull the handles from the ``source`` actor (``None``: the data comes out of band, as
-        with ``broadcast``) and import them; returns the new weight version."""
-        handles: Iterable[Any] = ()
-        if source is not None:
-            import ray
+    def nrl_refit_receive(self, transport_name: str, session: RefitSession, manifest: list[WeightSpec]) -> int:
+        """The receiving half of a collective transport (the bytes arrive out of band); the new
+        weight version."""
+        return receive_into(self.nrl_refit_sink(), transport_name, session, (), manifest)
 
-            stream = source.nrl_refit_send.options(
-                num_returns="streaming", _generator_backpressure_num_objects=STREAM_BACKPRESSURE
-            ).remote(transport_name, session, bucket_bytes, dtype)
-            handles = (ray.get(ref) for ref in stream)
-        return receive_into(self.nrl_refit_sink(), transport_name, session, handles, manifest)
-
-    def nrl_refit_drain(self, bucket_bytes: int, dtype: str, times: int = 1) -> None:
-        """Run the source's export ``times`` times and drop the buckets: what ranks other than 0 of
-        a sharded training backend do during a refit, since gathering full tensors is collective."""
-        for _ in range(times):
-            for _ in self.nrl_refit_source().export_weights(bucket_bytes, dtype):
-                pass
+    def nrl_refit_drain(self, bucket_bytes: int, dtype: str) -> None:
+        """Run the source's export and drop the buckets: what ranks other than 0 of a sharded
+        training backend do during a refit, since gathering full tensors is collective."""
+        for _ in self.nrl_refit_source().export_weights(bucket_bytes, dtype):
+            pass
 
     def nrl_refit_release(self) -> None:
         """Free the shared-memory buffers this process keeps for refits (at shutdown)."""

@@ -101,46 +101,74 @@ def _refit_actors(source: Any, sinks: list[Any], override: str | None, bucket_by
     import ray
 
     start = time.perf_counter()
-    same_actor = [s for s in sinks if s._actor_id == source._actor_id]
-    others = [s for s in sinks if s._actor_id != source._actor_id]
-    versions: list[int] = []
-    moved = 0
-    name = "in_process"
-    placement = "same_process"
-    for s in same_actor:  # colocated: generation lives in the training actor
-        report = ray.get(s.nrl_refit_local.remote(choose_transport("same_process", override), bucket_bytes, dtype))
-        versions.append(report.version)
-        moved += report.bytes
-        name = report.transport
-    if others:
-        source_node = ray.get(source.nrl_refit_node_id.remote())
-        nodes = ray.get([s.nrl_refit_node_id.remote() for s in others])
-        placement = "same_node" if all(n == source_node for n in nodes) else "cross_node"
-        name = choose_transport(placement, override)
-        manifest = ray.get(source.nrl_refit_manifest.remote(dtype))
-        moved += manifest_bytes(manifest) * len(others)
-        if name == "broadcast":
-            versions += _broadcast(source, others, manifest, bucket_bytes, dtype)
-        else:  # each sink pulls its own stream from the source
-            for s in others:
-                session = ray.get(source.nrl_refit_prepare.remote(name, RefitSession()))
-                versions.append(ray.get(s.nrl_refit_receive.remote(source, name, session, bucket_bytes, dtype,
-                                                                    manifest)))
-    return RefitReport(bytes=moved, seconds=time.perf_counter() - start, version=max(versions), transport=name,
-                       placement=placement)
+    colocated = [s._actor_id == source._actor_id for s in sinks]
+    if any(colocated):
+        if not all(colocated):
+            raise ValueError("refit: the sinks must all live in the source's actor (colocated) or all in other "
+                             "actors; a sharded training backend exports once per refit")
+        transport = choose_transport("same_process", override)
+        reports = ray.get([_call(s, "nrl_refit_local", transport, bucket_bytes, dtype) for s in sinks])
+        return RefitReport(bytes=sum(r.bytes for r in reports), seconds=time.perf_counter() - start,
+                           version=max(r.version for r in reports), transport=transport, placement="same_process")
+    source_node, *nodes = _node_ids([source, *sinks])
+    placement = "same_node" if all(n == source_node for n in nodes) else "cross_node"
+    name = choose_transport(placement, override)
+    from nrl_core.plugins import get_plugin_manager
+
+    if get_plugin_manager().refit_transports().get(name, TRANSPORT_KEY).collective:
+        nbytes, versions = _collective(source, sinks, name, bucket_bytes, dtype)
+    else:
+        nbytes, versions = _export_import(source, sinks, name, bucket_bytes, dtype)
+    return RefitReport(bytes=nbytes * len(sinks), seconds=time.perf_counter() - start, version=max(versions),
+                       transport=name, placement=placement)
 
 
-def _broadcast(source: Any, sinks: list[Any], manifest: list, bucket_bytes: int, dtype: str) -> list[int]:
+_NODE_OF_ACTOR: dict[Any, str] = {}
+
+
+def _node_ids(actors: list[Any]) -> list[str]:
+    """The node of each actor, asked once per actor: an actor never moves (nrl's worker groups
+    do not let Ray restart an actor elsewhere under the same id), and every refit would otherwise
+    pay a round trip for it."""
+    import ray
+
+    unknown = [a for a in actors if a._actor_id not in _NODE_OF_ACTOR]
+    for actor, node in zip(unknown, ray.get([_call(a, "nrl_refit_node_id") for a in unknown])):
+        _NODE_OF_ACTOR[actor._actor_id] = node
+    return [_NODE_OF_ACTOR[a._actor_id] for a in actors]
+
+
+def _call(actor: Any, method: str, *args: Any) -> Any:
+    """``actor.method.remote(*args)`` kept out of Ray's task-event stream (the dashboard's task
+    list): recording an event costs about a millisecond per call here, a quarter of the fixed cost
+    of a small model's refit."""
+    return getattr(actor, method).options(enable_task_events=False).remote(*args)
+
+
+def _export_import(source: Any, sinks: list[Any], name: str, bucket_bytes: int, dtype: str) -> tuple[int, list[int]]:
+    """The source exports once; every sink imports the same handles, concurrently. The sinks'
+    calls depend on the export's object ref, so Ray starts them when it is done: one wait here."""
+    import ray
+
+    exported = _call(source, "nrl_refit_export", name, bucket_bytes, dtype)
+    try:
+        versions = [int(v) for v in ray.get([_call(s, "nrl_refit_import", exported) for s in sinks])]
+        return manifest_bytes(ray.get(exported).manifest), versions
+    finally:
+        _call(source, "nrl_refit_cleanup", [exported])  # runs before the source's next call; nothing to wait for
+
+
+def _collective(source: Any, sinks: list[Any], name: str, bucket_bytes: int, dtype: str) -> tuple[int, list[int]]:
     """One sender, every sink receiving the same broadcast concurrently."""
     import ray
 
-    session = RefitSession(options={"world_size": 1 + len(sinks)})
-    session = ray.get(source.nrl_refit_prepare.remote("broadcast", session))
-    pending = [s.nrl_refit_receive.remote(None, "broadcast", session.with_options(rank=i + 1), bucket_bytes, dtype,
-                                          manifest) for i, s in enumerate(sinks)]
+    manifest = ray.get(source.nrl_refit_manifest.remote(dtype))
+    session = ray.get(source.nrl_refit_prepare.remote(name, RefitSession(options={"world_size": 1 + len(sinks)})))
+    pending = [s.nrl_refit_receive.remote(name, session.with_options(rank=i + 1), manifest)
+               for i, s in enumerate(sinks)]
     stream = source.nrl_refit_send.options(num_returns="streaming",
                                            _generator_backpressure_num_objects=STREAM_BACKPRESSURE).remote(
-        "broadcast", session, bucket_bytes, dtype)
-    for ref in stream:  # broadcast yields no handles; this waits for the sender and surfaces its errors
+        name, session, bucket_bytes, dtype)
+    for ref in stream:  # a collective sender yields no handles; this waits for it and surfaces its errors
         ray.get(ref)
-    return [int(v) for v in ray.get(pending)]
+    return manifest_bytes(manifest), [int(v) for v in ray.get(pending)]

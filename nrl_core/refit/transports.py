@@ -16,7 +16,7 @@ generator between actors); the transport carries the bytes.
   (name, dtype, shape, offset) of each tensor, and the receiver builds views on its mapping, so the
   only copy on the path is the sender's pack. By default both sides keep the files mapped and the
   sender rewrites them at the next refit (``reuse_buffers``; fresh pages cost more than the copy);
-  with ``reuse_buffers=False`` every refit uses new files that the receiver unlinks on mapping.
+  with ``reuse_buffers=False`` every refit uses new files, removed by the refit's cleanup.
 * ``broadcast``: a ``torch.distributed`` gloo group of the training rank 0 (root) and the
   generation ranks, created from a ``TCPStore`` the sender hosts; each bucket is a header, its
   pickled layout, and one flat ``uint8`` buffer broadcast. Works across nodes.
@@ -153,16 +153,13 @@ def pack_into(flat: "torch.Tensor", bucket: Bucket, layout: PackedLayout) -> Non
 
 def views_of(flat: "torch.Tensor", layout: PackedLayout) -> Bucket:
     """The bucket as views into ``flat`` (no copy)."""
-    import torch
-
     bucket: Bucket = []
     for name, dtype_str, shape, offset in layout.entries:
         dtype = parse_dtype(dtype_str)
         numel = 1
         for d in shape:
             numel *= d
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        bucket.append((name, flat[offset:offset + nbytes].view(dtype).view(shape)))
+        bucket.append((name, flat[offset:offset + numel * dtype.itemsize].view(dtype).view(shape)))
     return bucket
 
 
@@ -281,9 +278,8 @@ class _ShmReceiver:
                 flat = _RECEIVER_MAPS.get(handle.path)
                 if flat is None or flat.numel() != handle.layout.nbytes:
                     flat = _RECEIVER_MAPS[handle.path] = _map(handle.path, handle.layout.nbytes)
-            else:
+            else:  # other receivers may read the same file: the sender's cleanup removes it
                 flat = _map(handle.path, handle.layout.nbytes)
-                _unlink(handle.path)  # the name goes now; pages live until the views are dropped
             yield views_of(flat, handle.layout)
 
     def close(self) -> None:

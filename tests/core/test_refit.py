@@ -131,8 +131,12 @@ def test_shared_memory_without_reuse_leaves_nothing_behind() -> None:
     handles = list(send_handles(source, "shared_memory", session, 2048, "float32"))
     assert all(not h.reused for h in handles) and _leftovers(session.id)
     receive_into(sink, "shared_memory", session, iter(handles), source.weight_manifest("float32"))
+    second = RecordingSink()  # receivers leave the files for others reading the same export
+    receive_into(second, "shared_memory", session, iter(handles), source.weight_manifest("float32"))
+    transport.cleanup(session)
     assert _leftovers(session.id) == []
-    assert all(torch.equal(sink.received[name], t) for name, t in source.tensors.items())
+    for recorded in (sink, second):
+        assert all(torch.equal(recorded.received[name], t) for name, t in source.tensors.items())
 
 
 def _send_from_child(session: RefitSession, queue: "mp.Queue", received: Any) -> None:
