@@ -46,6 +46,7 @@ class RandomWeightSource:
 
         gen = torch.Generator().manual_seed(seed)
         self.tensors = {name: torch.randn(shape, generator=gen).to(parse_dtype(dtype)) for name, shape in shapes.items()}
+        self.exports = 0  # how many times export_weights ran (a sharded backend's collective)
 
     def weight_manifest(self, dtype: str) -> list[Any]:
         from nrl_core.refit.buckets import manifest_of
@@ -60,6 +61,7 @@ class RandomWeightSource:
     def export_weights(self, bucket_bytes: int, dtype: str) -> Any:
         from nrl_core.refit.buckets import iter_buckets
 
+        self.exports += 1
         return iter_buckets(self._named(dtype), bucket_bytes)
 
     def checksums(self) -> dict[str, float]:

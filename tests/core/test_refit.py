@@ -220,9 +220,48 @@ def ray_actors():
 def test_refit_between_ray_actors(ray_actors, transport) -> None:
     ray, source, sinks = ray_actors
     assert len(set(ray.get([a.pid.remote() for a in [source, *sinks]]))) == 3
+    exports = ray.get(source.execute.remote(lambda host: host.worker.exports))
     report = refit(source, sinks, transport=transport, bucket_bytes=2048)
     assert report.transport == (transport or "shared_memory") and report.placement == "same_node"
     expected = ray.get(source.call.remote("checksums"))
     for sink in sinks:
         assert ray.get(sink.call.remote("checksums")) == expected
     assert report.bytes == 2 * manifest_bytes(RandomWeightSource(SHAPES).weight_manifest("float32"))
+    # One export serves both engines: other training ranks run the same collective export once.
+    assert ray.get(source.execute.remote(lambda host: host.worker.exports)) == exports + 1
+
+
+@pytest.mark.slow
+def test_refit_rejects_sinks_both_inside_and_outside_the_source_actor(ray_actors) -> None:
+    ray, source, sinks = ray_actors
+    with pytest.raises(ValueError, match="all live in the source's actor"):
+        refit(source, [source, sinks[0]])
+
+
+def _break_export(host: Any) -> None:
+    """Make the hosted source fail after its first bucket (the instance attribute shadows the method)."""
+    real = type(host.worker).export_weights.__get__(host.worker)
+
+    def export_weights(bucket_bytes: int, dtype: str) -> Any:
+        buckets = real(bucket_bytes, dtype)
+        yield next(buckets)
+        raise RuntimeError("the training side failed mid-export")
+
+    host.worker.export_weights = export_weights
+
+
+@pytest.mark.slow
+def test_failed_export_between_actors_leaves_the_engines_untouched(ray_actors) -> None:
+    ray, source, sinks = ray_actors
+    checksums = [ray.get(s.call.remote("checksums")) for s in sinks]
+    versions = [ray.get(s.execute.remote(lambda host: host.worker.weight_version)) for s in sinks]
+    ray.get(source.execute.remote(_break_export))
+    try:
+        with pytest.raises(Exception, match="the training side failed mid-export"):
+            refit(source, sinks, bucket_bytes=2048)
+    finally:
+        ray.get(source.execute.remote(lambda host: delattr(host.worker, "export_weights")))
+    assert [ray.get(s.call.remote("checksums")) for s in sinks] == checksums
+    assert [ray.get(s.execute.remote(lambda host: host.worker.weight_version)) for s in sinks] == versions
+    refit(source, sinks, bucket_bytes=2048)  # and the next refit goes through
+    assert [ray.get(s.call.remote("checksums")) for s in sinks] == [ray.get(source.call.remote("checksums"))] * 2
