@@ -185,6 +185,21 @@ def _map(path: str, nbytes: int) -> "torch.Tensor":
     return torch.empty(0, dtype=torch.uint8).set_(storage)
 
 
+def _map_for_writing(path: str, nbytes: int) -> "torch.Tensor":
+    """:func:`_map` for a buffer the sender is about to fill, after checking the space: ``/dev/shm``
+    hands out pages on first write, and a process that writes past its free space dies of SIGBUS."""
+    from nrl_core.errors import NrlError
+
+    held = os.path.getsize(path) if os.path.exists(path) else 0
+    stat = os.statvfs(os.path.dirname(path))
+    free = stat.f_bavail * stat.f_frsize + held
+    if nbytes > free:
+        raise NrlError(f"refit: {os.path.dirname(path)} has {free / 2**20:.1f} MiB free but the next weight bucket needs "
+                       f"{nbytes / 2**20:.1f} MiB (shared-memory refits keep a copy of the whole model there); give it "
+                       f"more space (docker run --shm-size=...) or set policy.refit.transport: broadcast")
+    return _map(path, nbytes)
+
+
 _POOL_PREFIX = "nrl-refit-pool-"
 
 
@@ -209,7 +224,7 @@ class _SenderPool:
         path = os.path.join(self.directory, f"{_POOL_PREFIX}{os.getpid()}-{index:06d}")
         flat = self.maps.get(index)
         if flat is None or flat.numel() != nbytes or not os.path.exists(path):
-            flat = self.maps[index] = _map(path, nbytes)
+            flat = self.maps[index] = _map_for_writing(path, nbytes)
         return path, flat
 
     def release(self) -> None:
@@ -258,7 +273,7 @@ class _ShmSender:
             return ShmHandle(path=path, layout=layout, reused=True)
         path = f"{self._prefix}{index:06d}"
         try:
-            flat = _map(path, layout.nbytes)
+            flat = _map_for_writing(path, layout.nbytes)
             pack_into(flat, bucket, layout)
         except BaseException:
             _unlink(path)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from nrl_core.contracts import WeightSpec
-from nrl_core.errors import ConfigError
+from nrl_core.errors import ConfigError, NrlError
 from nrl_core.refit import RefitError, iter_buckets, refit, refit_options, verify
 from nrl_core.refit.buckets import manifest_bytes
 from nrl_core.refit.endpoints import receive_into, send_handles
@@ -171,6 +171,18 @@ def test_shared_memory_between_two_processes_delivers_identical_tensors() -> Non
     with pytest.raises(RefitError, match="is gone or short"):
         receive_into(RecordingSink(), "shared_memory", session, iter(handles[:1]),
                      RandomWeightSource(SHAPES, seed=3).weight_manifest("float32"))
+
+
+def test_shared_memory_too_small_is_a_clear_error_before_anything_is_written(monkeypatch) -> None:
+    release_shared_buffers()
+    before = set(glob.glob("/dev/shm/nrl-refit-*"))
+    full = os.statvfs_result((4096, 4096, 10, 0, 0, 10, 0, 0, 0, 255))  # no free blocks
+    monkeypatch.setattr(os, "statvfs", lambda path: full)
+    sink = RecordingSink()
+    with pytest.raises(NrlError, match=r"has 0.0 MiB free but the next weight bucket needs .*--shm-size"):
+        refit(RandomWeightSource(SHAPES, seed=9), sink, transport="shared_memory", bucket_bytes=2048)
+    assert sink.weight_version == 0 and sink.received == {}
+    assert set(glob.glob("/dev/shm/nrl-refit-*")) <= before
 
 
 def test_buffers_of_a_killed_sender_are_removed_by_the_next_pool() -> None:
