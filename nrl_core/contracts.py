@@ -295,6 +295,18 @@ class LossFunction(Protocol):
     ) -> tuple["torch.Tensor", dict[str, float]]: ...
 
 
+def logprob_temperature(config: Mapping[str, Any]) -> float:
+    """The temperature a training backend divides its logits by before the softmax:
+    ``policy.generation.temperature`` when the config generates (GRPO), else 1.
+
+    Rollouts are sampled from ``softmax(logits / T)`` and the generation engine reports the
+    sampled tokens' logprobs under that distribution, so the policy's logprobs (importance ratios,
+    KL) must use the same ``T``. A temperature of 0 (greedy) leaves the logits alone."""
+    generation = (config.get("policy") or {}).get("generation") or {}
+    temperature = generation.get("temperature")
+    return float(temperature) if temperature else 1.0
+
+
 @runtime_checkable
 class TrainingWorker(Protocol):
     """One rank of a training backend. The core builds it (usually inside a Ray actor after
@@ -302,10 +314,12 @@ class TrainingWorker(Protocol):
     where ``config`` is the whole validated config."""
 
     def train(self, batch: TokenBatch, loss_fn: LossFunction) -> dict[str, float]:
-        """One optimizer step on this rank's share of the global batch; metrics reduced over ranks."""
+        """One optimizer step on this rank's share of the global batch; metrics reduced over ranks.
+        The loss sees logprobs as :meth:`get_logprobs` computes them."""
 
     def get_logprobs(self, batch: TokenBatch) -> "torch.Tensor":
-        """Per-token float32 logprobs ``[B, T]`` of ``batch`` under the current weights."""
+        """Per-token float32 logprobs ``[B, T]`` of ``batch`` under the current weights, from the
+        logits divided by :func:`logprob_temperature` (the distribution rollouts are sampled from)."""
 
     def get_reference_logprobs(self, batch: TokenBatch) -> "torch.Tensor":
         """The same under the initial (reference) weights, for the KL penalty."""

@@ -8,6 +8,7 @@ logprobs of what was sampled, train with the clipped policy-gradient loss; the l
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -22,6 +23,7 @@ from nrl_core.contracts import EnvSample, GenerationOutput, TokenBatch
 from nrl_core.data import DatumSpec, prepare_data
 from nrl_core.errors import ConfigError
 
+logger = logging.getLogger(__name__)
 
 
 class GRPO(AlgorithmRun):
@@ -32,6 +34,7 @@ class GRPO(AlgorithmRun):
         if config["policy"]["generation"] is None:
             raise ConfigError("policy.generation", "GRPO generates rollouts; configure a generation backend")
         _check_batch_sizes(config)
+        _warn_truncated_sampling(config["policy"]["generation"])
         self.group_size = int(config["grpo"]["num_generations_per_prompt"])
         self.tokenizer = load_tokenizer(config)
         data = prepare_data(config["data"], self.tokenizer)
@@ -146,6 +149,17 @@ def _check_batch_sizes(config: Mapping[str, Any]) -> None:
         raise ConfigError("policy.train_global_batch_size",
                           f"{policy['train_global_batch_size']} does not divide the {rollouts} rollouts per step "
                           f"(grpo.num_prompts_per_step x num_generations_per_prompt); make it a divisor")
+
+
+
+def _warn_truncated_sampling(generation: Mapping[str, Any]) -> None:
+    """The policy's logprobs follow the sampling temperature but not top-p/top-k truncation, which
+    vLLM's reported logprobs do: say so rather than let the importance ratios drift unexplained."""
+    top_k = generation.get("top_k")
+    if generation["top_p"] < 1 or (top_k is not None and top_k > 0):
+        logger.warning("policy.generation.top_p/top_k truncate sampling: vLLM reports logprobs renormalised over "
+                       "the kept tokens, the policy over the whole vocabulary, so train/token_mult_prob_error "
+                       "will exceed 1; set top_p: 1.0 and top_k: null for exact importance ratios")
 
 
 main = GRPO.main

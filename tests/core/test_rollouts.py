@@ -1,11 +1,15 @@
-"""Rollout batches: prompt + response rows, response-only masks, aligned engine logprobs."""
+"""Rollout batches: prompt + response rows, response-only masks, aligned engine logprobs; the
+temperature both sides' logprobs are taken at."""
 
 from __future__ import annotations
 
+import logging
+
+import pytest
 import torch
 
 from nrl_core.algorithms.rollouts import repeat_prompts, rollout_batch
-from nrl_core.contracts import GenerationOutput
+from nrl_core.contracts import GenerationOutput, logprob_temperature
 
 
 def test_repeat_keeps_groups_together():
@@ -52,3 +56,24 @@ def test_loss_counts_honour_the_sample_mask():
     assert batch.loss_counts() == (6.0, 3.0)
     batch.fields["sample_mask"] = torch.tensor([1.0, 0.0, 1.0])  # the truncated one filtered out
     assert batch.loss_counts() == (5.0, 2.0)
+
+
+@pytest.mark.parametrize("generation, expected", [
+    ({"temperature": 0.7}, 0.7),
+    ({"temperature": 1.0}, 1.0),
+    ({"temperature": 0.0}, 1.0),  # greedy: the logits are left alone
+    (None, 1.0),                  # no generation (SFT)
+])
+def test_policy_logprobs_follow_the_sampling_temperature(generation, expected) -> None:
+    assert logprob_temperature({"policy": {"generation": generation}}) == expected
+
+
+def test_grpo_warns_that_truncated_sampling_breaks_exact_ratios(caplog) -> None:
+    from nrl_core.algorithms.grpo import _warn_truncated_sampling
+
+    with caplog.at_level(logging.WARNING):
+        _warn_truncated_sampling({"top_p": 1.0, "top_k": None})
+        assert not caplog.records
+        _warn_truncated_sampling({"top_p": 0.9, "top_k": None})
+        _warn_truncated_sampling({"top_p": 1.0, "top_k": 20})
+    assert [r.getMessage().split(":")[0] for r in caplog.records] == ["policy.generation.top_p/top_k truncate sampling"] * 2

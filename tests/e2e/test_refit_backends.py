@@ -1,8 +1,9 @@
 """Refit from each real training backend into vLLM, through the same Policy and Generation facades
 GRPO uses: after training changes the weights, vLLM's greedy output equals HF ``generate`` with the
 policy's exported weights, token for token; a refit that changes nothing changes no output; and
-vLLM's logprobs of its tokens agree with the policy's. Megatron runs tensor-parallel 2 (two Ray
-workers) into a vLLM engine of tensor-parallel 1, which needs resharding into full HF tensors."""
+vLLM's logprobs of tokens it sampled at temperature 0.7 agree with the policy's. Megatron runs
+tensor-parallel 2 (two Ray workers) into a vLLM engine of tensor-parallel 1, which needs
+resharding into full HF tensors."""
 
 from __future__ import annotations
 
@@ -24,9 +25,10 @@ from tests.vllm.helpers import hf_greedy, hf_model
 CONFIG = Path(__file__).resolve().parents[2] / "examples" / "configs" / "grpo_tiny_cpu.yaml"
 LOGPROB_TOLERANCE = 1e-3  # float32 on CPU; measured gaps are ~1e-6 (printed below)
 
+SAMPLING = ["policy.generation.temperature=0.7"]  # the policy's logprobs must follow it, as vLLM's do
 CASES = {
-    "dtensor-colocated": ["policy.generation.colocated.enabled=true"],
-    "megatron-tp2-noncolocated": [
+    "dtensor-colocated": ["policy.generation.colocated.enabled=true", *SAMPLING],
+    "megatron-tp2-noncolocated": [*SAMPLING,
         "policy.dtensor_config.enabled=false", "policy.megatron_cfg.enabled=true", "policy.optimizer=null",
         "+policy.megatron_cfg.tensor_model_parallel_size=2", "cluster.gpus_per_node=2",
         "+policy.megatron_cfg.optimizer.lr=5e-3", "+policy.megatron_cfg.optimizer.min_lr=5e-3",
@@ -86,12 +88,14 @@ def test_refit_from_backend_matches_hf_generate(case, model, tmp_path, ray_sessi
         generation.update_weights()  # nothing trained since: same weights, same answers
         assert generation.generate(prompts, greedy=True).token_ids == after.token_ids
 
-        batch = rollout_batch(prompts, after, pad_token_id=3)
+        sampled = generation.generate(prompts * 4)  # at temperature 0.7
+        batch = rollout_batch(prompts * 4, sampled, pad_token_id=3)
         policy_lp = policy.get_logprobs(batch)
         gaps = (policy_lp - batch.fields["generation_logprobs"]).abs()[batch.fields["token_mask"] > 0]
         with capsys.disabled():
             print(f"\n{case}: refit {report.bytes / 1e6:.1f} MB over {report.transport}; vLLM vs policy logprob gap "
-                  f"mean {float(gaps.mean()):.2e} max {float(gaps.max()):.2e} over {gaps.numel()} tokens")
+                  f"at temperature 0.7: mean {float(gaps.mean()):.2e} max {float(gaps.max()):.2e} over "
+                  f"{gaps.numel()} sampled tokens")
         assert float(gaps.max()) < LOGPROB_TOLERANCE
     finally:
         generation.shutdown()

@@ -72,14 +72,17 @@ def load_hf_model(model_name: str, config: Any, *, trust_remote_code: bool = Fal
                        f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
 
 
-def _chunk_logprobs(hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor) -> torch.Tensor:
+def _chunk_logprobs(hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor, temperature: float) -> torch.Tensor:
     logits = head(hidden).float()
+    if temperature != 1.0:
+        logits = logits / temperature
     return torch.gather(logits.log_softmax(-1), -1, targets.unsqueeze(-1)).squeeze(-1)
 
 
 def token_logprobs(hidden: torch.Tensor, head: nn.Module, input_ids: torch.Tensor,
-                   chunk_size: int | None = None) -> torch.Tensor:
-    """Aligned float32 logprobs ``[B, T]``: ``out[:, t] = log p(input_ids[:, t] | < t)``, ``out[:, 0] = 0``.
+                   chunk_size: int | None = None, temperature: float = 1.0) -> torch.Tensor:
+    """Aligned float32 logprobs ``[B, T]``: ``out[:, t] = log p(input_ids[:, t] | < t)``, ``out[:, 0] = 0``,
+    under ``softmax(logits / temperature)``.
 
     With ``chunk_size`` the output projection and softmax run ``chunk_size`` positions at a time,
     and under autograd each chunk is recomputed in backward, so peak memory holds one chunk's
@@ -89,11 +92,11 @@ def token_logprobs(hidden: torch.Tensor, head: nn.Module, input_ids: torch.Tenso
     targets = input_ids[:, 1:]
     width = h.shape[1]
     if chunk_size is None or chunk_size >= width:
-        body = _chunk_logprobs(h, head, targets)
+        body = _chunk_logprobs(h, head, targets, temperature)
     else:
         parts = []
         for s in range(0, width, chunk_size):
-            args = (h[:, s:s + chunk_size], head, targets[:, s:s + chunk_size])
+            args = (h[:, s:s + chunk_size], head, targets[:, s:s + chunk_size], temperature)
             parts.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False) if torch.is_grad_enabled()
                          else _chunk_logprobs(*args))
         body = torch.cat(parts, dim=1)
@@ -103,13 +106,15 @@ def token_logprobs(hidden: torch.Tensor, head: nn.Module, input_ids: torch.Tenso
 class LogprobModel(nn.Module):
     """An HF causal LM whose forward returns per-token logprobs of its own input (see module doc)."""
 
-    def __init__(self, hf_model: nn.Module, chunk_size: int | None = None) -> None:
+    def __init__(self, hf_model: nn.Module, chunk_size: int | None = None, temperature: float = 1.0) -> None:
         super().__init__()
         self.hf = hf_model
         self.chunk_size = chunk_size
+        self.temperature = temperature
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         # attention_mask stays None: right padding never precedes a real token under a causal
         # mask, and packed rows get their block-diagonal mask from the position resets.
         out = self.hf.model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
-        return token_logprobs(out.last_hidden_state, self.hf.get_output_embeddings(), input_ids, self.chunk_size)
+        return token_logprobs(out.last_hidden_state, self.hf.get_output_embeddings(), input_ids, self.chunk_size,
+                              self.temperature)

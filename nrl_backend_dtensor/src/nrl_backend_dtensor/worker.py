@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from nrl_core.contracts import CheckpointOptions, LossFunction, TokenBatch, WeightSpec
+from nrl_core.contracts import CheckpointOptions, LossFunction, TokenBatch, WeightSpec, logprob_temperature
 from nrl_core.errors import ConfigError, NrlError
 from nrl_backend_dtensor import weights as weights_io
 from nrl_backend_dtensor.checkpoint import CheckpointIO, TrainState
@@ -80,7 +80,7 @@ class DTensorPolicyWorker:
                               custom_plan=self.dcfg.get("custom_parallel_plan"))
         if self.dcfg.get("activation_checkpointing"):
             hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.model = LogprobModel(hf_model, self.policy.get("logprob_chunk_size"))
+        self.model = LogprobModel(hf_model, self.policy.get("logprob_chunk_size"), logprob_temperature(config))
         apply_fsdp(self.model, hf_model.model.layers, self.layout, param_dtype=PRECISIONS[precision],
                    cpu_offload=bool(self.dcfg.get("cpu_offload")))
 

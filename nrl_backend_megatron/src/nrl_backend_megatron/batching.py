@@ -48,8 +48,10 @@ class MicroBatch:
         return torch.stack(out)
 
 
-def token_logprobs(vocab_parallel_logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-    """``[b, S]`` log p(token_t | tokens_<t) from tensor-parallel logit shards (position 0 → 0).
+def token_logprobs(vocab_parallel_logits: torch.Tensor, input_ids: torch.Tensor,
+                   temperature: float = 1.0) -> torch.Tensor:
+    """``[b, S]`` log p(token_t | tokens_<t) under ``softmax(logits / temperature)`` from
+    tensor-parallel logit shards (position 0 → 0).
 
     Megatron's ``vocab_parallel_cross_entropy`` reduces the max and the sum of exponentials over
     the tensor-parallel group: no rank ever holds the full-vocabulary logits.
@@ -57,6 +59,8 @@ def token_logprobs(vocab_parallel_logits: torch.Tensor, input_ids: torch.Tensor)
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
     logits = vocab_parallel_logits[:, :-1].float().transpose(0, 1).contiguous()  # [S-1, b, V/tp]
+    if temperature != 1.0:
+        logits = logits / temperature
     targets = input_ids[:, 1:].transpose(0, 1).contiguous()
     lp = -vocab_parallel_cross_entropy(logits, targets).transpose(0, 1)  # [b, S-1]
     return torch.cat([lp.new_zeros(lp.shape[0], 1), lp], dim=1)

@@ -19,7 +19,7 @@ from typing import Any, Iterator, Mapping
 import torch
 import torch.distributed as dist
 
-from nrl_core.contracts import CheckpointOptions, LossFunction, TokenBatch, WeightSpec
+from nrl_core.contracts import CheckpointOptions, LossFunction, TokenBatch, WeightSpec, logprob_temperature
 from nrl_core.errors import ConfigError, NrlError
 
 from nrl_backend_megatron import cpu_shim
@@ -76,6 +76,7 @@ class MegatronPolicyWorker:
         self.config = dict(config)
         policy = self.config["policy"]
         self.policy = policy
+        self.temperature = logprob_temperature(self.config)
         self.cfg = dict(policy["megatron_cfg"])
         set_megatron_logging(self.cfg.get("logging_level", logging.INFO))
         if policy.get("optimizer"):
@@ -226,7 +227,7 @@ class MegatronPolicyWorker:
         scale = float(len(mbs) * self.dp_size)  # undo Megatron's 1/num_microbatches and DDP's 1/dp
 
         def loss_of(mb: MicroBatch, output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-            logprobs = mb.row_logprobs(token_logprobs(output, mb.input_ids))
+            logprobs = mb.row_logprobs(token_logprobs(output, mb.input_ids, self.temperature))
             loss, metrics = loss_fn(logprobs, mb.rows, global_valid_tokens=global_tokens,
                                     global_valid_seqs=global_seqs)
             return loss * scale, {k: torch.tensor(float(v)) for k, v in metrics.items()}
@@ -273,7 +274,7 @@ class MegatronPolicyWorker:
         collected: list[torch.Tensor] = []
 
         def loss_of(mb: MicroBatch, output: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
-            collected.append(mb.row_logprobs(token_logprobs(output, mb.input_ids)).float())
+            collected.append(mb.row_logprobs(token_logprobs(output, mb.input_ids, self.temperature)).float())
             return output.new_zeros(()), {}
 
         self.ddp.eval()

@@ -55,7 +55,9 @@ class SamplingSettings:
 
     def params(self, *, max_tokens: int, seed: int, greedy: bool) -> Any:
         """vLLM ``SamplingParams`` for one request; ``logprobs=0`` returns the sampled token's
-        logprob under the model's unmodified distribution (vLLM's default ``raw_logprobs``)."""
+        logprob under the distribution it was sampled from (the engine runs with
+        ``logprobs_mode="processed_logprobs"``: after temperature, top-k and top-p; greedy
+        requests report the unscaled distribution)."""
         from vllm import SamplingParams
 
         return SamplingParams(

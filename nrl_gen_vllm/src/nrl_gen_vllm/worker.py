@@ -85,6 +85,9 @@ class VllmGenerationWorker:
             enforce_eager=bool(vcfg.get("enforce_eager")),
             trust_remote_code=bool(policy.get("trust_remote_code")),
             worker_extension_cls=EXTENSION,
+            # the sampled token's logprob after temperature (and top-k/top-p), i.e. under the
+            # distribution it was drawn from, which the policy's logprobs reproduce (temperature)
+            logprobs_mode="processed_logprobs",
             **engine_kwargs,
         )
         logger.info("vLLM engine for %s ready in %.1f s", self.model_dir, time.perf_counter() - start)
