@@ -117,7 +117,7 @@ def measure(name: str, repeats: int, cross: bool) -> dict:
         best = _best_in_turns({"vllm_reload_in_actor": lambda: ray.get(sink.execute.remote(_reload_in_actor)),
                                "nrl_cross_process": _timed(lambda: refit(src, sink, bucket_bytes=BUCKET))}, repeats)
         row.update({key: nbytes / seconds for key, seconds in best.items()})
-        ray.get(sink.call.remote("shutdown"))
+        ray.get([sink.call.remote("shutdown"), src.nrl_refit_release.remote()])
         ray.kill(src)
         ray.kill(sink)
     return row

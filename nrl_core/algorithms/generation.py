@@ -5,7 +5,7 @@ Two placements (``policy.generation.colocated.enabled``):
 * **colocated**: the engine is built inside the policy's rank-0 actor, sharing its resources;
   refit hands tensors over in process.
 * **not colocated**: ``colocated.resources.num_workers`` engines in their own actors and
-  placement; refit streams buckets through shared memory (same node) or a broadcast group.
+  placement; refit moves buckets through shared memory (same node) or a broadcast group.
 
 Either way the driver marks the engines stale after every training step and refits lazily, just
 before the next generation, so validation and rollouts always see the current policy.

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Mapping, Sequence
 
 from nrl_core.algorithms.base import AlgorithmRun
 from nrl_core.algorithms.loss import NLLLoss
 from nrl_core.algorithms.setup import PhaseTimer, load_tokenizer
+from nrl_core.contracts import logprob_temperature
 from nrl_core.data import DatumSpec, prepare_data, sft_batch
 
+logger = logging.getLogger(__name__)
 
 
 class SFT(AlgorithmRun):
@@ -16,6 +19,10 @@ class SFT(AlgorithmRun):
     summary_prefixes = ("val/", "train/loss")
 
     def __init__(self, config: Mapping[str, Any]) -> None:
+        if logprob_temperature(config) != 1.0:
+            logger.warning("policy.generation.temperature is %s: training backends divide the logits by it, as NeMo RL "
+                           "does, so SFT fits softmax(logits / T); set policy.generation: null to fit the model itself",
+                           config["policy"]["generation"]["temperature"])
         self.tokenizer = load_tokenizer(config)
         data = prepare_data(config["data"], self.tokenizer, processor="sft",
                             max_length=config["policy"]["max_total_sequence_length"])

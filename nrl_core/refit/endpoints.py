@@ -141,14 +141,16 @@ class RefitEndpoints:
                             exported.manifest)
 
     def nrl_refit_cleanup(self, exported: list[Any]) -> None:
-        """End a refit this actor exported: ``[ref]`` to its :class:`ExportedWeights` (wrapped in a
+        """End a refit this actor sent: ``[ExportedWeights]``, or ``[ref]`` to one (wrapped in a
         list so that a failed export reaches here as the ref, not as an error)."""
         import ray
 
-        try:
-            done: ExportedWeights = ray.get(exported[0])
-        except Exception:  # the export failed and cleaned up after itself
-            return
+        done = exported[0]
+        if isinstance(done, ray.ObjectRef):
+            try:
+                done = ray.get(done)
+            except Exception:  # the export failed and cleaned up after itself
+                return
         get_transport(done.transport).cleanup(done.session)
 
     def nrl_refit_manifest(self, dtype: str) -> list[WeightSpec]:

@@ -13,7 +13,7 @@ from typing import Any, Mapping, Sequence
 
 from nrl_core.errors import ConfigError
 from nrl_core.refit.buckets import DEFAULT_BUCKET_BYTES, bucket_bytes_from_gb, manifest_bytes
-from nrl_core.refit.endpoints import STREAM_BACKPRESSURE, refit_local
+from nrl_core.refit.endpoints import STREAM_BACKPRESSURE, ExportedWeights, refit_local
 from nrl_core.refit.report import RefitReport
 from nrl_core.refit.transports import PLACEMENTS, RefitSession
 
@@ -67,7 +67,7 @@ def refit_options(config: Mapping[str, Any]) -> dict[str, Any]:
 
 def refit(source: Any, sink: Any | Sequence[Any], transport: str | None = None,
           bucket_bytes: int = DEFAULT_BUCKET_BYTES, dtype: str = "float32") -> RefitReport:
-    """Stream ``source``'s weights (a :class:`~nrl_core.contracts.TrainingWorker`-like object with
+    """Move ``source``'s weights (a :class:`~nrl_core.contracts.TrainingWorker`-like object with
     ``weight_manifest``/``export_weights``, or a Ray actor hosting one) into ``sink`` (a
     :class:`~nrl_core.contracts.GenerationWorker` or actor; several actors for data-parallel
     generation). Actors must inherit :class:`~nrl_core.refit.endpoints.RefitEndpoints`.
@@ -115,10 +115,15 @@ def _refit_actors(source: Any, sinks: list[Any], override: str | None, bucket_by
     name = choose_transport(placement, override)
     from nrl_core.plugins import get_plugin_manager
 
-    if get_plugin_manager().refit_transports().get(name, TRANSPORT_KEY).collective:
-        nbytes, versions = _collective(source, sinks, name, bucket_bytes, dtype)
-    else:
-        nbytes, versions = _export_import(source, sinks, name, bucket_bytes, dtype)
+    try:
+        if get_plugin_manager().refit_transports().get(name, TRANSPORT_KEY).collective:
+            nbytes, versions = _collective(source, sinks, name, bucket_bytes, dtype)
+        else:
+            nbytes, versions = _export_import(source, sinks, name, bucket_bytes, dtype)
+    except BaseException:
+        for actor in (source, *sinks):  # in case an actor was restarted elsewhere: ask again next time
+            _NODE_OF_ACTOR.pop(actor._actor_id, None)
+        raise
     return RefitReport(bytes=nbytes * len(sinks), seconds=time.perf_counter() - start, version=max(versions),
                        transport=name, placement=placement)
 
@@ -127,9 +132,9 @@ _NODE_OF_ACTOR: dict[Any, str] = {}
 
 
 def _node_ids(actors: list[Any]) -> list[str]:
-    """The node of each actor, asked once per actor: an actor never moves (nrl's worker groups
-    do not let Ray restart an actor elsewhere under the same id), and every refit would otherwise
-    pay a round trip for it."""
+    """The node of each actor, asked once per actor: every refit would otherwise pay a round trip
+    for it, and an actor does not move (nrl's worker groups do not let Ray restart one; a failed
+    refit forgets the actors involved, in case one was restarted elsewhere)."""
     import ray
 
     unknown = [a for a in actors if a._actor_id not in _NODE_OF_ACTOR]
@@ -152,7 +157,11 @@ def _export_import(source: Any, sinks: list[Any], name: str, bucket_bytes: int, 
 
     exported = _call(source, "nrl_refit_export", name, bucket_bytes, dtype)
     try:
-        versions = [int(v) for v in ray.get([_call(s, "nrl_refit_import", exported) for s in sinks])]
+        imports = [_call(s, "nrl_refit_import", exported) for s in sinks]
+        # Every engine must be done with the buffers before an error reaches a caller who might
+        # refit again at once: the next export rewrites them.
+        ray.wait(imports, num_returns=len(imports))
+        versions = [int(v) for v in ray.get(imports)]
         return manifest_bytes(ray.get(exported).manifest), versions
     finally:
         _call(source, "nrl_refit_cleanup", [exported])  # runs before the source's next call; nothing to wait for
@@ -162,13 +171,17 @@ def _collective(source: Any, sinks: list[Any], name: str, bucket_bytes: int, dty
     """One sender, every sink receiving the same broadcast concurrently."""
     import ray
 
-    manifest = ray.get(source.nrl_refit_manifest.remote(dtype))
-    session = ray.get(source.nrl_refit_prepare.remote(name, RefitSession(options={"world_size": 1 + len(sinks)})))
-    pending = [s.nrl_refit_receive.remote(name, session.with_options(rank=i + 1), manifest)
-               for i, s in enumerate(sinks)]
-    stream = source.nrl_refit_send.options(num_returns="streaming",
-                                           _generator_backpressure_num_objects=STREAM_BACKPRESSURE).remote(
-        name, session, bucket_bytes, dtype)
-    for ref in stream:  # a collective sender yields no handles; this waits for it and surfaces its errors
-        ray.get(ref)
-    return manifest_bytes(manifest), [int(v) for v in ray.get(pending)]
+    manifest = ray.get(_call(source, "nrl_refit_manifest", dtype))
+    session = ray.get(_call(source, "nrl_refit_prepare", name, RefitSession(options={"world_size": 1 + len(sinks)})))
+    try:
+        pending = [_call(s, "nrl_refit_receive", name, session.with_options(rank=i + 1), manifest)
+                   for i, s in enumerate(sinks)]
+        stream = source.nrl_refit_send.options(num_returns="streaming", enable_task_events=False,
+                                               _generator_backpressure_num_objects=STREAM_BACKPRESSURE).remote(
+            name, session, bucket_bytes, dtype)
+        for ref in stream:  # a collective sender yields no handles; this waits for it and surfaces its errors
+            ray.get(ref)
+        ray.wait(pending, num_returns=len(pending))
+        return manifest_bytes(manifest), [int(v) for v in ray.get(pending)]
+    finally:
+        _call(source, "nrl_refit_cleanup", [ExportedWeights(transport=name, session=session, manifest=[], handles=[])])

@@ -7,8 +7,9 @@ A transport has two halves that run where the data is:
 * a :class:`TransportReceiver` in the generation process turns the stream of handles back into
   buckets of tensors.
 
-The orchestration carries the handles (a local generator in one process, a Ray streaming
-generator between actors); the transport carries the bytes.
+The orchestration carries the handles (a local generator in one process; between actors, the
+training actor's export result, which every generation actor imports); the transport carries the
+bytes. A collective transport (``broadcast``) returns no handles: its two halves run at once.
 
 * ``in_process``: the handle *is* the bucket; tensors are handed over by reference.
 * ``shared_memory``: each bucket is packed into one flat file under ``/dev/shm`` through
@@ -87,7 +88,8 @@ class RefitTransport(Protocol):
     def receiver(self, session: RefitSession) -> TransportReceiver: ...
 
     def cleanup(self, session: RefitSession) -> None:
-        """Remove anything left behind by an interrupted refit; safe to call twice."""
+        """End a refit on the sender's side, once every receiver is done (also after a failure):
+        remove what the session left behind. Safe to call twice."""
 
 
 # --------------------------------------------------------------------------- in_process

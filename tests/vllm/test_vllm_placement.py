@@ -39,6 +39,7 @@ def actors(model_dir):
     ray.get(colocated.nrl_colocate_generation.remote(WORKER, generation_config(model_dir)))
     yield colocated, separate
     ray.get(colocated.nrl_generation_call.remote("shutdown"))
+    ray.get(separate.nrl_refit_release.remote())  # ray.kill skips exit handlers: free the buffers first
     for actor in (colocated, separate):
         ray.kill(actor)
     if started:
