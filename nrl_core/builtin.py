@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from nrl_core.contracts import AlgorithmSpec, RefitTransportSpec
+from nrl_core.contracts import (
+    AlgorithmSpec,
+    DataProcessorSpec,
+    DatasetGeneratorSpec,
+    MetricSinkSpec,
+    RefitTransportSpec,
+)
 from nrl_core.hookspecs import hookimpl
 
 
@@ -32,3 +38,31 @@ def nrl_refit_transports() -> list[RefitTransportSpec]:
                            placements=("same_node", "cross_node"), distribution="nrl-core", priority=10, collective=True,
                            description="torch.distributed (gloo) broadcast from training rank 0"),
     ]
+
+
+@hookimpl
+def nrl_metric_sinks() -> list[MetricSinkSpec]:
+    return [
+        MetricSinkSpec(name="tensorboard", sink="nrl_core.logging.sinks:TensorBoardSink", distribution="nrl-core",
+                       description="TensorBoard event files under <log_dir>/tensorboard"),
+        MetricSinkSpec(name="wandb", sink="nrl_core.logging.sinks:WandbSink", distribution="nrl-core",
+                       description="Weights & Biases (needs wandb); logger.wandb holds wandb.init arguments"),
+        MetricSinkSpec(name="mlflow", sink="nrl_core.logging.sinks:MlflowSink", distribution="nrl-core",
+                       description="MLflow (needs mlflow); logger.mlflow: experiment_name, run_name, tracking_uri"),
+    ]
+
+
+@hookimpl
+def nrl_data_processors() -> list[DataProcessorSpec]:
+    return [
+        DataProcessorSpec(name="math", processor="nrl_core.data.processors:math_processor", distribution="nrl-core",
+                          description="a prompt for the math environment; the answer goes to metadata.ground_truth"),
+        DataProcessorSpec(name="sft", processor="nrl_core.data.processors:sft_processor", distribution="nrl-core",
+                          description="prompt and response tokens, the loss on the response"),
+    ]
+
+
+@hookimpl
+def nrl_dataset_generators() -> list[DatasetGeneratorSpec]:
+    return [DatasetGeneratorSpec(name="arithmetic", generator="nrl_core.data.arithmetic:arithmetic_splits",
+                                 distribution="nrl-core", description="seeded a + b / a - b problems (the demo's data)")]

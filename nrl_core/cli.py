@@ -1,9 +1,10 @@
 """The ``nrl`` command.
 
 ``nrl plugins [--json]``, ``nrl config check|show CONFIG [overrides...]`` and
-``nrl train ALGORITHM --config CONFIG [overrides...]``. User errors (:class:`NrlError`) print one
-line, ``error: <key.path>: <what and how to fix>``, on stderr and exit 2; there is no traceback
-unless ``NRL_DEBUG=1``.
+``nrl train ALGORITHM --config CONFIG [overrides...]``. User errors (:class:`NrlError`), also
+those raised inside a Ray worker, print one line, ``error: <key.path>: <what and how to fix>``, on
+stderr and exit 2; there is no traceback unless ``NRL_DEBUG=1``. Anything else a worker raises is
+a bug: its remote traceback is printed, then the line naming the worker, and the exit code is 1.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ from typing import Sequence
 
 import yaml
 
-from nrl_core.errors import NrlError
+from nrl_core.errors import NrlError, WorkerRaisedError
 
 EXIT_USAGE = 2
+EXIT_BUG = 1
 
 
 def _cmd_plugins(args: argparse.Namespace) -> int:
@@ -41,8 +43,8 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
 def _cmd_config_check(args: argparse.Namespace) -> int:
     from nrl_core.config import choose_backends, load_and_validate
 
-    config = load_and_validate(args.config, args.overrides)
-    choice = choose_backends(config)
+    config = load_and_validate(args.config, args.overrides, algorithm=args.algorithm)
+    choice = choose_backends(config, generation=args.algorithm != "sft")
     print(f"ok: {args.config}")
     print(f"training backend: {choice.training.name} ({choice.training.distribution})")
     if choice.generation is not None:
@@ -55,7 +57,7 @@ def _cmd_config_check(args: argparse.Namespace) -> int:
 def _cmd_config_show(args: argparse.Namespace) -> int:
     from nrl_core.config import load_and_validate
 
-    config = load_and_validate(args.config, args.overrides)
+    config = load_and_validate(args.config, args.overrides, algorithm=args.algorithm)
     sys.stdout.write(yaml.safe_dump(config, sort_keys=False, default_flow_style=False))
     return 0
 
@@ -66,7 +68,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from nrl_core.plugins import get_plugin_manager
 
     spec = get_plugin_manager().algorithms().get(args.algorithm, "algorithm")
-    config = load_and_validate(args.config, args.overrides)
+    config = load_and_validate(args.config, args.overrides, algorithm=args.algorithm)
     return int(import_object(spec.entry)(config) or 0)
 
 
@@ -94,11 +96,15 @@ def build_parser() -> argparse.ArgumentParser:
         p = config_sub.add_parser(name, help=text)
         p.add_argument("config", help="YAML config file")
         p.add_argument("overrides", nargs="*", help="key.path=value, +key.path=value, ~key.path")
+        p.add_argument("--algorithm", default=None,
+                       help="check the sections of this algorithm (default: those the config sets)")
         p.set_defaults(func=func)
+
+    from nrl_core.testing.tiny_models import FAMILIES
 
     tiny = sub.add_parser("tiny-model", help="write a tiny random-init HF model with a locally trained tokenizer")
     tiny.add_argument("out", help="output directory")
-    tiny.add_argument("--family", default="llama", choices=("llama", "qwen2", "qwen3"))
+    tiny.add_argument("--family", default="llama", choices=FAMILIES)
     tiny.add_argument("--size", default="small", choices=("tiny", "small", "bench"))
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(func=_cmd_tiny_model)
@@ -125,6 +131,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:
         return args.func(args)
+    except WorkerRaisedError as exc:
+        if os.environ.get("NRL_DEBUG"):
+            raise
+        print(exc.remote_traceback.rstrip(), file=sys.stderr)
+        print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return EXIT_BUG
     except NrlError as exc:
         if os.environ.get("NRL_DEBUG"):
             raise
@@ -132,8 +144,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {message}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
-        return 130
+        failure = _cluster_failure()
+        if failure is None:
+            print("error: interrupted", file=sys.stderr)
+            return 130
+        print(f"error: {failure}", file=sys.stderr)
+        from nrl_core.cluster.ray_cluster import shutdown_ray
+
+        shutdown_ray()  # kills what is left of the local Ray, so nothing outlives this command
+        return EXIT_USAGE
+
+
+def _cluster_failure() -> str | None:
+    """Why the local Ray died under the run (its GCS watcher interrupts the main thread), if it did;
+    looked up only when the cluster code was loaded, so the CLI itself never imports Ray."""
+    watch = sys.modules.get("nrl_core.cluster.gcs_watch")
+    return None if watch is None else watch.cluster_failure()
 
 
 if __name__ == "__main__":

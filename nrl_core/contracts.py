@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Protocol, Sequence, runtime_checkable
 
 from nrl_core.config.schema import Section
 from nrl_core.errors import PluginError
@@ -74,6 +74,32 @@ class CheckpointOptions:
 
 # --------------------------------------------------------------------------- descriptors
 
+TRAINING_CAPABILITIES: Mapping[str, str] = {
+    "data_parallel": "more than one data-parallel group (training workers / model-parallel size > 1)",
+    "sequence_packing": "policy.sequence_packing.enabled: true",
+    "dynamic_batching": "policy.dynamic_batching.enabled: true",
+}
+"""What a training backend may declare it supports beyond one rank training padded micro-batches;
+a config that asks for something the selected backend does not declare fails validation."""
+
+GENERATION_CAPABILITIES: Mapping[str, str] = {
+    "streaming": "grpo.async_grpo.enabled: true (generate_groups yields each group as it finishes)",
+}
+"""The same for generation backends."""
+
+
+def _check_capabilities(kind: str, name: str, declared: frozenset[str], known: Mapping[str, str]) -> None:
+    unknown = sorted(set(declared) - set(known))
+    if unknown:
+        raise PluginError(f"{kind} '{name}' declares unknown capabilities {unknown}; known: {', '.join(known)}")
+
+ConfigCheck = Callable[[Mapping[str, Any]], None]
+"""A backend's config check, named by ``config_check`` in its spec: it gets the whole validated
+config after the schema and the core's own checks passed, and raises
+:class:`~nrl_core.errors.ConfigError` naming the key. ``nrl config check`` and ``nrl train`` call
+it for the *selected* backends only, before any worker starts, so it must be cheap: it may import
+torch and read the model's ``config.json``, never build a model or start an engine."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class TrainingBackendSpec:
@@ -84,6 +110,10 @@ class TrainingBackendSpec:
     ``worker`` is the import path of the class the core instantiates once per rank (see
     :class:`TrainingWorker`). ``config_aliases`` are other spellings of ``config_key``;
     ``parallel_size_keys`` name the section's model-parallel sizes (tensor, pipeline, context).
+    ``config_check`` is the import path of a :data:`ConfigCheck`: the backend's own checks of
+    values only it can judge (sizes against the model's heads and layers, optimizer names).
+    ``capabilities`` names what it supports among :data:`TRAINING_CAPABILITIES`; validation refuses
+    a config that needs one it does not declare.
     """
 
     name: str
@@ -94,7 +124,12 @@ class TrainingBackendSpec:
     distribution: str
     config_aliases: Mapping[str, str] = field(default_factory=dict)
     parallel_size_keys: tuple[str, ...] = ()
+    config_check: str | None = None
+    capabilities: frozenset[str] = frozenset()
     description: str = ""
+
+    def __post_init__(self) -> None:
+        _check_capabilities("training backend", self.name, self.capabilities, TRAINING_CAPABILITIES)
 
     def model_parallel_size(self, section: Mapping[str, Any]) -> int:
         """Ranks one model replica spans (the product of ``parallel_size_keys`` in its section), so
@@ -111,7 +146,7 @@ class GenerationBackendSpec:
 
     Chosen by ``policy.generation.backend == name``; its section is
     ``policy.generation.<config_key>`` (``vllm_cfg``). ``worker`` is the import path of a
-    :class:`GenerationWorker` class.
+    :class:`GenerationWorker` class; ``config_check`` as for :class:`TrainingBackendSpec`.
     """
 
     name: str
@@ -119,7 +154,21 @@ class GenerationBackendSpec:
     worker: str
     config_schema: Section
     distribution: str
+    parallel_size_keys: tuple[str, ...] = ()
+    config_check: str | None = None
+    capabilities: frozenset[str] = frozenset()
     description: str = ""
+
+    def __post_init__(self) -> None:
+        _check_capabilities("generation backend", self.name, self.capabilities, GENERATION_CAPABILITIES)
+
+    def engine_size(self, section: Mapping[str, Any]) -> int:
+        """Ranks one engine spans (the product of ``parallel_size_keys`` in its section): the core
+        gives each engine that many consecutive ranks and the same prompts on all of them."""
+        size = 1
+        for key in self.parallel_size_keys:
+            size *= int(section.get(key) or 1)
+        return size
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -159,10 +208,36 @@ class RefitTransportSpec:
 
 @dataclass(frozen=True, kw_only=True)
 class MetricSinkSpec:
-    """An extra logger, returned by ``nrl_metric_sinks``; enabled by ``logger.<name>_enabled``."""
+    """A metric logger, returned by ``nrl_metric_sinks``; enabled by ``logger.<name>_enabled``, its
+    options in ``logger.<name>``. ``sink`` is the import path of a :class:`MetricSink` class built as
+    ``Sink(log_dir, options)``. The core's TensorBoard, W&B and MLflow sinks register this way."""
 
     name: str
     sink: str
+    distribution: str
+    description: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataProcessorSpec:
+    """A prompt processor selectable as ``data.processor``, returned by ``nrl_data_processors``;
+    ``processor`` is the import path of a function ``(record, index, tokenizer, prompt_config) ->
+    DatumSpec`` (see nrl_core/data/processors.py)."""
+
+    name: str
+    processor: str
+    distribution: str
+    description: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DatasetGeneratorSpec:
+    """A dataset generator selectable as ``data.dataset_name``, returned by
+    ``nrl_dataset_generators``; ``generator`` is the import path of a function taking the
+    ``data.generate`` mapping as keyword arguments and returning ``(train, val)`` record lists."""
+
+    name: str
+    generator: str
     distribution: str
     description: str = ""
 
@@ -226,11 +301,49 @@ class TokenBatch:
             mask = mask * self.fields["sample_mask"].to(mask.dtype).unsqueeze(1)
         return float(mask.sum()), float((mask.sum(dim=1) > 0).sum())
 
-    def shard(self, rank: int, world_size: int) -> "TokenBatch":
-        """Rows ``rank::world_size``: the contiguous-free split that keeps groups spread evenly."""
+    def shard_rows(self, rank: int, world_size: int) -> list[int]:
+        """Rows ``rank::world_size`` of data-parallel rank ``rank``: a strided split, so every
+        rank gets a share of each GRPO group's neighbours and the shards stay balanced."""
         if self.size % world_size:
             raise ValueError(f"batch of {self.size} sequences does not divide over {world_size} data-parallel ranks")
-        return self.select(list(range(rank, self.size, world_size)))
+        return list(range(rank, self.size, world_size))
+
+    def shard(self, rank: int, world_size: int) -> "TokenBatch":
+        """The sub-batch of :meth:`shard_rows`."""
+        return self.select(self.shard_rows(rank, world_size))
+
+
+@dataclass(kw_only=True)
+class BatchShard:
+    """One data-parallel group's part of a per-sequence result over a global batch.
+
+    ``values[i]`` belongs to row ``rows[i]`` of the batch; ``values`` may be narrower than the
+    batch (trimmed to the shard's longest sequence). One rank of each data-parallel group returns
+    its shard and the others return ``None``, so a result crosses to the driver once per group,
+    not once per rank; the driver checks that the shards cover every row exactly once.
+    """
+
+    rows: list[int]
+    values: "torch.Tensor"
+
+    @staticmethod
+    def assemble(shards: "Sequence[BatchShard | None]", size: int, width: int) -> "torch.Tensor":
+        """The ``[size, width]`` result the shards make up together (zeros past each row's values)."""
+        import torch
+
+        present = [s for s in shards if s is not None]
+        out = torch.zeros((size, width), dtype=present[0].values.dtype if present else torch.float32)
+        seen = torch.zeros(size, dtype=torch.long)
+        for shard in present:
+            index = torch.as_tensor(shard.rows, dtype=torch.long)
+            out[index, : shard.values.shape[1]] = shard.values
+            seen[index] += 1
+        if not bool((seen == 1).all()):
+            missing = (seen == 0).nonzero().flatten().tolist()[:8]
+            repeated = (seen > 1).nonzero().flatten().tolist()[:8]
+            raise ValueError(f"data-parallel shards do not cover the batch of {size} rows once each "
+                             f"(missing rows {missing}, repeated rows {repeated}): a backend's shard reporting is wrong")
+        return out
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -261,6 +374,11 @@ class GenerationOutput:
     finish_reasons: list[str]
     weight_version: int
 
+    def slice(self, start: int, stop: int) -> "GenerationOutput":
+        """The outputs of prompts ``start:stop``."""
+        return GenerationOutput(token_ids=self.token_ids[start:stop], logprobs=self.logprobs[start:stop],
+                                finish_reasons=self.finish_reasons[start:stop], weight_version=self.weight_version)
+
 
 @dataclass(kw_only=True)
 class EnvSample:
@@ -274,8 +392,23 @@ class EnvSample:
 
 @dataclass(kw_only=True)
 class EnvResult:
+    """Rewards in the order of the samples, and metrics over them: means, except the keys named in
+    ``counts``, which are totals (timeouts, sample counts). That distinction lets results of parts
+    of a batch (async GRPO scores each group as it completes) combine into the batch's."""
+
     rewards: list[float]
     metrics: dict[str, float] = field(default_factory=dict)
+    counts: tuple[str, ...] = ()
+
+    @staticmethod
+    def combine(results: "Sequence[EnvResult]") -> "EnvResult":
+        """One result for the concatenated samples: counts add up, means are weighted by samples."""
+        total = sum(len(r.rewards) for r in results)
+        counts = tuple(dict.fromkeys(k for r in results for k in r.counts))
+        keys = list(dict.fromkeys(k for r in results for k in r.metrics))
+        metrics = {k: sum(r.metrics.get(k, 0.0) if k in counts else r.metrics.get(k, 0.0) * len(r.rewards)
+                          for r in results) / (1 if k in counts else max(total, 1)) for k in keys}
+        return EnvResult(rewards=[x for r in results for x in r.rewards], metrics=metrics, counts=counts)
 
 
 # --------------------------------------------------------------------------- protocols
@@ -311,18 +444,35 @@ def logprob_temperature(config: Mapping[str, Any]) -> float:
 class TrainingWorker(Protocol):
     """One rank of a training backend. The core builds it (usually inside a Ray actor after
     ``torch.distributed`` is initialised) as ``WorkerCls(config, rank=..., world_size=...)``
-    where ``config`` is the whole validated config."""
+    where ``config`` is the whole validated config.
+
+    Every rank receives the whole global batch and takes its data-parallel shard
+    (:meth:`TokenBatch.shard_rows`), since only the backend knows its parallel layout."""
 
     def train(self, batch: TokenBatch, loss_fn: LossFunction) -> dict[str, float]:
         """One optimizer step on this rank's share of the global batch; metrics reduced over ranks.
         The loss sees logprobs as :meth:`get_logprobs` computes them."""
 
-    def get_logprobs(self, batch: TokenBatch) -> "torch.Tensor":
-        """Per-token float32 logprobs ``[B, T]`` of ``batch`` under the current weights, from the
-        logits divided by :func:`logprob_temperature` (the distribution rollouts are sampled from)."""
+    def get_logprobs(self, batch: TokenBatch) -> BatchShard | None:
+        """Per-token float32 logprobs of this rank's data-parallel shard of ``batch`` under the
+        current weights (aligned as in :class:`TokenBatch`), from the logits divided by
+        :func:`logprob_temperature` (the distribution rollouts are sampled from). One rank per
+        data-parallel group returns its shard; the others return ``None``."""
 
-    def get_reference_logprobs(self, batch: TokenBatch) -> "torch.Tensor":
+    def get_reference_logprobs(self, batch: TokenBatch) -> BatchShard | None:
         """The same under the initial (reference) weights, for the KL penalty."""
+
+    def offload_before_refit(self) -> None:
+        """Colocated generation is about to take the device: move what neither the refit nor
+        generation needs (optimizer state, gradients) off it. A no-op where nothing is on a device."""
+
+    def offload_after_refit(self) -> None:
+        """The engines hold a copy of the weights now: move the weights off the device too (called
+        only with ``policy.generation.colocated.offload_weights``)."""
+
+    def prepare_for_training(self) -> None:
+        """Bring back whatever the offload calls moved; the core calls it before the next
+        ``get_logprobs``/``train`` after a colocated generation."""
 
     def weight_manifest(self, dtype: str) -> list[WeightSpec]:
         """Every weight ``export_weights`` will yield, HF names, full (unsharded) shapes."""
@@ -340,7 +490,11 @@ class TrainingWorker(Protocol):
 
 @runtime_checkable
 class GenerationWorker(Protocol):
-    """One generation engine. Built as ``WorkerCls(config)`` from the same HF checkpoint as the policy."""
+    """One rank of a generation engine, built as ``WorkerCls(config, rank=..., world_size=...)``
+    from the same HF checkpoint as the policy. ``world_size`` is the ranks of the group hosting it:
+    the training ranks when colocated (the engine lives in their actors), else the generation
+    group; every ``GenerationBackendSpec.engine_size`` consecutive ranks form one engine and get the
+    same prompts."""
 
     weight_version: int
 
@@ -348,6 +502,24 @@ class GenerationWorker(Protocol):
 
     def import_weights(self, buckets: Iterable[list[tuple[str, "torch.Tensor"]]], manifest: list[WeightSpec]) -> int:
         """Load the buckets atomically against ``manifest``; return the new weight version."""
+
+    def prepare_for_generation(self, tags: list[str] | None = None) -> None:
+        """Colocated: wake what ``tags`` name (``"weights"`` before a refit, ``"kv_cache"`` before
+        generating; everything when None) after :meth:`finish_generation`."""
+
+    def finish_generation(self) -> bool:
+        """Colocated: release the device's memory for training until the next
+        :meth:`prepare_for_generation`. True when the engine dropped its weights, so the core
+        refits it before it generates again."""
+
+    def sampling_state(self) -> dict[str, int]:
+        """What, with the weights, determines the next samples; saved with checkpoints."""
+
+    def load_sampling_state(self, state: Mapping[str, int]) -> None:
+        """Restore :meth:`sampling_state` so a resumed run samples as the uninterrupted one."""
+
+    def shutdown(self) -> None:
+        """Stop the engine and free its memory (safe to call twice)."""
 
 
 @runtime_checkable

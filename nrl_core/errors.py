@@ -3,13 +3,33 @@
 Every user-facing failure in nrl (a bad config value, a missing plugin, an unreadable checkpoint)
 is an :class:`NrlError`. The CLI prints ``error: <message>`` and exits 2 for these, so each message
 must stand alone: what was wrong, where, and how to fix it.
+
+Many of these are raised inside Ray workers (a backend refusing its optimizer, an engine refusing
+its ``max_model_len``) and travel to the driver pickled. Python pickles an exception as
+``cls(*self.args)``, which breaks for any subclass whose ``__init__`` takes other arguments than
+its message (``ConfigError(key_path, message)``): Ray would hand the driver an
+``UnserializableException`` instead of the message. :class:`NrlError` therefore pickles itself
+without calling ``__init__``, so every subclass, in the core or in a plugin, round-trips as it is.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+
+def _rebuild(cls: type[BaseException], args: tuple[Any, ...], state: dict[str, Any]) -> BaseException:
+    """Unpickle an :class:`NrlError`: the same class, ``args`` and attributes, ``__init__`` skipped."""
+    exc = cls.__new__(cls, *args)
+    exc.args = args
+    exc.__dict__.update(state)
+    return exc
+
 
 class NrlError(Exception):
     """Base class of errors whose message is meant for the user, not a traceback."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _rebuild, (type(self), self.args, dict(self.__dict__))
 
 
 class ConfigError(NrlError):
@@ -27,3 +47,13 @@ class PluginError(NrlError):
 
 class WorkerError(NrlError):
     """A remote worker died or raised; the message names the worker and its last log lines."""
+
+
+class WorkerRaisedError(WorkerError):
+    """A worker method raised something that is not an :class:`NrlError`: a bug, not a user mistake.
+
+    ``__cause__`` is the remote exception and ``remote_traceback`` its trace, which the CLI prints
+    (exit 1) instead of the one line it prints for user errors.
+    """
+
+    remote_traceback: str = ""

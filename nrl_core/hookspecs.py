@@ -24,6 +24,8 @@ if TYPE_CHECKING:
     from nrl_core.contracts import (
         AlgorithmSpec,
         CheckpointOptions,
+        DataProcessorSpec,
+        DatasetGeneratorSpec,
         EnvironmentSpec,
         GenerationBackendSpec,
         MetricSinkSpec,
@@ -76,9 +78,29 @@ def nrl_refit_transports() -> "list[RefitTransportSpec] | None":
 
 @hookspec
 def nrl_metric_sinks() -> "list[MetricSinkSpec] | None":
-    """Extra metric loggers (beyond console, JSONL and TensorBoard).
+    """Metric loggers beyond the console and ``metrics.jsonl``, each switched on by
+    ``logger.<name>_enabled`` with its options in ``logger.<name>``.
 
-    Called when an algorithm builds its logger. Collecting.
+    Called when the config schema is built and when an algorithm builds its logger. Collecting.
+    The core's ``tensorboard``, ``wandb`` and ``mlflow`` sinks register here too.
+    """
+
+
+@hookspec
+def nrl_data_processors() -> "list[DataProcessorSpec] | None":
+    """Prompt processors (``data.processor``): turn a data record into token ids and metadata.
+
+    Called when an algorithm prepares its data. Collecting. The core's ``math`` and ``sft``
+    processors register here too.
+    """
+
+
+@hookspec
+def nrl_dataset_generators() -> "list[DatasetGeneratorSpec] | None":
+    """Dataset generators (``data.dataset_name``), given ``data.generate`` as keyword arguments.
+
+    Called when an algorithm loads its data and ``data.dataset_name`` is not a local path.
+    Collecting. The core's ``arithmetic`` generator registers here too.
     """
 
 

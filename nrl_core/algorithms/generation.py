@@ -1,31 +1,41 @@
 """``Generation``: the driver's handle on the generation engines, and keeping their weights fresh.
 
-Two placements (``policy.generation.colocated.enabled``):
+Where the engines live (:mod:`nrl_core.config.topology`):
 
-* **colocated**: the engine is built inside the policy's rank-0 actor, sharing its resources;
-  refit hands tensors over in process.
-* **not colocated**: ``colocated.resources.num_workers`` engines in their own actors and
-  placement; refit moves buckets through shared memory (same node) or a broadcast group.
+* **colocated**: one engine per ``engine_size`` training ranks, built inside their actors (every
+  training rank hosts a rank of an engine); refit runs in process on every rank at once. Between
+  generations the engines sleep and the training state comes back to the device; before the next
+  generation it leaves again (NeMo RL's hand-off: optimizer state and gradients off, refit, the
+  weights off, the KV cache back).
+* **not colocated**: the generation ranks of the cluster in their own actors and placement; rank 0
+  of the policy exports once and every generation rank imports (shared memory on one node, a
+  broadcast group across nodes).
 
-Either way the driver marks the engines stale after every training step and refits lazily, just
-before the next generation, so validation and rollouts always see the current policy.
+Prompts are split into contiguous chunks, one per engine, so concatenating the engines' outputs
+keeps the input order; every rank of an engine gets its engine's chunk and one rank per engine
+returns the result. The driver marks the engines stale after every training step and refits lazily,
+just before the next generation, so validation and rollouts always see the current policy.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Mapping, Sequence
+import queue
+import threading
+from typing import Any, Iterator, Mapping, Sequence
 
 from nrl_core.algorithms.policy import Policy
 from nrl_core.cluster import WorkerGroup, make_placement
+from nrl_core.config.topology import cluster_topology
 from nrl_core.contracts import GenerationBackendSpec, GenerationOutput
-from nrl_core.refit.orchestrator import refit, refit_options
-from nrl_core.refit.report import RefitReport
+from nrl_core.errors import NrlError
+from nrl_core.refit.orchestrator import choose_transport, refit, refit_options
+from nrl_core.refit.report import RefitReport, combine_reports
 
 logger = logging.getLogger(__name__)
 
 
-def _split(items: Sequence[Any], parts: int) -> list[list[Any]]:
+def split_evenly(items: Sequence[Any], parts: int) -> list[list[Any]]:
     """Contiguous, nearly equal chunks (so output order is input order after concatenation)."""
     size, extra = divmod(len(items), parts)
     chunks, start = [], 0
@@ -39,30 +49,40 @@ def _split(items: Sequence[Any], parts: int) -> list[list[Any]]:
 class Generation:
     def __init__(self, config: Mapping[str, Any], spec: GenerationBackendSpec, policy: Policy) -> None:
         generation = config["policy"]["generation"]
+        topology = cluster_topology(config)
         self.spec = spec
         self.policy = policy
-        self.colocated = bool(generation["colocated"]["enabled"])
+        self.colocated = topology.colocated
+        self.engine_size = topology.engine_size
+        self.num_engines = topology.num_engines
+        self.offload_weights = bool(generation["colocated"]["offload_weights"])
         self.refit_options = refit_options(config)
         self.stale = False  # engines start from the same HF checkpoint as the policy
-        self.group: WorkerGroup | None = None
+        self._policy_state = "training"  # colocated: "training" -> "refit" -> "generating" -> "training"
         if self.colocated:
-            policy.group.host_call(0, "nrl_colocate_generation", spec.worker, dict(config))
-            self.actors = [policy.rank0]
+            self.hosts = policy.group
+            # vLLM builds its process groups collectively: every training rank builds its engine at once
+            self.hosts.host_call(list(range(self.hosts.world_size)), "nrl_colocate_generation", spec.worker,
+                                 dict(config))
+            self.placement = None
         else:
-            num_workers = int(generation["colocated"]["resources"]["num_workers"] or 1)
-            self.placement = make_placement(config["cluster"], num_workers, name="generation")
-            self.group = WorkerGroup(spec.worker, num_workers, name=f"generation-{spec.name}",
+            world = topology.generation_world
+            self.placement = make_placement(config["cluster"], world, name="generation")
+            # engines of one rank are independent processes; only a multi-rank engine needs a group
+            self.hosts = WorkerGroup(spec.worker, world, name=f"generation-{spec.name}",
                                      init_kwargs={"config": dict(config)}, placement=self.placement,
-                                     distributed_backend="none")
-            self.actors = self.group.actors
+                                     env_vars=dict(config["cluster"].get("env_vars") or {}),
+                                     distributed_backend="auto" if topology.engine_size > 1 else "none")
+        self.ranks = list(range(self.hosts.world_size))
+        self.leads = self.ranks[:: self.engine_size]  # the rank of each engine that reports for it
+
+    # ------------------------------------------------------------------ generating
 
     def generate(self, prompts: Sequence[Sequence[int]], *, greedy: bool = False) -> GenerationOutput:
-        chunks = _split(list(prompts), len(self.actors))
-        if self.colocated:
-            outputs = [self.policy.group.host_call(0, "nrl_generation_call", "generate", chunks[0], greedy=greedy)]
-        else:
-            assert self.group is not None
-            outputs = self.group.run_all_sharded("generate", [(c,) for c in chunks], [{"greedy": greedy}] * len(chunks))
+        """Complete ``prompts`` on every engine (a contiguous chunk each); outputs in input order."""
+        chunks = split_evenly(list(prompts), self.num_engines)
+        results = self.hosts.host_call(self.ranks, "nrl_generate_sharded", chunks, self.engine_size, greedy=greedy)
+        outputs = [out for out in results if out is not None]
         return GenerationOutput(
             token_ids=[t for o in outputs for t in o.token_ids],
             logprobs=[lp for o in outputs for lp in o.logprobs],
@@ -70,54 +90,125 @@ class Generation:
             weight_version=min(o.weight_version for o in outputs),
         )
 
-    def sampling_states(self) -> list[dict[str, Any]]:
-        """Each engine's sampling position (seed and call count): restored on resume so sampled
-        rollouts continue exactly as in an uninterrupted run."""
-        if self.colocated:
-            return [self.policy.group.host_call(0, "nrl_generation_call", "sampling_state")]
-        assert self.group is not None
-        return self.group.run_all("sampling_state")
+    def generate_groups(self, prompts: Sequence[Sequence[int]], group_size: int) -> Iterator[tuple[int, GenerationOutput]]:
+        """``group_size`` samples of every prompt, yielded as ``(prompt index, output)`` the moment
+        a group is complete, from whichever engine finished it (each engine streams its contiguous
+        chunk of prompts; async GRPO scores groups as they arrive). An engine that dies or raises
+        ends the iteration with its one-line error."""
+        if self.engine_size != 1:
+            raise NrlError("streaming generation needs engines of one rank each (generation tensor parallel 1)")
+        chunks = split_evenly(list(range(len(prompts))), self.num_engines)
+        arrived: queue.Queue[Any] = queue.Queue()
 
-    def load_sampling_states(self, states: Sequence[Mapping[str, Any]]) -> None:
-        if not states:
-            return
+        def consume(rank: int, indices: list[int]) -> None:
+            try:
+                for local, output in self.hosts.host_stream(rank, "nrl_generate_groups",
+                                                            [list(prompts[i]) for i in indices], group_size):
+                    arrived.put((indices[local], output))
+                arrived.put(None)
+            except BaseException as exc:  # re-raised in the consuming thread
+                arrived.put(exc)
+
+        for rank, indices in zip(self.leads, chunks):
+            threading.Thread(target=consume, args=(rank, indices), name=f"nrl-stream-{rank}", daemon=True).start()
+        finished = 0
+        while finished < len(chunks):
+            item = arrived.get()
+            if item is None:
+                finished += 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+
+    def prepare(self) -> RefitReport | None:
+        """Before generating: refit if the policy changed since the engines last loaded weights.
+        Colocated, the training state makes room first (optimizer state and gradients before the
+        refit, the weights after it) and the engines wake (weights for the refit, then the KV cache)."""
+        if self.colocated and self._policy_state == "training":
+            self.policy.offload_before_refit()
+            self._policy_state = "refit"
+        report = None
+        if self.stale:
+            if self.colocated:
+                self._engines("prepare_for_generation", ["weights"])
+            report = self.update_weights()
+            self.stale = False
         if self.colocated:
-            self.policy.group.host_call(0, "nrl_generation_call", "load_sampling_state", states[0])
-        else:
-            assert self.group is not None
-            self.group.run_all_sharded("load_sampling_state", [(s,) for s in states])
+            if self.offload_weights and self._policy_state == "refit":
+                self.policy.offload_after_refit()
+                self._policy_state = "generating"
+            self._engines("prepare_for_generation", None)
+        return report
+
+    def finish(self) -> None:
+        """After generating, colocated: the engines release the device (an engine that dropped its
+        weights is refit before it generates again) and the training state comes back."""
+        if not self.colocated:
+            return
+        if any(self._engines("finish_generation")):
+            self.stale = True
+        self.policy.prepare_for_training()
+        self._policy_state = "training"
 
     def mark_stale(self) -> None:
         self.stale = True
 
-    def refresh(self) -> RefitReport | None:
-        """Refit if the policy changed since the engines last loaded weights."""
-        if not self.stale:
-            return None
-        report = self.update_weights()
-        self.stale = False
-        return report
+    def _engines(self, method: str, *args: Any) -> list[Any]:
+        return self.hosts.host_call(self.ranks, "nrl_generation_call", method, *args)
+
+    # ------------------------------------------------------------------ weights
 
     def update_weights(self) -> RefitReport:
         """Move the policy's current weights into every engine.
 
-        Exporting full tensors is collective for sharded backends, so while rank 0 exports its
-        buckets for the engines the other ranks run the same export and drop the result."""
+        Colocated, every training rank loads its own engine in process (exporting full tensors is
+        collective for sharded backends, so all ranks export at once). Otherwise rank 0 exports
+        for the engines while the other training ranks run the same export and drop the result."""
         opts = self.refit_options
-        drains = None
-        if self.policy.world_size > 1:
-            drains = self.policy.group.host_call_async(list(range(1, self.policy.world_size)), "nrl_refit_drain",
-                                                       opts["bucket_bytes"], opts["dtype"])
-        report = refit(self.policy.rank0, self.actors, transport=opts["transport"],
-                       bucket_bytes=opts["bucket_bytes"], dtype=opts["dtype"])
-        if drains is not None:
-            self.policy.group.get(drains)
+        if self.colocated:
+            transport = choose_transport("same_process", opts["transport"])
+            report = combine_reports(self.hosts.host_call(self.ranks, "nrl_refit_local", transport,
+                                                          opts["bucket_bytes"], opts["dtype"]))
+        else:
+            drains = None
+            if self.policy.world_size > 1:
+                drains = self.policy.group.host_call_async(list(range(1, self.policy.world_size)), "nrl_refit_drain",
+                                                           opts["bucket_bytes"], opts["dtype"])
+            try:
+                report = refit(self.policy.rank0, self.hosts.actors, transport=opts["transport"],
+                               bucket_bytes=opts["bucket_bytes"], dtype=opts["dtype"])
+            except Exception:
+                self.hosts.host_call(self.ranks, "nrl_refit_node_id")  # a dead engine: its own one-line error
+                raise
+            if drains is not None:
+                self.policy.group.get(drains)
         logger.info("refit: %.1f MB in %.2fs over %s (weights v%d)", report.bytes / 1e6, report.seconds,
                     report.transport, report.version)
         return report
 
+    # ------------------------------------------------------------------ resume
+
+    def sampling_states(self) -> list[dict[str, Any]]:
+        """Each engine's sampling position (seed and call count): restored on resume so sampled
+        rollouts continue exactly as in an uninterrupted run."""
+        return self.hosts.host_call(self.leads, "nrl_generation_call", "sampling_state")
+
+    def load_sampling_states(self, states: Sequence[Mapping[str, Any]]) -> None:
+        if not states:
+            return
+        if len(states) != self.num_engines:
+            raise ValueError(f"the checkpoint holds the sampling state of {len(states)} engines, this run has "
+                             f"{self.num_engines}; resume with the same generation layout")
+        pending = [self.hosts.host_call_async(rank, "nrl_generation_call", "load_sampling_state",
+                                              states[rank // self.engine_size]) for rank in self.ranks]
+        for futures in pending:
+            self.hosts.get(futures)
+
     def shutdown(self) -> None:
-        if self.group is not None:
-            self.policy.group.host_call(0, "nrl_refit_release")  # the training side's shared buffers
-            self.group.shutdown()
+        if self.colocated:
+            return  # the engines live in the policy's actors, which the policy stops
+        self.policy.group.host_call(0, "nrl_refit_release")  # the training side's shared buffers
+        self.hosts.shutdown()
+        if self.placement is not None:
             self.placement.remove()

@@ -9,6 +9,7 @@ logprobs of what was sampled, train with the clipped policy-gradient loss; the l
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -19,11 +20,30 @@ from nrl_core.algorithms.generation import Generation
 from nrl_core.algorithms.loss import ClippedPGLoss
 from nrl_core.algorithms.rollouts import repeat_prompts, rollout_batch
 from nrl_core.algorithms.setup import PhaseTimer, build_environment, load_tokenizer
+from nrl_core.config.checks import check_grpo
 from nrl_core.contracts import EnvSample, GenerationOutput, TokenBatch
-from nrl_core.data import DatumSpec, prepare_data
-from nrl_core.errors import ConfigError
+from nrl_core.data import DatumSpec, LengthLimits, prepare_data
+from nrl_core.plugins import get_plugin_manager
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RolloutGroup:
+    """One prompt's ``num_generations_per_prompt`` sampled responses and their rewards; its
+    ``output.weight_version`` is the version of the weights that sampled it."""
+
+    prompt: DatumSpec
+    output: GenerationOutput
+    rewards: list[float]
+
+
+def merge_groups(groups: Sequence[RolloutGroup]) -> GenerationOutput:
+    """The groups' samples as one output, in group order; the oldest weight version."""
+    return GenerationOutput(token_ids=[t for g in groups for t in g.output.token_ids],
+                            logprobs=[lp for g in groups for lp in g.output.logprobs],
+                            finish_reasons=[r for g in groups for r in g.output.finish_reasons],
+                            weight_version=min(g.output.weight_version for g in groups))
 
 
 class GRPO(AlgorithmRun):
@@ -31,13 +51,11 @@ class GRPO(AlgorithmRun):
     summary_prefixes = ("val/", "train/reward")
 
     def __init__(self, config: Mapping[str, Any]) -> None:
-        if config["policy"]["generation"] is None:
-            raise ConfigError("policy.generation", "GRPO generates rollouts; configure a generation backend")
-        _check_batch_sizes(config)
+        check_grpo(config)  # done by validation too; a config built in code may have skipped it
         _warn_truncated_sampling(config["policy"]["generation"])
         self.group_size = int(config["grpo"]["num_generations_per_prompt"])
         self.tokenizer = load_tokenizer(config)
-        data = prepare_data(config["data"], self.tokenizer)
+        data = prepare_data(config["data"], self.tokenizer, limits=prompt_limits(config))
         self.val_data: list[DatumSpec] = (data.val or [])[: config["grpo"]["max_val_samples"]]
         self.loss_fn = ClippedPGLoss.from_config(config["loss_fn"])
         self.env = build_environment(config)
@@ -49,13 +67,24 @@ class GRPO(AlgorithmRun):
 
     def step(self, prompts: Sequence[DatumSpec]) -> dict[str, float]:
         timer = PhaseTimer()
-        with timer("refit"):
-            self.generation.refresh()
         prompt_ids = repeat_prompts([d.prompt_ids for d in prompts], self.group_size)
+        with timer("refit"):
+            self.generation.prepare()  # refit if stale; colocated: the engines take the device
         with timer("generation"):
             rollouts = self.generation.generate(prompt_ids)
+        with timer("hand_off"):
+            self.generation.finish()  # colocated: the engines sleep, training takes the device back
         with timer("reward"):
-            rewards, env_metrics = self.score(prompts, rollouts)
+            groups, env_metrics = self.score(prompts, rollouts)
+        return self.train_on(groups, env_metrics, timer)
+
+    def train_on(self, groups: Sequence[RolloutGroup], env_metrics: Mapping[str, float],
+                 timer: PhaseTimer) -> dict[str, float]:
+        """Group advantages, the policy's (and the reference's) logprobs of what was sampled, the
+        optimizer steps; the engines are stale afterwards. Returns the step's metrics."""
+        prompt_ids = repeat_prompts([g.prompt.prompt_ids for g in groups], self.group_size)
+        rollouts = merge_groups(groups)
+        rewards = torch.tensor([r for g in groups for r in g.rewards], dtype=torch.float32)
         advantages = group_advantages(rewards, self.group_size, leave_one_out=self.cfg["use_leave_one_out_baseline"],
                                       normalize=self.cfg["normalize_rewards"])
         batch = self.training_batch(prompt_ids, rollouts, advantages)
@@ -67,18 +96,34 @@ class GRPO(AlgorithmRun):
         with timer("training"):
             train_metrics = self.train(batch)
         self.generation.mark_stale()
+        self.log_rollouts(groups)
         return {**self.rollout_metrics(rewards, rollouts, batch), **env_metrics,
                 **{f"train/{k}": v for k, v in train_metrics.items()}, **timer.metrics(),
                 "throughput/tokens_per_second": float(batch.input_lengths.sum()) / sum(timer.seconds.values())}
 
     # ------------------------------------------------------------------ pieces of a step
 
-    def score(self, prompts: Sequence[DatumSpec], rollouts: GenerationOutput) -> tuple[torch.Tensor, dict[str, float]]:
+    def score(self, prompts: Sequence[DatumSpec], rollouts: GenerationOutput) -> tuple[list[RolloutGroup],
+                                                                                        dict[str, float]]:
+        """Rewards of ``rollouts`` (``group_size`` consecutive samples per prompt) in one call to
+        the environment: the scored groups and the environment's metrics."""
         texts = self.tokenizer.batch_decode(rollouts.token_ids, skip_special_tokens=True)
         samples = [EnvSample(prompt=prompts[i // self.group_size].prompt_text, response=text,
                              metadata=prompts[i // self.group_size].metadata) for i, text in enumerate(texts)]
         result = self.env.score(samples)
-        return torch.tensor(result.rewards, dtype=torch.float32), {f"env/{k}": v for k, v in result.metrics.items()}
+        n = self.group_size
+        groups = [RolloutGroup(prompt=prompt, output=rollouts.slice(i * n, (i + 1) * n),
+                               rewards=list(result.rewards[i * n:(i + 1) * n])) for i, prompt in enumerate(prompts)]
+        return groups, {f"env/{k}": v for k, v in result.metrics.items()}
+
+    def log_rollouts(self, groups: Sequence[RolloutGroup]) -> None:
+        """Every rollout of the step being trained to ``train_data_step<N>.jsonl`` (NeMo RL's file):
+        prompt, response tokens, reward and the weight version that sampled it."""
+        step = self.state.step + 1
+        self.log.log_samples("train_data", step, [
+            {"prompt_idx": g.prompt.idx, "prompt_token_ids": list(g.prompt.prompt_ids), "response_token_ids": ids,
+             "reward": reward, "weight_version": g.output.weight_version}
+            for g in groups for ids, reward in zip(g.output.token_ids, g.rewards)])
 
     def training_batch(self, prompt_ids: list[list[int]], rollouts: GenerationOutput,
                        advantages: torch.Tensor) -> TokenBatch:
@@ -98,12 +143,14 @@ class GRPO(AlgorithmRun):
                    for start in range(0, batch.size, size)]
         return {key: sum(r[key] for r in results) / len(results) for key in results[0]}
 
-    def validate(self) -> dict[str, float]:
-        """Greedy answers to the validation prompts, scored by the environment."""
+    def validate(self, step: int) -> dict[str, float]:
+        """Greedy answers to the validation prompts, scored by the environment; every answer is
+        written to ``val_data_step<step>.jsonl`` in the log directory (NeMo RL's file)."""
         if not self.val_data:
             return {}
-        self.generation.refresh()
+        self.generation.prepare()
         rewards: list[float] = []
+        samples: list[dict[str, Any]] = []
         size = int(self.cfg["val_batch_size"])
         for start in range(0, len(self.val_data), size):
             chunk = self.val_data[start:start + size]
@@ -112,6 +159,12 @@ class GRPO(AlgorithmRun):
             result = self.env.score([EnvSample(prompt=d.prompt_text, response=t, metadata=d.metadata)
                                      for d, t in zip(chunk, texts)])
             rewards.extend(result.rewards)
+            samples.extend({"prompt": d.prompt_text, "response": text, "reward": reward,
+                            "prompt_token_ids": list(d.prompt_ids), "response_token_ids": ids,
+                            "weight_version": out.weight_version}
+                           for d, text, reward, ids in zip(chunk, texts, result.rewards, out.token_ids))
+        self.generation.finish()
+        self.log.log_samples("val_data", step, samples)
         return {"val/reward": sum(rewards) / len(rewards), "val/accuracy": sum(r > 0 for r in rewards) / len(rewards)}
 
     @staticmethod
@@ -142,14 +195,16 @@ class GRPO(AlgorithmRun):
             super().shutdown()
 
 
-def _check_batch_sizes(config: Mapping[str, Any]) -> None:
-    grpo, policy = config["grpo"], config["policy"]
-    rollouts = grpo["num_prompts_per_step"] * grpo["num_generations_per_prompt"]
-    if rollouts % policy["train_global_batch_size"]:
-        raise ConfigError("policy.train_global_batch_size",
-                          f"{policy['train_global_batch_size']} does not divide the {rollouts} rollouts per step "
-                          f"(grpo.num_prompts_per_step x num_generations_per_prompt); make it a divisor")
-
+def prompt_limits(config: Mapping[str, Any]) -> LengthLimits:
+    """Prompts must leave the engine room for one generated token within the sequence limit:
+    ``policy.max_total_sequence_length``, or the engine's ``max_model_len`` when that is lower."""
+    policy = config["policy"]
+    limit, key = int(policy["max_total_sequence_length"]), "policy.max_total_sequence_length"
+    spec = get_plugin_manager().generation_backends().get(policy["generation"]["backend"], "policy.generation.backend")
+    engine_limit = (policy["generation"].get(spec.config_key) or {}).get("max_model_len")
+    if engine_limit is not None and int(engine_limit) < limit:
+        limit, key = int(engine_limit), f"policy.generation.{spec.config_key}.max_model_len"
+    return LengthLimits(prompt=limit - 1, prompt_key=key)
 
 
 def _warn_truncated_sampling(generation: Mapping[str, Any]) -> None:
@@ -162,4 +217,10 @@ def _warn_truncated_sampling(generation: Mapping[str, Any]) -> None:
                        "will exceed 1; set top_p: 1.0 and top_k: null for exact importance ratios")
 
 
-main = GRPO.main
+def main(config: Mapping[str, Any]) -> int:
+    """``nrl train grpo``: the synchronous loop, or the asynchronous one with ``grpo.async_grpo.enabled``."""
+    if config["grpo"]["async_grpo"]["enabled"]:
+        from nrl_core.algorithms.async_grpo import AsyncGRPO
+
+        return AsyncGRPO.main(config)
+    return GRPO.main(config)

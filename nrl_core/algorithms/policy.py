@@ -1,8 +1,10 @@
 """``Policy``: the driver's handle on the training backend's worker group.
 
 Algorithms call these methods and never see ranks: every rank receives the whole global batch
-and takes its own data-parallel shard (a backend knows its parallel layout; the driver does not),
-results come back from rank 0, already reduced or gathered by the backend.
+and takes its own data-parallel shard (a backend knows its parallel layout; the driver does not).
+Per-sequence results (logprobs) come back once per data-parallel group, as
+:class:`~nrl_core.contracts.BatchShard`s the driver puts together; metrics come back reduced by
+the backend, from rank 0.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import torch
 
 from nrl_core.cluster import WorkerGroup, make_placement
 from nrl_core.cluster.placement import Placement
-from nrl_core.contracts import CheckpointOptions, LossFunction, TokenBatch, TrainingBackendSpec
+from nrl_core.config.topology import cluster_topology
+from nrl_core.contracts import BatchShard, CheckpointOptions, LossFunction, TokenBatch, TrainingBackendSpec
 from nrl_core.plugins import get_plugin_manager
 
 logger = logging.getLogger(__name__)
@@ -29,12 +32,13 @@ def _load(worker: Any, path: str, options: CheckpointOptions) -> None:
 
 
 class Policy:
-    """The training workers of ``spec`` (one per rank of ``cluster.gpus_per_node x num_nodes``)."""
+    """The training workers of ``spec``: every training rank of the cluster's topology
+    (:func:`~nrl_core.config.validate.cluster_topology`)."""
 
     def __init__(self, config: Mapping[str, Any], spec: TrainingBackendSpec, *, colocated_generation: bool) -> None:
         cluster = config["cluster"]
         self.spec = spec
-        self.world_size = int(cluster["gpus_per_node"]) * int(cluster["num_nodes"])
+        self.world_size = cluster_topology(config).train_world
         self.checkpoint_options = CheckpointOptions.from_section(config["policy"][spec.config_key])
         self.placement: Placement = make_placement(cluster, self.world_size, name="policy",
                                                    max_colocated_groups=2 if colocated_generation else 1)
@@ -48,10 +52,23 @@ class Policy:
         return self.group.run_all("train", batch, loss_fn)[0]
 
     def get_logprobs(self, batch: TokenBatch) -> torch.Tensor:
-        return self.group.run_all("get_logprobs", batch)[0]
+        """``[B, T]`` logprobs of ``batch``, put together from every data-parallel group's shard."""
+        return BatchShard.assemble(self.group.run_all("get_logprobs", batch), batch.size, int(batch.input_ids.shape[1]))
 
     def get_reference_logprobs(self, batch: TokenBatch) -> torch.Tensor:
-        return self.group.run_all("get_reference_logprobs", batch)[0]
+        return BatchShard.assemble(self.group.run_all("get_reference_logprobs", batch), batch.size,
+                                   int(batch.input_ids.shape[1]))
+
+    # ------------------------------------------------------------------ memory hand-off (colocated generation)
+
+    def offload_before_refit(self) -> None:
+        self.group.run_all("offload_before_refit")
+
+    def offload_after_refit(self) -> None:
+        self.group.run_all("offload_after_refit")
+
+    def prepare_for_training(self) -> None:
+        self.group.run_all("prepare_for_training")
 
     # ------------------------------------------------------------------ state
 
@@ -73,7 +90,7 @@ class Policy:
 
     @property
     def rank0(self) -> Any:
-        """The actor of rank 0: the refit source, and the host of a colocated generation engine."""
+        """The actor of rank 0: the refit source for engines in other actors."""
         return self.group.actors[0]
 
     def shutdown(self) -> None:

@@ -9,7 +9,7 @@ from nrl_core.algorithms.base import AlgorithmRun
 from nrl_core.algorithms.loss import NLLLoss
 from nrl_core.algorithms.setup import PhaseTimer, load_tokenizer
 from nrl_core.contracts import logprob_temperature
-from nrl_core.data import DatumSpec, prepare_data, sft_batch
+from nrl_core.data import DatumSpec, LengthLimits, prepare_data, sft_batch
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +25,7 @@ class SFT(AlgorithmRun):
                            config["policy"]["generation"]["temperature"])
         self.tokenizer = load_tokenizer(config)
         data = prepare_data(config["data"], self.tokenizer, processor="sft",
-                            max_length=config["policy"]["max_total_sequence_length"])
+                            limits=LengthLimits(total=config["policy"]["max_total_sequence_length"]))
         self.val_data: list[DatumSpec] = data.val or []
         self.loss_fn = NLLLoss()
         super().__init__(config, batch_size=int(config["policy"]["train_global_batch_size"]), train_data=data.train)
@@ -37,7 +37,7 @@ class SFT(AlgorithmRun):
             metrics = self.policy.train(batch, self.loss_fn)
         return {**{f"train/{k}": v for k, v in metrics.items()}, **timer.metrics()}
 
-    def validate(self) -> dict[str, float]:
+    def validate(self, step: int) -> dict[str, float]:
         """Mean response NLL over ``sft.val_batches`` batches of the validation set."""
         if not self.val_data:
             return {}

@@ -1,11 +1,13 @@
 """Ray orchestration: start or join a cluster, place worker groups, run them, report failures.
 
 ``init_ray`` connects (local by default, an existing cluster through ``cluster.ray_address`` or
-``RAY_ADDRESS``); ``make_placement`` reserves resources, shared by colocated groups; a
-``WorkerGroup`` is N Ray actors forming one ``torch.distributed`` group around a backend's worker
-class, whose failures arrive as ``WorkerError``s that name the rank.
+``RAY_ADDRESS``; ``cluster_failure`` says why a local one died under the run); ``make_placement``
+reserves resources, shared by colocated groups; a ``WorkerGroup`` is N Ray actors forming one
+``torch.distributed`` group around a backend's worker class, whose failures arrive as
+``WorkerError``s that name the rank.
 """
 
+from nrl_core.cluster.gcs_watch import cluster_failure
 from nrl_core.cluster.placement import Placement, make_placement
 from nrl_core.cluster.ray_cluster import init_ray, shutdown_ray, worker_env_vars
 from nrl_core.cluster.worker_group import (
@@ -27,6 +29,7 @@ __all__ = [
     "WorkerInfo",
     "WorkerRaisedError",
     "WorkerTimeoutError",
+    "cluster_failure",
     "init_ray",
     "make_placement",
     "shutdown_ray",

@@ -8,6 +8,7 @@ means they also run under ``torchrun`` without Ray, and Ray never has to import 
 
 from __future__ import annotations
 
+import collections
 import os
 import socket
 import sys
@@ -17,6 +18,8 @@ from typing import Any, Callable
 from nrl_core.refit.endpoints import RefitEndpoints
 
 __all__ = ["WorkerHost"]
+
+_CALL_HISTORY = 256
 
 
 def _fd_target(fd: int) -> str | None:
@@ -47,6 +50,15 @@ class WorkerHost(RefitEndpoints):
         self.rank = rank
         self.world_size = world_size
         self.worker: Any = None
+        self._calls: collections.deque[str] = collections.deque(maxlen=_CALL_HISTORY)
+
+    def record_call(self, what: str) -> None:
+        self._calls.append(what)
+
+    def call_history(self) -> list[str]:
+        """The names of the last worker methods this actor ran, oldest first: the order in which
+        the driver drove it (tests assert the colocated memory hand-off with it)."""
+        return list(self._calls)
 
     def describe(self) -> dict[str, Any]:
         """Identity and log locations, captured at start while the process is surely alive."""
@@ -76,13 +88,23 @@ class WorkerHost(RefitEndpoints):
             s.bind(("", 0))
             return int(s.getsockname()[1])
 
-    def setup_distributed(self, backend: str, env: dict[str, str], timeout_s: float) -> None:
-        """Set the torchrun-style variables and, unless ``backend`` is ``none``, join the group."""
+    def setup_distributed(self, backend: str, env: dict[str, str], timeout_s: float, *, init_method: str = "env://",
+                          loopback: bool = False) -> None:
+        """Set the torchrun-style variables and, unless ``backend`` is ``none``, join the group.
+
+        ``init_method`` is ``env://`` (rank 0's TCP store at ``MASTER_ADDR:MASTER_PORT``) or, when
+        every rank is on this machine, a ``file://`` store that listens nowhere; ``loopback`` then
+        also keeps gloo's own connections on the loopback interface (unless the user chose one
+        with ``GLOO_SOCKET_IFNAME``), so the group opens no port on the network.
+        """
         os.environ.update(env)
         if backend == "none":
             return
         import torch
         import torch.distributed as dist
+
+        if loopback and "lo" in {name for _, name in socket.if_nameindex()}:
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
         if backend == "nccl":
             # Ray usually exposes exactly this actor's GPU(s); index by local rank only otherwise.
@@ -90,7 +112,7 @@ class WorkerHost(RefitEndpoints):
             torch.cuda.set_device(0 if visible == 1 else int(env["LOCAL_RANK"]) % max(visible, 1))
         dist.init_process_group(
             backend=backend,
-            init_method="env://",
+            init_method=init_method,
             rank=self.rank,
             world_size=self.world_size,
             timeout=timedelta(seconds=timeout_s),
@@ -105,11 +127,13 @@ class WorkerHost(RefitEndpoints):
 
     def call(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Run ``worker.<method>(*args, **kwargs)``."""
+        self.record_call(method)
         return getattr(self.worker, method)(*args, **kwargs)
 
     def call_packed(self, method: str, packed: tuple[tuple[Any, ...], dict[str, Any]]) -> Any:
         """:meth:`call` with arguments stored once in the object store for all ranks."""
         args, kwargs = packed
+        self.record_call(method)
         return getattr(self.worker, method)(*args, **kwargs)
 
     def execute(self, fn: Callable[[Any], Any]) -> Any:

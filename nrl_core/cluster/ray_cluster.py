@@ -2,8 +2,10 @@
 
 One entry point, :func:`init_ray`, so that a laptop run, a CI job and a multi-node job differ only
 in configuration: by default a private local Ray bound to the loopback address (nothing listens on
-the network, no dashboard); with ``cluster.ray_address`` or ``RAY_ADDRESS`` an existing cluster
-(``ray start --head`` on the first node, ``ray start --address`` on the others) is joined instead.
+the network, no dashboard; worker groups on it rendezvous through a file store in a private
+directory and keep gloo on loopback, see :func:`private_local_ray`); with ``cluster.ray_address``
+or ``RAY_ADDRESS`` an existing cluster (``ray start --head`` on the first node, ``ray start
+--address`` on the others) is joined instead, and groups rendezvous over TCP.
 
 Workers are separate processes that do not inherit the driver's ``sys.path`` or shell, so the
 environment variables they need (``PYTHONPATH``, engine knobs such as ``VLLM_*``, thread counts)
@@ -18,10 +20,13 @@ import os
 from typing import Any, Iterator, Mapping
 
 import ray
+from ray._private import ray_constants
 
+from nrl_core.cluster.gcs_watch import cluster_failure, kill_ray_processes, stop_watching, watch_gcs
 from nrl_core.errors import NrlError
 
-__all__ = ["init_ray", "shutdown_ray", "worker_env_vars", "FORWARDED_ENV_PREFIXES", "FORWARDED_ENV_NAMES"]
+__all__ = ["cluster_failure", "init_ray", "private_local_ray", "shutdown_ray", "worker_env_vars",
+           "FORWARDED_ENV_PREFIXES", "FORWARDED_ENV_NAMES"]
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +52,8 @@ FORWARDED_ENV_NAMES: tuple[str, ...] = (
 )
 # Ray assigns devices per actor through this one; forwarding the driver's would defeat that.
 _NEVER_FORWARD = frozenset({"CUDA_VISIBLE_DEVICES"})
+# The GCS address of the loopback-only Ray this process started (None: it started none).
+_private_gcs: str | None = None
 
 
 def worker_env_vars(extra: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -103,8 +110,6 @@ def _loopback_only() -> Iterator[None]:
     and exposes as ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, keeps the loopback address. The flag is
     read from a module constant at call time, so it is switched only around the start.
     """
-    from ray._private import ray_constants
-
     saved = getattr(ray_constants, "ENABLE_RAY_CLUSTER", None)
     ray_constants.ENABLE_RAY_CLUSTER = False
     try:
@@ -125,6 +130,7 @@ def init_ray(cluster_cfg: Mapping[str, Any] | None = None) -> None:
     Ray only schedules by these numbers; workers ask for fractions of a CPU (see
     :mod:`nrl_core.cluster.placement`), so a 2-core machine can host more workers than cores.
     """
+    global _private_gcs
     if ray.is_initialized():
         return
     cfg: Mapping[str, Any] = cluster_cfg or {}
@@ -153,6 +159,9 @@ def init_ray(cluster_cfg: Mapping[str, Any] | None = None) -> None:
                 num_gpus=None if num_gpus is None else int(num_gpus),
                 **common,
             )
+        _private_gcs = ray.get_runtime_context().gcs_address
+        node = ray._private.worker._global_node
+        watch_gcs(node.all_processes[ray_constants.PROCESS_TYPE_GCS_SERVER][0].process, is_connected=ray.is_initialized)
     except ConnectionError as exc:
         where = "cluster.ray_address" if cfg.get("ray_address") else "RAY_ADDRESS"
         raise NrlError(
@@ -161,7 +170,24 @@ def init_ray(cluster_cfg: Mapping[str, Any] | None = None) -> None:
         ) from exc
 
 
+def private_local_ray() -> bool:
+    """Whether this process is connected to the loopback-only Ray :func:`init_ray` started: every
+    worker is on this machine, so worker groups rendezvous without listening on the network."""
+    return ray.is_initialized() and _private_gcs is not None and _private_gcs == ray.get_runtime_context().gcs_address
+
+
 def shutdown_ray() -> None:
-    """Disconnect from Ray (and stop the local Ray if this process started it). Idempotent."""
+    """Disconnect from Ray (and stop the local Ray if this process started it). Idempotent.
+
+    After the local Ray lost its GCS (:func:`~nrl_core.cluster.gcs_watch.cluster_failure`), its
+    processes are killed outright first: a graceful stop would wait on the dead GCS.
+    """
+    global _private_gcs
+    private = private_local_ray()
+    _private_gcs = None
+    stop_watching()
+    if private and cluster_failure() is not None:
+        killed = kill_ray_processes(ray._private.worker._global_node)
+        log.info("killed the %d processes of the local Ray after its GCS died", len(killed))
     if ray.is_initialized():
         ray.shutdown()

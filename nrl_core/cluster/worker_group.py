@@ -3,7 +3,9 @@
 The driver talks to a backend only through a :class:`WorkerGroup`: start N actors, let them form a
 ``torch.distributed`` group exactly as ``torchrun`` would (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
 ``MASTER_ADDR``, ``MASTER_PORT``), build the backend's worker class on each, then call methods on
-all ranks or one.
+all ranks or one. On the private local Ray the ranks meet through a file store in a private
+temporary directory (removed at shutdown) rather than rank 0's TCP store, which would listen on
+every interface; on a joined cluster they meet over TCP at rank 0's node.
 
 Failure is the part worth the code. Ranks of one group block in collectives, so when one rank dies
 or raises, the others may wait forever, and a plain ``ray.get`` over all ranks would wait with
@@ -12,14 +14,22 @@ others get a short grace period to finish, and a group with a dead or stuck rank
 reaches the caller is one :class:`~nrl_core.errors.WorkerError` that names the rank
 (``<group>[rank r] pid P``) and says what happened: the remote exception type and message, or, for
 a process that died, Ray's reason and the last lines it wrote to its logs.
+
+One exception to the wrapping: an :class:`~nrl_core.errors.NrlError` raised by a worker (a
+backend refusing a config value) is already a message for the user, so it is re-raised as itself,
+same class and message, with the rank in a note; anything else a worker raises is a bug and
+arrives as :class:`WorkerRaisedError` carrying the remote traceback.
 """
 
 from __future__ import annotations
 
+import logging
 import re
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence, TypeVar
+from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar
 
 import ray
 from ray import exceptions as rex
@@ -27,8 +37,8 @@ from ray import exceptions as rex
 from nrl_core.cluster._host import WorkerHost
 from nrl_core.cluster._logs import tail_lines
 from nrl_core.cluster.placement import Placement
-from nrl_core.cluster.ray_cluster import init_ray, worker_env_vars
-from nrl_core.errors import WorkerError
+from nrl_core.cluster.ray_cluster import init_ray, private_local_ray, worker_env_vars
+from nrl_core.errors import NrlError, WorkerError, WorkerRaisedError
 
 __all__ = [
     "WorkerGroup",
@@ -40,6 +50,7 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 _BACKENDS = ("auto", "gloo", "nccl", "none")
 _LOG_LINES = 15
@@ -47,12 +58,6 @@ _LOG_LINES = 15
 
 class WorkerDiedError(WorkerError):
     """A worker process ended (exit, kill, out of memory) while the driver needed it."""
-
-
-class WorkerRaisedError(WorkerError):
-    """A worker method raised; ``__cause__`` is the remote exception, ``remote_traceback`` its trace."""
-
-    remote_traceback: str = ""
 
 
 class WorkerTimeoutError(WorkerError):
@@ -161,6 +166,7 @@ class WorkerGroup:
         self.backend = distributed_backend
         self.master_addr: str | None = None
         self.master_port: int | None = None
+        self.rendezvous_dir: str | None = None
         self._infos: list[WorkerInfo] = [WorkerInfo(rank=r) for r in range(num_workers)]
         self._actors: list[Any] = []
         self._closed = False
@@ -176,6 +182,7 @@ class WorkerGroup:
             )
         except BaseException:
             self._kill_actors()
+            self._remove_rendezvous()
             self._closed = True
             raise
 
@@ -220,6 +227,7 @@ class WorkerGroup:
             )
             for r, d in enumerate(described)
         ]
+        logger.info("%s: %s", self.name, ", ".join(f"rank {i.rank} pid {i.pid} on {i.node_ip}" for i in self._infos))
         if self.backend == "auto":
             self.backend = "nccl" if all(i.cuda for i in self._infos) else "gloo"
         # Rank 0 hosts the rendezvous store, so the port must be free on *its* node.
@@ -242,10 +250,14 @@ class WorkerGroup:
             for r in range(n)
         ]
         backend = self.backend
+        init_method = "env://"
+        if backend != "none" and private_local_ray():
+            self.rendezvous_dir = tempfile.mkdtemp(prefix="nrl-rendezvous-")
+            init_method = f"file://{self.rendezvous_dir}/store"
+        local = init_method != "env://"
         what = "setting the rank environment" if backend == "none" else f"joining the {backend} process group"
-        self._collect(
-            self._on_all(what, lambda a, r: a.setup_distributed.remote(backend, envs[r], collective_timeout_s))
-        )
+        self._collect(self._on_all(what, lambda a, r: a.setup_distributed.remote(
+            backend, envs[r], collective_timeout_s, init_method=init_method, loopback=local)))
         self._collect(
             self._on_all(f"constructing {self.worker_cls}", lambda a, r: a.construct.remote(self.worker_cls, init_kwargs))
         )
@@ -309,6 +321,20 @@ class WorkerGroup:
 
     def host_call(self, ranks: int | Sequence[int], method: str, *args: Any, **kwargs: Any) -> Any:
         return self.get(self.host_call_async(ranks, method, *args, **kwargs))
+
+    def host_stream(self, rank: int, method: str, *args: Any, **kwargs: Any) -> Iterator[Any]:
+        """Call a generator method of one host actor and yield its items as they arrive; a rank
+        that dies or raises ends the stream with the same one-line error as any other call."""
+        self._check_usable()
+        stream = getattr(self._actors[rank], method).options(num_returns="streaming").remote(*args, **kwargs)
+        try:
+            for ref in stream:
+                yield ray.get(ref)
+        except Exception as exc:  # every Ray and remote error ends up here
+            err = self._error(f"{method}()", [(rank, exc)], [])
+            if _is_death(exc):
+                self._broken = str(err).splitlines()[0]
+            raise err from None
 
     def execute_all_async(self, fn: Callable[[Any], T]) -> WorkerFutures:
         """Run the picklable ``fn(worker)`` on every rank."""
@@ -398,13 +424,13 @@ class WorkerGroup:
             take(ready)
         stuck = sorted(rank_of[ref] for ref in pending)
         err = self._error(futures.what, failures, stuck)
-        if stuck or isinstance(err, WorkerDiedError):
+        if stuck or any(_is_death(e) for _, e in failures):  # not a WorkerDiedError a worker raised
             self._broken = str(err).splitlines()[0]
             self._kill_actors()
         raise err
 
-    def _error(self, what: str, failures: list[tuple[int, BaseException]], stuck: list[int]) -> WorkerError:
-        dead = {r for r, e in failures if isinstance(e, _DEATHS) and not isinstance(e, rex.RayTaskError)}
+    def _error(self, what: str, failures: list[tuple[int, BaseException]], stuck: list[int]) -> NrlError:
+        dead = {r for r, e in failures if _is_death(e)}
         rank, exc = next(((r, e) for r, e in failures if r in dead), failures[0])
         others = [f"rank {r} {'died' if r in dead else 'raised ' + type(_cause(e)).__name__}" for r, e in failures if r != rank]
         if stuck:
@@ -425,6 +451,9 @@ class WorkerGroup:
             return died
         if isinstance(exc, rex.RayTaskError):
             cause = _cause(exc)
+            if isinstance(cause, NrlError):
+                cause.add_note(f"raised in {self.label(rank)} during {what}{suffix}")
+                return cause
             message = str(cause).strip().splitlines()
             first = message[0] if message else ""
             raised = WorkerRaisedError(
@@ -458,6 +487,12 @@ class WorkerGroup:
             ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
         if ray.is_initialized():
             self._kill_actors()
+        self._remove_rendezvous()
+
+    def _remove_rendezvous(self) -> None:
+        if self.rendezvous_dir is not None:
+            shutil.rmtree(self.rendezvous_dir, ignore_errors=True)
+            self.rendezvous_dir = None
 
     def __enter__(self) -> "WorkerGroup":
         return self
@@ -480,6 +515,11 @@ _DEATHS: tuple[type[BaseException], ...] = tuple(
     )
     if isinstance(t, type)
 )
+
+
+def _is_death(exc: BaseException) -> bool:
+    """The rank's process is gone (as opposed to a method that raised, whatever it raised)."""
+    return isinstance(exc, _DEATHS) and not isinstance(exc, rex.RayTaskError)
 
 
 def _cause(exc: BaseException) -> BaseException:

@@ -25,9 +25,11 @@ def __getattr__(name: str) -> Any:
     return getattr(importlib.import_module(f"nrl_core.config.{_EXPORTS[name]}"), name)
 
 
-def load_and_validate(path: str, overrides: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
-    """``load_config`` then ``validate_config``: the config every command and algorithm uses."""
+def load_and_validate(path: str, overrides: list[str] | tuple[str, ...] = (), *,
+                      algorithm: str | None = None) -> dict[str, Any]:
+    """``load_config`` then ``validate_config`` (checking ``algorithm``'s section, or those the file
+    sets): the config every command and algorithm uses."""
     from nrl_core.config.loader import load_config
     from nrl_core.config.validate import validate_config
 
-    return validate_config(load_config(path, overrides))
+    return validate_config(load_config(path, overrides), algorithm=algorithm)

@@ -12,53 +12,59 @@ from nrl_core.config.schema import Field, Section
 NUMBER = (int, float)
 
 GRPO = Section(doc="GRPO algorithm settings (NeMo RL's names and meaning).", fields={
-    "num_prompts_per_step": Field(type=int, default=32, doc="distinct prompts per step"),
-    "num_generations_per_prompt": Field(type=int, default=16, doc="responses per prompt (the group)"),
+    "num_prompts_per_step": Field(type=int, default=32, minimum=1, doc="distinct prompts per step"),
+    "num_generations_per_prompt": Field(type=int, default=16, minimum=1, doc="responses per prompt (the group)"),
     "max_rollout_turns": Field(type=int, default=1, doc="turns per rollout; nrl runs single-turn", choices=(1,)),
-    "max_num_epochs": Field(type=int, default=1),
-    "max_num_steps": Field(type=int, default=1000000),
+    "max_num_epochs": Field(type=int, default=1, minimum=1),
+    "max_num_steps": Field(type=int, default=1000000, minimum=1),
     "normalize_rewards": Field(type=bool, default=True, doc="divide advantages by the group's reward std"),
     "use_leave_one_out_baseline": Field(type=bool, default=True),
-    "val_period": Field(type=int, default=10, doc="validate every N steps; 0 never"),
+    "val_period": Field(type=int, default=10, minimum=0, doc="validate every N steps; 0 never"),
     "val_at_start": Field(type=bool, default=False),
     "val_at_end": Field(type=bool, default=False),
     "overlong_filtering": Field(type=bool, default=False, doc="zero the loss of truncated responses"),
-    "max_val_samples": Field(type=int, default=256),
-    "val_batch_size": Field(type=int, default=256),
+    "max_val_samples": Field(type=int, default=256, minimum=0),
+    "val_batch_size": Field(type=int, default=256, minimum=1),
     "seed": Field(type=int, default=42),
-    "async_grpo": Section(fields={
-        "enabled": Field(type=bool, default=False, inert=True),
-        "max_trajectory_age_steps": Field(type=int, default=1, inert=True),
+    "async_grpo": Section(doc="Generation runs ahead of training (nrl_core/algorithms/async_grpo.py).", fields={
+        "enabled": Field(type=bool, default=False,
+                         doc="needs non-colocated generation, an async engine and importance-sampling correction"),
+        "max_trajectory_age_steps": Field(type=int, default=1, minimum=0,
+                                          doc="train on rollouts sampled at most this many optimizer steps ago; "
+                                              "0 is synchronous training"),
+        "max_generation_failures": Field(type=int, default=0, inert=True),
+        "in_flight_weight_updates": Field(type=bool, default=False, inert=True),
+        "recompute_kv_cache_after_weight_updates": Field(type=bool, default=False, inert=True),
     }),
 })
 
 SFT = Section(doc="Supervised fine-tuning settings.", fields={
-    "max_num_epochs": Field(type=int, default=1),
-    "max_num_steps": Field(type=int, default=100),
-    "val_period": Field(type=int, default=10),
-    "val_batches": Field(type=int, default=8),
-    "val_global_batch_size": Field(type=int, default=32),
-    "val_micro_batch_size": Field(type=int, default=1),
+    "max_num_epochs": Field(type=int, default=1, minimum=1),
+    "max_num_steps": Field(type=int, default=100, minimum=1),
+    "val_period": Field(type=int, default=10, minimum=0, doc="validate every N steps; 0 never"),
+    "val_batches": Field(type=int, default=8, minimum=1),
+    "val_global_batch_size": Field(type=int, default=32, minimum=1),
+    "val_micro_batch_size": Field(type=int, default=1, minimum=1),
     "val_at_start": Field(type=bool, default=False),
     "seed": Field(type=int, default=42),
 })
 
 ALGORITHM = Section(doc="The short form from the backend documentation; mapped onto policy batch sizes.", fields={
-    "batch_size": Field(type=int, default=None, nullable=True, doc="sequences per data-parallel rank per micro-batch"),
-    "gradient_accumulation_steps": Field(type=int, default=None, nullable=True),
+    "batch_size": Field(type=int, default=None, nullable=True, minimum=1, doc="sequences per data-parallel rank per micro-batch"),
+    "gradient_accumulation_steps": Field(type=int, default=None, nullable=True, minimum=1),
 })
 
 LOSS_FN = Section(doc="Clipped policy-gradient loss (GRPO).", fields={
-    "reference_policy_kl_penalty": Field(type=NUMBER, default=0.01),
+    "reference_policy_kl_penalty": Field(type=NUMBER, default=0.01, minimum=0),
     "reference_policy_kl_type": Field(type=str, default="k3", choices=("k1", "k2", "k3")),
-    "kl_input_clamp_value": Field(type=NUMBER, default=20.0, nullable=True),
-    "kl_output_clamp_value": Field(type=NUMBER, default=10.0, nullable=True),
-    "ratio_clip_min": Field(type=NUMBER, default=0.2),
-    "ratio_clip_max": Field(type=NUMBER, default=0.2),
+    "kl_input_clamp_value": Field(type=NUMBER, default=20.0, nullable=True, minimum=0),
+    "kl_output_clamp_value": Field(type=NUMBER, default=10.0, nullable=True, minimum=0),
+    "ratio_clip_min": Field(type=NUMBER, default=0.2, minimum=0),
+    "ratio_clip_max": Field(type=NUMBER, default=0.2, minimum=0),
     "ratio_clip_c": Field(type=NUMBER, default=None, nullable=True, doc="dual-clip constant (> 1) or null"),
     "use_on_policy_kl_approximation": Field(type=bool, default=False),
     "use_importance_sampling_correction": Field(type=bool, default=False),
-    "truncated_importance_sampling_ratio": Field(type=NUMBER, default=None, nullable=True),
+    "truncated_importance_sampling_ratio": Field(type=NUMBER, default=None, nullable=True, minimum=0),
     "token_level_loss": Field(type=bool, default=True),
     "sequence_level_importance_ratios": Field(type=bool, default=False, doc="GSPO"),
 })
@@ -70,30 +76,31 @@ OPTIMIZER = Section(nullable=True, doc="torch optimizer by import name (DTensor 
 
 SEQUENCE_PACKING = Section(fields={
     "enabled": Field(type=bool, default=False),
-    "train_mb_tokens": Field(type=int, default=None, nullable=True, doc="token budget of a packed training micro-batch"),
-    "logprob_mb_tokens": Field(type=int, default=None, nullable=True),
+    "train_mb_tokens": Field(type=int, default=None, nullable=True, minimum=1, doc="token budget of a packed training micro-batch"),
+    "logprob_mb_tokens": Field(type=int, default=None, nullable=True, minimum=1),
     "algorithm": Field(type=str, default="modified_first_fit_decreasing",
                        choices=("modified_first_fit_decreasing", "first_fit_decreasing", "first_fit_shuffle")),
-    "sequence_length_round": Field(type=int, default=64),
+    "sequence_length_round": Field(type=int, default=64, minimum=1),
 })
 
 DYNAMIC_BATCHING = Section(fields={
     "enabled": Field(type=bool, default=False),
-    "train_mb_tokens": Field(type=int, default=None, nullable=True),
-    "logprob_mb_tokens": Field(type=int, default=None, nullable=True),
-    "sequence_length_round": Field(type=int, default=64),
+    "train_mb_tokens": Field(type=int, default=None, nullable=True, minimum=1),
+    "logprob_mb_tokens": Field(type=int, default=None, nullable=True, minimum=1),
+    "sequence_length_round": Field(type=int, default=64, minimum=1),
 })
 
-RESOURCES = Section(fields={
-    "gpus_per_node": Field(type=int, default=None, nullable=True),
-    "num_nodes": Field(type=int, default=None, nullable=True),
-    "num_workers": Field(type=int, default=1, doc="generation workers when not colocated (CPU)"),
+RESOURCES = Section(doc="What non-colocated generation takes from the cluster (NeMo RL's semantics: training gets "
+                         "the rest; see nrl_core/config/topology.py).", fields={
+    "gpus_per_node": Field(type=int, default=None, nullable=True, minimum=1,
+                           doc="one node: devices (on CPU: workers) generation takes from it"),
+    "num_nodes": Field(type=int, default=None, nullable=True, minimum=1, doc="several nodes: whole nodes generation takes"),
 })
 
 GENERATION = Section(nullable=True, doc="Rollout generation; null for algorithms that do not generate.", fields={
     "backend": Field(type=str, default="vllm", doc="a generation backend's name (nrl plugins lists them)"),
-    "max_new_tokens": Field(type=int, default=512),
-    "temperature": Field(type=NUMBER, default=1.0),
+    "max_new_tokens": Field(type=int, default=512, minimum=1),
+    "temperature": Field(type=NUMBER, default=1.0, minimum=0),
     "top_p": Field(type=NUMBER, default=1.0),
     "top_k": Field(type=int, default=None, nullable=True),
     "stop_token_ids": Field(type=list, default=None, nullable=True, item_type=int),
@@ -101,6 +108,9 @@ GENERATION = Section(nullable=True, doc="Rollout generation; null for algorithms
     "model_name": Field(type=str, default=None, nullable=True, inert=True),
     "colocated": Section(fields={
         "enabled": Field(type=bool, default=True, doc="share the training workers' resources"),
+        "offload_weights": Field(type=bool, default=True,
+                                 doc="colocated: move the policy's weights off the device while the engines "
+                                     "generate (optimizer state and gradients always move)"),
         "resources": RESOURCES,
     }),
 })
@@ -119,16 +129,16 @@ POLICY = Section(required=True, doc="The model being trained and how.", aliases=
     }),
     "trust_remote_code": Field(type=bool, default=False),
     "hf_config_overrides": Section(nullable=True, open=True),
-    "train_global_batch_size": Field(type=int, default=32),
-    "train_micro_batch_size": Field(type=int, default=4),
+    "train_global_batch_size": Field(type=int, default=32, minimum=1),
+    "train_micro_batch_size": Field(type=int, default=4, minimum=1),
     "generation_batch_size": Field(type=int, default=32, inert=True),
-    "logprob_batch_size": Field(type=int, default=4),
-    "max_total_sequence_length": Field(type=int, default=512),
-    "max_seq_length": Field(type=int, default=None, nullable=True, doc="short form: sets max_total_sequence_length"),
+    "logprob_batch_size": Field(type=int, default=4, minimum=1),
+    "max_total_sequence_length": Field(type=int, default=512, minimum=2),
+    "max_seq_length": Field(type=int, default=None, nullable=True, minimum=2, doc="short form: sets max_total_sequence_length"),
     "precision": Field(type=str, default="float32", choices=("float32", "bfloat16", "float16")),
-    "logprob_chunk_size": Field(type=int, default=None, nullable=True),
-    "make_sequence_length_divisible_by": Field(type=int, default=1),
-    "max_grad_norm": Field(type=NUMBER, default=1.0, nullable=True),
+    "logprob_chunk_size": Field(type=int, default=None, nullable=True, minimum=1),
+    "make_sequence_length_divisible_by": Field(type=int, default=1, minimum=1),
+    "max_grad_norm": Field(type=NUMBER, default=1.0, nullable=True, minimum=0, doc="0 or null: no clipping"),
     "seed": Field(type=int, default=None, nullable=True, doc="defaults to the algorithm's seed"),
     "optimizer": OPTIMIZER,
     "scheduler": Field(type=list, default=None, nullable=True, doc="NeMo RL's list of {name, kwargs} and {milestones}"),
@@ -145,7 +155,8 @@ DATA = Section(fields={
     "val_data_path": Field(type=str, default=None, nullable=True),
     "input_key": Field(type=str, default="problem"),
     "output_key": Field(type=str, default="expected_answer"),
-    "max_input_seq_length": Field(type=int, default=None, nullable=True),
+    "max_input_seq_length": Field(type=int, default=None, nullable=True, minimum=1,
+                                  doc="drop prompts longer than this many tokens"),
     "prompt_file": Field(type=str, default=None, nullable=True),
     "system_prompt_file": Field(type=str, default=None, nullable=True),
     "use_chat_template": Field(type=bool, default=True),
@@ -156,20 +167,15 @@ DATA = Section(fields={
     "generate": Section(nullable=True, open=True, doc="arguments of a built-in dataset generator"),
 })
 
-LOGGER = Section(fields={
+LOGGER = Section(doc="Console and metrics.jsonl; each metric sink plugin (the core's tensorboard, wandb, mlflow) "
+                     "adds <name>_enabled and <name> (its options).", fields={
     "log_dir": Field(type=str, default="logs"),
-    "num_val_samples_to_print": Field(type=int, default=0),
+    "num_val_samples_to_print": Field(type=int, default=0, minimum=0),
     "console": Field(type=bool, default=True),
     "jsonl_enabled": Field(type=bool, default=True),
-    "wandb_enabled": Field(type=bool, default=False),
-    "tensorboard_enabled": Field(type=bool, default=False),
-    "mlflow_enabled": Field(type=bool, default=False),
     "swanlab_enabled": Field(type=bool, default=False, inert=True),
     "monitor_gpus": Field(type=bool, default=False, inert=True),
     "plot": Field(type=bool, default=True, doc="write a PNG of reward and loss at the end"),
-    "wandb": Section(open=True),
-    "tensorboard": Section(open=True),
-    "mlflow": Section(open=True),
     "swanlab": Section(open=True),
     "gpu_monitoring": Section(open=True),
 })
@@ -179,19 +185,19 @@ CHECKPOINTING = Section(fields={
     "checkpoint_dir": Field(type=str, default="results/checkpoints"),
     "metric_name": Field(type=str, default="val_reward", nullable=True),
     "higher_is_better": Field(type=bool, default=True),
-    "keep_top_k": Field(type=int, default=None, nullable=True),
-    "save_period": Field(type=int, default=10),
+    "keep_top_k": Field(type=int, default=None, nullable=True, minimum=1, doc="null: keep every checkpoint"),
+    "save_period": Field(type=int, default=10, minimum=0, doc="save every N steps (and at the end); 0: only at the end"),
     "checkpoint_must_save_by": Field(type=str, default=None, nullable=True, inert=True),
     "export_hf": Field(type=bool, default=True, doc="export the best checkpoint as a Hugging Face model"),
 })
 
 CLUSTER = Section(doc="Where workers run. On a CPU machine gpus_per_node counts training workers per node.", fields={
-    "gpus_per_node": Field(type=int, default=1),
-    "num_nodes": Field(type=int, default=1),
+    "gpus_per_node": Field(type=int, default=1, minimum=1),
+    "num_nodes": Field(type=int, default=1, minimum=1),
     "ray_address": Field(type=str, default=None, nullable=True, doc="join this Ray cluster; null starts a local one"),
-    "num_cpus": Field(type=int, default=None, nullable=True, doc="CPUs a local Ray may use; null: all"),
-    "num_gpus": Field(type=int, default=None, nullable=True, doc="GPUs a local Ray may use; null: all"),
-    "cpus_per_worker": Field(type=NUMBER, default=0.1, doc="CPU reservation per worker (small: CPUs are shared)"),
+    "num_cpus": Field(type=int, default=None, nullable=True, minimum=1, doc="CPUs a local Ray may use; null: all"),
+    "num_gpus": Field(type=int, default=None, nullable=True, minimum=0, doc="GPUs a local Ray may use; null: all"),
+    "cpus_per_worker": Field(type=NUMBER, default=0.1, minimum=0, doc="CPU reservation per worker (small: CPUs are shared)"),
     "placement_strategy": Field(type=str, default="PACK", choices=("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")),
     "env_vars": Section(nullable=True, open=True, doc="extra environment variables for every worker"),
     "log_to_driver": Field(type=bool, default=True),

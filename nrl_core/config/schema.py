@@ -45,6 +45,8 @@ class Field:
 
     ``type`` is what YAML must produce (``float`` also accepts an integer, never a boolean);
     ``item_type`` checks list items; ``nullable`` admits ``null``; ``choices`` limits the values;
+    ``minimum`` is the smallest number accepted (``1`` for counts, ``0`` for periods where 0 means
+    never), so a ``-5`` is refused here rather than silently doing nothing at train time;
     ``inert`` marks a NeMo RL key that nrl accepts so copied configs validate, but that has no
     effect here (a warning says so when the user sets it to a non-default value).
     """
@@ -55,6 +57,7 @@ class Field:
     nullable: bool = False
     choices: tuple[Any, ...] | None = None
     item_type: Union[type, tuple[type, ...], None] = None
+    minimum: float | None = None
     inert: bool = False
 
     @property
@@ -63,7 +66,7 @@ class Field:
 
     def validate(self, value: Any, path: str) -> Any:
         if value is None:
-            if self.nullable:
+            if self.nullable or self.default is None:  # a field whose default is null takes null
                 return None
             raise ConfigError(path, f"must be {_type_name(self.types)}, got null; set a value or remove the key")
         if not _matches(value, self.types):
@@ -78,6 +81,8 @@ class Field:
         if self.choices is not None and value not in self.choices:
             options = ", ".join(repr(c) for c in self.choices)
             raise ConfigError(path, f"must be one of {options}, got {value!r}")
+        if self.minimum is not None and isinstance(value, (int, float)) and value < self.minimum:
+            raise ConfigError(path, f"must be {_at_least(self.minimum)}, got {value!r}")
         if self.inert and value != self.default:
             collector = _inert_keys.get()
             if collector is None:
@@ -112,6 +117,14 @@ def _matches(value: Any, types: tuple[type, ...]) -> bool:
         if t not in (int, float) and isinstance(value, t):
             return True
     return False
+
+
+def _at_least(minimum: float) -> str:
+    if minimum == 0:
+        return "non-negative (0 or more)"
+    if minimum == 1 and float(minimum).is_integer():
+        return "positive (1 or more)"
+    return f"at least {minimum:g}"
 
 
 def _describe(value: Any) -> str:
@@ -165,7 +178,7 @@ class Section:
                 if self.open:
                     out[key] = item
                     continue
-                raise ConfigError(key_path, self._unknown_key_message(key))
+                raise ConfigError(key_path, self._unknown_key_message(key, item))
             out[key] = spec.validate(item, key_path)
         for key, spec in self.fields.items():
             if key in out:
@@ -191,8 +204,12 @@ class Section:
             resolved[new] = resolved.pop(old)
         return resolved
 
-    def _unknown_key_message(self, key: str) -> str:
+    def _unknown_key_message(self, key: str, value: Any = None) -> str:
         known = list(self.fields) + list(self.aliases)
+        if self.fields.get("enabled") is None and isinstance(value, Mapping) and value.get("enabled") is True \
+                and key.endswith(("_cfg", "_config")):
+            return ("is enabled but no installed plugin provides this section; install the plugin that does "
+                    "(`nrl plugins` lists what is installed)")
         close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
         if close:
             return f"unknown key; did you mean '{close[0]}'?"

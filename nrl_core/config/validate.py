@@ -11,6 +11,8 @@ import logging
 from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
+from nrl_core.config import checks
+from nrl_core.config.checks import check_config
 from nrl_core.config.core_schema import CORE_SCHEMA
 from nrl_core.config.schema import Field, Section, warn_inert_keys_once
 from nrl_core.contracts import GenerationBackendSpec, TrainingBackendSpec
@@ -28,6 +30,9 @@ class _KnownSection:
     distribution: str
     aliases: Mapping[str, str]
 
+
+#: Sections of the built-in algorithms; ``nrl config check`` checks those a config sets.
+ALGORITHM_SECTIONS = ("grpo", "sft")
 
 KNOWN_TRAINING_SECTIONS: dict[str, _KnownSection] = {
     "megatron_cfg": _KnownSection("megatron", "nrl-backend-megatron", {}),
@@ -73,8 +78,14 @@ def build_schema(pm: PluginManager | None = None) -> Section:
     return schema
 
 
-def validate_config(raw: Mapping[str, Any], pm: PluginManager | None = None) -> dict[str, Any]:
-    """Check ``raw`` (from :func:`nrl_core.config.loader.load_config`) and return the full config."""
+def validate_config(raw: Mapping[str, Any], pm: PluginManager | None = None, *,
+                    algorithm: str | None = None) -> dict[str, Any]:
+    """Check ``raw`` (from :func:`nrl_core.config.loader.load_config`) and return the full config.
+
+    After the schema, :func:`nrl_core.config.checks.check_config` relates values to each other, to
+    the filesystem and to the selected backends. Algorithm sections are checked for ``algorithm``
+    (the one about to run) or, without one, for each algorithm section ``raw`` sets.
+    """
     pm = pm or get_plugin_manager()
     _check_environments(raw, pm)
     with warn_inert_keys_once():
@@ -83,8 +94,26 @@ def validate_config(raw: Mapping[str, Any], pm: PluginManager | None = None) -> 
     _check_uninstalled_sections(config, pm)
     _enable_default_backend(raw, config, pm)
     _expand_short_forms(config, pm)
-    _check_consistency(config)
+    training, generation = _selected_backends(config, pm)
+    algorithms = [algorithm] if algorithm is not None else [name for name in ALGORITHM_SECTIONS if name in raw]
+    check_config(config, pm, algorithms=algorithms, training=training, generation=generation)
     return config
+
+
+def _selected_backends(config: Mapping[str, Any],
+                       pm: PluginManager) -> tuple[TrainingBackendSpec | None, GenerationBackendSpec | None]:
+    """The backends a run would use, or None where the choice itself fails (that failure is
+    reported when the run asks for the backend, with its own message)."""
+    try:
+        training: TrainingBackendSpec | None = select_training_backend(config, pm)
+    except ConfigError:
+        training = None
+    generation = None
+    if config["policy"]["generation"] is not None:
+        registry = pm.generation_backends()
+        name = config["policy"]["generation"]["backend"]
+        generation = registry.get(name, "policy.generation.backend") if name in registry.names() else None
+    return training, generation
 
 
 def _check_environments(raw: Mapping[str, Any], pm: PluginManager) -> None:
@@ -149,39 +178,11 @@ def _expand_short_forms(config: dict[str, Any], pm: PluginManager) -> None:
 
 def data_parallel_size(config: Mapping[str, Any], pm: PluginManager | None = None) -> int:
     """Training ranks divided by the ranks one model replica spans under the selected backend."""
-    world = config["cluster"]["gpus_per_node"] * config["cluster"]["num_nodes"]
     try:
-        spec = select_training_backend(config, pm)
+        spec: TrainingBackendSpec | None = select_training_backend(config, pm)
     except ConfigError:
-        return world
-    model_parallel = spec.model_parallel_size(config["policy"][spec.config_key])
-    if world % model_parallel:
-        raise ConfigError(f"policy.{spec.config_key}",
-                          f"model-parallel size {model_parallel} does not divide the {world} workers of cluster.gpus_per_node x cluster.num_nodes")
-    return world // model_parallel
-
-
-def _check_consistency(config: dict[str, Any]) -> None:
-    policy = config["policy"]
-    for key in ("train_global_batch_size", "train_micro_batch_size", "logprob_batch_size", "max_total_sequence_length"):
-        if policy[key] <= 0:
-            raise ConfigError(f"policy.{key}", f"must be positive, got {policy[key]}")
-    if policy["train_global_batch_size"] % policy["train_micro_batch_size"]:
-        raise ConfigError("policy.train_global_batch_size",
-                          f"{policy['train_global_batch_size']} is not a multiple of policy.train_micro_batch_size "
-                          f"({policy['train_micro_batch_size']}); change one of them")
-    for key in ("gpus_per_node", "num_nodes"):
-        if config["cluster"][key] <= 0:
-            raise ConfigError(f"cluster.{key}", f"must be positive, got {config['cluster'][key]}")
-    loss = config["loss_fn"]
-    if loss["ratio_clip_c"] is not None and loss["ratio_clip_c"] <= 1:
-        raise ConfigError("loss_fn.ratio_clip_c", f"must be greater than 1 (dual clip) or null, got {loss['ratio_clip_c']}")
-    generation = policy["generation"]
-    if generation is not None:
-        if not 0 < generation["top_p"] <= 1:
-            raise ConfigError("policy.generation.top_p", f"must be in (0, 1], got {generation['top_p']}")
-        if generation["temperature"] < 0:
-            raise ConfigError("policy.generation.temperature", f"must be >= 0, got {generation['temperature']}")
+        spec = None
+    return checks.data_parallel_size(config, spec)
 
 
 # --------------------------------------------------------------------------- selection

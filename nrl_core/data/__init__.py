@@ -10,12 +10,12 @@ from nrl_core.data.dynamic_batching import dynamic_micro_batches
 from nrl_core.data.packing import PACKING_ALGORITHMS, PackedRows, pack_bins, pack_sequences
 from nrl_core.data.processors import (
     DatumSpec,
+    LengthLimits,
     PreparedData,
     PromptConfig,
     get_processor,
     prepare_data,
     process_records,
-    register_processor,
 )
 
 __all__ = [
@@ -23,6 +23,7 @@ __all__ = [
     "ArithmeticConfig",
     "DataSplits",
     "DatumSpec",
+    "LengthLimits",
     "PackedRows",
     "PreparedData",
     "PromptConfig",
@@ -38,7 +39,6 @@ __all__ = [
     "process_records",
     "prompt_batch",
     "read_jsonl",
-    "register_processor",
     "sft_batch",
     "write_arithmetic_splits",
     "write_jsonl",

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nrl_core.data.datasets import register_generator, write_jsonl
+from nrl_core.data.datasets import write_jsonl
 from nrl_core.errors import ConfigError
 
 __all__ = ["ArithmeticConfig", "arithmetic_splits", "generate_arithmetic", "sft_response", "to_sft",
@@ -102,9 +102,9 @@ def generate_arithmetic(cfg: ArithmeticConfig) -> tuple[list[dict[str, str]], li
     return records[: cfg.num_train], records[cfg.num_train:]
 
 
-@register_generator("arithmetic")
 def arithmetic_splits(**kwargs: Any) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
-    """The ``data.dataset_name: arithmetic`` generator; ``data.generate`` holds the
+    """The ``data.dataset_name: arithmetic`` generator (registered by nrl_core/builtin.py);
+    ``data.generate`` holds the
     :class:`ArithmeticConfig` fields (``ops`` may be a list)."""
     if "ops" in kwargs:
         kwargs["ops"] = tuple(kwargs["ops"])

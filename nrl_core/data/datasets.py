@@ -18,15 +18,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
+from nrl_core.contracts import import_object
 from nrl_core.errors import ConfigError, NrlError
 
 __all__ = [
     "DATASET_FORMATS",
     "DataSplits",
     "load_data_splits",
+    "load_located_records",
     "load_records",
     "read_jsonl",
-    "register_generator",
     "write_jsonl",
 ]
 
@@ -34,21 +35,6 @@ Record = dict[str, Any]
 
 #: File suffix → the ``datasets`` builder that reads it (JSONL has its own reader, see above).
 DATASET_FORMATS: dict[str, str] = {".json": "json", ".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
-
-#: Built-in dataset generators selectable as ``data.dataset_name``; each takes the
-#: ``data.generate`` mapping as keyword arguments and returns (train, val) records.
-_GENERATORS: dict[str, Callable[..., tuple[list[Record], list[Record]]]] = {}
-
-
-def register_generator(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Decorator: make a ``(**kwargs) -> (train, val)`` function selectable as ``data.dataset_name``."""
-
-    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
-        _GENERATORS[name] = fn
-        return fn
-
-    return wrap
-
 
 def read_jsonl(path: str | os.PathLike[str]) -> list[Record]:
     """Every object of a JSON Lines file; blank lines are skipped.
@@ -131,6 +117,19 @@ def load_records(
     picks the split of a saved ``DatasetDict``). Every record must have ``input_key`` and
     ``output_key`` with non-null values; a dataset with no records is an error.
     """
+    return [record for _, record in load_located_records(path, input_key=input_key, output_key=output_key,
+                                                         split=split)]
+
+
+def load_located_records(
+    path: str | os.PathLike[str],
+    *,
+    input_key: str = "problem",
+    output_key: str = "expected_answer",
+    split: str = "train",
+) -> list[tuple[str, Record]]:
+    """:func:`load_records` with where each record came from (``file:line`` or ``file row i``),
+    for messages about single records."""
     p = Path(path).expanduser()
     if not p.exists():
         raise NrlError(f"{p}: no such file or directory; check the data path (or generate the data first)")
@@ -154,16 +153,28 @@ def load_records(
                 present = ", ".join(sorted(k for k in record)) or "none"
                 raise NrlError(f"{where}: record has no '{key}' (keys: {present}); "
                                f"fix the data or set data.{'input_key' if key == input_key else 'output_key'}")
-    return [record for _, record in numbered]
+    return numbered
 
 
 @dataclass(frozen=True)
 class DataSplits:
-    """The records of a run: ``train`` always, ``val`` when the config provides validation data."""
+    """The records of a run: ``train`` always, ``val`` when the config provides validation data.
+
+    ``train_where``/``val_where`` say where each record came from (``file:line``, ``file row i``,
+    ``generator:arithmetic train index i``), for messages about single records.
+    """
 
     train: list[Record]
     val: list[Record] | None
     source: str
+    train_where: list[str] | None = None
+    val_where: list[str] | None = None
+
+    @classmethod
+    def located(cls, train: list[tuple[str, Record]], val: list[tuple[str, Record]] | None,
+                source: str) -> "DataSplits":
+        return cls(train=[r for _, r in train], val=None if val is None else [r for _, r in val], source=source,
+                   train_where=[w for w, _ in train], val_where=None if val is None else [w for w, _ in val])
 
 
 def load_data_splits(data_cfg: Mapping[str, Any]) -> DataSplits:
@@ -178,30 +189,35 @@ def load_data_splits(data_cfg: Mapping[str, Any]) -> DataSplits:
     keys = dict(input_key=input_key, output_key=output_key)
     train_path, val_path = data_cfg.get("train_data_path"), data_cfg.get("val_data_path")
     name = data_cfg.get("dataset_name")
+
+    def val() -> list[tuple[str, Record]] | None:
+        return load_located_records(val_path, **keys) if val_path else None
+
     if train_path:
-        train = load_records(train_path, **keys)
-        val = load_records(val_path, **keys) if val_path else None
-        return DataSplits(train=train, val=val, source=str(train_path))
-    if name and name in _available_generators():
+        return DataSplits.located(load_located_records(train_path, **keys), val(), str(train_path))
+    generators = _generators()
+    if name and name in generators:
         kwargs = dict(data_cfg.get("generate") or {})
         try:
-            train, val = _GENERATORS[name](**kwargs)
+            train, generated_val = import_object(generators.get(name, "data.dataset_name").generator)(**kwargs)
         except TypeError as exc:
             raise ConfigError("data.generate", f"bad arguments for the '{name}' generator: {exc}") from None
-        if val_path:
-            val = load_records(val_path, **keys)
-        return DataSplits(train=train, val=val or None, source=f"generator:{name}")
+        source = f"generator:{name}"
+        located_val = val()
+        if located_val is None and generated_val:
+            located_val = [(f"{source} val index {i}", r) for i, r in enumerate(generated_val)]
+        return DataSplits.located([(f"{source} train index {i}", r) for i, r in enumerate(train)], located_val, source)
     if name:
         if Path(name).expanduser().exists():
-            return DataSplits(train=load_records(name, **keys),
-                              val=load_records(val_path, **keys) if val_path else None, source=name)
-        generators = ", ".join(sorted(_available_generators())) or "none"
-        raise ConfigError("data.dataset_name", f"'{name}' is neither a local file nor a built-in generator "
-                                               f"(generators: {generators}); set data.train_data_path to a local file")
+            return DataSplits.located(load_located_records(name, **keys), val(), name)
+        installed = ", ".join(generators.names()) or "none"
+        raise ConfigError("data.dataset_name", f"'{name}' is neither a local file nor an installed generator "
+                                               f"(generators: {installed}); set data.train_data_path to a local file")
     raise ConfigError("data", "no training data; set data.train_data_path or data.dataset_name")
 
 
-def _available_generators() -> dict[str, Callable[..., Any]]:
-    import nrl_core.data.arithmetic  # noqa: F401  (registers itself)
+def _generators() -> Any:
+    """The registry of ``nrl_dataset_generators`` (the core's ``arithmetic`` among them)."""
+    from nrl_core.plugins import get_plugin_manager
 
-    return _GENERATORS
+    return get_plugin_manager().dataset_generators()

@@ -21,8 +21,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 from nrl_core.errors import ConfigError, NrlError
 
-__all__ = ["DatumSpec", "PreparedData", "PromptConfig", "Processor", "build_prompt", "get_processor",
-           "math_processor", "prepare_data", "process_records", "register_processor", "sft_processor"]
+__all__ = ["DatumSpec", "LengthLimits", "PreparedData", "PromptConfig", "Processor", "build_prompt", "get_processor",
+           "math_processor", "prepare_data", "process_records", "sft_processor"]
 
 logger = logging.getLogger(__name__)
 
@@ -129,28 +129,15 @@ def build_prompt(problem: str, tokenizer: Any, cfg: PromptConfig) -> tuple[str, 
 Processor = Callable[[Mapping[str, Any], int, Any, PromptConfig], DatumSpec]
 """``(record, index, tokenizer, prompt_config) -> DatumSpec``."""
 
-_PROCESSORS: dict[str, Processor] = {}
-
-
-def register_processor(name: str) -> Callable[[Processor], Processor]:
-    """Decorator: make a processor selectable as ``data.processor: <name>``."""
-
-    def wrap(fn: Processor) -> Processor:
-        _PROCESSORS[name] = fn
-        return fn
-
-    return wrap
-
-
 def get_processor(name: str) -> Processor:
-    try:
-        return _PROCESSORS[name]
-    except KeyError:
-        raise ConfigError("data.processor", f"unknown processor '{name}'; available: "
-                                            f"{', '.join(sorted(_PROCESSORS))}") from None
+    """The processor registered as ``name`` (``nrl_data_processors``; the core's ``math`` and
+    ``sft`` among them); a miss lists the installed ones."""
+    from nrl_core.contracts import import_object
+    from nrl_core.plugins import get_plugin_manager
+
+    return import_object(get_plugin_manager().data_processors().get(name, "data.processor").processor)
 
 
-@register_processor("math")
 def math_processor(record: Mapping[str, Any], idx: int, tokenizer: Any, cfg: PromptConfig) -> DatumSpec:
     """A prompt for the math environment: ``metadata["ground_truth"]`` is the ``output_key`` value."""
     text, ids = build_prompt(str(record[cfg.input_key]), tokenizer, cfg)
@@ -158,7 +145,6 @@ def math_processor(record: Mapping[str, Any], idx: int, tokenizer: Any, cfg: Pro
                      metadata={"ground_truth": str(record[cfg.output_key])})
 
 
-@register_processor("sft")
 def sft_processor(record: Mapping[str, Any], idx: int, tokenizer: Any, cfg: PromptConfig) -> DatumSpec:
     """A prompt and the response to learn (``output_key``), masked so only the response counts.
 
@@ -188,35 +174,71 @@ def sft_processor(record: Mapping[str, Any], idx: int, tokenizer: Any, cfg: Prom
                      response_text=response, response_ids=response_ids)
 
 
+@dataclass(frozen=True)
+class LengthLimits:
+    """Token limits an example must fit, each with the config key that sets it (for messages).
+
+    ``prompt``: the longest prompt kept (GRPO: one less than the sequence limit, so the engine has
+    room to generate at least one token); ``total``: prompt plus response (SFT), longer responses
+    are cut, an example whose prompt alone reaches it is dropped.
+    """
+
+    prompt: int | None = None
+    prompt_key: str = "policy.max_total_sequence_length"
+    total: int | None = None
+    total_key: str = "policy.max_total_sequence_length"
+
+
+_SHOWN = 3  # dropped examples named in a warning
+
+
 def process_records(records: Sequence[Mapping[str, Any]], tokenizer: Any, cfg: PromptConfig,
-                    processor: str = "math", *, max_length: int | None = None) -> list[DatumSpec]:
+                    processor: str = "math", *, max_length: int | None = None, limits: LengthLimits | None = None,
+                    where: Sequence[str] | None = None, source: str = "the data") -> list[DatumSpec]:
     """Every record through the named processor, keeping only what fits.
 
-    A prompt longer than ``cfg.max_input_seq_length`` is dropped (a truncated problem is a
-    different problem); an SFT example longer than ``max_length`` has its response truncated, or
-    is dropped when its prompt alone does not fit. Dropping everything is an error.
+    A prompt longer than ``cfg.max_input_seq_length`` or ``limits.prompt`` is dropped (a truncated
+    problem is a different problem); an SFT example longer than ``limits.total`` (or
+    ``max_length``, its short form) has its response truncated, or is dropped when its prompt alone
+    does not fit. Drops are one warning per limit: the count, the config key, and where the first
+    ones are (``where[i]`` for record ``i``, e.g. ``file:line``; else their index). Dropping
+    everything is an error.
     """
+    limits = limits or LengthLimits(total=max_length)
     fn = get_processor(processor)
     out: list[DatumSpec] = []
-    dropped = 0
+    dropped: dict[str, list[str]] = {}  # "<key>=<limit>" -> where each dropped example is
     for idx, record in enumerate(records):
         datum = fn(record, idx, tokenizer, cfg)
-        if cfg.max_input_seq_length is not None and len(datum.prompt_ids) > cfg.max_input_seq_length:
-            dropped += 1
+        reason = _too_long(datum, cfg, limits)
+        if reason is not None:
+            location = where[idx] if where is not None else f"{source} index {idx}"
+            dropped.setdefault(reason, []).append(f"{location} ({len(datum.prompt_ids)} prompt tokens)")
             continue
-        if max_length is not None and datum.length > max_length:
-            if len(datum.prompt_ids) >= max_length:
-                dropped += 1
-                continue
-            datum.response_ids = datum.response_ids[: max_length - len(datum.prompt_ids)]
+        if limits.total is not None and datum.length > limits.total:
+            datum.response_ids = datum.response_ids[: limits.total - len(datum.prompt_ids)]
         out.append(datum)
-    if dropped:
-        logger.warning("dropped %d of %d examples longer than the length limit (data.max_input_seq_length=%s)",
-                       dropped, len(records), cfg.max_input_seq_length)
+    for reason, places in dropped.items():
+        more = f" and {len(places) - _SHOWN} more" if len(places) > _SHOWN else ""
+        logger.warning("dropped %d of %d examples of %s whose prompt is too long for %s: %s%s",
+                       len(places), len(records), source, reason, ", ".join(places[:_SHOWN]), more)
     if not out:
-        raise NrlError(f"all {len(records)} examples are longer than data.max_input_seq_length="
-                       f"{cfg.max_input_seq_length}; raise it or shorten the prompt template")
+        reasons = " or ".join(dropped)
+        raise NrlError(f"all {len(records)} examples of {source} have prompts too long for {reasons}; "
+                       f"raise the limit or shorten the prompts (or the prompt template)")
     return out
+
+
+def _too_long(datum: DatumSpec, cfg: PromptConfig, limits: LengthLimits) -> str | None:
+    """The limit (``key=value``) the example's prompt exceeds, or None when it fits."""
+    n = len(datum.prompt_ids)
+    if cfg.max_input_seq_length is not None and n > cfg.max_input_seq_length:
+        return f"data.max_input_seq_length={cfg.max_input_seq_length}"
+    if limits.prompt is not None and n > limits.prompt:
+        return f"{limits.prompt_key}={limits.prompt + 1} (no room to generate)"
+    if limits.total is not None and n >= limits.total:
+        return f"{limits.total_key}={limits.total}"
+    return None
 
 
 @dataclass(frozen=True)
@@ -229,15 +251,17 @@ class PreparedData:
 
 
 def prepare_data(data_cfg: Mapping[str, Any], tokenizer: Any, *, processor: str | None = None,
-                 max_length: int | None = None) -> PreparedData:
+                 limits: LengthLimits | None = None) -> PreparedData:
     """Everything an algorithm needs from the validated ``data`` section in one call: records
     (:func:`nrl_core.data.datasets.load_data_splits`) through the prompt processor
-    (``processor`` overrides ``data.processor``; SFT passes ``"sft"``)."""
+    (``processor`` overrides ``data.processor``; SFT passes ``"sft"``), filtered by ``limits``."""
     from nrl_core.data.datasets import load_data_splits
 
     splits = load_data_splits(data_cfg)
     cfg = PromptConfig.from_data_config(data_cfg)
     name = processor or data_cfg.get("processor") or "math"
-    train = process_records(splits.train, tokenizer, cfg, name, max_length=max_length)
-    val = process_records(splits.val, tokenizer, cfg, name, max_length=max_length) if splits.val else None
+    train = process_records(splits.train, tokenizer, cfg, name, limits=limits, where=splits.train_where,
+                            source=splits.source)
+    val = process_records(splits.val, tokenizer, cfg, name, limits=limits, where=splits.val_where,
+                          source=f"{splits.source} (validation)") if splits.val else None
     return PreparedData(train=train, val=val, prompt_config=cfg)

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from nrl_core.contracts import MetricSink, import_object
+from nrl_core.errors import NrlError
 from nrl_core.logging.console import ConsoleView
 from nrl_core.logging.plot import plot_metrics
-from nrl_core.logging.sinks import JsonlSink, MlflowSink, TensorBoardSink, WandbSink
+from nrl_core.logging.sinks import JsonlSink
 from nrl_core.plugins import get_plugin_manager
 
 logger = logging.getLogger(__name__)
@@ -21,20 +23,18 @@ class MetricLogger:
 
     def __init__(self, section: Mapping[str, Any], *, total_steps: int, resume: bool = False) -> None:
         self.log_dir = Path(section["log_dir"]).expanduser()
-        self.log_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # config check saw a usable path; something changed since
+            raise NrlError(f"logger.log_dir: cannot create '{self.log_dir}' ({exc.strerror}); "
+                           "choose a directory you can write to") from None
         self.plot_enabled = bool(section.get("plot", True))
         self.sinks: list[MetricSink] = []
         if section.get("jsonl_enabled", True):
             self.sinks.append(JsonlSink(self.log_dir, append=resume))
         if section.get("console", True):
             self.sinks.append(ConsoleView(total_steps))
-        if section.get("tensorboard_enabled"):
-            self.sinks.append(TensorBoardSink(self.log_dir))
-        if section.get("wandb_enabled"):
-            self.sinks.append(WandbSink(self.log_dir, section.get("wandb") or {}))
-        if section.get("mlflow_enabled"):
-            self.sinks.append(MlflowSink(self.log_dir, section.get("mlflow") or {}))
-        for spec in get_plugin_manager().metric_sinks():
+        for spec in get_plugin_manager().metric_sinks():  # TensorBoard, W&B and MLflow among them
             if section.get(f"{spec.name}_enabled"):
                 self.sinks.append(import_object(spec.sink)(self.log_dir, section.get(spec.name) or {}))
 
@@ -45,6 +45,15 @@ class MetricLogger:
     def log_step(self, step: int, metrics: Mapping[str, float]) -> None:
         for sink in self.sinks:
             sink.log(step, metrics)
+
+    def log_samples(self, name: str, step: int, rows: Sequence[Mapping[str, Any]]) -> Path:
+        """Write ``rows`` (one JSON object each) to ``<log_dir>/<name>_step<step>.jsonl``, as NeMo RL
+        writes its validation samples (``val_data_step<N>.jsonl``); returns the path."""
+        path = self.log_dir / f"{name}_step{step}.jsonl"
+        with path.open("w") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+        return path
 
     def close(self) -> Path | None:
         for sink in self.sinks:

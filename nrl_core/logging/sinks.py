@@ -35,7 +35,9 @@ def _jsonable(value: Any) -> Any:
 
 
 class TensorBoardSink:
-    def __init__(self, log_dir: Path) -> None:
+    """TensorBoard event files under ``<log_dir>/tensorboard`` (``logger.tensorboard_enabled``)."""
+
+    def __init__(self, log_dir: Path, options: Mapping[str, Any] | None = None) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
         self._writer = SummaryWriter(log_dir=str(log_dir / "tensorboard"))

@@ -102,20 +102,42 @@ class RefitEndpoints:
     worker: Any = None
     generation_worker: Any = None
 
+    def record_call(self, what: str) -> None:
+        """Called with the name of every worker method this actor runs; hosts that keep a call
+        history override it (see :class:`~nrl_core.cluster._host.WorkerHost`)."""
+
     def nrl_refit_source(self) -> Any:
         return self.worker
 
     def nrl_refit_sink(self) -> Any:
         return self.generation_worker if self.generation_worker is not None else self.worker
 
-    def nrl_colocate_generation(self, worker_cls: str, config: dict[str, Any], rank: int = 0,
-                                world_size: int = 1) -> None:
-        """Build a generation worker (import path) inside this actor, beside its training worker."""
+    def nrl_colocate_generation(self, worker_cls: str, config: dict[str, Any], rank: int | None = None,
+                                world_size: int | None = None) -> None:
+        """Build a generation worker (import path) inside this actor, beside its training worker;
+        by default it takes the host's own rank in its group (a worker group's ``rank``)."""
+        rank = getattr(self, "rank", 0) if rank is None else rank
+        world_size = getattr(self, "world_size", 1) if world_size is None else world_size
         self.generation_worker = import_object(worker_cls)(config, rank=rank, world_size=world_size)
 
     def nrl_generation_call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """Call a method of the colocated generation worker (``generate``, ``shutdown``...)."""
+        """Call a method of this actor's generation worker (``generate``, ``shutdown``...)."""
+        self.record_call(f"generation.{method}")
         return getattr(self.nrl_refit_sink(), method)(*args, **kwargs)
+
+    def nrl_generate_sharded(self, chunks: list[list[list[int]]], engine_size: int, greedy: bool = False) -> Any:
+        """Generate this rank's engine's chunk (engine ``rank // engine_size``); only the engine's
+        first rank returns the output, so each engine's result crosses to the driver once."""
+        rank = getattr(self, "rank", 0)
+        self.record_call("generation.generate")
+        output = self.nrl_refit_sink().generate(chunks[rank // engine_size], greedy=greedy)
+        return output if rank % engine_size == 0 else None
+
+    def nrl_generate_groups(self, prompts: list[list[int]], group_size: int, greedy: bool = False) -> Iterator[Any]:
+        """``(prompt index, output)`` for each prompt's group of samples as it completes: a
+        generator, call with ``.options(num_returns="streaming")``."""
+        self.record_call("generation.generate_groups")
+        yield from self.nrl_refit_sink().generate_groups(prompts, group_size, greedy=greedy)
 
     def nrl_refit_node_id(self) -> str:
         import ray
@@ -137,6 +159,7 @@ class RefitEndpoints:
 
     def nrl_refit_import(self, exported: ExportedWeights) -> int:
         """Load an export of another actor into this actor's generation worker; the new version."""
+        self.record_call("refit")
         return receive_into(self.nrl_refit_sink(), exported.transport, exported.session, exported.handles,
                             exported.manifest)
 
@@ -183,5 +206,6 @@ class RefitEndpoints:
         release_shared_buffers()
 
     def nrl_refit_local(self, transport_name: str, bucket_bytes: int, dtype: str) -> RefitReport:
+        self.record_call("refit")
         return refit_local(self.nrl_refit_source(), self.nrl_refit_sink(), transport_name, bucket_bytes, dtype)
 

@@ -8,13 +8,32 @@ reference for "the policy's current weights": perturb or train it, refit, and co
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 from nrl_core.contracts import WeightSpec
 from nrl_core.refit.buckets import Bucket, dtype_name, iter_buckets, parse_dtype
 
 if TYPE_CHECKING:
     import torch
+
+
+def checkpoint_layout(model: Any, named: "Mapping[str, torch.Tensor]") -> list[tuple[str, "torch.Tensor"]]:
+    """Parameters of an HF model (one, to stream, or a whole state dict) as the tensors its
+    checkpoint files store.
+
+    Why: transformers fuses some weights in memory that checkpoints keep apart (a MoE layer's
+    experts become one ``[experts, 2 * width, hidden]`` ``gate_up_proj``); refit sends what the
+    files hold, since that is what a generation engine loads and checks a refit against, one
+    tensor per expert. transformers' own reverse mapping does the split (views, no copies), so
+    every family it converts is covered; a model it does not convert costs one check, cached.
+    """
+    from transformers.core_model_loading import revert_weight_conversion
+
+    converts = getattr(model, "_nrl_checkpoint_layout_differs", None)
+    if converts is None:
+        meta = {k: v.to("meta") for k, v in model.state_dict().items()}
+        converts = model._nrl_checkpoint_layout_differs = revert_weight_conversion(model, meta).keys() != meta.keys()
+    return list(revert_weight_conversion(model, dict(named)).items()) if converts else list(named.items())
 
 
 class HFWeightSource:
@@ -30,13 +49,14 @@ class HFWeightSource:
 
     def _named(self, dtype: str) -> Iterator[tuple[str, "torch.Tensor"]]:
         target = parse_dtype(dtype)
-        for name, tensor in self.model.state_dict().items():
-            yield name, tensor.detach().to(target)
+        state = {name: tensor.detach().to(target) for name, tensor in self.model.state_dict().items()}
+        yield from checkpoint_layout(self.model, state)
 
     def weight_manifest(self, dtype: str) -> list[WeightSpec]:
         name = dtype_name(parse_dtype(dtype))
+        meta = {key: full.to("meta") for key, full in self.model.state_dict().items()}
         return [WeightSpec(name=n, shape=tuple(int(d) for d in t.shape), dtype=name)
-                for n, t in self.model.state_dict().items()]
+                for n, t in checkpoint_layout(self.model, meta)]
 
     def export_weights(self, bucket_bytes: int, dtype: str) -> Iterator[Bucket]:
         return iter_buckets(self._named(dtype), bucket_bytes)

@@ -14,7 +14,7 @@ from typing import Any, Mapping, Sequence
 from nrl_core.errors import ConfigError
 from nrl_core.refit.buckets import DEFAULT_BUCKET_BYTES, bucket_bytes_from_gb, manifest_bytes
 from nrl_core.refit.endpoints import STREAM_BACKPRESSURE, ExportedWeights, refit_local
-from nrl_core.refit.report import RefitReport
+from nrl_core.refit.report import RefitReport, combine_reports
 from nrl_core.refit.transports import PLACEMENTS, RefitSession
 
 TRANSPORT_KEY = "policy.refit.transport"
@@ -84,17 +84,10 @@ def refit(source: Any, sink: Any | Sequence[Any], transport: str | None = None,
     if not _is_actor(source) and not any(_is_actor(s) for s in sinks):
         reports = [refit_local(source, s, choose_transport("same_process", transport), bucket_bytes, dtype)
                    for s in sinks]
-        return _combine(reports)
+        return combine_reports(reports, concurrent=False)
     if not (_is_actor(source) and all(_is_actor(s) for s in sinks)):
         raise TypeError("refit: source and sinks must be all local objects or all Ray actors")
     return _refit_actors(source, sinks, transport, bucket_bytes, dtype)
-
-
-def _combine(reports: list[RefitReport]) -> RefitReport:
-    if len(reports) == 1:
-        return reports[0]
-    return RefitReport(bytes=sum(r.bytes for r in reports), seconds=sum(r.seconds for r in reports),
-                       version=reports[-1].version, transport=reports[0].transport, placement=reports[0].placement)
 
 
 def _refit_actors(source: Any, sinks: list[Any], override: str | None, bucket_bytes: int, dtype: str) -> RefitReport:

@@ -100,3 +100,18 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, threads
                     proc.kill()
             raise RuntimeError("distributed run failed\n" + "\n".join(errors or failed))
         return results
+
+
+def gather_shards(result: Any, batch: Any) -> Any:
+    """The whole ``[B, T]`` tensor behind a worker's per-shard result (``BatchShard`` or ``None``
+    on each rank), as the driver's ``Policy`` puts it together: every rank's shard is gathered from
+    the process group (when there is one) and assembled, so tests compare whole results."""
+    import torch.distributed as dist
+
+    from nrl_core.contracts import BatchShard
+
+    shards = [result]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        shards = [None] * dist.get_world_size()
+        dist.all_gather_object(shards, result)
+    return BatchShard.assemble(shards, batch.size, int(batch.input_ids.shape[1]))

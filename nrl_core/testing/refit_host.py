@@ -112,3 +112,13 @@ def perturb_hosted_source(host: RefitTestHost, seed: int, scale: float = 0.05, f
 
         host.worker.model = HFWeightSource(fresh_from).model
     perturb_weights(host.worker.model, seed, scale)
+
+
+class RankedHFSource:
+    """An HF weight source built the way worker groups build workers (``rank``/``world_size``
+    keywords): a training-side stand-in for engine tests at world sizes above 1."""
+
+    def __new__(cls, model: str, rank: int = 0, world_size: int = 1) -> Any:
+        from nrl_core.refit.hf_source import HFWeightSource
+
+        return HFWeightSource(model)

@@ -5,6 +5,11 @@ here: a byte-level BPE tokenizer trained on an arithmetic corpus and a Llama-, Q
 Qwen3-shaped model, saved with ``save_pretrained`` so every engine (transformers, vLLM, the
 Megatron converter) loads it from disk exactly as it would a real checkpoint. The same family,
 size and seed always give the same files, and a build is cached under a directory keyed by them.
+
+Two mixture-of-experts families: ``qwen3_moe`` (every layer routes each token to 2 of 8 experts,
+top-k probabilities renormalised) and ``qwen2_moe`` (the same plus a sigmoid-gated shared expert,
+top-k probabilities not renormalised, q/k/v biases). Their attention heads are 32 wide because
+vLLM's CPU attention refuses 16.
 """
 
 from __future__ import annotations
@@ -16,7 +21,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-FAMILIES = ("llama", "qwen2", "qwen3")
+DENSE_FAMILIES = ("llama", "qwen2", "qwen3")
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe")
+FAMILIES = DENSE_FAMILIES + MOE_FAMILIES
 
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>"]
 CHAT_TEMPLATE = (
@@ -36,6 +43,17 @@ SIZES: dict[str, dict[str, int]] = {
     # ~25M parameters: benchmarks.
     "bench": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
                   num_key_value_heads=4),
+}
+
+# Mixture-of-experts shapes per size: attention with 32-wide heads, 8 experts of width
+# ``moe_intermediate_size`` (top 2), and for qwen2_moe a shared expert twice as wide.
+MOE_SIZES: dict[str, dict[str, int]] = {
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                 num_experts=8, moe_intermediate_size=32),
+    "small": dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                  num_experts=8, moe_intermediate_size=64),
+    "bench": dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
+                  num_experts=16, moe_intermediate_size=192),
 }
 
 
@@ -69,24 +87,33 @@ def build_tokenizer(out_dir: str | os.PathLike[str], vocab_size: int = 512) -> A
 
 
 def model_config(family: str, size: str = "tiny", vocab_size: int = 512, **overrides: Any) -> Any:
-    """The transformers config of a tiny model of ``family`` (llama, qwen2 or qwen3)."""
+    """The transformers config of a tiny model of ``family`` (see :data:`FAMILIES`)."""
     if family not in FAMILIES:
         raise ValueError(f"unknown family '{family}'; choose one of {', '.join(FAMILIES)}")
     if size not in SIZES:
         raise ValueError(f"unknown size '{size}'; choose one of {', '.join(SIZES)}")
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig
 
     common: dict[str, Any] = dict(
         vocab_size=vocab_size, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2, pad_token_id=3,
-        rms_norm_eps=1e-6, tie_word_embeddings=False, **SIZES[size],
+        rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=10000.0,
     )
     if family == "llama":
-        cfg = LlamaConfig(**common, rope_theta=10000.0)
+        cfg = LlamaConfig(**common, **SIZES[size])
     elif family == "qwen2":
-        cfg = Qwen2Config(**common, rope_theta=10000.0, use_sliding_window=False)
+        cfg = Qwen2Config(**common, **SIZES[size], use_sliding_window=False)
+    elif family == "qwen3":
+        cfg = Qwen3Config(**common, **SIZES[size], use_sliding_window=False,
+                          head_dim=SIZES[size]["hidden_size"] // SIZES[size]["num_attention_heads"])
     else:
-        cfg = Qwen3Config(**common, rope_theta=10000.0, head_dim=common["hidden_size"] // common["num_attention_heads"],
-                          use_sliding_window=False)
+        moe = dict(MOE_SIZES[size], num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
+                   output_router_logits=False, router_aux_loss_coef=0.0,
+                   intermediate_size=4 * MOE_SIZES[size]["moe_intermediate_size"], use_sliding_window=False)
+        if family == "qwen3_moe":
+            cfg = Qwen3MoeConfig(**common, **moe, head_dim=32, norm_topk_prob=True)
+        else:
+            cfg = Qwen2MoeConfig(**common, **moe, norm_topk_prob=False,
+                                 shared_expert_intermediate_size=2 * MOE_SIZES[size]["moe_intermediate_size"])
     for key, value in overrides.items():
         setattr(cfg, key, value)
     return cfg

@@ -53,6 +53,38 @@ class CollectiveWorker:
     def explode(self, message: str) -> None:
         raise ValueError(message)
 
+    def raise_example(self, cls: type) -> None:
+        """Raise the example instance of an nrl error class (built here, in the worker)."""
+        from nrl_core.testing.errors import example_error
+
+        raise example_error(cls)
+
+    def refuse(self, key_path: str, message: str) -> None:
+        from nrl_core.errors import ConfigError
+
+        raise ConfigError(key_path, message)
+
+    def divide(self, a: float, b: float) -> float:
+        return a / b
+
+
+def algorithm_with_user_error(config: dict[str, Any]) -> int:
+    """An ``nrl train`` entry whose worker refuses a config value (a user error)."""
+    from nrl_core.cluster import WorkerGroup
+
+    with WorkerGroup("cluster_workers:CollectiveWorker", 2, name="algo") as group:
+        group.run_all("refuse", "policy.optimizer.kwargs.lr", "must be non-negative, got -0.1")
+    return 0
+
+
+def algorithm_with_bug(config: dict[str, Any]) -> int:
+    """An ``nrl train`` entry whose worker divides by zero (a bug)."""
+    from nrl_core.cluster import WorkerGroup
+
+    with WorkerGroup("cluster_workers:CollectiveWorker", 1, name="algo") as group:
+        group.run_all("divide", 1.0, 0.0)
+    return 0
+
 
 class FailingInit:
     """Rank 1 refuses to build."""

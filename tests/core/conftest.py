@@ -25,9 +25,10 @@ class ExampleBackends:
         return [
             TrainingBackendSpec(name="alpha", config_key="alpha_cfg", priority=10, worker="tests.core:Nothing",
                                 config_schema=schema, distribution="nrl-alpha", config_aliases={"alpha_config": "alpha_cfg"},
-                                parallel_size_keys=("tensor_parallel_size",)),
+                                parallel_size_keys=("tensor_parallel_size",), capabilities=frozenset({"data_parallel"})),
             TrainingBackendSpec(name="beta", config_key="beta_cfg", priority=20, worker="tests.core:Nothing",
-                                config_schema=schema, distribution="nrl-beta", parallel_size_keys=("tensor_parallel_size",)),
+                                config_schema=schema, distribution="nrl-beta", parallel_size_keys=("tensor_parallel_size",),
+                                capabilities=frozenset({"data_parallel"})),
         ]
 
     @hookimpl

@@ -32,7 +32,14 @@ from nrl_core.cluster import (
     shutdown_ray,
     worker_env_vars,
 )
+from nrl_core import hookimpl
+from nrl_core.cli import main
+from nrl_core.contracts import AlgorithmSpec
 from nrl_core.errors import NrlError
+from nrl_core.plugins import get_plugin_manager
+from nrl_core.testing.errors import example_error, nrl_error_classes
+
+from .conftest import VALID
 
 HERE = Path(__file__).resolve().parent
 WORKER = "cluster_workers:CollectiveWorker"
@@ -128,6 +135,70 @@ def test_all_reduce_over_gloo(pair: WorkerGroup) -> None:
     assert [i["pid"] for i in info] == [w.pid for w in pair.infos]
 
 
+def _listening(pid: int) -> list[str]:
+    """Addresses ``pid``'s sockets listen on (TCP over IPv4 and IPv6), read from /proc: the
+    namespace's socket tables, filtered to the inodes of the process's own descriptors."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+    found = []
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/{pid}/net/{table}") as rows:
+            next(rows)
+            for row in rows:
+                fields = row.split()
+                if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                    found.append(_address(fields[1]))
+    return found
+
+
+def _address(hex_address: str) -> str:
+    """``0100007F:1F90`` -> ``127.0.0.1:8080`` (/proc writes addresses as host-order 32-bit words)."""
+    host, port = hex_address.split(":")
+    words = [bytes.fromhex(host[i:i + 8])[::-1] for i in range(0, len(host), 8)]
+    packed = b"".join(words)
+    family = socket.AF_INET if len(packed) == 4 else socket.AF_INET6
+    return f"{socket.inet_ntop(family, packed)}:{int(port, 16)}"
+
+
+def _loopback(address: str) -> bool:
+    host = address.rsplit(":", 1)[0]
+    return host.startswith("127.") or host in ("::1",) or host.startswith("::ffff:127.")
+
+
+def test_listener_probe_sees_a_wildcard_socket() -> None:
+    """The probe below is only as good as its parsing: a socket on every interface must show up."""
+    with socket.socket(socket.AF_INET6) as wide, socket.socket() as local:
+        wide.bind(("::", 0)), local.bind(("127.0.0.1", 0))
+        wide.listen(), local.listen()
+        ports = wide.getsockname()[1], local.getsockname()[1]
+        found = _listening(os.getpid())
+    assert f":::{ports[0]}" in found and f"127.0.0.1:{ports[1]}" in found
+    assert f":::{ports[0]}" in [a for a in found if not _loopback(a)]
+
+
+def test_a_group_on_the_private_local_ray_listens_on_loopback_only(ray_session: None) -> None:
+    """Rank 0's rendezvous store used to listen on every interface; on the private local Ray the
+    ranks meet through a file store in a private directory instead, and gloo stays on loopback."""
+    group = WorkerGroup(WORKER, 2, name="private")
+    try:
+        assert group.rendezvous_dir is not None and os.path.isdir(group.rendezvous_dir)
+        assert oct(os.stat(group.rendezvous_dir).st_mode & 0o777) == "0o700"
+        assert group.run_all("all_reduce", 2.0) == [4.0, 4.0]
+        listening = {w.rank: _listening(w.pid) for w in group.infos}
+        assert all(listening.values()), listening  # gloo's own connections do listen, on loopback
+        assert not [a for addrs in listening.values() for a in addrs if not _loopback(a)], listening
+        rendezvous = group.rendezvous_dir
+    finally:
+        group.shutdown()
+    assert not os.path.exists(rendezvous)
+
+
 def test_calls_on_one_rank_async_and_execute(pair: WorkerGroup) -> None:
     assert pair.run_rank(1, "echo", 7, key="v") == (1, (7,), {"key": "v"})
     futures = pair.run_all_async("echo", "x")
@@ -147,6 +218,42 @@ def test_worker_exception_names_rank_type_and_message(pair: WorkerGroup) -> None
     assert "explode" in info.value.remote_traceback
     # Every rank had finished: nothing is stuck, so the group stays usable.
     assert pair.run_all("all_reduce", 1.0) == [2.0, 2.0]
+
+
+@pytest.mark.parametrize("cls", nrl_error_classes(), ids=lambda cls: cls.__name__)
+def test_nrl_error_raised_in_a_worker_arrives_as_itself(pair: WorkerGroup, cls: type[NrlError]) -> None:
+    expected = example_error(cls)
+    with pytest.raises(cls) as info:
+        pair.run_all("raise_example", cls)
+    assert type(info.value) is cls and str(info.value) == str(expected)
+    assert info.value.extra_attribute == expected.extra_attribute  # type: ignore[attr-defined]
+    assert any(note.startswith("raised in pair[rank ") and "raise_example()" in note
+               for note in info.value.__notes__), info.value.__notes__
+    assert pair.run_all("all_reduce", 1.0) == [2.0, 2.0]  # both ranks raised; none is stuck
+
+
+class _Algorithms:
+    @hookimpl
+    def nrl_algorithms(self) -> list[AlgorithmSpec]:
+        return [AlgorithmSpec(name="user-error", entry="tests.core.cluster_workers:algorithm_with_user_error", distribution="t"),
+                AlgorithmSpec(name="bug", entry="tests.core.cluster_workers:algorithm_with_bug", distribution="t")]
+
+
+def test_cli_prints_a_worker_user_error_as_one_line_and_a_worker_bug_as_a_traceback(
+        ray_session: None, example_backends: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text(VALID)
+    with get_plugin_manager().registered(_Algorithms(), name="test-algorithms"):
+        user_code = main(["train", "user-error", "--config", str(config)])
+        user_err = capsys.readouterr().err
+        bug_code = main(["train", "bug", "--config", str(config)])
+        bug_err = capsys.readouterr().err
+    assert user_code == 2
+    assert user_err.strip().splitlines() == ["error: policy.optimizer.kwargs.lr: must be non-negative, got -0.1"]
+    assert bug_code == 1
+    assert "cluster_workers.py\", line" in bug_err and "return a / b" in bug_err  # the remote traceback
+    assert bug_err.strip().splitlines()[-1].startswith("error: algo[rank 0] pid ")
+    assert "divide() raised ZeroDivisionError: float division by zero" in bug_err
 
 
 def test_killed_worker_is_named_with_its_last_output_while_peer_blocks(ray_session: None) -> None:

@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from nrl_core.errors import ConfigError
+
 from nrl_core.cli import main
 
 from .conftest import VALID
@@ -96,3 +98,20 @@ def test_the_command_itself_prints_no_traceback(tmp_path):
     assert "Traceback" not in proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert errors == ["error: policy.precision: must be one of 'float32', 'bfloat16', 'float16', got 'fp64'"]
+
+
+def test_a_field_whose_default_is_null_accepts_an_explicit_null():
+    from nrl_core.config.schema import Field, Section
+
+    schema = Section(fields={"seed": Field(type=int, default=None)})
+    assert schema.validate({"seed": None}) == {"seed": None}
+    assert schema.validate({}) == {"seed": None}
+
+
+def test_an_enabled_section_of_an_uninstalled_backend_says_what_to_install(write):
+    from nrl_core.config import load_and_validate
+
+    path = write("c.yaml", "policy: {model_name: /m, my_backend_cfg: {enabled: true}}\n")
+    with pytest.raises(ConfigError, match=r"^policy.my_backend_cfg: is enabled but no installed plugin provides this "
+                                          r"section; install the plugin that does"):
+        load_and_validate(path)

@@ -45,3 +45,9 @@ def test_enabled_but_missing_wandb_is_one_line(tmp_path):
         pass
     with pytest.raises(NrlError, match="logger.wandb_enabled: is true but 'wandb' is not installed"):
         MetricLogger(_section(tmp_path, wandb_enabled=True), total_steps=1)
+
+
+def test_a_log_dir_under_a_file_is_one_line(tmp_path):
+    (tmp_path / "a_file").write_text("x")
+    with pytest.raises(NrlError, match=r"^logger.log_dir: cannot create '.*a_file/logs' \(Not a directory\)"):
+        MetricLogger(_section(tmp_path, log_dir=str(tmp_path / "a_file" / "logs")), total_steps=1)

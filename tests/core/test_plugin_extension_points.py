@@ -1,4 +1,5 @@
-"""Third-party refit transports and metric sinks plug in through their hooks like any plugin."""
+"""Third-party refit transports, metric sinks, data processors and dataset generators plug in
+through their hooks like any plugin, and the core's own built-ins register through the same hooks."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import torch
 
 from nrl_core import hookimpl
 from nrl_core.config import load_and_validate
-from nrl_core.contracts import MetricSinkSpec, RefitTransportSpec
+from nrl_core.contracts import DataProcessorSpec, DatasetGeneratorSpec, MetricSinkSpec, RefitTransportSpec
+from nrl_core.data import DatumSpec, load_data_splits
 from nrl_core.logging import MetricLogger
 from nrl_core.plugins import get_plugin_manager
 from nrl_core.refit import refit
@@ -93,3 +95,45 @@ def test_third_party_metric_sink_gets_its_config_section(tmp_path):
         metric_logger.close()
     assert RECORDED == [(1, {"train/loss": 0.5, "options": {"project": "demo"}}), (-1, {})]
     assert json.loads((tmp_path / "logs" / "metrics.jsonl").read_text()) == {"step": 1, "train/loss": 0.5}
+
+
+def countdown(start: int = 5) -> tuple[list[dict], list[dict]]:
+    """A third-party generator: ``data.generate`` arrives as keyword arguments."""
+    return [{"problem": f"count down from {n}", "expected_answer": str(n - 1)} for n in range(start, 0, -1)], []
+
+
+def shouting(record, idx, tokenizer, cfg) -> DatumSpec:
+    text = str(record[cfg.input_key]).upper()
+    return DatumSpec(idx=idx, prompt_text=text, prompt_ids=[len(text)], metadata={"answer": record[cfg.output_key]})
+
+
+class DataPlugin:
+    @hookimpl
+    def nrl_dataset_generators(self):
+        return [DatasetGeneratorSpec(name="countdown", generator=f"{__name__}:countdown", distribution="nrl-test")]
+
+    @hookimpl
+    def nrl_data_processors(self):
+        return [DataProcessorSpec(name="shouting", processor=f"{__name__}:shouting", distribution="nrl-test")]
+
+
+def test_third_party_generator_and_processor_are_selected_by_name():
+    from nrl_core.data.processors import get_processor
+
+    with get_plugin_manager().registered(DataPlugin(), name="data-plugin"):
+        splits = load_data_splits({"dataset_name": "countdown", "generate": {"start": 3}})
+        assert [r["expected_answer"] for r in splits.train] == ["2", "1", "0"]
+        datum = get_processor("shouting")(splits.train[0], 0, None, _PromptConfig())
+    assert datum.prompt_text == "COUNT DOWN FROM 3" and datum.metadata == {"answer": "2"}
+
+
+def test_the_core_registers_its_built_ins_through_the_hooks():
+    pm = get_plugin_manager()
+    assert {"tensorboard", "wandb", "mlflow"} <= set(pm.metric_sinks().names())
+    assert pm.metric_sinks().owner("tensorboard") == "nrl_core.builtin"
+    assert {"math", "sft"} <= set(pm.data_processors().names())
+    assert pm.dataset_generators().owner("arithmetic") == "nrl_core.builtin"
+
+
+class _PromptConfig:
+    input_key, output_key = "problem", "expected_answer"

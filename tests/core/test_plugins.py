@@ -33,11 +33,20 @@ def test_registered_plugin_is_visible_only_inside_the_block():
     assert "dice-plugin" not in {p.name for p in pm.list_plugins()}
 
 
-def test_duplicate_names_are_rejected_naming_both_distributions():
+def test_a_name_registered_twice_fails_only_where_it_is_used(caplog):
+    """An unrelated clash must not stop a config that does not use the name; using it says which
+    entry point to block (NRL_BLOCKED_PLUGINS takes entry-point names)."""
     pm = PluginManager()
-    with pm.registered(Envs(_env("dice", "nrl-dice")), name="a"), pm.registered(Envs(_env("dice", "nrl-dice2")), name="b"):
-        with pytest.raises(PluginError, match="environment 'dice' is registered twice \(by nrl-dice2 and by nrl-dice\)"):
-            pm.environments()
+    with pm.registered(Envs(_env("dice", "nrl-dice")), name="a"), \
+            pm.registered(Envs(_env("dice", "nrl-dice2")), name="b"), \
+            pm.registered(Envs(_env("coin", "nrl-coin")), name="c"):
+        registry = pm.environments()
+        assert registry.get("coin", "env.coin").distribution == "nrl-coin"
+        with pytest.raises(PluginError, match=r"^environment 'dice' is registered twice \(by entry point 'a' of nrl-dice "
+                                              r"and by entry point 'b' of nrl-dice2\); uninstall one distribution or "
+                                              r"block one entry point, e.g. NRL_BLOCKED_PLUGINS=b$"):
+            registry.get("dice", "env.dice")
+    assert "registered twice" in caplog.text
 
 
 def test_misspelt_hook_registered_in_process_is_rejected():
@@ -47,7 +56,8 @@ def test_misspelt_hook_registered_in_process_is_rejected():
             return []
 
     pm = PluginManager()
-    with pytest.raises(PluginError, match="'misspelt' implements a hook nrl does not define"):
+    with pytest.raises(PluginError, match="'misspelt' implements a hook nrl does not define: nrl_enviroments "
+                                          r"\(did you mean nrl_environments\?\)"):
         with pm.registered(Misspelt(), name="misspelt"):
             pass
     assert "misspelt" not in {p.name for p in pm.list_plugins()}

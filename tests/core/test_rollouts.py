@@ -77,3 +77,14 @@ def test_grpo_warns_that_truncated_sampling_breaks_exact_ratios(caplog) -> None:
         _warn_truncated_sampling({"top_p": 0.9, "top_k": None})
         _warn_truncated_sampling({"top_p": 1.0, "top_k": 20})
     assert [r.getMessage().split(":")[0] for r in caplog.records] == ["policy.generation.top_p/top_k truncate sampling"] * 2
+
+
+def test_env_results_of_parts_combine_into_the_whole_batch():
+    from nrl_core.contracts import EnvResult
+
+    parts = [EnvResult(rewards=[1.0, 0.0], metrics={"accuracy": 0.5, "num_samples": 2.0}, counts=("num_samples",)),
+             EnvResult(rewards=[1.0, 1.0, 1.0, 0.0], metrics={"accuracy": 0.75, "num_samples": 4.0},
+                       counts=("num_samples",))]
+    whole = EnvResult.combine(parts)
+    assert whole.rewards == [1.0, 0.0, 1.0, 1.0, 1.0, 0.0]
+    assert whole.metrics == {"accuracy": (0.5 * 2 + 0.75 * 4) / 6, "num_samples": 6.0}

@@ -9,7 +9,8 @@ from safetensors.torch import load_file
 from nrl_core.testing.tiny_models import build_tiny_model, cached_tiny_model
 
 
-@pytest.mark.parametrize("family, model_type", [("llama", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3")])
+@pytest.mark.parametrize("family, model_type", [("llama", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3"),
+                                               ("qwen3_moe", "qwen3_moe"), ("qwen2_moe", "qwen2_moe")])
 def test_family_loads_and_generates(family, model_type):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -34,3 +35,33 @@ def test_same_seed_same_files_other_seed_other_weights(tmp_path):
 
 def test_cache_returns_the_same_directory():
     assert cached_tiny_model("llama", seed=7) == cached_tiny_model("llama", seed=7)
+
+
+@pytest.mark.parametrize("family, shared", [("qwen3_moe", False), ("qwen2_moe", True)])
+def test_moe_checkpoint_stores_every_expert_by_name(family, shared):
+    """The files hold one tensor per expert and projection (the layout vLLM and real checkpoints
+    use), although transformers fuses the experts in memory."""
+    from transformers import AutoConfig
+
+    path = cached_tiny_model(family)
+    cfg = AutoConfig.from_pretrained(path)
+    keys = load_file(str(path / "model.safetensors")).keys()
+    for layer in range(cfg.num_hidden_layers):
+        experts = {k for k in keys if k.startswith(f"model.layers.{layer}.mlp.experts.")}
+        assert experts == {f"model.layers.{layer}.mlp.experts.{e}.{p}_proj.weight" for e in range(cfg.num_experts)
+                           for p in ("gate", "up", "down")}
+        assert f"model.layers.{layer}.mlp.gate.weight" in keys
+        assert (f"model.layers.{layer}.mlp.shared_expert_gate.weight" in keys) is shared
+    head_dim = cfg.head_dim if family == "qwen3_moe" else cfg.hidden_size // cfg.num_attention_heads
+    assert head_dim == 32  # vLLM's CPU attention refuses 16
+
+
+def test_cli_writes_a_moe_model(tmp_path, capsys):
+    import json
+
+    from nrl_core.cli import main
+
+    assert main(["tiny-model", str(tmp_path / "m"), "--family", "qwen2_moe", "--size", "tiny"]) == 0
+    assert "qwen2_moe" in capsys.readouterr().out
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert config["model_type"] == "qwen2_moe" and config["num_experts"] == 8 and config["num_experts_per_tok"] == 2

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from nrl_core.data.collate import prompt_batch, sft_batch
-from nrl_core.data.processors import DatumSpec, PromptConfig, get_processor, prepare_data, process_records
+from nrl_core.data.datasets import write_jsonl
+from nrl_core.data.processors import (DatumSpec, LengthLimits, PromptConfig, get_processor, prepare_data,
+                                      process_records)
 from nrl_core.errors import ConfigError, NrlError
 
 RECORD = {"problem": "What is 12 + 7?", "expected_answer": "19"}
@@ -59,8 +63,48 @@ def test_prompts_over_the_limit_are_dropped(tokenizer):
     limit = len(process_records([short], tokenizer, PromptConfig())[0].prompt_ids)
     kept = process_records([short, long], tokenizer, PromptConfig(max_input_seq_length=limit))
     assert [d.idx for d in kept] == [0]
-    with pytest.raises(NrlError, match=r"^all 1 examples are longer than data.max_input_seq_length=3"):
+    with pytest.raises(NrlError, match=r"^all 1 examples of the data have prompts too long for "
+                                       r"data.max_input_seq_length=3; raise the limit"):
         process_records([long], tokenizer, PromptConfig(max_input_seq_length=3))
+
+
+def _jsonl(path, problems):
+    write_jsonl([{"problem": p, "expected_answer": "1"} for p in problems], path)
+    return path
+
+
+def test_grpo_drops_prompts_with_no_room_to_generate_naming_file_and_line(tokenizer, tmp_path, caplog):
+    """The issue's case: one over-long prompt in a file; it is dropped at load time, not sampled."""
+    data = _jsonl(tmp_path / "train.jsonl", ["1 + 1?", "2 + 2?", "3 + 3 " * 400, "4 + 4?", "5 + 5 " * 300])
+    short = len(process_records([{"problem": "1 + 1?", "expected_answer": "1"}], tokenizer, PromptConfig())[0].prompt_ids)
+    limits = LengthLimits(prompt=short + 5, prompt_key="policy.max_total_sequence_length")
+    with caplog.at_level(logging.WARNING):
+        prepared = prepare_data({"train_data_path": str(data)}, tokenizer, limits=limits)
+    assert [d.idx for d in prepared.train] == [0, 1, 3]
+    [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warning.startswith(f"dropped 2 of 5 examples of {data} whose prompt is too long for "
+                              f"policy.max_total_sequence_length={short + 6} (no room to generate): {data}:3 (")
+    assert f"{data}:5 (" in warning and "data.max_input_seq_length" not in warning
+
+
+def test_generated_data_names_the_index_and_nothing_left_is_one_line(tokenizer, caplog):
+    cfg = {"dataset_name": "arithmetic", "generate": {"num_train": 6, "num_val": 2, "seed": 3}}
+    with pytest.raises(NrlError) as info:
+        prepare_data(cfg, tokenizer, limits=LengthLimits(prompt=3, prompt_key="policy.generation.vllm_cfg.max_model_len"))
+    assert str(info.value) == ("all 6 examples of generator:arithmetic have prompts too long for "
+                               "policy.generation.vllm_cfg.max_model_len=4 (no room to generate); raise the limit or "
+                               "shorten the prompts (or the prompt template)")
+    assert "generator:arithmetic train index 0 (" in caplog.text
+
+
+def test_sft_drop_warning_names_the_sequence_limit_not_the_prompt_limit(tokenizer, caplog):
+    records = [{"problem": "1 + 1?", "expected_answer": "2"}, {"problem": "9 " * 200, "expected_answer": "9"}]
+    with caplog.at_level(logging.WARNING):
+        kept = process_records(records, tokenizer, PromptConfig(), "sft", limits=LengthLimits(total=40),
+                               source="train.jsonl")
+    assert [d.idx for d in kept] == [0]
+    assert "for policy.max_total_sequence_length=40: train.jsonl index 1 (" in caplog.text
+    assert "data.max_input_seq_length" not in caplog.text
 
 
 def test_sft_response_mask_with_chat_template(tokenizer):

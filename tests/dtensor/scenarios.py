@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import torch
+from nrl_core.testing.distributed import gather_shards
 
 from common import make_batch, make_config
 from nrl_core.algorithms.loss import NLLLoss
@@ -19,9 +19,9 @@ def fsdp_and_checkpoints(rank: int, world_size: int, root: str) -> dict[str, Any
     out: dict[str, Any] = {}
     batch = make_batch()
     w = DTensorPolicyWorker(make_config(), rank, world_size)
-    out["logprobs"] = w.get_logprobs(batch)
+    out["logprobs"] = gather_shards(w.get_logprobs(batch), batch)
     out["losses"] = [w.train(batch, NLLLoss())["loss"] for _ in range(2)]
-    out["logprobs_after"] = w.get_logprobs(batch)
+    out["logprobs_after"] = gather_shards(w.get_logprobs(batch), batch)
     w.save_checkpoint(os.path.join(root, "sharded"), CheckpointOptions())
     w.save_checkpoint(os.path.join(root, "consolidated"), CheckpointOptions(fully_parallel_save=False))
     w.save_checkpoint(os.path.join(root, "async"), CheckpointOptions(async_save=True))
@@ -38,7 +38,7 @@ def fsdp_and_checkpoints(rank: int, world_size: int, root: str) -> dict[str, Any
                           ("consolidated", CheckpointOptions(fully_parallel_load=False)),
                           ("async", CheckpointOptions())]:
         fresh.load_checkpoint(os.path.join(root, name), options)
-        out[f"loaded/{name}/{options.fully_parallel_load}"] = fresh.get_logprobs(batch)
+        out[f"loaded/{name}/{options.fully_parallel_load}"] = gather_shards(fresh.get_logprobs(batch), batch)
         out[f"step/{name}"] = fresh.train_step_count
     return out
 
@@ -50,9 +50,9 @@ def tensor_parallel(rank: int, world_size: int) -> dict[str, Any]:
     for sp in (False, True):
         cfg = make_config(dtensor_config={"tensor_parallel_size": 2, "sequence_parallel": sp})
         w = DTensorPolicyWorker(cfg, rank, world_size)
-        out[f"sp={sp}/logprobs"] = w.get_logprobs(batch)
+        out[f"sp={sp}/logprobs"] = gather_shards(w.get_logprobs(batch), batch)
         out[f"sp={sp}/loss"] = w.train(batch, NLLLoss())["loss"]
-        out[f"sp={sp}/logprobs_after"] = w.get_logprobs(batch)
+        out[f"sp={sp}/logprobs_after"] = gather_shards(w.get_logprobs(batch), batch)
     qwen = DTensorPolicyWorker(make_config("qwen3", dtensor_config={"tensor_parallel_size": 2}), rank, world_size)
-    out["qwen3/logprobs"] = qwen.get_logprobs(batch)
+    out["qwen3/logprobs"] = gather_shards(qwen.get_logprobs(batch), batch)
     return out

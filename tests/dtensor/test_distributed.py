@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from nrl_core.testing.distributed import gather_shards
 import torch
 
 import scenarios
@@ -20,11 +21,11 @@ def single():
     """World-size-1 reference: logprobs before and after two steps, and the losses."""
     batch = make_batch()
     w = DTensorPolicyWorker(make_config(), 0, 1)
-    out = {"logprobs": w.get_logprobs(batch)}
+    out = {"logprobs": gather_shards(w.get_logprobs(batch), batch)}
     out["losses"] = [w.train(batch, NLLLoss())["loss"] for _ in range(2)]
-    out["logprobs_after"] = w.get_logprobs(batch)
+    out["logprobs_after"] = gather_shards(w.get_logprobs(batch), batch)
     qwen = DTensorPolicyWorker(make_config("qwen3"), 0, 1)
-    out["qwen3/logprobs"] = qwen.get_logprobs(batch)
+    out["qwen3/logprobs"] = gather_shards(qwen.get_logprobs(batch), batch)
     return out
 
 
@@ -46,7 +47,7 @@ def test_fsdp_world_2_matches_world_1_and_checkpoints_reshard(single, tmp_path):
     # a world-size-2 sharded checkpoint loads at world size 1 (DCP reshards)
     w = DTensorPolicyWorker(make_config(), 0, 1)
     w.load_checkpoint(str(tmp_path / "sharded"), CheckpointOptions())
-    assert close(w.get_logprobs(make_batch()), ranks[0]["logprobs_after"])
+    assert close(gather_shards(w.get_logprobs(make_batch()), make_batch()), ranks[0]["logprobs_after"])
 
 
 def test_tensor_parallel_2_matches_1(single):

@@ -7,6 +7,7 @@ import os
 import shutil
 
 import pytest
+from nrl_core.testing.distributed import gather_shards
 import torch
 
 from common import make_batch, make_config
@@ -30,14 +31,14 @@ def test_loss_falls_and_reference_stays_initial():
     w = worker()
     assert isinstance(w, TrainingWorker)
     batch = make_batch()
-    initial = w.get_logprobs(batch)
+    initial = gather_shards(w.get_logprobs(batch), batch)
     assert initial.dtype == torch.float32 and initial.shape == batch.input_ids.shape
     assert torch.all(initial[:, 0] == 0) and torch.all(initial[batch.input_ids == 3] == 0)
     losses = [w.train(batch, NLLLoss())["loss"] for _ in range(4)]
     assert losses[-1] < losses[0] - 0.5, losses
     assert w.train_step_count == 4
-    assert torch.equal(w.get_reference_logprobs(batch), initial)
-    assert not torch.allclose(w.get_logprobs(batch), initial)
+    assert torch.equal(gather_shards(w.get_reference_logprobs(batch), batch), initial)
+    assert not torch.allclose(gather_shards(w.get_logprobs(batch), batch), initial)
 
 
 @pytest.mark.parametrize("mode", ["packing", "dynamic", "chunked+checkpointing"])
@@ -52,11 +53,11 @@ def test_packed_dynamic_chunked_equal_padded(mode):
     else:
         over = dict(logprob_chunk_size=5, dtensor_config={"activation_checkpointing": True})
     padded, other = worker(), worker(**over)
-    assert torch.allclose(other.get_logprobs(batch), padded.get_logprobs(batch), atol=1e-5, rtol=0)
+    assert torch.allclose(gather_shards(other.get_logprobs(batch), batch), gather_shards(padded.get_logprobs(batch), batch), atol=1e-5, rtol=0)
     for _ in range(2):
         a, b = padded.train(batch, NLLLoss()), other.train(batch, NLLLoss())
         assert abs(a["loss"] - b["loss"]) < 1e-5 and abs(a["grad_norm"] - b["grad_norm"]) < 1e-4
-    assert torch.allclose(other.get_logprobs(batch), padded.get_logprobs(batch), atol=1e-5, rtol=0)
+    assert torch.allclose(gather_shards(other.get_logprobs(batch), batch), gather_shards(padded.get_logprobs(batch), batch), atol=1e-5, rtol=0)
 
 
 def test_weights_out_and_hf_export_reload(tmp_path):
@@ -75,7 +76,7 @@ def test_weights_out_and_hf_export_reload(tmp_path):
 
     captured = []
     hook = w.model.hf.lm_head.register_forward_hook(lambda m, i, o: captured.append(o.detach().clone()))
-    w.get_logprobs(batch)
+    gather_shards(w.get_logprobs(batch), batch)
     hook.remove()
     w.export_hf(str(tmp_path / "hf"))
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
@@ -113,11 +114,11 @@ def test_checkpoint_hooks_async_and_consolidated(tmp_path):
     pm.checkpoint_save(a, str(tmp_path / "async"), CheckpointOptions(async_save=True))
     pm.checkpoint_save(a, str(tmp_path / "cons"), CheckpointOptions(fully_parallel_save=False))  # waits for async
     a.finalize_checkpoint()
-    expected = a.get_logprobs(batch)
+    expected = gather_shards(a.get_logprobs(batch), batch)
     for name, opts in [("async", CheckpointOptions()), ("cons", CheckpointOptions(fully_parallel_load=False))]:
         b = worker()
         pm.checkpoint_load(b, str(tmp_path / name), opts)
-        assert torch.equal(b.get_logprobs(batch), expected), name
+        assert torch.equal(gather_shards(b.get_logprobs(batch), batch), expected), name
         assert all(p is q for p, q in zip(b.model.parameters(), b.optimizer.param_groups[0]["params"]))
         assert a.train(batch, NLLLoss())["loss"] != 0  # keeps training after a load
 
@@ -127,7 +128,7 @@ def test_failed_loads_are_one_line_and_leave_the_model_untouched(tmp_path):
     batch = make_batch()
     a.save_checkpoint(str(tmp_path / "good"), CheckpointOptions())
     a.train(batch, NLLLoss())
-    before = a.get_logprobs(batch)
+    before = gather_shards(a.get_logprobs(batch), batch)
 
     truncated = tmp_path / "truncated"
     shutil.copytree(tmp_path / "good", truncated)
@@ -156,7 +157,7 @@ def test_failed_loads_are_one_line_and_leave_the_model_untouched(tmp_path):
     with pytest.raises(NrlError, match="truncated or corrupt") as info:
         a.load_checkpoint(str(truncated), CheckpointOptions())
     assert "\n" not in str(info.value)
-    assert torch.equal(a.get_logprobs(batch), before) and a.train_step_count == 1
+    assert torch.equal(gather_shards(a.get_logprobs(batch), batch), before) and a.train_step_count == 1
 
 
 def test_bad_model_and_config_are_one_line(tmp_path):

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from nrl_core.data import write_jsonl
 from nrl_core.testing.tiny_models import cached_tiny_model
 
 REPO = Path(__file__).resolve().parents[2]
@@ -26,17 +27,25 @@ def model() -> Path:
 
 
 def nrl_train(tmp: Path, model: Path, *overrides: str, algorithm: str = "grpo") -> subprocess.CompletedProcess[str]:
+    """``nrl train`` on the tiny CPU GRPO config, scaled to a few steps of a few prompts."""
     args = [
         f"policy.model_name={model}", "grpo.max_num_steps=3", "grpo.num_prompts_per_step=4",
         "grpo.num_generations_per_prompt=4", "policy.train_global_batch_size=16", "policy.train_micro_batch_size=8",
         "policy.logprob_batch_size=16", "grpo.val_period=2", "grpo.max_val_samples=8", "grpo.val_batch_size=8",
-        "grpo.val_at_start=false", "data.generate.num_train=64", "data.generate.num_val=8",
-        f"checkpointing.checkpoint_dir={tmp / 'ckpt'}", "checkpointing.save_period=1",
-        f"logger.log_dir={tmp / 'logs'}", "logger.tensorboard_enabled=false", "logger.plot=false",
-        "checkpointing.export_hf=false", "checkpointing.keep_top_k=null", *overrides,
+        "grpo.val_at_start=false", "data.generate.num_train=64", "data.generate.num_val=8", *overrides,
     ]
+    return run_nrl(tmp, CONFIG, algorithm, args)
+
+
+def run_nrl(tmp: Path, config: Path, algorithm: str, overrides: list[str]) -> subprocess.CompletedProcess[str]:
+    """``nrl train ALGORITHM --config CONFIG`` in a subprocess, as a user runs it, writing its
+    checkpoints and logs under ``tmp`` (checkpoints every step, no HF export, no plots unless the
+    overrides say otherwise)."""
+    args = [f"checkpointing.checkpoint_dir={tmp / 'ckpt'}", "checkpointing.save_period=1",
+            f"logger.log_dir={tmp / 'logs'}", "logger.tensorboard_enabled=false", "logger.plot=false",
+            "checkpointing.export_hf=false", "checkpointing.keep_top_k=null", *overrides]
     env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "NRL_STRICT_PLUGINS": "1"}
-    return subprocess.run([sys.executable, "-m", "nrl_core.cli", "train", algorithm, "--config", str(CONFIG), *args],
+    return subprocess.run([sys.executable, "-m", "nrl_core.cli", "train", algorithm, "--config", str(config), *args],
                           capture_output=True, text=True, env=env, cwd=tmp, timeout=900)
 
 
@@ -67,7 +76,8 @@ def test_dtensor_colocated_three_steps(tmp_path, model):
 
 def test_megatron_non_colocated_three_steps(tmp_path, model):
     proc = nrl_train(tmp_path, model, "policy.dtensor_config.enabled=false", "policy.megatron_cfg.enabled=true",
-                     "policy.generation.colocated.enabled=false", "policy.optimizer=null",
+                     "policy.generation.colocated.enabled=false", "cluster.gpus_per_node=2",
+                     "policy.generation.colocated.resources.gpus_per_node=1", "policy.optimizer=null",
                      "policy.megatron_cfg.optimizer.lr=1e-4")
     assert_ok(proc)
     rows = metrics(tmp_path)
@@ -126,4 +136,20 @@ def test_unknown_environment_missing_dataset_and_unwritable_checkpoints_are_one_
     blocker.write_text("not a directory")
     proc = nrl_train(tmp_path, model, f"checkpointing.checkpoint_dir={blocker / 'ckpt'}")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert f"error: checkpointing.checkpoint_dir: '{blocker / 'ckpt'}' is not writable" in proc.stderr
+    assert (f"error: checkpointing.checkpoint_dir: '{blocker / 'ckpt'}' cannot be created: '{blocker}' is a file"
+            in proc.stderr)
+
+
+@pytest.mark.slow
+def test_an_over_long_prompt_is_dropped_at_load_time_not_sampled(tmp_path, model):
+    """The issue's case: one 10k-token prompt in the file killed the run at the step that sampled
+    it; now it is dropped with a warning naming its line, and every step runs."""
+    rows = [{"problem": f"What is {i} + {i}?", "expected_answer": str(2 * i)} for i in range(4)]
+    rows.insert(2, {"problem": "1 + " * 5000 + "1", "expected_answer": "5001"})
+    data = write_jsonl(rows, tmp_path / "train.jsonl")
+    proc = nrl_train(tmp_path, model, f"data.train_data_path={data}", "data.dataset_name=null",
+                     "grpo.max_num_steps=2", "grpo.num_prompts_per_step=4", "data.shuffle=false")
+    assert_ok(proc)
+    assert (f"dropped 1 of 5 examples of {data} whose prompt is too long for policy.max_total_sequence_length=64 "
+            f"(no room to generate): {data}:3 (") in proc.stderr
+    assert [r["step"] for r in metrics(tmp_path)] == [1, 2]

@@ -10,29 +10,20 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
-from nrl_core.algorithms.generation import Generation
 from nrl_core.algorithms.loss import NLLLoss
-from nrl_core.algorithms.policy import Policy
 from nrl_core.algorithms.rollouts import rollout_batch
-from nrl_core.cluster import init_ray, shutdown_ray
-from nrl_core.config import choose_backends, load_and_validate
-from nrl_core.contracts import TokenBatch
+from nrl_core.cluster import shutdown_ray
 from nrl_core.testing.tiny_models import cached_tiny_model
+from tests.e2e.facades import chat_prompts, megatron_noncolocated, policy_and_generation, training_batch
 from tests.vllm.helpers import hf_greedy, hf_model
 
-CONFIG = Path(__file__).resolve().parents[2] / "examples" / "configs" / "grpo_tiny_cpu.yaml"
 LOGPROB_TOLERANCE = 1e-3  # float32 on CPU; measured gaps are ~1e-6 (printed below)
 
 SAMPLING = ["policy.generation.temperature=0.7"]  # the policy's logprobs must follow it, as vLLM's do
 CASES = {
     "dtensor-colocated": ["policy.generation.colocated.enabled=true", *SAMPLING],
-    "megatron-tp2-noncolocated": [*SAMPLING,
-        "policy.dtensor_config.enabled=false", "policy.megatron_cfg.enabled=true", "policy.optimizer=null",
-        "+policy.megatron_cfg.tensor_model_parallel_size=2", "cluster.gpus_per_node=2",
-        "+policy.megatron_cfg.optimizer.lr=5e-3", "+policy.megatron_cfg.optimizer.min_lr=5e-3",
-        "policy.generation.colocated.enabled=false"],
+    "megatron-tp2-noncolocated": [*SAMPLING, *megatron_noncolocated("tensor_model_parallel_size", 5e-3)],
 }
 
 
@@ -48,35 +39,15 @@ def ray_session():
     shutdown_ray()
 
 
-def _training_batch(seed: int) -> TokenBatch:
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(4, 500, (8, 24), generator=gen)
-    mask = torch.ones(8, 24)
-    mask[:, 0] = 0
-    return TokenBatch(input_ids=ids, input_lengths=torch.full((8,), 24), fields={"token_mask": mask})
-
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_refit_from_backend_matches_hf_generate(case, model, tmp_path, ray_session, capsys):
-    config = load_and_validate(str(CONFIG), [f"policy.model_name={model}", "policy.train_global_batch_size=8",
-                                             "policy.train_micro_batch_size=4", "policy.logprob_batch_size=8",
-                                             "policy.optimizer.kwargs.lr=5e-3", *CASES[case]])
-    choice = choose_backends(config)
-    init_ray(config["cluster"])
-    policy = Policy(config, choice.training, colocated_generation=config["policy"]["generation"]["colocated"]["enabled"])
-    generation = Generation(config, choice.generation, policy)
-    try:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(str(model))
-        prompts = [tokenizer.apply_chat_template([{"role": "user", "content": f"What is {a} + {b}?"}],
-                                                 add_generation_prompt=True, tokenize=True, return_dict=False)
-                   for a, b in [(3, 4), (12, 7), (5, 9), (18, 2)]]
+    with policy_and_generation(model, ["policy.optimizer.kwargs.lr=5e-3", *CASES[case]]) as (_, policy, generation):
+        prompts = chat_prompts(model)
         before = generation.generate(prompts, greedy=True)
         assert before.token_ids == hf_greedy(hf_model(model), prompts, max_new_tokens=8)
 
         for step in range(3):
-            policy.train(_training_batch(step), NLLLoss())
+            policy.train(training_batch(step), NLLLoss())
         report = generation.update_weights()
         after = generation.generate(prompts, greedy=True)
         policy.export_hf(str(tmp_path / "trained"))
@@ -97,6 +68,37 @@ def test_refit_from_backend_matches_hf_generate(case, model, tmp_path, ray_sessi
                   f"at temperature 0.7: mean {float(gaps.mean()):.2e} max {float(gaps.max()):.2e} over "
                   f"{gaps.numel()} sampled tokens")
         assert float(gaps.max()) < LOGPROB_TOLERANCE
-    finally:
-        generation.shutdown()
-        policy.shutdown()
+
+
+HANDOFF = {"offload_before_refit", "offload_after_refit", "prepare_for_training", "refit", "get_logprobs", "train",
+           "generation.prepare_for_generation", "generation.generate", "generation.finish_generation"}
+
+
+def test_colocated_memory_hand_off_runs_in_order(model, ray_session):
+    """Colocated at data-parallel 2: each training rank hosts an engine; the driver's calls reach
+    every rank in NeMo RL's order, and a call out of order is refused by the worker, not run."""
+    from nrl_core.errors import NrlError
+
+    with policy_and_generation(model, ["cluster.gpus_per_node=2"]) as (_, policy, generation):
+        prompts = [[1, 40, 41, 42], [1, 50, 51], [1, 60], [1, 70, 71]]
+        for _ in range(2):  # a GRPO step each: generate, hand back, score, train, mark stale
+            generation.prepare()
+            sampled = generation.generate(prompts * 2)
+            generation.finish()
+            batch = rollout_batch(prompts * 2, sampled, pad_token_id=3)
+            policy.get_logprobs(batch)
+            policy.train(batch, NLLLoss())
+            generation.mark_stale()
+        expected_step = ["offload_before_refit", "offload_after_refit", "generation.prepare_for_generation",
+                         "generation.generate", "generation.finish_generation", "prepare_for_training",
+                         "get_logprobs", "train"]
+        refit_step = ["offload_before_refit", "generation.prepare_for_generation", "refit", "offload_after_refit",
+                      *expected_step[2:]]
+        for history in policy.group.host_call([0, 1], "call_history"):
+            assert [name for name in history if name in HANDOFF] == expected_step + refit_step
+
+        with pytest.raises(NrlError, match="prepare_for_generation first"):
+            generation._engines("generate", prompts)  # the engines sleep after finish()
+        generation.prepare()
+        with pytest.raises(NrlError, match="prepare_for_training first"):
+            policy.train(batch, NLLLoss())  # the optimizer state and weights are off the device

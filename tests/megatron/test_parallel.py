@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from nrl_core.testing.distributed import gather_shards
 import torch
 
 pytest.importorskip("megatron.core", reason="nrl-backend-megatron's engine is not installed")
@@ -44,14 +45,14 @@ def world1(rank: int, world: int, paths: dict[str, str]) -> dict[str, Any]:
             pos = torch.arange(batch.input_ids.shape[1])[None].expand(batch.size, -1)
             w.model.eval()
             out[f"{family}/logits"] = w.model(batch.input_ids, pos, None).float()
-        out[f"{family}/logprobs"] = w.get_logprobs(batch)
+        out[f"{family}/logprobs"] = gather_shards(w.get_logprobs(batch), batch)
         out[f"{family}/converted"] = w.conversion.converted
         if family == "llama":
             packed = MegatronPolicyWorker(make_config(path, sequence_packing={
                 "enabled": True, "train_mb_tokens": 32, "logprob_mb_tokens": 32, "sequence_length_round": 4}),
                 rank, world)
             out["packed/converted"] = packed.conversion.converted
-            out["packed/logprobs"] = packed.get_logprobs(batch)
+            out["packed/logprobs"] = gather_shards(packed.get_logprobs(batch), batch)
     return out
 
 
@@ -99,7 +100,7 @@ def world2(rank: int, world: int, path: str, ckpt: str) -> dict[str, Any]:
 
     def run(tag: str, megatron: dict) -> MegatronPolicyWorker:
         w = MegatronPolicyWorker(make_config(path, megatron=megatron), rank, world)
-        out[f"{tag}/logprobs"] = w.get_logprobs(batch)
+        out[f"{tag}/logprobs"] = gather_shards(w.get_logprobs(batch), batch)
         out[f"{tag}/export"] = {n: t for bucket in w.export_weights(20_000, "float32") for n, t in bucket}
         out[f"{tag}/buckets"] = [sum(t.numel() * 4 for _, t in b) for b in w.export_weights(20_000, "float32")]
         out[f"{tag}/manifest"] = w.weight_manifest("float32")
@@ -195,7 +196,7 @@ def baseline(rank: int, world: int, path: str) -> dict[str, Any]:
 
     w = MegatronPolicyWorker(make_config(path), rank, world)
     batch = make_batch()
-    return {"logprobs": w.get_logprobs(batch), "metrics": [w.train(batch, NLLLoss()) for _ in range(3)]}
+    return {"logprobs": gather_shards(w.get_logprobs(batch), batch), "metrics": [w.train(batch, NLLLoss()) for _ in range(3)]}
 
 
 @pytest.mark.slow

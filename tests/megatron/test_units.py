@@ -3,7 +3,6 @@ caching and its failure modes, layout checks, weight mapping round trip."""
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
@@ -14,7 +13,7 @@ pytest.importorskip("megatron.core", reason="nrl-backend-megatron's engine is no
 pytest.importorskip("nrl_backend_megatron")
 
 from nrl_core.contracts import CheckpointOptions
-from nrl_core.errors import ConfigError, NrlError
+from nrl_core.errors import ConfigError
 from nrl_core.testing.tiny_models import cached_tiny_model, model_config
 
 from nrl_backend_megatron import checkpoint_dir as cd
@@ -185,7 +184,7 @@ def test_failed_conversion_never_overwrites_a_good_one(tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------------ mapping and model checks
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe"])
 def test_hf_megatron_hf_round_trip_is_bit_identical(family: str) -> None:
     from safetensors.torch import load_file
     from transformers import AutoConfig
@@ -228,7 +227,7 @@ def test_unsupported_architecture_is_one_line() -> None:
 
     cfg = GPT2Config()
     cfg.architectures = ["GPT2LMHeadModel"]
-    with pytest.raises(ConfigError, match="supported: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM") as err:
+    with pytest.raises(ConfigError, match="supported: LlamaForCausalLM, Qwen2ForCausalLM, Qwen2MoeForCausalLM") as err:
         family_of(cfg)
     assert "\n" not in str(err.value)
 
@@ -248,3 +247,18 @@ def test_indivisible_layouts_are_one_line_errors(layout: dict, world: int, match
     with pytest.raises(ConfigError, match=match) as err:
         check_layout(ParallelLayout(**layout), world, cfg)
     assert "\n" not in str(err.value) and str(err.value).startswith("policy.megatron_cfg.")
+
+
+@pytest.mark.parametrize("optimizer, key", [({"bf16": True}, "bf16"), ({"use_distributed_optimizer": True},
+                                                                          "use_distributed_optimizer"),
+                                            ({"use_precision_aware_optimizer": True}, "use_precision_aware_optimizer")])
+def test_what_needs_cuda_is_one_line_on_cpu(optimizer: dict, key: str) -> None:
+    """Megatron's mixed-precision and distributed optimizers keep CUDA tensors; Transformer Engine
+    provides the precision-aware one: without them, one line naming the key, before any model work."""
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA machine builds these optimizers")
+    from nrl_backend_megatron.optim import build_optimizer
+
+    section = validate({"optimizer": optimizer})
+    with pytest.raises(ConfigError, match=f"^{KEY}.optimizer.{key}: .*(CUDA|Transformer Engine)"):
+        build_optimizer([], section, "float32")

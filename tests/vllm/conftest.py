@@ -8,7 +8,6 @@ os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
 from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
 
 import pytest  # noqa: E402
 

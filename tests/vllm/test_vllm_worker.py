@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import statistics
 from typing import Any, Callable, Iterator
 
@@ -136,3 +137,46 @@ def test_seeded_sampling_is_reproducible(engine, prompts) -> None:
     assert again.token_ids == first.token_ids and again.logprobs == first.logprobs
     assert second.token_ids != first.token_ids  # the call counter moves the seeds on
     assert first.token_ids[0] != first.token_ids[len(prompts)]  # same prompt, different request seed
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _rotary_caches(worker: Any) -> dict[str, torch.Tensor]:
+    return {name: buf.clone() for name, buf in worker.model_runner.model.named_buffers() if "cos_sin_cache" in name}
+
+
+def test_refit_does_not_print_the_rotary_warning_and_keeps_the_rotary_cache(engine, model_dir, restore_checkpoint,
+                                                                            monkeypatch) -> None:
+    """vLLM warns "RotaryEmbedding: Failed to load weights" at every refit: its cos_sin_cache is a
+    buffer no checkpoint holds, put back unchanged. nrl drops exactly that message."""
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    from nrl_gen_vllm import extension
+
+    reload_logger = logging.getLogger(layerwise.__name__)
+    records = _Records()
+    reload_logger.addHandler(records)
+    try:
+        [before] = engine.llm.collective_rpc(_rotary_caches)
+        refit(HFWeightSource(hf_model(model_dir, perturb_seed=9)), engine)
+        [after] = engine.llm.collective_rpc(_rotary_caches)
+        quiet = list(records.messages)
+        # the same refit without nrl's filter: the warning vLLM prints (the engine runs in this process)
+        monkeypatch.setattr(extension, "_quiet_rotary_reload_warning", lambda: None)
+        for f in [f for f in reload_logger.filters if isinstance(f, extension.RotaryCacheFilter)]:
+            reload_logger.removeFilter(f)
+        refit(HFWeightSource(model_dir), engine)
+        loud = list(records.messages)
+    finally:
+        reload_logger.removeHandler(records)
+    assert before and before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # the cache is the one in use: harmless
+    assert not [m for m in quiet if "Failed to load weights" in m], quiet
+    assert [m for m in loud if m.endswith("RotaryEmbedding: Failed to load weights")], loud

@@ -30,6 +30,16 @@ class MicroBatch:
     position_ids: torch.Tensor
     packed: PackedRows | None = None
 
+    def token_mask(self, sub: TokenBatch) -> torch.Tensor:
+        """``[r, w]`` True where the model input holds one of ``sub``'s tokens (not padding)."""
+        rows, width = self.input_ids.shape
+        if self.packed is None:
+            return torch.arange(width)[None, :] < sub.input_lengths[:, None]
+        mask = torch.zeros(rows, width, dtype=torch.bool)
+        for row, start, length, _ in self.packed.segments:
+            mask[row, start:start + length] = True
+        return mask
+
     def to_padded(self, logprobs: torch.Tensor, sub: TokenBatch) -> torch.Tensor:
         """The model's ``[r, w]`` logprobs as ``[len(rows), sub width]``, zeros past each length."""
         width = int(sub.input_ids.shape[1])

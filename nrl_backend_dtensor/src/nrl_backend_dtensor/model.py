@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from nrl_core.config.model_config import read_model_config
 from nrl_core.errors import NrlError
 
 HF_PREFIX = "hf."
@@ -29,20 +30,14 @@ def hf_name(name: str) -> str:
 
 def load_hf_config(model_name: str, *, trust_remote_code: bool = False,
                    overrides: Mapping[str, Any] | None = None) -> Any:
-    """The model's config, checked to be a causal LM; one-line :class:`NrlError` otherwise."""
-    from transformers import AutoConfig
+    """The model's config (``overrides`` applied), checked to be a causal LM; one-line
+    :class:`NrlError` otherwise."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     if not os.path.isdir(model_name):
         raise NrlError(f"policy.model_name: '{model_name}' is not a directory; point it at a local "
                        f"Hugging Face checkpoint (config.json and weights)")
-    if not os.path.exists(os.path.join(model_name, "config.json")):
-        raise NrlError(f"policy.model_name: '{model_name}' has no config.json; it is not a Hugging Face checkpoint")
-    try:
-        config = AutoConfig.from_pretrained(model_name, trust_remote_code=trust_remote_code)
-    except Exception as exc:  # noqa: BLE001 - any failure to parse is the same user problem
-        raise NrlError(f"policy.model_name: cannot read the config in '{model_name}': "
-                       f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+    config = read_model_config(model_name, trust_remote_code=trust_remote_code, overrides=overrides)
     # a checkpoint names its head in `architectures` (BertForMaskedLM is a bert model_type that
     # the causal-LM auto mapping also lists); fall back to the mapping when it is absent
     architectures = list(getattr(config, "architectures", None) or [])
@@ -52,8 +47,6 @@ def load_hf_config(model_name: str, *, trust_remote_code: bool = False,
     if not is_causal:
         raise NrlError(f"policy.model_name: '{model_name}' is a '{config.model_type}' model, not a causal "
                        f"language model; use a decoder-only checkpoint (Llama, Qwen2, Qwen3, ...)")
-    for key, value in (overrides or {}).items():
-        setattr(config, key, value)
     return config
 
 

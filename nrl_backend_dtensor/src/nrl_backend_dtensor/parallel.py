@@ -36,8 +36,9 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from nrl_core.contracts import import_object
 from nrl_core.errors import ConfigError
+
+from nrl_backend_dtensor.checks import check_context_parallel, check_heads, resolve_parallel_plan
 
 LayerPlan = dict[str, ParallelStyle]
 
@@ -66,9 +67,7 @@ class ParallelLayout:
 
 def build_layout(device_type: str, tp_size: int, cp_size: int = 1) -> ParallelLayout:
     """A 2-D ``(dp, tp)`` mesh over the whole world; one-line errors for impossible sizes."""
-    if cp_size != 1:
-        raise ConfigError("policy.dtensor_config.context_parallel_size",
-                          f"context parallelism is not supported by the dtensor backend; set it to 1 (got {cp_size})")
+    check_context_parallel(cp_size)
     world = dist.get_world_size()
     if tp_size < 1 or world % tp_size:
         raise ConfigError("policy.dtensor_config.tensor_parallel_size",
@@ -97,10 +96,7 @@ def default_layer_plan(sequence_parallel: bool) -> LayerPlan:
 def _layer_plan_factory(custom: str | None) -> Callable[[nn.Module, Any, bool], LayerPlan]:
     if custom is None:
         return lambda layer, config, sp: default_layer_plan(sp)
-    factory = import_object(custom)
-    if not callable(factory):
-        raise ConfigError("policy.dtensor_config.custom_parallel_plan", f"'{custom}' is not callable")
-    return factory
+    return resolve_parallel_plan(custom)
 
 
 def apply_tensor_parallel(hf_model: nn.Module, layout: ParallelLayout, *, sequence_parallel: bool,
@@ -109,11 +105,7 @@ def apply_tensor_parallel(hf_model: nn.Module, layout: ParallelLayout, *, sequen
     if layout.tp_size == 1:
         return
     config = hf_model.config
-    for name in ("num_attention_heads", "num_key_value_heads"):
-        heads = getattr(config, name, None)
-        if heads is not None and heads % layout.tp_size:
-            raise ConfigError("policy.dtensor_config.tensor_parallel_size",
-                              f"{layout.tp_size} does not divide the model's {name}={heads}")
+    check_heads(layout.tp_size, config)
     factory = _layer_plan_factory(custom_plan)
     for layer in hf_model.model.layers:
         if sequence_parallel:

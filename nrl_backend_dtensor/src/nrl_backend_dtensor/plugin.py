@@ -25,6 +25,8 @@ def nrl_training_backends() -> list[TrainingBackendSpec]:
         config_schema=DTENSOR_CONFIG_SCHEMA,
         distribution="nrl-backend-dtensor",
         parallel_size_keys=("tensor_parallel_size", "context_parallel_size"),
+        config_check="nrl_backend_dtensor.checks:check_config",
+        capabilities=frozenset({"data_parallel", "sequence_packing", "dynamic_batching"}),
         description="PyTorch FSDP2 (fully_shard) with optional DTensor tensor parallelism",
     )]
 

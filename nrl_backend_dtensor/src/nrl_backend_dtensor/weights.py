@@ -1,4 +1,9 @@
-"""Weights out of a sharded model: HF-named full tensors in buckets (refit) and an HF export."""
+"""Weights out of a sharded model: HF-named full tensors in buckets (refit) and an HF export.
+
+Refit sends the tensors the model's checkpoint files hold (:func:`nrl_core.refit.hf_source.
+checkpoint_layout`): for a mixture-of-experts model, one tensor per expert and projection rather
+than transformers' fused in-memory ``gate_up_proj``/``down_proj``.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +18,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 
 from nrl_core.contracts import WeightSpec
+from nrl_core.refit.buckets import iter_buckets
+from nrl_core.refit.hf_source import checkpoint_layout
 from nrl_backend_dtensor.model import hf_name
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
@@ -26,29 +33,30 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
+def _hf_model(model: nn.Module) -> nn.Module:
+    return getattr(model, "hf", model)
+
+
 def manifest(model: nn.Module, dtype: str) -> list[WeightSpec]:
-    """Every parameter's HF name and full (global) shape, in export order. Local: no collective."""
+    """Every exported tensor's HF name and full (global) shape, in export order. Local: no collective."""
     _dtype(dtype)
-    return [WeightSpec(name=hf_name(n), shape=tuple(p.shape), dtype=dtype) for n, p in model.named_parameters()]
+    hf = _hf_model(model)
+    return [WeightSpec(name=n, shape=tuple(t.shape), dtype=dtype) for name, p in model.named_parameters()
+            for n, t in checkpoint_layout(hf, {hf_name(name): torch.empty(p.shape, device="meta")})]
 
 
 def export_buckets(model: nn.Module, bucket_bytes: int, dtype: str) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Full tensors cast to ``dtype`` in buckets of at most ``bucket_bytes`` (a larger tensor goes
     alone). Each DTensor is gathered with ``full_tensor()``, a collective: every rank iterates."""
     target = _dtype(dtype)
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, param in model.named_parameters():
-        full = param.full_tensor() if isinstance(param, DTensor) else param
-        tensor = full.detach().to(target)
-        nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((hf_name(name), tensor))
-        size += nbytes
-    if bucket:
-        yield bucket
+    hf = _hf_model(model)
+
+    def named() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, param in model.named_parameters():
+            full = param.full_tensor() if isinstance(param, DTensor) else param
+            yield from checkpoint_layout(hf, {hf_name(name): full.detach().to(target)})
+
+    return iter_buckets(named(), bucket_bytes)
 
 
 def full_hf_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -15,18 +15,20 @@ swap costs two shard-sized copies per call and host memory equal to one shard.
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from nrl_core.contracts import CheckpointOptions, LossFunction, TokenBatch, WeightSpec, logprob_temperature
+from nrl_core.contracts import BatchShard, CheckpointOptions, LossFunction, TokenBatch, WeightSpec, logprob_temperature
 from nrl_core.errors import ConfigError, NrlError
 from nrl_backend_dtensor import weights as weights_io
 from nrl_backend_dtensor.checkpoint import CheckpointIO, TrainState
 from nrl_backend_dtensor.microbatch import MicroBatch, plan_micro_batches
 from nrl_backend_dtensor.model import LogprobModel, hf_name, load_hf_config, load_hf_model
+from nrl_backend_dtensor.moe import RouterMetrics, check_tensor_parallel
 from nrl_backend_dtensor.optim import build_optimizer, build_scheduler, clip_grad_norm
 from nrl_backend_dtensor.parallel import apply_fsdp, apply_tensor_parallel, build_layout
 
@@ -38,6 +40,13 @@ def _ensure_process_group() -> None:
         from nrl_core.testing.distributed import init_local_group
 
         init_local_group()
+
+
+def _move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.device != device:
+                state[key] = value.to(device)
 
 
 class DTensorPolicyWorker:
@@ -76,6 +85,8 @@ class DTensorPolicyWorker:
         self.pad_id = int(getattr(self.hf_config, "pad_token_id", None) or 0)
         if not self.dcfg.get("cpu_offload"):
             hf_model.to(self.device)
+        check_tensor_parallel(self.hf_config, self.layout.tp_size)
+        self.router_metrics = RouterMetrics.attach(hf_model)
         apply_tensor_parallel(hf_model, self.layout, sequence_parallel=self.sequence_parallel,
                               custom_plan=self.dcfg.get("custom_parallel_plan"))
         if self.dcfg.get("activation_checkpointing"):
@@ -87,6 +98,7 @@ class DTensorPolicyWorker:
         self.optimizer = build_optimizer(self.model.parameters(), self.policy.get("optimizer") or {})
         self.scheduler = build_scheduler(self.optimizer, self.policy.get("scheduler"))
         self.train_step_count = 0
+        self._offloaded: set[str] = set()
         self._reference = [self._local(p).detach().to("cpu", copy=True) for p in self.model.parameters()]
         async_group = dist.new_group(backend="gloo")  # DCP async saves talk on their own group
         self.checkpoint_io = CheckpointIO(TrainState(
@@ -139,6 +151,7 @@ class DTensorPolicyWorker:
 
     def train(self, batch: TokenBatch, loss_fn: LossFunction) -> dict[str, float]:
         """One optimizer step on the global ``batch`` (see module docstring); metrics are global."""
+        self._require_on_device("train")
         start = time.perf_counter()
         self.model.train()
         local = self._local_batch(batch)
@@ -156,7 +169,8 @@ class DTensorPolicyWorker:
                 mb, sub = self._dummy(local)
             else:
                 sub = local.select(mb.rows)
-            logprobs = mb.to_padded(self._forward(mb), sub)
+            with self._routing(mb, sub, dummy):
+                logprobs = mb.to_padded(self._forward(mb), sub)
             loss, metrics = loss_fn(logprobs, sub, global_valid_tokens=global_tokens, global_valid_seqs=global_seqs)
             # FSDP averages gradients over dp ranks; the loss is already a share of the global
             # loss, so scale by dp to get the sum. A padding micro-batch contributes nothing.
@@ -176,13 +190,23 @@ class DTensorPolicyWorker:
         out = dict(zip(keys, reduced[1:]))
         out.update(loss=reduced[0], grad_norm=grad_norm, lr=lr, num_tokens=tokens_seen,
                    num_valid_tokens=global_tokens, step_seconds=seconds)
+        if self.router_metrics is not None:
+            out.update(self.router_metrics.collect(self.layout.dp_group))
         return out
+
+    def _routing(self, mb: MicroBatch, sub: TokenBatch, dummy: bool) -> Any:
+        """Count the routers' choices in a training forward (MoE models; padding micro-batches excluded)."""
+        if self.router_metrics is None or dummy:
+            return nullcontext()
+        return self.router_metrics.stats.recording(mb.token_mask(sub))
 
     # ------------------------------------------------------------------ logprobs
 
     @torch.no_grad()
-    def get_logprobs(self, batch: TokenBatch) -> torch.Tensor:
-        """Float32 ``[B, T]`` logprobs of the global batch under the current weights, every rank."""
+    def get_logprobs(self, batch: TokenBatch) -> BatchShard | None:
+        """Float32 logprobs of this data-parallel group's shard under the current weights; the
+        group's tensor-parallel rank 0 returns them, the other ranks ``None``."""
+        self._require_on_device("get_logprobs")
         self.model.eval()
         local = self._local_batch(batch)
         width = int(batch.input_ids.shape[1])
@@ -198,15 +222,12 @@ class DTensorPolicyWorker:
         # FSDP2 keeps the root's parameters gathered after a forward without backward; put the
         # shards back so that parameters() and state dicts see the sharded DTensors again
         self.model.reshard()
-        gathered = [torch.empty_like(out) for _ in range(self.layout.dp_size)]
-        dist.all_gather(gathered, out, group=self.layout.dp_group)
-        full = torch.zeros((batch.size, width), dtype=torch.float32)
-        for r, part in enumerate(gathered):
-            full[r::self.layout.dp_size] = part
-        return full
+        if self.layout.mesh.get_local_rank("tp") != 0:
+            return None
+        return BatchShard(rows=batch.shard_rows(self.layout.dp_rank, self.layout.dp_size), values=out)
 
     @torch.no_grad()
-    def get_reference_logprobs(self, batch: TokenBatch) -> torch.Tensor:
+    def get_reference_logprobs(self, batch: TokenBatch) -> BatchShard | None:
         """Logprobs under the initial weights (swapped in from the CPU copy, then swapped back)."""
         self.model.reshard()
         params = [self._local(p) for p in self.model.parameters()]
@@ -218,6 +239,36 @@ class DTensorPolicyWorker:
         finally:
             for p, cur in zip(params, current):
                 p.copy_(cur)
+
+    # ------------------------------------------------------------------ memory hand-off (colocated)
+
+    def offload_before_refit(self) -> None:
+        """Free the gradients and move the optimizer state to host memory: neither the refit nor
+        generation needs them. On a CPU device there is nothing to move; the gradients are freed."""
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.device.type != "cpu" and not self.dcfg.get("cpu_offload"):
+            _move_optimizer_state(self.optimizer, torch.device("cpu"))
+        self._offloaded.add("optimizer")
+
+    def offload_after_refit(self) -> None:
+        """Move the (sharded) weights to host memory while the engine generates from its copy."""
+        if self.device.type != "cpu" and not self.dcfg.get("cpu_offload"):
+            self.model.to("cpu")
+        self._offloaded.add("weights")
+
+    def prepare_for_training(self) -> None:
+        """Bring back what the offload calls moved (idempotent)."""
+        if self.device.type != "cpu" and not self.dcfg.get("cpu_offload"):
+            if "weights" in self._offloaded:
+                self.model.to(self.device)
+            if "optimizer" in self._offloaded:
+                _move_optimizer_state(self.optimizer, self.device)
+        self._offloaded.clear()
+
+    def _require_on_device(self, what: str) -> None:
+        if self._offloaded:
+            raise NrlError(f"dtensor worker rank {self.rank}: {what} while its {', '.join(sorted(self._offloaded))} "
+                           "are offloaded; call prepare_for_training first")
 
     # ------------------------------------------------------------------ weights out
 

@@ -31,6 +31,16 @@ class MicroBatch:
     packed: Optional[Any] = None  # PackedSeqParams
     offsets: Optional[list[int]] = None  # start of each row inside the packed sequence
 
+    def token_mask(self) -> torch.Tensor:
+        """``[b, S]`` True where the model input holds a real token (not padding)."""
+        width = int(self.input_ids.shape[1])
+        if self.offsets is None:
+            return torch.arange(width)[None, :] < self.rows.input_lengths[:, None]
+        mask = torch.zeros(1, width, dtype=torch.bool)
+        for start, length in zip(self.offsets, self.rows.input_lengths.tolist()):
+            mask[0, start:start + length] = True
+        return mask
+
     def row_logprobs(self, token_logprobs: torch.Tensor) -> torch.Tensor:
         """``[b, S]`` per-position logprobs of the model inputs → ``[n, T]`` aligned with ``rows``."""
         width = self.rows.input_ids.shape[1]

@@ -4,6 +4,9 @@ Why it exists: Megatron-Core hard-codes ``torch.cuda.current_device()``, ``devic
 calls, ``Tensor.cuda()`` and the CUDA RNG-state functions (tensor-parallel RNG tracker). On a
 CPU-only machine (tests, the CPU demo) those calls are redirected to the CPU. ``install()`` is a
 no-op when CUDA is available, so nothing here ever runs on a GPU machine. Idempotent.
+
+One fix is not about CUDA: :func:`define_missing_te_names` steps around a megatron-core 0.16 bug
+that breaks MoE routing wherever Transformer Engine is absent, and runs on every machine.
 """
 
 from __future__ import annotations
@@ -42,6 +45,16 @@ def _redirect_device_kwarg(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+def define_missing_te_names() -> None:
+    """Megatron-Core's MoE router reads ``moe_utils.te_general_gemm``, which the module only defines
+    when Transformer Engine imports; without TE, routing raises ``NameError``. ``None`` is the
+    value the router's own fallback (plain ``torch.mm``) checks for."""
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def active() -> bool:
     """Whether the redirection is installed in this process."""
     return _INSTALLED
@@ -52,6 +65,7 @@ def install() -> bool:
     global _INSTALLED
     import torch
 
+    define_missing_te_names()
     if torch.cuda.is_available():
         return False
     if _INSTALLED:

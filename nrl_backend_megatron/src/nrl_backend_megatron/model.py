@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 
 from nrl_core.errors import ConfigError
 
-from nrl_backend_megatron.convert.families import family_of, head_dim
+from nrl_backend_megatron.convert.families import family_of, head_dim, num_experts
+from nrl_backend_megatron.moe import moe_config_kwargs
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -36,6 +37,7 @@ class ParallelLayout:
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    ep: int = 1
     sequence_parallel: bool = False
 
 
@@ -71,8 +73,9 @@ def hf_inv_freq(hf_config: Any) -> torch.Tensor:
 
 def transformer_config(hf_config: Any, layout: ParallelLayout, *, params_dtype: torch.dtype,
                        pipeline_dtype: Optional[torch.dtype] = None, activation_checkpointing: bool = False,
-                       bf16: bool = False, fp16: bool = False) -> Any:
-    """Megatron ``TransformerConfig`` equivalent to an HF Llama/Qwen2/Qwen3 config."""
+                       bf16: bool = False, fp16: bool = False, moe: Optional[Mapping[str, Any]] = None) -> Any:
+    """Megatron ``TransformerConfig`` equivalent to the HF config; ``moe`` is the
+    ``policy.megatron_cfg`` section whose ``moe_*`` keys configure a mixture-of-experts model."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     family = family_of(hf_config)
@@ -95,21 +98,38 @@ def transformer_config(hf_config: Any, layout: ParallelLayout, *, params_dtype: 
         recompute_granularity="full" if activation_checkpointing else None,
         recompute_method="uniform" if activation_checkpointing else None,
         recompute_num_layers=1 if activation_checkpointing else None,
+        expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=1,
+        **moe_config_kwargs(hf_config, moe or {}, on_gpu),
     )
 
 
-def layer_spec(hf_config: Any) -> Any:
-    """Transformer Engine's layer spec when usable, else the local spec with packed-sequence attention."""
+def layer_spec(hf_config: Any, config: Any = None) -> Any:
+    """Transformer Engine's layer spec when usable, else the local spec with packed-sequence attention.
+
+    A model with experts gets a block spec (one layer spec per layer: MoE where ``moe_layer_freq``
+    says so, the dense MLP elsewhere), which needs the ``TransformerConfig``.
+    """
     family = family_of(hf_config)
+    if num_experts(hf_config):
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+        block = get_gpt_decoder_block_spec(config, use_transformer_engine=te_available(), normalization="RMSNorm")
+        if not te_available():
+            for spec in block.layer_specs:
+                _use_packed_attention(spec)
+        return block
     if te_available():
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=family.qk_norm)
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
+    return _use_packed_attention(get_gpt_layer_local_spec(qk_layernorm=family.qk_norm, normalization="RMSNorm"))
+
+
+def _use_packed_attention(spec: Any) -> Any:
     from nrl_backend_megatron.packed_attention import PackedDotProductAttention
 
-    spec = get_gpt_layer_local_spec(qk_layernorm=family.qk_norm, normalization="RMSNorm")
     spec.submodules.self_attention.submodules.core_attention = PackedDotProductAttention
     return spec
 
@@ -119,7 +139,7 @@ def build_gpt_model(hf_config: Any, config: Any, *, pre_process: bool, post_proc
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     model = GPTModel(
-        config=config, transformer_layer_spec=layer_spec(hf_config), vocab_size=hf_config.vocab_size,
+        config=config, transformer_layer_spec=layer_spec(hf_config, config), vocab_size=hf_config.vocab_size,
         max_sequence_length=hf_config.max_position_embeddings, pre_process=pre_process, post_process=post_process,
         parallel_output=True, share_embeddings_and_output_weights=bool(hf_config.tie_word_embeddings),
         position_embedding_type="rope", rotary_base=int(rope_theta(hf_config)),

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from nrl_core.errors import ConfigError
 
-KEY = "policy.megatron_cfg"
+from nrl_backend_megatron.checks import KEY, check_optimizer_section
 
 
 @dataclass
@@ -34,12 +34,24 @@ def build_optimizer(models: list[Any], section: Mapping[str, Any], precision: st
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+    check_optimizer_section(section)
     opt = section["optimizer"]
     sched = section["scheduler"]
     bf16 = bool(opt["bf16"]) or precision == "bfloat16"
     fp16 = bool(opt["fp16"]) or precision == "float16"
     own_clipping = not torch.cuda.is_available()
     clip = float(opt["clip_grad"])
+    if (bf16 or fp16) and not torch.cuda.is_available():
+        raise ConfigError(f"{KEY}.optimizer.{'bf16' if bf16 else 'fp16'}",
+                          "Megatron's mixed-precision optimizer keeps CUDA tensors; on a machine without GPUs train "
+                          "in float32 (policy.precision: float32 and megatron_cfg.optimizer.bf16/fp16: false)")
+    if opt["use_distributed_optimizer"] and not torch.cuda.is_available():
+        raise ConfigError(f"{KEY}.optimizer.use_distributed_optimizer",
+                          "Megatron's distributed optimizer needs CUDA (its buffers must be CUDA tensors); set it to "
+                          "false on a machine without GPUs (and distributed_data_parallel_config.overlap_param_gather)")
+    if opt["use_precision_aware_optimizer"] and not _transformer_engine_installed():
+        raise ConfigError(f"{KEY}.optimizer.use_precision_aware_optimizer",
+                          "needs Transformer Engine's FusedAdam, which is not installed (it needs CUDA); set it to false")
     config = OptimizerConfig(
         optimizer=opt["optimizer"], lr=opt["lr"], min_lr=opt["min_lr"], weight_decay=opt["weight_decay"],
         bf16=bf16, fp16=fp16, params_dtype=getattr(torch, opt["params_dtype"]),
@@ -50,20 +62,11 @@ def build_optimizer(models: list[Any], section: Mapping[str, Any], precision: st
     )
     optimizer = get_megatron_optimizer(config, models)
     style = sched["lr_decay_style"]
-    decay_iters = sched["lr_decay_iters"]
     warmup = int(sched["lr_warmup_iters"])
-    if decay_iters is None:
-        if style != "constant":
-            raise ConfigError(f"{KEY}.scheduler.lr_decay_iters", f"is required for lr_decay_style '{style}'")
-        decay_iters = warmup + 1
-    if decay_iters <= warmup and style != "constant":
-        raise ConfigError(f"{KEY}.scheduler.lr_decay_iters", f"must exceed lr_warmup_iters ({warmup})")
+    decay_iters = warmup + 1 if sched["lr_decay_iters"] is None else sched["lr_decay_iters"]
     wd = opt["weight_decay"]
     start_wd = wd if sched["start_weight_decay"] is None else sched["start_weight_decay"]
     end_wd = wd if sched["end_weight_decay"] is None else sched["end_weight_decay"]
-    if sched["weight_decay_incr_style"] == "constant" and start_wd != end_wd:
-        raise ConfigError(f"{KEY}.scheduler.end_weight_decay",
-                          "must equal start_weight_decay when weight_decay_incr_style is constant")
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=sched["lr_warmup_init"], max_lr=opt["lr"], min_lr=opt["min_lr"],
         lr_warmup_steps=warmup, lr_decay_steps=max(int(decay_iters), 1), lr_decay_style=style,
@@ -73,22 +76,29 @@ def build_optimizer(models: list[Any], section: Mapping[str, Any], precision: st
     return OptimizerBundle(optimizer, scheduler, clip, own_clipping)
 
 
+def _transformer_engine_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
 def _leaf_optimizers(optimizer: Any) -> list[Any]:
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
 @torch.no_grad()
 def global_grad_norm(optimizer: Any) -> float:
-    """L2 norm of the whole model's gradient, reduced over Megatron's grad-stats group."""
-    grads: list[torch.Tensor] = []
+    """L2 norm of the whole model's gradient: each leaf optimizer's squared norm reduced over its
+    own grad-stats group (the experts' group spans the expert-parallel ranks), then summed."""
+    total = 0.0
     for leaf in _leaf_optimizers(optimizer):
-        grads += leaf.get_main_grads_for_grad_norm()
-    total = torch.zeros(1, dtype=torch.float64)
-    for g in grads:
-        total += g.detach().double().pow(2).sum()
-    if dist.is_initialized():
-        dist.all_reduce(total, group=_leaf_optimizers(optimizer)[0].get_grad_stats_parallel_group())
-    return float(total.sqrt())
+        squares = torch.zeros(1, dtype=torch.float64)
+        for g in leaf.get_main_grads_for_grad_norm():
+            squares += g.detach().double().pow(2).sum()
+        if dist.is_initialized():
+            dist.all_reduce(squares, group=leaf.get_grad_stats_parallel_group())
+        total += float(squares)
+    return math.sqrt(total)
 
 
 @torch.no_grad()

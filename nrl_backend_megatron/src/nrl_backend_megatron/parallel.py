@@ -21,8 +21,9 @@ from nrl_backend_megatron.model import ParallelLayout, te_available
 KEY = "policy.megatron_cfg"
 
 
-def check_layout(layout: ParallelLayout, world_size: int, hf_config: Any) -> None:
-    """Reject a parallel layout the model or the world cannot divide into, in one line."""
+def check_layout(layout: ParallelLayout, world_size: int, hf_config: Any | None) -> None:
+    """Reject a parallel layout the model or the world cannot divide into, in one line (the model's
+    part only when its ``hf_config`` is known)."""
     tp, pp, cp = layout.tp, layout.pp, layout.cp
     for name, value in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp),
                         ("context_parallel_size", cp)):
@@ -31,6 +32,18 @@ def check_layout(layout: ParallelLayout, world_size: int, hf_config: Any) -> Non
     if world_size % (tp * pp * cp):
         raise ConfigError(f"{KEY}.tensor_model_parallel_size",
                           f"tp*pp*cp = {tp}*{pp}*{cp} does not divide the world size {world_size}")
+    if cp > 1 and not te_available():
+        raise ConfigError(f"{KEY}.context_parallel_size",
+                          f"{cp} needs Transformer Engine and CUDA; set it to 1 on this machine")
+    if layout.sequence_parallel and tp == 1:
+        raise ConfigError(f"{KEY}.sequence_parallel", "needs tensor_model_parallel_size > 1; set it to false")
+    # expert-parallel ranks are carved out of one pipeline stage's data- and tensor-parallel ranks
+    if layout.ep < 1 or (world_size // pp) % layout.ep:
+        raise ConfigError(f"{KEY}.expert_model_parallel_size",
+                          f"{layout.ep} does not divide the {world_size // pp} ranks of a pipeline stage "
+                          f"(world size {world_size} / pipeline_model_parallel_size {pp})")
+    if hf_config is None:
+        return
     heads = hf_config.num_attention_heads
     groups = getattr(hf_config, "num_key_value_heads", None) or heads
     if heads % tp:
@@ -43,11 +56,6 @@ def check_layout(layout: ParallelLayout, world_size: int, hf_config: Any) -> Non
     if hf_config.num_hidden_layers % pp:
         raise ConfigError(f"{KEY}.pipeline_model_parallel_size",
                           f"{pp} does not divide the {hf_config.num_hidden_layers} layers")
-    if cp > 1 and not te_available():
-        raise ConfigError(f"{KEY}.context_parallel_size",
-                          f"{cp} needs Transformer Engine and CUDA; set it to 1 on this machine")
-    if layout.sequence_parallel and tp == 1:
-        raise ConfigError(f"{KEY}.sequence_parallel", "needs tensor_model_parallel_size > 1; set it to false")
 
 
 def _timeout(minutes: int | None) -> datetime.timedelta | None:
@@ -90,4 +98,5 @@ def init_model_parallel(layout: ParallelLayout, timeout_minutes: int | None) -> 
         kwargs["distributed_timeout_minutes"] = timeout_minutes
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
-        context_parallel_size=layout.cp, **kwargs)
+        context_parallel_size=layout.cp, expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=1,
+        **kwargs)

@@ -1,7 +1,9 @@
 """The schema of ``policy.megatron_cfg``: NeMo RL's key names, nrl's validation.
 
-Keys NeMo RL has but this backend does not implement (mixture-of-experts, kernel fusions) are
+Keys NeMo RL has but this backend does not implement (kernel fusions, layer-count overrides) are
 accepted as ``inert`` fields so copied NeMo RL configs validate (a warning names them when set).
+The mixture-of-experts keys take effect for a MoE model (see :mod:`nrl_backend_megatron.moe`) and
+are ignored for a dense one, since NeMo RL's base configs set them for every model.
 NeMo RL's nested ``checkpoint: {async_save, fully_parallel_save, fully_parallel_load, load_rng}``
 is folded into the flat keys by :class:`MegatronCfgSection` during validation, so everything
 downstream reads only the flat spelling.
@@ -26,9 +28,9 @@ def _inert(default: Any = None, types: Any = _SCALAR) -> Field:
 
 OPTIMIZER = Section(doc="Megatron-Core OptimizerConfig (NeMo RL names).", fields={
     "optimizer": Field(type=str, default="adam", choices=("adam", "sgd")),
-    "lr": Field(type=float, default=5.0e-6),
-    "min_lr": Field(type=float, default=5.0e-7),
-    "weight_decay": Field(type=float, default=0.01),
+    "lr": Field(type=float, default=5.0e-6, minimum=0),
+    "min_lr": Field(type=float, default=5.0e-7, minimum=0),
+    "weight_decay": Field(type=float, default=0.01, minimum=0),
     "bf16": Field(type=bool, default=False, doc="keep bf16 params with fp32 main params"),
     "fp16": Field(type=bool, default=False),
     "params_dtype": Field(type=str, default="float32", choices=("float32", "bfloat16", "float16")),
@@ -38,7 +40,7 @@ OPTIMIZER = Section(doc="Megatron-Core OptimizerConfig (NeMo RL names).", fields
     "sgd_momentum": Field(type=float, default=0.9),
     "use_distributed_optimizer": Field(type=bool, default=False),
     "use_precision_aware_optimizer": Field(type=bool, default=False),
-    "clip_grad": Field(type=float, default=1.0, doc="global gradient-norm clip; 0 disables"),
+    "clip_grad": Field(type=float, default=1.0, minimum=0, doc="global gradient-norm clip; 0 disables"),
     "optimizer_cpu_offload": _inert(False),
     "optimizer_offload_fraction": _inert(0.0),
 })
@@ -49,8 +51,8 @@ SCHEDULER = Section(doc="Megatron-Core OptimizerParamScheduler (NeMo RL names)."
     "weight_decay_incr_style": Field(type=str, default="constant", choices=("constant", "linear", "cosine")),
     "lr_decay_style": Field(type=str, default="constant",
                             choices=("constant", "linear", "cosine", "inverse-square-root", "WSD")),
-    "lr_decay_iters": Field(type=int, default=None, nullable=True, doc="required unless lr_decay_style is constant"),
-    "lr_warmup_iters": Field(type=int, default=0),
+    "lr_decay_iters": Field(type=int, default=None, nullable=True, minimum=1, doc="required unless lr_decay_style is constant"),
+    "lr_warmup_iters": Field(type=int, default=0, minimum=0),
     "lr_warmup_init": Field(type=float, default=0.0),
 })
 
@@ -93,9 +95,9 @@ class MegatronCfgSection(Section):
 
 MEGATRON_CFG_SCHEMA: Section = MegatronCfgSection(doc="Megatron-Core training backend (policy.megatron_cfg).", fields={
     "enabled": Field(type=bool, default=False),
-    "tensor_model_parallel_size": Field(type=int, default=1),
-    "pipeline_model_parallel_size": Field(type=int, default=1),
-    "context_parallel_size": Field(type=int, default=1),
+    "tensor_model_parallel_size": Field(type=int, default=1, minimum=1),
+    "pipeline_model_parallel_size": Field(type=int, default=1, minimum=1),
+    "context_parallel_size": Field(type=int, default=1, minimum=1),
     "sequence_parallel": Field(type=bool, default=False),
     "activation_checkpointing": Field(type=bool, default=False),
     "empty_unused_memory_level": Field(type=int, default=0, choices=(0, 1, 2)),
@@ -111,23 +113,32 @@ MEGATRON_CFG_SCHEMA: Section = MegatronCfgSection(doc="Megatron-Core training ba
     "async_save": Field(type=bool, default=False),
     "load_rng": Field(type=bool, default=False),
     "checkpoint": NESTED_CHECKPOINT,
-    "distributed_timeout_minutes": Field(type=int, default=None, nullable=True),
+    "distributed_timeout_minutes": Field(type=int, default=None, nullable=True, minimum=1),
     "check_for_nan_in_grad": Field(type=bool, default=True),
     "logging_level": Field(type=(int, str), default=logging.INFO),
+    # Mixture of experts (NeMo RL's keys, plus moe_router_topk).
+    "expert_model_parallel_size": Field(type=int, default=1, doc="ranks the routed experts are split over"),
+    "expert_tensor_parallel_size": Field(type=int, default=1, doc="only 1: experts are never tensor-parallel"),
+    "freeze_moe_router": Field(type=bool, default=False, doc="the routers' weights do not train"),
+    "moe_router_topk": Field(type=int, default=None, nullable=True,
+                             doc="experts per token in training; null: the model's num_experts_per_tok"),
+    "moe_router_dtype": Field(type=str, default=None, nullable=True, choices=("fp32", "fp64"),
+                              doc="dtype of the router's logits and softmax; null: the model's dtype"),
+    "moe_router_load_balancing_type": Field(type=str, default="none",
+                                            choices=("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn",
+                                                     "none"),
+                                            doc="load-balancing loss added to the training loss"),
+    "moe_aux_loss_coeff": Field(type=float, default=0.0, doc="weight of the load-balancing loss"),
+    "moe_router_bias_update_rate": Field(type=float, default=0.0, doc="expert-bias update rate (aux-loss-free)"),
+    "moe_token_dispatcher_type": Field(type=str, default=None, nullable=True, choices=("allgather", "alltoall", "flex"),
+                                       doc="null: alltoall with CUDA, allgather without (the only one on CPU)"),
+    "moe_permute_fusion": Field(type=bool, default=False, doc="fused token permutation (CUDA only; off on CPU)"),
+    "moe_enable_deepep": Field(type=bool, default=False, doc="DeepEP dispatch (CUDA, flex dispatcher)"),
+    "moe_shared_expert_overlap": Field(type=bool, default=False, doc="overlap the shared expert (alltoall only)"),
+    "moe_per_layer_logging": Field(type=bool, default=False, doc="also log the aux losses of every layer"),
     # NeMo RL keys accepted without effect.
-    "expert_tensor_parallel_size": _inert(1),
-    "expert_model_parallel_size": _inert(1),
     "num_layers_in_first_pipeline_stage": _inert(None),
     "num_layers_in_last_pipeline_stage": _inert(None),
-    "freeze_moe_router": _inert(False),
-    "moe_router_dtype": _inert(None),
-    "moe_router_load_balancing_type": _inert("none"),
-    "moe_router_bias_update_rate": _inert(0.0),
-    "moe_permute_fusion": _inert(False),
-    "moe_enable_deepep": _inert(False),
-    "moe_token_dispatcher_type": _inert(None),
-    "moe_shared_expert_overlap": _inert(False),
-    "moe_aux_loss_coeff": _inert(0.0),
     "apply_rope_fusion": _inert(True),
     "bias_activation_fusion": _inert(True),
     "defer_fp32_logits": _inert(None),

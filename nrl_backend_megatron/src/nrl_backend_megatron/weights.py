@@ -6,6 +6,12 @@ along its ``partition_dim``. The gated MLP input ``linear_fc1`` is the exception
 ``[gate_slice; up_slice]``, so gate and up are split separately. Export gathers across the
 tensor-parallel group (all-gather) and then the pipeline group (broadcast from the owning stage),
 so every rank sees every full tensor: a collective, every rank must iterate.
+
+Routed experts are never tensor-parallel here (expert tensor parallel size 1); with expert
+parallelism a rank holds ``num_experts / EP`` whole experts of each MoE layer, named locally
+``local_experts.<j>``. Canonical names carry the global expert index, and export gathers a layer's
+experts with one all-gather per projection over the expert-parallel group (every rank's experts
+stacked into one message) rather than one transfer per expert.
 """
 
 from __future__ import annotations
@@ -19,10 +25,11 @@ import torch.distributed as dist
 from nrl_backend_megatron.convert.mapping import local_name
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+_EXPERT = re.compile(r"^(.*\.mlp\.experts\.local_experts\.)(\d+)\.(.*)$")
 
 
 def canonical_param_names(model: Any) -> dict[str, tuple[str, torch.nn.Parameter]]:
-    """Canonical (global layer index, local-spec) name → (local name, parameter) on this rank."""
+    """Canonical (global layer and expert index, local-spec) name → (local name, parameter) on this rank."""
     out: dict[str, tuple[str, torch.nn.Parameter]] = {}
     for name, param in model.named_parameters():
         m = _LAYER.match(name)
@@ -30,17 +37,26 @@ def canonical_param_names(model: Any) -> dict[str, tuple[str, torch.nn.Parameter
         if m:
             layer = model.decoder.layers[int(m.group(1))]
             canon = f"decoder.layers.{layer.layer_number - 1}.{m.group(2)}"
+            expert = _EXPERT.match(canon)
+            if expert:
+                index = layer.mlp.local_expert_indices[int(expert.group(2))]
+                canon = f"{expert.group(1)}{index}.{expert.group(3)}"
         out[local_name(canon)] = (name, param)
     return out
 
 
+def is_expert(canonical: str) -> bool:
+    """Whether a canonical name is a routed expert's weight (split by expert parallelism, never by TP)."""
+    return _EXPERT.match(canonical) is not None
+
+
 def _is_gated_fc1(name: str) -> bool:
-    return name.endswith("mlp.linear_fc1.weight")
+    return name.endswith("linear_fc1.weight")
 
 
 def shard(full: torch.Tensor, param: torch.Tensor, name: str, tp_rank: int, tp_size: int) -> torch.Tensor:
     """This rank's slice of a full tensor for ``param``."""
-    if tp_size == 1 or not getattr(param, "tensor_model_parallel", False):
+    if tp_size == 1 or not getattr(param, "tensor_model_parallel", False) or is_expert(name):
         return full
     dim = param.partition_dim
     if _is_gated_fc1(name):
@@ -51,7 +67,7 @@ def shard(full: torch.Tensor, param: torch.Tensor, name: str, tp_rank: int, tp_s
 
 def unshard(local: torch.Tensor, param: torch.Tensor, name: str, tp_group: Any, tp_size: int) -> torch.Tensor:
     """The full tensor from every tensor-parallel rank's slice (collective over ``tp_group``)."""
-    if tp_size == 1 or not getattr(param, "tensor_model_parallel", False):
+    if tp_size == 1 or not getattr(param, "tensor_model_parallel", False) or is_expert(name):
         return local
     parts = [torch.empty_like(local) for _ in range(tp_size)]
     dist.all_gather(parts, local.contiguous(), group=tp_group)
@@ -81,14 +97,19 @@ def load_full_state(model: Any, full: dict[str, torch.Tensor], tp_rank: int, tp_
 
 @torch.no_grad()
 def iter_full_tensors(model: Any, shapes: dict[str, tuple[int, ...]], *, tp_group: Any, tp_size: int,
-                      pp_group: Any, pp_size: int, pp_rank: int, dtype: torch.dtype
-                      ) -> Iterator[tuple[str, torch.Tensor]]:
+                      pp_group: Any, pp_size: int, pp_rank: int, dtype: torch.dtype, ep_group: Any = None,
+                      ep_size: int = 1) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield every canonical tensor in full on every rank, in the order of ``shapes``. Collective."""
     local = canonical_param_names(model)
     owners = _stage_owners(model, shapes, pp_group, pp_size, pp_rank)
+    experts: dict[str, torch.Tensor] = {}  # the current layer's gathered experts, handed out in order
     for canon, shape in shapes.items():
         owner = owners[canon]
-        if owner == pp_rank:
+        if owner == pp_rank and is_expert(canon):
+            if canon not in experts:
+                experts = _gather_layer_experts(local, canon, ep_group, ep_size, dtype)
+            full = experts.pop(canon)
+        elif owner == pp_rank:
             name, param = local[canon]
             full = unshard(param.data, param, canon, tp_group, tp_size)
             # never hand out a live parameter: the consumer may keep it while training goes on
@@ -102,10 +123,35 @@ def iter_full_tensors(model: Any, shapes: dict[str, tuple[int, ...]], *, tp_grou
         yield canon, full
 
 
+def _gather_layer_experts(local: dict[str, tuple[str, torch.nn.Parameter]], canon: str, ep_group: Any,
+                          ep_size: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Every expert of ``canon``'s layer in full: per projection, this rank's experts stacked and
+    all-gathered over the expert-parallel group (whose ranks hold consecutive expert ranges)."""
+    prefix = _EXPERT.match(canon).group(1)  # type: ignore[union-attr]
+    by_suffix: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    for name, (_, param) in local.items():
+        m = _EXPERT.match(name)
+        if m and m.group(1) == prefix:
+            by_suffix.setdefault(m.group(3), []).append((int(m.group(2)), param.data))
+    out: dict[str, torch.Tensor] = {}
+    for suffix, items in by_suffix.items():
+        items.sort(key=lambda item: item[0])
+        stacked = torch.stack([t for _, t in items]).to(dtype)  # a copy: never a live parameter
+        if ep_size > 1:
+            parts = [torch.empty_like(stacked) for _ in range(ep_size)]
+            dist.all_gather(parts, stacked.contiguous(), group=ep_group)
+            stacked = torch.cat(parts)
+        for e in range(stacked.shape[0]):  # expert-parallel rank r holds experts r*n .. r*n + n - 1
+            out[f"{prefix}{e}.{suffix}"] = stacked[e]
+    return out
+
+
 def _stage_owners(model: Any, shapes: dict[str, tuple[int, ...]], pp_group: Any, pp_size: int,
                   pp_rank: int) -> dict[str, int]:
-    """Which pipeline stage holds each canonical tensor (the embedding's first holder wins)."""
+    """Which pipeline stage holds each canonical tensor (the embedding's first holder wins); a
+    stage holds every expert of its MoE layers, whichever expert-parallel rank keeps each."""
     mine = set(canonical_param_names(model))
+    mine |= {n for n in shapes if is_expert(n) and n.split(".mlp.")[0] + ".mlp.router.weight" in mine}
     flags = torch.tensor([[1 if n in mine else 0 for n in shapes]], dtype=torch.int64)
     if pp_size > 1:
         gathered = [torch.zeros_like(flags) for _ in range(pp_size)]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
 from typing import Any, Iterator, Mapping
@@ -19,14 +20,16 @@ from typing import Any, Iterator, Mapping
 import torch
 import torch.distributed as dist
 
-from nrl_core.contracts import CheckpointOptions, LossFunction, TokenBatch, WeightSpec, logprob_temperature
+from nrl_core.contracts import BatchShard, CheckpointOptions, LossFunction, TokenBatch, WeightSpec, logprob_temperature
 from nrl_core.errors import ConfigError, NrlError
 
 from nrl_backend_megatron import cpu_shim
 from nrl_backend_megatron.batching import MicroBatch, packed_micro_batches, padded_micro_batches, token_logprobs
 from nrl_backend_megatron.checkpoint_dir import Conversion, converted_dir, ensure_converted, identity
+from nrl_backend_megatron.checks import layout_of, logging_level
 from nrl_backend_megatron.convert import canonical_shapes, family_of, hf_to_megatron, megatron_to_hf_items
-from nrl_backend_megatron.model import DTYPES, ParallelLayout, build_gpt_model, transformer_config
+from nrl_backend_megatron.model import DTYPES, build_gpt_model, te_available, transformer_config
+from nrl_backend_megatron.moe import RouterMetrics, check_moe_section, freeze_router, is_moe, mark_experts_parallel
 from nrl_backend_megatron.optim import build_optimizer, optimizer_step
 from nrl_backend_megatron.parallel import check_layout, ensure_process_group, init_model_parallel
 from nrl_backend_megatron.weights import iter_full_tensors, load_full_state
@@ -38,9 +41,7 @@ MEGATRON_LOGGERS = ("megatron", "megatron.core")
 
 def set_megatron_logging(level: int | str) -> int:
     """Apply ``logging_level`` to Megatron-Core's loggers; returns the numeric level."""
-    numeric = logging.getLevelName(level.upper()) if isinstance(level, str) else int(level)
-    if not isinstance(numeric, int):
-        raise ConfigError("policy.megatron_cfg.logging_level", f"unknown logging level {level!r}")
+    numeric = logging_level(level)
     for name in MEGATRON_LOGGERS:
         logging.getLogger(name).setLevel(numeric)
     return numeric
@@ -64,6 +65,14 @@ def _resolve_model_path(name: str) -> str:
     from huggingface_hub import snapshot_download
 
     return snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"])
+
+
+def _move_optimizer_state(optimizer: Any, device: str) -> None:
+    """Megatron's optimizer wrappers expose the torch optimizer's per-parameter state as ``.state``."""
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if torch.is_tensor(value) and value.device.type != device:
+                state[key] = value.to(device)
 
 
 class MegatronPolicyWorker:
@@ -91,10 +100,8 @@ class MegatronPolicyWorker:
             setattr(hf_config, key, value)
         family_of(hf_config)
         self.hf_config = hf_config
-        self.layout = ParallelLayout(tp=int(self.cfg["tensor_model_parallel_size"]),
-                                     pp=int(self.cfg["pipeline_model_parallel_size"]),
-                                     cp=int(self.cfg["context_parallel_size"]),
-                                     sequence_parallel=bool(self.cfg["sequence_parallel"]))
+        self.layout = layout_of(self.cfg)
+        check_moe_section(self.cfg, hf_config, te_available())
         check_layout(self.layout, world_size, hf_config)
         timeout = self.cfg.get("distributed_timeout_minutes")
         self.started_process_group = ensure_process_group(rank, world_size, timeout)
@@ -106,6 +113,7 @@ class MegatronPolicyWorker:
         self.conversion = self._convert()
         self._build()
         self.step = 0
+        self._offloaded: set[str] = set()
 
     # ------------------------------------------------------------------ setup
     def _groups(self) -> None:
@@ -116,6 +124,7 @@ class MegatronPolicyWorker:
         self.dp_group = ps.get_data_parallel_group(with_context_parallel=True)
         self.dp_rank = ps.get_data_parallel_rank(with_context_parallel=True)
         self.dp_size = ps.get_data_parallel_world_size(with_context_parallel=True)
+        self.ep_group = ps.get_expert_model_parallel_group()
         self.is_first_stage, self.is_last_stage = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
 
     def _convert(self) -> Conversion:
@@ -153,7 +162,7 @@ class MegatronPolicyWorker:
         self.tconfig = transformer_config(
             self.hf_config, self.layout, params_dtype=dtype, pipeline_dtype=pipeline_dtype,
             activation_checkpointing=bool(self.cfg["activation_checkpointing"]),
-            bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16)
+            bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, moe=self.cfg)
         self.hf_config_dropout()
         model = build_gpt_model(self.hf_config, self.tconfig, pre_process=self.is_first_stage,
                                 post_process=self.is_last_stage)
@@ -161,11 +170,14 @@ class MegatronPolicyWorker:
         load_full_state(model, full, self.tp_rank, self.layout.tp, bool(self.hf_config.tie_word_embeddings))
         del full
         self.model = model
+        self.router_metrics = None
+        if is_moe(self.hf_config):
+            mark_experts_parallel(model)
+            if self.cfg.get("freeze_moe_router"):
+                freeze_router(model)
+            self.router_metrics = RouterMetrics(model, self.tconfig, tp_rank=self.tp_rank, tp_size=self.layout.tp)
         ddp_section = self.cfg["distributed_data_parallel_config"]
         opt_section = self.cfg["optimizer"]
-        if ddp_section["overlap_param_gather"] and not opt_section["use_distributed_optimizer"]:
-            raise ConfigError("policy.megatron_cfg.distributed_data_parallel_config.overlap_param_gather",
-                              "needs policy.megatron_cfg.optimizer.use_distributed_optimizer: true")
         self.ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=ddp_section["grad_reduce_in_fp32"],
             overlap_grad_reduce=ddp_section["overlap_grad_reduce"],
@@ -211,7 +223,8 @@ class MegatronPolicyWorker:
 
         def forward_step(data_iterator: Iterator[MicroBatch], model: Any) -> tuple[torch.Tensor, Any]:
             mb = next(data_iterator)
-            out = model(mb.input_ids, mb.position_ids, None, packed_seq_params=mb.packed)
+            with self._routing(mb, forward_only):
+                out = model(mb.input_ids, mb.position_ids, None, packed_seq_params=mb.packed)
             return out, partial(loss_of, mb)
 
         seq = int(mbs[0].input_ids.shape[1])
@@ -220,8 +233,15 @@ class MegatronPolicyWorker:
             forward_step_func=forward_step, data_iterator=iter(mbs), model=[self.ddp], num_microbatches=len(mbs),
             seq_length=seq, micro_batch_size=rows, forward_only=forward_only)
 
+    def _routing(self, mb: MicroBatch, forward_only: bool) -> Any:
+        """Count the routers' choices in a training forward (MoE models only)."""
+        if self.router_metrics is None or forward_only:
+            return nullcontext()
+        return self.router_metrics.stats.recording(mb.token_mask())
+
     def train(self, batch: TokenBatch, loss_fn: LossFunction) -> dict[str, float]:
         """One optimizer step on the global batch; metrics summed over micro-batches and ranks."""
+        self._require_on_device("train")
         global_tokens, global_seqs = batch.loss_counts()  # every rank holds the global batch
         mbs = self._micro_batches(batch, train=True)
         scale = float(len(mbs) * self.dp_size)  # undo Megatron's 1/num_microbatches and DDP's 1/dp
@@ -235,6 +255,8 @@ class MegatronPolicyWorker:
         self.ddp.train()
         self.ddp.zero_grad_buffer()
         self.opt.optimizer.zero_grad()
+        if self.router_metrics is not None:
+            self.router_metrics.reset()
         try:
             reported = self._run(mbs, loss_of, forward_only=False)
         except RuntimeError as exc:
@@ -249,6 +271,8 @@ class MegatronPolicyWorker:
         metrics = self._reduce_metrics(reported)
         metrics.update(grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
                        lr=float(self.opt.optimizer.param_groups[0]["lr"]), updated=float(updated))
+        if self.router_metrics is not None:
+            metrics.update(self.router_metrics.collect(len(mbs), self.dp_size // self.layout.cp))
         return metrics
 
     def _reduce_metrics(self, reported: list[dict[str, torch.Tensor]]) -> dict[str, float]:
@@ -268,8 +292,10 @@ class MegatronPolicyWorker:
         return {k: float(v) for k, v in zip(names, values.tolist())}
 
     @torch.no_grad()
-    def get_logprobs(self, batch: TokenBatch) -> torch.Tensor:
-        """``[B, T]`` float32 logprobs of the full batch, identical on every rank."""
+    def get_logprobs(self, batch: TokenBatch) -> BatchShard | None:
+        """Float32 logprobs of this data-parallel group's shard; returned by the group's
+        tensor-parallel rank 0 on the last pipeline stage (the rank that has them), else ``None``."""
+        self._require_on_device("get_logprobs")
         mbs = self._micro_batches(batch, train=False)
         collected: list[torch.Tensor] = []
 
@@ -280,28 +306,18 @@ class MegatronPolicyWorker:
         self.ddp.eval()
         self._run(mbs, loss_of, forward_only=True)
         self.ddp.train()
-        width = int(batch.input_ids.shape[1])
-        shard_rows = batch.size // self.dp_size
-        local = torch.zeros(shard_rows, width)
-        if self.is_last_stage:
-            for mb, rows in zip(mbs, collected):
-                local[self._row_ids(mb), : rows.shape[1]] = rows
-        if self.layout.pp > 1:
-            dist.broadcast(local, src=dist.get_global_rank(self.pp_group, self.layout.pp - 1), group=self.pp_group)
-        if self.dp_size == 1:
-            return local
-        parts = [torch.empty_like(local) for _ in range(self.dp_size)]
-        dist.all_gather(parts, local, group=self.dp_group)
-        out = torch.empty(batch.size, width)
-        for r, part in enumerate(parts):
-            out[r::self.dp_size] = part
-        return out
+        if not self.is_last_stage or self.tp_rank != 0:
+            return None
+        local = torch.zeros(batch.size // self.dp_size, int(batch.input_ids.shape[1]))
+        for mb, rows in zip(mbs, collected):
+            local[self._row_ids(mb), : rows.shape[1]] = rows
+        return BatchShard(rows=batch.shard_rows(self.dp_rank, self.dp_size), values=local)
 
     @staticmethod
     def _row_ids(mb: MicroBatch) -> list[int]:
         return mb.rows.fields["__row__"].tolist()
 
-    def get_reference_logprobs(self, batch: TokenBatch) -> torch.Tensor:
+    def get_reference_logprobs(self, batch: TokenBatch) -> BatchShard | None:
         """Logprobs under the initial weights: swap them in, compute, swap back."""
         current = {n: p.detach().clone() for n, p in self.model.named_parameters()}
         params = dict(self.model.named_parameters())
@@ -315,11 +331,49 @@ class MegatronPolicyWorker:
                 for n, p in params.items():
                     p.copy_(current[n])
 
+    # ------------------------------------------------------------------ memory hand-off (colocated)
+    def offload_before_refit(self) -> None:
+        """Free the gradient buffers and move the optimizer state to host memory: neither the
+        refit nor generation needs them. A pending asynchronous save still references the device
+        tensors, so it is finished first."""
+        self.finalize_checkpoint()
+        for buffer in self._grad_buffers():
+            buffer.offload_to_cpu(move_params=False, move_grads=True)
+        if torch.cuda.is_available():
+            _move_optimizer_state(self.opt.optimizer, "cpu")
+        self._offloaded.add("optimizer")
+
+    def offload_after_refit(self) -> None:
+        """Move the parameter buffers to host memory (where Megatron keeps them contiguous: the
+        distributed optimizer's buffers) while the engine generates from its copy."""
+        if torch.cuda.is_available():
+            for buffer in self._grad_buffers():
+                buffer.offload_to_cpu(move_params=True, move_grads=False)
+        self._offloaded.add("weights")
+
+    def prepare_for_training(self) -> None:
+        """Bring back what the offload calls moved (idempotent); the gradient buffers come back zeroed."""
+        if self._offloaded:
+            for buffer in self._grad_buffers():
+                buffer.reload_from_cpu(move_params="weights" in self._offloaded and torch.cuda.is_available(),
+                                       move_grads="optimizer" in self._offloaded)
+            if torch.cuda.is_available():
+                _move_optimizer_state(self.opt.optimizer, "cuda")
+        self._offloaded.clear()
+
+    def _grad_buffers(self) -> list[Any]:
+        return [*self.ddp.buffers, *getattr(self.ddp, "expert_parallel_buffers", [])]
+
+    def _require_on_device(self, what: str) -> None:
+        if self._offloaded:
+            raise NrlError(f"megatron worker rank {dist.get_rank()}: {what} while its "
+                           f"{', '.join(sorted(self._offloaded))} are offloaded; call prepare_for_training first")
+
     # ------------------------------------------------------------------ weights out
     def _full_megatron(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
         return iter_full_tensors(self.model, canonical_shapes(self.hf_config), tp_group=self.tp_group,
                                  tp_size=self.layout.tp, pp_group=self.pp_group, pp_size=self.layout.pp,
-                                 pp_rank=self.pp_rank, dtype=dtype)
+                                 pp_rank=self.pp_rank, dtype=dtype, ep_group=self.ep_group, ep_size=self.layout.ep)
 
     def weight_manifest(self, dtype: str) -> list[WeightSpec]:
         """Every HF-named weight ``export_weights`` yields, full shapes, in order."""

@@ -5,15 +5,22 @@ from __future__ import annotations
 from nrl_core.config.schema import Field, Section
 
 VLLM_CFG = Section(doc="vLLM engine options (the vllm generation backend).", fields={
-    "tensor_parallel_size": Field(type=int, default=1, doc="vLLM tensor-parallel ranks per engine"),
-    "pipeline_parallel_size": Field(type=int, default=1, doc="vLLM pipeline-parallel stages per engine"),
+    "tensor_parallel_size": Field(type=int, default=1, minimum=1,
+                                  doc="ranks per engine (vLLM tensor parallel); the generation ranks hold "
+                                      "ranks / tensor_parallel_size independent engines"),
+    "pipeline_parallel_size": Field(type=int, default=1, choices=(1,),
+                                    doc="accepted for NeMo RL configs; nrl runs engines without pipeline parallelism"),
+    "sleep_level": Field(type=int, default=1, choices=(1, 2),
+                         doc="colocated, between generations: 1 parks the weights in host memory, 2 drops them "
+                             "(the next refit reloads them); vLLM sleep mode, GPUs only"),
     "gpu_memory_utilization": Field(type=float, default=0.6,
                                     doc="fraction of GPU memory vLLM may claim (GPU only; see kv_cache_space_gb)"),
-    "max_model_len": Field(type=int, default=None, nullable=True,
+    "max_model_len": Field(type=int, default=None, nullable=True, minimum=2,
                            doc="prompt + response tokens; null: policy.max_total_sequence_length"),
     "enforce_eager": Field(type=bool, default=False, doc="skip CUDA graphs / compilation"),
     "async_engine": Field(type=bool, default=False,
-                          doc="accepted; the CPU worker always runs the synchronous in-process engine"),
+                          doc="vLLM's AsyncLLM (engine core in a child process): requests finish independently, "
+                              "which async GRPO needs; one rank per engine"),
     "precision": Field(type=str, default=None, nullable=True,
                        choices=("float32", "bfloat16", "float16", "auto"), doc="null: policy.precision"),
     "kv_cache_space_gb": Field(type=float, default=1.0,

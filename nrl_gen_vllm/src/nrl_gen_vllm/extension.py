@@ -6,9 +6,36 @@ worker already defines ``update_weights`` (and may grow more): an extension must
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
+
+ROTARY_WARNING = "%s: Failed to load weights"
+
+
+class RotaryCacheFilter(logging.Filter):
+    """Drops vLLM's "<RotaryEmbedding>: Failed to load weights" warning, and only that one.
+
+    vLLM's layerwise reload counts every tensor of a layer, buffers included, and when a layer
+    receives none of them it warns and puts the layer's own tensors back. A rotary embedding's
+    only tensor is ``cos_sin_cache``: a non-persistent buffer computed from the config when the
+    engine starts, never in a checkpoint and never trained. So at every refit the warning fires
+    (150 times in the demo) while the cache put back is exactly the one in use: nothing is lost.
+    The same warning for any other layer still shows, since there it would mean missing weights.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        layer = str(record.args[0]) if isinstance(record.args, tuple) and record.args else ""
+        return not (record.msg == ROTARY_WARNING and layer.endswith("RotaryEmbedding"))
+
+
+def _quiet_rotary_reload_warning() -> None:
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    reload_logger = logging.getLogger(layerwise.__name__)
+    if not any(isinstance(f, RotaryCacheFilter) for f in reload_logger.filters):
+        reload_logger.addFilter(RotaryCacheFilter())
 
 
 class NrlWorkerExtension:
@@ -33,12 +60,48 @@ class NrlWorkerExtension:
             initialize_layerwise_reload,
         )
 
+        _quiet_rotary_reload_warning()
         model = self.model_runner.model
         with set_current_vllm_config(self.vllm_config):
             initialize_layerwise_reload(model)
             loaded = model.load_weights(weights=iter(named))
             finalize_layerwise_reload(model, self.model_config)
+            prepack_cpu_experts(model)
         return len(loaded) if loaded is not None else -1
+
+    @torch.no_grad()
+    def nrl_load_weights_from_file(self, path: str, layout: list[list[Any]]) -> int:
+        """:meth:`nrl_load_weights` for an engine in another process (vLLM's async engine): the
+        tensors lie packed in the file ``path`` (a ``/dev/shm`` file the caller removes), each at
+        ``[name, dtype, shape, offset, nbytes]`` of ``layout``, and are read as views of one mapping."""
+        total = max((int(offset) + int(nbytes) for _, _, _, offset, nbytes in layout), default=0)
+        data = torch.from_file(path, shared=True, size=total, dtype=torch.uint8)
+        named = [(name, data[offset:offset + nbytes].view(getattr(torch, dtype)).view(shape))
+                 for name, dtype, shape, offset, nbytes in layout]
+        return self.nrl_load_weights(named)
 
     def nrl_parameter_count(self) -> int:
         return sum(1 for _ in self.model_runner.model.parameters())
+
+
+def prepack_cpu_experts(model: torch.nn.Module) -> int:
+    """Redo the CPU MoE kernel's weight prepacking after a reload; returns how many layers.
+
+    Why: vLLM's unquantized MoE method prepacks expert weights into the CPU grouped-GEMM layout
+    only on the first load; a weight update copies the new weights in checkpoint layout into the
+    prepacked tensors and skips the prepack (vLLM 0.2x), so the kernel then reads unpacked weights
+    as packed ones and every MoE layer computes garbage, even after reloading unchanged weights.
+    This runs the step vLLM skipped, the experts' own ``process_weights_after_loading``.
+    """
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except ImportError:  # a vLLM without the CPU MoE kernels
+        return 0
+    count = 0
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if isinstance(experts, CPUUnquantizedExperts):
+            experts.process_weights_after_loading(module)
+            count += 1
+    return count

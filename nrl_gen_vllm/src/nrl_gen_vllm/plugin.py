@@ -16,5 +16,8 @@ def nrl_generation_backends() -> list[GenerationBackendSpec]:
         worker="nrl_gen_vllm.worker:VllmGenerationWorker",
         config_schema=VLLM_CFG,
         distribution="nrl-gen-vllm",
+        parallel_size_keys=("tensor_parallel_size",),
+        config_check="nrl_gen_vllm.checks:check_config",
+        capabilities=frozenset({"streaming"}),
         description="vllm.LLM rollouts; refit through vLLM's layerwise reload",
     )]

@@ -8,18 +8,22 @@ as HF-named buckets (see :mod:`nrl_core.refit`); they are staged and checked aga
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
 import time
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 from nrl_core.contracts import GenerationOutput, WeightSpec
-from nrl_core.errors import NrlError
+from nrl_core.errors import ConfigError, NrlError
 from nrl_core.refit.buckets import Bucket, dtype_name, parse_dtype, spec_of
 from nrl_core.refit.manifest import RefitError, verify
 
+from nrl_gen_vllm import cpu_shm
+from nrl_gen_vllm.engines import AsyncEngine, SyncEngine
 from nrl_gen_vllm.checkpoint import check_against_checkpoint, checkpoint_shapes
+from nrl_gen_vllm.checks import engine_start_error
 from nrl_gen_vllm.sampling import SamplingSettings, base_seed, request_seed
 
 logger = logging.getLogger(__name__)
@@ -27,13 +31,52 @@ logger = logging.getLogger(__name__)
 EXTENSION = "nrl_gen_vllm.extension.NrlWorkerExtension"
 _GIB = 2**30
 _FINISH = {"stop": "stop", "length": "length"}
+SLEEP_TAGS = ("weights", "kv_cache")
 
 
-def _configure_environment(vcfg: Mapping[str, Any]) -> None:
-    """Environment vLLM reads at engine start: in-process engine for a single-rank engine (starts
-    in seconds on CPU and keeps tensors handed to ``collective_rpc`` by reference)."""
-    if int(vcfg.get("tensor_parallel_size") or 1) * int(vcfg.get("pipeline_parallel_size") or 1) == 1:
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+def _configure_environment() -> None:
+    """vLLM's in-process engine core: it starts in seconds on CPU, keeps tensors handed to
+    ``collective_rpc`` by reference, and is what the ``external_launcher`` executor requires."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+def _distributed_engine(tp: int, rank: int, world_size: int) -> bool:
+    """Whether this engine joins the process's torch.distributed world through vLLM's
+    ``external_launcher`` executor (see :class:`VllmGenerationWorker`), checking that the world
+    is one the engines can tile."""
+    import torch.distributed as dist
+
+    joined = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    if not joined:
+        if tp > 1:
+            raise NrlError(f"policy.generation.vllm_cfg.tensor_parallel_size: {tp} needs a process group of {tp} ranks "
+                           "around the engine; nrl's generation worker groups form one (build engines through them)")
+        return False
+    if (dist.get_rank(), dist.get_world_size()) != (rank, world_size):
+        raise NrlError(f"vLLM worker built as rank {rank}/{world_size} inside process-group rank "
+                       f"{dist.get_rank()}/{dist.get_world_size()}")
+    if world_size % tp:
+        raise ConfigError("policy.generation.vllm_cfg.tensor_parallel_size",
+                          f"{tp} does not divide the {world_size} ranks that host the engines")
+    return True
+
+
+@contextlib.contextmanager
+def _engine_local_rank() -> Iterator[None]:
+    """vLLM picks ``cuda:LOCAL_RANK``; a Ray actor usually sees only its own GPU, which is then
+    ``cuda:0`` whatever the rank's place on the node."""
+    import torch
+
+    saved = os.environ.get("LOCAL_RANK")
+    if torch.cuda.is_available() and torch.cuda.device_count() == 1:
+        os.environ["LOCAL_RANK"] = "0"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("LOCAL_RANK", None)
+        else:
+            os.environ["LOCAL_RANK"] = saved
 
 
 def _is_cpu() -> bool:
@@ -43,10 +86,18 @@ def _is_cpu() -> bool:
 
 
 class VllmGenerationWorker:
-    """One vLLM engine built from ``policy.model_name`` (a local HF checkpoint directory).
+    """One rank of a vLLM engine built from ``policy.model_name`` (a local HF checkpoint directory).
 
     ``config`` is the whole validated nrl config as a plain dict; generation settings come from
     ``policy.generation`` and engine settings from ``policy.generation.vllm_cfg``.
+
+    Alone in its process (``world_size`` 1) the engine is vLLM's single-process one. Inside a
+    process that belongs to a ``torch.distributed`` world (colocated in training actors, or a
+    generation group of several ranks) it joins that world through vLLM's ``external_launcher``
+    executor: every ``tensor_parallel_size`` consecutive ranks form one engine, and the engines are
+    independent ("external data parallel"), each serving its own prompts. Every rank of a world
+    must construct its engine at the same time (vLLM creates its groups collectively), and every
+    rank of one engine must get the same prompts.
     """
 
     def __init__(self, config: Mapping[str, Any], rank: int = 0, world_size: int = 1) -> None:
@@ -55,44 +106,77 @@ class VllmGenerationWorker:
         vcfg = generation.get("vllm_cfg") or {}
         self.rank = rank
         self.world_size = world_size
+        self.tp = int(vcfg.get("tensor_parallel_size") or 1)
+        if int(vcfg.get("pipeline_parallel_size") or 1) != 1:
+            raise ConfigError("policy.generation.vllm_cfg.pipeline_parallel_size",
+                              "nrl-gen-vllm runs engines without pipeline parallelism; use tensor_parallel_size")
+        self.engine_index = rank // self.tp
         self._sampling = SamplingSettings.from_config(generation)
         self._seed = base_seed(config)
         self._calls = 0
         self._version = 0
+        self._awake = set(SLEEP_TAGS)
         self.model_dir = str(policy["model_name"])
         precision = vcfg.get("precision") or policy.get("precision") or "float32"
         self.dtype = "auto" if precision == "auto" else dtype_name(parse_dtype(precision))
         self.max_model_len = int(vcfg.get("max_model_len") or policy.get("max_total_sequence_length") or 512)
+        self.sleep_level = int(vcfg.get("sleep_level") or 1)
         self._checkpoint = checkpoint_shapes(self.model_dir)
 
-        _configure_environment(vcfg)
-        from vllm import LLM
+        self.async_engine = bool(vcfg.get("async_engine"))
+        _configure_environment()
+        from vllm.platforms import current_platform
 
         engine_kwargs: dict[str, Any] = {}
         if _is_cpu() and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
             engine_kwargs["kv_cache_memory_bytes"] = int(float(vcfg.get("kv_cache_space_gb") or 1.0) * _GIB)
+        if _distributed_engine(self.tp, rank, world_size):
+            if self.async_engine:
+                raise ConfigError("policy.generation.vllm_cfg.async_engine",
+                                  "vLLM's async engine runs alone in its process: use it with tensor_parallel_size 1 "
+                                  "and generation not colocated, or set async_engine: false")
+            engine_kwargs["distributed_executor_backend"] = "external_launcher"
+            if _is_cpu():
+                cpu_shm.use_unique_names()
+        colocated = bool((generation.get("colocated") or {}).get("enabled"))
+        # Sleep mode frees the engine's memory for training between generations (colocated only);
+        # vLLM offers it on GPUs, where it also needs its own allocator.
+        self.sleep_mode = colocated and current_platform.is_sleep_mode_available()
         tokenizer = (policy.get("tokenizer") or {}).get("name") or self.model_dir
         start = time.perf_counter()
-        self.llm = LLM(
-            model=self.model_dir,
-            tokenizer=tokenizer,
-            dtype=self.dtype,
-            seed=self._seed,
-            max_model_len=self.max_model_len,
-            tensor_parallel_size=int(vcfg.get("tensor_parallel_size") or 1),
-            pipeline_parallel_size=int(vcfg.get("pipeline_parallel_size") or 1),
-            gpu_memory_utilization=float(vcfg.get("gpu_memory_utilization") or 0.6),
-            enforce_eager=bool(vcfg.get("enforce_eager")),
-            trust_remote_code=bool(policy.get("trust_remote_code")),
-            worker_extension_cls=EXTENSION,
-            # the sampled token's logprob after temperature (and top-k/top-p), i.e. under the
-            # distribution it was drawn from, which the policy's logprobs reproduce (temperature)
-            logprobs_mode="processed_logprobs",
-            **engine_kwargs,
-        )
-        logger.info("vLLM engine for %s ready in %.1f s", self.model_dir, time.perf_counter() - start)
+        try:
+            with _engine_local_rank():
+                self._engine = (AsyncEngine if self.async_engine else SyncEngine)(
+                    model=self.model_dir,
+                    tokenizer=tokenizer,
+                    dtype=self.dtype,
+                    seed=self._seed,
+                    max_model_len=self.max_model_len,
+                    tensor_parallel_size=self.tp,
+                    gpu_memory_utilization=float(vcfg.get("gpu_memory_utilization") or 0.6),
+                    enforce_eager=bool(vcfg.get("enforce_eager")),
+                    trust_remote_code=bool(policy.get("trust_remote_code")),
+                    worker_extension_cls=EXTENSION,
+                    enable_sleep_mode=self.sleep_mode,
+                    # the sampled token's logprob after temperature (and top-k/top-p), i.e. under the
+                    # distribution it was drawn from, which the policy's logprobs reproduce (temperature)
+                    logprobs_mode="processed_logprobs",
+                    **engine_kwargs,
+                )
+        except Exception as exc:  # vLLM refuses some config values only when the engine starts
+            refused = engine_start_error(exc, config, cpu=_is_cpu())
+            if refused is None:
+                raise
+            raise refused from None
+        logger.info("vLLM %sengine %d (rank %d of %d) for %s ready in %.1f s", "async " if self.async_engine else "",
+                    self.engine_index, rank, world_size, self.model_dir, time.perf_counter() - start)
 
     # ------------------------------------------------------------------ generation
+
+    @property
+    def llm(self) -> Any:
+        """The ``vllm.LLM`` behind a synchronous engine (benchmarks and tests reach vLLM through it)."""
+        return self._engine.llm
 
     @property
     def weight_version(self) -> int:
@@ -117,8 +201,26 @@ class VllmGenerationWorker:
 
     def generate(self, prompts: list[list[int]], *, greedy: bool = False) -> GenerationOutput:
         """Complete each prompt (token ids); per-request seeds make the samples reproducible."""
+        requests, params = self._requests(prompts, greedy)
+        return self._output(self._engine.generate(requests, params))
+
+    def generate_groups(self, prompts: list[list[int]], group_size: int, *,
+                        greedy: bool = False) -> Iterator[tuple[int, GenerationOutput]]:
+        """``group_size`` samples of each prompt, yielded as ``(prompt index, output)`` when the
+        group's last sample is done (the async engine finishes groups independently; the sync one
+        returns them together). Sample ``j`` of prompt ``i`` gets the seed that position
+        ``i * group_size + j`` gets from :meth:`generate` over the repeated prompts, so both sample
+        the same tokens."""
+        repeated = [prompt for prompt in prompts for _ in range(group_size)]
+        requests, params = self._requests(repeated, greedy)
+        version = self._version
+        for index, outputs in self._engine.stream(requests, params, group_size):
+            yield index, self._output(outputs, version)
+
+    def _requests(self, prompts: list[list[int]], greedy: bool) -> tuple[list[Any], list[Any]]:
         from vllm.inputs import TokensPrompt
 
+        self._require_awake("generate", SLEEP_TAGS)
         call = self._calls
         self._calls += 1
         requests, params = [], []
@@ -129,8 +231,11 @@ class VllmGenerationWorker:
                                f"{self.max_model_len}; raise policy.max_total_sequence_length or shorten prompts")
             requests.append(TokensPrompt(prompt_token_ids=list(prompt)))
             params.append(self._sampling.params(max_tokens=min(self._sampling.max_new_tokens, room),
-                                                seed=request_seed(self._seed, self.rank, call, i), greedy=greedy))
-        outputs = self.llm.generate(requests, params, use_tqdm=False) if requests else []
+                                                seed=request_seed(self._seed, self.engine_index, call, i),
+                                                greedy=greedy))
+        return requests, params
+
+    def _output(self, outputs: list[Any], version: int | None = None) -> GenerationOutput:
         token_ids, logprobs, reasons = [], [], []
         for out in outputs:
             seq = out.outputs[0]
@@ -139,7 +244,7 @@ class VllmGenerationWorker:
             logprobs.append([float(seq.logprobs[t][tok].logprob) for t, tok in enumerate(ids)] if seq.logprobs else [])
             reasons.append(_FINISH.get(seq.finish_reason or "", "stop"))
         return GenerationOutput(token_ids=token_ids, logprobs=logprobs, finish_reasons=reasons,
-                                weight_version=self._version)
+                                weight_version=self._version if version is None else version)
 
     # ------------------------------------------------------------------ refit
 
@@ -150,28 +255,62 @@ class VllmGenerationWorker:
         On any mismatch raises :class:`~nrl_core.refit.manifest.RefitError` naming the keys, and
         the engine keeps its previous weights (nothing was loaded yet).
         """
+        self._require_awake("import_weights", ("weights",))
         staged: list[tuple[str, Any]] = [item for bucket in buckets for item in bucket]
         verify([spec_of(name, tensor) for name, tensor in staged], manifest)
         check_against_checkpoint(manifest, self._checkpoint, self.model_dir)
-        self.llm.collective_rpc("nrl_load_weights", args=(staged,))
+        self._engine.load_weights(staged)
         del staged
-        self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
+        self._engine.reset_prefix_cache()  # cached KV was computed with the old weights
         self._version += 1
         return self._version
 
+    # ------------------------------------------------------------------ memory hand-off (colocated)
+
+    def finish_generation(self) -> bool:
+        """Sleep until the next :meth:`prepare_for_generation`: free the KV cache and park the
+        weights (level 1) or drop them (level 2), so training gets the device's memory back; True
+        when the weights were dropped (the next refit must reload them). Without sleep mode (CPU)
+        the engine keeps its memory; the state is still tracked, so a call out of order fails the
+        same way everywhere."""
+        dropped = False
+        if self.sleep_mode and self._awake:
+            self._engine.reset_prefix_cache()
+            self._engine.sleep(self.sleep_level)
+            dropped = self.sleep_level == 2
+        self._awake.clear()
+        return dropped
+
+    def prepare_for_generation(self, tags: list[str] | None = None) -> None:
+        """Wake what ``tags`` name (``"weights"``, ``"kv_cache"``; all when None): weights before a
+        refit, the KV cache once training's memory is out of the way."""
+        wanted = set(tags or SLEEP_TAGS)
+        unknown = wanted - set(SLEEP_TAGS)
+        if unknown:
+            raise ValueError(f"unknown sleep tags {sorted(unknown)}; use {list(SLEEP_TAGS)}")
+        missing = wanted - self._awake
+        if self.sleep_mode and missing:
+            self._engine.wake_up(sorted(missing))
+        self._awake |= missing
+
+    def _require_awake(self, what: str, tags: Iterable[str]) -> None:
+        asleep = sorted(set(tags) - self._awake)
+        if asleep:
+            raise NrlError(f"vLLM engine {self.engine_index}: {what} while its {', '.join(asleep)} sleep; "
+                           "call prepare_for_generation first")
+
     def shutdown(self) -> None:
         """Stop the engine and free its memory (safe to call twice)."""
-        llm = getattr(self, "llm", None)
-        if llm is None:
+        engine = getattr(self, "_engine", None)
+        if engine is None:
             return
-        self.llm = None
+        self._engine = None
         try:
-            engine_core = getattr(llm.llm_engine, "engine_core", None)
-            if engine_core is not None and hasattr(engine_core, "shutdown"):
-                engine_core.shutdown()
+            engine.shutdown()
         finally:
-            del llm
+            del engine
             gc.collect()
+            cpu_shm.remove_segments()
 
 
 __all__ = ["VllmGenerationWorker", "RefitError"]

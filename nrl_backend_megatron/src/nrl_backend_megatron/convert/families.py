@@ -1,7 +1,11 @@
 """Which Hugging Face architectures the backend supports, and how each differs from Llama.
 
-All three families share Llama's decoder layout (RMSNorm, GQA attention, SwiGLU MLP, RoPE);
-Qwen2 adds a bias on the q/k/v projections, Qwen3 adds per-head RMSNorm on queries and keys.
+All share Llama's decoder layout (RMSNorm, GQA attention, SwiGLU MLP, RoPE); Qwen2 adds a bias on
+the q/k/v projections, Qwen3 adds per-head RMSNorm on queries and keys. The mixture-of-experts
+families replace the MLP of their sparse layers by a router and ``num_experts`` SwiGLU experts:
+Qwen3-MoE has Qwen3's attention and renormalises the top-k routing probabilities; Qwen2-MoE has
+Qwen2's attention, keeps the top-k probabilities as they are and adds a shared expert scaled by a
+sigmoid gate.
 """
 
 from __future__ import annotations
@@ -18,12 +22,17 @@ class Family:
     architecture: str
     qkv_bias: bool
     qk_norm: bool
+    moe: bool = False
+    shared_expert: bool = False
 
 
 FAMILIES: dict[str, Family] = {
     "LlamaForCausalLM": Family("llama", "LlamaForCausalLM", qkv_bias=False, qk_norm=False),
     "Qwen2ForCausalLM": Family("qwen2", "Qwen2ForCausalLM", qkv_bias=True, qk_norm=False),
     "Qwen3ForCausalLM": Family("qwen3", "Qwen3ForCausalLM", qkv_bias=False, qk_norm=True),
+    "Qwen3MoeForCausalLM": Family("qwen3_moe", "Qwen3MoeForCausalLM", qkv_bias=False, qk_norm=True, moe=True),
+    "Qwen2MoeForCausalLM": Family("qwen2_moe", "Qwen2MoeForCausalLM", qkv_bias=True, qk_norm=False, moe=True,
+                                  shared_expert=True),
 }
 
 
@@ -41,3 +50,19 @@ def family_of(hf_config: Any, key_path: str = "policy.model_name") -> Family:
 def head_dim(hf_config: Any) -> int:
     value = getattr(hf_config, "head_dim", None)
     return int(value) if value else hf_config.hidden_size // hf_config.num_attention_heads
+
+
+def moe_layers(hf_config: Any) -> list[bool]:
+    """Per decoder layer, whether it is a mixture-of-experts layer (HF's rule: not listed in
+    ``mlp_only_layers`` and every ``decoder_sparse_step``-th layer); all False for dense families."""
+    if not family_of(hf_config).moe:
+        return [False] * hf_config.num_hidden_layers
+    experts = int(getattr(hf_config, "num_experts", 0) or 0)
+    step = int(getattr(hf_config, "decoder_sparse_step", 1) or 1)
+    dense = set(getattr(hf_config, "mlp_only_layers", None) or [])
+    return [experts > 0 and i not in dense and (i + 1) % step == 0 for i in range(hf_config.num_hidden_layers)]
+
+
+def num_experts(hf_config: Any) -> int:
+    """Routed experts per MoE layer (0 for a dense model)."""
+    return int(getattr(hf_config, "num_experts", 0) or 0) if any(moe_layers(hf_config)) else 0

@@ -1,4 +1,4 @@
-"""HF ↔ Megatron-Core weight mapping for the Llama/Qwen2/Qwen3 families (full, unsharded tensors).
+"""HF ↔ Megatron-Core weight mapping for the supported families (full, unsharded tensors).
 
 The Megatron side uses the *local* layer spec's parameter names (the canonical form stored in a
 converted checkpoint); :func:`te_name` renames the two fused-norm weights for Transformer Engine's
@@ -7,25 +7,31 @@ spec. Two layouts are fused on the Megatron side:
 * ``linear_qkv``: per query group ``g``, the group's query heads then its one key head then its one
   value head, stacked along the output dimension (so a contiguous tensor-parallel split keeps whole
   groups together);
-* ``linear_fc1``: ``[gate; up]`` stacked along the output dimension.
+* ``linear_fc1``: ``[gate; up]`` stacked along the output dimension, for the dense MLP, every
+  routed expert (``mlp.experts.local_experts.<e>``, ``e`` the global expert index) and the shared
+  expert alike.
 
-Both directions only slice and concatenate, so HF → Megatron → HF is bit-identical.
+The MoE router (``mlp.router``) and the shared expert's sigmoid gate (``mlp.shared_experts.
+gate_weight``) are plain copies. One table, :func:`layer_rules`, drives both directions and the
+shapes; both directions only slice and concatenate, so HF → Megatron → HF is bit-identical.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
 import torch
 
-from nrl_backend_megatron.convert.families import Family, family_of, head_dim
+from nrl_backend_megatron.convert.families import family_of, head_dim, moe_layers
 
 _TE_RENAMES = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
                "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
 
 
 def te_name(local_name: str) -> str:
-    """The Transformer Engine spec's name for a local-spec parameter name."""
+    """The Transformer Engine spec's name for a local-spec parameter name of a dense layer (a MoE
+    layer keeps its ``pre_mlp_layernorm`` apart from the experts, so its names do not change)."""
     for old, new in _TE_RENAMES.items():
         if local_name.endswith(old):
             return local_name[: -len(old)] + new
@@ -67,36 +73,81 @@ def split_qkv(qkv: torch.Tensor, cfg: Any) -> tuple[torch.Tensor, torch.Tensor, 
     return (q.reshape(-1, *rest).contiguous(), k.reshape(-1, *rest).contiguous(), v.reshape(-1, *rest).contiguous())
 
 
-def _layer_pairs(family: Family) -> list[tuple[str, str]]:
-    """One-to-one renames inside a decoder layer: (HF suffix, Megatron suffix)."""
-    pairs = [("input_layernorm.weight", "input_layernorm.weight"),
-             ("self_attn.o_proj.weight", "self_attention.linear_proj.weight"),
-             ("post_attention_layernorm.weight", "pre_mlp_layernorm.weight"),
-             ("mlp.down_proj.weight", "mlp.linear_fc2.weight")]
+@dataclass(frozen=True)
+class Rule:
+    """One canonical Megatron tensor of a decoder layer and the HF tensor(s) it is made of.
+
+    ``how``: ``copy`` (one HF tensor, same layout), ``qkv`` (q, k, v fused by query group, see
+    :func:`fuse_qkv`) or ``gate_up`` (SwiGLU ``[gate; up]`` stacked along the output dimension).
+    """
+
+    megatron: str
+    hf: tuple[str, ...]
+    how: str
+    shape: tuple[int, ...]
+
+
+def _swiglu(megatron: str, hf: str, width: int, hidden: int) -> list[Rule]:
+    """A SwiGLU MLP: Megatron's fused ``linear_fc1`` and its ``linear_fc2``."""
+    return [Rule(f"{megatron}.linear_fc1.weight", (f"{hf}.gate_proj.weight", f"{hf}.up_proj.weight"), "gate_up",
+                 (2 * width, hidden)),
+            Rule(f"{megatron}.linear_fc2.weight", (f"{hf}.down_proj.weight",), "copy", (hidden, width))]
+
+
+def layer_rules(cfg: Any, layer: int) -> list[Rule]:
+    """Every canonical tensor of decoder layer ``layer``, in export order (attention, then MLP)."""
+    family = family_of(cfg)
+    dims = _Dims(cfg)
+    hidden = cfg.hidden_size
+    qkv_out = (dims.heads + 2 * dims.groups) * dims.d
+    qkv = tuple(f"self_attn.{p}_proj" for p in "qkv")
+    rules = [Rule("input_layernorm.weight", ("input_layernorm.weight",), "copy", (hidden,)),
+             Rule("self_attention.linear_qkv.weight", tuple(f"{p}.weight" for p in qkv), "qkv", (qkv_out, hidden))]
+    if family.qkv_bias:
+        rules.append(Rule("self_attention.linear_qkv.bias", tuple(f"{p}.bias" for p in qkv), "qkv", (qkv_out,)))
     if family.qk_norm:
-        pairs += [("self_attn.q_norm.weight", "self_attention.q_layernorm.weight"),
-                  ("self_attn.k_norm.weight", "self_attention.k_layernorm.weight")]
-    return pairs
+        rules += [Rule("self_attention.q_layernorm.weight", ("self_attn.q_norm.weight",), "copy", (dims.d,)),
+                  Rule("self_attention.k_layernorm.weight", ("self_attn.k_norm.weight",), "copy", (dims.d,))]
+    rules += [Rule("self_attention.linear_proj.weight", ("self_attn.o_proj.weight",), "copy",
+                   (hidden, dims.heads * dims.d)),
+              Rule("pre_mlp_layernorm.weight", ("post_attention_layernorm.weight",), "copy", (hidden,))]
+    if not moe_layers(cfg)[layer]:
+        return rules + _swiglu("mlp", "mlp", cfg.intermediate_size, hidden)
+    rules.append(Rule("mlp.router.weight", ("mlp.gate.weight",), "copy", (cfg.num_experts, hidden)))
+    for e in range(cfg.num_experts):
+        rules += _swiglu(f"mlp.experts.local_experts.{e}", f"mlp.experts.{e}", cfg.moe_intermediate_size, hidden)
+    if family.shared_expert:
+        rules += _swiglu("mlp.shared_experts", "mlp.shared_expert", cfg.shared_expert_intermediate_size, hidden)
+        rules.append(Rule("mlp.shared_experts.gate_weight", ("mlp.shared_expert_gate.weight",), "copy", (1, hidden)))
+    return rules
+
+
+def _join(rule: Rule, parts: list[torch.Tensor], cfg: Any) -> torch.Tensor:
+    if rule.how == "qkv":
+        return fuse_qkv(*parts, cfg)
+    if rule.how == "gate_up":
+        return torch.cat(parts, 0)
+    return parts[0]
+
+
+def _split(rule: Rule, tensor: torch.Tensor, cfg: Any) -> tuple[torch.Tensor, ...]:
+    if rule.how == "qkv":
+        return split_qkv(tensor, cfg)
+    if rule.how == "gate_up":
+        return tuple(t.contiguous() for t in torch.chunk(tensor, 2, dim=0))
+    return (tensor,)
 
 
 def hf_to_megatron(hf: Mapping[str, torch.Tensor], cfg: Any) -> dict[str, torch.Tensor]:
     """A full HF state dict → the canonical full Megatron state dict (local-spec names)."""
-    family = family_of(cfg)
     out: dict[str, torch.Tensor] = {"embedding.word_embeddings.weight": hf["model.embed_tokens.weight"],
                                     "decoder.final_layernorm.weight": hf["model.norm.weight"]}
     if not cfg.tie_word_embeddings:
         out["output_layer.weight"] = hf["lm_head.weight"]
     for i in range(cfg.num_hidden_layers):
         h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
-        for hf_suffix, mg_suffix in _layer_pairs(family):
-            out[m + mg_suffix] = hf[h + hf_suffix]
-        attn = h + "self_attn."
-        out[m + "self_attention.linear_qkv.weight"] = fuse_qkv(
-            hf[attn + "q_proj.weight"], hf[attn + "k_proj.weight"], hf[attn + "v_proj.weight"], cfg)
-        if family.qkv_bias:
-            out[m + "self_attention.linear_qkv.bias"] = fuse_qkv(
-                hf[attn + "q_proj.bias"], hf[attn + "k_proj.bias"], hf[attn + "v_proj.bias"], cfg)
-        out[m + "mlp.linear_fc1.weight"] = torch.cat([hf[h + "mlp.gate_proj.weight"], hf[h + "mlp.up_proj.weight"]], 0)
+        for rule in layer_rules(cfg, i):
+            out[m + rule.megatron] = _join(rule, [hf[h + name] for name in rule.hf], cfg)
     return out
 
 
@@ -113,22 +164,12 @@ def megatron_to_hf_items(name: str, tensor: torch.Tensor, cfg: Any) -> Iterator[
         return
     prefix, _, rest = name.partition(".layers.")
     index, _, suffix = rest.partition(".")
-    if prefix != "decoder" or not index.isdigit():
+    if prefix != "decoder" or not index.isdigit() or int(index) >= cfg.num_hidden_layers:
         raise KeyError(f"no HF name for Megatron parameter '{name}'")
-    h = f"model.layers.{index}."
-    if suffix in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
-        kind = suffix.rsplit(".", 1)[1]
-        for proj, part in zip(("q_proj", "k_proj", "v_proj"), split_qkv(tensor, cfg)):
-            yield f"{h}self_attn.{proj}.{kind}", part
-        return
-    if suffix == "mlp.linear_fc1.weight":
-        gate, up = torch.chunk(tensor, 2, dim=0)
-        yield h + "mlp.gate_proj.weight", gate.contiguous()
-        yield h + "mlp.up_proj.weight", up.contiguous()
-        return
-    for hf_suffix, mg_suffix in _layer_pairs(family_of(cfg)):
-        if suffix == mg_suffix:
-            yield h + hf_suffix, tensor
+    for rule in layer_rules(cfg, int(index)):
+        if rule.megatron == suffix:
+            for hf_suffix, part in zip(rule.hf, _split(rule, tensor, cfg)):
+                yield f"model.layers.{index}.{hf_suffix}", part
             return
     raise KeyError(f"no HF name for Megatron parameter '{name}'")
 
@@ -143,24 +184,11 @@ def megatron_to_hf(mg: Mapping[str, torch.Tensor], cfg: Any) -> dict[str, torch.
 
 def canonical_shapes(cfg: Any) -> dict[str, tuple[int, ...]]:
     """Every canonical Megatron tensor of a model and its full shape, in a fixed order."""
-    family = family_of(cfg)
-    dims = _Dims(cfg)
-    hidden, ffn, vocab = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-    qkv_out = (dims.heads + 2 * dims.groups) * dims.d
+    hidden, vocab = cfg.hidden_size, cfg.vocab_size
     shapes: dict[str, tuple[int, ...]] = {"embedding.word_embeddings.weight": (vocab, hidden)}
     for i in range(cfg.num_hidden_layers):
-        m = f"decoder.layers.{i}."
-        shapes[m + "input_layernorm.weight"] = (hidden,)
-        shapes[m + "self_attention.linear_qkv.weight"] = (qkv_out, hidden)
-        if family.qkv_bias:
-            shapes[m + "self_attention.linear_qkv.bias"] = (qkv_out,)
-        if family.qk_norm:
-            shapes[m + "self_attention.q_layernorm.weight"] = (dims.d,)
-            shapes[m + "self_attention.k_layernorm.weight"] = (dims.d,)
-        shapes[m + "self_attention.linear_proj.weight"] = (hidden, dims.heads * dims.d)
-        shapes[m + "pre_mlp_layernorm.weight"] = (hidden,)
-        shapes[m + "mlp.linear_fc1.weight"] = (2 * ffn, hidden)
-        shapes[m + "mlp.linear_fc2.weight"] = (hidden, ffn)
+        for rule in layer_rules(cfg, i):
+            shapes[f"decoder.layers.{i}.{rule.megatron}"] = rule.shape
     shapes["decoder.final_layernorm.weight"] = (hidden,)
     if not cfg.tie_word_embeddings:
         shapes["output_layer.weight"] = (vocab, hidden)

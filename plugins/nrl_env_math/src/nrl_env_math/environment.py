@@ -29,6 +29,9 @@ from nrl_core.errors import ConfigError, WorkerError
 from nrl_env_math.plugin import MATH_ENV_SCHEMA
 from nrl_env_math.verify import extract_answer
 
+COUNTS = ("timeouts", "errors", "no_answer", "num_samples")
+"""The metrics that are totals over the samples (the others are means)."""
+
 __all__ = ["MathEnvironment"]
 
 logger = logging.getLogger(__name__)
@@ -115,7 +118,7 @@ class MathEnvironment:
         ``errors`` (verifier exceptions), ``no_answer`` (responses with no answer to extract)."""
         if not samples:
             return EnvResult(rewards=[], metrics={"accuracy": 0.0, "reward_mean": 0.0, "timeouts": 0.0,
-                                                  "errors": 0.0, "no_answer": 0.0, "num_samples": 0.0})
+                                                  "errors": 0.0, "no_answer": 0.0, "num_samples": 0.0}, counts=COUNTS)
         if not self._slots:
             raise WorkerError("env.math: the environment was shut down; build a new MathEnvironment")
         self._await_ready()
@@ -132,7 +135,7 @@ class MathEnvironment:
             "no_answer": float(sum(extract_answer(r) is None for r, _ in pairs)),
             "num_samples": n,
         }
-        return EnvResult(rewards=rewards, metrics=metrics)
+        return EnvResult(rewards=rewards, metrics=metrics, counts=COUNTS)
 
     def _run(self, pairs: list[tuple[str, str]]) -> list[str]:
         """Split ``pairs`` over the workers (round-robin) and wait for all of them.

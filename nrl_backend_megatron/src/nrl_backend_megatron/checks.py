@@ -1,0 +1,90 @@
+"""What ``nrl config check`` asks of the Megatron backend (its spec's ``config_check``).
+
+The parallel layout against the world and the model (heads, key/value groups, vocabulary and
+layers from the model's ``config.json``), the architecture and RoPE variant, optimizer and
+scheduler values Megatron-Core would refuse or misuse (a negative learning rate trains backwards
+without complaint), and micro-batches that must split each data-parallel shard evenly. The worker
+runs the same functions when it starts.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping
+
+from nrl_core.config.model_config import local_model_config
+from nrl_core.config.topology import cluster_topology
+from nrl_core.errors import ConfigError
+
+KEY = "policy.megatron_cfg"
+
+
+def check_config(config: Mapping[str, Any]) -> None:
+    from nrl_backend_megatron.convert.families import family_of
+    from nrl_backend_megatron.model import hf_inv_freq
+    from nrl_backend_megatron.moe import check_moe_section
+    from nrl_backend_megatron.parallel import check_layout
+
+    policy = config["policy"]
+    section = policy["megatron_cfg"]
+    world = cluster_topology(config).train_world
+    layout = layout_of(section)
+    hf_config = local_model_config(config)
+    check_layout(layout, world, hf_config)
+    if hf_config is not None:
+        # what needs CUDA is checked where the worker runs: configs are often checked on a login node
+        check_moe_section(section, hf_config, on_gpu=True)
+        family_of(hf_config)
+        hf_inv_freq(hf_config)  # refuses RoPE variants the backend cannot reproduce
+    logging_level(section["logging_level"])
+    check_optimizer_section(section)
+    dp = world // (layout.tp * layout.pp * layout.cp)
+    if not policy["sequence_packing"]["enabled"]:
+        local, mbs = policy["train_global_batch_size"] // dp, policy["train_micro_batch_size"]
+        if local % mbs:
+            raise ConfigError("policy.train_micro_batch_size",
+                              f"{mbs} does not divide the {local} sequences of each of the {dp} data-parallel ranks "
+                              f"(policy.train_global_batch_size / data-parallel size); Megatron's pipeline needs "
+                              f"equal micro-batches")
+
+
+def layout_of(section: Mapping[str, Any]) -> Any:
+    from nrl_backend_megatron.model import ParallelLayout
+
+    return ParallelLayout(tp=int(section["tensor_model_parallel_size"]), pp=int(section["pipeline_model_parallel_size"]),
+                          cp=int(section["context_parallel_size"]), ep=int(section.get("expert_model_parallel_size") or 1),
+                          sequence_parallel=bool(section["sequence_parallel"]))
+
+
+def logging_level(level: int | str) -> int:
+    """``logging_level`` as a number (``"INFO"`` or ``20``)."""
+    numeric = logging.getLevelName(level.upper()) if isinstance(level, str) else int(level)
+    if not isinstance(numeric, int):
+        raise ConfigError(f"{KEY}.logging_level", f"unknown logging level {level!r}")
+    return numeric
+
+
+def check_optimizer_section(section: Mapping[str, Any]) -> None:
+    """Optimizer, scheduler and DDP values Megatron-Core accepts but cannot mean."""
+    opt, sched = section["optimizer"], section["scheduler"]
+    if opt["min_lr"] > opt["lr"]:
+        raise ConfigError(f"{KEY}.optimizer.min_lr", f"{opt['min_lr']} exceeds optimizer.lr={opt['lr']}; lower it")
+    for key in ("adam_beta1", "adam_beta2"):
+        if not 0 <= opt[key] < 1:
+            raise ConfigError(f"{KEY}.optimizer.{key}", f"must be in [0, 1), got {opt[key]}")
+    if opt["adam_eps"] <= 0:
+        raise ConfigError(f"{KEY}.optimizer.adam_eps", f"must be positive, got {opt['adam_eps']}")
+    style, decay_iters, warmup = sched["lr_decay_style"], sched["lr_decay_iters"], sched["lr_warmup_iters"]
+    if decay_iters is None and style != "constant":
+        raise ConfigError(f"{KEY}.scheduler.lr_decay_iters", f"is required for lr_decay_style '{style}'")
+    if decay_iters is not None and decay_iters <= warmup and style != "constant":
+        raise ConfigError(f"{KEY}.scheduler.lr_decay_iters", f"must exceed lr_warmup_iters ({warmup})")
+    wd = opt["weight_decay"]
+    start_wd = wd if sched["start_weight_decay"] is None else sched["start_weight_decay"]
+    end_wd = wd if sched["end_weight_decay"] is None else sched["end_weight_decay"]
+    if sched["weight_decay_incr_style"] == "constant" and start_wd != end_wd:
+        raise ConfigError(f"{KEY}.scheduler.end_weight_decay",
+                          "must equal start_weight_decay when weight_decay_incr_style is constant")
+    if section["distributed_data_parallel_config"]["overlap_param_gather"] and not opt["use_distributed_optimizer"]:
+        raise ConfigError(f"{KEY}.distributed_data_parallel_config.overlap_param_gather",
+                          f"needs {KEY}.optimizer.use_distributed_optimizer: true")

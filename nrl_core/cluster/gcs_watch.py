@@ -1,0 +1,102 @@
+"""Noticing that the private local Ray lost its GCS, and leaving nothing of it running.
+
+The GCS is Ray's control store. When it dies, actors that are already running keep answering the
+driver, so a run goes on; but the first call that needs the GCS (removing a placement group,
+starting a worker) blocks for Ray's reconnect timeout, 60 s, before Ray aborts the process, and
+the raylet's agents outlive the driver by as long. So for the Ray it started, the driver watches
+the GCS process: a thread polls it, and when it is gone records why (:func:`cluster_failure`) and
+interrupts the main thread (``KeyboardInterrupt``, which Ray's blocking calls honour). The CLI
+prints that reason as its one-line error, and :func:`kill_ray_processes` SIGKILLs every process of
+the local Ray, the node's own and all their descendants (a dead raylet orphans its agents and
+workers; they ignore SIGTERM while waiting for the GCS).
+"""
+
+from __future__ import annotations
+
+import _thread
+import os
+import signal
+import subprocess
+import threading
+from typing import Any, Iterable
+
+__all__ = ["cluster_failure", "kill_ray_processes", "stop_watching", "watch_gcs"]
+
+POLL_S = 0.25
+
+_failure: str | None = None
+_stop: threading.Event | None = None
+
+
+def cluster_failure() -> str | None:
+    """Why the watched local Ray cannot go on (one line), or None while it is healthy."""
+    return _failure
+
+
+def watch_gcs(process: subprocess.Popen[Any], *, is_connected: Any) -> None:
+    """Poll ``process`` (the GCS this driver started) from a daemon thread. ``is_connected()``
+    tells a death from a shutdown in progress (Ray disconnects before it stops its processes)."""
+    global _failure, _stop
+    stop_watching()
+    _failure = None
+    _stop = stop = threading.Event()
+
+    def watch() -> None:
+        global _failure
+        while not stop.wait(POLL_S):
+            code = process.poll()
+            if code is None:
+                continue
+            if stop.is_set() or not is_connected():
+                return
+            how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+            _failure = (f"cluster: the local Ray's GCS (gcs_server pid {process.pid}) {how}; the run cannot continue "
+                        "without it (complete checkpoints are intact: rerun to resume)")
+            _thread.interrupt_main()
+            return
+
+    threading.Thread(target=watch, name="nrl-gcs-watch", daemon=True).start()
+
+
+def stop_watching() -> None:
+    global _stop
+    if _stop is not None:
+        _stop.set()
+        _stop = None
+
+
+def kill_ray_processes(node: Any) -> list[int]:
+    """SIGKILL the processes of a local Ray ``node`` (Ray's ``_global_node``) and every descendant
+    of them; returns the pids signalled. The tree is read before anything dies, since a dead
+    parent's children are re-parented and could no longer be found."""
+    roots = [info.process.pid for infos in node.all_processes.values() for info in infos]
+    pids = roots + _descendants(roots)
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    return pids
+
+
+def _descendants(roots: Iterable[int]) -> list[int]:
+    """Every descendant of ``roots``, from ``/proc`` (Linux; elsewhere none are found)."""
+    children: dict[int, list[int]] = {}
+    try:
+        entries = [int(e) for e in os.listdir("/proc") if e.isdigit()]
+    except OSError:
+        return []
+    for pid in entries:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])  # the name in (...) may hold spaces
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(pid)
+    found: list[int] = []
+    stack = list(roots)
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found

@@ -1,0 +1,225 @@
+"""Checks of a validated config that relate several values, the filesystem or the selected backends.
+
+The schema checks each value alone (types, choices, minimums). What is left is checked here, after
+it, by :func:`check_config`, which ``validate_config`` runs, so ``nrl config check`` and
+``nrl train`` refuse the same configs before anything starts:
+
+* sizes: the split of the cluster between training and generation (:mod:`nrl_core.config.topology`),
+  the backend's model-parallel size against the training workers, the global batch against micro-batches and
+  data-parallel ranks, GRPO's rollouts per step against the global batch;
+* lengths: prompts and responses against ``policy.max_total_sequence_length``;
+* directories: ``logger.log_dir`` and ``checkpointing.checkpoint_dir`` can be created and written
+  (nothing is created here);
+* the selected backends' own checks (their spec's ``config_check``): sizes against the model's
+  heads and layers, optimizer and scheduler names, engine lengths.
+
+Algorithm sections are checked for the algorithm being run (``nrl train grpo``), or, for
+``nrl config check``, for each algorithm section the config file sets.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Callable, Collection, Mapping
+
+from nrl_core.config.topology import cluster_topology
+from nrl_core.contracts import ConfigCheck, GenerationBackendSpec, TrainingBackendSpec, import_object
+from nrl_core.errors import ConfigError
+from nrl_core.plugins import PluginManager
+
+__all__ = ["ALGORITHM_CHECKS", "GENERATING_ALGORITHMS", "check_config", "check_grpo", "data_parallel_size",
+           "directory_problem"]
+
+
+def check_config(config: Mapping[str, Any], pm: PluginManager, *, algorithms: Collection[str],
+                 training: TrainingBackendSpec | None, generation: GenerationBackendSpec | None) -> None:
+    """Everything in the module docstring; ``training``/``generation`` are the selected backends
+    (None when none is selected yet: their checks are skipped)."""
+    _check_ranges(config)
+    cluster_topology(config, pm)
+    dp = data_parallel_size(config, training)
+    _check_capabilities(config, training, generation, dp, algorithms)
+    _check_batches(config, dp)
+    _check_lengths(config)
+    _check_directories(config)
+    for algorithm in algorithms:
+        check = ALGORITHM_CHECKS.get(algorithm)
+        if check is not None:
+            check(config)
+    if training is not None:
+        _run_backend_check(training.config_check, config)
+    uses_generation = not algorithms or bool(set(algorithms) & GENERATING_ALGORITHMS)
+    if generation is not None and config["policy"]["generation"] is not None and uses_generation:
+        _run_backend_check(generation.config_check, config)
+
+
+def _check_capabilities(config: Mapping[str, Any], training: TrainingBackendSpec | None,
+                        generation: GenerationBackendSpec | None, dp: int, algorithms: Collection[str]) -> None:
+    """Refuse what the selected backends do not declare they can do (their spec's ``capabilities``),
+    instead of letting a backend ignore it silently."""
+    policy = config["policy"]
+    if training is not None:
+        needs = {"data_parallel": dp > 1, "sequence_packing": policy["sequence_packing"]["enabled"],
+                 "dynamic_batching": policy["dynamic_batching"]["enabled"]}
+        for capability, needed in needs.items():
+            if needed and capability not in training.capabilities:
+                key = {"data_parallel": "cluster.gpus_per_node",
+                       "sequence_packing": "policy.sequence_packing.enabled",
+                       "dynamic_batching": "policy.dynamic_batching.enabled"}[capability]
+                what = f"{dp} data-parallel groups" if capability == "data_parallel" else capability.replace("_", " ")
+                raise ConfigError(key, f"the {training.name} training backend ({training.distribution}) does not "
+                                       f"support {what}; change the value or use a backend that declares it")
+    wants_streaming = "grpo" in algorithms or not algorithms
+    if (generation is not None and policy["generation"] is not None and wants_streaming
+            and (config.get("grpo") or {}).get("async_grpo", {}).get("enabled")
+            and "streaming" not in generation.capabilities):
+        raise ConfigError("grpo.async_grpo.enabled", f"the {generation.name} generation backend "
+                                                     f"({generation.distribution}) cannot stream rollouts, which async "
+                                                     "GRPO needs; set it to false or use a backend that can")
+
+
+def _run_backend_check(path: str | None, config: Mapping[str, Any]) -> None:
+    if path is None:
+        return
+    check: ConfigCheck = import_object(path)
+    check(config)
+
+
+def _check_ranges(config: Mapping[str, Any]) -> None:
+    """Ranges a schema minimum cannot say."""
+    loss = config["loss_fn"]
+    if loss["ratio_clip_c"] is not None and loss["ratio_clip_c"] <= 1:
+        raise ConfigError("loss_fn.ratio_clip_c", f"must be greater than 1 (dual clip) or null, got {loss['ratio_clip_c']}")
+    generation = config["policy"]["generation"]
+    if generation is not None and not 0 < generation["top_p"] <= 1:
+        raise ConfigError("policy.generation.top_p", f"must be in (0, 1], got {generation['top_p']}")
+    if config["policy"]["refit"]["bucket_size_mb"] <= 0:
+        raise ConfigError("policy.refit.bucket_size_mb", f"must be positive, got {config['policy']['refit']['bucket_size_mb']}")
+
+
+# --------------------------------------------------------------------------- sizes
+
+
+def data_parallel_size(config: Mapping[str, Any], spec: TrainingBackendSpec | None) -> int:
+    """Training workers over the ranks one model replica spans; refuses a model-parallel size the
+    workers cannot hold or divide."""
+    cluster = config["cluster"]
+    world = cluster_topology(config).train_world
+    if spec is None:
+        return world
+    section = config["policy"][spec.config_key]
+    model_parallel = spec.model_parallel_size(section)
+    if world % model_parallel == 0:
+        return world // model_parallel
+    parallel = [key for key in spec.parallel_size_keys if int(section.get(key) or 1) > 1]
+    key = f"policy.{spec.config_key}" + (f".{parallel[0]}" if len(parallel) == 1 else "")
+    sizes = " x ".join(f"{k}={section.get(k)}" for k in parallel)
+    workers = (f"the {world} training workers (cluster.gpus_per_node={cluster['gpus_per_node']} x "
+               f"cluster.num_nodes={cluster['num_nodes']}, less non-colocated generation's)")
+    if model_parallel > world:
+        raise ConfigError(key, f"one model replica needs {model_parallel} ranks ({sizes}) but there are only "
+                               f"{workers}; lower it or add workers")
+    raise ConfigError(key, f"model-parallel size {model_parallel} ({sizes}) does not divide {workers}")
+
+
+def _check_batches(config: Mapping[str, Any], dp: int) -> None:
+    policy = config["policy"]
+    gbs, mbs = policy["train_global_batch_size"], policy["train_micro_batch_size"]
+    if gbs % mbs:
+        raise ConfigError("policy.train_global_batch_size",
+                          f"{gbs} is not a multiple of policy.train_micro_batch_size ({mbs}); change one of them")
+    if gbs % dp:
+        raise ConfigError("policy.train_global_batch_size",
+                          f"{gbs} does not split over the {dp} data-parallel ranks; make it a multiple of {dp}")
+
+
+# --------------------------------------------------------------------------- lengths
+
+
+def _check_lengths(config: Mapping[str, Any]) -> None:
+    policy = config["policy"]
+    total = policy["max_total_sequence_length"]
+    packing, dynamic = policy["sequence_packing"], policy["dynamic_batching"]
+    if packing["enabled"] and dynamic["enabled"]:
+        raise ConfigError("policy.sequence_packing.enabled",
+                          "sequence packing and dynamic batching cannot both be enabled; pick one")
+    for name, section in (("sequence_packing", packing), ("dynamic_batching", dynamic)):
+        if not section["enabled"]:
+            continue
+        if section["train_mb_tokens"] is None:
+            raise ConfigError(f"policy.{name}.train_mb_tokens", f"is required when policy.{name}.enabled is true")
+        for key in ("train_mb_tokens", "logprob_mb_tokens"):
+            budget = section[key]
+            if budget is not None and budget < total:
+                raise ConfigError(f"policy.{name}.{key}",
+                                  f"{budget} tokens cannot hold one sequence of policy.max_total_sequence_length="
+                                  f"{total}; raise it to at least {total}")
+
+
+# --------------------------------------------------------------------------- directories
+
+
+def directory_problem(path: str | os.PathLike[str]) -> str | None:
+    """Why ``path`` cannot be used as a directory to write into, or None if it can (it exists and
+    is writable, or it can be created: its nearest existing ancestor is a writable directory).
+    Nothing is created."""
+    p = Path(path).expanduser().absolute()
+    if p.exists():
+        if not p.is_dir():
+            return f"'{p}' is a file, not a directory"
+        return None if os.access(p, os.W_OK | os.X_OK) else f"'{p}' is not writable"
+    ancestor = p.parent
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        return f"'{p}' cannot be created: '{ancestor}' is a file"
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        return f"'{p}' cannot be created: '{ancestor}' is not writable"
+    return None
+
+
+def _check_directories(config: Mapping[str, Any]) -> None:
+    keys = [("logger", "log_dir")]
+    if config["checkpointing"]["enabled"]:
+        keys.append(("checkpointing", "checkpoint_dir"))
+    for section, key in keys:
+        problem = directory_problem(config[section][key])
+        if problem is not None:
+            raise ConfigError(f"{section}.{key}", f"{problem}; choose a directory you can write to")
+
+
+# --------------------------------------------------------------------------- algorithms
+
+
+def check_grpo(config: Mapping[str, Any]) -> None:
+    """GRPO's own rules: it generates, its groups have a baseline, its rollouts fill whole
+    optimizer steps."""
+    grpo, policy = config["grpo"], config["policy"]
+    if policy["generation"] is None:
+        raise ConfigError("policy.generation", "GRPO generates rollouts; configure a generation backend")
+    group = grpo["num_generations_per_prompt"]
+    if grpo["use_leave_one_out_baseline"] and group < 2:
+        raise ConfigError("grpo.num_generations_per_prompt",
+                          f"{group} leaves no other response to form the leave-one-out baseline; use at least 2 "
+                          "(or set grpo.use_leave_one_out_baseline: false)")
+    if grpo["async_grpo"]["enabled"]:
+        if policy["generation"]["colocated"]["enabled"]:
+            raise ConfigError("grpo.async_grpo.enabled", "needs generation on its own workers, which keep generating "
+                                                         "while training runs; set policy.generation.colocated.enabled: "
+                                                         "false (and colocated.resources)")
+        if not config["loss_fn"]["use_importance_sampling_correction"]:
+            raise ConfigError("loss_fn.use_importance_sampling_correction",
+                              "must be true with grpo.async_grpo.enabled: rollouts sampled by older weights need the "
+                              "correction (NeMo RL requires it; async runs collapse without it)")
+    rollouts = grpo["num_prompts_per_step"] * group
+    if rollouts % policy["train_global_batch_size"]:
+        raise ConfigError("policy.train_global_batch_size",
+                          f"{policy['train_global_batch_size']} does not divide the {rollouts} rollouts per step "
+                          f"(grpo.num_prompts_per_step x num_generations_per_prompt); make it a divisor")
+
+
+ALGORITHM_CHECKS: dict[str, Callable[[Mapping[str, Any]], None]] = {"grpo": check_grpo}
+#: Algorithms that use ``policy.generation``; its backend's check runs only for them.
+GENERATING_ALGORITHMS = frozenset({"grpo"})
+

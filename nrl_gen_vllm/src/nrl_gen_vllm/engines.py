@@ -1,0 +1,170 @@
+"""The two vLLM engines a worker can drive, behind one small interface.
+
+* :class:`SyncEngine`: ``vllm.LLM``, the engine core in this process. A batch of requests returns
+  when all of them are done. It starts in seconds on CPU and takes refit tensors by reference.
+* :class:`AsyncEngine` (``vllm_cfg.async_engine: true``): vLLM's ``AsyncLLM``, its engine core in a
+  child process, driven here from synchronous code through an event loop in a daemon thread.
+  Requests stream and finish independently, so :meth:`AsyncEngine.stream` hands back each group of
+  samples as soon as its last sample is done (async GRPO scores rollouts as they complete). Refit
+  tensors are copied to the engine process; vLLM offers it in a single process only, so an async
+  engine is one rank (tensor parallel 1).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from typing import Any, Iterator, Sequence
+
+
+class SyncEngine:
+    def __init__(self, **engine_kwargs: Any) -> None:
+        from vllm import LLM
+
+        self.llm = LLM(**engine_kwargs)
+
+    def generate(self, requests: Sequence[Any], params: Sequence[Any]) -> list[Any]:
+        return self.llm.generate(list(requests), list(params), use_tqdm=False) if requests else []
+
+    def stream(self, requests: Sequence[Any], params: Sequence[Any], group_size: int) -> Iterator[tuple[int, list[Any]]]:
+        """Every group at once, when the whole batch is done (this engine returns batches whole)."""
+        outputs = self.generate(requests, params)
+        for g in range(0, len(outputs), group_size):
+            yield g // group_size, outputs[g:g + group_size]
+
+    def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
+        return self.llm.collective_rpc(method, args=args)
+
+    def load_weights(self, named: list[tuple[str, Any]]) -> None:
+        """Hand the tensors to the worker extension by reference (same process)."""
+        self.llm.collective_rpc("nrl_load_weights", args=(named,))
+
+    def reset_prefix_cache(self) -> None:
+        self.llm.reset_prefix_cache()
+
+    def sleep(self, level: int) -> None:
+        self.llm.sleep(level=level)
+
+    def wake_up(self, tags: list[str]) -> None:
+        self.llm.wake_up(tags=tags)
+
+    def shutdown(self) -> None:
+        engine_core = getattr(self.llm.llm_engine, "engine_core", None)
+        if engine_core is not None and hasattr(engine_core, "shutdown"):
+            engine_core.shutdown()
+
+
+class AsyncEngine:
+    def __init__(self, **engine_kwargs: Any) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="nrl-vllm-async", daemon=True)
+        self._thread.start()
+        self._requests = 0
+        try:
+            self.engine = self._run(self._build(engine_kwargs))
+        except BaseException:
+            self._stop_loop()
+            raise
+
+    async def _build(self, engine_kwargs: dict[str, Any]) -> Any:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        return AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_kwargs))
+
+    def _run(self, coroutine: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+
+    def _request_ids(self, count: int) -> list[str]:
+        start, self._requests = self._requests, self._requests + count
+        return [f"nrl-{start + i}" for i in range(count)]
+
+    async def _one(self, request: Any, params: Any, request_id: str) -> Any:
+        final = None
+        async for output in self.engine.generate(request, params, request_id=request_id):
+            final = output
+        return final
+
+    def generate(self, requests: Sequence[Any], params: Sequence[Any]) -> list[Any]:
+        async def all_of() -> list[Any]:
+            ids = self._request_ids(len(requests))
+            return list(await asyncio.gather(*(self._one(r, p, i) for r, p, i in zip(requests, params, ids))))
+
+        return self._run(all_of()) if requests else []
+
+    def stream(self, requests: Sequence[Any], params: Sequence[Any], group_size: int) -> Iterator[tuple[int, list[Any]]]:
+        """``(group index, outputs)`` for each ``group_size`` consecutive requests, in the order the
+        groups finish."""
+        done: queue.Queue[tuple[int, Any]] = queue.Queue()
+        ids = self._request_ids(len(requests))
+
+        async def one(index: int) -> None:
+            try:
+                done.put((index, await self._one(requests[index], params[index], ids[index])))
+            except BaseException as exc:  # handed to the consuming thread, which raises it
+                done.put((index, exc))
+
+        for index in range(len(requests)):
+            asyncio.run_coroutine_threadsafe(one(index), self._loop)
+        pending: dict[int, dict[int, Any]] = {}
+        for _ in range(len(requests)):
+            index, output = done.get()
+            if isinstance(output, BaseException):
+                raise output
+            group = pending.setdefault(index // group_size, {})
+            group[index % group_size] = output
+            if len(group) == group_size:
+                del pending[index // group_size]
+                yield index // group_size, [group[j] for j in range(group_size)]
+
+    def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
+        return self._run(self.engine.collective_rpc(method, args=args))
+
+    def load_weights(self, named: list[tuple[str, Any]]) -> None:
+        """The engine runs in another process, and vLLM's RPC encoding does not carry tensors in a
+        list of pairs: pack them into one ``/dev/shm`` file the engine's worker maps, then remove it."""
+        import os
+        import tempfile
+
+        import torch
+
+        layout, offset = [], 0
+        for name, tensor in named:
+            nbytes = tensor.numel() * tensor.element_size()
+            layout.append([name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), offset, nbytes])
+            offset += nbytes
+        fd, path = tempfile.mkstemp(prefix="nrl-async-refit-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        try:
+            os.ftruncate(fd, max(offset, 1))
+            data = torch.from_file(path, shared=True, size=max(offset, 1), dtype=torch.uint8)
+            for (name, tensor), (_, _, _, start, nbytes) in zip(named, layout):
+                data[start:start + nbytes].copy_(tensor.detach().contiguous().view(-1).view(torch.uint8))
+            self.collective_rpc("nrl_load_weights_from_file", args=(path, layout))
+        finally:
+            os.close(fd)
+            os.unlink(path)
+
+    def reset_prefix_cache(self) -> None:
+        self._run(self.engine.reset_prefix_cache())
+
+    def sleep(self, level: int) -> None:
+        self._run(self.engine.sleep(level))
+
+    def wake_up(self, tags: list[str]) -> None:
+        self._run(self.engine.wake_up(tags))
+
+    def shutdown(self) -> None:
+        import gc
+
+        engine, self.engine = self.engine, None
+        try:
+            engine.shutdown()
+        finally:
+            del engine
+            gc.collect()  # AsyncLLM.__del__ shuts down again; let it run while its modules still exist
+            self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)

@@ -1,0 +1,160 @@
+"""Async GRPO through ``nrl train`` (examples/configs/grpo_tiny_cpu_async.yaml: one training worker,
+one engine on vLLM's async engine). Every rollout a step trains on is in its
+``train_data_step<N>.jsonl`` with the weight version that sampled it, so the staleness bound is
+checked on every trajectory of the run. A weight decay and a KL penalty make the weights and the
+loss move, so that equal losses mean equal computations."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from nrl_core.cluster.gcs_watch import _descendants
+from nrl_core.testing.tiny_models import cached_tiny_model
+from tests.e2e.test_grpo import assert_ok, metrics, run_nrl
+
+pytestmark = pytest.mark.slow
+
+CONFIG = Path(__file__).resolve().parents[2] / "examples" / "configs" / "grpo_tiny_cpu_async.yaml"
+MOVES = ["policy.optimizer.kwargs.lr=0.02", "policy.optimizer.kwargs.weight_decay=1.0",
+         "loss_fn.reference_policy_kl_penalty=0.1", "policy.generation.max_new_tokens=6"]
+
+
+@pytest.fixture(scope="module")
+def model() -> Path:
+    return cached_tiny_model("llama", size="small")
+
+
+def small(model: Path, *overrides: str) -> list[str]:
+    return [f"policy.model_name={model}", "grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4",
+            "policy.train_global_batch_size=16", "policy.train_micro_batch_size=8", "policy.logprob_batch_size=16",
+            "grpo.val_period=0", "grpo.val_at_start=false", "grpo.val_at_end=false", "data.generate.num_train=64",
+            "data.generate.num_val=8", *MOVES, *overrides]
+
+
+def rollouts(tmp: Path, step: int) -> list[dict]:
+    lines = (tmp / "logs" / f"train_data_step{step}.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def test_no_trajectory_is_older_than_the_bound_before_and_after_a_resume(tmp_path, model):
+    assert_ok(run_nrl(tmp_path, CONFIG, "grpo", small(model, "grpo.max_num_steps=2")))
+    assert_ok(run_nrl(tmp_path, CONFIG, "grpo", small(model, "grpo.max_num_steps=4")))  # resumes after step 2
+    ages = {step: [(step - 1) - row["weight_version"] for row in rollouts(tmp_path, step)] for step in range(1, 5)}
+    assert all(len(a) == 16 for a in ages.values())
+    assert all(0 <= age <= 1 for a in ages.values() for age in a), ages  # every trajectory within the bound
+    assert set(ages[2]) == {1}  # step 2's rollouts were generated while step 1 trained
+    assert set(ages[3]) == {0}  # after the resume: regenerated with the restored weights
+    rows = [r for r in metrics(tmp_path) if "async/trajectory_age_max" in r]
+    assert [r["step"] for r in rows][-4:] == [1, 2, 3, 4] and all(r["async/trajectory_age_max"] <= 1 for r in rows)
+
+
+def test_max_age_zero_is_the_synchronous_loop(tmp_path, model):
+    sync, async_ = tmp_path / "sync", tmp_path / "async"
+    sync.mkdir(), async_.mkdir()
+    assert_ok(run_nrl(sync, CONFIG, "grpo", small(model, "grpo.max_num_steps=3", "grpo.async_grpo.enabled=false")))
+    assert_ok(run_nrl(async_, CONFIG, "grpo", small(model, "grpo.max_num_steps=3",
+                                                     "grpo.async_grpo.max_trajectory_age_steps=0")))
+    for step in (1, 2, 3):
+        assert rollouts(async_, step) == rollouts(sync, step)  # same prompts, tokens, rewards, versions
+    for a, s in zip(metrics(async_), metrics(sync)):
+        assert a["async/trajectory_age_max"] == 0
+        for key in ("train/loss", "train/kl_penalty", "train/token_mult_prob_error", "train/grad_norm"):
+            assert a[key] == pytest.approx(s[key], rel=1e-6, abs=1e-9), key
+    assert metrics(sync)[-1]["train/kl_penalty"] > 0  # the weights moved: equal losses are not all zeros
+
+
+def test_a_dead_engine_is_a_named_error_within_a_minute_and_nothing_is_left(tmp_path, model):
+    args = [sys.executable, "-m", "nrl_core.cli", "train", "grpo", "--config", str(CONFIG),
+            *small(model, "grpo.max_num_steps=100000", "checkpointing.enabled=false", f"logger.log_dir={tmp_path}/logs",
+                   "logger.plot=false")]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                            env={**os.environ, "NRL_STRICT_PLUGINS": "1", "VLLM_LOGGING_LEVEL": "WARNING"})
+    stderr: list[str] = []
+    threading.Thread(target=lambda: stderr.extend(proc.stderr), daemon=True).start()  # type: ignore[arg-type]
+    try:
+        deadline = time.monotonic() + 300
+        while not list(tmp_path.glob("logs/train_data_step2.jsonl")):  # the run is under way
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(stderr)[-3000:]
+            time.sleep(0.5)
+        [engine] = [int(line.split("rank 0 pid ")[1].split()[0]) for line in list(stderr)
+                    if "generation-vllm: rank 0 pid" in line]
+        ray_processes = _descendants([proc.pid])
+        killed_at = time.monotonic()
+        os.kill(engine, signal.SIGKILL)
+        proc.wait(timeout=120)
+        exited_after = time.monotonic() - killed_at
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    time.sleep(0.5)
+    text = "".join(stderr)
+    errors = [line for line in text.splitlines() if line.startswith("error:")]
+    assert proc.returncode != 0 and errors, text[-3000:]
+    assert "generation-vllm[rank 0]" in errors[0] and "died" in errors[0], errors[0]
+    assert exited_after < 60, exited_after
+    alive = [pid for pid in ray_processes if os.path.exists(f"/proc/{pid}") and _not_zombie(pid)]
+    assert not alive, f"left running: {alive}"
+
+
+def _not_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_importance_weights_use_the_logprobs_of_the_engine_and_version_that_sampled(model, ray_session):
+    """Rollouts sampled at weight version 0, trained on after one optimizer step (version 1), as a
+    rollout one step old is: the generation logprobs the loss divides by are the sampling engine's
+    under version 0 (equal to the policy's at version 0, the reference weights here), not the
+    current policy's."""
+    from nrl_core.algorithms.grpo import RolloutGroup, merge_groups
+    from nrl_core.algorithms.loss import ClippedPGLoss, NLLLoss
+    from nrl_core.algorithms.rollouts import rollout_batch
+    from tests.e2e.facades import chat_prompts, policy_and_generation, training_batch
+
+    overrides = ["policy.generation.colocated.enabled=false", "policy.generation.colocated.resources.gpus_per_node=1",
+                 "cluster.gpus_per_node=2", "policy.generation.vllm_cfg.async_engine=true",
+                 "policy.optimizer.kwargs.lr=5e-3", "policy.generation.temperature=0.7"]
+    with policy_and_generation(model, overrides) as (_, policy, generation):
+        prompts = chat_prompts(model)
+        groups = sorted(generation.generate_groups(prompts, 2))
+        assert [i for i, _ in groups] == [0, 1, 2, 3] and {o.weight_version for _, o in groups} == {0}
+        policy.train(training_batch(0), NLLLoss())  # version 1; the engine still holds version 0
+        rollouts = merge_groups([RolloutGroup(prompt=None, output=o, rewards=[0.0, 0.0]) for _, o in groups])
+        batch = rollout_batch([p for p in prompts for _ in range(2)], rollouts, pad_token_id=3)
+        mask = batch.fields["token_mask"] > 0
+        sampled_under = batch.fields["generation_logprobs"]
+        version0 = policy.get_reference_logprobs(batch)  # the initial weights: version 0
+        version1 = policy.get_logprobs(batch)
+        assert float((sampled_under - version0).abs()[mask].max()) < 1e-3
+        assert float((sampled_under - version1).abs()[mask].mean()) > 1e-2
+        # the loss weighs each token by p_trainer / p_sampler of those logprobs
+        batch.fields.update(prev_logprobs=version1, advantages=torch.ones_like(version1) * batch.fields["token_mask"],
+                            reference_logprobs=version0)
+        corrected = ClippedPGLoss(use_importance_sampling_correction=True)
+        counts = batch.loss_counts()
+        loss, _ = corrected(version1, batch, global_valid_tokens=counts[0], global_valid_seqs=counts[1])
+        weights = (version1 - sampled_under).exp()
+        assert float(loss) == pytest.approx(float(-(weights * batch.fields["token_mask"]).sum() / counts[0]), rel=1e-5)
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    from nrl_core.cluster import shutdown_ray
+
+    shutdown_ray()
+    yield
+    shutdown_ray()

@@ -1,0 +1,147 @@
+"""What each spawned rank runs in the MoE tests (importable by name from spawned processes).
+
+Every function builds real workers on the tiny random-init MoE models, exercises them and returns
+plain results; the assertions live in the test modules. Megatron workers of one world share the
+process (each build re-creates Megatron's parallel groups), so scenarios are grouped per world.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from _helpers import make_batch, make_config
+from nrl_core.testing.distributed import gather_shards
+
+
+
+def moe_paths() -> dict[str, str]:
+    """The tiny MoE models the scenarios use (built once, cached)."""
+    from nrl_core.testing.tiny_models import cached_tiny_model
+
+    return {"qwen3_moe": str(cached_tiny_model("qwen3_moe")), "qwen2_moe": str(cached_tiny_model("qwen2_moe")),
+            "qwen3_moe_sparse2": str(cached_tiny_model("qwen3_moe", decoder_sparse_step=2))}
+
+
+def _loss() -> Any:
+    from nrl_core.algorithms.loss import NLLLoss
+
+    return NLLLoss()
+
+
+def _logits(worker: Any, batch: Any) -> torch.Tensor:
+    pos = torch.arange(batch.input_ids.shape[1])[None].expand(batch.size, -1)
+    worker.model.eval()
+    with torch.no_grad():
+        out = worker.model(batch.input_ids, pos, None).float()
+    worker.model.train()
+    return out
+
+
+def _export(worker: Any, bucket_bytes: int = 1 << 30) -> dict[str, torch.Tensor]:
+    return {n: t for bucket in worker.export_weights(bucket_bytes, "float32") for n, t in bucket}
+
+
+def _counting_gathers(fn: Any) -> tuple[Any, int]:
+    """``fn()`` and how many ``all_gather`` collectives it ran."""
+    import torch.distributed as dist
+
+    original, calls = dist.all_gather, [0]
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        return original(*args, **kwargs)
+
+    dist.all_gather = counted
+    try:
+        return fn(), calls[0]
+    finally:
+        dist.all_gather = original
+
+
+def megatron_world1(rank: int, world: int, paths: dict[str, str]) -> dict[str, Any]:
+    """HF parity of every MoE shape, the single-rank baseline, and the moe_* keys taking effect."""
+    from nrl_backend_megatron.worker import MegatronPolicyWorker
+
+    out: dict[str, Any] = {}
+    batch = make_batch()
+    for name in ("qwen2_moe", "qwen3_moe_sparse2"):
+        w = MegatronPolicyWorker(make_config(paths[name]), rank, world)
+        out[f"{name}/logits"] = _logits(w, batch)
+        out[f"{name}/export"] = _export(w)
+    path = paths["qwen3_moe"]
+    w = MegatronPolicyWorker(make_config(path), rank, world)
+    out["logits"] = _logits(w, batch)
+    out["logprobs"] = gather_shards(w.get_logprobs(batch), batch)
+    out["initial"] = _export(w)
+    out["metrics"] = [w.train(batch, _loss()) for _ in range(3)]
+    out["tconfig"] = {k: getattr(w.tconfig, k) for k in (
+        "num_moe_experts", "moe_router_topk", "moe_router_pre_softmax", "moe_token_dispatcher_type",
+        "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_router_dtype", "moe_grouped_gemm")}
+
+    w = MegatronPolicyWorker(make_config(path, megatron={"moe_router_topk": 4}), rank, world)
+    out["top4/logits"] = _logits(w, batch)
+
+    keys = {"freeze_moe_router": True, "moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": 0.1,
+            "moe_router_dtype": "fp64", "moe_per_layer_logging": True, "moe_token_dispatcher_type": "allgather"}
+    w = MegatronPolicyWorker(make_config(path, megatron=keys), rank, world)
+    out["keys/tconfig"] = {k: getattr(w.tconfig, k) for k in (
+        "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_router_dtype")}
+    out["keys/logprobs"] = gather_shards(w.get_logprobs(batch), batch)
+    out["keys/metrics"] = w.train(batch, _loss())
+    out["keys/after"] = _export(w)
+    return out
+
+
+def megatron_world2(rank: int, world: int, paths: dict[str, str], ckpt: str) -> dict[str, Any]:
+    """Expert parallel 2 (Qwen3-MoE): logprobs, training, export gathered over EP ranks, and a
+    checkpoint saved at EP=2 resumed at EP=1 (same world: data parallel 2)."""
+    from nrl_backend_megatron.worker import MegatronPolicyWorker
+
+    out: dict[str, Any] = {}
+    batch, loss = make_batch(), _loss()
+    w = MegatronPolicyWorker(make_config(paths["qwen3_moe"], megatron={"expert_model_parallel_size": 2}), rank, world)
+    out["local_experts"] = sorted({n.split("local_experts.")[1].split(".")[0]
+                                   for n, _ in w.model.named_parameters() if "local_experts" in n})
+    out["logprobs"] = gather_shards(w.get_logprobs(batch), batch)
+    out["export"], out["export_gathers"] = _counting_gathers(lambda: _export(w))
+    out["buckets"] = [[n for n, _ in bucket] for bucket in w.export_weights(64 * 1024, "float32")]
+    out["manifest"] = [(s.name, s.shape) for s in w.weight_manifest("float32")]
+    out["metrics"] = [w.train(batch, loss) for _ in range(3)]
+    w.save_checkpoint(ckpt)
+    out["saved/logprobs"] = gather_shards(w.get_logprobs(batch), batch)
+    out["saved/next_loss"] = w.train(batch, loss)["loss"]
+
+    w = MegatronPolicyWorker(make_config(paths["qwen3_moe"], megatron={"expert_model_parallel_size": 1}), rank, world)
+    w.load_checkpoint(ckpt)
+    out["ep1/logprobs"] = gather_shards(w.get_logprobs(batch), batch)
+    out["ep1/next_loss"] = w.train(batch, loss)["loss"]
+    return out
+
+
+def dtensor_config(path: str) -> dict[str, Any]:
+    """The DTensor backend on the batch and optimizer settings of the Megatron scenarios."""
+    from nrl_backend_dtensor.schema import DTENSOR_CONFIG_SCHEMA
+
+    cfg = make_config(path)
+    policy = cfg["policy"]
+    del policy["megatron_cfg"]
+    policy.update(optimizer={"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-2, "weight_decay": 0.0}},
+                  scheduler=None, logprob_chunk_size=None,
+                  dtensor_config=DTENSOR_CONFIG_SCHEMA.validate({"enabled": True}, "policy.dtensor_config"))
+    return cfg
+
+
+def dtensor_world2(rank: int, world: int, path: str) -> dict[str, Any]:
+    """FSDP2 over two ranks: logprobs, export in the checkpoint's layout, two training steps."""
+    from nrl_backend_dtensor.worker import DTensorPolicyWorker
+
+    out: dict[str, Any] = {}
+    batch = make_batch()
+    w = DTensorPolicyWorker(dtensor_config(path), rank, world)
+    out["logprobs"] = gather_shards(w.get_logprobs(batch), batch)
+    out["export"] = _export(w)
+    out["manifest"] = [(s.name, s.shape) for s in w.weight_manifest("float32")]
+    out["metrics"] = [w.train(batch, _loss()) for _ in range(2)]
+    return out

@@ -1,0 +1,94 @@
+"""Several vLLM engines in one world, as worker groups build them: an engine per training rank
+(colocated, data-parallel 2), one engine over two ranks (vLLM tensor parallel 2 through its
+external launcher, colocated and in its own generation group). Each generates its share of the
+prompts, the outputs come back once per engine and in order, greedy equals HF ``generate``, and
+refit (in process on every rank, or from another actor into both tensor-parallel ranks) loads
+weights every rank agrees on."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from nrl_core.cluster import WorkerGroup
+from nrl_core.refit import refit
+from nrl_core.testing.refit_host import perturb_weights
+from tests.vllm.helpers import generation_config, hf_greedy, hf_model
+
+ray = pytest.importorskip("ray")
+pytestmark = pytest.mark.slow
+
+WORKER = "nrl_gen_vllm.worker:VllmGenerationWorker"
+SOURCE = "nrl_core.testing.refit_host:RankedHFSource"
+BUCKET = 256 * 1024
+
+
+@pytest.fixture(scope="module", autouse=True)
+def own_ray():
+    """The worker groups start a local Ray; stop it after the module if it was not running before."""
+    started = not ray.is_initialized()
+    yield
+    if started:
+        from nrl_core.cluster import shutdown_ray
+
+        shutdown_ray()
+
+
+def _perturb(worker_or_host, seed):
+    """``execute`` target: a worker group passes its worker, a RefitTestHost itself."""
+    perturb_weights(getattr(worker_or_host, "worker", worker_or_host).model, seed)
+
+
+def _colocated(model_dir, tp: int) -> WorkerGroup:
+    group = WorkerGroup(SOURCE, 2, name=f"colocated-tp{tp}", init_kwargs={"model": str(model_dir)},
+                        distributed_backend="gloo")
+    group.host_call([0, 1], "nrl_colocate_generation", WORKER, generation_config(model_dir, tensor_parallel_size=tp))
+    return group
+
+
+def _generate(group: WorkerGroup, prompts, engine_size: int):
+    engines = group.world_size // engine_size
+    size = -(-len(prompts) // engines)
+    chunks = [prompts[i * size:(i + 1) * size] for i in range(engines)]
+    outs = group.host_call(list(range(group.world_size)), "nrl_generate_sharded", chunks, engine_size, greedy=True)
+    assert [o is not None for o in outs] == [r % engine_size == 0 for r in range(group.world_size)]
+    return [t for o in outs if o is not None for t in o.token_ids]
+
+
+def _refit_in_place(group: WorkerGroup, seed: int) -> None:
+    group.host_call([0, 1], "execute", functools.partial(_perturb, seed=seed))
+    reports = group.host_call([0, 1], "nrl_refit_local", "in_process", BUCKET, "float32")
+    assert [r.version for r in reports] == [1, 1]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_colocated_engines_in_a_two_rank_world(model_dir, prompts, tp):
+    """tp=1: two engines, one per training rank (the DP=2 colocated shape that used to hang);
+    tp=2: one engine spanning both training ranks."""
+    group = _colocated(model_dir, tp)
+    try:
+        assert _generate(group, prompts, tp) == hf_greedy(hf_model(model_dir), prompts)
+        _refit_in_place(group, seed=21)
+        assert _generate(group, prompts, tp) == hf_greedy(hf_model(model_dir, perturb_seed=21), prompts)
+    finally:
+        group.host_call([0, 1], "nrl_generation_call", "shutdown")
+        group.shutdown()
+
+
+def test_tensor_parallel_engine_in_its_own_group_refits_from_another_actor(model_dir, prompts):
+    from nrl_core.testing.refit_host import RefitTestHost
+
+    engine = WorkerGroup(WORKER, 2, name="generation-tp2", distributed_backend="gloo",
+                         init_kwargs={"config": generation_config(model_dir, tensor_parallel_size=2)})
+    source = ray.remote(RefitTestHost).remote("nrl_core.refit.hf_source:HFWeightSource", str(model_dir))
+    try:
+        assert _generate(engine, prompts, 2) == hf_greedy(hf_model(model_dir), prompts)
+        ray.get(source.execute.remote(functools.partial(_perturb, seed=22)))
+        report = refit(source, engine.actors, bucket_bytes=BUCKET)
+        assert report.transport == "shared_memory" and report.version == 1
+        assert _generate(engine, prompts, 2) == hf_greedy(hf_model(model_dir, perturb_seed=22), prompts)
+    finally:
+        ray.get(source.nrl_refit_release.remote())
+        ray.kill(source)
+        engine.shutdown()
