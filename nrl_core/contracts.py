@@ -19,11 +19,12 @@ import importlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Protocol, Sequence, runtime_checkable
 
-from nrl_core.config.schema import Section
 from nrl_core.errors import PluginError
 
 if TYPE_CHECKING:
     import torch
+
+    from nrl_core.config.schema import Section
 
 
 def import_object(path: str) -> Any:
@@ -251,6 +252,19 @@ class AlgorithmSpec:
     entry: str
     distribution: str
     description: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunInfo:
+    """The run a lifecycle hook observes (``nrl_run_start``, ``nrl_step_end``,
+    ``nrl_checkpoint_saved``, ``nrl_run_end``); the same object for every call of one run."""
+
+    algorithm: str  # "grpo", "sft", ...
+    config: Mapping[str, Any]  # the validated config, every default filled
+    first_step: int  # 1 for a fresh run, the resumed step + 1 otherwise
+    max_steps: int
+    log_dir: str
+    checkpoint_dir: str | None  # None when checkpointing is off
 
 
 # --------------------------------------------------------------------------- data that crosses processes

@@ -9,6 +9,10 @@ Two kinds of hook:
 * **dispatch** hooks (first result): called with an object, the plugin that owns that object's
   type does the work and returns ``True``; every other plugin returns ``None``. The core logs who
   answered and fails if nobody did.
+* **lifecycle** hooks (observing): called in the driver process, in order, at fixed points of a
+  training run (start, each step's end, each published checkpoint, end), with a
+  :class:`~nrl_core.contracts.RunInfo`. Every implementation runs; an exception in one fails the
+  run like an error in the algorithm would.
 
 pluggy calls implementations with keyword arguments only and never fills an implementation
 parameter that has a default; arguments are added here only additively.
@@ -30,6 +34,7 @@ if TYPE_CHECKING:
         GenerationBackendSpec,
         MetricSinkSpec,
         RefitTransportSpec,
+        RunInfo,
         TrainingBackendSpec,
     )
 
@@ -130,4 +135,50 @@ def nrl_checkpoint_load(worker: Any, path: str, options: "CheckpointOptions") ->
     Called on every rank when a run resumes. Stops at the first non-None result, as for saving.
     A checkpoint that is missing, truncated or from another model must raise
     :class:`nrl_core.errors.NrlError` with a one-line message and leave ``worker`` unchanged.
+    """
+
+
+# --------------------------------------------------------------------------- lifecycle
+
+
+@hookspec
+def nrl_run_start(run: "RunInfo") -> None:
+    """A run is built and about to take its first step (``run.first_step``).
+
+    Called once by the driver after the workers are up and a resumed run's state is
+    restored, before validation at start and before the first step.
+    """
+
+
+@hookspec
+def nrl_step_end(run: "RunInfo", step: int, metrics: "dict[str, float]") -> "str | None":
+    """Step ``step`` has trained (and validated, when due); ``metrics`` is what it will log.
+
+    Called by the driver after every step, before the step's metrics are logged and before its
+    checkpoint is taken. Add entries to ``metrics`` to log them with the step. Return a reason
+    (a string) to stop the run after this step: the step is then checkpointed as the last one and
+    ``nrl_run_end`` reports ``status="stopped"`` with the first reason given; return ``None`` to go on.
+    """
+
+
+@hookspec
+def nrl_checkpoint_saved(run: "RunInfo", step: int, path: str, metrics: "dict[str, float]") -> None:
+    """The checkpoint of ``step`` is complete and published at ``path`` (a directory).
+
+    Called by the driver once the checkpoint is renamed into place, which, with asynchronous saves,
+    is when the next checkpoint starts or the run closes, not when the step ends. ``metrics`` are
+    the step's metrics as recorded in the checkpoint.
+    """
+
+
+@hookspec
+def nrl_run_end(run: "RunInfo", status: str, last_step: int, metrics: "dict[str, float]",
+                outputs: "dict[str, str]") -> None:
+    """The run is over: ``status`` is ``"completed"`` (every step ran), ``"stopped"`` (a
+    ``nrl_step_end`` implementation asked for it) or ``"failed"`` (an exception is on its way to
+    the user). ``metrics`` are the last step's; ``outputs`` name what was written (``metrics``,
+    ``checkpoints``, ``hf_export``, ``plot``) and is empty after a failure.
+
+    Called by the driver after pending checkpoints are published and the best one exported, before
+    the workers are shut down.
     """

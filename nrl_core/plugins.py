@@ -10,18 +10,21 @@ Environment switches:
 * ``NRL_STRICT_PLUGINS=1``: a plugin that fails to load is an error (use in CI).
 * ``NRL_DISABLE_PLUGIN_AUTOLOAD=1``: load no entry points (only the core's built-ins).
 * ``NRL_BLOCKED_PLUGINS=a,b``: skip these entry-point names.
+* ``NRL_PLUGINS=pkg.mod,other``: also register these importable modules as plugins, after the
+  entry points (a run's own lifecycle hooks without packaging them; like ``PYTEST_PLUGINS``).
 * ``NRL_TRACE_HOOKS=1``: print every hook call and result to stderr.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import importlib.metadata as md
 import logging
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any, Generic, Iterable, Iterator, Mapping, TypeVar
+from typing import Any, Callable, Generic, Iterable, Iterator, Mapping, TypeVar
 
 import pluggy
 
@@ -34,6 +37,7 @@ from nrl_core.contracts import (
     GenerationBackendSpec,
     MetricSinkSpec,
     RefitTransportSpec,
+    RunInfo,
     TrainingBackendSpec,
 )
 from nrl_core.errors import ConfigError, PluginError
@@ -57,6 +61,10 @@ FIRST_PARTY_DISTRIBUTIONS: dict[str, str] = {
 
 def _env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _env_names(name: str) -> list[str]:
+    return [item.strip() for item in os.environ.get(name, "").split(",") if item.strip()]
 
 
 @dataclass(frozen=True)
@@ -158,29 +166,40 @@ class PluginManager:
         for module_name in BUILTIN_PLUGINS:
             self._pm.register(__import__(module_name, fromlist=["_"]), name=module_name)
         if not _env_flag("NRL_DISABLE_PLUGIN_AUTOLOAD"):
-            blocked = {n.strip() for n in os.environ.get("NRL_BLOCKED_PLUGINS", "").split(",") if n.strip()}
+            blocked = set(_env_names("NRL_BLOCKED_PLUGINS"))
             for ep in _unique_entry_points():
                 if ep.name in blocked:
                     logger.info("plugin '%s' is blocked by NRL_BLOCKED_PLUGINS", ep.name)
                     continue
                 self._load_entry_point(ep)
+        for module_name in _env_names("NRL_PLUGINS"):
+            self._load_guarded(module_name, "named in NRL_PLUGINS", lambda m=module_name: importlib.import_module(m))
         self._check_pending()
 
     def _load_entry_point(self, ep: md.EntryPoint) -> None:
         dist_name = ep.dist.name if ep.dist else "unknown distribution"
         dist_version = ep.dist.version if ep.dist else "?"
-        try:
+
+        def load() -> object:
             _check_core_requirement(ep)
-            plugin = ep.load()
-            self._pm.register(plugin, name=ep.name)
+            return ep.load()
+
+        if self._load_guarded(ep.name, f"{dist_name} {dist_version}", load):
+            self._distributions[ep.name] = (dist_name, dist_version)
+
+    def _load_guarded(self, name: str, origin: str, load: Callable[[], object]) -> bool:
+        """Register what ``load()`` returns as plugin ``name``; a failure is a warning naming the
+        plugin, ``origin`` and the error (an error under NRL_STRICT_PLUGINS)."""
+        try:
+            self._pm.register(load(), name=name)
         except Exception as exc:  # a broken plugin must not take the others down
-            message = f"plugin '{ep.name}' ({dist_name} {dist_version}) failed to load: {type(exc).__name__}: {exc}"
+            message = f"plugin '{name}' ({origin}) failed to load: {type(exc).__name__}: {exc}"
             if _env_flag("NRL_STRICT_PLUGINS"):
                 raise PluginError(message + " (NRL_STRICT_PLUGINS is set)") from exc
-            self.failed[ep.name] = message
+            self.failed[name] = message
             logger.warning("%s", message)
-            return
-        self._distributions[ep.name] = (dist_name, dist_version)
+            return False
+        return True
 
     def _check_pending(self, *, strict: bool = False) -> None:
         """A plugin implementing a hook nrl does not define (a misspelling) would silently never
@@ -279,6 +298,27 @@ class PluginManager:
 
     def checkpoint_load(self, worker: object, path: str, options: Any) -> None:
         self._dispatch("nrl_checkpoint_load", worker, path=path, options=options)
+
+    # ------------------------------------------------------------------ lifecycle hooks (driver only)
+
+    def run_start(self, run: RunInfo) -> None:
+        self.load()
+        self._pm.hook.nrl_run_start(run=run)
+
+    def step_end(self, run: RunInfo, step: int, metrics: dict[str, float]) -> str | None:
+        """Why the run should stop after ``step`` (every reason given, joined), or ``None``."""
+        self.load()
+        reasons = [str(reason) for reason in self._pm.hook.nrl_step_end(run=run, step=step, metrics=metrics) if reason]
+        return "; ".join(reasons) or None
+
+    def checkpoint_saved(self, run: RunInfo, step: int, path: str, metrics: dict[str, float]) -> None:
+        self.load()
+        self._pm.hook.nrl_checkpoint_saved(run=run, step=step, path=path, metrics=metrics)
+
+    def run_end(self, run: RunInfo, status: str, last_step: int, metrics: dict[str, float],
+                outputs: dict[str, str]) -> None:
+        self.load()
+        self._pm.hook.nrl_run_end(run=run, status=status, last_step=last_step, metrics=metrics, outputs=outputs)
 
     def _dispatch(self, hook_name: str, worker: object, **kwargs: Any) -> None:
         self.load()

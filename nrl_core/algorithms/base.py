@@ -12,6 +12,7 @@ from nrl_core.algorithms.setup import resume_point, seed_everything
 from nrl_core.checkpoint.manager import CheckpointManager
 from nrl_core.cluster import cluster_failure, init_ray, shutdown_ray
 from nrl_core.config import choose_backends
+from nrl_core.contracts import RunInfo
 from nrl_core.data import DatumSpec, PromptDataloader
 from nrl_core.logging import MetricLogger
 from nrl_core.plugins import get_plugin_manager
@@ -34,12 +35,18 @@ class AlgorithmRun:
         self.choice = choose_backends(config, generation=with_generation)
         self.train_loader = PromptDataloader(train_data, batch_size, shuffle=config["data"]["shuffle"],
                                              seed=self.cfg["seed"])
-        self.checkpoints = CheckpointManager(config["checkpointing"])
+        self.checkpoints = CheckpointManager(config["checkpointing"], on_publish=self.checkpoint_published)
         self.resume_from, self.state = resume_point(self.checkpoints)
         init_ray(config["cluster"])
         self.policy = Policy(config, self.choice.training, colocated_generation=colocated_generation)
         self.max_steps = min(int(self.cfg["max_num_steps"]), int(self.cfg["max_num_epochs"]) * len(self.train_loader))
         self.log = MetricLogger(config["logger"], total_steps=self.max_steps, resume=self.resume_from is not None)
+        self.hooks = get_plugin_manager()
+        self.info = RunInfo(algorithm=self.section, config=config, first_step=self.state.step + 1,
+                            max_steps=self.max_steps, log_dir=str(self.log.log_dir),
+                            checkpoint_dir=str(self.checkpoints.root) if self.checkpoints.enabled else None)
+        self.stop_reason: str | None = None
+        self.last_metrics: dict[str, float] = {}
 
     # ------------------------------------------------------------------ the loop
 
@@ -47,21 +54,26 @@ class AlgorithmRun:
         if self.resume_from is not None:
             self.restore(self.resume_from)
         self.start()
-        last: dict[str, float] = {}
+        self.hooks.run_start(self.info)
         if self.cfg["val_at_start"] and self.state.step == 0:
-            last = self.validate(0)
-            if last:
-                self.log.log_step(0, last)
+            self.last_metrics = self.validate(0)
+            if self.last_metrics:
+                self.log.log_step(0, self.last_metrics)
         for step in range(self.state.step + 1, self.max_steps + 1):
             metrics = self.step(self.step_data(step))
             if self.validation_due(step):
                 metrics.update(self.validate(step))
+            self.stop_reason = self.hooks.step_end(self.info, step, metrics)
             self.log.log_step(step, metrics)
             self.state.step = step
-            if self.checkpoints.should_save(step, last_step=step == self.max_steps):
+            last_step = step == self.max_steps or self.stop_reason is not None
+            if self.checkpoints.should_save(step, last_step=last_step):
                 self.save_checkpoint(step, metrics)
-            last = metrics
-        return last
+            self.last_metrics = metrics
+            if self.stop_reason is not None:
+                logger.info("stopping after step %d: %s", step, self.stop_reason)
+                break
+        return self.last_metrics
 
     def start(self) -> None:
         """Called once, after a resumed run's state is restored and before the first step."""
@@ -108,6 +120,9 @@ class AlgorithmRun:
         asynchronous = self.policy.checkpoint_options.async_save
         self.checkpoints.commit(step, tmp, info, wait=self.policy.finalize_checkpoint if asynchronous else None)
 
+    def checkpoint_published(self, step: int, path: Path, info: Mapping[str, Any]) -> None:
+        self.hooks.checkpoint_saved(self.info, step, str(path), dict(info.get("metrics", {})))
+
     def restore(self, path: Path) -> None:
         self.policy.load_checkpoint(str(path / "policy"))
         self.train_loader.load_state_dict(self.state.dataloader)
@@ -115,13 +130,15 @@ class AlgorithmRun:
 
     # ------------------------------------------------------------------ the end
 
-    def close(self) -> dict[str, str]:
-        """Finish pending saves, export the best checkpoint, stop workers; returns where outputs are.
+    def close(self, status: str = "completed") -> dict[str, str]:
+        """Finish pending saves, export the best checkpoint, tell ``nrl_run_end`` how the run ended
+        (``status``), stop workers; returns where outputs are.
 
         After the local Ray lost its GCS nothing of that is possible (every step would wait on the
         dead GCS): the cluster's processes are killed and the pending save stays unpublished."""
         if cluster_failure() is not None:
             shutdown_ray()
+            self.hooks.run_end(self.info, "failed", self.state.step, self.last_metrics, {})
             return {}
         outputs: dict[str, str] = {}
         try:
@@ -139,6 +156,7 @@ class AlgorithmRun:
                     self.policy.load_checkpoint(str(best / "policy"))
                     self.policy.export_hf(str(export))
                     outputs["hf_export"] = f"{export} (from {best.name})"
+            self.hooks.run_end(self.info, status, self.state.step, self.last_metrics, outputs)
         finally:
             self.shutdown()
         for what, where in outputs.items():
@@ -152,10 +170,12 @@ class AlgorithmRun:
     def main(cls, config: Mapping[str, Any]) -> int:
         """``nrl train <section>``: build, run every step, close (even after an error)."""
         run = cls(config)
+        status = "failed"
         try:
             final = run.run()
+            status = "completed" if run.stop_reason is None else "stopped"
         finally:
-            run.close()
+            run.close(status)
         logger.info("%s finished: %s", cls.section.upper(),
                     {k: round(v, 4) for k, v in final.items() if k.startswith(cls.summary_prefixes)})
         return 0

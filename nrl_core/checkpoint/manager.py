@@ -45,8 +45,10 @@ class _Pending:
 class CheckpointManager:
     """Owns ``checkpoint_dir``: where saves go, which to keep, which to resume from."""
 
-    def __init__(self, section: Mapping[str, Any]) -> None:
+    def __init__(self, section: Mapping[str, Any],
+                 on_publish: Callable[[int, Path, Mapping[str, Any]], None] | None = None) -> None:
         self.enabled = bool(section["enabled"])
+        self.on_publish = on_publish  # (step, directory, training_info) once a checkpoint is in place
         self.root = Path(section["checkpoint_dir"]).expanduser()
         self.save_period = int(section["save_period"])
         self.keep_top_k = section.get("keep_top_k")
@@ -119,6 +121,8 @@ class CheckpointManager:
             pending.tmp.rename(final)
         logger.info("saved checkpoint %s", final)
         self._prune()
+        if self.on_publish is not None:
+            self.on_publish(pending.step, final, pending.info)
 
     # ------------------------------------------------------------------ reading
 
