@@ -22,12 +22,14 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from nrl_core.algorithms.policy import Policy
 from nrl_core.cluster import WorkerGroup, make_placement
+from nrl_core.cluster._host import WorkerHost
+from nrl_core.cluster.worker_group import method_name
 from nrl_core.config.topology import cluster_topology
-from nrl_core.contracts import GenerationBackendSpec, GenerationOutput
+from nrl_core.contracts import GenerationBackendSpec, GenerationOutput, GenerationWorker
 from nrl_core.errors import NrlError
 from nrl_core.refit.orchestrator import choose_transport, refit, refit_options
 from nrl_core.refit.report import RefitReport, combine_reports
@@ -62,7 +64,7 @@ class Generation:
         if self.colocated:
             self.hosts = policy.group
             # vLLM builds its process groups collectively: every training rank builds its engine at once
-            self.hosts.host_call(list(range(self.hosts.world_size)), "nrl_colocate_generation", spec.worker,
+            self.hosts.host_call(list(range(self.hosts.world_size)), WorkerHost.nrl_colocate_generation, spec.worker,
                                  dict(config))
             self.placement = None
         else:
@@ -81,7 +83,7 @@ class Generation:
     def generate(self, prompts: Sequence[Sequence[int]], *, greedy: bool = False) -> GenerationOutput:
         """Complete ``prompts`` on every engine (a contiguous chunk each); outputs in input order."""
         chunks = split_evenly(list(prompts), self.num_engines)
-        results = self.hosts.host_call(self.ranks, "nrl_generate_sharded", chunks, self.engine_size, greedy=greedy)
+        results = self.hosts.host_call(self.ranks, WorkerHost.nrl_generate_sharded, chunks, self.engine_size, greedy=greedy)
         outputs = [out for out in results if out is not None]
         return GenerationOutput(
             token_ids=[t for o in outputs for t in o.token_ids],
@@ -102,7 +104,7 @@ class Generation:
 
         def consume(rank: int, indices: list[int]) -> None:
             try:
-                for local, output in self.hosts.host_stream(rank, "nrl_generate_groups",
+                for local, output in self.hosts.host_stream(rank, WorkerHost.nrl_generate_groups,
                                                             [list(prompts[i]) for i in indices], group_size):
                     arrived.put((indices[local], output))
                 arrived.put(None)
@@ -131,14 +133,14 @@ class Generation:
         report = None
         if self.stale:
             if self.colocated:
-                self._engines("prepare_for_generation", ["weights"])
+                self._engines(GenerationWorker.prepare_for_generation, ["weights"])
             report = self.update_weights()
             self.stale = False
         if self.colocated:
             if self.offload_weights and self._policy_state == "refit":
                 self.policy.offload_after_refit()
                 self._policy_state = "generating"
-            self._engines("prepare_for_generation", None)
+            self._engines(GenerationWorker.prepare_for_generation, None)
         return report
 
     def finish(self) -> None:
@@ -146,7 +148,7 @@ class Generation:
         weights is refit before it generates again) and the training state comes back."""
         if not self.colocated:
             return
-        if any(self._engines("finish_generation")):
+        if any(self._engines(GenerationWorker.finish_generation)):
             self.stale = True
         self.policy.prepare_for_training()
         self._policy_state = "training"
@@ -154,8 +156,9 @@ class Generation:
     def mark_stale(self) -> None:
         self.stale = True
 
-    def _engines(self, method: str, *args: Any) -> list[Any]:
-        return self.hosts.host_call(self.ranks, "nrl_generation_call", method, *args)
+    def _engines(self, method: Callable[..., Any], *args: Any) -> list[Any]:
+        """``method`` (a :class:`GenerationWorker` method) on every rank of every engine."""
+        return self.hosts.host_call(self.ranks, WorkerHost.nrl_generation_call, method_name(method), *args)
 
     # ------------------------------------------------------------------ weights
 
@@ -168,18 +171,18 @@ class Generation:
         opts = self.refit_options
         if self.colocated:
             transport = choose_transport("same_process", opts["transport"])
-            report = combine_reports(self.hosts.host_call(self.ranks, "nrl_refit_local", transport,
+            report = combine_reports(self.hosts.host_call(self.ranks, WorkerHost.nrl_refit_local, transport,
                                                           opts["bucket_bytes"], opts["dtype"]))
         else:
             drains = None
             if self.policy.world_size > 1:
-                drains = self.policy.group.host_call_async(list(range(1, self.policy.world_size)), "nrl_refit_drain",
+                drains = self.policy.group.host_call_async(list(range(1, self.policy.world_size)), WorkerHost.nrl_refit_drain,
                                                            opts["bucket_bytes"], opts["dtype"])
             try:
                 report = refit(self.policy.rank0, self.hosts.actors, transport=opts["transport"],
                                bucket_bytes=opts["bucket_bytes"], dtype=opts["dtype"])
             except Exception:
-                self.hosts.host_call(self.ranks, "nrl_refit_node_id")  # a dead engine: its own one-line error
+                self.hosts.host_call(self.ranks, WorkerHost.nrl_refit_node_id)  # a dead engine: its own one-line error
                 raise
             if drains is not None:
                 self.policy.group.get(drains)
@@ -192,7 +195,7 @@ class Generation:
     def sampling_states(self) -> list[dict[str, Any]]:
         """Each engine's sampling position (seed and call count): restored on resume so sampled
         rollouts continue exactly as in an uninterrupted run."""
-        return self.hosts.host_call(self.leads, "nrl_generation_call", "sampling_state")
+        return self.hosts.host_call(self.leads, WorkerHost.nrl_generation_call, method_name(GenerationWorker.sampling_state))
 
     def load_sampling_states(self, states: Sequence[Mapping[str, Any]]) -> None:
         if not states:
@@ -200,7 +203,8 @@ class Generation:
         if len(states) != self.num_engines:
             raise ValueError(f"the checkpoint holds the sampling state of {len(states)} engines, this run has "
                              f"{self.num_engines}; resume with the same generation layout")
-        pending = [self.hosts.host_call_async(rank, "nrl_generation_call", "load_sampling_state",
+        pending = [self.hosts.host_call_async(rank, WorkerHost.nrl_generation_call,
+                                              method_name(GenerationWorker.load_sampling_state),
                                               states[rank // self.engine_size]) for rank in self.ranks]
         for futures in pending:
             self.hosts.get(futures)
@@ -208,7 +212,7 @@ class Generation:
     def shutdown(self) -> None:
         if self.colocated:
             return  # the engines live in the policy's actors, which the policy stops
-        self.policy.group.host_call(0, "nrl_refit_release")  # the training side's shared buffers
+        self.policy.group.host_call(0, WorkerHost.nrl_refit_release)  # the training side's shared buffers
         self.hosts.shutdown()
         if self.placement is not None:
             self.placement.remove()

@@ -17,7 +17,14 @@ import torch
 from nrl_core.cluster import WorkerGroup, make_placement
 from nrl_core.cluster.placement import Placement
 from nrl_core.config.topology import cluster_topology
-from nrl_core.contracts import BatchShard, CheckpointOptions, LossFunction, TokenBatch, TrainingBackendSpec
+from nrl_core.contracts import (
+    BatchShard,
+    CheckpointOptions,
+    LossFunction,
+    TokenBatch,
+    TrainingBackendSpec,
+    TrainingWorker,
+)
 from nrl_core.plugins import get_plugin_manager
 
 logger = logging.getLogger(__name__)
@@ -49,26 +56,26 @@ class Policy:
     # ------------------------------------------------------------------ compute
 
     def train(self, batch: TokenBatch, loss_fn: LossFunction) -> dict[str, float]:
-        return self.group.run_all("train", batch, loss_fn)[0]
+        return self.group.run_all(TrainingWorker.train, batch, loss_fn)[0]
 
     def get_logprobs(self, batch: TokenBatch) -> torch.Tensor:
         """``[B, T]`` logprobs of ``batch``, put together from every data-parallel group's shard."""
-        return BatchShard.assemble(self.group.run_all("get_logprobs", batch), batch.size, int(batch.input_ids.shape[1]))
+        return BatchShard.assemble(self.group.run_all(TrainingWorker.get_logprobs, batch), batch.size, int(batch.input_ids.shape[1]))
 
     def get_reference_logprobs(self, batch: TokenBatch) -> torch.Tensor:
-        return BatchShard.assemble(self.group.run_all("get_reference_logprobs", batch), batch.size,
+        return BatchShard.assemble(self.group.run_all(TrainingWorker.get_reference_logprobs, batch), batch.size,
                                    int(batch.input_ids.shape[1]))
 
     # ------------------------------------------------------------------ memory hand-off (colocated generation)
 
     def offload_before_refit(self) -> None:
-        self.group.run_all("offload_before_refit")
+        self.group.run_all(TrainingWorker.offload_before_refit)
 
     def offload_after_refit(self) -> None:
-        self.group.run_all("offload_after_refit")
+        self.group.run_all(TrainingWorker.offload_after_refit)
 
     def prepare_for_training(self) -> None:
-        self.group.run_all("prepare_for_training")
+        self.group.run_all(TrainingWorker.prepare_for_training)
 
     # ------------------------------------------------------------------ state
 
@@ -83,10 +90,10 @@ class Policy:
 
     def finalize_checkpoint(self) -> None:
         """Block until an asynchronous save has written every file."""
-        self.group.run_all("finalize_checkpoint")
+        self.group.run_all(TrainingWorker.finalize_checkpoint)
 
     def export_hf(self, path: str) -> None:
-        self.group.run_all("export_hf", path)
+        self.group.run_all(TrainingWorker.export_hf, path)
 
     @property
     def rank0(self) -> Any:

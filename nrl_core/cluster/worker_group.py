@@ -29,7 +29,7 @@ import shutil
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar
+from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar, Union
 
 import ray
 from ray import exceptions as rex
@@ -117,6 +117,16 @@ def _death_reason(exc: BaseException) -> str:
     if not reason:
         reason = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
     return reason
+
+
+Method = Union[str, Callable[..., Any]]
+"""What to call on a worker or host: a function of its class or Protocol (``TrainingWorker.train``,
+``WorkerHost.nrl_refit_local``), so a call site names a method that exists and a rename reaches it,
+or its name as a string (a backend's own extension method)."""
+
+
+def method_name(method: Method) -> str:
+    return method if isinstance(method, str) else method.__name__
 
 
 class WorkerGroup:
@@ -278,9 +288,10 @@ class WorkerGroup:
         refs = tuple(submit(self._actors[r], r) for r in ranks)
         return WorkerFutures(refs, tuple(ranks), what)
 
-    def run_all_async(self, method: str, *args: Any, **kwargs: Any) -> WorkerFutures:
+    def run_all_async(self, method: Method, *args: Any, **kwargs: Any) -> WorkerFutures:
         """Call ``method(*args, **kwargs)`` on every rank; the arguments are stored once for all."""
         self._check_usable()
+        method = method_name(method)
         if args or kwargs:
             packed = ray.put((args, kwargs))
             return self._on_all(f"{method}()", lambda a, r: a.call_packed.remote(method, packed))
@@ -288,12 +299,13 @@ class WorkerGroup:
 
     def run_all_sharded_async(
         self,
-        method: str,
+        method: Method,
         per_rank_args: Sequence[tuple[Any, ...]],
         per_rank_kwargs: Sequence[dict[str, Any]] | None = None,
     ) -> WorkerFutures:
         """Call ``method`` on every rank with that rank's own arguments (``per_rank_args[r]``)."""
         self._check_usable()
+        method = method_name(method)
         kw = list(per_rank_kwargs) if per_rank_kwargs is not None else [{} for _ in range(self.world_size)]
         if len(per_rank_args) != self.world_size or len(kw) != self.world_size:
             raise ValueError(
@@ -302,30 +314,33 @@ class WorkerGroup:
             )
         return self._on_all(f"{method}()", lambda a, r: a.call.remote(method, tuple(per_rank_args[r]), dict(kw[r])))
 
-    def run_rank_async(self, rank: int, method: str, *args: Any, **kwargs: Any) -> WorkerFutures:
+    def run_rank_async(self, rank: int, method: Method, *args: Any, **kwargs: Any) -> WorkerFutures:
         """Call ``method`` on one rank."""
         self._check_usable()
+        method = method_name(method)
         if not 0 <= rank < self.world_size:
             raise ValueError(f"worker group '{self.name}' has ranks 0..{self.world_size - 1}, not {rank}")
         futures = self._on_ranks([rank], f"{method}()", lambda a, r: a.call.remote(method, args, kwargs))
         return WorkerFutures(futures.refs, futures.ranks, futures.what, single=True)
 
-    def host_call_async(self, ranks: int | Sequence[int], method: str, *args: Any, **kwargs: Any) -> WorkerFutures:
+    def host_call_async(self, ranks: int | Sequence[int], method: Method, *args: Any, **kwargs: Any) -> WorkerFutures:
         """Call a method of the host actors themselves (the refit endpoints), not of their workers;
         one rank gives its value, a list of ranks a list."""
         self._check_usable()
+        method = method_name(method)
         single = isinstance(ranks, int)
         chosen = [ranks] if single else list(ranks)
         futures = self._on_ranks(chosen, f"{method}()", lambda actor, r: getattr(actor, method).remote(*args, **kwargs))
         return WorkerFutures(futures.refs, futures.ranks, futures.what, single=single)
 
-    def host_call(self, ranks: int | Sequence[int], method: str, *args: Any, **kwargs: Any) -> Any:
+    def host_call(self, ranks: int | Sequence[int], method: Method, *args: Any, **kwargs: Any) -> Any:
         return self.get(self.host_call_async(ranks, method, *args, **kwargs))
 
-    def host_stream(self, rank: int, method: str, *args: Any, **kwargs: Any) -> Iterator[Any]:
+    def host_stream(self, rank: int, method: Method, *args: Any, **kwargs: Any) -> Iterator[Any]:
         """Call a generator method of one host actor and yield its items as they arrive; a rank
         that dies or raises ends the stream with the same one-line error as any other call."""
         self._check_usable()
+        method = method_name(method)
         stream = getattr(self._actors[rank], method).options(num_returns="streaming").remote(*args, **kwargs)
         try:
             for ref in stream:
@@ -352,20 +367,20 @@ class WorkerGroup:
         results = self._collect(futures, timeout_s)
         return results[0] if futures.single else results
 
-    def run_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+    def run_all(self, method: Method, *args: Any, **kwargs: Any) -> list[Any]:
         """Call ``method(*args, **kwargs)`` on every rank and return the results in rank order."""
         return self.get(self.run_all_async(method, *args, **kwargs))
 
     def run_all_sharded(
         self,
-        method: str,
+        method: Method,
         per_rank_args: Sequence[tuple[Any, ...]],
         per_rank_kwargs: Sequence[dict[str, Any]] | None = None,
     ) -> list[Any]:
         """Call ``method`` with each rank's own arguments; results in rank order."""
         return self.get(self.run_all_sharded_async(method, per_rank_args, per_rank_kwargs))
 
-    def run_rank(self, rank: int, method: str, *args: Any, **kwargs: Any) -> Any:
+    def run_rank(self, rank: int, method: Method, *args: Any, **kwargs: Any) -> Any:
         """Call ``method`` on one rank and return its result."""
         return self.get(self.run_rank_async(rank, method, *args, **kwargs))
 

@@ -139,7 +139,7 @@ POLICY = Section(required=True, doc="The model being trained and how.", aliases=
     "logprob_chunk_size": Field(type=int, default=None, nullable=True, minimum=1),
     "make_sequence_length_divisible_by": Field(type=int, default=1, minimum=1),
     "max_grad_norm": Field(type=NUMBER, default=1.0, nullable=True, minimum=0, doc="0 or null: no clipping"),
-    "seed": Field(type=int, default=None, nullable=True, doc="defaults to the algorithm's seed"),
+    "seed": Field(type=int, default=None, nullable=True, doc="null: the algorithm's seed (42 without one), resolved at validation"),
     "optimizer": OPTIMIZER,
     "scheduler": Field(type=list, default=None, nullable=True, doc="NeMo RL's list of {name, kwargs} and {milestones}"),
     "sequence_packing": SEQUENCE_PACKING,

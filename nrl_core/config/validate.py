@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from nrl_core.config import checks
 from nrl_core.config.checks import check_config
@@ -33,6 +33,7 @@ class _KnownSection:
 
 #: Sections of the built-in algorithms; ``nrl config check`` checks those a config sets.
 ALGORITHM_SECTIONS = ("grpo", "sft")
+DEFAULT_SEED = 42  # policy.seed when neither it nor the algorithm sets one
 
 KNOWN_TRAINING_SECTIONS: dict[str, _KnownSection] = {
     "megatron_cfg": _KnownSection("megatron", "nrl-backend-megatron", {}),
@@ -96,8 +97,20 @@ def validate_config(raw: Mapping[str, Any], pm: PluginManager | None = None, *,
     _expand_short_forms(config, pm)
     training, generation = _selected_backends(config, pm)
     algorithms = [algorithm] if algorithm is not None else [name for name in ALGORITHM_SECTIONS if name in raw]
+    _resolve_seed(config, algorithms)
     check_config(config, pm, algorithms=algorithms, training=training, generation=generation)
     return config
+
+
+def _resolve_seed(config: dict[str, Any], algorithms: Sequence[str]) -> None:
+    """``policy.seed`` left null becomes the running algorithm's seed (42 without one), here and
+    only here, so every backend and engine reads the same number from ``policy.seed``."""
+    policy = config.get("policy")
+    if not isinstance(policy, dict) or policy.get("seed") is not None:
+        return
+    seeds = [config[name]["seed"] for name in algorithms
+             if isinstance(config.get(name), Mapping) and config[name].get("seed") is not None]
+    policy["seed"] = int(seeds[0]) if seeds else DEFAULT_SEED
 
 
 def _selected_backends(config: Mapping[str, Any],

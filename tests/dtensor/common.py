@@ -16,6 +16,7 @@ def make_config(family: str = "llama", **policy_overrides: Any) -> dict[str, Any
     policy: dict[str, Any] = {
         "model_name": str(cached_tiny_model(family, size="tiny")),
         "trust_remote_code": False,
+        "seed": 42,
         "precision": "float32",
         "train_global_batch_size": 8,
         "train_micro_batch_size": 2,

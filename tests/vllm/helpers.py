@@ -13,7 +13,7 @@ def generation_config(model_dir: Path | str, **vllm_cfg: Any) -> dict[str, Any]:
     return {
         "grpo": {"seed": 42},
         "policy": {
-            "model_name": str(model_dir), "precision": "float32", "max_total_sequence_length": 256,
+            "model_name": str(model_dir), "seed": 42, "precision": "float32", "max_total_sequence_length": 256,
             "generation": {"backend": "vllm", "max_new_tokens": MAX_NEW_TOKENS, "temperature": 1.0, "top_p": 1.0,
                            "top_k": None, "stop_token_ids": None, "stop_strings": None,
                            "vllm_cfg": {"enforce_eager": True, "kv_cache_space_gb": 1.0, **vllm_cfg}},

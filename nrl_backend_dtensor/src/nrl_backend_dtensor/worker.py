@@ -62,8 +62,7 @@ class DTensorPolicyWorker:
         if (self.rank, self.world_size) != (dist.get_rank(), dist.get_world_size()):
             raise NrlError(f"worker built as rank {self.rank}/{self.world_size} but the process group is rank "
                            f"{dist.get_rank()}/{dist.get_world_size()}")
-        seed = self.policy.get("seed")
-        self.seed = 42 if seed is None else int(seed)
+        self.seed = int(self.policy["seed"])  # resolved at validation (nrl_core.config.validate)
         torch.manual_seed(self.seed)
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         precision = self.policy.get("precision", "float32")

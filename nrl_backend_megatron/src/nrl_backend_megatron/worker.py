@@ -109,7 +109,7 @@ class MegatronPolicyWorker:
         self._groups()
         from megatron.core import tensor_parallel
 
-        tensor_parallel.model_parallel_cuda_manual_seed(int(policy.get("seed", 42) or 42))
+        tensor_parallel.model_parallel_cuda_manual_seed(int(policy["seed"]))  # resolved at validation
         self.conversion = self._convert()
         self._build()
         self.step = 0

@@ -20,15 +20,10 @@ def request_seed(base: int, rank: int, call: int, index: int) -> int:
 
 
 def base_seed(config: Mapping[str, Any]) -> int:
-    """``vllm_cfg.seed``, else ``policy.seed``, else the algorithm's seed (``grpo``/``sft``/``dpo``),
-    else 0."""
-    policy = config.get("policy") or {}
-    vcfg = (policy.get("generation") or {}).get("vllm_cfg") or {}
-    for value in (vcfg.get("seed"), policy.get("seed"),
-                  *((config.get(algo) or {}).get("seed") for algo in ("grpo", "sft", "dpo"))):
-        if value is not None:
-            return int(value)
-    return 0
+    """``vllm_cfg.seed``, else ``policy.seed`` (which validation resolves from the algorithm's seed)."""
+    policy = config["policy"]
+    seed = (policy["generation"].get("vllm_cfg") or {}).get("seed")
+    return int(policy["seed"] if seed is None else seed)
 
 
 @dataclass(frozen=True)
@@ -46,7 +41,7 @@ class SamplingSettings:
     def from_config(cls, generation: Mapping[str, Any]) -> "SamplingSettings":
         return cls(
             max_new_tokens=int(generation.get("max_new_tokens") or 512),
-            temperature=float(generation.get("temperature", 1.0) if generation.get("temperature") is not None else 1.0),
+            temperature=float(generation["temperature"]),
             top_p=float(generation.get("top_p") if generation.get("top_p") is not None else 1.0),
             top_k=generation.get("top_k"),
             stop_token_ids=tuple(generation.get("stop_token_ids") or ()),
