@@ -146,7 +146,9 @@ def _error_of(fn: Any) -> str | None:
     """``"ExcType: message"`` of what ``fn()`` raised, or None when it returned."""
     try:
         fn()
-    except Exception as exc:  # noqa: BLE001 - the check reports what was raised
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # noqa: BLE001 - the check reports what was raised (DCP raises BaseExceptions)
         from nrl_core.errors import NrlError
 
         return f"{'NrlError' if isinstance(exc, NrlError) else type(exc).__name__}: {exc}"
