@@ -224,7 +224,7 @@ def training_world1(rank: int, world_size: int, configs: dict[str, dict[str, Any
     }
     out["lp2_after_bad_loads"] = _whole(w.get_logprobs(batch), batch)
     out["train_after_bad_loads"] = _error_of(lambda: w.train(batch, loss))
-    del w
+    w = None  # freed before the next worker is built
 
     fresh = build_training_worker(configs["base"], rank, world_size)
     pm.checkpoint_load(fresh, str(ckpt / "sync"), CheckpointOptions(load_rng=True))
@@ -234,7 +234,7 @@ def training_world1(rank: int, world_size: int, configs: dict[str, dict[str, Any
     for name, options in [("async", CheckpointOptions()), ("consolidated", CheckpointOptions(fully_parallel_load=False))]:
         pm.checkpoint_load(fresh, str(ckpt / name), options)
         out[f"{name}/lp"] = _whole(fresh.get_logprobs(batch), batch)
-    del fresh
+    fresh = None
 
     for role, config in configs.items():
         if role == "base":
@@ -243,7 +243,7 @@ def training_world1(rank: int, world_size: int, configs: dict[str, dict[str, Any
         out[f"{role}/lp0"] = _whole(other.get_logprobs(batch), batch)
         out[f"{role}/m1"] = other.train(batch, loss)
         out[f"{role}/lp1"] = _whole(other.get_logprobs(batch), batch)
-        del other
+        other = None
     return out
 
 

@@ -284,6 +284,7 @@ class _GenerationChecks:
         if training is None:
             pytest.skip("no training backend is installed to build a validated config with")
         overrides = [f"policy.generation.backend={self.backend}", f"policy.generation.max_new_tokens={self.max_new_tokens}",
+                     "policy.max_total_sequence_length=64",
                      *self.overrides]
         config = scenarios.conformance_config(training, str(model_dir), overrides=overrides)
         training_config = None
