@@ -14,7 +14,6 @@ from common import make_batch, make_config
 from nrl_core.algorithms.loss import NLLLoss
 from nrl_core.contracts import CheckpointOptions, TrainingWorker
 from nrl_core.errors import ConfigError, NrlError
-from nrl_core.plugins import get_plugin_manager
 from nrl_core.testing.tiny_models import cached_tiny_model
 from nrl_backend_dtensor.worker import DTensorPolicyWorker
 
@@ -104,23 +103,6 @@ def test_checkpoint_resume_is_bit_identical_with_load_rng(tmp_path):
     c = worker(**over)
     c.load_checkpoint(str(tmp_path / "ck"), CheckpointOptions(load_rng=False))
     assert c.train(batch, NLLLoss())["loss"] != expected  # the RNG state is what made it identical
-
-
-def test_checkpoint_hooks_async_and_consolidated(tmp_path):
-    pm = get_plugin_manager()
-    a = worker()
-    batch = make_batch()
-    a.train(batch, NLLLoss())
-    pm.checkpoint_save(a, str(tmp_path / "async"), CheckpointOptions(async_save=True))
-    pm.checkpoint_save(a, str(tmp_path / "cons"), CheckpointOptions(fully_parallel_save=False))  # waits for async
-    a.finalize_checkpoint()
-    expected = gather_shards(a.get_logprobs(batch), batch)
-    for name, opts in [("async", CheckpointOptions()), ("cons", CheckpointOptions(fully_parallel_load=False))]:
-        b = worker()
-        pm.checkpoint_load(b, str(tmp_path / name), opts)
-        assert torch.equal(gather_shards(b.get_logprobs(batch), batch), expected), name
-        assert all(p is q for p, q in zip(b.model.parameters(), b.optimizer.param_groups[0]["params"]))
-        assert a.train(batch, NLLLoss())["loss"] != 0  # keeps training after a load
 
 
 def test_failed_loads_are_one_line_and_leave_the_model_untouched(tmp_path):

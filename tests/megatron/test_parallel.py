@@ -33,7 +33,7 @@ def _hf_reference(family: str, batch) -> tuple[torch.Tensor, torch.Tensor]:
     return logits, lp * (torch.arange(lp.shape[1])[None] < batch.input_lengths[:, None])
 
 
-# ------------------------------------------------------------------ world of 1: HF parity, packing, caching
+# ------------------------------------------------------------------ world of 1: HF parity, caching (packing: test_conformance)
 def world1(rank: int, world: int, paths: dict[str, str]) -> dict[str, Any]:
     from nrl_backend_megatron.worker import MegatronPolicyWorker
 
@@ -47,12 +47,8 @@ def world1(rank: int, world: int, paths: dict[str, str]) -> dict[str, Any]:
             out[f"{family}/logits"] = w.model(batch.input_ids, pos, None).float()
         out[f"{family}/logprobs"] = gather_shards(w.get_logprobs(batch), batch)
         out[f"{family}/converted"] = w.conversion.converted
-        if family == "llama":
-            packed = MegatronPolicyWorker(make_config(path, sequence_packing={
-                "enabled": True, "train_mb_tokens": 32, "logprob_mb_tokens": 32, "sequence_length_round": 4}),
-                rank, world)
-            out["packed/converted"] = packed.conversion.converted
-            out["packed/logprobs"] = gather_shards(packed.get_logprobs(batch), batch)
+        if family == "llama":  # a second worker of the same model reuses the conversion
+            out["again/converted"] = MegatronPolicyWorker(make_config(path), rank, world).conversion.converted
     return out
 
 
@@ -76,13 +72,8 @@ def test_megatron_logits_equal_hf(w1: dict[str, Any], family: str) -> None:
 
 
 @pytest.mark.slow
-def test_sequence_packing_matches_padded_logprobs(w1: dict[str, Any]) -> None:
-    assert (w1["packed/logprobs"] - w1["llama/logprobs"]).abs().max() < 1e-5
-
-
-@pytest.mark.slow
 def test_conversion_happens_once_then_is_reused(w1: dict[str, Any]) -> None:
-    assert w1["llama/converted"] is True and w1["packed/converted"] is False  # second worker reuses
+    assert w1["llama/converted"] is True and w1["again/converted"] is False  # second worker reuses
     assert all(w1[f"{f}/converted"] for f in FAMILIES)
     assert any(p.name.startswith("model_") for p in w1["root"].iterdir())
 

@@ -42,7 +42,8 @@ def test_installed_distribution_is_listed_with_its_hooks(site):
     assert proc.returncode == 0, proc.stderr
     plugins = {p["name"]: p for p in json.loads(proc.stdout)}
     assert plugins["example"] == {"name": "example", "distribution": "nrl-example-plugin", "version": "1.2.3",
-                                  "hooks": ["nrl_algorithms", "nrl_training_backends"]}
+                                  "hooks": ["nrl_algorithms", "nrl_checkpoint_load", "nrl_checkpoint_save",
+                                            "nrl_training_backends"]}
     assert plugins["nrl_core.builtin"]["distribution"] == "nrl-core"
 
 
@@ -103,3 +104,17 @@ def test_hook_tracing_prints_calls(site, tmp_path):
     assert traced.returncode == 0
     assert "nrl_training_backends" not in quiet.stderr
     assert "nrl_training_backends" in traced.stderr and "nrl_environments" in traced.stderr
+
+
+@pytest.mark.slow
+def test_example_backend_passes_the_conformance_kit(site):
+    """The example backend's own test module (three lines) run as its author would, against the
+    installed distribution: every check of nrl_core.testing.conformance passes."""
+    dist = DISTS / "nrl_example_plugin"
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]),
+                   "NRL_STRICT_PLUGINS": "1", "NRL_BLOCKED_PLUGINS": "broken,misspelt,future"}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"], cwd=dist,
+                          capture_output=True, text=True, env=environment)
+    summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert "failed" not in summary and " passed" in summary, summary

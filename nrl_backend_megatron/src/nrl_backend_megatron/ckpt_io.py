@@ -133,9 +133,11 @@ class CheckpointIO:
         if options.fully_parallel_load:
             strategy = FullyParallelLoadStrategyWrapper(
                 strategy, parallel_state.get_data_parallel_group(with_context_parallel=True))
+        from torch.distributed.checkpoint.api import CheckpointException
+
         try:
             return dist_checkpointing.load(sharded, path, sharded_strategy=strategy)
-        except Exception as exc:  # noqa: BLE001 - surfaced as one line
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - surfaced as one line (DCP's is a BaseException)
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
             raise NrlError(f"cannot load checkpoint {path}: {first}") from exc
 

@@ -430,7 +430,21 @@ class MegatronPolicyWorker:
         from nrl_backend_megatron.ckpt_io import set_rng_state
 
         options = options or CheckpointOptions.from_section(self.cfg)
-        state = self.ckpt.load(path, options, self._sharded_state(is_loading=True))
+        # dist_checkpointing reads into the live parameters and optimizer state, so a file that
+        # fails halfway would leave a mix of old and new weights: keep a copy to put back.
+        live = [p.data for p in self.model.parameters()]
+        for inner in getattr(self.opt.optimizer, "chained_optimizers", None) or [self.opt.optimizer]:
+            torch_optimizer = getattr(inner, "optimizer", inner)
+            live += [v for st in torch_optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
+        backup = [t.clone() for t in live]
+        try:
+            state = self.ckpt.load(path, options, self._sharded_state(is_loading=True))
+        except BaseException:
+            with torch.no_grad():
+                for tensor, saved in zip(live, backup):
+                    tensor.copy_(saved)
+            raise
+        del backup
         self.model.load_state_dict(state["model"])
         self.opt.optimizer.load_state_dict(state["optimizer"])
         self.opt.scheduler.load_state_dict(state["scheduler"])

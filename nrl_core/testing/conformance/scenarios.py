@@ -1,0 +1,331 @@
+"""What the conformance suites run inside spawned ranks, and the references they compare with.
+
+Each scenario builds real workers from a backend's spec, exactly as the core does
+(``Worker(config, rank=, world_size=)`` with a validated config), drives them through the
+contract and returns plain measurements; the pytest side (:mod:`.suites`) turns them into one
+assertion per check. Scenarios run in spawned processes (``run_distributed``, gloo) so a backend
+that keeps process-global state (Megatron's parallel groups) never leaks it into the test session.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+if TYPE_CHECKING:
+    import torch
+
+    from nrl_core.contracts import TokenBatch
+
+TEMPERATURE = 0.7
+"""Sampling temperature of the conformance configs: not 1, so a backend that ignores
+``policy.generation.temperature`` in its logprobs fails the HF reference check."""
+
+GLOBAL_BATCH = 4
+BUCKET_BYTES = 16_384
+"""Small enough that a tiny model's export needs several buckets."""
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+def conformance_batch(rows: int = GLOBAL_BATCH, width: int = 14, vocab: int = 512, seed: int = 0) -> "TokenBatch":
+    """Right-padded sequences of different lengths (pad id 3), the loss over every token after the
+    first: varied lengths are what expose padding, packing and micro-batch mistakes."""
+    import torch
+
+    from nrl_core.contracts import TokenBatch
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(4, vocab, (rows, width), generator=g)
+    lengths = torch.tensor([width - (3 * i) % 7 for i in range(rows)])
+    mask = torch.zeros(rows, width)
+    for i, n in enumerate(lengths.tolist()):
+        ids[i, n:] = 3
+        mask[i, 1:n] = 1.0
+    return TokenBatch(input_ids=ids, input_lengths=lengths, fields={"token_mask": mask})
+
+
+def conformance_config(backend: str, model_dir: str, *, world_size: int = 1, overrides: Sequence[str] = (),
+                       **policy: Any) -> dict[str, Any]:
+    """A config validated by the core (every default filled, the backend's own checks run) that
+    selects training backend ``backend``, samples at :data:`TEMPERATURE` and trains
+    :data:`GLOBAL_BATCH` sequences per step on ``world_size`` ranks; ``policy`` sets
+    ``policy.<key>`` values and ``overrides`` are command-line style ``key.path=value`` strings."""
+    from nrl_core.config.loader import apply_overrides
+    from nrl_core.config.validate import validate_config
+    from nrl_core.plugins import get_plugin_manager
+
+    pm = get_plugin_manager()
+    spec = pm.training_backends().get(backend, "policy")
+    generators = pm.generation_backends().names()
+    raw: dict[str, Any] = {
+        "cluster": {"gpus_per_node": world_size, "num_nodes": 1},
+        "policy": {
+            "model_name": str(model_dir), "precision": "float32", "train_global_batch_size": GLOBAL_BATCH,
+            "train_micro_batch_size": 2, "logprob_batch_size": 2, "max_total_sequence_length": 16,
+            spec.config_key: {"enabled": True},
+            "generation": {"backend": generators[0], "temperature": TEMPERATURE} if generators else None,
+            **policy,
+        },
+    }
+    apply_overrides(raw, overrides)
+    config = validate_config(raw)
+    if config["policy"]["generation"] is None:  # no generation backend installed: keep the temperature
+        config["policy"]["generation"] = {"temperature": TEMPERATURE}
+    return config
+
+
+def build_training_worker(config: Mapping[str, Any], rank: int, world_size: int) -> Any:
+    """The selected training backend's worker, built as the core builds it."""
+    from nrl_core.config.validate import select_training_backend
+    from nrl_core.contracts import import_object
+
+    spec = select_training_backend(config)
+    return import_object(spec.worker)(dict(config), rank=rank, world_size=world_size)
+
+
+# --------------------------------------------------------------------------- references
+
+
+def hf_logprobs(model: Any, batch: "TokenBatch", temperature: float) -> "torch.Tensor":
+    """``[B, T]`` logprobs of each token under ``softmax(logits / temperature)`` from a plain HF
+    forward, aligned as in :class:`~nrl_core.contracts.TokenBatch` (position 0 and padding 0)."""
+    import torch
+
+    attention = (torch.arange(batch.input_ids.shape[1])[None] < batch.input_lengths[:, None]).long()
+    with torch.no_grad():
+        logits = model(input_ids=batch.input_ids, attention_mask=attention).logits.float()
+    lp = torch.log_softmax(logits[:, :-1] / temperature, -1).gather(-1, batch.input_ids[:, 1:, None])[..., 0]
+    lp = torch.cat([torch.zeros(lp.shape[0], 1), lp], 1)
+    return lp * attention
+
+
+def hf_model(path: str | os.PathLike[str]) -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+
+
+def hf_greedy(model: Any, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """HF ``generate`` one prompt at a time (no padding), stopping at EOS as engines do."""
+    import torch
+
+    out = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            seq = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=max_new_tokens, pad_token_id=3)
+        out.append(seq[0, len(prompt):].tolist())
+    return out
+
+
+def safetensors_state(path: str | os.PathLike[str]) -> dict[str, "torch.Tensor"]:
+    from safetensors.torch import load_file
+
+    state: dict[str, torch.Tensor] = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        state.update(load_file(str(f)))
+    return state
+
+
+# --------------------------------------------------------------------------- helpers run in ranks
+
+
+def _whole(worker_result: Any, batch: "TokenBatch") -> "torch.Tensor":
+    from nrl_core.testing.distributed import gather_shards
+
+    return gather_shards(worker_result, batch)
+
+
+def _error_of(fn: Any) -> str | None:
+    """``"ExcType: message"`` of what ``fn()`` raised, or None when it returned."""
+    try:
+        fn()
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # noqa: BLE001 - the check reports what was raised (DCP raises BaseExceptions)
+        from nrl_core.errors import NrlError
+
+        return f"{'NrlError' if isinstance(exc, NrlError) else type(exc).__name__}: {exc}"
+    return None
+
+
+def _truncate_largest_file(src: Path, dst: Path) -> str:
+    """Copy checkpoint ``src`` to ``dst`` with its largest file cut to half: a save that died midway."""
+    shutil.copytree(src, dst)
+    largest = max((p for p in dst.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    data = largest.read_bytes()
+    largest.write_bytes(data[: len(data) // 2])
+    return str(largest.relative_to(dst))
+
+
+def _set_env(env: Mapping[str, str]) -> None:
+    for key, value in env.items():
+        os.environ[key] = value
+
+
+# --------------------------------------------------------------------------- scenarios
+
+
+def training_world1(rank: int, world_size: int, configs: dict[str, dict[str, Any]], root: str,
+                    env: Mapping[str, str]) -> dict[str, Any]:
+    """Every single-rank training check's measurements; ``configs`` maps a role (``base``,
+    ``micro1``, one per declared capability) to its validated config."""
+    import torch
+
+    from nrl_core.algorithms.loss import NLLLoss
+    from nrl_core.contracts import CheckpointOptions, TrainingWorker
+    from nrl_core.plugins import get_plugin_manager
+
+    _set_env(env)
+    pm, loss, batch, ckpt = get_plugin_manager(), NLLLoss(), conformance_batch(), Path(root)
+    out: dict[str, Any] = {}
+
+    w = build_training_worker(configs["base"], rank, world_size)
+    out["missing_protocol_methods"] = [n for n in dir(TrainingWorker) if not n.startswith("_")
+                                       and callable(getattr(TrainingWorker, n, None)) and not hasattr(w, n)]
+    out["is_training_worker"] = isinstance(w, TrainingWorker)
+    out["lp0"] = _whole(w.get_logprobs(batch), batch)
+    out["m1"] = w.train(batch, loss)
+    out["lp1"] = _whole(w.get_logprobs(batch), batch)
+    out["ref1"] = _whole(w.get_reference_logprobs(batch), batch)
+
+    w.offload_before_refit()
+    w.offload_after_refit()
+    w.prepare_for_training()
+    out["lp1_after_offload"] = _whole(w.get_logprobs(batch), batch)
+
+    out["manifest"] = [(s.name, tuple(s.shape), s.dtype) for s in w.weight_manifest("float32")]
+    out["manifest_bf16"] = [(s.name, tuple(s.shape), s.dtype) for s in w.weight_manifest("bfloat16")]
+    buckets = list(w.export_weights(BUCKET_BYTES, "float32"))
+    out["bucket_bytes"] = [(len(b), sum(t.numel() * t.element_size() for _, t in b)) for b in buckets]
+    out["export"] = [(n, t.detach().clone()) for b in buckets for n, t in b]
+    out["export_bf16"] = [(n, tuple(t.shape), str(t.dtype).removeprefix("torch."))
+                          for b in w.export_weights(BUCKET_BYTES, "bfloat16") for n, t in b]
+    w.export_hf(str(ckpt / "hf"))
+
+    pm.checkpoint_save(w, str(ckpt / "sync"), CheckpointOptions(load_rng=True))
+    out["rng_draw"] = torch.rand(8)
+    out["m2"] = w.train(batch, loss)
+    out["lp2"] = _whole(w.get_logprobs(batch), batch)
+    pm.checkpoint_save(w, str(ckpt / "async"), CheckpointOptions(async_save=True))
+    pm.checkpoint_save(w, str(ckpt / "consolidated"), CheckpointOptions(fully_parallel_save=False))
+    w.finalize_checkpoint()
+
+    out["truncated_file"] = _truncate_largest_file(ckpt / "sync", ckpt / "truncated")
+    out["bad_loads"] = {
+        "missing": _error_of(lambda: pm.checkpoint_load(w, str(ckpt / "missing"), CheckpointOptions())),
+        "truncated": _error_of(lambda: pm.checkpoint_load(w, str(ckpt / "truncated"), CheckpointOptions())),
+    }
+    out["lp2_after_bad_loads"] = _whole(w.get_logprobs(batch), batch)
+    out["train_after_bad_loads"] = _error_of(lambda: w.train(batch, loss))
+    w = None  # freed before the next worker is built
+
+    fresh = build_training_worker(configs["base"], rank, world_size)
+    pm.checkpoint_load(fresh, str(ckpt / "sync"), CheckpointOptions(load_rng=True))
+    out["rng_draw_loaded"] = torch.rand(8)
+    out["sync/lp"] = _whole(fresh.get_logprobs(batch), batch)
+    out["sync/m2"] = fresh.train(batch, loss)
+    for name, options in [("async", CheckpointOptions()), ("consolidated", CheckpointOptions(fully_parallel_load=False))]:
+        pm.checkpoint_load(fresh, str(ckpt / name), options)
+        out[f"{name}/lp"] = _whole(fresh.get_logprobs(batch), batch)
+    fresh = None
+
+    for role, config in configs.items():
+        if role == "base":
+            continue
+        other = build_training_worker(config, rank, world_size)
+        out[f"{role}/lp0"] = _whole(other.get_logprobs(batch), batch)
+        out[f"{role}/m1"] = other.train(batch, loss)
+        out[f"{role}/lp1"] = _whole(other.get_logprobs(batch), batch)
+        other = None
+    return out
+
+
+def training_world2(rank: int, world_size: int, config: dict[str, Any], root: str,
+                    env: Mapping[str, str]) -> dict[str, Any]:
+    """Two data-parallel ranks: logprobs, a step, and a sharded checkpoint round trip."""
+    from nrl_core.algorithms.loss import NLLLoss
+    from nrl_core.contracts import CheckpointOptions
+    from nrl_core.plugins import get_plugin_manager
+
+    _set_env(env)
+    pm, loss, batch = get_plugin_manager(), NLLLoss(), conformance_batch()
+    w = build_training_worker(config, rank, world_size)
+    out: dict[str, Any] = {"lp0": _whole(w.get_logprobs(batch), batch), "m1": w.train(batch, loss)}
+    out["lp1"] = _whole(w.get_logprobs(batch), batch)
+    pm.checkpoint_save(w, os.path.join(root, "dp2"), CheckpointOptions())
+    w.finalize_checkpoint()
+    out["m2"] = w.train(batch, loss)
+    pm.checkpoint_load(w, os.path.join(root, "dp2"), CheckpointOptions())
+    out["loaded/lp"] = _whole(w.get_logprobs(batch), batch)
+    return out
+
+
+def generation_refit(rank: int, world_size: int, config: dict[str, Any], worker_path: str,
+                     training_config: dict[str, Any] | None, root: str, prompts: list[list[int]],
+                     max_new_tokens: int, env: Mapping[str, str]) -> dict[str, Any]:
+    """A generation worker against HF: greedy before and after a refit from a training worker that
+    took a few steps (or, without a training backend, from a perturbed HF model), a refit that
+    breaks the manifest, the sampling state and shutdown."""
+    from nrl_core.algorithms.loss import NLLLoss
+    from nrl_core.contracts import GenerationWorker, import_object
+    from nrl_core.refit import refit
+    from nrl_core.refit.hf_source import HFWeightSource
+    from nrl_core.testing.refit_host import perturb_weights
+
+    _set_env(env)
+    out: dict[str, Any] = {}
+    engine = import_object(worker_path)(config, rank=rank, world_size=world_size)
+    out["missing_protocol_methods"] = [n for n in dir(GenerationWorker) if not n.startswith("_")
+                                       and callable(getattr(GenerationWorker, n, None)) and not hasattr(engine, n)]
+    out["is_generation_worker"] = isinstance(engine, GenerationWorker)
+    first = engine.generate(prompts, greedy=True)
+    out["before"] = first.token_ids
+    out["before/logprob_lengths"] = [len(lp) == len(ids) for lp, ids in zip(first.logprobs, first.token_ids)]
+    out["version0"] = engine.weight_version
+
+    if training_config is not None:
+        source = build_training_worker(training_config, rank, world_size)
+        batch = conformance_batch()
+        for _ in range(3):
+            source.train(batch, NLLLoss())
+        source.export_hf(os.path.join(root, "trained"))
+        trained_dir = os.path.join(root, "trained")
+    else:
+        model = hf_model(config["policy"]["model_name"])
+        perturb_weights(model, seed=7)
+        model.save_pretrained(os.path.join(root, "trained"))
+        source = HFWeightSource(model)
+        trained_dir = os.path.join(root, "trained")
+    report = refit(source, engine, bucket_bytes=BUCKET_BYTES)
+    out["refit_version"] = report.version
+    out["version1"] = engine.weight_version
+    out["after"] = engine.generate(prompts, greedy=True).token_ids
+    out["trained_dir"] = trained_dir
+
+    class DroppedTensor:
+        """The trained source's stream without its last tensor: a broken training backend."""
+
+        def weight_manifest(self, dtype: str) -> Any:
+            return source.weight_manifest(dtype)
+
+        def export_weights(self, bucket_bytes: int, dtype: str) -> Any:
+            items = [item for bucket in source.export_weights(bucket_bytes, dtype) for item in bucket]
+            yield items[:-1]
+
+    out["bad_refit"] = _error_of(lambda: refit(DroppedTensor(), engine, bucket_bytes=BUCKET_BYTES))
+    out["version_after_bad_refit"] = engine.weight_version
+    out["after_bad_refit"] = engine.generate(prompts, greedy=True).token_ids
+
+    state = engine.sampling_state()
+    sampled = engine.generate(prompts * 2).token_ids
+    engine.load_sampling_state(state)
+    out["sampled"], out["resampled"] = sampled, engine.generate(prompts * 2).token_ids
+    out["shutdown"] = _error_of(lambda: (engine.shutdown(), engine.shutdown()))
+    return out

@@ -1,0 +1,42 @@
+"""A third-party nrl plugin: a minimal single-process PyTorch training backend (``example``) and
+an algorithm (``nrl train hello``), found through the ``nrl`` entry-point group exactly like nrl's
+own plugins. docs/plugins.md walks through it.
+
+This module is what the entry point names, so it imports nothing heavy: the worker (torch,
+transformers) is named by its import path and loaded only when a run builds it.
+"""
+
+from nrl_core import hookimpl
+from nrl_core.checkpoint.hooks import worker_checkpoint_hooks
+from nrl_core.config.schema import Field, Section
+from nrl_core.contracts import AlgorithmSpec, TrainingBackendSpec
+
+WORKER_PATH = "nrl_example_plugin.worker:ExampleWorker"
+
+
+@hookimpl
+def nrl_training_backends():
+    schema = Section(fields={
+        "enabled": Field(type=bool, default=False),
+        "async_save": Field(type=bool, default=False),
+        "load_rng": Field(type=bool, default=False),
+    })
+    return [TrainingBackendSpec(name="example", config_key="example_cfg", priority=5, worker=WORKER_PATH,
+                                config_schema=schema, distribution="nrl-example-plugin",
+                                capabilities=frozenset(),  # one rank, padded micro-batches only
+                                description="single-process PyTorch (the plugin guide's example)")]
+
+
+@hookimpl
+def nrl_algorithms():
+    return [AlgorithmSpec(name="hello", entry="nrl_example_plugin:hello", distribution="nrl-example-plugin")]
+
+
+def hello(config):
+    print(f"hello from the example plugin: model {config['policy']['model_name']}")
+    return 0
+
+
+# Checkpoints: the core calls these hooks on every rank; they hand a worker of ours to its own
+# save_checkpoint/load_checkpoint and leave any other worker to its plugin.
+nrl_checkpoint_save, nrl_checkpoint_load = worker_checkpoint_hooks(WORKER_PATH)
