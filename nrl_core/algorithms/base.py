@@ -133,7 +133,7 @@ class AlgorithmRun:
                 outputs["plot"] = str(plot)
             if self.checkpoints.enabled:
                 outputs["checkpoints"] = str(self.checkpoints.root)
-                best = self.checkpoints.best()
+                best = self.checkpoints.first_verified(self.checkpoints.preference())
                 if best is not None and self.config["checkpointing"]["export_hf"]:
                     export = self.checkpoints.root / "hf_export"
                     self.policy.load_checkpoint(str(best / "policy"))
