@@ -37,6 +37,7 @@ from nrl_core.errors import NrlError
 logger = logging.getLogger(__name__)
 
 INFO_FILE = "training_info.json"
+HF_EXPORT = "hf_export"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -73,13 +74,16 @@ class CheckpointManager:
                            f"choose a directory you can write to") from None
 
     def _remove_incomplete(self) -> None:
-        for path in self.root.glob(".tmp_step_*"):
-            logger.warning("removing incomplete checkpoint %s left by an interrupted run", path)
-            shutil.rmtree(path, ignore_errors=True)
-        for path in self.root.glob(".old_step_*"):
+        for path in [*self.root.glob(".tmp_step_*"), self.root / f".tmp_{HF_EXPORT}"]:
+            if path.exists():
+                logger.warning("removing incomplete %s left by an interrupted run", path)
+                shutil.rmtree(path, ignore_errors=True)
+        for path in [*self.root.glob(".old_step_*"), self.root / f".old_{HF_EXPORT}"]:
+            if not path.exists():
+                continue
             # a replace of step_N was interrupted: if step_N is missing the old one is all there is
             final = self.root / path.name.removeprefix(".old_")
-            if final.exists() or not (path / INFO_FILE).is_file():
+            if final.exists() or (final.name != HF_EXPORT and not (path / INFO_FILE).is_file()):
                 logger.warning("removing %s left by an interrupted checkpoint replace", path)
                 shutil.rmtree(path, ignore_errors=True)
             else:
@@ -127,16 +131,31 @@ class CheckpointManager:
             handle.flush()
             os.fsync(handle.fileno())
         final = self.root / f"step_{pending.step}"
-        if final.exists():
-            retired = self.root / f".old_step_{pending.step}"
-            shutil.rmtree(retired, ignore_errors=True)
-            final.rename(retired)
-            pending.tmp.rename(final)
-            shutil.rmtree(retired, ignore_errors=True)
-        else:
-            pending.tmp.rename(final)
+        self._replace(pending.tmp, final)
         logger.info("saved checkpoint %s", final)
         self._prune()
+
+    def _replace(self, tmp: Path, final: Path) -> None:
+        """Rename ``tmp`` to ``final``; an existing ``final`` is retired to ``.old_<name>`` first and
+        removed after (a crash in between is repaired at the next start)."""
+        if final.exists():
+            retired = self.root / f".old_{final.name}"
+            shutil.rmtree(retired, ignore_errors=True)
+            final.rename(retired)
+            tmp.rename(final)
+            shutil.rmtree(retired, ignore_errors=True)
+        else:
+            tmp.rename(final)
+
+    def export(self, write: Callable[[Path], None]) -> Path:
+        """``write(directory)`` the HF export into a temporary directory, then publish it as
+        ``hf_export`` in one rename, so that a crash never leaves a half-written export there."""
+        final = self.root / HF_EXPORT
+        tmp = self.root / f".tmp_{HF_EXPORT}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        write(tmp)
+        self._replace(tmp, final)
+        return final
 
     # ------------------------------------------------------------------ reading
 

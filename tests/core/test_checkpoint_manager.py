@@ -180,3 +180,26 @@ def test_interrupted_replace_is_repaired_at_the_next_start(tmp_path):
     (root / ".old_step_3").mkdir()  # an incomplete leftover
     _manager(tmp_path)
     assert sorted(p.name for p in root.iterdir() if not p.name.startswith(".write")) == ["step_1", "step_2"]
+
+
+def test_hf_export_is_published_in_one_rename(tmp_path):
+    manager = _manager(tmp_path)
+
+    def write(directory):
+        directory.mkdir()
+        (directory / "model.safetensors").write_bytes(b"new")
+
+    def crash(directory):
+        directory.mkdir()
+        (directory / "model.safetensors").write_bytes(b"ha")
+        raise RuntimeError("killed while writing")
+
+    export = manager.export(write)
+    assert export == manager.root / "hf_export" and (export / "model.safetensors").read_bytes() == b"new"
+    with pytest.raises(RuntimeError):
+        manager.export(crash)
+    assert (export / "model.safetensors").read_bytes() == b"new"  # the old export is untouched
+    export.rename(manager.root / ".old_hf_export")  # killed between the two renames of a replace
+    _manager(tmp_path)
+    assert sorted(p.name for p in manager.root.iterdir() if not p.name.startswith(".write")) == ["hf_export"]
+    assert (export / "model.safetensors").read_bytes() == b"new"
