@@ -40,7 +40,8 @@ class AlgorithmRun:
         init_ray(config["cluster"])
         self.policy = Policy(config, self.choice.training, colocated_generation=colocated_generation)
         self.max_steps = min(int(self.cfg["max_num_steps"]), int(self.cfg["max_num_epochs"]) * len(self.train_loader))
-        self.log = MetricLogger(config["logger"], total_steps=self.max_steps, resume=self.resume_from is not None)
+        self.log = MetricLogger(config["logger"], total_steps=self.max_steps,
+                                resume_step=self.state.step if self.resume_from is not None else None)
         self.hooks = get_plugin_manager()
         self.info = RunInfo(algorithm=self.section, config=config, first_step=self.state.step + 1,
                             max_steps=self.max_steps, log_dir=str(self.log.log_dir),
@@ -150,11 +151,10 @@ class AlgorithmRun:
                 outputs["plot"] = str(plot)
             if self.checkpoints.enabled:
                 outputs["checkpoints"] = str(self.checkpoints.root)
-                best = self.checkpoints.best()
+                best = self.checkpoints.first_verified(self.checkpoints.preference())
                 if best is not None and self.config["checkpointing"]["export_hf"]:
-                    export = self.checkpoints.root / "hf_export"
                     self.policy.load_checkpoint(str(best / "policy"))
-                    self.policy.export_hf(str(export))
+                    export = self.checkpoints.export(lambda tmp: self.policy.export_hf(str(tmp)))
                     outputs["hf_export"] = f"{export} (from {best.name})"
             self.hooks.run_end(self.info, status, self.state.step, self.last_metrics, outputs)
         finally:

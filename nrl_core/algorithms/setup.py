@@ -85,8 +85,9 @@ class RunState:
 
 
 def resume_point(checkpoints: CheckpointManager) -> tuple[Path | None, RunState]:
-    """The latest complete checkpoint and the driver state saved in it (or a fresh state)."""
-    latest = checkpoints.latest() if checkpoints.enabled else None
+    """The latest complete checkpoint whose files verify and the driver state saved in it (or a
+    fresh state); a corrupted one is skipped with a warning."""
+    latest = checkpoints.latest_verified() if checkpoints.enabled else None
     if latest is None:
         return None, RunState()
     info = checkpoints.load_info(latest)

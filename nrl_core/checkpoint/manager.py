@@ -12,12 +12,17 @@ complete, asynchronous backend saves included: with ``wait`` the rename is defer
 next save or :meth:`close`, after the backend's writes finished. A directory without
 ``training_info.json`` is never a checkpoint, so a crash at any point leaves the previous ones
 intact and resume picks the latest complete one.
+
+``training_info.json`` also records the size and checksum of every other file of the checkpoint
+(:mod:`nrl_core.checkpoint.checksums`). Resume verifies them and, when a file differs, warns and
+falls back to the checkpoint before; a NaN/Inf metric never ranks a checkpoint as the best.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -26,11 +31,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from nrl_core.checkpoint.checksums import ChecksumError, default_algorithm, tree_digests, verify_tree
 from nrl_core.errors import NrlError
 
 logger = logging.getLogger(__name__)
 
 INFO_FILE = "training_info.json"
+HF_EXPORT = "hf_export"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -69,9 +76,21 @@ class CheckpointManager:
                            f"choose a directory you can write to") from None
 
     def _remove_incomplete(self) -> None:
-        for path in self.root.glob(".tmp_step_*"):
-            logger.warning("removing incomplete checkpoint %s left by an interrupted run", path)
-            shutil.rmtree(path, ignore_errors=True)
+        for path in [*self.root.glob(".tmp_step_*"), self.root / f".tmp_{HF_EXPORT}"]:
+            if path.exists():
+                logger.warning("removing incomplete %s left by an interrupted run", path)
+                shutil.rmtree(path, ignore_errors=True)
+        for path in [*self.root.glob(".old_step_*"), self.root / f".old_{HF_EXPORT}"]:
+            if not path.exists():
+                continue
+            # a replace of step_N was interrupted: if step_N is missing the old one is all there is
+            final = self.root / path.name.removeprefix(".old_")
+            if final.exists() or (final.name != HF_EXPORT and not (path / INFO_FILE).is_file()):
+                logger.warning("removing %s left by an interrupted checkpoint replace", path)
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                logger.warning("restoring %s from %s (its replacement was interrupted)", final, path)
+                path.rename(final)
 
     # ------------------------------------------------------------------ saving
 
@@ -105,24 +124,42 @@ class CheckpointManager:
 
     def _publish(self, pending: _Pending) -> None:
         pending.wait()
+        algorithm = default_algorithm()
+        pending.info["checksum"] = algorithm
+        pending.info["files"] = tree_digests(pending.tmp, algorithm, skip=frozenset({INFO_FILE}))
         info_path = pending.tmp / INFO_FILE
         with open(info_path, "w") as handle:
             json.dump(pending.info, handle, indent=2, default=str)
             handle.flush()
             os.fsync(handle.fileno())
         final = self.root / f"step_{pending.step}"
-        if final.exists():
-            retired = self.root / f".old_step_{pending.step}"
-            shutil.rmtree(retired, ignore_errors=True)
-            final.rename(retired)
-            pending.tmp.rename(final)
-            shutil.rmtree(retired, ignore_errors=True)
-        else:
-            pending.tmp.rename(final)
+        self._replace(pending.tmp, final)
         logger.info("saved checkpoint %s", final)
         self._prune()
         if self.on_publish is not None:
             self.on_publish(pending.step, final, pending.info)
+
+    def _replace(self, tmp: Path, final: Path) -> None:
+        """Rename ``tmp`` to ``final``; an existing ``final`` is retired to ``.old_<name>`` first and
+        removed after (a crash in between is repaired at the next start)."""
+        if final.exists():
+            retired = self.root / f".old_{final.name}"
+            shutil.rmtree(retired, ignore_errors=True)
+            final.rename(retired)
+            tmp.rename(final)
+            shutil.rmtree(retired, ignore_errors=True)
+        else:
+            tmp.rename(final)
+
+    def export(self, write: Callable[[Path], None]) -> Path:
+        """``write(directory)`` the HF export into a temporary directory, then publish it as
+        ``hf_export`` in one rename, so that a crash never leaves a half-written export there."""
+        final = self.root / HF_EXPORT
+        tmp = self.root / f".tmp_{HF_EXPORT}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        write(tmp)
+        self._replace(tmp, final)
+        return final
 
     # ------------------------------------------------------------------ reading
 
@@ -149,16 +186,56 @@ class CheckpointManager:
             raise NrlError(f"checkpoint {path} has an unreadable {INFO_FILE} ({exc}); delete that directory to resume "
                            f"from the one before") from None
 
+    def verify(self, path: Path) -> None:
+        """Raise :class:`ChecksumError` naming the first file of checkpoint ``path`` that differs from
+        the size and checksum recorded at save. Checkpoints from before checksums pass."""
+        info = self.load_info(path)
+        if "files" in info:
+            verify_tree(path, info["files"], info.get("checksum", "xxh3_64"))
+
+    def first_verified(self, candidates: list[Path]) -> Path | None:
+        """The first of ``candidates`` whose files verify, warning for each one that does not."""
+        for path in candidates:
+            try:
+                self.verify(path)
+            except ChecksumError as exc:
+                logger.warning("%s; skipping it", exc)
+                continue
+            return path
+        return None
+
+    def latest_verified(self) -> Path | None:
+        """The newest complete checkpoint whose files verify (a corrupted one falls back to the one before)."""
+        complete = self.checkpoints()
+        found = self.first_verified(complete[::-1])
+        if complete and found is None:
+            raise NrlError(f"every checkpoint under {self.root} fails its checksums (see the warnings above); move "
+                           f"them away to start afresh")
+        return found
+
     def best(self) -> Path | None:
+        """The checkpoint with the best finite metric; without one, the newest whose metric is not NaN/Inf."""
+        preference = self.preference()
+        return preference[0] if preference else None
+
+    def preference(self) -> list[Path]:
+        """Every complete checkpoint, best first: ranked by a finite metric, then the newest without a
+        metric, then those whose metric is NaN/Inf (never preferred to a checkpoint with a number)."""
         ranked = self._ranked()
-        return ranked[0] if ranked else self.latest()
+        rest = [p for p in self.checkpoints()[::-1] if p not in ranked]
+        poisoned = [p for p in rest if self._metric(p) is not None]
+        return ranked + [p for p in rest if p not in poisoned] + poisoned
+
+    def _metric(self, path: Path) -> float | None:
+        value = self.load_info(path).get("metrics", {}).get(self.metric_name) if self.metric_name else None
+        return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
     def _ranked(self) -> list[Path]:
-        """Checkpoints that carry the metric, best first (ties: the later step first)."""
+        """Checkpoints that carry a finite metric, best first (ties: the later step first)."""
         scored = []
         for path in self.checkpoints():
-            value = self.load_info(path).get("metrics", {}).get(self.metric_name) if self.metric_name else None
-            if isinstance(value, (int, float)):
+            value = self._metric(path)
+            if value is not None and math.isfinite(value):
                 scored.append((value, self.load_info(path)["step"], path))
         scored.sort(key=lambda t: (t[0] if self.higher_is_better else -t[0], t[1]), reverse=True)
         return [path for _, _, path in scored]

@@ -140,6 +140,8 @@ POLICY = Section(required=True, doc="The model being trained and how.", aliases=
     "make_sequence_length_divisible_by": Field(type=int, default=1, minimum=1),
     "max_grad_norm": Field(type=NUMBER, default=1.0, nullable=True, minimum=0, doc="0 or null: no clipping"),
     "seed": Field(type=int, default=None, nullable=True, doc="null: the algorithm's seed (42 without one), resolved at validation"),
+    "check_for_nan": Field(type=bool, default=True,
+                           doc="stop before the optimizer step when the loss or gradient norm is NaN/Inf"),
     "optimizer": OPTIMIZER,
     "scheduler": Field(type=list, default=None, nullable=True, doc="NeMo RL's list of {name, kwargs} and {milestones}"),
     "sequence_packing": SEQUENCE_PACKING,

@@ -21,7 +21,8 @@ class MetricLogger:
     """Built from the ``logger`` config section. ``log_step`` writes one step (every sink);
     ``close`` stops the console view and draws ``metrics.png``."""
 
-    def __init__(self, section: Mapping[str, Any], *, total_steps: int, resume: bool = False) -> None:
+    def __init__(self, section: Mapping[str, Any], *, total_steps: int, resume: bool = False,
+                 resume_step: int | None = None) -> None:
         self.log_dir = Path(section["log_dir"]).expanduser()
         try:
             self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -31,7 +32,7 @@ class MetricLogger:
         self.plot_enabled = bool(section.get("plot", True))
         self.sinks: list[MetricSink] = []
         if section.get("jsonl_enabled", True):
-            self.sinks.append(JsonlSink(self.log_dir, append=resume))
+            self.sinks.append(JsonlSink(self.log_dir, append=resume, keep_through=resume_step))
         if section.get("console", True):
             self.sinks.append(ConsoleView(total_steps))
         for spec in get_plugin_manager().metric_sinks():  # TensorBoard, W&B and MLflow among them

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -15,9 +16,14 @@ class JsonlSink:
     """``metrics.jsonl``: one JSON object per step, ``{"step": N, ...metrics}``, flushed each line
     so a killed run keeps every completed step."""
 
-    def __init__(self, log_dir: Path, *, append: bool = False) -> None:
+    def __init__(self, log_dir: Path, *, append: bool = False, keep_through: int | None = None) -> None:
+        """``append`` continues the file; ``keep_through`` (a resumed run's step) first drops the
+        rows of later steps, which the interrupted run logged after its last checkpoint and the
+        resumed run is about to log again."""
         self.path = log_dir / "metrics.jsonl"
-        self._handle = open(self.path, "a" if append else "w")
+        if keep_through is not None and self.path.exists():
+            _truncate_after(self.path, keep_through)
+        self._handle = open(self.path, "a" if append or keep_through is not None else "w")
 
     def log(self, step: int, metrics: Mapping[str, float], prefix: str = "") -> None:
         row = {"step": step, **{f"{prefix}{k}": _jsonable(v) for k, v in metrics.items()}}
@@ -26,6 +32,21 @@ class JsonlSink:
 
     def close(self) -> None:
         self._handle.close()
+
+
+def _truncate_after(path: Path, step: int) -> None:
+    """Keep the rows of ``path`` up to ``step`` (a torn last line goes too), replacing it atomically."""
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
+            kept.append(line + "\n")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept))
+    os.replace(tmp, path)
 
 
 def _jsonable(value: Any) -> Any:

@@ -103,3 +103,103 @@ def test_save_period(tmp_path):
     assert [s for s in range(1, 8) if manager.should_save(s)] == [3, 6]
     assert manager.should_save(7, last_step=True)
     assert not _manager(tmp_path, enabled=False).should_save(3)
+
+
+def _metric_mix(rng):
+    special = [float("nan"), float("inf"), float("-inf"), None]
+    return [rng.choice(special) if rng.random() < 0.4 else round(rng.uniform(-1, 1), 3) for _ in range(rng.randint(1, 6))]
+
+
+@pytest.mark.parametrize("higher_is_better", [True, False])
+def test_nonfinite_metrics_never_rank_as_best(tmp_path, higher_is_better):
+    import math
+    import random
+    import shutil
+
+    rng = random.Random(0 if higher_is_better else 1)
+    for trial in range(48):
+        manager = _manager(tmp_path, higher_is_better=higher_is_better)
+        values = _metric_mix(rng)
+        for step, value in enumerate(values, start=1):
+            _save(manager, step, value)
+        finite = [(v, s) for s, v in enumerate(values, start=1) if v is not None and math.isfinite(v)]
+        if finite:
+            best_value = max(v if higher_is_better else -v for v, _ in finite)
+            expected = max(s for v, s in finite if (v if higher_is_better else -v) == best_value)
+        else:  # no number anywhere: the newest checkpoint without a NaN/Inf metric, else the newest
+            clean = [s for s, v in enumerate(values, start=1) if v is None]
+            expected = clean[-1] if clean else len(values)
+        assert manager.best().name == f"step_{expected}", (trial, values)
+        shutil.rmtree(manager.root)
+
+
+def test_keep_top_k_never_keeps_a_nan_over_a_number(tmp_path):
+    manager = _manager(tmp_path, keep_top_k=2)
+    for step, reward in [(1, 0.3), (2, float("nan")), (3, 0.1), (4, float("inf")), (5, float("nan"))]:
+        _save(manager, step, reward)
+    # the two finite ones by rank, plus the newest (always kept so that a run can resume)
+    assert [p.name for p in manager.checkpoints()] == ["step_1", "step_3", "step_5"]
+    assert manager.best().name == "step_1"
+
+
+def _flip(path, offset=0, count=64):
+    data = bytearray(path.read_bytes())
+    for i in range(offset, min(offset + count, len(data))):
+        data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_checksums_are_recorded_and_a_flipped_byte_falls_back(tmp_path, caplog):
+    manager = _manager(tmp_path)
+    _save(manager, 1, 0.1)
+    _save(manager, 2, 0.2)
+    info = manager.load_info(manager.latest())
+    assert info["checksum"] in ("xxh3_64", "blake2b") and set(info["files"]) == {"policy/weights.bin"}
+    assert info["files"]["policy/weights.bin"]["size"] == 10
+    assert manager.latest_verified().name == "step_2"
+    weights = manager.latest() / "policy" / "weights.bin"
+    _flip(weights, 3, 1)
+    assert weights.stat().st_size == 10
+    with pytest.raises(NrlError, match=r"file 'policy/weights.bin' fails its .* checksum") as info:
+        manager.verify(manager.latest())
+    assert "\n" not in str(info.value)
+    with caplog.at_level("WARNING"):
+        assert manager.latest_verified().name == "step_1"
+    assert "step_2: file 'policy/weights.bin' fails" in caplog.text
+    (manager.root / "step_1" / "policy" / "weights.bin").unlink()
+    with pytest.raises(NrlError, match="every checkpoint under .* fails its checksums"):
+        manager.latest_verified()
+
+
+def test_interrupted_replace_is_repaired_at_the_next_start(tmp_path):
+    manager = _manager(tmp_path)
+    _save(manager, 1, 0.1)
+    _save(manager, 2, 0.2)
+    root = manager.root
+    (root / "step_1").rename(root / ".old_step_1")  # killed between the two renames of a replace
+    (root / ".old_step_3").mkdir()  # an incomplete leftover
+    _manager(tmp_path)
+    assert sorted(p.name for p in root.iterdir() if not p.name.startswith(".write")) == ["step_1", "step_2"]
+
+
+def test_hf_export_is_published_in_one_rename(tmp_path):
+    manager = _manager(tmp_path)
+
+    def write(directory):
+        directory.mkdir()
+        (directory / "model.safetensors").write_bytes(b"new")
+
+    def crash(directory):
+        directory.mkdir()
+        (directory / "model.safetensors").write_bytes(b"ha")
+        raise RuntimeError("killed while writing")
+
+    export = manager.export(write)
+    assert export == manager.root / "hf_export" and (export / "model.safetensors").read_bytes() == b"new"
+    with pytest.raises(RuntimeError):
+        manager.export(crash)
+    assert (export / "model.safetensors").read_bytes() == b"new"  # the old export is untouched
+    export.rename(manager.root / ".old_hf_export")  # killed between the two renames of a replace
+    _manager(tmp_path)
+    assert sorted(p.name for p in manager.root.iterdir() if not p.name.startswith(".write")) == ["hf_export"]
+    assert (export / "model.safetensors").read_bytes() == b"new"

@@ -51,3 +51,18 @@ def test_a_log_dir_under_a_file_is_one_line(tmp_path):
     (tmp_path / "a_file").write_text("x")
     with pytest.raises(NrlError, match=r"^logger.log_dir: cannot create '.*a_file/logs' \(Not a directory\)"):
         MetricLogger(_section(tmp_path, log_dir=str(tmp_path / "a_file" / "logs")), total_steps=1)
+
+
+def test_resume_cuts_metrics_back_to_the_resumed_step(tmp_path):
+    first = MetricLogger(_section(tmp_path, console=False), total_steps=4)
+    for step in (1, 2, 3):  # the checkpoint was at step 2; step 3 was logged, then the run was killed
+        first.log_step(step, {"train/loss": 1.0 / step})
+    first.close()
+    with open(first.metrics_path, "a") as torn:
+        torn.write('{"step": 4, "train/lo')
+    second = MetricLogger(_section(tmp_path, console=False), total_steps=4, resume_step=2)
+    for step in (3, 4):
+        second.log_step(step, {"train/loss": 0.1})
+    second.close()
+    rows = [json.loads(x) for x in second.metrics_path.read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and rows[2]["train/loss"] == 0.1

@@ -156,3 +156,38 @@ def test_bad_model_and_config_are_one_line(tmp_path):
             worker(**overrides)
         assert "\n" not in str(info.value)
     assert cached_tiny_model("llama").exists()
+
+
+class _Diverged:
+    """NLL scaled by ``factor`` (NaN or Inf), in the loss and its reported metric alike."""
+
+    def __init__(self, factor: float) -> None:
+        self.factor, self.inner = factor, NLLLoss()
+
+    def __call__(self, logprobs, batch, **kw):
+        loss, metrics = self.inner(logprobs, batch, **kw)
+        return loss * self.factor, {**metrics, "loss": metrics["loss"] * self.factor}
+
+
+@pytest.mark.parametrize("factor", [float("nan"), float("inf")])
+def test_nonfinite_loss_stops_before_the_optimizer_step(factor):
+    from nrl_core.nonfinite import NonFiniteError
+
+    w = worker()
+    batch = make_batch()
+    w.train(batch, NLLLoss())
+    before = params(w)
+    with pytest.raises(NonFiniteError) as info:
+        w.train(batch, _Diverged(factor))
+    message = str(info.value)
+    assert "\n" not in message and "training step 2 (dtensor)" in message and "policy.check_for_nan" in message
+    assert f"loss={factor}" in message and "grad_norm=nan" in message
+    assert w.train_step_count == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, params(w)))
+
+
+def test_nonfinite_guard_can_be_turned_off():
+    w = worker(check_for_nan=False)
+    metrics = w.train(make_batch(), _Diverged(float("nan")))
+    assert w.train_step_count == 1 and metrics["grad_norm"] != metrics["grad_norm"]
+    assert all(torch.isnan(p).any() for p in params(w))

@@ -152,17 +152,27 @@ def world2(rank: int, world: int, path: str, ckpt: str) -> dict[str, Any]:
     w.load_checkpoint(f"{ckpt}/async")  # load_rng default: false
     out["rng_false/next_loss"] = w.train(batch, loss)["loss"]
 
-    # NaN in a gradient: off lets it through, on (the default) stops the step.
+    # NaN in a gradient: Megatron's own check (in the gradient reduction) and nrl's guard (loss and
+    # gradient norm before the optimizer step) each stop it; only with both off does it train on.
     def nan_loss(logprobs, mb, **kw):
         value, metrics = loss(logprobs, mb, **kw)
         return value * float("nan"), metrics
 
-    for check in (False, True):
-        w = MegatronPolicyWorker(make_config(path, megatron={"check_for_nan_in_grad": check}), rank, world)
+    def inf_loss(logprobs, mb, **kw):
+        value, metrics = loss(logprobs, mb, **kw)
+        return value * float("inf"), {**metrics, "loss": metrics["loss"] * float("inf")}
+
+    cases = {"both": ({}, {}, nan_loss), "guard": ({"check_for_nan_in_grad": False}, {}, nan_loss),
+             "inf": ({"check_for_nan_in_grad": False}, {}, inf_loss),
+             "off": ({"check_for_nan_in_grad": False}, {"check_for_nan": False}, nan_loss)}
+    for tag, (megatron, policy, loss_fn) in cases.items():
+        w = MegatronPolicyWorker(make_config(path, megatron=megatron, **policy), rank, world)
+        before = [p.detach().clone() for p in w.model.parameters()]
         try:
-            out[f"nan/{check}"] = ("trained", w.train(batch, nan_loss)["grad_norm"])
+            out[f"nan/{tag}"] = ("trained", w.train(batch, loss_fn)["grad_norm"])
         except Exception as exc:  # noqa: BLE001
-            out[f"nan/{check}"] = (type(exc).__name__, str(exc))
+            out[f"nan/{tag}"] = (type(exc).__name__, str(exc))
+        out[f"nan/{tag}/unchanged"] = all(torch.equal(a, b) for a, b in zip(before, w.model.parameters()))
     return out
 
 
@@ -245,8 +255,11 @@ def test_bad_training_checkpoints_are_one_line(w2) -> None:
 
 
 @pytest.mark.slow
-def test_nan_gradient_caught_only_when_checked(w2) -> None:
+def test_nan_stops_training_unless_both_checks_are_off(w2) -> None:
     for rank in w2:
-        status, detail = rank["nan/True"]
-        assert status == "NrlError" and "check_for_nan_in_grad" in detail and "\n" not in detail
-        assert rank["nan/False"][0] == "trained"
+        for tag, says in (("both", "Megatron-Core's check"), ("guard", "grad_norm=nan"), ("inf", "loss=inf")):
+            status, detail = rank[f"nan/{tag}"]
+            assert status == "NonFiniteError" and "\n" not in detail, (tag, detail)
+            assert "training step 1 (megatron)" in detail and says in detail and "policy.check_for_nan" in detail
+            assert rank[f"nan/{tag}/unchanged"], tag
+        assert rank["nan/off"][0] == "trained" and not rank["nan/off/unchanged"]

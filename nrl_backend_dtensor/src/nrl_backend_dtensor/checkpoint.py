@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from nrl_core.contracts import CheckpointOptions
 from nrl_core.errors import NrlError
+from nrl_backend_dtensor.safe_load import dcp_load, load_file
 
 MARKER = "nrl_checkpoint.json"
 SHARDED_DIR = "model_optim"
@@ -65,10 +66,13 @@ class _Pending:
 
 
 def _rng_state() -> dict[str, Any]:
+    """Every RNG as tensors and plain values, so that ``torch.load(weights_only=True)`` reads it."""
     import numpy as np
 
+    name, keys, pos, has_gauss, cached = np.random.get_state()
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate(),
-                             "numpy": np.random.get_state()}
+                             "numpy": {"name": str(name), "keys": torch.from_numpy(keys.astype(np.int64)),
+                                       "pos": int(pos), "has_gauss": int(has_gauss), "cached": float(cached)}}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -78,8 +82,10 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     import numpy as np
 
     torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    n = state["numpy"]
+    np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
@@ -208,12 +214,13 @@ class CheckpointIO:
                 model_sd, optim_sd, sd_options = self._read_every_rank(path, marker["format"])
             else:
                 model_sd, optim_sd, sd_options = self._read_rank0_broadcast(path, marker["format"])
-            trainer = torch.load(os.path.join(path, TRAINER_STATE), weights_only=False)
-            rng = (torch.load(os.path.join(path, "rng", f"rank{dist.get_rank()}.pt"), weights_only=False)
-                   if options.load_rng else None)
+            trainer = load_file(os.path.join(path, TRAINER_STATE))
+            rng = load_file(os.path.join(path, "rng", f"rank{dist.get_rank()}.pt")) if options.load_rng else None
         except NrlError:
             raise
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP/pickle errors become one line
+            if isinstance(_cause(exc), NrlError):
+                raise _cause(exc) from None
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise NrlError(f"checkpoint '{path}' could not be read ({type(exc).__name__}: {first[:200]}); "
                            f"it is truncated or corrupt") from None
@@ -229,9 +236,9 @@ class CheckpointIO:
         if fmt == "sharded":
             msd, osd = get_state_dict(self.state.model, self.state.optimizer)
             staged = {"model": _clone(msd), "optim": _clone(osd)}
-            dcp.load(staged, checkpoint_id=os.path.join(path, SHARDED_DIR))
+            dcp_load(staged, os.path.join(path, SHARDED_DIR))
             return staged["model"], staged["optim"], StateDictOptions()
-        full = torch.load(os.path.join(path, CONSOLIDATED), weights_only=False, map_location="cpu")
+        full = load_file(os.path.join(path, CONSOLIDATED), map_location="cpu")
         return self._shard_like_live(full["model"], full["optim"])
 
     def _shard_like_live(self, model_sd: Any, optim_sd: Any) -> tuple[Any, Any, StateDictOptions]:
@@ -256,19 +263,33 @@ class CheckpointIO:
             try:
                 if fmt == "sharded":
                     staged = {"model": _clone(msd), "optim": _clone(osd)}
-                    dcp.load(staged, checkpoint_id=os.path.join(path, SHARDED_DIR), no_dist=True)
+                    dcp_load(staged, os.path.join(path, SHARDED_DIR), no_dist=True)
                     model_sd, optim_sd = staged["model"], staged["optim"]
                 else:
-                    full = torch.load(os.path.join(path, CONSOLIDATED), weights_only=False, map_location="cpu")
+                    full = load_file(os.path.join(path, CONSOLIDATED), map_location="cpu")
                     model_sd, optim_sd = full["model"], full["optim"]
             except (Exception, CheckpointException) as exc:  # noqa: BLE001 - shared with the other ranks
-                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-                error[0] = f"{type(exc).__name__}: {first[:200]}"
+                if isinstance(_cause(exc), NrlError):
+                    error[0] = _cause(exc)
+                else:
+                    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                    error[0] = f"{type(exc).__name__}: {first[:200]}"
         dist.broadcast_object_list(error, src=0)
+        if isinstance(error[0], NrlError):
+            raise error[0]
         if error[0] is not None:
             raise NrlError(f"checkpoint '{path}' could not be read on rank 0 ({error[0]}); it is truncated or corrupt")
         model_sd, optim_sd = broadcast_tree([model_sd, optim_sd] if rank0 else None)
         return self._shard_like_live(model_sd, optim_sd)
+
+
+def _cause(exc: BaseException) -> BaseException:
+    """The first rank's own exception inside DCP's ``CheckpointException`` (else ``exc``)."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        inner = sorted(failures.items())[0][1]
+        return inner[0] if isinstance(inner, tuple) else inner
+    return exc
 
 
 def _shard_like(full: Any, live: Any, where: str = "") -> Any:

@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from nrl_core.contracts import BatchShard, CheckpointOptions, LossFunction, TokenBatch, WeightSpec, logprob_temperature
 from nrl_core.errors import ConfigError, NrlError
+from nrl_core.nonfinite import check_finite, guard_enabled
 from nrl_backend_dtensor import weights as weights_io
 from nrl_backend_dtensor.checkpoint import CheckpointIO, TrainState
 from nrl_backend_dtensor.microbatch import MicroBatch, plan_micro_batches
@@ -179,12 +180,14 @@ class DTensorPolicyWorker:
                 for k, v in metrics.items():
                     sums[k] = sums.get(k, 0.0) + float(v)
         grad_norm = clip_grad_norm(self.model.parameters(), self.policy.get("max_grad_norm"))
+        keys = sorted(sums)
+        reduced = self._all_reduce([loss_total] + [sums[k] for k in keys], group=self.layout.dp_group)
+        if guard_enabled(self.policy):  # both values are global: every rank raises together
+            check_finite(self.train_step_count + 1, {"loss": reduced[0], "grad_norm": grad_norm}, backend="dtensor")
         self.optimizer.step()
         self.scheduler.step()
         self.train_step_count += 1
 
-        keys = sorted(sums)
-        reduced = self._all_reduce([loss_total] + [sums[k] for k in keys], group=self.layout.dp_group)
         seconds = self._all_reduce([time.perf_counter() - start], op=dist.ReduceOp.MAX)[0]
         out = dict(zip(keys, reduced[1:]))
         out.update(loss=reduced[0], grad_norm=grad_norm, lr=lr, num_tokens=tokens_seen,

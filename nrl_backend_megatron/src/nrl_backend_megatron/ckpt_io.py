@@ -31,6 +31,7 @@ from nrl_core.contracts import CheckpointOptions
 from nrl_core.errors import NrlError
 
 MARKER = "nrl_megatron_checkpoint.json"
+REQUIRED_FILES = ("common.pt", "metadata.json")  # what dist_checkpointing.save always writes
 
 
 def rng_state() -> dict[str, Any]:
@@ -117,6 +118,9 @@ class CheckpointIO:
             raise NrlError(f"checkpoint {path} is incomplete (no {MARKER}); it was interrupted or is still "
                            "being written asynchronously")
         meta = json.loads(marker.read_text())
+        for name in REQUIRED_FILES:  # Megatron's own message for these is not about the file
+            if not (Path(path) / name).is_file():
+                raise NrlError(f"checkpoint {path} is damaged: Megatron's '{name}' is missing")
         for key, value in self.identity.items():
             if meta.get(key) != value:
                 raise NrlError(f"checkpoint {path} is from another model or layout ({key}: {meta.get(key)!r}, "
@@ -133,13 +137,27 @@ class CheckpointIO:
         if options.fully_parallel_load:
             strategy = FullyParallelLoadStrategyWrapper(
                 strategy, parallel_state.get_data_parallel_group(with_context_parallel=True))
-        from torch.distributed.checkpoint.api import CheckpointException
+        from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
         try:
             return dist_checkpointing.load(sharded, path, sharded_strategy=strategy)
-        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - surfaced as one line (DCP's is a BaseException)
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
-            raise NrlError(f"cannot load checkpoint {path}: {first}") from exc
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - surfaced as one line
+            raise NrlError(f"cannot load checkpoint {path}: {describe_failure(exc)}; it is truncated or "
+                           f"corrupt") from None
+
+
+def describe_failure(exc: BaseException) -> str:
+    """One line for a failed load. torch's ``CheckpointException`` says only which ranks failed
+    (``CheckpointException ranks:dict_keys([0])``); the first rank's own exception says why."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, failure = sorted(failures.items())[0]
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(inner, BaseException):
+            return f"rank {rank}: {describe_failure(inner)}"
+    text = str(exc).strip()
+    first = text.splitlines()[0][:300] if text else ""
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
 
 
 def rng_sharded_object(key: str, state: Any) -> Any:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -113,16 +113,41 @@ def clip_grads_(optimizer: Any, max_norm: float, total_norm: float) -> None:
                 grad.mul_(coeff)
 
 
-def optimizer_step(bundle: OptimizerBundle) -> tuple[bool, float | None]:
-    """One optimizer step; returns (whether it updated, the pre-clip gradient norm)."""
-    if not bundle.own_clipping:
-        ok, norm, _ = bundle.optimizer.step()
-        return bool(ok), norm
+def optimizer_step(bundle: OptimizerBundle, guard: Callable[[float | None], None] | None = None) -> tuple[bool, float | None]:
+    """One optimizer step; returns (whether it updated, the pre-clip gradient norm).
+
+    ``guard(norm)`` runs after the gradients are ready and their norm is known, before anything
+    is clipped or stepped; it raises to stop the step (the divergence guard). With a guard the
+    GPU path takes Megatron's ``step()`` apart the way ``ChainedOptimizer.step`` does.
+    """
     optimizer = bundle.optimizer
-    if optimizer.prepare_grads():  # found inf/nan (mixed precision loss scaling)
+    if not bundle.own_clipping and guard is None:
+        ok, norm, _ = optimizer.step()
+        return bool(ok), norm
+    if optimizer.prepare_grads():  # found inf/nan (mixed precision loss scaling): Megatron skips the step
         return False, None
-    norm = global_grad_norm(optimizer)
-    if bundle.clip_grad > 0.0 and math.isfinite(norm):
-        clip_grads_(optimizer, bundle.clip_grad, norm)
+    if bundle.own_clipping:
+        norm = global_grad_norm(optimizer)
+        if guard is not None:
+            guard(norm)
+        if bundle.clip_grad > 0.0 and math.isfinite(norm):
+            clip_grads_(optimizer, bundle.clip_grad, norm)
+    else:
+        norm = float(optimizer.get_grad_norm())
+        guard(norm)
+        _megatron_clip(optimizer, norm)
     ok = optimizer.step_with_ready_grads()
     return bool(ok), norm
+
+
+def _megatron_clip(optimizer: Any, norm: float) -> None:
+    """Megatron's own clipping by a known total norm (CUDA tensors), leaf by leaf."""
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+    for leaf in _leaf_optimizers(optimizer):
+        if getattr(leaf, "is_stub_optimizer", False) or leaf.config.clip_grad <= 0.0:
+            continue
+        params = leaf.get_parameters()
+        if params:
+            clip_grad_by_total_norm_fp32(params, max_norm=leaf.config.clip_grad, total_norm=norm,
+                                         use_decoupled_grad=leaf.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)

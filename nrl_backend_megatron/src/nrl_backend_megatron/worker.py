@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from nrl_core.contracts import BatchShard, CheckpointOptions, LossFunction, TokenBatch, WeightSpec, logprob_temperature
 from nrl_core.errors import ConfigError, NrlError
+from nrl_core.nonfinite import KEY as NAN_KEY, NonFiniteError, check_finite, guard_enabled
 
 from nrl_backend_megatron import cpu_shim
 from nrl_backend_megatron.batching import MicroBatch, packed_micro_batches, padded_micro_batches, token_logprobs
@@ -184,7 +185,7 @@ class MegatronPolicyWorker:
             overlap_param_gather=ddp_section["overlap_param_gather"],
             average_in_collective=ddp_section["average_in_collective"],
             use_distributed_optimizer=opt_section["use_distributed_optimizer"],
-            check_for_nan_in_grad=bool(self.cfg.get("check_for_nan_in_grad", True)),
+            check_for_nan_in_grad=bool(self.cfg.get("check_for_nan_in_grad", True)) and guard_enabled(self.policy),
         )
         self.ddp = DistributedDataParallel(config=self.tconfig, ddp_config=self.ddp_config, module=model)
         self.tconfig.finalize_model_grads_func = finalize_model_grads
@@ -261,14 +262,22 @@ class MegatronPolicyWorker:
             reported = self._run(mbs, loss_of, forward_only=False)
         except RuntimeError as exc:
             if "nan" in str(exc).lower() or "inf" in str(exc).lower():
-                raise NrlError(f"NaN/Inf in gradients at step {self.step + 1} (policy.megatron_cfg."
-                               f"check_for_nan_in_grad): {str(exc).splitlines()[0][:200]}") from exc
+                raise NonFiniteError(f"training step {self.step + 1} (megatron): non-finite gradients found by "
+                                     f"Megatron-Core's check ({str(exc).splitlines()[0][:160]}); stopped before the "
+                                     f"optimizer step (policy.megatron_cfg.check_for_nan_in_grad: false or "
+                                     f"{NAN_KEY}: false trains on regardless)") from None
             raise
-        updated, grad_norm = optimizer_step(self.opt)
+        metrics = self._reduce_metrics(reported)  # before the step: the guard needs the global loss
+
+        def guard(grad_norm: float | None) -> None:
+            if guard_enabled(self.policy):
+                check_finite(self.step + 1, {"loss": metrics.get("loss", 0.0), "grad_norm": grad_norm},
+                             backend="megatron")
+
+        updated, grad_norm = optimizer_step(self.opt, guard)
         if updated:
             self.opt.scheduler.step(increment=1)
         self.step += 1
-        metrics = self._reduce_metrics(reported)
         metrics.update(grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
                        lr=float(self.opt.optimizer.param_groups[0]["lr"]), updated=float(updated))
         if self.router_metrics is not None:
