@@ -37,9 +37,13 @@ class AlgorithmRun:
         self.checkpoints = CheckpointManager(config["checkpointing"])
         self.resume_from, self.state = resume_point(self.checkpoints)
         init_ray(config["cluster"])
-        self.policy = Policy(config, self.choice.training, colocated_generation=colocated_generation)
+        self.policy = Policy(self.worker_config(config), self.choice.training, colocated_generation=colocated_generation)
         self.max_steps = min(int(self.cfg["max_num_steps"]), int(self.cfg["max_num_epochs"]) * len(self.train_loader))
         self.log = MetricLogger(config["logger"], total_steps=self.max_steps, resume=self.resume_from is not None)
+
+    def worker_config(self, config: Mapping[str, Any]) -> Mapping[str, Any]:
+        """The config the training workers get (DPO counts its batches in pairs, workers in sequences)."""
+        return config
 
     # ------------------------------------------------------------------ the loop
 

@@ -32,7 +32,7 @@ class _KnownSection:
 
 
 #: Sections of the built-in algorithms; ``nrl config check`` checks those a config sets.
-ALGORITHM_SECTIONS = ("grpo", "sft")
+ALGORITHM_SECTIONS = ("grpo", "sft", "dpo")
 
 KNOWN_TRAINING_SECTIONS: dict[str, _KnownSection] = {
     "megatron_cfg": _KnownSection("megatron", "nrl-backend-megatron", {}),
