@@ -19,6 +19,8 @@ def nrl_algorithms() -> list[AlgorithmSpec]:
                       description="Group Relative Policy Optimization"),
         AlgorithmSpec(name="sft", entry="nrl_core.algorithms.sft:main", distribution="nrl-core",
                       description="supervised fine-tuning (response-only NLL)"),
+        AlgorithmSpec(name="dpo", entry="nrl_core.algorithms.dpo:main", distribution="nrl-core",
+                      description="Direct Preference Optimization on (chosen, rejected) pairs"),
     ]
 
 
@@ -65,4 +67,8 @@ def nrl_data_processors() -> list[DataProcessorSpec]:
 @hookimpl
 def nrl_dataset_generators() -> list[DatasetGeneratorSpec]:
     return [DatasetGeneratorSpec(name="arithmetic", generator="nrl_core.data.arithmetic:arithmetic_splits",
-                                 distribution="nrl-core", description="seeded a + b / a - b problems (the demo's data)")]
+                                 distribution="nrl-core", description="seeded a + b / a - b problems (the demo's data)"),
+            DatasetGeneratorSpec(name="arithmetic_preference",
+                                 generator="nrl_core.data.preference:arithmetic_preference_splits",
+                                 distribution="nrl-core",
+                                 description="the arithmetic problems as preference pairs: right answer over a wrong one")]

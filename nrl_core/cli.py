@@ -44,7 +44,7 @@ def _cmd_config_check(args: argparse.Namespace) -> int:
     from nrl_core.config import choose_backends, load_and_validate
 
     config = load_and_validate(args.config, args.overrides, algorithm=args.algorithm)
-    choice = choose_backends(config, generation=args.algorithm != "sft")
+    choice = choose_backends(config, generation=args.algorithm not in ("sft", "dpo"))
     print(f"ok: {args.config}")
     print(f"training backend: {choice.training.name} ({choice.training.distribution})")
     if choice.generation is not None:

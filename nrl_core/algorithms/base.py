@@ -38,7 +38,7 @@ class AlgorithmRun:
         self.checkpoints = CheckpointManager(config["checkpointing"], on_publish=self.checkpoint_published)
         self.resume_from, self.state = resume_point(self.checkpoints)
         init_ray(config["cluster"])
-        self.policy = Policy(config, self.choice.training, colocated_generation=colocated_generation)
+        self.policy = Policy(self.worker_config(config), self.choice.training, colocated_generation=colocated_generation)
         self.max_steps = min(int(self.cfg["max_num_steps"]), int(self.cfg["max_num_epochs"]) * len(self.train_loader))
         self.log = MetricLogger(config["logger"], total_steps=self.max_steps,
                                 resume_step=self.state.step if self.resume_from is not None else None)
@@ -48,6 +48,10 @@ class AlgorithmRun:
                             checkpoint_dir=str(self.checkpoints.root) if self.checkpoints.enabled else None)
         self.stop_reason: str | None = None
         self.last_metrics: dict[str, float] = {}
+
+    def worker_config(self, config: Mapping[str, Any]) -> Mapping[str, Any]:
+        """The config the training workers get (DPO counts its batches in pairs, workers in sequences)."""
+        return config
 
     # ------------------------------------------------------------------ the loop
 

@@ -50,8 +50,17 @@ def kl_estimate(
     return kl
 
 
+class ConfiguredLoss:
+    """A dataclass loss whose fields are keys of a config section (``loss_fn``, ``dpo``)."""
+
+    @classmethod
+    def from_config(cls, section: Mapping[str, Any]) -> Any:
+        names = cls.__dataclass_fields__.keys()  # type: ignore[attr-defined]
+        return cls(**{k: v for k, v in section.items() if k in names})
+
+
 @dataclass(frozen=True, kw_only=True)
-class ClippedPGLoss:
+class ClippedPGLoss(ConfiguredLoss):
     """GRPO's clipped policy-gradient loss with a reference-KL penalty.
 
     Reads these per-token ``batch.fields`` (aligned with ``input_ids``): ``token_mask``,
@@ -83,11 +92,6 @@ class ClippedPGLoss:
     truncated_importance_sampling_ratio: float | None = None
     token_level_loss: bool = True
     sequence_level_importance_ratios: bool = False
-
-    @classmethod
-    def from_config(cls, section: Mapping[str, Any]) -> "ClippedPGLoss":
-        names = cls.__dataclass_fields__.keys()
-        return cls(**{k: v for k, v in section.items() if k in names})
 
     def __call__(
         self, logprobs: torch.Tensor, batch: TokenBatch, *, global_valid_tokens: float, global_valid_seqs: float

@@ -23,6 +23,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Collection, Mapping
 
+from nrl_core.algorithms.dpo_schema import check_dpo
 from nrl_core.config.topology import cluster_topology
 from nrl_core.contracts import ConfigCheck, GenerationBackendSpec, TrainingBackendSpec, import_object
 from nrl_core.errors import ConfigError
@@ -219,7 +220,7 @@ def check_grpo(config: Mapping[str, Any]) -> None:
                           f"(grpo.num_prompts_per_step x num_generations_per_prompt); make it a divisor")
 
 
-ALGORITHM_CHECKS: dict[str, Callable[[Mapping[str, Any]], None]] = {"grpo": check_grpo}
+ALGORITHM_CHECKS: dict[str, Callable[[Mapping[str, Any]], None]] = {"grpo": check_grpo, "dpo": check_dpo}
 #: Algorithms that use ``policy.generation``; its backend's check runs only for them.
 GENERATING_ALGORITHMS = frozenset({"grpo"})
 

@@ -7,6 +7,7 @@ carry over. Plugins add ``policy.<backend section>``, ``policy.generation.<engin
 
 from __future__ import annotations
 
+from nrl_core.algorithms.dpo_schema import DPO_SCHEMA
 from nrl_core.config.schema import Field, Section
 
 NUMBER = (int, float)
@@ -211,6 +212,7 @@ ENV = Section(doc="Reward environments by name; plugins add their sections.")
 CORE_SCHEMA = Section(fields={
     "grpo": GRPO,
     "sft": SFT,
+    "dpo": DPO_SCHEMA,
     "algorithm": ALGORITHM,
     "loss_fn": LOSS_FN,
     "policy": POLICY,

@@ -32,7 +32,7 @@ class _KnownSection:
 
 
 #: Sections of the built-in algorithms; ``nrl config check`` checks those a config sets.
-ALGORITHM_SECTIONS = ("grpo", "sft")
+ALGORITHM_SECTIONS = ("grpo", "sft", "dpo")
 DEFAULT_SEED = 42  # policy.seed when neither it nor the algorithm sets one
 
 KNOWN_TRAINING_SECTIONS: dict[str, _KnownSection] = {

@@ -26,6 +26,7 @@ __all__ = [
     "DataSplits",
     "load_data_splits",
     "load_located_records",
+    "located_records",
     "load_records",
     "read_jsonl",
     "write_jsonl",
@@ -130,6 +131,21 @@ def load_located_records(
 ) -> list[tuple[str, Record]]:
     """:func:`load_records` with where each record came from (``file:line`` or ``file row i``),
     for messages about single records."""
+    numbered = located_records(path, split=split, needs=f"'{input_key}' and '{output_key}'")
+    for where, record in numbered:
+        for key in (input_key, output_key):
+            if record.get(key) is None:
+                present = ", ".join(sorted(k for k in record)) or "none"
+                raise NrlError(f"{where}: record has no '{key}' (keys: {present}); "
+                               f"fix the data or set data.{'input_key' if key == input_key else 'output_key'}")
+    return numbered
+
+
+def located_records(path: str | os.PathLike[str], *, split: str = "train",
+                    needs: str = "fields") -> list[tuple[str, Record]]:
+    """Every record of a local file or ``save_to_disk`` directory with where it came from, keys
+    unchecked (the caller knows its record shape; ``needs`` says what a record must hold, for
+    the empty-dataset message)."""
     p = Path(path).expanduser()
     if not p.exists():
         raise NrlError(f"{p}: no such file or directory; check the data path (or generate the data first)")
@@ -146,13 +162,7 @@ def load_located_records(
         known = ", ".join([".jsonl", *DATASET_FORMATS])
         raise NrlError(f"{p}: unknown data file type '{suffix or '(none)'}'; use one of {known}")
     if not numbered:
-        raise NrlError(f"{p}: dataset is empty; it needs at least one record with '{input_key}' and '{output_key}'")
-    for where, record in numbered:
-        for key in (input_key, output_key):
-            if record.get(key) is None:
-                present = ", ".join(sorted(k for k in record)) or "none"
-                raise NrlError(f"{where}: record has no '{key}' (keys: {present}); "
-                               f"fix the data or set data.{'input_key' if key == input_key else 'output_key'}")
+        raise NrlError(f"{p}: dataset is empty; it needs at least one record with {needs}")
     return numbered
 
 
@@ -177,24 +187,30 @@ class DataSplits:
                    train_where=[w for w, _ in train], val_where=None if val is None else [w for w, _ in val])
 
 
-def load_data_splits(data_cfg: Mapping[str, Any]) -> DataSplits:
+def load_data_splits(data_cfg: Mapping[str, Any],
+                     read: Callable[[str], list[tuple[str, Record]]] | None = None) -> DataSplits:
     """Records for the validated ``data`` config section.
 
     * ``train_data_path`` (and optionally ``val_data_path``): local files or dataset directories;
     * else ``dataset_name``: a built-in generator (``arithmetic``, arguments from ``data.generate``)
       or a local path, read like ``train_data_path``.
+
+    ``read`` reads a local path (default: prompt–answer records with ``data.input_key`` and
+    ``data.output_key``); preference data passes its own, since its records have another shape.
     """
     input_key = data_cfg.get("input_key") or "problem"
     output_key = data_cfg.get("output_key") or "expected_answer"
-    keys = dict(input_key=input_key, output_key=output_key)
+    if read is None:
+        def read(path: str) -> list[tuple[str, Record]]:
+            return load_located_records(path, input_key=input_key, output_key=output_key)
     train_path, val_path = data_cfg.get("train_data_path"), data_cfg.get("val_data_path")
     name = data_cfg.get("dataset_name")
 
     def val() -> list[tuple[str, Record]] | None:
-        return load_located_records(val_path, **keys) if val_path else None
+        return read(val_path) if val_path else None
 
     if train_path:
-        return DataSplits.located(load_located_records(train_path, **keys), val(), str(train_path))
+        return DataSplits.located(read(train_path), val(), str(train_path))
     generators = _generators()
     if name and name in generators:
         kwargs = dict(data_cfg.get("generate") or {})
@@ -209,7 +225,7 @@ def load_data_splits(data_cfg: Mapping[str, Any]) -> DataSplits:
         return DataSplits.located([(f"{source} train index {i}", r) for i, r in enumerate(train)], located_val, source)
     if name:
         if Path(name).expanduser().exists():
-            return DataSplits.located(load_located_records(name, **keys), val(), name)
+            return DataSplits.located(read(name), val(), name)
         installed = ", ".join(generators.names()) or "none"
         raise ConfigError("data.dataset_name", f"'{name}' is neither a local file nor an installed generator "
                                                f"(generators: {installed}); set data.train_data_path to a local file")

@@ -22,7 +22,7 @@ from typing import Any, Callable, Mapping, Sequence
 from nrl_core.errors import ConfigError, NrlError
 
 __all__ = ["DatumSpec", "LengthLimits", "PreparedData", "PromptConfig", "Processor", "build_prompt", "get_processor",
-           "math_processor", "prepare_data", "process_records", "sft_processor"]
+           "math_processor", "prepare_data", "process_records", "response_tokens", "sft_processor"]
 
 logger = logging.getLogger(__name__)
 
@@ -145,30 +145,34 @@ def math_processor(record: Mapping[str, Any], idx: int, tokenizer: Any, cfg: Pro
                      metadata={"ground_truth": str(record[cfg.output_key])})
 
 
-def sft_processor(record: Mapping[str, Any], idx: int, tokenizer: Any, cfg: PromptConfig) -> DatumSpec:
-    """A prompt and the response to learn (``output_key``), masked so only the response counts.
+def response_tokens(tokenizer: Any, prompt_messages: list[dict[str, str]], prompt_text: str,
+                    response_messages: list[dict[str, str]], use_chat_template: bool) -> list[int]:
+    """The tokens a model must produce after ``prompt_text`` to give ``response_messages``.
 
-    With a chat template the response tokens are what the template adds after the generation
-    prompt for an assistant turn, up to and including its end-of-sequence token; without one, the
-    response text followed by the end-of-sequence token.
+    With a chat template: what the template adds after the generation prompt for those turns, up to
+    and including the last end-of-sequence token (what a template writes after the turn ends is
+    dropped); without one (or when the template does not extend the prompt): the responses' text
+    followed by the end-of-sequence token.
     """
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if use_chat_template:
+        full = _chat_text(tokenizer, prompt_messages + response_messages, add_generation_prompt=False)
+        if full.startswith(prompt_text):
+            ids = list(tokenizer(full[len(prompt_text):], add_special_tokens=False)["input_ids"])
+            if eos is not None and eos in ids:
+                ids = ids[: len(ids) - ids[::-1].index(eos)]
+            return ids
+    ids = list(tokenizer("".join(m["content"] for m in response_messages), add_special_tokens=False)["input_ids"])
+    return ids + ([eos] if eos is not None else [])
+
+
+def sft_processor(record: Mapping[str, Any], idx: int, tokenizer: Any, cfg: PromptConfig) -> DatumSpec:
+    """A prompt and the response to learn (``output_key``), masked so only the response counts
+    (its tokens: :func:`response_tokens`)."""
     problem, response = str(record[cfg.input_key]), str(record[cfg.output_key])
     prompt_text, prompt_ids = build_prompt(problem, tokenizer, cfg)
-    eos = getattr(tokenizer, "eos_token_id", None)
-    tail: str | None = None
-    if cfg.use_chat_template:
-        full = _chat_text(tokenizer, _messages(problem, cfg) + [{"role": "assistant", "content": response}],
-                          add_generation_prompt=False)
-        if full.startswith(prompt_text):
-            tail = full[len(prompt_text):]
-    if tail is not None:
-        response_ids = list(tokenizer(tail, add_special_tokens=False)["input_ids"])
-        if eos is not None and eos in response_ids:  # drop what a template writes after the turn ends
-            response_ids = response_ids[: len(response_ids) - response_ids[::-1].index(eos)]
-    else:
-        response_ids = list(tokenizer(response, add_special_tokens=False)["input_ids"])
-        if eos is not None:
-            response_ids.append(eos)
+    response_ids = response_tokens(tokenizer, _messages(problem, cfg), prompt_text,
+                                   [{"role": "assistant", "content": response}], cfg.use_chat_template)
     return DatumSpec(idx=idx, prompt_text=prompt_text, prompt_ids=prompt_ids,
                      metadata={"ground_truth": response},
                      response_text=response, response_ids=response_ids)
