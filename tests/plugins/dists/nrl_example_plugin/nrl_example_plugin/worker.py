@@ -35,8 +35,7 @@ class ExampleWorker:
         policy = config["policy"]
         self.policy = policy
         self.temperature = logprob_temperature(config)
-        seed = policy.get("seed")
-        torch.manual_seed(42 if seed is None else int(seed))
+        torch.manual_seed(int(policy["seed"]))  # validation resolves a null seed to the algorithm's
         self.model = AutoModelForCausalLM.from_pretrained(
             policy["model_name"], dtype=parse_dtype(policy["precision"]),
             trust_remote_code=bool(policy.get("trust_remote_code")))
