@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from nrl_core.algorithms.dpo_schema import DPO_SCHEMA
+from nrl_core.algorithms.grpo_config import GRPO
+from nrl_core.algorithms.sft_config import SFT
 from nrl_core.contracts import (
     AlgorithmSpec,
     DataProcessorSpec,
@@ -16,11 +19,13 @@ from nrl_core.hookspecs import hookimpl
 def nrl_algorithms() -> list[AlgorithmSpec]:
     return [
         AlgorithmSpec(name="grpo", entry="nrl_core.algorithms.grpo:main", distribution="nrl-core",
-                      description="Group Relative Policy Optimization"),
+                      description="Group Relative Policy Optimization", config_schema=GRPO,
+                      config_check="nrl_core.algorithms.grpo_config:check_grpo", generates=True),
         AlgorithmSpec(name="sft", entry="nrl_core.algorithms.sft:main", distribution="nrl-core",
-                      description="supervised fine-tuning (response-only NLL)"),
+                      description="supervised fine-tuning (response-only NLL)", config_schema=SFT),
         AlgorithmSpec(name="dpo", entry="nrl_core.algorithms.dpo:main", distribution="nrl-core",
-                      description="Direct Preference Optimization on (chosen, rejected) pairs"),
+                      description="Direct Preference Optimization on (chosen, rejected) pairs", config_schema=DPO_SCHEMA,
+                      config_check="nrl_core.algorithms.dpo_schema:check_dpo"),
     ]
 
 

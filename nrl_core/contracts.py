@@ -246,12 +246,30 @@ class DatasetGeneratorSpec:
 @dataclass(frozen=True, kw_only=True)
 class AlgorithmSpec:
     """A training algorithm runnable as ``nrl train <name>``; ``entry`` is ``"module:function"``
-    taking the validated config (a ``dict``) and returning a process exit code."""
+    taking the validated config (a ``dict``) and returning a process exit code.
+
+    The algorithm owns its config section, so a third-party algorithm brings its keys the way a
+    backend does: ``config_schema`` is attached at the top level as ``config_key`` (default: the
+    algorithm's name). A config that sets that section names the algorithm for ``nrl config check``.
+    ``config_check`` is the import path of a :data:`ConfigCheck` for rules that relate the section to
+    the rest of the config; it runs only when this algorithm is the one checked. ``generates`` says it
+    samples from ``policy.generation``, so a config without an installed generation backend is
+    refused at check time, not at run time.
+    """
 
     name: str
     entry: str
     distribution: str
     description: str = ""
+    config_key: str | None = None
+    config_schema: Section | None = None
+    config_check: str | None = None
+    generates: bool = False
+
+    @property
+    def section(self) -> str:
+        """The top-level key of this algorithm's section."""
+        return self.config_key or self.name
 
 
 @dataclass(frozen=True, kw_only=True)

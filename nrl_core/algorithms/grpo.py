@@ -20,7 +20,7 @@ from nrl_core.algorithms.generation import Generation
 from nrl_core.algorithms.loss import ClippedPGLoss
 from nrl_core.algorithms.rollouts import repeat_prompts, rollout_batch
 from nrl_core.algorithms.setup import PhaseTimer, build_environment, load_tokenizer
-from nrl_core.config.checks import check_grpo
+from nrl_core.algorithms.grpo_config import check_grpo
 from nrl_core.contracts import EnvSample, GenerationOutput, TokenBatch
 from nrl_core.data import DatumSpec, LengthLimits, prepare_data
 from nrl_core.plugins import get_plugin_manager

@@ -14,29 +14,31 @@ it, by :func:`check_config`, which ``validate_config`` runs, so ``nrl config che
   heads and layers, optimizer and scheduler names, engine lengths.
 
 Algorithm sections are checked for the algorithm being run (``nrl train grpo``), or, for
-``nrl config check``, for each algorithm section the config file sets.
+``nrl config check``, for each algorithm section the config file sets: the algorithm's spec says
+whether it generates (then an installed generation backend is required) and names its own check.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Callable, Collection, Mapping
+from typing import Any, Collection, Mapping
 
-from nrl_core.algorithms.dpo_schema import check_dpo
 from nrl_core.config.topology import cluster_topology
-from nrl_core.contracts import ConfigCheck, GenerationBackendSpec, TrainingBackendSpec, import_object
+from nrl_core.contracts import AlgorithmSpec, ConfigCheck, GenerationBackendSpec, TrainingBackendSpec, import_object
 from nrl_core.errors import ConfigError
 from nrl_core.plugins import PluginManager
 
-__all__ = ["ALGORITHM_CHECKS", "GENERATING_ALGORITHMS", "check_config", "check_grpo", "data_parallel_size",
-           "directory_problem"]
+__all__ = ["check_config", "data_parallel_size", "directory_problem"]
 
 
 def check_config(config: Mapping[str, Any], pm: PluginManager, *, algorithms: Collection[str],
                  training: TrainingBackendSpec | None, generation: GenerationBackendSpec | None) -> None:
     """Everything in the module docstring; ``training``/``generation`` are the selected backends
     (None when none is selected yet: their checks are skipped)."""
+    specs = [pm.algorithms().get(name, "algorithm") for name in algorithms]
+    for spec in specs:
+        _check_algorithm_needs(config, pm, spec, generation)
     _check_ranges(config)
     cluster_topology(config, pm)
     dp = data_parallel_size(config, training)
@@ -44,15 +46,26 @@ def check_config(config: Mapping[str, Any], pm: PluginManager, *, algorithms: Co
     _check_batches(config, dp)
     _check_lengths(config)
     _check_directories(config)
-    for algorithm in algorithms:
-        check = ALGORITHM_CHECKS.get(algorithm)
-        if check is not None:
-            check(config)
+    for spec in specs:
+        _run_backend_check(spec.config_check, config)
     if training is not None:
         _run_backend_check(training.config_check, config)
-    uses_generation = not algorithms or bool(set(algorithms) & GENERATING_ALGORITHMS)
+    uses_generation = not specs or any(spec.generates for spec in specs)
     if generation is not None and config["policy"]["generation"] is not None and uses_generation:
         _run_backend_check(generation.config_check, config)
+
+
+def _check_algorithm_needs(config: Mapping[str, Any], pm: PluginManager, spec: AlgorithmSpec,
+                           generation: GenerationBackendSpec | None) -> None:
+    """What an algorithm's spec declares it needs: a generating one needs an installed engine."""
+    if not spec.generates:
+        return
+    section = config["policy"]["generation"]
+    if section is None:
+        raise ConfigError("policy.generation", f"{spec.name.upper()} generates rollouts; configure a "
+                                               "generation backend (policy.generation.backend)")
+    if generation is None:
+        pm.generation_backends().get(section["backend"], "policy.generation.backend")  # raises: not installed
 
 
 def _check_capabilities(config: Mapping[str, Any], training: TrainingBackendSpec | None,
@@ -188,39 +201,3 @@ def _check_directories(config: Mapping[str, Any]) -> None:
         problem = directory_problem(config[section][key])
         if problem is not None:
             raise ConfigError(f"{section}.{key}", f"{problem}; choose a directory you can write to")
-
-
-# --------------------------------------------------------------------------- algorithms
-
-
-def check_grpo(config: Mapping[str, Any]) -> None:
-    """GRPO's own rules: it generates, its groups have a baseline, its rollouts fill whole
-    optimizer steps."""
-    grpo, policy = config["grpo"], config["policy"]
-    if policy["generation"] is None:
-        raise ConfigError("policy.generation", "GRPO generates rollouts; configure a generation backend")
-    group = grpo["num_generations_per_prompt"]
-    if grpo["use_leave_one_out_baseline"] and group < 2:
-        raise ConfigError("grpo.num_generations_per_prompt",
-                          f"{group} leaves no other response to form the leave-one-out baseline; use at least 2 "
-                          "(or set grpo.use_leave_one_out_baseline: false)")
-    if grpo["async_grpo"]["enabled"]:
-        if policy["generation"]["colocated"]["enabled"]:
-            raise ConfigError("grpo.async_grpo.enabled", "needs generation on its own workers, which keep generating "
-                                                         "while training runs; set policy.generation.colocated.enabled: "
-                                                         "false (and colocated.resources)")
-        if not config["loss_fn"]["use_importance_sampling_correction"]:
-            raise ConfigError("loss_fn.use_importance_sampling_correction",
-                              "must be true with grpo.async_grpo.enabled: rollouts sampled by older weights need the "
-                              "correction (NeMo RL requires it; async runs collapse without it)")
-    rollouts = grpo["num_prompts_per_step"] * group
-    if rollouts % policy["train_global_batch_size"]:
-        raise ConfigError("policy.train_global_batch_size",
-                          f"{policy['train_global_batch_size']} does not divide the {rollouts} rollouts per step "
-                          f"(grpo.num_prompts_per_step x num_generations_per_prompt); make it a divisor")
-
-
-ALGORITHM_CHECKS: dict[str, Callable[[Mapping[str, Any]], None]] = {"grpo": check_grpo, "dpo": check_dpo}
-#: Algorithms that use ``policy.generation``; its backend's check runs only for them.
-GENERATING_ALGORITHMS = frozenset({"grpo"})
-

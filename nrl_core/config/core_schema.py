@@ -2,53 +2,18 @@
 
 Key names and defaults follow NeMo RL's ``examples/configs/grpo_math_1B.yaml`` so its configs
 carry over. Plugins add ``policy.<backend section>``, ``policy.generation.<engine section>`` and
-``env.<name>``; see :func:`nrl_core.config.validate.build_schema`.
+``env.<name>``, and each algorithm its own top-level section (``grpo``, ``sft``: see
+``nrl_core/algorithms/*_config.py``); see :func:`nrl_core.config.validate.build_schema`.
 """
 
 from __future__ import annotations
 
-from nrl_core.algorithms.dpo_schema import DPO_SCHEMA
+from typing import Any
+
 from nrl_core.config.schema import Field, Section
+from nrl_core.errors import ConfigError
 
 NUMBER = (int, float)
-
-GRPO = Section(doc="GRPO algorithm settings (NeMo RL's names and meaning).", fields={
-    "num_prompts_per_step": Field(type=int, default=32, minimum=1, doc="distinct prompts per step"),
-    "num_generations_per_prompt": Field(type=int, default=16, minimum=1, doc="responses per prompt (the group)"),
-    "max_rollout_turns": Field(type=int, default=1, doc="turns per rollout; nrl runs single-turn", choices=(1,)),
-    "max_num_epochs": Field(type=int, default=1, minimum=1),
-    "max_num_steps": Field(type=int, default=1000000, minimum=1),
-    "normalize_rewards": Field(type=bool, default=True, doc="divide advantages by the group's reward std"),
-    "use_leave_one_out_baseline": Field(type=bool, default=True),
-    "val_period": Field(type=int, default=10, minimum=0, doc="validate every N steps; 0 never"),
-    "val_at_start": Field(type=bool, default=False),
-    "val_at_end": Field(type=bool, default=False),
-    "overlong_filtering": Field(type=bool, default=False, doc="zero the loss of truncated responses"),
-    "max_val_samples": Field(type=int, default=256, minimum=0),
-    "val_batch_size": Field(type=int, default=256, minimum=1),
-    "seed": Field(type=int, default=42),
-    "async_grpo": Section(doc="Generation runs ahead of training (nrl_core/algorithms/async_grpo.py).", fields={
-        "enabled": Field(type=bool, default=False,
-                         doc="needs non-colocated generation, an async engine and importance-sampling correction"),
-        "max_trajectory_age_steps": Field(type=int, default=1, minimum=0,
-                                          doc="train on rollouts sampled at most this many optimizer steps ago; "
-                                              "0 is synchronous training"),
-        "max_generation_failures": Field(type=int, default=0, inert=True),
-        "in_flight_weight_updates": Field(type=bool, default=False, inert=True),
-        "recompute_kv_cache_after_weight_updates": Field(type=bool, default=False, inert=True),
-    }),
-})
-
-SFT = Section(doc="Supervised fine-tuning settings.", fields={
-    "max_num_epochs": Field(type=int, default=1, minimum=1),
-    "max_num_steps": Field(type=int, default=100, minimum=1),
-    "val_period": Field(type=int, default=10, minimum=0, doc="validate every N steps; 0 never"),
-    "val_batches": Field(type=int, default=8, minimum=1),
-    "val_global_batch_size": Field(type=int, default=32, minimum=1),
-    "val_micro_batch_size": Field(type=int, default=1, minimum=1),
-    "val_at_start": Field(type=bool, default=False),
-    "seed": Field(type=int, default=42),
-})
 
 ALGORITHM = Section(doc="The short form from the backend documentation; mapped onto policy batch sizes.", fields={
     "batch_size": Field(type=int, default=None, nullable=True, minimum=1, doc="sequences per data-parallel rank per micro-batch"),
@@ -138,7 +103,9 @@ POLICY = Section(required=True, doc="The model being trained and how.", aliases=
     "max_seq_length": Field(type=int, default=None, nullable=True, minimum=2, doc="short form: sets max_total_sequence_length"),
     "precision": Field(type=str, default="float32", choices=("float32", "bfloat16", "float16")),
     "logprob_chunk_size": Field(type=int, default=None, nullable=True, minimum=1),
-    "make_sequence_length_divisible_by": Field(type=int, default=1, minimum=1),
+    "make_sequence_length_divisible_by": Field(type=int, default=1, minimum=1, inert=True,
+                                               doc="NeMo RL pads to a multiple of the tensor-parallel size; nrl's "
+                                                   "backends pad as they need, so this has no effect"),
     "max_grad_norm": Field(type=NUMBER, default=1.0, nullable=True, minimum=0, doc="0 or null: no clipping"),
     "seed": Field(type=int, default=None, nullable=True, doc="null: the algorithm's seed (42 without one), resolved at validation"),
     "check_for_nan": Field(type=bool, default=True,
@@ -152,7 +119,17 @@ POLICY = Section(required=True, doc="The model being trained and how.", aliases=
     "refit_buffer_size_gb": Field(type=NUMBER, default=None, nullable=True, doc="NeMo RL spelling of refit.bucket_size_mb"),
 })
 
-DATA = Section(fields={
+def _refuse_dataset_lists(data: dict[str, Any], path: str) -> dict[str, Any]:
+    """NeMo RL's ``data.train: [...]`` mixes several datasets; nrl reads one, so say so in one line
+    instead of a type error."""
+    for split in ("train", "validation"):
+        if isinstance(data.get(split), list):
+            raise ConfigError(f"{path}.{split}", "is a list of datasets (NeMo RL's multiple-dataset form), which nrl "
+                                                 "lacks; give one dataset (data.dataset_name or data.train_data_path)")
+    return data
+
+
+DATA = Section(preprocess=_refuse_dataset_lists, fields={
     "dataset_name": Field(type=str, default=None, nullable=True, doc="a registered dataset or a local file/dir"),
     "train_data_path": Field(type=str, default=None, nullable=True),
     "val_data_path": Field(type=str, default=None, nullable=True),
@@ -190,7 +167,9 @@ CHECKPOINTING = Section(fields={
     "higher_is_better": Field(type=bool, default=True),
     "keep_top_k": Field(type=int, default=None, nullable=True, minimum=1, doc="null: keep every checkpoint"),
     "save_period": Field(type=int, default=10, minimum=0, doc="save every N steps (and at the end); 0: only at the end"),
-    "checkpoint_must_save_by": Field(type=str, default=None, nullable=True, inert=True),
+    "checkpoint_must_save_by": Field(type=str, default=None, nullable=True, inert=True,
+                                     doc="NeMo RL saves before this wall-clock deadline; nrl does not (named in the "
+                                         "inert-keys warning when set)"),
     "export_hf": Field(type=bool, default=True, doc="export the best checkpoint as a Hugging Face model"),
 })
 
@@ -210,9 +189,6 @@ CLUSTER = Section(doc="Where workers run. On a CPU machine gpus_per_node counts 
 ENV = Section(doc="Reward environments by name; plugins add their sections.")
 
 CORE_SCHEMA = Section(fields={
-    "grpo": GRPO,
-    "sft": SFT,
-    "dpo": DPO_SCHEMA,
     "algorithm": ALGORITHM,
     "loss_fn": LOSS_FN,
     "policy": POLICY,

@@ -12,8 +12,10 @@ Override syntax (Hydra's, which NeMo RL users type):
 * ``~a.b.c``: delete the key.
 
 Interpolation: ``${a.b.c}`` is the value at that path (type kept when it is the whole string);
+``${.key}`` is relative to the mapping that holds the value (a sibling), each further dot one level
+up (``${..key}`` is a key of the parent mapping), as OmegaConf resolves them;
 ``${mul:x,y}``, ``${div:x,y}``, ``${add:x,y}``, ``${max:x,y}``, ``${min:x,y}`` compute on numbers;
-``${env:NAME,default}`` reads the environment.
+``${env:NAME,default}`` (or OmegaConf's ``${oc.env:NAME,default}``) reads the environment.
 """
 
 from __future__ import annotations
@@ -112,8 +114,12 @@ class _UniqueKeyLoader(_YamlLoader):
     """Also rejects a key given twice in one mapping (YAML silently keeps the last)."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        # Merge keys (``<<: *anchor``) are not keys: SafeConstructor flattens them (explicit keys
+        # win over merged ones), so only the explicit keys are checked for repeats.
         seen: set[Any] = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
             key = self.construct_object(key_node, deep=deep)
             if key in seen:
                 raise yaml.constructor.ConstructorError(
@@ -205,6 +211,7 @@ _RESOLVERS: dict[str, Callable[..., Any]] = {
     "min": lambda *xs: min(xs),
     "env": lambda name, default=None: os.environ.get(str(name), default),
 }
+_RESOLVERS["oc.env"] = _RESOLVERS["env"]  # OmegaConf's spelling, which NeMo RL's configs use
 
 
 def resolve_interpolations(config: dict[str, Any]) -> dict[str, Any]:
@@ -267,7 +274,7 @@ class _Resolver:
     def _evaluate(self, expr: str, path: str) -> Any:
         expr = expr.strip()
         name, sep, args = expr.partition(":")
-        if sep and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.]*", name) and "." not in name:
+        if sep and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.]*", name) and ("." not in name or name in _RESOLVERS):
             resolver = _RESOLVERS.get(name)
             if resolver is None:
                 raise ConfigError(path, f"unknown interpolation function '{name}'; available: {', '.join(sorted(_RESOLVERS))}")
@@ -276,6 +283,8 @@ class _Resolver:
                 return resolver(*values)
             except TypeError as exc:
                 raise ConfigError(path, f"'${{{expr}}}' cannot be computed: {exc}") from None
+        if expr.startswith("."):
+            return self._lookup(_absolute(expr, path), path)
         if not _KEY_PATH.match(expr):
             raise ConfigError(path, f"'${{{expr}}}' is not a key path or a function call")
         return self._lookup(expr, path)
@@ -288,6 +297,24 @@ class _Resolver:
             return parse_yaml_value(text) if text else None
         except yaml.YAMLError:
             return text
+
+
+def _absolute(expr: str, path: str) -> str:
+    """``.key`` / ``..key`` written at ``path`` (the value's own key path) as an absolute key path:
+    one dot is the mapping holding the value, each further dot its parent."""
+    dots = len(expr) - len(expr.lstrip("."))
+    rest = expr[dots:]
+    holder = path.split(".")[:-1]
+    if "[" in path:
+        raise ConfigError(path, f"'${{{expr}}}' is relative, which nrl resolves only in mappings, not inside lists; "
+                                "write the absolute key path")
+    if dots - 1 > len(holder):
+        raise ConfigError(path, f"'${{{expr}}}' goes {dots - 1} levels up from a key {len(holder)} levels deep; "
+                                "remove dots or write the absolute key path")
+    target = ".".join([*holder[:len(holder) - (dots - 1)], *([rest] if rest else [])])
+    if not rest or not _KEY_PATH.match(target):
+        raise ConfigError(path, f"'${{{expr}}}' is not a relative key path; write ${{.key}} or ${{..key}}")
+    return target
 
 
 def _split_interpolations(text: str, path: str) -> list[Any]:

@@ -48,7 +48,9 @@ class Field:
     ``minimum`` is the smallest number accepted (``1`` for counts, ``0`` for periods where 0 means
     never), so a ``-5`` is refused here rather than silently doing nothing at train time;
     ``inert`` marks a NeMo RL key that nrl accepts so copied configs validate, but that has no
-    effect here (a warning says so when the user sets it to a non-default value).
+    effect here (a warning says so when the user sets it to a non-default value); ``dropped`` keeps
+    a key out of the validated config (checked, then left out, and not filled in when absent): NeMo
+    RL keys no component reads, so a plugin that validates its own section again never meets them.
     """
 
     type: Union[type, tuple[type, ...]]
@@ -59,6 +61,7 @@ class Field:
     item_type: Union[type, tuple[type, ...], None] = None
     minimum: float | None = None
     inert: bool = False
+    dropped: bool = False
 
     @property
     def types(self) -> tuple[type, ...]:
@@ -84,12 +87,19 @@ class Field:
         if self.minimum is not None and isinstance(value, (int, float)) and value < self.minimum:
             raise ConfigError(path, f"must be {_at_least(self.minimum)}, got {value!r}")
         if self.inert and value != self.default:
-            collector = _inert_keys.get()
-            if collector is None:
-                logger.warning("%s is accepted for NeMo RL compatibility but has no effect in nrl", path)
-            else:
-                collector.append(path)
+            note_inert(path)
         return value
+
+
+def note_inert(path: str) -> None:
+    """Name ``path`` as set but without effect: in the one warning of :func:`warn_inert_keys_once`
+    when one is gathering, else in a warning of its own. Checks use it for keys that are inert
+    only in some configurations (``colocated.resources`` while generation is colocated)."""
+    collector = _inert_keys.get()
+    if collector is None:
+        logger.warning("%s is accepted for NeMo RL compatibility but has no effect in nrl", path)
+    else:
+        collector.append(path)
 
 
 _inert_keys: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("nrl_inert_keys", default=None)
@@ -143,7 +153,8 @@ class Section:
     to ours (``{"dtensor_cfg": "dtensor_config"}``); ``required`` sections must be present; an
     absent section takes its defaults, also a ``nullable`` one (only an explicit ``null`` is None);
     ``preprocess`` rewrites the raw mapping first (e.g. NeMo RL's nested
-    ``checkpoint: {async_save: ...}`` into the flat keys) and gets the section's key path.
+    ``checkpoint: {async_save: ...}`` into the flat keys) and gets the section's key path;
+    ``dropped`` as for :class:`Field`.
     """
 
     fields: Mapping[str, Union[Field, "Section"]] = field(default_factory=dict)
@@ -153,6 +164,7 @@ class Section:
     open: bool = False
     aliases: Mapping[str, str] = field(default_factory=dict)
     preprocess: Callable[[dict[str, Any], str], dict[str, Any]] | None = None
+    dropped: bool = False
 
     def with_fields(self, **extra: Union[Field, "Section"]) -> "Section":
         """A copy with fields added or replaced: how plugin sections are attached to the core's."""
@@ -179,9 +191,11 @@ class Section:
                     out[key] = item
                     continue
                 raise ConfigError(key_path, self._unknown_key_message(key, item))
-            out[key] = spec.validate(item, key_path)
+            checked = spec.validate(item, key_path)
+            if not spec.dropped:
+                out[key] = checked
         for key, spec in self.fields.items():
-            if key in out:
+            if key in out or spec.dropped:
                 continue
             key_path = _join(path, key)
             if isinstance(spec, Section):

@@ -14,7 +14,8 @@ from typing import Any, Mapping, Sequence
 from nrl_core.config import checks
 from nrl_core.config.checks import check_config
 from nrl_core.config.core_schema import CORE_SCHEMA
-from nrl_core.config.schema import Field, Section, warn_inert_keys_once
+from nrl_core.config.nemo_rl import refuse_missing_algorithm, with_nemo_rl_keys
+from nrl_core.config.schema import Field, Section, note_inert, warn_inert_keys_once
 from nrl_core.contracts import GenerationBackendSpec, TrainingBackendSpec
 from nrl_core.errors import ConfigError
 from nrl_core.plugins import PluginManager, get_plugin_manager
@@ -31,8 +32,6 @@ class _KnownSection:
     aliases: Mapping[str, str]
 
 
-#: Sections of the built-in algorithms; ``nrl config check`` checks those a config sets.
-ALGORITHM_SECTIONS = ("grpo", "sft", "dpo")
 DEFAULT_SEED = 42  # policy.seed when neither it nor the algorithm sets one
 
 KNOWN_TRAINING_SECTIONS: dict[str, _KnownSection] = {
@@ -54,9 +53,13 @@ class BackendChoice:
 
 
 def build_schema(pm: PluginManager | None = None) -> Section:
-    """The core schema with every installed plugin's section attached where it belongs."""
+    """The core schema with every installed plugin's section attached where it belongs (each
+    algorithm's at the top level), then NeMo RL's other keys as inert fields."""
     pm = pm or get_plugin_manager()
     schema = CORE_SCHEMA
+    for algorithm in pm.algorithms():
+        if algorithm.config_schema is not None:
+            schema = schema.attach("", algorithm.section, algorithm.config_schema)
     installed_keys: set[str] = set()
     for spec in pm.training_backends():
         schema = schema.attach("policy", spec.config_key, spec.config_schema, aliases=spec.config_aliases)
@@ -76,7 +79,13 @@ def build_schema(pm: PluginManager | None = None) -> Section:
     for sink in pm.metric_sinks():  # logger.<name>_enabled switches it on; logger.<name> holds its options
         schema = schema.attach("logger", f"{sink.name}_enabled", Field(type=bool, default=False))
         schema = schema.attach("logger", sink.name, Section(open=True))
-    return schema
+    return with_nemo_rl_keys(schema)
+
+
+def algorithm_sections(pm: PluginManager | None = None) -> dict[str, str]:
+    """Top-level section -> name of each installed algorithm that brings a schema."""
+    pm = pm or get_plugin_manager()
+    return {spec.section: spec.name for spec in pm.algorithms() if spec.config_schema is not None}
 
 
 def validate_config(raw: Mapping[str, Any], pm: PluginManager | None = None, *,
@@ -85,18 +94,24 @@ def validate_config(raw: Mapping[str, Any], pm: PluginManager | None = None, *,
 
     After the schema, :func:`nrl_core.config.checks.check_config` relates values to each other, to
     the filesystem and to the selected backends. Algorithm sections are checked for ``algorithm``
-    (the one about to run) or, without one, for each algorithm section ``raw`` sets.
+    (the one about to run) or, without one, for each installed algorithm whose section ``raw`` sets.
+    A section of a NeMo RL algorithm nrl lacks is refused first, in one line.
     """
     pm = pm or get_plugin_manager()
+    sections = algorithm_sections(pm)
+    refuse_missing_algorithm(raw, sections)
+    if algorithm is not None:
+        pm.algorithms().get(algorithm, "algorithm")  # an unknown name is refused with the installed ones
     _check_environments(raw, pm)
     with warn_inert_keys_once():
         config = build_schema(pm).validate(dict(raw))
-    assert config is not None
+        assert config is not None
+        _note_situational_inert_keys(config)
     _check_uninstalled_sections(config, pm)
     _enable_default_backend(raw, config, pm)
     _expand_short_forms(config, pm)
     training, generation = _selected_backends(config, pm)
-    algorithms = [algorithm] if algorithm is not None else [name for name in ALGORITHM_SECTIONS if name in raw]
+    algorithms = [algorithm] if algorithm is not None else [name for key, name in sections.items() if key in raw]
     _resolve_seed(config, algorithms)
     check_config(config, pm, algorithms=algorithms, training=training, generation=generation)
     return config
@@ -127,6 +142,15 @@ def _selected_backends(config: Mapping[str, Any],
         name = config["policy"]["generation"]["backend"]
         generation = registry.get(name, "policy.generation.backend") if name in registry.names() else None
     return training, generation
+
+
+def _note_situational_inert_keys(config: Mapping[str, Any]) -> None:
+    """Keys that act in some configurations only: named in the inert-keys warning where they do not."""
+    generation = config["policy"]["generation"]
+    if generation is not None and generation["colocated"]["enabled"]:
+        for key, value in generation["colocated"]["resources"].items():
+            if value is not None:
+                note_inert(f"policy.generation.colocated.resources.{key}")
 
 
 def _check_environments(raw: Mapping[str, Any], pm: PluginManager) -> None:

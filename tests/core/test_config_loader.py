@@ -75,10 +75,11 @@ def test_resolvers_and_environment(write, monkeypatch):
         biggest: ${max:${a},${b},10}
         where: ${env:NRL_TEST_DIR}/x
         fallback: ${env:NRL_NOT_SET_ANYWHERE,none}
+        omegaconf_spelling: ${oc.env:NRL_TEST_DIR}
         """)
     config = load_config(path)
     assert config["product"] == 24 and config["quotient"] == 1 and config["biggest"] == 10
-    assert config["where"] == "/data/x" and config["fallback"] == "none"
+    assert config["where"] == "/data/x" and config["fallback"] == "none" and config["omegaconf_spelling"] == "/data"
 
 
 def test_validation_fills_defaults_and_keeps_user_values(write, example_backends):
@@ -123,3 +124,69 @@ def test_duplicate_alias_and_name_is_an_error(write, example_backends):
     path = write("c.yaml", "policy: {model_name: /m, alpha_config: {enabled: true}, alpha_cfg: {enabled: true}}\n")
     with pytest.raises(ConfigError, match="alias of policy.alpha_cfg"):
         load_and_validate(path)
+
+
+def test_relative_interpolation_resolves_against_the_holding_mapping(write):
+    path = write("rel.yaml", """\
+policy:
+  model_name: /m
+  precision: bfloat16
+  generation:
+    temperature: 0.7
+    val_temperature: ${.temperature}
+    copy_of_precision: ${..precision}
+    top: ${...top_level}
+    scaled: ${mul:${.temperature},2}
+    text: t=${.temperature}
+top_level: 3
+alias: ${policy.generation.val_temperature}
+""")
+    config = load_config(path, ["policy.generation.temperature=0.9"])
+    generation = config["policy"]["generation"]
+    assert generation["val_temperature"] == 0.9 and generation["copy_of_precision"] == "bfloat16"
+    assert generation["top"] == 3 and generation["scaled"] == 1.8 and generation["text"] == "t=0.9"
+    assert config["alias"] == 0.9  # reached through an absolute reference, still relative to its own mapping
+
+
+@pytest.mark.parametrize("value, message", [
+    ("${....x}", "goes 3 levels up from a key 2 levels deep"),
+    ("${.missing}", "refers to '${a.b.missing}', which does not exist"),
+    ("${.}", "is not a relative key path"),
+])
+def test_bad_relative_interpolation_is_one_line(write, value, message):
+    path = write("bad.yaml", f"a:\n  b:\n    c: '{value}'\n")
+    with pytest.raises(ConfigError, match="a.b.c") as info:
+        load_config(path)
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_relative_interpolation_inside_a_list_is_refused(write):
+    path = write("list.yaml", "a:\n  x: 1\n  items: ['${.x}']\n")
+    with pytest.raises(ConfigError, match=r"a.items\[0\].*not inside lists"):
+        load_config(path)
+
+
+def test_yaml_merge_keys_as_pyyaml_reads_them(write):
+    path = write("merge.yaml", """\
+policy: &POLICY
+  model_name: /student
+  precision: bfloat16
+  dtensor_cfg: &DTENSOR
+    enabled: true
+    tensor_parallel_size: 1
+teacher:
+  <<: *POLICY
+  model_name: /teacher
+  dtensor_cfg:
+    <<: *DTENSOR
+    tensor_parallel_size: 2
+""")
+    teacher = load_config(path)["teacher"]
+    assert teacher == {"model_name": "/teacher", "precision": "bfloat16",
+                       "dtensor_cfg": {"enabled": True, "tensor_parallel_size": 2}}
+
+
+def test_duplicate_explicit_key_next_to_a_merge_key_is_still_an_error(write):
+    path = write("dup.yaml", "base: &B {x: 1}\nother:\n  <<: *B\n  y: 1\n  y: 2\n")
+    with pytest.raises(ConfigError, match="duplicate key 'y'"):
+        load_config(path)

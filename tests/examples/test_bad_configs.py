@@ -117,7 +117,7 @@ CHECK_CASES = [
     ("keep-top-k-zero", SFT, ["checkpointing.keep_top_k=0"], "checkpointing.keep_top_k", "must be positive"),
     ("save-period-negative", GRPO, ["checkpointing.save_period=-1"], "checkpointing.save_period",
      "must be non-negative"),
-    ("val-period-negative", SFT, ["sft.val_period=-1"], "sft.val_period", "must be non-negative"),
+    ("val-batches-zero", SFT, ["sft.val_batches=0"], "sft.val_batches", "must be positive"),
     ("max-new-tokens-zero", GRPO, ["policy.generation.max_new_tokens=0"], "policy.generation.max_new_tokens",
      "must be positive"),
     ("negative-temperature", GRPO, ["policy.generation.temperature=-1.0"], "policy.generation.temperature",

@@ -96,6 +96,20 @@ def test_installed_backend_is_selected_and_its_algorithm_runs(site, tmp_path):
     assert run.stdout.strip() == "hello from the example plugin: model /other"
 
 
+def test_a_third_party_algorithm_brings_its_config_section(site, tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text("policy:\n  model_name: /m\n  example_cfg: {enabled: true}\n  generation: null\n"
+                      "hello: {greeting: hi, times: 2}\n")
+    assert nrl(site, "config", "check", str(config)).returncode == 0
+    run = nrl(site, "train", "hello", "--config", str(config))
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines() == ["hi from the example plugin: model /m"] * 2
+    for override, line in [("hello.times=0", "error: hello.times: must be positive (1 or more), got 0"),
+                           ("+hello.volume=3", "error: hello.volume: unknown key; valid keys are: greeting, times")]:
+        bad = nrl(site, "config", "check", str(config), override)
+        assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1] == line, bad.stderr
+
+
 def test_hook_tracing_prints_calls(site, tmp_path):
     config = tmp_path / "c.yaml"
     config.write_text("policy:\n  model_name: /m\n  example_cfg: {enabled: true}\n  generation: null\n")

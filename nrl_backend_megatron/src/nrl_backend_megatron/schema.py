@@ -100,7 +100,9 @@ MEGATRON_CFG_SCHEMA: Section = MegatronCfgSection(doc="Megatron-Core training ba
     "context_parallel_size": Field(type=int, default=1, minimum=1),
     "sequence_parallel": Field(type=bool, default=False),
     "activation_checkpointing": Field(type=bool, default=False),
-    "empty_unused_memory_level": Field(type=int, default=0, choices=(0, 1, 2)),
+    "empty_unused_memory_level": Field(type=int, default=0, choices=(0, 1, 2), inert=True,
+                                       doc="NeMo RL empties the CUDA cache after steps at this level; the nrl "
+                                           "worker does not, so a non-zero level is named in the inert-keys warning"),
     "converter_type": _inert(None),
     "force_reconvert_from_hf": Field(type=bool, default=False),
     "pipeline_dtype": Field(type=str, default=None, nullable=True, choices=("float32", "bfloat16", "float16"),

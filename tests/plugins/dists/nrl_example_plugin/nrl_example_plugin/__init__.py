@@ -29,11 +29,15 @@ def nrl_training_backends():
 
 @hookimpl
 def nrl_algorithms():
-    return [AlgorithmSpec(name="hello", entry="nrl_example_plugin:hello", distribution="nrl-example-plugin")]
+    schema = Section(fields={"greeting": Field(type=str, default="hello"), "times": Field(type=int, default=1, minimum=1)})
+    return [AlgorithmSpec(name="hello", entry="nrl_example_plugin:hello", distribution="nrl-example-plugin",
+                          config_schema=schema)]
 
 
 def hello(config):
-    print(f"hello from the example plugin: model {config['policy']['model_name']}")
+    """``nrl train hello``: an algorithm with its own config section (``hello.greeting``, ``hello.times``)."""
+    for _ in range(config["hello"]["times"]):
+        print(f"{config['hello']['greeting']} from the example plugin: model {config['policy']['model_name']}")
     return 0
 
 

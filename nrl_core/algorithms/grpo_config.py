@@ -1,0 +1,64 @@
+"""GRPO's config section and its checks, registered with its :class:`~nrl_core.contracts.AlgorithmSpec`
+so the schema comes from the algorithm, not the core. Imports nothing heavy: ``nrl config check``
+and ``nrl plugins`` load it."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from nrl_core.config.schema import Field, Section
+from nrl_core.errors import ConfigError
+
+GRPO = Section(doc="GRPO algorithm settings (NeMo RL's names and meaning).", fields={
+    "num_prompts_per_step": Field(type=int, default=32, minimum=1, doc="distinct prompts per step"),
+    "num_generations_per_prompt": Field(type=int, default=16, minimum=1, doc="responses per prompt (the group)"),
+    "max_rollout_turns": Field(type=int, default=1, doc="turns per rollout; nrl runs single-turn", choices=(1,)),
+    "max_num_epochs": Field(type=int, default=1, minimum=1),
+    "max_num_steps": Field(type=int, default=1000000, minimum=1),
+    "normalize_rewards": Field(type=bool, default=True, doc="divide advantages by the group's reward std"),
+    "use_leave_one_out_baseline": Field(type=bool, default=True),
+    "val_period": Field(type=int, default=10, doc="validate every N steps; 0 or less never (NeMo RL uses -1)"),
+    "val_at_start": Field(type=bool, default=False),
+    "val_at_end": Field(type=bool, default=False),
+    "overlong_filtering": Field(type=bool, default=False, doc="zero the loss of truncated responses"),
+    "max_val_samples": Field(type=int, default=256, minimum=0),
+    "val_batch_size": Field(type=int, default=256, minimum=1),
+    "seed": Field(type=int, default=42),
+    "async_grpo": Section(doc="Generation runs ahead of training (nrl_core/algorithms/async_grpo.py).", fields={
+        "enabled": Field(type=bool, default=False,
+                         doc="needs non-colocated generation, an async engine and importance-sampling correction"),
+        "max_trajectory_age_steps": Field(type=int, default=1, minimum=0,
+                                          doc="train on rollouts sampled at most this many optimizer steps ago; "
+                                              "0 is synchronous training"),
+        "max_generation_failures": Field(type=int, default=0, inert=True),
+        "in_flight_weight_updates": Field(type=bool, default=False, inert=True),
+        "recompute_kv_cache_after_weight_updates": Field(type=bool, default=False, inert=True),
+    }),
+})
+
+
+def check_grpo(config: Mapping[str, Any]) -> None:
+    """GRPO's own rules: it generates, its groups have a baseline, its rollouts fill whole
+    optimizer steps."""
+    grpo, policy = config["grpo"], config["policy"]
+    if policy["generation"] is None:
+        raise ConfigError("policy.generation", "GRPO generates rollouts; configure a generation backend")
+    group = grpo["num_generations_per_prompt"]
+    if grpo["use_leave_one_out_baseline"] and group < 2:
+        raise ConfigError("grpo.num_generations_per_prompt",
+                          f"{group} leaves no other response to form the leave-one-out baseline; use at least 2 "
+                          "(or set grpo.use_leave_one_out_baseline: false)")
+    if grpo["async_grpo"]["enabled"]:
+        if policy["generation"]["colocated"]["enabled"]:
+            raise ConfigError("grpo.async_grpo.enabled", "needs generation on its own workers, which keep generating "
+                                                         "while training runs; set policy.generation.colocated.enabled: "
+                                                         "false (and colocated.resources)")
+        if not config["loss_fn"]["use_importance_sampling_correction"]:
+            raise ConfigError("loss_fn.use_importance_sampling_correction",
+                              "must be true with grpo.async_grpo.enabled: rollouts sampled by older weights need the "
+                              "correction (NeMo RL requires it; async runs collapse without it)")
+    rollouts = grpo["num_prompts_per_step"] * group
+    if rollouts % policy["train_global_batch_size"]:
+        raise ConfigError("policy.train_global_batch_size",
+                          f"{policy['train_global_batch_size']} does not divide the {rollouts} rollouts per step "
+                          f"(grpo.num_prompts_per_step x num_generations_per_prompt); make it a divisor")

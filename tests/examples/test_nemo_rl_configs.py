@@ -1,0 +1,100 @@
+"""NeMo RL's own configs (unmodified copies, see nemo_rl_configs/README.md) pass ``nrl config check``
+or fail with one line naming the first feature nrl lacks; never with "unknown key"."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from nrl_core.cli import main
+
+CONFIGS = Path(__file__).parent / "nemo_rl_configs" / "configs"
+
+
+def _lacks(section: str, what: str) -> str:
+    return (f"error: {section}: belongs to NeMo RL's {what} algorithm, which nrl lacks: no installed plugin provides "
+            f"an algorithm with a '{section}' section")
+
+
+DISTILLATION = _lacks("distillation", "on-policy distillation")
+
+#: None: passes the check. Otherwise the start of the one error line.
+EXPECTED: dict[str, str | None] = {
+    "grpo_math_1B.yaml": None,
+    "grpo_math_1B_megatron.yaml": None,
+    "grpo_math_1B_sglang.yaml": "error: policy.generation.backend: generation backend 'sglang' is not available",
+    "sft.yaml": None,
+    "dpo.yaml": None,
+    "rm.yaml": _lacks("rm", "reward-model training"),
+    "distillation_math.yaml": DISTILLATION,
+    "distillation_math_megatron.yaml": DISTILLATION,
+    "ppo_math_1B.yaml": _lacks("ppo", "PPO (with a value model)"),
+    "recipes/llm/grpo-llama3.2-1b-instruct-1n8g-fsdp2tp1.v3.yaml": None,
+    "recipes/llm/grpo-llama3.2-1b-instruct-1n8g-megatron.yaml": None,
+    "recipes/llm/grpo-llama3.1-8b-instruct-2n8g-fsdp2tp1-noncolocated.yaml": None,
+    "recipes/llm/grpo-gemma3-1b-it-1n8g-fsdp2tp1.yaml": None,
+    "recipes/llm/grpo-deepscaler-1.5b-8K.yaml": None,
+    "recipes/llm/grpo-gspo-deepscaler-1.5b-8K.yaml": None,
+    "recipes/llm/grpo-qwen3-8B-base-1n8g-fsdp2-lora.yaml": None,
+    "recipes/llm/grpo-moonlight-16b-automodel-1n8g-ep8.yaml": None,
+    # NeMo RL's own packing enum has no 'modified_ffd' either: the value is refused, not a key.
+    "recipes/llm/grpo-qwen3-30ba3b-8n8g-megatron.yaml":
+        "error: policy.sequence_packing.algorithm: must be one of 'modified_first_fit_decreasing'",
+    "recipes/llm/sft-llama3.2-1b-1n8g-fsdp2tp1.v3.yaml": None,
+    "recipes/llm/sft-qwen2.5-math7b-2n8g-megatron.yaml":
+        "error: policy.megatron_cfg.context_parallel_size: 2 needs Transformer Engine and CUDA",
+    "recipes/llm/dpo-llama3.2-1b-instruct-1n8g-fsdp2tp1.v2.yaml": None,
+    "recipes/llm/distillation-qwen3-32b-to-1.7b-base-1n8g-fsdp2tp1.v1.yaml": DISTILLATION,
+}
+
+
+def test_every_copied_config_has_an_expectation():
+    copied = {str(p.relative_to(CONFIGS)) for p in CONFIGS.rglob("*.yaml")}
+    assert copied == set(EXPECTED)
+    assert sum(name.startswith("recipes/llm/") for name in EXPECTED) >= 10
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED), ids=str)
+def test_nemo_rl_config_checks_or_names_what_nrl_lacks(name, capsys):
+    code = main(["config", "check", str(CONFIGS / name)])
+    out, err = capsys.readouterr()
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert "unknown key" not in err
+    if EXPECTED[name] is None:
+        assert code == 0 and out.startswith("ok: ") and not errors, err
+    else:
+        assert code == 2 and len(errors) == 1 and errors[0].startswith(EXPECTED[name]), err
+
+
+def test_inert_keys_are_named_together_in_one_warning(caplog):
+    with caplog.at_level(logging.WARNING):
+        assert main(["config", "check", str(CONFIGS / "grpo_math_1B.yaml")]) == 0
+    [warning] = [r.getMessage() for r in caplog.records if "no effect in nrl" in r.getMessage()]
+    for key in ("grpo.val_start_at", "policy.generation.val_temperature", "policy.megatron_cfg.empty_unused_memory_level",
+                "env.math.math_verify_impl", "data_plane.impl"):
+        assert key in warning
+    # set to the value that switches nothing on (what nrl does), so not named
+    for key in ("checkpointing.checkpoint_must_save_by", "data_plane.enabled", "reward_penalties",
+                "policy.make_sequence_length_divisible_by"):
+        assert key not in warning
+
+
+def test_keys_inert_only_where_they_do_nothing_are_named(caplog):
+    config = str(CONFIGS / "grpo_math_1B.yaml")
+    with caplog.at_level(logging.WARNING):
+        assert main(["config", "check", config, "policy.generation.colocated.resources.gpus_per_node=2",
+                     "policy.make_sequence_length_divisible_by=4"]) == 0
+    [warning] = [r.getMessage() for r in caplog.records if "no effect in nrl" in r.getMessage()]
+    assert "policy.generation.colocated.resources.gpus_per_node" in warning
+    assert "policy.make_sequence_length_divisible_by" in warning
+
+
+def test_grpo_without_a_generation_backend_fails_the_check(capsys):
+    config = str(CONFIGS / "grpo_math_1B.yaml")
+    assert main(["config", "check", config, "policy.generation=null"]) == 2
+    assert capsys.readouterr().err.strip().endswith(
+        "error: policy.generation: GRPO generates rollouts; configure a generation backend (policy.generation.backend)")
+    assert main(["config", "check", "--algorithm", "nosuch", config]) == 2
+    assert "nosuch" in capsys.readouterr().err
