@@ -67,7 +67,7 @@ class Generation:
             self.placement = None
         else:
             world = topology.generation_world
-            self.placement = make_placement(config["cluster"], world, name="generation")
+            self.placement = make_placement(config["cluster"], world, name="generation", nodes=topology.generation_nodes)
             # engines of one rank are independent processes; only a multi-rank engine needs a group
             self.hosts = WorkerGroup(spec.worker, world, name=f"generation-{spec.name}",
                                      init_kwargs={"config": dict(config)}, placement=self.placement,

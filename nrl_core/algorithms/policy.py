@@ -39,11 +39,13 @@ class Policy:
     def __init__(self, config: Mapping[str, Any], spec: TrainingBackendSpec, *, colocated_generation: bool) -> None:
         cluster = config["cluster"]
         self.spec = spec
-        self.world_size = cluster_topology(config).train_world
+        topology = cluster_topology(config)
+        self.world_size = topology.train_world
         self.checkpoint_options = CheckpointOptions.from_section(config["policy"][spec.config_key])
         self.timeout_s = distributed_timeout_s(config, spec.config_key)  # every group of this run
         self.placement: Placement = make_placement(cluster, self.world_size, name="policy",
-                                                   max_colocated_groups=2 if colocated_generation else 1)
+                                                   max_colocated_groups=2 if colocated_generation else 1,
+                                                   nodes=topology.train_nodes)
         self.group = WorkerGroup(spec.worker, self.world_size, name=f"policy-{spec.name}",
                                  init_kwargs={"config": dict(config)}, placement=self.placement,
                                  env_vars=dict(cluster.get("env_vars") or {}),

@@ -115,6 +115,12 @@ def test_placement_that_cannot_fit_is_a_one_line_error(monkeypatch: pytest.Monke
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0, "GPU": 1.0})
     with pytest.raises(NrlError, match="gpus_per_node=1"):
         make_placement({"gpus_per_node": 1, "num_nodes": 1}, 2)
+    # The config would fit, the cluster does not: the message names what the cluster has.
+    monkeypatch.setattr(ray, "nodes", lambda: [{"Alive": True, "NodeID": "abcdef0123",
+                                                "Resources": {"CPU": 2.0, "GPU": 1.0}}])
+    with pytest.raises(NrlError, match=r"2 GPU workers for 'x' but the Ray cluster has 1 GPUs \(1 node: abcdef "
+                                       r"\(CPU 2, GPU 1\)\)"):
+        make_placement({"gpus_per_node": 2, "num_nodes": 1}, 2, name="x")
     monkeypatch.undo()
     with pytest.raises(NrlError, match="cluster.cpus_per_worker"):
         make_placement({"cpus_per_worker": 0}, 2)
