@@ -16,7 +16,7 @@ import torch
 
 from nrl_core.cluster import WorkerGroup, make_placement
 from nrl_core.cluster.placement import Placement
-from nrl_core.cluster.timeouts import distributed_timeout_s
+from nrl_core.process_groups import distributed_timeout_s
 from nrl_core.config.topology import cluster_topology
 from nrl_core.contracts import BatchShard, CheckpointOptions, LossFunction, TokenBatch, TrainingBackendSpec
 from nrl_core.plugins import get_plugin_manager

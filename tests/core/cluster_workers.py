@@ -40,7 +40,7 @@ class CollectiveWorker:
         }
 
     def main_group_timeout_s(self) -> float:
-        from nrl_core.cluster.timeouts import main_group_timeout
+        from nrl_core.process_groups import main_group_timeout
 
         return main_group_timeout().total_seconds()
 

@@ -34,7 +34,7 @@ from nrl_core.cluster import (
 )
 from nrl_core import hookimpl
 from nrl_core.cli import main
-from nrl_core.cluster.timeouts import DEFAULT_TIMEOUT_S, distributed_timeout_s
+from nrl_core.process_groups import DEFAULT_TIMEOUT_S, distributed_timeout_s
 from nrl_core.contracts import AlgorithmSpec
 from nrl_core.errors import NrlError
 from nrl_core.plugins import get_plugin_manager

@@ -22,9 +22,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from nrl_core.cluster.timeouts import main_group_timeout
 from nrl_core.contracts import BatchShard, CheckpointOptions, LossFunction, TokenBatch, WeightSpec, logprob_temperature
 from nrl_core.errors import ConfigError, NrlError
+from nrl_core.process_groups import main_group_timeout
 from nrl_backend_dtensor import weights as weights_io
 from nrl_backend_dtensor.checkpoint import CheckpointIO, TrainState
 from nrl_backend_dtensor.microbatch import MicroBatch, plan_micro_batches
