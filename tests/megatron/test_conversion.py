@@ -1,7 +1,7 @@
 """The one-time conversion at size: rank 0 writes one sharded checkpoint at TP=1; TP=2 and PP=2
-load from it, each rank reading only its part (counted in bytes the process read); a rank that
-cannot see the conversion fails, with every other rank, in one line naming the directory and
-``NRL_MEGATRON_CHECKPOINT_DIR``."""
+load from it, each rank reading only its part (counted in bytes read from the stored tensors); a
+rank that cannot see the conversion fails, with every other rank, in one line naming the directory
+and ``NRL_MEGATRON_CHECKPOINT_DIR``; with ``convert_on_each_node`` each node converts its own copy."""
 
 from __future__ import annotations
 
@@ -90,6 +90,9 @@ def world2(rank: int, world: int, path: str, elsewhere: str) -> dict[str, Any]:
         MegatronPolicyWorker(make_config(path), rank, world)
     except NrlError as exc:
         out["unseen"] = (type(exc).__name__, str(exc))
+    os.environ["LOCAL_RANK"] = "0"  # each rank the first of its "node": by choice, each node converts its own
+    w = MegatronPolicyWorker(make_config(path, megatron={"convert_on_each_node": True}), rank, world)
+    out["per_node"] = (w.conversion.converted, str(w.conversion.path), gather_shards(w.get_logprobs(batch), batch))
     return out
 
 
@@ -123,6 +126,15 @@ def test_tp1_conversion_loads_at_tp2_and_pp2_each_rank_reading_its_part(runs) ->
         assert all(read < 0.6 * one["read"] for read in reads), tag
         assert sum(reads) >= one["read"], tag
         assert (two[0][f"{tag}/logprobs"] - one["logprobs"]).abs().max() < 1e-5, tag
+
+
+@pytest.mark.slow
+def test_each_node_converts_its_own_copy_only_when_asked(runs) -> None:
+    one, two = runs
+    (reused, path0, lp0), (converted, path1, lp1) = two[0]["per_node"], two[1]["per_node"]
+    assert not reused and path0 == one["path"]  # rank 0's node already had one
+    assert converted and path1 != path0  # the other "node" converted into its own directory
+    assert (lp0 - one["logprobs"]).abs().max() < 1e-5 and (lp1 - lp0).abs().max() == 0
 
 
 @pytest.mark.slow

@@ -121,13 +121,16 @@ class MegatronPolicyWorker:
         """The one-time HF → Megatron conversion, shared by all ranks and runs (see checkpoint_dir).
 
         Rank 0 converts (under the file lock) or reuses; the others wait, then must find the
-        finished conversion in the same directory: they never convert a second copy.
+        finished conversion in the same directory: they never convert a second copy. Only with
+        ``convert_on_each_node`` (a directory that is not shared, by choice) does the first rank of
+        every node (``LOCAL_RANK`` 0) convert its node's own copy.
         """
         target = converted_dir(self.model_name, self.overrides)
         expected = {**identity(self.model_name, self.hf_config.to_dict(), self.overrides),
                     "transformer_engine": te_available()}  # TE and local layers store different keys
+        per_node = bool(self.cfg.get("convert_on_each_node")) and int(os.environ.get("LOCAL_RANK", "-1")) == 0
         result = None
-        if dist.get_rank() == 0:
+        if dist.get_rank() == 0 or per_node:
             result = ensure_converted(target, expected, self._write_conversion,
                                       force=bool(self.cfg["force_reconvert_from_hf"]))
         dist.barrier()
