@@ -8,10 +8,12 @@ nodes share one address here, so the node *ids* tell where a worker runs.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Iterator
 
 import pytest
+import ray
 
 from nrl_core.algorithms.loss import NLLLoss
 from nrl_core.cluster import init_ray, make_placement, shutdown_ray
@@ -30,6 +32,7 @@ def cluster_address() -> Iterator[str]:
     from nrl_core.cluster.ray_cluster import _use_token_auth_if_available
 
     shutdown_ray()
+    saved = os.environ.get("RAY_AUTH_MODE")
     # As `ray start` would: when a cluster token exists (~/.ray/auth_token), the nodes require it,
     # and init_ray presents it; a cluster started without it would refuse the driver's workers.
     _use_token_auth_if_available()
@@ -42,6 +45,10 @@ def cluster_address() -> Iterator[str]:
     finally:
         shutdown_ray()
         cluster.shutdown()
+        if saved is None:
+            os.environ.pop("RAY_AUTH_MODE", None)
+        else:
+            os.environ["RAY_AUTH_MODE"] = saved
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +72,8 @@ def test_generation_on_the_other_node_refits_by_broadcast(cluster_address: str, 
                  "policy.generation.colocated.enabled=false", "policy.generation.colocated.resources.num_nodes=1"]
     with policy_and_generation(model, overrides) as (_, policy, generation):
         (train_node,), (generation_node,) = _nodes(policy.group), _nodes(generation.hosts)
-        assert train_node != generation_node
+        head = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and "node:__internal_head__" in n["Resources"])
+        assert (train_node, generation_node != head) == (head, True)  # training takes the first node, the head
         assert policy.group.rendezvous_dir is None  # the TCP store, as across real nodes
         prompts = chat_prompts(model)
         before = generation.generate(prompts, greedy=True)
