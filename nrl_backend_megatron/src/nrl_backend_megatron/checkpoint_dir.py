@@ -2,11 +2,11 @@
 
 Resolution order of the root: ``NRL_MEGATRON_CHECKPOINT_DIR`` (set and not blank), else
 ``$HF_HOME/nemo_rl``, else ``~/.cache/huggingface/nemo_rl`` (NeMo RL's location and order). One
-model directory per model, named as NeMo RL names it: a hub id as nested folders
-(``Qwen/Qwen3-0.6B``), a local path as ``model_`` plus the path with separators replaced, and
-``-<hash>`` of ``hf_config_overrides`` when there are any. nrl's conversion is the ``nrl_megatron``
-folder inside it; NeMo RL's own conversion of the same model is the ``iter_0000000`` folder beside
-it. Neither tool reads, replaces or deletes the other's.
+model directory per model: a hub id as nested folders (``Qwen/Qwen3-0.6B``, NeMo RL's name too), a
+local path as ``model_`` plus the absolute path with separators replaced, and ``-<hash>`` of
+``hf_config_overrides`` when there are any. nrl's conversion is the ``nrl_megatron`` folder inside
+it; NeMo RL's own conversion of the same model may be the ``iter_0000000`` folder beside it.
+Neither tool reads, replaces or deletes the other's.
 
 The conversion is a sharded Megatron checkpoint (``megatron.core.dist_checkpointing``, see
 :mod:`nrl_backend_megatron.convert.sharded`): rank 0 writes it once, every rank of any parallel
