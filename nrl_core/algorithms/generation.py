@@ -69,12 +69,13 @@ class Generation:
             self.placement = None
         else:
             world = topology.generation_world
-            self.placement = make_placement(config["cluster"], world, name="generation")
+            self.placement = make_placement(config["cluster"], world, name="generation", nodes=topology.generation_nodes)
             # engines of one rank are independent processes; only a multi-rank engine needs a group
             self.hosts = WorkerGroup(spec.worker, world, name=f"generation-{spec.name}",
                                      init_kwargs={"config": dict(config)}, placement=self.placement,
                                      env_vars=dict(config["cluster"].get("env_vars") or {}),
-                                     distributed_backend="auto" if topology.engine_size > 1 else "none")
+                                     distributed_backend="auto" if topology.engine_size > 1 else "none",
+                                     collective_timeout_s=policy.timeout_s)
         self.ranks = list(range(self.hosts.world_size))
         self.leads = self.ranks[:: self.engine_size]  # the rank of each engine that reports for it
 
@@ -180,7 +181,7 @@ class Generation:
                                                            opts["bucket_bytes"], opts["dtype"])
             try:
                 report = refit(self.policy.rank0, self.hosts.actors, transport=opts["transport"],
-                               bucket_bytes=opts["bucket_bytes"], dtype=opts["dtype"])
+                               bucket_bytes=opts["bucket_bytes"], dtype=opts["dtype"], timeout_s=self.policy.timeout_s)
             except Exception:
                 self.hosts.host_call(self.ranks, WorkerHost.nrl_refit_node_id)  # a dead engine: its own one-line error
                 raise

@@ -16,6 +16,7 @@ import torch
 
 from nrl_core.cluster import WorkerGroup, make_placement
 from nrl_core.cluster.placement import Placement
+from nrl_core.process_groups import distributed_timeout_s
 from nrl_core.config.topology import cluster_topology
 from nrl_core.contracts import (
     BatchShard,
@@ -45,13 +46,17 @@ class Policy:
     def __init__(self, config: Mapping[str, Any], spec: TrainingBackendSpec, *, colocated_generation: bool) -> None:
         cluster = config["cluster"]
         self.spec = spec
-        self.world_size = cluster_topology(config).train_world
+        topology = cluster_topology(config)
+        self.world_size = topology.train_world
         self.checkpoint_options = CheckpointOptions.from_section(config["policy"][spec.config_key])
+        self.timeout_s = distributed_timeout_s(config, spec.config_key)  # every group of this run
         self.placement: Placement = make_placement(cluster, self.world_size, name="policy",
-                                                   max_colocated_groups=2 if colocated_generation else 1)
+                                                   max_colocated_groups=2 if colocated_generation else 1,
+                                                   nodes=topology.train_nodes)
         self.group = WorkerGroup(spec.worker, self.world_size, name=f"policy-{spec.name}",
                                  init_kwargs={"config": dict(config)}, placement=self.placement,
-                                 env_vars=dict(cluster.get("env_vars") or {}))
+                                 env_vars=dict(cluster.get("env_vars") or {}),
+                                 collective_timeout_s=self.timeout_s)
 
     # ------------------------------------------------------------------ compute
 

@@ -21,6 +21,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from nrl_core.cluster.nodes import NODE_ID_LABEL, cluster_summary, pick_nodes, release_nodes
 from nrl_core.errors import NrlError
 
 __all__ = ["Placement", "make_placement", "DEFAULT_CPUS_PER_WORKER"]
@@ -42,6 +43,7 @@ class Placement:
     bundle: Mapping[str, float]
     fraction: float = 1.0
     owner: bool = True
+    nodes: tuple[str, ...] = ()  # the Ray nodes a multi-node placement holds (see nodes.py)
 
     @property
     def num_workers(self) -> int:
@@ -84,7 +86,10 @@ class Placement:
 
     def remove(self) -> None:
         """Release the reservation (owner only; a colocated view leaves it to the owner)."""
-        if self.owner and ray.is_initialized():
+        if not self.owner:
+            return
+        release_nodes(self.nodes)
+        if ray.is_initialized():
             try:
                 remove_placement_group(self.placement_group)
             except Exception:  # already removed, or Ray is going down: nothing left to release
@@ -126,6 +131,7 @@ def make_placement(
     max_colocated_groups: int = 1,
     strategy: str | None = None,
     timeout_s: float = 120.0,
+    nodes: int | None = None,
 ) -> Placement:
     """Reserve bundles for ``num_workers`` ranks, or share ``colocate_with``'s.
 
@@ -134,7 +140,9 @@ def make_placement(
     (which reuses the same bundles and share). ``strategy`` defaults to ``cluster.placement_strategy``
     or ``PACK`` (fill a node before the next). With GPUs, asking for more workers than
     ``cluster.num_nodes * cluster.gpus_per_node`` is a configuration error, reported before Ray
-    would wait forever for GPUs that do not exist.
+    would wait forever for GPUs that do not exist, and so is asking for more GPUs than the Ray
+    cluster has. On a multi-node cluster (``cluster.num_nodes > 1``), ``nodes`` spreads the
+    workers evenly over that many whole nodes that no other placement holds (:mod:`.nodes`).
     """
     if colocate_with is not None:
         return colocate_with.colocated(num_workers)
@@ -149,16 +157,34 @@ def make_placement(
             f"cluster: {num_workers} GPU workers do not fit on num_nodes={num_nodes} x "
             f"gpus_per_node={gpus_per_node}; lower the parallel sizes or add nodes"
         )
+    have = float(ray.cluster_resources().get("GPU", 0)) if gpus_per_node > 0 else 0.0
+    if gpus_per_node > 0 and num_workers > have:
+        raise NrlError(f"cluster: {num_workers} GPU workers for '{name or 'workers'}' but the Ray cluster has "
+                       f"{have:g} GPUs ({cluster_summary()}); lower the parallel sizes or add nodes")
     if max_colocated_groups < 1:
         raise NrlError(f"max_colocated_groups must be at least 1, got {max_colocated_groups}")
     strategy = strategy or str(cfg.get("placement_strategy", "PACK"))
-    pg = placement_group([dict(bundle) for _ in range(num_workers)], strategy=strategy, name=name)
-    ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
+    held: tuple[str, ...] = ()
+    selectors = None
+    if nodes is not None and num_nodes > 1:
+        if nodes < 1 or num_workers % nodes:
+            raise NrlError(f"cannot spread {num_workers} workers evenly over {nodes} nodes")
+        per_node = num_workers // nodes
+        held = tuple(pick_nodes(name, nodes, per_node, bundle))
+        selectors = [{NODE_ID_LABEL: held[r // per_node]} for r in range(num_workers)]
+    try:
+        pg = placement_group([dict(bundle) for _ in range(num_workers)], strategy=strategy, name=name,
+                             bundle_label_selector=selectors)
+        ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
+    except BaseException:
+        release_nodes(held)
+        raise
     if not ready:
+        release_nodes(held)
         remove_placement_group(pg)
         raise NrlError(
             f"cluster: could not reserve {num_workers} bundles of {bundle} for '{name or 'workers'}' within "
             f"{timeout_s:.0f} s (Ray has {ray.available_resources()} free); lower cluster.cpus_per_worker, "
             "use fewer workers or add nodes"
         )
-    return Placement(pg, tuple(range(num_workers)), bundle, 1.0 / max_colocated_groups, True)
+    return Placement(pg, tuple(range(num_workers)), bundle, 1.0 / max_colocated_groups, True, held)

@@ -39,6 +39,7 @@ from nrl_core.cluster._logs import tail_lines
 from nrl_core.cluster.placement import Placement
 from nrl_core.cluster.ray_cluster import init_ray, private_local_ray, worker_env_vars
 from nrl_core.errors import NrlError, WorkerError, WorkerRaisedError
+from nrl_core.process_groups import DEFAULT_TIMEOUT_S
 
 __all__ = [
     "WorkerGroup",
@@ -139,8 +140,10 @@ class WorkerGroup:
     oversubscribed) and ``num_gpus_per_worker``. ``env_vars`` are added to the workers' environment
     on top of what :func:`~nrl_core.cluster.worker_env_vars` forwards from the driver.
 
-    After one rank fails, the others get ``error_grace_s`` to finish their part of the call; ranks
-    still running then are taken to be blocked on the failed one, and the group is killed.
+    ``collective_timeout_s`` is the process group's timeout (the run's ``distributed_timeout_minutes``,
+    :mod:`nrl_core.process_groups`). After one rank fails, the others get ``error_grace_s`` to finish
+    their part of the call; ranks still running then are taken to be blocked on the failed one, and
+    the group is killed.
     """
 
     def __init__(
@@ -156,7 +159,7 @@ class WorkerGroup:
         num_cpus_per_worker: float = 0.0,
         num_gpus_per_worker: float = 0.0,
         start_timeout_s: float = 300.0,
-        collective_timeout_s: float = 1800.0,
+        collective_timeout_s: float = DEFAULT_TIMEOUT_S,
         error_grace_s: float = 3.0,
     ) -> None:
         if num_workers < 1:

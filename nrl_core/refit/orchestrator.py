@@ -66,11 +66,14 @@ def refit_options(config: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def refit(source: Any, sink: Any | Sequence[Any], transport: str | None = None,
-          bucket_bytes: int = DEFAULT_BUCKET_BYTES, dtype: str = "float32") -> RefitReport:
+          bucket_bytes: int = DEFAULT_BUCKET_BYTES, dtype: str = "float32",
+          timeout_s: float | None = None) -> RefitReport:
     """Move ``source``'s weights (a :class:`~nrl_core.contracts.TrainingWorker`-like object with
     ``weight_manifest``/``export_weights``, or a Ray actor hosting one) into ``sink`` (a
     :class:`~nrl_core.contracts.GenerationWorker` or actor; several actors for data-parallel
     generation). Actors must inherit :class:`~nrl_core.refit.endpoints.RefitEndpoints`.
+
+    ``timeout_s`` bounds a collective transport's own group (``distributed_timeout_minutes``).
 
     Raises :class:`~nrl_core.refit.manifest.RefitError` (sinks keep their old weights) when what
     arrives does not match the source's manifest.
@@ -87,10 +90,11 @@ def refit(source: Any, sink: Any | Sequence[Any], transport: str | None = None,
         return combine_reports(reports, concurrent=False)
     if not (_is_actor(source) and all(_is_actor(s) for s in sinks)):
         raise TypeError("refit: source and sinks must be all local objects or all Ray actors")
-    return _refit_actors(source, sinks, transport, bucket_bytes, dtype)
+    return _refit_actors(source, sinks, transport, bucket_bytes, dtype, timeout_s)
 
 
-def _refit_actors(source: Any, sinks: list[Any], override: str | None, bucket_bytes: int, dtype: str) -> RefitReport:
+def _refit_actors(source: Any, sinks: list[Any], override: str | None, bucket_bytes: int, dtype: str,
+                  timeout_s: float | None = None) -> RefitReport:
     import ray
 
     start = time.perf_counter()
@@ -110,7 +114,7 @@ def _refit_actors(source: Any, sinks: list[Any], override: str | None, bucket_by
 
     try:
         if get_plugin_manager().refit_transports().get(name, TRANSPORT_KEY).collective:
-            nbytes, versions = _collective(source, sinks, name, bucket_bytes, dtype)
+            nbytes, versions = _collective(source, sinks, name, bucket_bytes, dtype, timeout_s)
         else:
             nbytes, versions = _export_import(source, sinks, name, bucket_bytes, dtype)
     except BaseException:
@@ -160,12 +164,16 @@ def _export_import(source: Any, sinks: list[Any], name: str, bucket_bytes: int, 
         _call(source, "nrl_refit_cleanup", [exported])  # runs before the source's next call; nothing to wait for
 
 
-def _collective(source: Any, sinks: list[Any], name: str, bucket_bytes: int, dtype: str) -> tuple[int, list[int]]:
+def _collective(source: Any, sinks: list[Any], name: str, bucket_bytes: int, dtype: str,
+                timeout_s: float | None = None) -> tuple[int, list[int]]:
     """One sender, every sink receiving the same broadcast concurrently."""
     import ray
 
+    options: dict[str, Any] = {"world_size": 1 + len(sinks)}
+    if timeout_s is not None:
+        options["timeout_s"] = float(timeout_s)
     manifest = ray.get(_call(source, "nrl_refit_manifest", dtype))
-    session = ray.get(_call(source, "nrl_refit_prepare", name, RefitSession(options={"world_size": 1 + len(sinks)})))
+    session = ray.get(_call(source, "nrl_refit_prepare", name, RefitSession(options=options)))
     try:
         pending = [_call(s, "nrl_refit_receive", name, session.with_options(rank=i + 1), manifest)
                    for i, s in enumerate(sinks)]

@@ -39,6 +39,15 @@ class CollectiveWorker:
             "forwarded": os.environ.get("NRL_CLUSTER_TEST_FORWARD"),
         }
 
+    def main_group_timeout_s(self) -> float:
+        from nrl_core.process_groups import main_group_timeout
+
+        return main_group_timeout().total_seconds()
+
+    def all_reduce_unless_rank(self, skipping_rank: int) -> float:
+        """Every rank but ``skipping_rank`` enters an all-reduce that one never joins."""
+        return 0.0 if self.rank == skipping_rank else self.all_reduce(1.0)
+
     def echo(self, *args: Any, **kwargs: Any) -> tuple[int, tuple[Any, ...], dict[str, Any]]:
         return self.rank, args, kwargs
 

@@ -34,6 +34,7 @@ from nrl_core.cluster import (
 )
 from nrl_core import hookimpl
 from nrl_core.cli import main
+from nrl_core.process_groups import DEFAULT_TIMEOUT_S, distributed_timeout_s
 from nrl_core.contracts import AlgorithmSpec
 from nrl_core.errors import NrlError
 from nrl_core.plugins import get_plugin_manager
@@ -114,6 +115,12 @@ def test_placement_that_cannot_fit_is_a_one_line_error(monkeypatch: pytest.Monke
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0, "GPU": 1.0})
     with pytest.raises(NrlError, match="gpus_per_node=1"):
         make_placement({"gpus_per_node": 1, "num_nodes": 1}, 2)
+    # The config would fit, the cluster does not: the message names what the cluster has.
+    monkeypatch.setattr(ray, "nodes", lambda: [{"Alive": True, "NodeID": "abcdef0123",
+                                                "Resources": {"CPU": 2.0, "GPU": 1.0}}])
+    with pytest.raises(NrlError, match=r"2 GPU workers for 'x' but the Ray cluster has 1 GPUs \(1 node: abcdef "
+                                       r"\(CPU 2, GPU 1\)\)"):
+        make_placement({"gpus_per_node": 2, "num_nodes": 1}, 2, name="x")
     monkeypatch.undo()
     with pytest.raises(NrlError, match="cluster.cpus_per_worker"):
         make_placement({"cpus_per_worker": 0}, 2)
@@ -396,3 +403,22 @@ def test_init_ray_joins_an_existing_cluster_from_ray_address() -> None:
             head.kill()
             head.wait()
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def test_distributed_timeout_minutes_is_the_main_groups_timeout(ray_session: None) -> None:
+    """The key reaches the group the hosts create (it used to be a fixed 1800 s there)."""
+    config = {"policy": {"megatron_cfg": {"distributed_timeout_minutes": 7}, "dtensor_cfg": {}}}
+    assert distributed_timeout_s(config, "megatron_cfg") == 420.0
+    assert distributed_timeout_s(config, "dtensor_cfg") == DEFAULT_TIMEOUT_S
+    with WorkerGroup(WORKER, 2, name="timeout7", collective_timeout_s=distributed_timeout_s(config, "megatron_cfg")) as group:
+        assert group.run_all("main_group_timeout_s") == [420.0, 420.0]
+
+
+def test_a_rank_that_never_joins_fails_its_peer_after_the_group_timeout(ray_session: None) -> None:
+    with WorkerGroup(WORKER, 2, name="short", collective_timeout_s=3.0, error_grace_s=1.0) as group:
+        started = time.monotonic()
+        with pytest.raises(WorkerRaisedError) as info:
+            group.run_all("all_reduce_unless_rank", 1)
+        elapsed = time.monotonic() - started
+    assert 3.0 <= elapsed < 30, elapsed
+    assert "short[rank 0]" in str(info.value) and "3000ms" in str(info.value), str(info.value)

@@ -119,15 +119,11 @@ def test_model_subdir_naming(tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------------ conversion life cycle
-SHAPES = {"w": (2, 3)}
-
-
-def _writer(value: float, calls: list):
+def _writer(value: bytes, calls: list):
     def write(out: Path) -> None:
-        from safetensors.torch import save_file
-
         calls.append(out)
-        save_file({"w": torch.full((2, 3), value)}, str(out / cd.WEIGHTS))
+        (out / cd.DIST_METADATA).write_text("{}")
+        (out / "__0_0.distcp").write_bytes(value * 8)
     return write
 
 
@@ -136,51 +132,74 @@ def _ident(name: str = "m") -> dict:
 
 
 def test_conversion_is_cached(tmp_path: Path) -> None:
-    target = tmp_path / "org" / "m"
+    target = tmp_path / "org" / "m" / cd.CONVERSION_DIRNAME
     calls: list = []
-    first = cd.ensure_converted(target, _ident(), SHAPES, _writer(1.0, calls))
+    first = cd.ensure_converted(target, _ident(), _writer(b"1", calls))
     marker = target / cd.MARKER
     stat = marker.stat()
-    second = cd.ensure_converted(target, _ident(), SHAPES, _writer(2.0, calls))
+    second = cd.ensure_converted(target, _ident(), _writer(b"2", calls))
     assert first.converted and not second.converted and len(calls) == 1
     assert (marker.stat().st_ino, marker.stat().st_mtime_ns) == (stat.st_ino, stat.st_mtime_ns)
-    forced = cd.ensure_converted(target, _ident(), SHAPES, _writer(3.0, calls), force=True)
+    forced = cd.ensure_converted(target, _ident(), _writer(b"3", calls), force=True)
     assert forced.converted and len(calls) == 2 and marker.stat().st_ino != stat.st_ino
-    assert not [p for p in target.parent.iterdir() if p.name.startswith(".m.tmp")]
+    assert not [p for p in target.parent.iterdir() if p.name.startswith(f".{target.name}.tmp")]
+    assert cd.require_converted(target, _ident(), rank=1) == cd.Conversion(target, converted=False)
 
 
 def test_bad_conversions_are_one_line_errors(tmp_path: Path) -> None:
     target = tmp_path / "m"
-    cd.ensure_converted(target, _ident(), SHAPES, _writer(1.0, []))
+    cd.ensure_converted(target, _ident(), _writer(b"1", []))
     with pytest.raises(cd.CheckpointDirError, match="another model") as err:
-        cd.ensure_converted(target, _ident("other"), SHAPES, _writer(1.0, []))
+        cd.ensure_converted(target, _ident("other"), _writer(b"1", []))
     assert "\n" not in str(err.value)
-    weights = target / cd.WEIGHTS
-    weights.write_bytes(weights.read_bytes()[:-4])  # truncated
-    with pytest.raises(cd.CheckpointDirError, match="corrupt"):
-        cd.ensure_converted(target, _ident(), SHAPES, _writer(1.0, []))
+    data = target / "__0_0.distcp"
+    data.write_bytes(data.read_bytes()[:-4])  # truncated
+    with pytest.raises(cd.CheckpointDirError, match=r"corrupt \(__0_0.distcp missing or truncated\)"):
+        cd.ensure_converted(target, _ident(), _writer(b"1", []))
     partial = tmp_path / "p"
     partial.mkdir()
-    (partial / cd.WEIGHTS).write_bytes(b"junk")
+    (partial / "__0_0.distcp").write_bytes(b"junk")
     with pytest.raises(cd.CheckpointDirError, match="incomplete"):
-        cd.ensure_converted(partial, _ident(), SHAPES, _writer(1.0, []))
+        cd.ensure_converted(partial, _ident(), _writer(b"1", []))
+
+
+def test_a_rank_that_cannot_see_the_conversion_names_the_directory_and_the_variable(tmp_path: Path) -> None:
+    unseen = tmp_path / "elsewhere" / cd.CONVERSION_DIRNAME
+    with pytest.raises(cd.CheckpointDirError) as err:
+        cd.require_converted(unseen, _ident(), rank=3)
+    message = str(err.value)
+    assert "\n" not in message and message.startswith("rank 3 on ")
+    assert str(unseen) in message and cd.ENV_VAR in message
 
 
 def test_failed_conversion_never_overwrites_a_good_one(tmp_path: Path) -> None:
-    from safetensors.torch import load_file
-
     target = tmp_path / "m"
-    cd.ensure_converted(target, _ident(), SHAPES, _writer(1.0, []))
+    cd.ensure_converted(target, _ident(), _writer(b"1", []))
 
     def crash(out: Path) -> None:
-        (out / cd.WEIGHTS).write_bytes(b"half")
+        (out / "__0_0.distcp").write_bytes(b"half")
         raise RuntimeError("killed mid-conversion")
 
     with pytest.raises(RuntimeError):
-        cd.ensure_converted(target, _ident(), SHAPES, crash, force=True)
-    assert torch.equal(load_file(str(target / cd.WEIGHTS))["w"], torch.ones(2, 3))
-    assert not cd.ensure_converted(target, _ident(), SHAPES, crash).converted
-    assert [p.name for p in tmp_path.iterdir() if not p.name.startswith(".m.lock") and p.name != ".m.lock"] == ["m"]
+        cd.ensure_converted(target, _ident(), crash, force=True)
+    assert (target / "__0_0.distcp").read_bytes() == b"1" * 8
+    assert not cd.ensure_converted(target, _ident(), crash).converted
+    assert [p.name for p in tmp_path.iterdir() if p.name != ".m.lock"] == ["m"]
+
+
+def test_a_nemo_rl_conversion_beside_ours_is_left_alone(tmp_path: Path) -> None:
+    """NeMo RL converts into ``<model dir>/iter_0000000``; nrl into ``<model dir>/nrl_megatron``,
+    and forcing a reconversion replaces only its own."""
+    model_dir = cd.converted_dir("org/m", None, {cd.ENV_VAR: str(tmp_path)}).parent
+    theirs = model_dir / cd.NEMO_RL_DIRNAME
+    theirs.mkdir(parents=True)
+    (theirs / "run_config.yaml").write_text("theirs")
+    target = model_dir / cd.CONVERSION_DIRNAME
+    cd.ensure_converted(target, _ident(), _writer(b"1", []))
+    cd.ensure_converted(target, _ident(), _writer(b"2", []), force=True)
+    assert cd.nemo_rl_conversion(target) == theirs and (theirs / "run_config.yaml").read_text() == "theirs"
+    assert sorted(p.name for p in model_dir.iterdir() if not p.name.startswith(".")) == [cd.NEMO_RL_DIRNAME,
+                                                                                         cd.CONVERSION_DIRNAME]
 
 
 # ------------------------------------------------------------------ mapping and model checks

@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 from nrl_core.contracts import BatchShard, CheckpointOptions, LossFunction, TokenBatch, WeightSpec, logprob_temperature
 from nrl_core.errors import ConfigError, NrlError
 from nrl_core.nonfinite import check_finite, guard_enabled
+from nrl_core.process_groups import main_group_timeout
 from nrl_backend_dtensor import weights as weights_io
 from nrl_backend_dtensor.checkpoint import CheckpointIO, TrainState
 from nrl_backend_dtensor.microbatch import MicroBatch, plan_micro_batches
@@ -100,7 +101,8 @@ class DTensorPolicyWorker:
         self.train_step_count = 0
         self._offloaded: set[str] = set()
         self._reference = [self._local(p).detach().to("cpu", copy=True) for p in self.model.parameters()]
-        async_group = dist.new_group(backend="gloo")  # DCP async saves talk on their own group
+        # DCP async saves talk on their own group, with the main group's timeout (not torch's default)
+        async_group = dist.new_group(backend="gloo", timeout=main_group_timeout())
         self.checkpoint_io = CheckpointIO(TrainState(
             model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
             get_step=lambda: self.train_step_count, set_step=self._set_step,

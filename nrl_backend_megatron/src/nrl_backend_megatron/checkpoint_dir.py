@@ -1,17 +1,25 @@
 """Where the one-time HF→Megatron conversion lives, and the conversion's life cycle.
 
 Resolution order of the root: ``NRL_MEGATRON_CHECKPOINT_DIR`` (set and not blank), else
-``$HF_HOME/nemo_rl``, else ``~/.cache/huggingface/nemo_rl`` (NeMo RL's location, so both tools
-share conversions). One subdirectory per model: a hub id as nested folders (``Qwen/Qwen3-0.6B``),
-a local path as ``model_`` plus the path with separators replaced, and ``-<hash>`` of
-``hf_config_overrides`` when there are any.
+``$HF_HOME/nemo_rl``, else ``~/.cache/huggingface/nemo_rl`` (NeMo RL's location and order). One
+model directory per model: a hub id as nested folders (``Qwen/Qwen3-0.6B``, NeMo RL's name too), a
+local path as ``model_`` plus the absolute path with separators replaced, and ``-<hash>`` of
+``hf_config_overrides`` when there are any. nrl's conversion is the ``nrl_megatron`` folder inside
+it; NeMo RL's own conversion of the same model may be the ``iter_0000000`` folder beside it.
+Neither tool reads, replaces or deletes the other's.
+
+The conversion is a sharded Megatron checkpoint (``megatron.core.dist_checkpointing``, see
+:mod:`nrl_backend_megatron.convert.sharded`): rank 0 writes it once, every rank of any parallel
+layout reads only its own part. The directory must therefore be one that *every node* sees; a
+rank that cannot see the finished conversion fails in one line naming the directory and
+``NRL_MEGATRON_CHECKPOINT_DIR`` instead of converting again behind the user's back.
 
 Why the ceremony: conversions are slow for real models and shared by concurrent runs and ranks.
 A file lock serialises converters; a conversion is written into a temporary directory beside the
-target and renamed into place, with a completion marker written last, so a crash never leaves a
-directory that looks complete; an existing good conversion is only replaced after the new one is
-complete. Anything else found at the target (no marker, truncated files, another model) is a
-one-line :class:`CheckpointDirError`.
+target and renamed into place, with a completion marker (listing every file and its size) written
+last, so a crash never leaves a directory that looks complete; an existing good conversion is only
+replaced after the new one is complete. Anything else found at the target (no marker, truncated or
+missing files, another model) is a one-line :class:`CheckpointDirError`.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,8 +41,10 @@ logger = logging.getLogger(__name__)
 
 ENV_VAR = "NRL_MEGATRON_CHECKPOINT_DIR"
 MARKER = "nrl_conversion_complete.json"
-WEIGHTS = "model.safetensors"
-FORMAT_VERSION = 1
+CONVERSION_DIRNAME = "nrl_megatron"
+NEMO_RL_DIRNAME = "iter_0000000"  # what NeMo RL's converter writes into the same model directory
+DIST_METADATA = "metadata.json"  # megatron.core.dist_checkpointing's own "this is a checkpoint" file
+FORMAT_VERSION = 2  # 1: one full model.safetensors (every rank read all of it); 2: sharded
 
 
 class CheckpointDirError(NrlError):
@@ -75,7 +86,14 @@ def model_subdir(model_name: str, overrides: Mapping[str, Any] | None = None) ->
 
 def converted_dir(model_name: str, overrides: Mapping[str, Any] | None = None,
                   environ: Mapping[str, str] | None = None) -> Path:
-    return checkpoint_root(environ) / model_subdir(model_name, overrides)
+    """nrl's conversion of ``model_name``: ``<root>/<model dir>/nrl_megatron``."""
+    return checkpoint_root(environ) / model_subdir(model_name, overrides) / CONVERSION_DIRNAME
+
+
+def nemo_rl_conversion(target: Path) -> Path | None:
+    """NeMo RL's conversion of the same model beside nrl's (``iter_0000000``), if there is one."""
+    theirs = target.parent / NEMO_RL_DIRNAME
+    return theirs if theirs.is_dir() else None
 
 
 @dataclass(frozen=True)
@@ -92,8 +110,13 @@ def identity(model_name: str, hf_config: Mapping[str, Any], overrides: Mapping[s
             "config_sha": hashlib.sha256(json.dumps(hf_config, sort_keys=True, default=str).encode()).hexdigest()[:16]}
 
 
-def verify(path: Path, expected: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]]) -> None:
-    """Check a converted directory: marker present, same model, weights complete. One-line errors."""
+def _files(path: Path) -> dict[str, int]:
+    return {str(p.relative_to(path)): p.stat().st_size for p in sorted(path.rglob("*")) if p.is_file()
+            and p.name != MARKER}
+
+
+def verify(path: Path, expected: Mapping[str, Any]) -> None:
+    """Check a converted directory: marker present, same model, every file there at its size."""
     hint = "delete it or set policy.megatron_cfg.force_reconvert_from_hf: true"
     marker = path / MARKER
     if not marker.is_file():
@@ -102,46 +125,57 @@ def verify(path: Path, expected: Mapping[str, Any], shapes: Mapping[str, tuple[i
         meta = json.loads(marker.read_text())
     except (OSError, ValueError):
         raise CheckpointDirError(f"converted checkpoint {path} has an unreadable {MARKER}; {hint}") from None
-    for key in ("format_version", "model_name", "overrides_hash", "config_sha"):
+    for key in expected:
         if meta.get(key) != expected.get(key):
             raise CheckpointDirError(
-                f"converted checkpoint {path} is from another model ({key}: {meta.get(key)!r}, expected "
+                f"converted checkpoint {path} is from another model or format ({key}: {meta.get(key)!r}, expected "
                 f"{expected.get(key)!r}); {hint}")
-    weights = path / WEIGHTS
-    if not weights.is_file() or weights.stat().st_size != meta.get("weights_bytes"):
-        raise CheckpointDirError(f"converted checkpoint {path} is corrupt ({WEIGHTS} missing or truncated); {hint}")
-    try:
-        from safetensors import safe_open
-
-        with safe_open(str(weights), framework="pt") as f:
-            stored = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-    except Exception:  # noqa: BLE001 - any parse failure means the same thing to the user
-        raise CheckpointDirError(f"converted checkpoint {path} is corrupt ({WEIGHTS} unreadable); {hint}") from None
-    if stored != dict(shapes):
-        raise CheckpointDirError(f"converted checkpoint {path} does not match the model's tensors; {hint}")
+    recorded = meta.get("files") or {}
+    found = _files(path)
+    bad = sorted(name for name, size in recorded.items() if found.get(name) != size)
+    if bad or DIST_METADATA not in recorded:
+        raise CheckpointDirError(f"converted checkpoint {path} is corrupt ({(bad or [DIST_METADATA])[0]} missing or "
+                                 f"truncated); {hint}")
 
 
-def ensure_converted(target: Path, expected: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]],
-                     write: Callable[[Path], None], *, force: bool = False) -> Conversion:
+def require_converted(target: Path, expected: Mapping[str, Any], rank: int) -> Conversion:
+    """On a rank that did not convert: the conversion rank 0 finished must be visible from here."""
+    if not (target / MARKER).is_file():
+        raise CheckpointDirError(
+            f"rank {rank} on {socket.gethostname()} cannot see the converted checkpoint {target} that rank 0 "
+            f"finished; every node must see the same directory: set {ENV_VAR} (or HF_HOME) to a path shared by "
+            "all nodes (NFS, Docker -v, SLURM container mounts)")
+    verify(target, expected)
+    return Conversion(target, converted=False)
+
+
+def ensure_converted(target: Path, expected: Mapping[str, Any], write: Callable[[Path], None], *,
+                     force: bool = False) -> Conversion:
     """Return a verified conversion at ``target``, writing it with ``write(tmpdir)`` if needed.
 
-    ``write`` fills a fresh directory with ``model.safetensors``; the marker is added here, last.
-    Safe to call from every rank and from concurrent runs: the first converts, the others wait on
-    the lock and then reuse.
+    ``write`` fills a fresh directory with the checkpoint; the marker is added here, last. Safe
+    for concurrent runs: the first converts, the others wait on the lock and then reuse. Only
+    ``target`` is ever replaced: a NeMo RL conversion beside it is left alone.
     """
     from filelock import FileLock
 
     target.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(target.parent / f".{target.name}.lock")):
         if target.exists() and not force:
-            verify(target, expected, shapes)
+            verify(target, expected)
             return Conversion(target, converted=False)
+        theirs = nemo_rl_conversion(target)
+        if theirs is not None:
+            logger.info("a NeMo RL conversion is at %s; nrl writes its own beside it and leaves that one alone", theirs)
         tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.tmp-"))
+        umask = os.umask(0)
+        os.umask(umask)
+        tmp.chmod(0o777 & ~umask)  # mkdtemp's 0700 would hide it from other users of a shared directory
         try:
             write(tmp)
-            meta = {**expected, "weights_bytes": (tmp / WEIGHTS).stat().st_size}
+            meta = {**expected, "files": _files(tmp)}
             (tmp / MARKER).write_text(json.dumps(meta, indent=1))
-            verify(tmp, expected, shapes)
+            verify(tmp, expected)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -152,5 +186,5 @@ def ensure_converted(target: Path, expected: Mapping[str, Any], shapes: Mapping[
         tmp.rename(target)
         if backup is not None:
             shutil.rmtree(backup, ignore_errors=True)
-        logger.info("converted HF checkpoint into Megatron format at %s", target)
+        logger.info("converted HF checkpoint into a sharded Megatron checkpoint at %s", target)
         return Conversion(target, converted=True)

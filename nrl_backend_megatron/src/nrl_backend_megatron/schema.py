@@ -105,6 +105,9 @@ MEGATRON_CFG_SCHEMA: Section = MegatronCfgSection(doc="Megatron-Core training ba
                                            "worker does not, so a non-zero level is named in the inert-keys warning"),
     "converter_type": _inert(None),
     "force_reconvert_from_hf": Field(type=bool, default=False),
+    "convert_on_each_node": Field(type=bool, default=False,
+                                  doc="the conversion directory is not shared: the first rank of every node "
+                                      "converts its own copy (see docs/cluster.md)"),
     "pipeline_dtype": Field(type=str, default=None, nullable=True, choices=("float32", "bfloat16", "float16"),
                             doc="dtype of tensors sent between pipeline stages; null: the model's dtype"),
     "optimizer": OPTIMIZER,

@@ -26,14 +26,16 @@ from nrl_core.nonfinite import KEY as NAN_KEY, NonFiniteError, check_finite, gua
 
 from nrl_backend_megatron import cpu_shim
 from nrl_backend_megatron.batching import MicroBatch, packed_micro_batches, padded_micro_batches, token_logprobs
-from nrl_backend_megatron.checkpoint_dir import Conversion, converted_dir, ensure_converted, identity
+from nrl_backend_megatron.checkpoint_dir import CheckpointDirError, Conversion, converted_dir, ensure_converted, \
+    identity, require_converted
 from nrl_backend_megatron.checks import layout_of, logging_level
-from nrl_backend_megatron.convert import canonical_shapes, family_of, hf_to_megatron, megatron_to_hf_items
+from nrl_backend_megatron.convert import canonical_shapes, family_of, megatron_to_hf_items
+from nrl_backend_megatron.convert.sharded import convert_in_subprocess, load_shard
 from nrl_backend_megatron.model import DTYPES, build_gpt_model, te_available, transformer_config
 from nrl_backend_megatron.moe import RouterMetrics, check_moe_section, freeze_router, is_moe, mark_experts_parallel
 from nrl_backend_megatron.optim import build_optimizer, optimizer_step
 from nrl_backend_megatron.parallel import check_layout, ensure_process_group, init_model_parallel
-from nrl_backend_megatron.weights import iter_full_tensors, load_full_state
+from nrl_backend_megatron.weights import iter_full_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -46,18 +48,6 @@ def set_megatron_logging(level: int | str) -> int:
     for name in MEGATRON_LOGGERS:
         logging.getLogger(name).setLevel(numeric)
     return numeric
-
-
-def _load_hf_state(path: str) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    files = sorted(Path(path).glob("*.safetensors"))
-    if not files:
-        raise NrlError(f"no *.safetensors files in {path}; the Megatron backend converts safetensors checkpoints")
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update(load_file(str(f)))
-    return state
 
 
 def _resolve_model_path(name: str) -> str:
@@ -129,31 +119,43 @@ class MegatronPolicyWorker:
         self.is_first_stage, self.is_last_stage = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
 
     def _convert(self) -> Conversion:
-        """The one-time HF → Megatron conversion, shared by all ranks and runs (see checkpoint_dir)."""
+        """The one-time HF → Megatron conversion, shared by all ranks and runs (see checkpoint_dir).
+
+        Rank 0 converts (under the file lock) or reuses; the others wait, then must find the
+        finished conversion in the same directory: they never convert a second copy. Only with
+        ``convert_on_each_node`` (a directory that is not shared, by choice) does the first rank of
+        every node (``LOCAL_RANK`` 0) convert its node's own copy.
+        """
         target = converted_dir(self.model_name, self.overrides)
-        expected = identity(self.model_name, self.hf_config.to_dict(), self.overrides)
-        shapes = canonical_shapes(self.hf_config)
-        force = bool(self.cfg["force_reconvert_from_hf"])
+        expected = {**identity(self.model_name, self.hf_config.to_dict(), self.overrides),
+                    "transformer_engine": te_available()}  # TE and local layers store different keys
+        per_node = bool(self.cfg.get("convert_on_each_node")) and int(os.environ.get("LOCAL_RANK", "-1")) == 0
         result = None
-        # Rank 0 converts (under the file lock); the others wait, then verify and reuse.
-        if dist.get_rank() == 0:
-            result = ensure_converted(target, expected, shapes, self._write_conversion, force=force)
+        if dist.get_rank() == 0 or per_node:
+            result = ensure_converted(target, expected, self._write_conversion,
+                                      force=bool(self.cfg["force_reconvert_from_hf"]))
         dist.barrier()
+        problem = None
         if result is None:
-            result = ensure_converted(target, expected, shapes, self._write_conversion, force=False)
+            try:
+                result = require_converted(target, expected, dist.get_rank())
+            except CheckpointDirError as exc:
+                problem = str(exc)
+        # Every rank learns of a rank that cannot see it, so none waits in the load's collectives.
+        problems: list[str | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(problems, problem)
+        first = next((p for p in problems if p), None)
+        if first is not None:
+            raise CheckpointDirError(first)
         return result
 
     def _write_conversion(self, out: Path) -> None:
-        from safetensors.torch import save_file
-
-        state = hf_to_megatron(_load_hf_state(self.model_path), self.hf_config)
-        save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"),
-                  metadata={"format": "pt", "source": self.model_name})
+        convert_in_subprocess(self.model_path, out, self.cfg, self.overrides,
+                              bool(self.policy.get("trust_remote_code", False)))
 
     def _build(self) -> None:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, \
             finalize_model_grads
-        from safetensors.torch import load_file
 
         precision = str(self.policy.get("precision", "float32"))
         if precision not in DTYPES:
@@ -167,9 +169,7 @@ class MegatronPolicyWorker:
         self.hf_config_dropout()
         model = build_gpt_model(self.hf_config, self.tconfig, pre_process=self.is_first_stage,
                                 post_process=self.is_last_stage)
-        full = load_file(str(self.conversion.path / "model.safetensors"))
-        load_full_state(model, full, self.tp_rank, self.layout.tp, bool(self.hf_config.tie_word_embeddings))
-        del full
+        load_shard(model, self.conversion.path)  # this rank's part only
         self.model = model
         self.router_metrics = None
         if is_moe(self.hf_config):

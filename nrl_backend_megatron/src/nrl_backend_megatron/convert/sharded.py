@@ -1,0 +1,156 @@
+"""The one-time conversion as a sharded Megatron checkpoint, and loading one rank's part of it.
+
+Rank 0 converts once: a child process (a world of one, so that Megatron's collective save has a
+world to itself while the run's ranks wait) reads the HF safetensors, builds the whole model at
+tensor/pipeline/expert parallel 1, and saves it with ``megatron.core.dist_checkpointing``. Every
+rank of every layout (TP, PP, EP) then loads from it with its own model's
+``sharded_state_dict()``: Megatron maps each local parameter to its slice of the global tensor,
+and the reader fetches only the stored chunks that overlap it.
+
+Why the chunking (:func:`fine_grained`): the reader reads whole stored chunks, and a model saved at
+TP=1 would store each matrix as one chunk, so a TP=2 rank would read all of it to keep half. Each
+stored tensor is therefore split into a grid of up to 8 chunks per axis, which lines up with TP,
+EP and PP splits of 2, 4 and 8: a rank reads about its share of the bytes, plus the small
+replicated tensors (norms) and the checkpoint's index.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import socket
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from nrl_core.errors import NrlError
+
+__all__ = ["CHUNKS_PER_AXIS", "convert_in_subprocess", "fine_grained", "load_hf_state", "load_shard",
+           "write_sharded"]
+
+CHUNKS_PER_AXIS = 8
+# torchrun-style variables of the rank that spawns the converter; the converter is its own world
+_RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
+              "TORCHELASTIC_RUN_ID")
+
+
+def load_hf_state(path: str) -> dict[str, torch.Tensor]:
+    """Every tensor of the HF checkpoint at ``path`` (its ``*.safetensors`` files)."""
+    from safetensors.torch import load_file
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise NrlError(f"no *.safetensors files in {path}; the Megatron backend converts safetensors checkpoints")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    return state
+
+
+def _chunks(dim: int) -> int:
+    return next(c for c in (CHUNKS_PER_AXIS, 4, 2, 1) if c <= max(dim, 1) and dim % c == 0)
+
+
+def _pieces(tensor: Any) -> Any:
+    """One ``ShardedTensor`` as a grid of smaller ones covering the same global slice."""
+    if tensor.data is None or tensor.flattened_range is not None or tensor.axis_fragmentations is None:
+        return tensor
+    counts = [_chunks(d) for d in tensor.local_shape]
+    if all(c == 1 for c in counts):
+        return tensor
+    p = tensor.prepend_axis_num
+    size = tuple(d // c for d, c in zip(tensor.local_shape, counts))
+    pieces = []
+    for index in itertools.product(*(range(c) for c in counts)):
+        window = tuple(slice(i * s, (i + 1) * s) for i, s in zip(index, size))
+        offset = tensor.global_offset[:p] + tuple(o + i * s for o, i, s in zip(tensor.global_offset[p:], index, size))
+        fragments = tensor.axis_fragmentations[:p] + tuple(f * c for f, c in zip(tensor.axis_fragmentations[p:], counts))
+        pieces.append(replace(tensor, data=tensor.data[window].contiguous(), local_shape=size, global_offset=offset,
+                              axis_fragmentations=fragments))
+    return pieces
+
+
+def fine_grained(sharded: dict[str, Any]) -> dict[str, Any]:
+    """``sharded`` (a model's ``sharded_state_dict()``, factories applied here) with every tensor
+    stored as up to ``CHUNKS_PER_AXIS`` chunks per axis (see the module docstring)."""
+    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+
+    apply_factories(sharded)
+    return dict_list_map_inplace(lambda v: _pieces(v) if isinstance(v, ShardedTensor) else v, sharded)
+
+
+def write_sharded(model_path: str, out_dir: str, megatron_cfg: Mapping[str, Any], overrides: Mapping[str, Any],
+                  trust_remote_code: bool) -> None:
+    """Convert in this process, which must be a world of one (the child :func:`convert_in_subprocess` starts)."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+    from transformers import AutoConfig
+
+    from nrl_backend_megatron import cpu_shim
+    from nrl_backend_megatron.convert.mapping import hf_to_megatron
+    from nrl_backend_megatron.model import ParallelLayout, build_gpt_model, transformer_config
+    from nrl_backend_megatron.weights import load_full_state
+
+    cpu_shim.install()
+    dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo", rank=0, world_size=1)
+    try:
+        parallel_state.initialize_model_parallel()
+        tensor_parallel.model_parallel_cuda_manual_seed(0)
+        hf_config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        for key, value in overrides.items():
+            setattr(hf_config, key, value)
+        state = hf_to_megatron(load_hf_state(model_path), hf_config)
+        dtype = next((t.dtype for t in state.values() if t.is_floating_point()), torch.float32)
+        config = transformer_config(hf_config, ParallelLayout(), params_dtype=dtype, bf16=dtype == torch.bfloat16,
+                                    fp16=dtype == torch.float16, moe=megatron_cfg)
+        model = build_gpt_model(hf_config, config, pre_process=True, post_process=True)
+        with torch.no_grad():
+            load_full_state(model, state, 0, 1, bool(hf_config.tie_word_embeddings))
+        del state
+        dist_checkpointing.save(fine_grained(model.sharded_state_dict()), out_dir)
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def convert_in_subprocess(model_path: str, out_dir: Path, megatron_cfg: Mapping[str, Any],
+                          overrides: Mapping[str, Any], trust_remote_code: bool) -> None:
+    """Run :func:`write_sharded` in a child process with this process's environment and imports."""
+    spec = out_dir.parent / f".{out_dir.name}.request.json"
+    spec.write_text(json.dumps({"model_path": model_path, "out_dir": str(out_dir), "megatron_cfg": dict(megatron_cfg),
+                                "overrides": dict(overrides), "trust_remote_code": trust_remote_code}, default=str))
+    env = {k: v for k, v in os.environ.items() if k not in _RANK_VARS}
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    try:
+        proc = subprocess.run([sys.executable, "-m", __name__, str(spec)], env=env, capture_output=True, text=True)
+    finally:
+        spec.unlink(missing_ok=True)
+    if proc.returncode != 0:
+        lines = [line for line in proc.stderr.strip().splitlines() if line.strip()] or [f"exit {proc.returncode}"]
+        raise NrlError(f"converting {model_path} into {out_dir} failed: {lines[-1].strip()}")
+
+
+def load_shard(model: Any, path: Path) -> None:
+    """Load ``model``'s part of the conversion at ``path`` (collective over the run's ranks)."""
+    from megatron.core import dist_checkpointing
+
+    model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), str(path)))
+
+
+def _main(argv: list[str]) -> None:
+    request = json.loads(Path(argv[0]).read_text())
+    write_sharded(request["model_path"], request["out_dir"], request["megatron_cfg"], request["overrides"],
+                  bool(request["trust_remote_code"]))
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1:])

@@ -1,0 +1,51 @@
+"""The GPU check's CPU dry run (``scripts/gpu_check.sh --dry-run``): both training backends on two
+gloo ranks, through the same code as on GPUs, on an interpreter where Ray and vLLM cannot be
+imported (the GPU machine may have neither)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "gpu_check.sh"
+
+
+def _run(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    absent = tmp_path / "absent"  # importing these fails, as where they are not installed
+    for name in ("ray", "vllm"):
+        (absent / name).mkdir(parents=True)
+        (absent / name / "__init__.py").write_text(f"raise ImportError('{name} is not installed here')\n")
+    env = dict(os.environ, PYTHON=sys.executable, PYTHONPATH=str(absent),
+               NRL_MEGATRON_CHECKPOINT_DIR=str(tmp_path / "converted"))
+    return subprocess.run(["bash", str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_without_a_gpu_the_check_says_to_use_the_dry_run(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+    run = _run([], tmp_path)
+    assert run.returncode == 2 and "run with --dry-run" in run.stdout, run.stdout + run.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_dry_run_trains_both_backends_and_matches_hf(tmp_path: Path) -> None:
+    out = tmp_path / "results.json"
+    run = _run(["--dry-run", "--out", str(out)], tmp_path)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    summary = json.loads(out.read_text())
+    assert summary["world"] == 2 and summary["backend"] == "gloo" and summary["ok"] is True
+    assert set(summary["results"]) == {"dtensor", "megatron"}
+    for name, result in summary["results"].items():
+        assert result["logprob_max_abs_diff"] <= 1e-4, name  # fp32 on both sides
+        assert result["tokens_per_s"] > 0 and result["mfu"] is None, name  # no peak figure for a CPU
+        assert len(result["losses"]) == 2 and result["losses"][-1] < result["losses"][0], name
+    assert "dtensor   ok" in run.stdout and "megatron  ok" in run.stdout

@@ -1,0 +1,116 @@
+"""Two Ray nodes on this machine (``ray.cluster_utils.Cluster``: two raylets, each with its own
+CPUs and node id), joined through ``cluster.ray_address`` as a real multi-node job would be.
+
+Joining a cluster (not nrl's private local Ray) makes worker groups rendezvous over rank 0's
+``TCPStore`` at its node address, the cross-node path, instead of the local file store; both
+nodes share one address here, so the node *ids* tell where a worker runs.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import ray
+
+from nrl_core.algorithms.loss import NLLLoss
+from nrl_core.cluster import init_ray, make_placement, shutdown_ray
+from nrl_core.errors import NrlError
+from nrl_core.testing.tiny_models import cached_tiny_model
+from tests.e2e.facades import CONFIG, chat_prompts, policy_and_generation, training_batch
+from tests.vllm.helpers import hf_greedy, hf_model
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def cluster_address() -> Iterator[str]:
+    from ray.cluster_utils import Cluster
+
+    from nrl_core.cluster.ray_cluster import _use_token_auth_if_available
+
+    shutdown_ray()
+    saved = os.environ.get("RAY_AUTH_MODE")
+    # As `ray start` would: when a cluster token exists (~/.ray/auth_token), the nodes require it,
+    # and init_ray presents it; a cluster started without it would refuse the driver's workers.
+    _use_token_auth_if_available()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+    try:
+        cluster.add_node(num_cpus=2)
+        cluster.wait_for_nodes()
+        init_ray({"ray_address": cluster.address, "log_to_driver": False})
+        yield cluster.address
+    finally:
+        shutdown_ray()
+        cluster.shutdown()
+        if saved is None:
+            os.environ.pop("RAY_AUTH_MODE", None)
+        else:
+            os.environ["RAY_AUTH_MODE"] = saved
+
+
+@pytest.fixture(scope="module")
+def model() -> Path:
+    return cached_tiny_model("llama", size="small")
+
+
+def _nodes(group) -> list[str]:
+    return [info.node_id for info in group.infos]
+
+
+def test_more_nodes_than_the_cluster_has_is_one_line(cluster_address: str) -> None:
+    with pytest.raises(NrlError) as info:
+        make_placement({"num_nodes": 3, "gpus_per_node": 1}, 3, name="policy", nodes=3)
+    message = str(info.value)
+    assert "\n" not in message and "'policy' needs 3 node(s)" in message and "the Ray cluster has 2 nodes" in message
+
+
+def test_generation_on_the_other_node_refits_by_broadcast(cluster_address: str, model: Path, tmp_path: Path) -> None:
+    overrides = [f"cluster.ray_address={cluster_address}", "cluster.num_nodes=2", "policy.optimizer.kwargs.lr=5e-3",
+                 "policy.generation.colocated.enabled=false", "policy.generation.colocated.resources.num_nodes=1"]
+    with policy_and_generation(model, overrides) as (_, policy, generation):
+        (train_node,), (generation_node,) = _nodes(policy.group), _nodes(generation.hosts)
+        head = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and "node:__internal_head__" in n["Resources"])
+        assert (train_node, generation_node != head) == (head, True)  # training takes the first node, the head
+        assert policy.group.rendezvous_dir is None  # the TCP store, as across real nodes
+        prompts = chat_prompts(model)
+        before = generation.generate(prompts, greedy=True)
+        for step in range(3):
+            policy.train(training_batch(step), NLLLoss())
+        report = generation.update_weights()
+        assert (report.transport, report.placement) == ("broadcast", "cross_node")
+        after = generation.generate(prompts, greedy=True)
+        policy.export_hf(str(tmp_path / "trained"))
+        assert after.token_ids == hf_greedy(hf_model(tmp_path / "trained"), prompts, max_new_tokens=8)
+        assert after.token_ids != before.token_ids, "training should have changed the greedy answers"
+
+
+def test_megatron_training_spans_both_nodes(cluster_address: str, model: Path, tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tensor parallel 2 with one rank per node; ``distributed_timeout_minutes`` is the main
+    group's timeout on both."""
+    from nrl_core.algorithms.policy import Policy
+    from nrl_core.process_groups import main_group_timeout
+    from nrl_core.config import choose_backends, load_and_validate
+
+    monkeypatch.setenv("NRL_MEGATRON_CHECKPOINT_DIR", str(tmp_path / "converted"))
+    config = load_and_validate(str(CONFIG), [
+        f"policy.model_name={model}", f"cluster.ray_address={cluster_address}", "cluster.num_nodes=2",
+        "policy.train_global_batch_size=8", "policy.train_micro_batch_size=4", "policy.logprob_batch_size=8",
+        "policy.dtensor_config.enabled=false", "policy.megatron_cfg.enabled=true", "policy.optimizer=null",
+        "+policy.megatron_cfg.tensor_model_parallel_size=2", "+policy.megatron_cfg.distributed_timeout_minutes=7",
+        "+policy.megatron_cfg.optimizer.lr=5e-3", "+policy.megatron_cfg.optimizer.min_lr=5e-3"])
+    policy = Policy(config, choose_backends(config).training, colocated_generation=False)
+    try:
+        assert len(set(_nodes(policy.group))) == 2
+        assert policy.group.execute_all(lambda worker: main_group_timeout().total_seconds()) == [420.0, 420.0]
+        batch = training_batch(0)
+        mask = batch.fields["token_mask"][:, 1:]
+        first = float((policy.get_logprobs(batch)[:, 1:] * mask).sum())
+        for _ in range(3):
+            policy.train(batch, NLLLoss())
+        assert float((policy.get_logprobs(batch)[:, 1:] * mask).sum()) > first + 1.0
+    finally:
+        policy.shutdown()
