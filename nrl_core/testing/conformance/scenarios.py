@@ -227,6 +227,9 @@ def training_world1(rank: int, world_size: int, configs: dict[str, dict[str, Any
     w = None  # freed before the next worker is built
 
     fresh = build_training_worker(configs["base"], rank, world_size)
+    # A backend that seeds torch when built and draws nothing while training would otherwise
+    # pass without restoring the RNG: the fresh worker's state would equal the saved one anyway.
+    torch.rand(5)
     pm.checkpoint_load(fresh, str(ckpt / "sync"), CheckpointOptions(load_rng=True))
     out["rng_draw_loaded"] = torch.rand(8)
     out["sync/lp"] = _whole(fresh.get_logprobs(batch), batch)

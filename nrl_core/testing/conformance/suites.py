@@ -196,7 +196,8 @@ class _TrainingChecks:
         import torch
 
         assert torch.equal(world1["rng_draw_loaded"], world1["rng_draw"]), (
-            "after loading with load_rng=True, torch's RNG is not where it was when the checkpoint was saved")
+            "after loading with load_rng=True, torch's RNG is not where it was when the checkpoint was saved "
+            "(the kit draws from it between building the fresh worker and loading)")
         assert world1["sync/m2"]["loss"] == world1["m2"]["loss"], (
             f"the step after a resume has loss {world1['sync/m2']['loss']!r}, the uninterrupted run "
             f"{world1['m2']['loss']!r}: model, optimizer or scheduler state is not fully restored")
