@@ -479,11 +479,19 @@ class TrainingWorker(Protocol):
     where ``config`` is the whole validated config.
 
     Every rank receives the whole global batch and takes its data-parallel shard
-    (:meth:`TokenBatch.shard_rows`), since only the backend knows its parallel layout."""
+    (:meth:`TokenBatch.shard_rows`), since only the backend knows its parallel layout.
+
+    Saving and loading are not methods here: the core calls the ``nrl_checkpoint_save``/
+    ``nrl_checkpoint_load`` hooks, which the backend's plugin answers for its own workers
+    (:func:`nrl_core.checkpoint.hooks.worker_checkpoint_hooks` forwards them to the worker's
+    ``save_checkpoint(path, options)``/``load_checkpoint(path, options)``)."""
 
     def train(self, batch: TokenBatch, loss_fn: LossFunction) -> dict[str, float]:
         """One optimizer step on this rank's share of the global batch; metrics reduced over ranks.
-        The loss sees logprobs as :meth:`get_logprobs` computes them."""
+        The loss sees logprobs as :meth:`get_logprobs` computes them. Returns the loss function's
+        metrics (``loss`` among them) summed over micro-batches and ranks, plus ``grad_norm``
+        (before clipping); with ``policy.check_for_nan`` a non-finite loss or norm raises before
+        the optimizer step (:mod:`nrl_core.nonfinite`)."""
 
     def get_logprobs(self, batch: TokenBatch) -> BatchShard | None:
         """Per-token float32 logprobs of this rank's data-parallel shard of ``batch`` under the
@@ -492,7 +500,8 @@ class TrainingWorker(Protocol):
         data-parallel group returns its shard; the others return ``None``."""
 
     def get_reference_logprobs(self, batch: TokenBatch) -> BatchShard | None:
-        """The same under the initial (reference) weights, for the KL penalty."""
+        """The same under the initial (reference) weights, for the KL penalty: ``policy.model_name``
+        as the constructor loaded it, also after a resume (the reference is not checkpointed)."""
 
     def offload_before_refit(self) -> None:
         """Colocated generation is about to take the device: move what neither the refit nor

@@ -121,6 +121,8 @@ def nrl_algorithms() -> "list[AlgorithmSpec] | None":
 def nrl_checkpoint_save(worker: Any, path: str, options: "CheckpointOptions") -> "bool | None":
     """Save ``worker``'s full training state (model, optimizer, scheduler, step, RNG when
     ``options.load_rng``) under the directory ``path``, honouring every field of ``options``.
+    ``path`` is ``<checkpoint_dir>/.tmp_step_N/policy``: fresh, not yet created (create it), and
+    the driver renames ``.tmp_step_N`` to ``step_N`` once the save (async included) is complete.
 
     Called on every rank of a training worker group by the checkpoint manager, inside the worker
     process. Stops at the first non-None result: return ``True`` when ``worker`` is yours,

@@ -18,6 +18,9 @@ WORKER_PATH = "nrl_example_plugin.worker:ExampleWorker"
 def nrl_training_backends():
     schema = Section(fields={
         "enabled": Field(type=bool, default=False),
+        # CheckpointOptions.from_section reads only the keys the schema declares
+        "fully_parallel_save": Field(type=bool, default=True),
+        "fully_parallel_load": Field(type=bool, default=True),
         "async_save": Field(type=bool, default=False),
         "load_rng": Field(type=bool, default=False),
     })

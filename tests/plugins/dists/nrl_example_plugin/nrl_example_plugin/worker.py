@@ -19,6 +19,7 @@ import torch
 
 from nrl_core.contracts import BatchShard, CheckpointOptions, LossFunction, TokenBatch, WeightSpec, logprob_temperature
 from nrl_core.errors import ConfigError, NrlError
+from nrl_core.nonfinite import check_finite, guard_enabled
 from nrl_core.refit.buckets import parse_dtype
 from nrl_core.refit.hf_source import HFWeightSource
 
@@ -34,6 +35,8 @@ class ExampleWorker:
         self.config = config
         policy = config["policy"]
         self.policy = policy
+        if policy.get("scheduler"):
+            raise ConfigError("policy.scheduler", "the example backend has no LR schedulers; remove policy.scheduler")
         self.temperature = logprob_temperature(config)
         torch.manual_seed(int(policy["seed"]))  # validation resolves a null seed to the algorithm's
         self.model = AutoModelForCausalLM.from_pretrained(
@@ -87,6 +90,8 @@ class ExampleWorker:
             for key, value in mb_metrics.items():  # loss metrics are additive over micro-batches
                 metrics[key] = metrics.get(key, 0.0) + float(value)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), float(self.policy["max_grad_norm"] or 1e9))
+        if guard_enabled(self.policy):  # a NaN/Inf loss or gradient never reaches the weights
+            check_finite(self.step + 1, {"loss": metrics.get("loss", 0.0), "grad_norm": float(grad_norm)}, backend="example")
         self.optimizer.step()
         self.step += 1
         return {**metrics, "grad_norm": float(grad_norm)}
