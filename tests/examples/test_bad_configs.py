@@ -75,6 +75,7 @@ CHECK_CASES = [
     ("vllm-tp-vs-heads", GRPO, ["policy.generation.colocated.enabled=false", "cluster.gpus_per_node=4",
                                 "policy.generation.colocated.resources.gpus_per_node=3", f"{VLLM}.tensor_parallel_size=3"],
      f"{VLLM}.tensor_parallel_size", "does not divide the model's 4 attention heads"),
+    ("vllm-fp8-rollouts", GRPO, [f"{VLLM}.precision=fp8"], f"{VLLM}.precision", "fp8 rollouts"),
     ("vllm-colocated-engine-larger-than-world", GRPO, [f"{VLLM}.tensor_parallel_size=2"],
      f"{VLLM}.tensor_parallel_size", "does not divide the 1 training workers that host the engines"),
     ("noncolocated-without-resources", GRPO, ["policy.generation.colocated.enabled=false", "cluster.gpus_per_node=2"],

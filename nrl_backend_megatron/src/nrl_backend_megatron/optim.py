@@ -40,7 +40,7 @@ def build_optimizer(models: list[Any], section: Mapping[str, Any], precision: st
     bf16 = bool(opt["bf16"]) or precision == "bfloat16"
     fp16 = bool(opt["fp16"]) or precision == "float16"
     own_clipping = not torch.cuda.is_available()
-    clip = float(opt["clip_grad"])
+    clip = float(opt["clip_grad"] or 0.0)  # null: no clipping, as in NeMo RL
     if (bf16 or fp16) and not torch.cuda.is_available():
         raise ConfigError(f"{KEY}.optimizer.{'bf16' if bf16 else 'fp16'}",
                           "Megatron's mixed-precision optimizer keeps CUDA tensors; on a machine without GPUs train "

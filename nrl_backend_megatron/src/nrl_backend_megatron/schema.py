@@ -40,7 +40,8 @@ OPTIMIZER = Section(doc="Megatron-Core OptimizerConfig (NeMo RL names).", fields
     "sgd_momentum": Field(type=float, default=0.9),
     "use_distributed_optimizer": Field(type=bool, default=False),
     "use_precision_aware_optimizer": Field(type=bool, default=False),
-    "clip_grad": Field(type=float, default=1.0, minimum=0, doc="global gradient-norm clip; 0 disables"),
+    "clip_grad": Field(type=float, default=1.0, minimum=0, nullable=True,
+                       doc="global gradient-norm clip; 0 or null disables"),
     "optimizer_cpu_offload": _inert(False),
     "optimizer_offload_fraction": _inert(0.0),
 })

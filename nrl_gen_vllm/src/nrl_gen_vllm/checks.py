@@ -38,6 +38,9 @@ def check_config(config: Mapping[str, Any]) -> None:
     policy = config["policy"]
     generation = policy["generation"]
     vcfg = generation["vllm_cfg"]
+    if vcfg.get("precision") == "fp8":
+        raise ConfigError(f"{KEY}.precision", "fp8 rollouts (NeMo RL's FP8 generation) are a feature nrl lacks; "
+                                              "use bfloat16, or null to follow policy.precision")
     if not 0 < vcfg["gpu_memory_utilization"] <= 1:
         raise ConfigError(f"{KEY}.gpu_memory_utilization", f"must be in (0, 1], got {vcfg['gpu_memory_utilization']}")
     if vcfg["kv_cache_space_gb"] <= 0:

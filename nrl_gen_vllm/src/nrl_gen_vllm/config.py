@@ -22,7 +22,8 @@ VLLM_CFG = Section(doc="vLLM engine options (the vllm generation backend).", fie
                           doc="vLLM's AsyncLLM (engine core in a child process): requests finish independently, "
                               "which async GRPO needs; one rank per engine"),
     "precision": Field(type=str, default=None, nullable=True,
-                       choices=("float32", "bfloat16", "float16", "auto"), doc="null: policy.precision"),
+                       choices=("float32", "bfloat16", "float16", "auto", "fp8"),
+                       doc="null: policy.precision; fp8 (NeMo RL) is refused by the config check"),
     "kv_cache_space_gb": Field(type=float, default=1.0,
                                doc="CPU KV cache in GiB (what VLLM_CPU_KVCACHE_SPACE sets; the variable wins if set)"),
     "seed": Field(type=int, default=None, nullable=True,
