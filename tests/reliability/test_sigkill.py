@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.reliability_trials import Mode, kill_mid_run, metric_rows, reference, train_command, trial
+from benchmarks.reliability_trials import LEFT_GRACE_S, Mode, kill_mid_run, metric_rows, reference, train_command, trial
 from nrl_core.testing.tiny_models import cached_tiny_model
 
 pytestmark = pytest.mark.slow
@@ -33,6 +33,7 @@ def test_sigkill_during_a_save_leaves_complete_checkpoints_and_resumes_bit_for_b
     # sync and async saves compute the same steps: one uninterrupted run is the reference of both
     result = trial(tmp_path, model, Mode.parse(mode), STEPS, seed=1, expected=uninterrupted)
     assert result.held, result.problems
+    assert not result.left, f"alive {LEFT_GRACE_S} s after the kill: {result.left}"
     assert len(uninterrupted) == STEPS
 
 
