@@ -11,7 +11,6 @@ accepted-inert fields wherever nrl's own schema (core or plugin) does not define
 from __future__ import annotations
 
 import argparse
-import collections
 import pprint
 from pathlib import Path
 from typing import Any, Iterator
