@@ -34,17 +34,11 @@ def hf_model(model_dir: Path | str, perturb_seed: int | None = None) -> Any:
 
 
 def hf_greedy(model: Any, prompts: list[list[int]], max_new_tokens: int = MAX_NEW_TOKENS) -> list[list[int]]:
-    """HF ``generate`` one prompt at a time (no padding), stopping at EOS like vLLM."""
-    import torch
+    """HF ``generate`` one prompt at a time (no padding), stopping at EOS like vLLM: the
+    conformance kit's reference, with the vLLM tests' default length."""
+    from nrl_core.testing.conformance.scenarios import hf_greedy as reference_greedy
 
-    out = []
-    for prompt in prompts:
-        ids = torch.tensor([prompt])
-        with torch.no_grad():
-            seq = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=max_new_tokens, pad_token_id=3)
-        out.append(seq[0, len(prompt):].tolist())
-    return out
+    return reference_greedy(model, prompts, max_new_tokens)
 
 
 def hf_token_logprobs(model: Any, prompt: list[int], response: list[int]) -> list[float]:
