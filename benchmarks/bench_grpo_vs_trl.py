@@ -35,23 +35,26 @@ steps each):
 * step time: the interval between consecutive step ends (nrl: the ``nrl_step_end`` hook, from
   ``benchmarks/bench_step_clock.py``; TRL: a ``TrainerCallback.on_step_end``); steady state is the
   median over steps 3..S of every round; per generated token: each step's time divided by the
-  tokens generated in it (nrl ``train/response_length`` x 32, TRL ``completions/mean_length`` x 32);
+  tokens generated in it (nrl: the step's ``train_data_step<N>.jsonl``, TRL: its logged
+  ``completions/mean_length`` x 32);
 * time to the first step: from just before the subprocess is started to the first step's end;
 * peak memory of the process tree: the sum of PSS over the run's process and all its
-  descendants (Ray's processes and workers, vLLM), sampled every 0.2 s with psutil
+  descendants (Ray's processes and workers, vLLM), sampled every 0.5 s with psutil
   (``benchmarks/process_tree_sampler.py``; the sum of USS is given too; RSS would count shared
-  pages once per process);
+  pages once per process); the sampler's own CPU time is reported (``sampler_cpu_s``);
 * nrl's phases: ``timing/*`` of ``metrics.jsonl`` (medians over the steady steps); for the
   training-side phases (logprobs, training) the FLOP/s as a fraction of ``torch.mm``'s FLOP/s
-  measured in this run, between runs, at the MLP's shape (tokens of a step x hidden @ hidden x
-  intermediate) with as many threads as the phase kept busy in the training actor (threads with at
+  measured in this run, after every run (the best of them), at the MLP's shape (tokens of a step x
+  hidden @ hidden x intermediate) with as many threads as the phase kept busy in the training actor (threads with at
   least half the CPU time of its busiest thread over the phase, from the same sampler; 1 or 2). FLOPs count the weight
   matmuls only (N = the non-embedding weights incl. the LM head, 25.4M of 25.7M): forward 2*N per
-  real token (prompt + response), forward+backward 6*N; logprobs runs the policy and the reference
-  forward (2 x 2*N), training one forward+backward (6*N). Attention's L^2 terms are left out (under
+  real token (prompt + response), forward+backward 6*N; logprobs runs the previous policy's and the
+  reference's forward (2 x 2*N; ``--logprobs-forwards 1`` once nrl takes the previous-policy
+  logprobs from the training forward), training one forward+backward (6*N). Attention's L^2 terms are left out (under
   3% at about 80 tokens per sequence).
 
     python benchmarks/bench_grpo_vs_trl.py [--rounds 2] [--steps 8] [--trl-python benchmarks/.venv-trl/bin/python]
+        [--nrl-override KEY=VALUE ...] [--keep]
 
 Prints a table and one JSON line. Run it under ``nice`` only if everything else is too.
 """
@@ -81,7 +84,6 @@ from benchmarks.process_tree_sampler import TreeSampler, busy_threads  # noqa: E
 PROMPTS_PER_STEP, GENERATIONS, MAX_NEW_TOKENS, MAX_LEN = 8, 4, 64, 128
 KL, LR, SEED = 0.01, 3e-4, 42
 TRAINING_SIDE = ("logprobs", "training")
-FORWARDS = {"logprobs": 2 * 2, "training": 6}  # FLOPs per weight per token: policy + reference forward; fwd+bwd
 
 
 def nrl_config(model: Path, steps: int, log_dir: Path) -> dict[str, Any]:
@@ -150,33 +152,36 @@ def run_tree(cmd: list[str], env: dict[str, str], cwd: Path, log: Path) -> tuple
     return t0, sampler
 
 
-def run_nrl(model: Path, steps: int, work: Path, omp: int) -> dict[str, Any]:
+def run_nrl(model: Path, steps: int, work: Path, omp: int, overrides: list[str]) -> dict[str, Any]:
     log_dir = work / "logs"
     config = work / "grpo_vs_trl.yaml"
     config.write_text(yaml.safe_dump(nrl_config(model, steps, log_dir), sort_keys=False))
     env = {**os.environ, "OMP_NUM_THREADS": str(omp), "TOKENIZERS_PARALLELISM": "false",
            "VLLM_LOGGING_LEVEL": "WARNING", "NRL_PLUGINS": "bench_step_clock",
            "PYTHONPATH": os.pathsep.join(p for p in (str(BENCH), os.environ.get("PYTHONPATH", "")) if p)}
-    t0, sampler = run_tree([sys.executable, "-m", "nrl_core.cli", "train", "grpo", "--config", str(config)],
+    t0, sampler = run_tree([sys.executable, "-m", "nrl_core.cli", "train", "grpo", "--config", str(config),
+                            *overrides],
                            env, work, work / "nrl.log")
     rows = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "bench/step_end_unix" in r]
     ends = [r["bench/step_end_unix"] for r in rows]
-    batch = PROMPTS_PER_STEP * GENERATIONS
     steps_out = []
     for i, r in enumerate(rows):
         timing = {k[len("timing/"):]: v for k, v in r.items() if k.startswith("timing/")}
         start = ends[i - 1] if i else r["bench/run_start_unix"]
-        tokens = r["throughput/tokens_per_second"] * sum(timing.values())  # prompt + response tokens
+        rollouts = [json.loads(line) for line in (log_dir / f"train_data_step{r['step']}.jsonl").read_text().splitlines()]
+        generated = sum(len(x["response_token_ids"]) for x in rollouts)
+        tokens = generated + sum(len(x["prompt_token_ids"]) for x in rollouts)
         threads = {}
-        for phase in TRAINING_SIDE:  # phases run back to back, training last, just before the step's end
-            after = sum(timing[p] for p in TRAINING_SIDE[TRAINING_SIDE.index(phase) + 1:])
+        side = [p for p in TRAINING_SIDE if p in timing]
+        for phase in side:  # phases run back to back, training last, just before the step's end
+            after = sum(timing[p] for p in side[side.index(phase) + 1:])
             hi = ends[i] - after
             threads[phase] = busy_threads(sampler.samples, hi - timing[phase] + 0.1, hi - 0.1)
-        steps_out.append({"step_s": ends[i] - start, "generated_tokens": r["train/response_length"] * batch,
+        steps_out.append({"step_s": ends[i] - start, "generated_tokens": generated,
                           "tokens": tokens, "timing": timing, "threads": threads, "reward": r["train/reward"]})
     return {"first_step_s": ends[0] - t0, "peak_pss": sampler.peak("pss"), "peak_uss": sampler.peak("uss"),
-            "steps": steps_out}
+            "peak_processes": sampler.peak("processes"), "sampler_cpu_s": sampler.cpu_s, "steps": steps_out}
 
 
 def run_trl(python: str, model: Path, prompts: Path, steps: int, work: Path, threads: int) -> dict[str, Any]:
@@ -192,7 +197,7 @@ def run_trl(python: str, model: Path, prompts: Path, steps: int, work: Path, thr
     ends = res["step_end_unix"]
     starts = [res["train_begin_unix"], *ends[:-1]]
     return {"first_step_s": ends[0] - t0, "peak_pss": sampler.peak("pss"), "peak_uss": sampler.peak("uss"),
-            "steps": [{"step_s": e - s, "generated_tokens": g, "reward": r}
+            "peak_processes": sampler.peak("processes"), "sampler_cpu_s": sampler.cpu_s, "steps": [{"step_s": e - s, "generated_tokens": g, "reward": r}
                       for e, s, g, r in zip(ends, starts, res["completion_tokens"], res["reward"])]}
 
 
@@ -211,20 +216,20 @@ def summarize(runs: list[dict[str, Any]], first: int) -> dict[str, float]:
             "peak_uss_gb": statistics.median(r["peak_uss"] for r in runs) / 1e9}
 
 
-def phase_table(runs: list[dict[str, Any]], first: int, weights: int, mm: dict[tuple[int, int], float],
-                hidden: int, inter: int) -> dict[str, dict[str, float]]:
-    """Median seconds of each nrl phase; for the training side, FLOP/s and its fraction of torch.mm's."""
+def phase_table(runs: list[dict[str, Any]], first: int, weights: int, mm: dict[int, float],
+                forwards: dict[str, int]) -> dict[str, dict[str, float]]:
+    """Median seconds of each nrl phase; for the training side, FLOP/s and its fraction of torch.mm's
+    (``mm``: the best FLOP/s per thread count)."""
     st = steady(runs, first)
     out: dict[str, dict[str, float]] = {}
     for phase in st[0]["timing"]:
         row: dict[str, float] = {"s": statistics.median(s["timing"][phase] for s in st)}
-        if phase in FORWARDS:
-            flops = statistics.median(FORWARDS[phase] * weights * s["tokens"] / s["timing"][phase] for s in st)
+        if phase in forwards:
+            flops = statistics.median(forwards[phase] * weights * s["tokens"] / s["timing"][phase] for s in st)
             busy = [s["threads"][phase]["busy_threads"] for s in st if s["threads"].get(phase)]
             threads = max(1, min(2, round(statistics.median(busy)))) if busy else 1
             cores = [s["threads"][phase]["cores"] for s in st if s["threads"].get(phase)]
-            tokens = round(statistics.median(s["tokens"] for s in st))
-            roof = mm[(tokens, threads)] if (tokens, threads) in mm else mm_flops(tokens, hidden, inter, threads)
+            roof = mm[threads]
             row.update(gflops=flops / 1e9, threads=threads, cores=statistics.median(cores) if cores else 0.0,
                        mm_gflops=roof / 1e9, fraction_of_mm=flops / roof)
         out[phase] = row
@@ -239,6 +244,12 @@ def main() -> None:
     parser.add_argument("--trl-python", default=str(BENCH / ".venv-trl" / "bin" / "python"))
     parser.add_argument("--trl-threads", type=int, default=2)
     parser.add_argument("--nrl-omp-threads", type=int, default=1)
+    parser.add_argument("--nrl-override", action="append", default=[], metavar="KEY=VALUE",
+                        help="an override appended to nrl's command line (repeatable), e.g. to try a setting")
+    parser.add_argument("--logprobs-forwards", type=int, default=2,
+                        help="forward passes in nrl's logprobs phase: 2 = previous-policy + reference (nrl computes "
+                             "both there), 1 = reference only (once the previous-policy logprobs come from the "
+                             "training forward)")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (logs, configs)")
     args = parser.parse_args()
     if args.steps < args.first_steady:
@@ -253,24 +264,28 @@ def main() -> None:
     cfg = json.loads((model / "config.json").read_text())
     hidden, inter, weights = cfg["hidden_size"], cfg["intermediate_size"], matmul_weights(model)
     results: dict[str, list[dict[str, Any]]] = {"nrl": [], "trl": []}
-    mm: dict[tuple[int, int], float] = {}
+    mm: dict[int, float] = {}
+    mm_shape: tuple[int, int, int] | None = None
     for r in range(args.rounds):
         for name in ("nrl", "trl"):
             run_dir = work / f"{name}-{r}"
             run_dir.mkdir()
             if name == "nrl":
-                res = run_nrl(model, args.steps, run_dir, args.nrl_omp_threads)
+                res = run_nrl(model, args.steps, run_dir, args.nrl_omp_threads, args.nrl_override)
             else:
                 res = run_trl(args.trl_python, model, prompts, args.steps, run_dir, args.trl_threads)
             results[name].append(res)
+            if not mm_shape:  # the MLP's matmul over a steady step's tokens
+                mm_shape = (round(statistics.median(s["tokens"] for s in steady([res], args.first_steady))), hidden, inter)
+            for threads in (1, 2):  # between runs, so nothing else of ours runs; the best of all
+                mm[threads] = max(mm.get(threads, 0.0), mm_flops(*mm_shape, threads))
             print(f"round {r} {name}: steps " + " ".join(f"{s['step_s']:.2f}" for s in res["steps"])
-                  + f" s; first step {res['first_step_s']:.1f} s; peak PSS {res['peak_pss'] / 1e9:.2f} GB", flush=True)
-        tokens = round(statistics.median(s["tokens"] for s in steady(results["nrl"][-1:], args.first_steady)))
-        for threads in (1, 2):  # between runs: nothing else of ours is running
-            mm[(tokens, threads)] = max(mm.get((tokens, threads), 0.0), mm_flops(tokens, hidden, inter, threads))
+                  + f" s; first step {res['first_step_s']:.1f} s; peak PSS {res['peak_pss'] / 1e9:.2f} GB over "
+                  f"{res['peak_processes']} processes (sampler CPU {res['sampler_cpu_s']:.1f} s)", flush=True)
     summary = {name: summarize(runs, args.first_steady) for name, runs in results.items()}
     ratio = {k: summary["nrl"][k] / summary["trl"][k] for k in summary["nrl"]}
-    phases = phase_table(results["nrl"], args.first_steady, weights, mm, hidden, inter)
+    forwards = {"logprobs": 2 * args.logprobs_forwards, "training": 6}  # FLOPs per weight per token
+    phases = phase_table(results["nrl"], args.first_steady, weights, mm, forwards)
     print(f"\n{'':28s}{'nrl':>10s}{'TRL':>10s}{'nrl/TRL':>9s}")
     for key, label, scale in (("step_s", "steady step, s", 1), ("s_per_generated_token", "per generated token, ms", 1e3),
                               ("generated_tokens_per_step", "generated tokens / step", 1),
@@ -283,9 +298,10 @@ def main() -> None:
                  f"torch.mm {row['mm_gflops']:.1f}: {100 * row['fraction_of_mm']:.0f}%") if "gflops" in row else ""
         print(f"  {phase:12s}{row['s']:8.3f}{extra}")
     print(json.dumps({"bench": "grpo_vs_trl", "rounds": args.rounds, "steps": args.steps,
-                      "first_steady": args.first_steady, "matmul_weights": weights, "nrl": summary["nrl"],
+                      "first_steady": args.first_steady, "matmul_weights": weights,
+                      "logprobs_forwards": args.logprobs_forwards, "nrl_overrides": args.nrl_override, "nrl": summary["nrl"],
                       "trl": summary["trl"], "nrl_over_trl": ratio, "nrl_phases": phases,
-                      "mm_gflops": {f"{t}x{hidden}x{inter}@{th}": v / 1e9 for (t, th), v in mm.items()},
+                      "mm_shape": mm_shape, "mm_gflops": {threads: v / 1e9 for threads, v in mm.items()},
                       "runs": results}))
     if args.keep:
         print(f"work directory: {work}", file=sys.stderr)

@@ -4,8 +4,11 @@ Why PSS: a tree of Python processes (Ray's workers, vLLM, the driver) shares mos
 pages, so the sum of RSS counts each shared page once per process; the sum of PSS (each shared page
 divided among the processes mapping it) counts the tree's memory once, and the sum of USS (pages
 only one process maps) is its lower bound. Both come from ``/proc/<pid>/smaps_rollup`` through
-psutil's ``memory_full_info``. A process that appears and exits between two samples is missed, so
-the peak is a lower bound to within one interval (0.2 s by default).
+psutil's ``memory_full_info``, which makes the kernel walk the page tables: about 10 ms of CPU per
+GB mapped, so memory is sampled less often (``mem_interval``, 0.5 s) than CPU times (``interval``,
+0.2 s), keeping the sampler's own load (``cpu_s``, reported) small on a 2-core machine. A process
+that appears and exits between two samples is missed, and the peak is a lower bound to within one
+memory interval; a step's large allocations (weights, optimizer state, KV cache) live for seconds.
 
 Per-thread CPU seconds (``/proc/<pid>/task/*/stat`` through ``psutil.Process.threads``) let a
 caller see how many threads a process kept busy over a time window (:func:`busy_threads`).
@@ -23,19 +26,22 @@ import psutil
 @dataclass
 class Sample:
     t: float  # time.time()
-    pss: int  # bytes, summed over the tree
-    uss: int
     processes: int
+    pss: int | None  # bytes, summed over the tree; None in a sample that read CPU times only
+    uss: int | None
     thread_cpu: dict[tuple[int, int], float]  # (pid, tid) -> cumulative user+system CPU seconds
 
 
 @dataclass
 class TreeSampler:
-    """``with TreeSampler(pid) as s: ...`` samples every ``interval`` seconds until the block ends."""
+    """``with TreeSampler(pid) as s: ...`` samples CPU times every ``interval`` seconds and memory
+    every ``mem_interval`` until the block ends; ``cpu_s`` is the CPU time the sampling took."""
 
     pid: int
     interval: float = 0.2
+    mem_interval: float = 0.5
     samples: list[Sample] = field(default_factory=list)
+    cpu_s: float = 0.0
 
     def __post_init__(self) -> None:
         self._stop = threading.Event()
@@ -50,16 +56,20 @@ class TreeSampler:
         self._thread.join()
 
     def _loop(self) -> None:
+        next_mem = 0.0
         while not self._stop.is_set():
-            start = time.monotonic()
-            sample = self.sample()
+            start, cpu = time.monotonic(), time.thread_time()
+            sample = self.sample(memory=start >= next_mem)
+            self.cpu_s += time.thread_time() - cpu
             if sample is None:
                 return
+            if sample.pss is not None:
+                next_mem = start + self.mem_interval
             self.samples.append(sample)
             self._stop.wait(max(0.0, self.interval - (time.monotonic() - start)))
 
-    def sample(self) -> Sample | None:
-        """One sample of the tree; None once the root process is gone."""
+    def sample(self, memory: bool = True) -> Sample | None:
+        """One sample of the tree (with its memory if ``memory``); None once the root process is gone."""
         try:
             root = psutil.Process(self.pid)
             procs = [root, *root.children(recursive=True)]
@@ -70,19 +80,22 @@ class TreeSampler:
         alive = 0
         for proc in procs:
             try:
-                mem = proc.memory_full_info()
+                mem = proc.memory_full_info() if memory else None
                 threads = proc.threads()
             except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
                 continue
             alive += 1
-            pss += mem.pss
-            uss += mem.uss
+            if mem is not None:
+                pss += mem.pss
+                uss += mem.uss
             for th in threads:
                 cpu[(proc.pid, th.id)] = th.user_time + th.system_time
-        return Sample(t=time.time(), pss=pss, uss=uss, processes=alive, thread_cpu=cpu)
+        return Sample(t=time.time(), processes=alive, pss=pss if memory else None, uss=uss if memory else None,
+                      thread_cpu=cpu)
 
     def peak(self, kind: str = "pss") -> int:
-        return max((getattr(s, kind) for s in self.samples), default=0)
+        """The largest ``pss``, ``uss`` or ``processes`` over the samples that have it."""
+        return max((v for s in self.samples if (v := getattr(s, kind)) is not None), default=0)
 
 
 def busy_threads(samples: list[Sample], start: float, end: float, threshold: float = 0.5) -> dict[str, float]:
@@ -94,10 +107,12 @@ def busy_threads(samples: list[Sample], start: float, end: float, threshold: flo
     inside = [s for s in samples if start <= s.t <= end]
     if len(inside) < 2:
         return {}
-    first, last = inside[0], inside[-1]
-    wall = last.t - first.t
+    first, wall = inside[0], inside[-1].t - inside[0].t
+    latest: dict[tuple[int, int], float] = {}
+    for s in inside:  # a thread's last reading, also for one that ended inside the window
+        latest.update(s.thread_cpu)
     per_pid: dict[int, list[float]] = {}
-    for key, seconds in last.thread_cpu.items():
+    for key, seconds in latest.items():
         per_pid.setdefault(key[0], []).append(seconds - first.thread_cpu.get(key, 0.0))
     pid, deltas = max(per_pid.items(), key=lambda item: sum(item[1]))
     if max(deltas) <= 0:
