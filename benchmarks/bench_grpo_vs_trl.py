@@ -39,7 +39,7 @@ steps each):
   ``completions/mean_length`` x 32);
 * time to the first step: from just before the subprocess is started to the first step's end;
 * peak memory of the process tree: the sum of PSS over the run's process and all its
-  descendants (Ray's processes and workers, vLLM), sampled every 0.5 s with psutil
+  descendants (Ray's processes and workers, vLLM), sampled every second with psutil
   (``benchmarks/process_tree_sampler.py``; the sum of USS is given too; RSS would count shared
   pages once per process); the sampler's own CPU time is reported (``sampler_cpu_s``);
 * nrl's phases: ``timing/*`` of ``metrics.jsonl`` (medians over the steady steps); for the
@@ -227,10 +227,11 @@ def phase_table(runs: list[dict[str, Any]], first: int, weights: int, mm: dict[i
         if phase in forwards:
             flops = statistics.median(forwards[phase] * weights * s["tokens"] / s["timing"][phase] for s in st)
             busy = [s["threads"][phase]["busy_threads"] for s in st if s["threads"].get(phase)]
-            threads = max(1, min(2, round(statistics.median(busy)))) if busy else 1
+            threads = max(1, min(2, round(statistics.median(busy)))) if busy else 1  # unmeasured: 1, and said
             cores = [s["threads"][phase]["cores"] for s in st if s["threads"].get(phase)]
             roof = mm[threads]
-            row.update(gflops=flops / 1e9, threads=threads, cores=statistics.median(cores) if cores else 0.0,
+            row.update(gflops=flops / 1e9, threads=threads, threads_measured_steps=len(busy),
+                       cores=statistics.median(cores) if cores else 0.0,
                        mm_gflops=roof / 1e9, fraction_of_mm=flops / roof)
         out[phase] = row
     return out
@@ -294,7 +295,9 @@ def main() -> None:
         print(f"{label:28s}{summary['nrl'][key] * scale:10.3f}{summary['trl'][key] * scale:10.3f}{ratio[key]:9.2f}")
     print("\nnrl phases (median s; training side: GFLOP/s, busy threads, of torch.mm at those threads)")
     for phase, row in phases.items():
-        extra = (f"  {row['gflops']:.1f} GFLOP/s on {row['threads']} thread(s) ({row['cores']:.2f} cores busy), "
+        busy = (f"({row['cores']:.2f} cores busy)" if row.get("threads_measured_steps")
+                else "(not measured: phase shorter than the sampling)")
+        extra = (f"  {row['gflops']:.1f} GFLOP/s on {row['threads']} thread(s) {busy}, "
                  f"torch.mm {row['mm_gflops']:.1f}: {100 * row['fraction_of_mm']:.0f}%") if "gflops" in row else ""
         print(f"  {phase:12s}{row['s']:8.3f}{extra}")
     print(json.dumps({"bench": "grpo_vs_trl", "rounds": args.rounds, "steps": args.steps,

@@ -10,7 +10,8 @@ this checkout's source; its only dependency, math-verify, is in TRL's venv at nr
 correct answer and 0.0 otherwise, as the ``math`` environment scores by default.
 
 Output JSON: ``step_end_unix`` (``time.time()`` at each ``on_step_end``), ``train_begin_unix``,
-``process_create_unix`` (the kernel's start time of this process), ``completion_tokens`` per step
+``process_create_unix`` (the kernel's start time of this process, 10 ms resolution),
+``first_step_end_from_process_start_s``, ``completion_tokens`` per step
 (TRL's logged ``completions/mean_length`` x completions), ``reward`` per step, ``threads``.
 
     benchmarks/.venv-trl/bin/python benchmarks/trl/run_trl.py --model DIR --prompts FILE.jsonl --out OUT.json
@@ -94,7 +95,9 @@ def main() -> None:
                           callbacks=[StepClock()])
     trainer.train()
     logs = [row for row in trainer.state.log_history if "completions/mean_length" in row]
-    result = {**clock, "process_create_unix": psutil.Process().create_time(), "threads": torch.get_num_threads(),
+    created = psutil.Process().create_time()
+    result = {**clock, "process_create_unix": created, "first_step_end_from_process_start_s":
+              clock["step_end_unix"][0] - created if clock["step_end_unix"] else None, "threads": torch.get_num_threads(),
               "completion_tokens": [row["completions/mean_length"] * batch for row in logs],
               "reward": [row.get("reward") for row in logs], "torch": torch.__version__,
               "trl": __import__("trl").__version__, "transformers": __import__("transformers").__version__}

@@ -24,7 +24,7 @@ _TREE = ("import subprocess, sys; subprocess.run([sys.executable, '-c', "
 def test_sampler_sees_the_child_memory_and_its_one_busy_thread():
     proc = subprocess.Popen([sys.executable, "-c", _TREE])
     start = time.time()
-    with TreeSampler(proc.pid, interval=0.1) as sampler:
+    with TreeSampler(proc.pid, interval=0.1, mem_interval=0.2) as sampler:
         proc.wait()
     assert proc.returncode == 0
     assert max(s.processes for s in sampler.samples) == 2
