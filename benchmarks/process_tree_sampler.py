@@ -7,9 +7,10 @@ only one process maps) is its lower bound. Both come from ``/proc/<pid>/smaps_ro
 psutil's ``memory_full_info``, which makes the kernel walk the page tables: about 10 ms of CPU per
 GB mapped (a 4.4 GB tree of 13 processes: about 45 ms per sample, with the per-thread CPU times
 another 5-10 ms). The defaults (memory every ``mem_interval`` 1 s, CPU times every ``interval``
-0.5 s) keep the sampler's own load (``cpu_s``, reported) near 5% of one core on such a tree. A process
-that appears and exits between two samples is missed, and the peak is a lower bound to within one
-memory interval; a step's large allocations (weights, optimizer state, KV cache) live for seconds.
+0.5 s) keep the sampler's own load (``cpu_s``, reported) near 10% of one core on such a tree and
+under 3% on one 1.5 GB process. A process that appears and exits between two samples is missed,
+and the peak is a lower bound to within one memory interval; a step's large allocations (weights,
+optimizer state, KV cache) live for seconds.
 
 Per-thread CPU seconds (``/proc/<pid>/task/*/stat`` through ``psutil.Process.threads``) let a
 caller see how many threads a process kept busy over a time window (:func:`busy_threads`).
