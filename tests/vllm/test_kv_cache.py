@@ -64,11 +64,16 @@ def _engine_with_derived_cache(rank: int, world_size: int, model_dir: str, promp
     os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # the variable wins over the config
     from nrl_gen_vllm.worker import VllmGenerationWorker
 
+    torch.set_num_threads(2)
+    before = (torch.set_num_threads, torch.get_num_threads(), os.sched_getaffinity(0))
     worker = VllmGenerationWorker(_run_config(model_dir, num_prompts_per_step=len(prompts), num_generations_per_prompt=1))
     try:
+        after = (torch.set_num_threads, torch.get_num_threads(), os.sched_getaffinity(0))
+        torch.set_num_threads(1)  # training can still choose its threads
+        threads = (before == after, torch.get_num_threads())
         blocks = worker.llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
         out = worker.generate(prompts, greedy=True)
-        return blocks, out.token_ids, worker.kv_cache
+        return blocks, out.token_ids, worker.kv_cache, threads
     finally:
         worker.shutdown()
 
@@ -76,8 +81,10 @@ def _engine_with_derived_cache(rank: int, world_size: int, model_dir: str, promp
 @pytest.mark.slow
 def test_engine_with_the_derived_cache_generates(model_dir, prompts) -> None:
     """A real engine gets exactly the derived blocks (so the bytes-per-token formula is vLLM's) and
-    generates what HF generates."""
-    (blocks, token_ids, size), = run_distributed(_engine_with_derived_cache, 1, str(model_dir), prompts)
+    generates what HF generates; the process keeps its threads, CPUs and ``torch.set_num_threads``
+    (vLLM replaces it with a no-op: nrl_gen_vllm/threads.py)."""
+    (blocks, token_ids, size, threads), = run_distributed(_engine_with_derived_cache, 1, str(model_dir), prompts)
+    assert threads == (True, 1)
     assert size.source == "derived" and blocks == size.blocks == math.ceil(MARGIN * len(prompts)) + 1 == 7
     assert size.nbytes == 7 * BLOCK_TOKENS * 2048 < 2 * 2**20  # 7 blocks of 128 tokens x 2 KiB: 1.75 MiB, not 1 GiB
     assert token_ids == hf_greedy(hf_model(model_dir), prompts)

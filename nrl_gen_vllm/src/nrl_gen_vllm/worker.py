@@ -27,6 +27,7 @@ from nrl_gen_vllm.checkpoint import check_against_checkpoint, checkpoint_shapes
 from nrl_gen_vllm.checks import engine_start_error
 from nrl_gen_vllm.kv_cache import KvCacheSize, kv_cache_space
 from nrl_gen_vllm.sampling import SamplingSettings, base_seed, request_seed
+from nrl_gen_vllm.threads import keep_process_threads
 
 logger = logging.getLogger(__name__)
 
@@ -151,7 +152,7 @@ class VllmGenerationWorker:
         start = time.perf_counter()
         mark("vllm_engine_start", rank=rank)
         try:
-            with _engine_local_rank():
+            with _engine_local_rank(), keep_process_threads():
                 self._engine = (AsyncEngine if self.async_engine else SyncEngine)(
                     model=self.model_dir,
                     tokenizer=tokenizer,
