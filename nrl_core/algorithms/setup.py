@@ -14,6 +14,7 @@ from typing import Any, Iterator, Mapping
 import torch
 
 from nrl_core.checkpoint.manager import CheckpointManager
+from nrl_core.cluster import init_ray
 from nrl_core.contracts import Environment, import_object
 from nrl_core.plugins import get_plugin_manager
 from nrl_core.timeline import mark
@@ -63,6 +64,7 @@ def build_environment(config: Mapping[str, Any]) -> Environment:
     section = (config.get("env") or {}).get(name)
     if section is None:
         section = spec.config_schema.validate({}, f"env.{name}")
+    init_ray(config.get("cluster"))  # before the environment's workers, so they start on the configured cluster
     mark("environment_build_start", env=name)
     environment = import_object(spec.environment)(section)
     mark("environment_built", env=name)

@@ -51,6 +51,11 @@ FORWARDED_ENV_NAMES: tuple[str, ...] = (
     "PYTORCH_CUDA_ALLOC_CONF",
     "CUDA_LAUNCH_BLOCKING",
 )
+#: Ray settings of the local Ray nrl starts. Ray prestarts one idle worker per CPU for the first
+#: driver, but nrl's actors each carry their own ``runtime_env`` and never reuse them: on a 2-core
+#: machine that is two Python processes importing Ray beside the driver at start (and ~45 MiB
+#: each) for nothing. Nothing reads Ray's metrics here (no dashboard, no Prometheus).
+LOCAL_SYSTEM_CONFIG: Mapping[str, Any] = {"prestart_worker_first_driver": False, "enable_metrics_collection": False}
 # Ray assigns devices per actor through this one; forwarding the driver's would defeat that.
 _NEVER_FORWARD = frozenset({"CUDA_VISIBLE_DEVICES"})
 # The GCS address of the loopback-only Ray this process started (None: it started none).
@@ -160,6 +165,7 @@ def init_ray(cluster_cfg: Mapping[str, Any] | None = None) -> None:
                 include_dashboard=False,
                 num_cpus=num_cpus,
                 num_gpus=None if num_gpus is None else int(num_gpus),
+                _system_config=dict(LOCAL_SYSTEM_CONFIG),
                 **common,
             )
         _private_gcs = ray.get_runtime_context().gcs_address
