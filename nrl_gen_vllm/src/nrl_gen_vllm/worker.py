@@ -25,6 +25,7 @@ from nrl_gen_vllm import cpu_shm
 from nrl_gen_vllm.engines import AsyncEngine, SyncEngine
 from nrl_gen_vllm.checkpoint import check_against_checkpoint, checkpoint_shapes
 from nrl_gen_vllm.checks import engine_start_error
+from nrl_gen_vllm.cpu_sampler import use_eager_rank_count
 from nrl_gen_vllm.kv_cache import KvCacheSize, kv_cache_space
 from nrl_gen_vllm.sampling import SamplingSettings, base_seed, request_seed
 from nrl_gen_vllm.threads import keep_process_threads
@@ -131,6 +132,8 @@ class VllmGenerationWorker:
         from vllm.platforms import current_platform
 
         engine_kwargs: dict[str, Any] = {}
+        if _is_cpu():
+            use_eager_rank_count()
         if _is_cpu() and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
             self.kv_cache = kv_cache_space(config, max_model_len=self.max_model_len, tensor_parallel_size=self.tp,
                                            engines=max(1, world_size // self.tp), dtype=self.dtype)
