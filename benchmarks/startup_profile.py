@@ -38,7 +38,7 @@ VLLM_LINES = (
     ("vllm: torch.compile", re.compile(r"torch\.compile takes ([\d.]+) s in total")),
     ("vllm: KV cache sized", re.compile(r"(?:CPU KV cache size|GPU KV cache size): ([\d,]+) tokens")),
     ("vllm: profile + KV cache + warm-up", re.compile(r"init engine \(profile, create kv cache, warmup model\) "
-                                                      r"took ([\d.]+) s")),
+                                                      r"took ([\d.]+) seconds")),
 )
 
 

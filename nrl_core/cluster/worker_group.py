@@ -24,7 +24,6 @@ arrives as :class:`WorkerRaisedError` carrying the remote traceback.
 from __future__ import annotations
 
 import logging
-import os
 import re
 import shutil
 import tempfile
@@ -131,20 +130,6 @@ def method_name(method: Method) -> str:
     return method if isinstance(method, str) else method.__name__
 
 
-def local_threads_per_worker(num_workers: int) -> int:
-    """Intra-op threads for each of ``num_workers`` ranks on this machine: its CPUs shared evenly.
-
-    Ray sets ``OMP_NUM_THREADS`` to an actor's booked CPUs, at least 1, when the environment does
-    not; nrl books a tenth of a CPU per worker (:mod:`nrl_core.cluster.placement`), so every actor
-    computed on one thread however many cores it may run on (the training rank of a one-worker run
-    on the 2-core machine used half of it). On the local Ray a group's ranks run on this machine at
-    the same time, so they share its CPUs; a user's ``OMP_NUM_THREADS`` (driver or
-    ``cluster.env_vars``) wins, and on a cluster Ray's rule stands.
-    """
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cpus // max(1, num_workers))
-
-
 class WorkerGroup:
     """``num_workers`` ranks of ``worker_cls`` (an import path, ``"pkg.mod:Class"``) on Ray.
 
@@ -223,10 +208,7 @@ class WorkerGroup:
         else:
             opts.update(num_cpus=cpus, num_gpus=gpus)
         # Forwarded again per group (not only at init_ray) so a Ray the user started still gets them.
-        env = worker_env_vars(env_vars)
-        if "OMP_NUM_THREADS" not in env and private_local_ray():
-            env["OMP_NUM_THREADS"] = str(local_threads_per_worker(self.world_size))
-        opts["runtime_env"] = {"env_vars": env}
+        opts["runtime_env"] = {"env_vars": worker_env_vars(env_vars)}
         return opts
 
     def _start(

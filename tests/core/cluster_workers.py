@@ -37,7 +37,6 @@ class CollectiveWorker:
             "env": {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")},
             "nrl_test_mark": os.environ.get("NRL_TEST_MARK"),
             "forwarded": os.environ.get("NRL_CLUSTER_TEST_FORWARD"),
-            "threads": torch.get_num_threads(),
         }
 
     def main_group_timeout_s(self) -> float:

@@ -142,25 +142,6 @@ def test_all_reduce_over_gloo(pair: WorkerGroup) -> None:
     assert [i["pid"] for i in info] == [w.pid for w in pair.infos]
 
 
-
-def test_workers_share_this_machines_cpus_unless_omp_num_threads_is_set(ray_session: None,
-                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    """Ray would run every actor on one thread (it books a tenth of a CPU each); the local Ray's
-    workers get the machine's CPUs shared over the group, and a user's OMP_NUM_THREADS wins."""
-    from nrl_core.cluster.worker_group import local_threads_per_worker
-
-    for value, expected in ((None, len(os.sched_getaffinity(0))), ("1", 1)):
-        if value is None:
-            monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-        else:
-            monkeypatch.setenv("OMP_NUM_THREADS", value)
-        group = WorkerGroup(WORKER, 1, name="threads", distributed_backend="none")
-        try:
-            assert group.run_all("whoami")[0]["threads"] == expected
-        finally:
-            group.shutdown()
-    assert local_threads_per_worker(2) == max(1, len(os.sched_getaffinity(0)) // 2)
-
 def _listening(pid: int) -> list[str]:
     """Addresses ``pid``'s sockets listen on (TCP over IPv4 and IPv6), read from /proc: the
     namespace's socket tables, filtered to the inodes of the process's own descriptors."""
