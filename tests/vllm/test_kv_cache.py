@@ -46,6 +46,10 @@ def test_derived_size_covers_the_largest_batch(model_dir) -> None:
     assert largest_batch(config) == 30
     val = derived_kv_cache(config, hf, max_model_len=300, tensor_parallel_size=1, engines=2, dtype=torch.float32)
     assert val.sequences == 15 and val.blocks == math.ceil(MARGIN * 15 * 3) + 1
+    # never more than the old default: a batch that needs more gets the blocks 1 GiB holds
+    big = derived_kv_cache(_run_config(model_dir, num_prompts_per_step=512), hf, max_model_len=4096,
+                           tensor_parallel_size=1, engines=1, dtype=torch.float32)
+    assert big.blocks == GIB // (BLOCK_TOKENS * per_token) == 4096 and big.nbytes == GIB
     # no grpo section (an engine built outside GRPO): the old default
     assert derived_kv_cache(generation_config(model_dir), hf, max_model_len=128, tensor_parallel_size=1, engines=1,
                             dtype=torch.float32).nbytes == 1 * GIB

@@ -13,7 +13,10 @@ derived from the largest batch one engine generates in this run:
 
 With that many blocks every sequence of the batch is resident at once at its longest, so vLLM never
 preempts; the margin covers the scheduler's partial blocks. vLLM's own minimum (one sequence of
-``max_model_len``) is always met. Without a ``grpo`` section (an engine built outside GRPO) or for
+``max_model_len``) is always met. The space never exceeds the old default, :data:`FALLBACK_GIB`
+(a batch that needs more, e.g. a 1B model's 512 x 4096-token step, 64 GiB, would not fit in a
+CPU machine's memory; vLLM preempts and recomputes within 1 GiB as it did before), so leaving the
+key unset never costs more memory than it did. Without a ``grpo`` section (an engine built outside GRPO) or for
 attention this formula does not describe (multi-head latent attention), the space stays the old
 default, :data:`FALLBACK_GIB`.
 """
@@ -98,6 +101,7 @@ def derived_kv_cache(config: Mapping[str, Any], hf_config: Any, *, max_model_len
         return KvCacheSize(int(FALLBACK_GIB * _GIB), "default")
     sequences = math.ceil(batch / max(1, engines))
     blocks = math.ceil(MARGIN * sequences * math.ceil(max_model_len / BLOCK_TOKENS)) + 1
+    blocks = min(blocks, int(FALLBACK_GIB * _GIB) // (BLOCK_TOKENS * per_token))
     return KvCacheSize(blocks * BLOCK_TOKENS * per_token, "derived", sequences, blocks, per_token)
 
 
