@@ -116,7 +116,7 @@ def role(pid: int, root: int, cmd: str, actors: dict[int, str]) -> str:
             return name
     if cmd.startswith("ray::"):
         return f"actor {cmd.split()[0][5:]}"
-    return cmd[:60] or f"pid {pid}"
+    return " ".join(cmd.split())[:60] or f"pid {pid}"
 
 
 class MemorySampler(threading.Thread):
