@@ -67,8 +67,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from nrl_core.contracts import import_object
     from nrl_core.plugins import get_plugin_manager
 
+    from nrl_core.timeline import mark
+
+    mark("cli_start")
     spec = get_plugin_manager().algorithms().get(args.algorithm, "algorithm")
     config = load_and_validate(args.config, args.overrides, algorithm=args.algorithm)
+    mark("config_validated")
     return int(import_object(spec.entry)(config) or 0)
 
 
