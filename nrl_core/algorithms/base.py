@@ -16,6 +16,7 @@ from nrl_core.contracts import RunInfo
 from nrl_core.data import DatumSpec, PromptDataloader
 from nrl_core.logging import MetricLogger
 from nrl_core.plugins import get_plugin_manager
+from nrl_core.timeline import mark
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +40,7 @@ class AlgorithmRun:
         self.resume_from, self.state = resume_point(self.checkpoints)
         init_ray(config["cluster"])
         self.policy = Policy(self.worker_config(config), self.choice.training, colocated_generation=colocated_generation)
+        mark("policy_built")
         self.max_steps = min(int(self.cfg["max_num_steps"]), int(self.cfg["max_num_epochs"]) * len(self.train_loader))
         self.log = MetricLogger(config["logger"], total_steps=self.max_steps,
                                 resume_step=self.state.step if self.resume_from is not None else None)
@@ -66,6 +68,7 @@ class AlgorithmRun:
                 self.log.log_step(0, self.last_metrics)
         for step in range(self.state.step + 1, self.max_steps + 1):
             metrics = self.step(self.step_data(step))
+            mark("step_end", step=step)
             if self.validation_due(step):
                 metrics.update(self.validate(step))
             self.stop_reason = self.hooks.step_end(self.info, step, metrics)

@@ -33,6 +33,7 @@ from nrl_core.contracts import GenerationBackendSpec, GenerationOutput, Generati
 from nrl_core.errors import NrlError
 from nrl_core.refit.orchestrator import choose_transport, refit, refit_options
 from nrl_core.refit.report import RefitReport, combine_reports
+from nrl_core.timeline import mark
 
 logger = logging.getLogger(__name__)
 
@@ -78,13 +79,16 @@ class Generation:
                                      collective_timeout_s=policy.timeout_s)
         self.ranks = list(range(self.hosts.world_size))
         self.leads = self.ranks[:: self.engine_size]  # the rank of each engine that reports for it
+        mark("generation_built")
 
     # ------------------------------------------------------------------ generating
 
     def generate(self, prompts: Sequence[Sequence[int]], *, greedy: bool = False) -> GenerationOutput:
         """Complete ``prompts`` on every engine (a contiguous chunk each); outputs in input order."""
         chunks = split_evenly(list(prompts), self.num_engines)
+        mark("generate_start")
         results = self.hosts.host_call(self.ranks, WorkerHost.nrl_generate_sharded, chunks, self.engine_size, greedy=greedy)
+        mark("generate_end")
         outputs = [out for out in results if out is not None]
         return GenerationOutput(
             token_ids=[t for o in outputs for t in o.token_ids],

@@ -20,7 +20,7 @@ from nrl_core.algorithms.generation import Generation
 from nrl_core.algorithms.loss import ClippedPGLoss
 from nrl_core.algorithms.rollouts import repeat_prompts, rollout_batch
 from nrl_core.algorithms.setup import PhaseTimer, build_environment, load_tokenizer
-from nrl_core.algorithms.grpo_config import check_grpo
+from nrl_core.algorithms.grpo_config import check_grpo, on_policy_ratio
 from nrl_core.contracts import EnvSample, GenerationOutput, TokenBatch
 from nrl_core.data import DatumSpec, LengthLimits, prepare_data
 from nrl_core.plugins import get_plugin_manager
@@ -57,7 +57,10 @@ class GRPO(AlgorithmRun):
         self.tokenizer = load_tokenizer(config)
         data = prepare_data(config["data"], self.tokenizer, limits=prompt_limits(config))
         self.val_data: list[DatumSpec] = (data.val or [])[: config["grpo"]["max_val_samples"]]
-        self.loss_fn = ClippedPGLoss.from_config(config["loss_fn"])
+        self.loss_fn = ClippedPGLoss.from_config({**config["loss_fn"],
+                                                  "force_on_policy_ratio": on_policy_ratio(config)})
+        logger.info("previous-policy logprobs: %s", "from the training forward (one optimizer step per GRPO step)"
+                    if self.loss_fn.force_on_policy_ratio else "a separate get_logprobs pass")
         self.env = build_environment(config)
         super().__init__(config, batch_size=int(config["grpo"]["num_prompts_per_step"]), train_data=data.train,
                          colocated_generation=bool(config["policy"]["generation"]["colocated"]["enabled"]),
@@ -80,8 +83,9 @@ class GRPO(AlgorithmRun):
 
     def train_on(self, groups: Sequence[RolloutGroup], env_metrics: Mapping[str, float],
                  timer: PhaseTimer) -> dict[str, float]:
-        """Group advantages, the policy's (and the reference's) logprobs of what was sampled, the
-        optimizer steps; the engines are stale afterwards. Returns the step's metrics."""
+        """Group advantages, the policy's logprobs of what was sampled (unless the training forward
+        gives them: ``on_policy_ratio``) and the reference's (with a KL penalty), the optimizer
+        steps; the engines are stale afterwards. Returns the step's metrics."""
         prompt_ids = repeat_prompts([g.prompt.prompt_ids for g in groups], self.group_size)
         rollouts = merge_groups(groups)
         rewards = torch.tensor([r for g in groups for r in g.rewards], dtype=torch.float32)
@@ -89,10 +93,10 @@ class GRPO(AlgorithmRun):
                                       normalize=self.cfg["normalize_rewards"])
         batch = self.training_batch(prompt_ids, rollouts, advantages)
         with timer("logprobs"):
-            batch.fields["prev_logprobs"] = self.policy.get_logprobs(batch)
-            batch.fields["reference_logprobs"] = (self.policy.get_reference_logprobs(batch)
-                                                  if self.loss_fn.reference_policy_kl_penalty
-                                                  else batch.fields["prev_logprobs"])
+            if not self.loss_fn.force_on_policy_ratio:
+                batch.fields["prev_logprobs"] = self.policy.get_logprobs(batch)
+            if self.loss_fn.reference_policy_kl_penalty:
+                batch.fields["reference_logprobs"] = self.policy.get_reference_logprobs(batch)
         with timer("training"):
             train_metrics = self.train(batch)
         self.generation.mark_stale()

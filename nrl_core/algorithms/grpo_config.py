@@ -62,3 +62,24 @@ def check_grpo(config: Mapping[str, Any]) -> None:
         raise ConfigError("policy.train_global_batch_size",
                           f"{policy['train_global_batch_size']} does not divide the {rollouts} rollouts per step "
                           f"(grpo.num_prompts_per_step x num_generations_per_prompt); make it a divisor")
+    if config["loss_fn"].get("force_on_policy_ratio") and rollouts != policy["train_global_batch_size"]:
+        raise ConfigError("loss_fn.force_on_policy_ratio",
+                          f"needs one optimizer step per GRPO step, but {rollouts} rollouts make "
+                          f"{rollouts // policy['train_global_batch_size']} of policy.train_global_batch_size "
+                          f"{policy['train_global_batch_size']}; set train_global_batch_size: {rollouts} or "
+                          "force_on_policy_ratio: null")
+
+
+def on_policy_ratio(config: Mapping[str, Any]) -> bool:
+    """Whether the loss takes the previous-policy logprobs from the training forward itself.
+
+    With one optimizer step per GRPO step, every micro-batch's training forward runs under the
+    weights a separate ``get_logprobs`` pass would use, so that pass is redundant work (TRL skips
+    it too); with several, later steps need the logprobs of the weights before the first.
+    ``loss_fn.force_on_policy_ratio`` null decides by that; false keeps the separate pass."""
+    forced = config["loss_fn"].get("force_on_policy_ratio")
+    if forced is not None:
+        return bool(forced)
+    grpo = config["grpo"]
+    rollouts = grpo["num_prompts_per_step"] * grpo["num_generations_per_prompt"]
+    return rollouts == config["policy"]["train_global_batch_size"]

@@ -70,6 +70,10 @@ class ClippedPGLoss(ConfiguredLoss):
 
     * ratio r = exp(logprobs - prev_logprobs); loss = max(-A r, -A clip(r, 1 - min, 1 + max)),
       and with ``ratio_clip_c`` (dual clip) capped at -A c for negative advantages;
+    * ``force_on_policy_ratio``: ``prev_logprobs`` are this forward's own logprobs, detached (r is
+      exactly 1, its gradient that of the logprobs), so no separate pass computes them; right
+      whenever the batch feeds one optimizer step, because every micro-batch's forward then runs
+      under the weights a separate pass would use (GRPO decides: ``grpo_config.on_policy_ratio``);
     * ``sequence_level_importance_ratios`` (GSPO): r is exp of the sequence's mean log-ratio;
     * ``use_importance_sampling_correction``: each token is weighted by
       exp(prev_logprobs - generation_logprobs), correcting for the engine's numerics differing
@@ -92,6 +96,7 @@ class ClippedPGLoss(ConfiguredLoss):
     truncated_importance_sampling_ratio: float | None = None
     token_level_loss: bool = True
     sequence_level_importance_ratios: bool = False
+    force_on_policy_ratio: bool | None = False
 
     def __call__(
         self, logprobs: torch.Tensor, batch: TokenBatch, *, global_valid_tokens: float, global_valid_seqs: float
@@ -101,7 +106,7 @@ class ClippedPGLoss(ConfiguredLoss):
         if "sample_mask" in f:
             mask = mask * f["sample_mask"].to(logprobs.dtype).unsqueeze(1)
         advantages = f["advantages"].to(logprobs.dtype)
-        prev = f["prev_logprobs"].to(logprobs.dtype)
+        prev = logprobs.detach() if self.force_on_policy_ratio else f["prev_logprobs"].to(logprobs.dtype)
         generation = f["generation_logprobs"].to(logprobs.dtype)
 
         log_ratio = logprobs - prev

@@ -14,8 +14,10 @@ from typing import Any, Iterator, Mapping
 import torch
 
 from nrl_core.checkpoint.manager import CheckpointManager
+from nrl_core.cluster import init_ray
 from nrl_core.contracts import Environment, import_object
 from nrl_core.plugins import get_plugin_manager
+from nrl_core.timeline import mark
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +64,11 @@ def build_environment(config: Mapping[str, Any]) -> Environment:
     section = (config.get("env") or {}).get(name)
     if section is None:
         section = spec.config_schema.validate({}, f"env.{name}")
-    return import_object(spec.environment)(section)
+    init_ray(config.get("cluster"))  # before the environment's workers, so they start on the configured cluster
+    mark("environment_build_start", env=name)
+    environment = import_object(spec.environment)(section)
+    mark("environment_built", env=name)
+    return environment
 
 
 def seed_everything(seed: int) -> None:

@@ -16,6 +16,7 @@ from datetime import timedelta
 from typing import Any, Callable
 
 from nrl_core.refit.endpoints import RefitEndpoints
+from nrl_core.timeline import mark
 
 __all__ = ["WorkerHost"]
 
@@ -46,6 +47,7 @@ class WorkerHost(RefitEndpoints):
                 stream.reconfigure(line_buffering=True)  # type: ignore[union-attr]
             except (AttributeError, ValueError):
                 pass
+        mark("actor_start", group=group_name, rank=rank)
         self.group_name = group_name
         self.rank = rank
         self.world_size = world_size
@@ -117,13 +119,17 @@ class WorkerHost(RefitEndpoints):
             world_size=self.world_size,
             timeout=timedelta(seconds=timeout_s),
         )
+        mark("process_group_joined", group=self.group_name, rank=self.rank)
 
     def construct(self, worker_cls: str, init_kwargs: dict[str, Any]) -> None:
         """Import the worker class and build it for this rank."""
         from nrl_core.contracts import import_object
 
+        mark("worker_import_start", worker=worker_cls, rank=self.rank)
         cls = import_object(worker_cls)
+        mark("worker_build_start", worker=worker_cls, rank=self.rank)
         self.worker = cls(**init_kwargs, rank=self.rank, world_size=self.world_size)
+        mark("worker_built", worker=worker_cls, rank=self.rank)
 
     def call(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Run ``worker.<method>(*args, **kwargs)``."""

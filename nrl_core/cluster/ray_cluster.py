@@ -24,6 +24,7 @@ from ray._private import ray_constants
 
 from nrl_core.cluster.gcs_watch import cluster_failure, kill_ray_processes, stop_watching, watch_gcs
 from nrl_core.errors import NrlError
+from nrl_core.timeline import mark
 
 __all__ = ["cluster_failure", "init_ray", "private_local_ray", "shutdown_ray", "worker_env_vars",
            "FORWARDED_ENV_PREFIXES", "FORWARDED_ENV_NAMES"]
@@ -50,6 +51,11 @@ FORWARDED_ENV_NAMES: tuple[str, ...] = (
     "PYTORCH_CUDA_ALLOC_CONF",
     "CUDA_LAUNCH_BLOCKING",
 )
+#: Ray settings of the local Ray nrl starts. Ray prestarts one idle worker per CPU for the first
+#: driver, but nrl's actors each carry their own ``runtime_env`` and never reuse them: on a 2-core
+#: machine that is two Python processes importing Ray beside the driver at start (and ~45 MiB
+#: each) for nothing. Nothing reads Ray's metrics here (no dashboard, no Prometheus).
+LOCAL_SYSTEM_CONFIG: Mapping[str, Any] = {"prestart_worker_first_driver": False, "enable_metrics_collection": False}
 # Ray assigns devices per actor through this one; forwarding the driver's would defeat that.
 _NEVER_FORWARD = frozenset({"CUDA_VISIBLE_DEVICES"})
 # The GCS address of the loopback-only Ray this process started (None: it started none).
@@ -133,6 +139,7 @@ def init_ray(cluster_cfg: Mapping[str, Any] | None = None) -> None:
     global _private_gcs
     if ray.is_initialized():
         return
+    mark("ray_init_start")
     cfg: Mapping[str, Any] = cluster_cfg or {}
     env_vars = worker_env_vars(cfg.get("env_vars"))
     common: dict[str, Any] = {
@@ -147,6 +154,7 @@ def init_ray(cluster_cfg: Mapping[str, Any] | None = None) -> None:
             log.info("joining the Ray cluster at %s", address)
             _use_token_auth_if_available()
             ray.init(address=address, **common)
+            mark("ray_init_end")
             return
         num_cpus = int(cfg.get("num_cpus") or os.cpu_count() or 1)
         num_gpus = cfg.get("num_gpus")
@@ -157,11 +165,13 @@ def init_ray(cluster_cfg: Mapping[str, Any] | None = None) -> None:
                 include_dashboard=False,
                 num_cpus=num_cpus,
                 num_gpus=None if num_gpus is None else int(num_gpus),
+                _system_config=dict(LOCAL_SYSTEM_CONFIG),
                 **common,
             )
         _private_gcs = ray.get_runtime_context().gcs_address
         node = ray._private.worker._global_node
         watch_gcs(node.all_processes[ray_constants.PROCESS_TYPE_GCS_SERVER][0].process, is_connected=ray.is_initialized)
+        mark("ray_init_end")
     except ConnectionError as exc:
         where = "cluster.ray_address" if cfg.get("ray_address") else "RAY_ADDRESS"
         raise NrlError(

@@ -33,6 +33,10 @@ LOSS_FN = Section(doc="Clipped policy-gradient loss (GRPO).", fields={
     "truncated_importance_sampling_ratio": Field(type=NUMBER, default=None, nullable=True, minimum=0),
     "token_level_loss": Field(type=bool, default=True),
     "sequence_level_importance_ratios": Field(type=bool, default=False, doc="GSPO"),
+    "force_on_policy_ratio": Field(type=bool, default=None, nullable=True,
+                                   doc="take the previous-policy logprobs from the training forward (ratio exactly 1, "
+                                       "no separate logprob pass); needs one optimizer step per GRPO step. null: "
+                                       "whenever that holds; false: always the separate pass (NeMo RL's default)"),
 })
 
 OPTIMIZER = Section(nullable=True, doc="torch optimizer by import name (DTensor backend).", fields={

@@ -24,6 +24,7 @@ from nrl_core.contracts import WeightSpec, import_object
 from nrl_core.refit.buckets import manifest_bytes
 from nrl_core.refit.report import RefitReport
 from nrl_core.refit.transports import RefitSession, RefitTransport
+from nrl_core.timeline import mark
 
 STREAM_BACKPRESSURE = 2
 """Buckets a training actor may run ahead of the generation actors in a collective transport."""
@@ -118,7 +119,11 @@ class RefitEndpoints:
         by default it takes the host's own rank in its group (a worker group's ``rank``)."""
         rank = getattr(self, "rank", 0) if rank is None else rank
         world_size = getattr(self, "world_size", 1) if world_size is None else world_size
-        self.generation_worker = import_object(worker_cls)(config, rank=rank, world_size=world_size)
+        mark("generation_worker_import_start", worker=worker_cls, rank=rank)
+        cls = import_object(worker_cls)
+        mark("generation_worker_build_start", worker=worker_cls, rank=rank)
+        self.generation_worker = cls(config, rank=rank, world_size=world_size)
+        mark("generation_worker_built", worker=worker_cls, rank=rank)
 
     def nrl_generation_call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Call a method of this actor's generation worker (``generate``, ``shutdown``...)."""

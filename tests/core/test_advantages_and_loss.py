@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from nrl_core.algorithms.advantages import group_advantages
+from nrl_core.algorithms.grpo_config import check_grpo, on_policy_ratio
 from nrl_core.algorithms.loss import ClippedPGLoss, NLLLoss, kl_estimate
 from nrl_core.contracts import TokenBatch
+from nrl_core.errors import ConfigError
 
 L = math.log
 
@@ -184,3 +186,51 @@ def test_from_config_reads_the_loss_fn_section():
                                          "reference_policy_kl_penalty": 0.02, "reference_policy_kl_type": "k2"})
     assert (loss_fn.ratio_clip_min, loss_fn.ratio_clip_max, loss_fn.ratio_clip_c) == (0.1, 0.3, 3.0)
     assert loss_fn.reference_policy_kl_type == "k2"
+
+
+# ----------------------------------------------------------------------------- on-policy ratio
+
+
+def test_forced_on_policy_ratio_is_one_with_the_gradient_of_the_logprobs():
+    """``force_on_policy_ratio``: the batch carries no previous logprobs; the ratio is exactly 1
+    and the gradient is the one a separately computed, equal ``prev_logprobs`` gives."""
+    batch = _batch(CURR, CURR, [1.0], gen_rows=PREV)
+    del batch.fields["prev_logprobs"]
+    forced = torch.tensor(CURR, dtype=torch.float64, requires_grad=True)
+    mask = batch.fields["token_mask"]
+    loss, m = ClippedPGLoss(force_on_policy_ratio=True)(forced, batch, global_valid_tokens=float(mask.sum()),
+                                                        global_valid_seqs=1.0)
+    loss.backward()
+    assert m["probs_ratio"] == 1.0 and m["clip_fraction"] == 0.0
+    separate = torch.tensor(CURR, dtype=torch.float64, requires_grad=True)
+    ref_loss, ref_m = ClippedPGLoss()(separate, _batch(CURR, CURR, [1.0], gen_rows=PREV),
+                                      global_valid_tokens=float(mask.sum()), global_valid_seqs=1.0)
+    ref_loss.backward()
+    assert float(loss.detach()) == float(ref_loss.detach()) and torch.equal(forced.grad, separate.grad)
+    assert m["token_mult_prob_error"] == ref_m["token_mult_prob_error"]  # against the engine's logprobs
+
+
+def _grpo_config(prompts: int, generations: int, global_batch: int, forced: bool | None) -> dict:
+    return {"grpo": {"num_prompts_per_step": prompts, "num_generations_per_prompt": generations},
+            "policy": {"train_global_batch_size": global_batch}, "loss_fn": {"force_on_policy_ratio": forced}}
+
+
+@pytest.mark.parametrize("global_batch, forced, expected", [
+    (16, None, True),    # one optimizer step per GRPO step: the training forward's logprobs
+    (8, None, False),    # two: the second needs the logprobs of the weights before the first
+    (16, False, False),  # NeMo RL's default: always the separate pass
+    (16, True, True),
+])
+def test_on_policy_ratio_follows_the_optimizer_steps_per_grpo_step(global_batch, forced, expected):
+    assert on_policy_ratio(_grpo_config(4, 4, global_batch, forced)) is expected
+
+
+def test_forcing_the_on_policy_ratio_with_several_optimizer_steps_is_one_line():
+    raw = _grpo_config(4, 4, 8, True)
+    raw["policy"]["generation"] = {"colocated": {"enabled": True}}
+    raw["grpo"].update(use_leave_one_out_baseline=True, async_grpo={"enabled": False})
+    with pytest.raises(ConfigError, match=r"loss_fn.force_on_policy_ratio: needs one optimizer step per GRPO step, "
+                                          r"but 16 rollouts make 2 of policy.train_global_batch_size 8"):
+        check_grpo(raw)
+    raw["policy"]["train_global_batch_size"] = 16
+    check_grpo(raw)

@@ -48,23 +48,23 @@ def rollouts(tmp: Path, step: int) -> list[dict]:
 
 def test_no_trajectory_is_older_than_the_bound_before_and_after_a_resume(tmp_path, model):
     assert_ok(run_nrl(tmp_path, CONFIG, "grpo", small(model, "grpo.max_num_steps=2")))
-    assert_ok(run_nrl(tmp_path, CONFIG, "grpo", small(model, "grpo.max_num_steps=4")))  # resumes after step 2
-    ages = {step: [(step - 1) - row["weight_version"] for row in rollouts(tmp_path, step)] for step in range(1, 5)}
+    assert_ok(run_nrl(tmp_path, CONFIG, "grpo", small(model, "grpo.max_num_steps=3")))  # resumes after step 2
+    ages = {step: [(step - 1) - row["weight_version"] for row in rollouts(tmp_path, step)] for step in range(1, 4)}
     assert all(len(a) == 16 for a in ages.values())
     assert all(0 <= age <= 1 for a in ages.values() for age in a), ages  # every trajectory within the bound
     assert set(ages[2]) == {1}  # step 2's rollouts were generated while step 1 trained
     assert set(ages[3]) == {0}  # after the resume: regenerated with the restored weights
     rows = [r for r in metrics(tmp_path) if "async/trajectory_age_max" in r]
-    assert [r["step"] for r in rows][-4:] == [1, 2, 3, 4] and all(r["async/trajectory_age_max"] <= 1 for r in rows)
+    assert [r["step"] for r in rows][-3:] == [1, 2, 3] and all(r["async/trajectory_age_max"] <= 1 for r in rows)
 
 
 def test_max_age_zero_is_the_synchronous_loop(tmp_path, model):
     sync, async_ = tmp_path / "sync", tmp_path / "async"
     sync.mkdir(), async_.mkdir()
-    assert_ok(run_nrl(sync, CONFIG, "grpo", small(model, "grpo.max_num_steps=3", "grpo.async_grpo.enabled=false")))
-    assert_ok(run_nrl(async_, CONFIG, "grpo", small(model, "grpo.max_num_steps=3",
+    assert_ok(run_nrl(sync, CONFIG, "grpo", small(model, "grpo.max_num_steps=2", "grpo.async_grpo.enabled=false")))
+    assert_ok(run_nrl(async_, CONFIG, "grpo", small(model, "grpo.max_num_steps=2",
                                                      "grpo.async_grpo.max_trajectory_age_steps=0")))
-    for step in (1, 2, 3):
+    for step in (1, 2):
         assert rollouts(async_, step) == rollouts(sync, step)  # same prompts, tokens, rewards, versions
     for a, s in zip(metrics(async_), metrics(sync)):
         assert a["async/trajectory_age_max"] == 0

@@ -19,6 +19,7 @@ from nrl_core.testing.tiny_models import cached_tiny_model
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "examples" / "configs" / "grpo_tiny_cpu.yaml"
 TIMING = ("timing/", "throughput/", "train/step_seconds")
+LOAD_RNG = ("policy.dtensor_config.load_rng=true",)
 
 
 @pytest.fixture(scope="module")
@@ -61,70 +62,80 @@ def finite(rows: list[dict]) -> bool:
     return all(isinstance(v, (int, float)) and math.isfinite(v) for row in rows for v in row.values())
 
 
-def test_dtensor_colocated_three_steps(tmp_path, model):
-    proc = nrl_train(tmp_path, model)
+@pytest.fixture(scope="module")
+def three_steps(model, tmp_path_factory) -> Path:
+    """The tiny config's three steps, checkpointing each one with its RNG state: several tests
+    read this one run."""
+    tmp = tmp_path_factory.mktemp("three_steps")
+    proc = nrl_train(tmp, model, *LOAD_RNG)
     assert_ok(proc)
-    rows = metrics(tmp_path)
+    (tmp / "stderr.txt").write_text(proc.stderr)
+    return tmp
+
+
+@pytest.fixture(scope="module")
+def separate_logprob_pass(model, tmp_path_factory) -> Path:
+    """The same three steps with the previous policy's logprobs from a separate ``get_logprobs``
+    pass (``loss_fn.force_on_policy_ratio=false``, NeMo RL's default), keeping the best checkpoint."""
+    tmp = tmp_path_factory.mktemp("separate_pass")
+    proc = nrl_train(tmp, model, *LOAD_RNG, "loss_fn.force_on_policy_ratio=false",
+                     "checkpointing.keep_top_k=1", "checkpointing.metric_name=train_reward")
+    assert_ok(proc)
+    (tmp / "stderr.txt").write_text(proc.stderr)
+    return tmp
+
+
+def test_dtensor_colocated_three_steps(three_steps):
+    rows = metrics(three_steps)
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert finite(rows)
     assert rows[0]["train/weight_version"] == 0 and rows[2]["train/weight_version"] == 2  # refit each step
     assert "val/accuracy" in rows[1] and "val/accuracy" not in rows[0]
     # vLLM and the policy agree on the sampled tokens' logprobs (1.0 = identical)
     assert all(abs(r["train/token_mult_prob_error"] - 1.0) < 1e-3 for r in rows)
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_1", "step_2", "step_3"]
+    assert sorted(p.name for p in (three_steps / "ckpt").iterdir()) == ["step_1", "step_2", "step_3"]
 
 
-def test_megatron_non_colocated_three_steps(tmp_path, model):
-    proc = nrl_train(tmp_path, model, "policy.dtensor_config.enabled=false", "policy.megatron_cfg.enabled=true",
-                     "policy.generation.colocated.enabled=false", "cluster.gpus_per_node=2",
-                     "policy.generation.colocated.resources.gpus_per_node=1", "policy.optimizer=null",
-                     "policy.megatron_cfg.optimizer.lr=1e-4")
-    assert_ok(proc)
-    rows = metrics(tmp_path)
-    assert [r["step"] for r in rows] == [1, 2, 3] and finite(rows)
-    assert rows[2]["train/weight_version"] == 2
-    assert all(abs(r["train/token_mult_prob_error"] - 1.0) < 1e-3 for r in rows)
+def test_logprobs_from_the_training_forward_train_as_the_separate_pass(three_steps, separate_logprob_pass):
+    """One optimizer step per GRPO step: the previous policy's logprobs come from the training
+    forward (ratio exactly 1), and the run is the one the separate pass gives, to float noise."""
+    assert "previous-policy logprobs: from the training forward" in (three_steps / "stderr.txt").read_text()
+    assert "previous-policy logprobs: a separate get_logprobs pass" in (separate_logprob_pass / "stderr.txt").read_text()
+    derived, separate = metrics(three_steps), metrics(separate_logprob_pass)
+    for a, b in zip(derived, separate, strict=True):
+        assert a["train/reward"] == b["train/reward"] and a["train/response_length"] == b["train/response_length"]
+        for key in ("train/loss", "train/probs_ratio", "train/token_mult_prob_error", "train/grad_norm"):
+            assert abs(a[key] - b[key]) < 1e-5 * max(1.0, abs(b[key])), (key, a[key], b[key])
 
 
-def test_resume_after_step_two_reproduces_step_three(tmp_path, model):
-    full, part = tmp_path / "full", tmp_path / "part"
-    full.mkdir(), part.mkdir()
-    rng = ["policy.dtensor_config.load_rng=true", "checkpointing.keep_top_k=null"]
-    assert_ok(nrl_train(full, model, *rng))
-    assert_ok(nrl_train(part, model, *rng, "grpo.max_num_steps=2"))
-    resumed = nrl_train(part, model, *rng)
-    assert_ok(resumed)
-    assert "resuming from" in resumed.stderr and "step_2" in resumed.stderr
-    a, b = metrics(full), metrics(part)
-    assert [r["step"] for r in b] == [1, 2, 3]
-    strip = lambda row: {k: v for k, v in row.items() if not k.startswith(TIMING)}  # noqa: E731
-    assert strip(b[2]) == strip(a[2])
+def test_keep_top_k_keeps_the_best_and_the_latest(separate_logprob_pass):
+    rows = metrics(separate_logprob_pass)
+    best = max(rows, key=lambda r: (r["train/reward"], r["step"]))["step"]
+    assert sorted(p.name for p in (separate_logprob_pass / "ckpt").iterdir()) == sorted({f"step_{best}", "step_3"})
 
 
-def test_interrupted_save_resumes_from_the_last_complete_checkpoint(tmp_path, model):
-    assert_ok(nrl_train(tmp_path, model, "grpo.max_num_steps=2"))
+def test_interrupted_save_then_resume_reproduces_step_three(tmp_path, model, three_steps):
+    """Two steps, then what a process killed while writing step 3 leaves (a half-written
+    temporary directory); the next run removes it, resumes from step 2 and computes step 3
+    exactly as the uninterrupted run did, leaving step 2's files as they were."""
+    assert_ok(nrl_train(tmp_path, model, *LOAD_RNG, "grpo.max_num_steps=2"))
     ckpt = tmp_path / "ckpt"
     before = {p: p.read_bytes() for p in (ckpt / "step_2").rglob("*") if p.is_file()}
-    # What a process killed while writing step 3 leaves behind: a half-written temporary directory.
     partial = ckpt / ".tmp_step_3"
     shutil.copytree(ckpt / "step_2" / "policy", partial / "policy")
     for f in (partial / "policy").rglob("*"):
         if f.is_file():
             f.write_bytes(f.read_bytes()[: max(1, f.stat().st_size // 2)])
-    resumed = nrl_train(tmp_path, model)
+    resumed = nrl_train(tmp_path, model, *LOAD_RNG)
     assert_ok(resumed)
     assert "removing incomplete" in resumed.stderr and ".tmp_step_3" in resumed.stderr
-    assert "resuming from" in resumed.stderr
-    assert [r["step"] for r in metrics(tmp_path)] == [1, 2, 3]
+    assert "resuming from" in resumed.stderr and "step_2" in resumed.stderr
     assert not partial.exists()
     assert {p: p.read_bytes() for p in (ckpt / "step_2").rglob("*") if p.is_file()} == before
-
-
-def test_keep_top_k_keeps_the_best_and_the_latest(tmp_path, model):
-    assert_ok(nrl_train(tmp_path, model, "checkpointing.keep_top_k=1", "checkpointing.metric_name=train_reward"))
-    rows = metrics(tmp_path)
-    best = max(rows, key=lambda r: (r["train/reward"], r["step"]))["step"]
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == sorted({f"step_{best}", "step_3"})
+    a, b = metrics(three_steps), metrics(tmp_path)
+    assert [r["step"] for r in b] == [1, 2, 3]
+    strip = lambda row: {k: v for k, v in row.items() if not k.startswith(TIMING)}  # noqa: E731
+    assert strip(b[2]) == strip(a[2])
 
 
 def test_unknown_environment_missing_dataset_and_unwritable_checkpoints_are_one_line(tmp_path, model):

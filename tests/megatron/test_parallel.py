@@ -178,16 +178,13 @@ def world2(rank: int, world: int, path: str, ckpt: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def w2(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    root = tmp_path_factory.mktemp("mcore-conv2")
     ckpt = tmp_path_factory.mktemp("mcore-train-ckpt")
-    return run_world(world2, 2, str(cached_tiny_model("llama")), str(ckpt),
-                     env={"NRL_MEGATRON_CHECKPOINT_DIR": str(root)})
+    return run_world(world2, 2, str(cached_tiny_model("llama")), str(ckpt))  # the session's conversions
 
 
 @pytest.fixture(scope="module")
-def w1_baseline(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    root = tmp_path_factory.mktemp("mcore-conv1")
-    (result,) = run_world(baseline, 1, str(cached_tiny_model("llama")), env={"NRL_MEGATRON_CHECKPOINT_DIR": str(root)})
+def w1_baseline() -> dict[str, Any]:
+    (result,) = run_world(baseline, 1, str(cached_tiny_model("llama")))
     return result
 
 

@@ -10,13 +10,12 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "megatron"))
 
 
 @pytest.fixture(scope="session")
-def megatron_w1(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def megatron_w1() -> dict[str, Any]:
     """The one-rank Megatron scenarios (moe_scenarios.megatron_world1), run once per session: the
     DTensor tests compare against its baseline."""
     pytest.importorskip("megatron.core", reason="nrl-backend-megatron's engine is not installed")
     import moe_scenarios
     from _helpers import run_world
 
-    root = tmp_path_factory.mktemp("moe-conv1")
-    (result,) = run_world(moe_scenarios.megatron_world1, 1, moe_scenarios.moe_paths(), env={"NRL_MEGATRON_CHECKPOINT_DIR": str(root)})
+    (result,) = run_world(moe_scenarios.megatron_world1, 1, moe_scenarios.moe_paths())  # the session's conversions
     return result

@@ -45,9 +45,8 @@ def w1(megatron_w1: dict[str, Any]) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def w2(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    root = tmp_path_factory.mktemp("moe-conv2")
     ckpt = tmp_path_factory.mktemp("moe-ckpt") / "ep2"
-    return run_world(moe_scenarios.megatron_world2, 2, moe_paths(), str(ckpt), env={"NRL_MEGATRON_CHECKPOINT_DIR": str(root)})
+    return run_world(moe_scenarios.megatron_world2, 2, moe_paths(), str(ckpt))  # the session's conversions
 
 
 # ------------------------------------------------------------------ conversion and checks (no engine)

@@ -41,7 +41,7 @@ def test_plugin_registers_vllm_backend_and_schema() -> None:
     spec = get_plugin_manager().generation_backends().get("vllm", "policy.generation.backend")
     assert spec.config_key == "vllm_cfg" and spec.distribution == "nrl-gen-vllm"
     cfg = spec.config_schema.validate({}, "policy.generation.vllm_cfg")
-    assert cfg["tensor_parallel_size"] == 1 and cfg["kv_cache_space_gb"] == 1.0 and cfg["max_model_len"] is None
+    assert cfg["tensor_parallel_size"] == 1 and cfg["kv_cache_space_gb"] is None and cfg["max_model_len"] is None
 
 
 def test_greedy_matches_hf_generate(engine, model_dir, prompts) -> None:

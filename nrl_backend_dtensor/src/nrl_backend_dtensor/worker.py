@@ -26,6 +26,7 @@ from nrl_core.contracts import BatchShard, CheckpointOptions, LossFunction, Toke
 from nrl_core.errors import ConfigError, NrlError
 from nrl_core.nonfinite import check_finite, guard_enabled
 from nrl_core.process_groups import main_group_timeout
+from nrl_core.timeline import mark
 from nrl_backend_dtensor import weights as weights_io
 from nrl_backend_dtensor.checkpoint import CheckpointIO, TrainState
 from nrl_backend_dtensor.microbatch import MicroBatch, plan_micro_batches
@@ -83,6 +84,7 @@ class DTensorPolicyWorker:
         self.hf_config = load_hf_config(model_name, trust_remote_code=trust,
                                         overrides=self.policy.get("hf_config_overrides"))
         hf_model = load_hf_model(model_name, self.hf_config, trust_remote_code=trust)
+        mark("model_loaded", rank=self.rank)
         self.pad_id = int(getattr(self.hf_config, "pad_token_id", None) or 0)
         if not self.dcfg.get("cpu_offload"):
             hf_model.to(self.device)
@@ -98,6 +100,7 @@ class DTensorPolicyWorker:
 
         self.optimizer = build_optimizer(self.model.parameters(), self.policy.get("optimizer") or {})
         self.scheduler = build_scheduler(self.optimizer, self.policy.get("scheduler"))
+        mark("optimizer_built", rank=self.rank)
         self.train_step_count = 0
         self._offloaded: set[str] = set()
         self._reference = [self._local(p).detach().to("cpu", copy=True) for p in self.model.parameters()]

@@ -136,6 +136,27 @@ def safetensors_state(path: str | os.PathLike[str]) -> dict[str, "torch.Tensor"]
 # --------------------------------------------------------------------------- helpers run in ranks
 
 
+class TrainingForwardLogprobs:
+    """A loss wrapper that keeps, per row of the global batch, the logprobs the training forward
+    handed the loss (detached, on the loss's tokens). GRPO with one optimizer step per batch uses
+    exactly these as the previous policy's (``loss_fn.force_on_policy_ratio``) instead of a
+    separate ``get_logprobs`` pass, so a backend's must equal that pass's. Needs the batch's
+    per-sequence field ``row`` (its index in the global batch)."""
+
+    def __init__(self, loss: Any, batch: "TokenBatch") -> None:
+        import torch
+
+        self.loss = loss
+        self.values = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
+
+    def __call__(self, logprobs: "torch.Tensor", batch: "TokenBatch", **counts: float) -> Any:
+        rows = batch.fields["row"].long()
+        width = min(int(logprobs.shape[1]), int(self.values.shape[1]))
+        mask = batch.fields["token_mask"][:, :width].float()
+        self.values[rows, :width] = logprobs.detach()[:, :width].float().cpu() * mask
+        return self.loss(logprobs, batch, **counts)
+
+
 def _whole(worker_result: Any, batch: "TokenBatch") -> "torch.Tensor":
     from nrl_core.testing.distributed import gather_shards
 
@@ -191,7 +212,11 @@ def training_world1(rank: int, world_size: int, configs: dict[str, dict[str, Any
                                        and callable(getattr(TrainingWorker, n, None)) and not hasattr(w, n)]
     out["is_training_worker"] = isinstance(w, TrainingWorker)
     out["lp0"] = _whole(w.get_logprobs(batch), batch)
-    out["m1"] = w.train(batch, loss)
+    numbered = conformance_batch()
+    numbered.fields["row"] = torch.arange(numbered.size, dtype=torch.float32)
+    recorder = TrainingForwardLogprobs(loss, numbered)
+    out["m1"] = w.train(numbered, recorder)
+    out["train_forward_lp0"] = recorder.values
     out["lp1"] = _whole(w.get_logprobs(batch), batch)
     out["ref1"] = _whole(w.get_reference_logprobs(batch), batch)
 

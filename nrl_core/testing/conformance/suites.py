@@ -19,6 +19,8 @@ LOGPROB_TOLERANCE = 1e-4
 """Backend vs plain HF forward, float32 on CPU: kernels differ only in reduction order."""
 INVARIANCE_TOLERANCE = 1e-5
 """The same backend under another split (micro-batches, ranks, packing): float32 sums reordered."""
+DERIVED_TOLERANCE = 1e-6
+"""The training forward's logprobs vs ``get_logprobs``'s, same weights and micro-batches."""
 GRAD_NORM_TOLERANCE = 1e-4
 
 
@@ -115,6 +117,15 @@ class _TrainingChecks:
             f"{reference['loss']:.6f}: the loss must get global_valid_tokens from TokenBatch.loss_counts() of the "
             "whole batch and logprobs as get_logprobs computes them")
         assert _gap(world1["lp1"], world1["lp0"]) > 1e-4, "train() did not change the logprobs: no optimizer step"
+
+    def test_training_forward_logprobs_equal_get_logprobs(self, world1) -> None:
+        mask = scenarios.conformance_batch().fields["token_mask"]
+        gap = _gap(world1["train_forward_lp0"], world1["lp0"] * mask)
+        assert gap < DERIVED_TOLERANCE, (
+            f"the logprobs train() hands the loss differ from get_logprobs at the same weights by {gap:.2e} "
+            f"(tolerance {DERIVED_TOLERANCE:.0e}): GRPO takes the previous policy's logprobs from the training "
+            "forward when a batch feeds one optimizer step, so both must run the same model the same way "
+            "(no dropout, same temperature, same precision)")
 
     def test_reference_logprobs_stay_the_initial_ones(self, world1) -> None:
         gap = _gap(world1["ref1"], world1["lp0"])

@@ -43,7 +43,7 @@ def check_config(config: Mapping[str, Any]) -> None:
                                               "use bfloat16, or null to follow policy.precision")
     if not 0 < vcfg["gpu_memory_utilization"] <= 1:
         raise ConfigError(f"{KEY}.gpu_memory_utilization", f"must be in (0, 1], got {vcfg['gpu_memory_utilization']}")
-    if vcfg["kv_cache_space_gb"] <= 0:
+    if vcfg["kv_cache_space_gb"] is not None and vcfg["kv_cache_space_gb"] <= 0:
         raise ConfigError(f"{KEY}.kv_cache_space_gb", f"must be positive, got {vcfg['kv_cache_space_gb']}")
     total = policy["max_total_sequence_length"]
     max_len = vcfg["max_model_len"] or total

@@ -24,8 +24,9 @@ VLLM_CFG = Section(doc="vLLM engine options (the vllm generation backend).", fie
     "precision": Field(type=str, default=None, nullable=True,
                        choices=("float32", "bfloat16", "float16", "auto", "fp8"),
                        doc="null: policy.precision; fp8 (NeMo RL) is refused by the config check"),
-    "kv_cache_space_gb": Field(type=float, default=1.0,
-                               doc="CPU KV cache in GiB (what VLLM_CPU_KVCACHE_SPACE sets; the variable wins if set)"),
+    "kv_cache_space_gb": Field(type=float, default=None, nullable=True,
+                               doc="CPU KV cache in GiB (what VLLM_CPU_KVCACHE_SPACE sets; the variable wins if set); "
+                                   "null: sized for the run's largest generation batch (nrl_gen_vllm/kv_cache.py)"),
     "seed": Field(type=int, default=None, nullable=True,
                   doc="base sampling seed; null: policy.seed, else the algorithm's seed"),
     # NeMo RL keys accepted so copied configs validate; they change nothing here.

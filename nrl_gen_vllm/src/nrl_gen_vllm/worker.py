@@ -19,17 +19,20 @@ from nrl_core.contracts import GenerationOutput, WeightSpec
 from nrl_core.errors import ConfigError, NrlError
 from nrl_core.refit.buckets import Bucket, dtype_name, parse_dtype, spec_of
 from nrl_core.refit.manifest import RefitError, verify
+from nrl_core.timeline import mark
 
 from nrl_gen_vllm import cpu_shm
 from nrl_gen_vllm.engines import AsyncEngine, SyncEngine
 from nrl_gen_vllm.checkpoint import check_against_checkpoint, checkpoint_shapes
 from nrl_gen_vllm.checks import engine_start_error
+from nrl_gen_vllm.cpu_sampler import use_eager_rank_count
+from nrl_gen_vllm.kv_cache import KvCacheSize, kv_cache_space
 from nrl_gen_vllm.sampling import SamplingSettings, base_seed, request_seed
+from nrl_gen_vllm.threads import keep_process_threads
 
 logger = logging.getLogger(__name__)
 
 EXTENSION = "nrl_gen_vllm.extension.NrlWorkerExtension"
-_GIB = 2**30
 _FINISH = {"stop": "stop", "length": "length"}
 SLEEP_TAGS = ("weights", "kv_cache")
 
@@ -124,12 +127,18 @@ class VllmGenerationWorker:
         self._checkpoint = checkpoint_shapes(self.model_dir)
 
         self.async_engine = bool(vcfg.get("async_engine"))
+        self.kv_cache: KvCacheSize | None = None  # on CPU, unless VLLM_CPU_KVCACHE_SPACE sets it
         _configure_environment()
         from vllm.platforms import current_platform
 
         engine_kwargs: dict[str, Any] = {}
+        if _is_cpu():
+            use_eager_rank_count()
         if _is_cpu() and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
-            engine_kwargs["kv_cache_memory_bytes"] = int(float(vcfg.get("kv_cache_space_gb") or 1.0) * _GIB)
+            self.kv_cache = kv_cache_space(config, max_model_len=self.max_model_len, tensor_parallel_size=self.tp,
+                                           engines=max(1, world_size // self.tp), dtype=self.dtype)
+            logger.info("vLLM engine %d: KV cache %s", self.engine_index, self.kv_cache.describe())
+            engine_kwargs["kv_cache_memory_bytes"] = self.kv_cache.nbytes
         if _distributed_engine(self.tp, rank, world_size):
             if self.async_engine:
                 raise ConfigError("policy.generation.vllm_cfg.async_engine",
@@ -144,8 +153,9 @@ class VllmGenerationWorker:
         self.sleep_mode = colocated and current_platform.is_sleep_mode_available()
         tokenizer = (policy.get("tokenizer") or {}).get("name") or self.model_dir
         start = time.perf_counter()
+        mark("vllm_engine_start", rank=rank)
         try:
-            with _engine_local_rank():
+            with _engine_local_rank(), keep_process_threads():
                 self._engine = (AsyncEngine if self.async_engine else SyncEngine)(
                     model=self.model_dir,
                     tokenizer=tokenizer,
@@ -168,6 +178,7 @@ class VllmGenerationWorker:
             if refused is None:
                 raise
             raise refused from None
+        mark("vllm_engine_ready", rank=rank)
         logger.info("vLLM %sengine %d (rank %d of %d) for %s ready in %.1f s", "async " if self.async_engine else "",
                     self.engine_index, rank, world_size, self.model_dir, time.perf_counter() - start)
 

@@ -70,8 +70,10 @@ class MathEnvironment:
         from nrl_env_math.worker import VerifierWorker
 
         self._actor_cls = ray.remote(max_restarts=0, max_task_retries=0)(VerifierWorker)
+        # Started, not awaited: the verifiers come up while the algorithm builds its policy and
+        # engines (about 2 s of start-up on the 2-core machine); the first score waits for them and
+        # raises a worker that did not start, as it does for a replaced one.
         self._slots = [self._spawn(i) for i in range(cfg["num_workers"])]
-        self._await_ready()
 
     # ------------------------------------------------------------------ workers
 
