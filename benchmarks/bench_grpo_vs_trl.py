@@ -48,9 +48,10 @@ steps each):
   hidden @ hidden x intermediate) with as many threads as the phase kept busy in the training actor (threads with at
   least half the CPU time of its busiest thread over the phase, from the same sampler; 1 or 2). FLOPs count the weight
   matmuls only (N = the non-embedding weights incl. the LM head, 25.4M of 25.7M): forward 2*N per
-  real token (prompt + response), forward+backward 6*N; logprobs runs the previous policy's and the
-  reference's forward (2 x 2*N; ``--logprobs-forwards 1`` once nrl takes the previous-policy
-  logprobs from the training forward), training one forward+backward (6*N). Attention's L^2 terms are left out (under
+  real token (prompt + response), forward+backward 6*N; logprobs runs the reference's forward and,
+  unless nrl takes the previous-policy logprobs from the training forward (it logs which; with one
+  optimizer step per GRPO step it does), the previous policy's (2*N or 2 x 2*N;
+  ``--logprobs-forwards`` overrides), training one forward+backward (6*N). Attention's L^2 terms are left out (under
   3% at about 80 tokens per sequence).
 
     python benchmarks/bench_grpo_vs_trl.py [--rounds 2] [--steps 8] [--trl-python benchmarks/.venv-trl/bin/python]
@@ -180,8 +181,12 @@ def run_nrl(model: Path, steps: int, work: Path, omp: int, overrides: list[str])
             threads[phase] = busy_threads(sampler.samples, hi - timing[phase] + 0.1, hi - 0.1)
         steps_out.append({"step_s": ends[i] - start, "generated_tokens": generated,
                           "tokens": tokens, "timing": timing, "threads": threads, "reward": r["train/reward"]})
+    # nrl logs whether the training forward gives the previous-policy logprobs (then the logprobs
+    # phase runs the reference forward only); an nrl that does not say runs both there.
+    prev_from_training = "previous-policy logprobs: from the training forward" in (work / "nrl.log").read_text()
     return {"first_step_s": ends[0] - t0, "peak_pss": sampler.peak("pss"), "peak_uss": sampler.peak("uss"),
-            "peak_processes": sampler.peak("processes"), "sampler_cpu_s": sampler.cpu_s, "steps": steps_out}
+            "peak_processes": sampler.peak("processes"), "sampler_cpu_s": sampler.cpu_s,
+            "logprobs_forwards": 1 if prev_from_training else 2, "steps": steps_out}
 
 
 def run_trl(python: str, model: Path, prompts: Path, steps: int, work: Path, threads: int) -> dict[str, Any]:
@@ -247,10 +252,10 @@ def main() -> None:
     parser.add_argument("--nrl-omp-threads", type=int, default=1)
     parser.add_argument("--nrl-override", action="append", default=[], metavar="KEY=VALUE",
                         help="an override appended to nrl's command line (repeatable), e.g. to try a setting")
-    parser.add_argument("--logprobs-forwards", type=int, default=2,
-                        help="forward passes in nrl's logprobs phase: 2 = previous-policy + reference (nrl computes "
-                             "both there), 1 = reference only (once the previous-policy logprobs come from the "
-                             "training forward)")
+    parser.add_argument("--logprobs-forwards", type=int, default=None,
+                        help="forward passes in nrl's logprobs phase: 2 = previous-policy + reference, 1 = reference "
+                             "only; default: from the run's log (nrl says where its previous-policy logprobs come "
+                             "from), else 2")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (logs, configs)")
     args = parser.parse_args()
     if args.steps < args.first_steady:
@@ -285,7 +290,8 @@ def main() -> None:
                   f"{res['peak_processes']} processes (sampler CPU {res['sampler_cpu_s']:.1f} s)", flush=True)
     summary = {name: summarize(runs, args.first_steady) for name, runs in results.items()}
     ratio = {k: summary["nrl"][k] / summary["trl"][k] for k in summary["nrl"]}
-    forwards = {"logprobs": 2 * args.logprobs_forwards, "training": 6}  # FLOPs per weight per token
+    logprobs_forwards = args.logprobs_forwards or max(run["logprobs_forwards"] for run in results["nrl"])
+    forwards = {"logprobs": 2 * logprobs_forwards, "training": 6}  # FLOPs per weight per token
     phases = phase_table(results["nrl"], args.first_steady, weights, mm, forwards)
     print(f"\n{'':28s}{'nrl':>10s}{'TRL':>10s}{'nrl/TRL':>9s}")
     for key, label, scale in (("step_s", "steady step, s", 1), ("s_per_generated_token", "per generated token, ms", 1e3),
@@ -293,7 +299,8 @@ def main() -> None:
                               ("first_step_s", "start -> first step end, s", 1), ("peak_pss_gb", "peak tree PSS, GB", 1),
                               ("peak_uss_gb", "peak tree USS, GB", 1)):
         print(f"{label:28s}{summary['nrl'][key] * scale:10.3f}{summary['trl'][key] * scale:10.3f}{ratio[key]:9.2f}")
-    print("\nnrl phases (median s; training side: GFLOP/s, busy threads, of torch.mm at those threads)")
+    print(f"\nnrl phases (median s; training side: GFLOP/s, busy threads, of torch.mm at those threads; "
+          f"logprobs = {logprobs_forwards} forward pass(es))")
     for phase, row in phases.items():
         busy = (f"({row['cores']:.2f} cores busy)" if row.get("threads_measured_steps")
                 else "(not measured: phase shorter than the sampling)")
@@ -302,7 +309,7 @@ def main() -> None:
         print(f"  {phase:12s}{row['s']:8.3f}{extra}")
     print(json.dumps({"bench": "grpo_vs_trl", "rounds": args.rounds, "steps": args.steps,
                       "first_steady": args.first_steady, "matmul_weights": weights,
-                      "logprobs_forwards": args.logprobs_forwards, "nrl_overrides": args.nrl_override, "nrl": summary["nrl"],
+                      "logprobs_forwards": logprobs_forwards, "nrl_overrides": args.nrl_override, "nrl": summary["nrl"],
                       "trl": summary["trl"], "nrl_over_trl": ratio, "nrl_phases": phases,
                       "mm_shape": mm_shape, "mm_gflops": {threads: v / 1e9 for threads, v in mm.items()},
                       "runs": results}))
