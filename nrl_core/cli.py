@@ -150,7 +150,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {message}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
-        failure = _cluster_failure()
+        failure = _take_cluster_failure()
         if failure is None:
             print("error: interrupted", file=sys.stderr)
             return 130
@@ -161,11 +161,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
 
 
-def _cluster_failure() -> str | None:
-    """Why the local Ray died under the run (its GCS watcher interrupts the main thread), if it did;
-    looked up only when the cluster code was loaded, so the CLI itself never imports Ray."""
+def _take_cluster_failure() -> str | None:
+    """Why the local Ray died under the run (its GCS watcher interrupts the main thread), if it did,
+    acknowledging the interrupt so the watcher does not end the process itself; looked up only when
+    the cluster code was loaded, so the CLI itself never imports Ray."""
     watch = sys.modules.get("nrl_core.cluster.gcs_watch")
-    return None if watch is None else watch.cluster_failure()
+    if watch is None:
+        return None
+    watch.stop_watching()
+    return watch.cluster_failure()
 
 
 if __name__ == "__main__":

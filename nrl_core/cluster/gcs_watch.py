@@ -5,10 +5,16 @@ driver, so a run goes on; but the first call that needs the GCS (removing a plac
 starting a worker) blocks for Ray's reconnect timeout, 60 s, before Ray aborts the process, and
 the raylet's agents outlive the driver by as long. So for the Ray it started, the driver watches
 the GCS process: a thread polls it, and when it is gone records why (:func:`cluster_failure`) and
-interrupts the main thread (``KeyboardInterrupt``, which Ray's blocking calls honour). The CLI
+interrupts the main thread with a real SIGINT (``KeyboardInterrupt``, which Ray's blocking calls
+honour; ``_thread.interrupt_main`` alone would not wake a thread blocked in a system call). The CLI
 prints that reason as its one-line error, and :func:`kill_ray_processes` SIGKILLs every process of
 the local Ray, the node's own and all their descendants (a dead raylet orphans its agents and
 workers; they ignore SIGTERM while waiting for the GCS).
+
+The main thread may not take the interrupt: a Ray call that waits on the GCS in C++ checks for
+signals only when Ray's own timeout aborts the whole process (exit 1, 60 s later). So when the
+interrupt is not acknowledged (:func:`stop_watching`) within :data:`GRACE_S`, the watcher ends the
+process itself through ``on_unheeded``, which Ray would have done anyway, later and less clearly.
 """
 
 from __future__ import annotations
@@ -18,11 +24,12 @@ import os
 import signal
 import subprocess
 import threading
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 __all__ = ["cluster_failure", "kill_ray_processes", "stop_watching", "watch_gcs"]
 
 POLL_S = 0.25
+GRACE_S = 10.0
 
 _failure: str | None = None
 _stop: threading.Event | None = None
@@ -33,9 +40,12 @@ def cluster_failure() -> str | None:
     return _failure
 
 
-def watch_gcs(process: subprocess.Popen[Any], *, is_connected: Any) -> None:
+def watch_gcs(process: subprocess.Popen[Any], *, is_connected: Callable[[], bool],
+              on_unheeded: Callable[[str], None]) -> None:
     """Poll ``process`` (the GCS this driver started) from a daemon thread. ``is_connected()``
-    tells a death from a shutdown in progress (Ray disconnects before it stops its processes)."""
+    tells a death from a shutdown in progress (Ray disconnects before it stops its processes).
+    ``on_unheeded(reason)`` runs on the watcher's thread when the main thread has not called
+    :func:`stop_watching` within :data:`GRACE_S` of the interrupt; it is expected to end the process."""
     global _failure, _stop
     stop_watching()
     _failure = None
@@ -52,13 +62,23 @@ def watch_gcs(process: subprocess.Popen[Any], *, is_connected: Any) -> None:
             how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
             _failure = (f"cluster: the local Ray's GCS (gcs_server pid {process.pid}) {how}; the run cannot continue "
                         "without it (complete checkpoints are intact: rerun to resume)")
-            _thread.interrupt_main()
+            _interrupt_main_thread()
+            if not stop.wait(GRACE_S):
+                on_unheeded(_failure)
             return
 
     threading.Thread(target=watch, name="nrl-gcs-watch", daemon=True).start()
 
 
+def _interrupt_main_thread() -> None:
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
+    else:  # a host that handles SIGINT its own way: only set Python's pending-interrupt flag
+        _thread.interrupt_main()
+
+
 def stop_watching() -> None:
+    """Stop the watcher; after a GCS death this acknowledges the interrupt (the caller handles it)."""
     global _stop
     if _stop is not None:
         _stop.set()

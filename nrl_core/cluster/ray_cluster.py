@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 from typing import Any, Iterator, Mapping
 
 import ray
@@ -170,7 +171,8 @@ def init_ray(cluster_cfg: Mapping[str, Any] | None = None) -> None:
             )
         _private_gcs = ray.get_runtime_context().gcs_address
         node = ray._private.worker._global_node
-        watch_gcs(node.all_processes[ray_constants.PROCESS_TYPE_GCS_SERVER][0].process, is_connected=ray.is_initialized)
+        watch_gcs(node.all_processes[ray_constants.PROCESS_TYPE_GCS_SERVER][0].process, is_connected=ray.is_initialized,
+                  on_unheeded=_exit_after_gcs_death)
         mark("ray_init_end")
     except ConnectionError as exc:
         where = "cluster.ray_address" if cfg.get("ray_address") else "RAY_ADDRESS"
@@ -184,6 +186,14 @@ def private_local_ray() -> bool:
     """Whether this process is connected to the loopback-only Ray :func:`init_ray` started: every
     worker is on this machine, so worker groups rendezvous without listening on the network."""
     return ray.is_initialized() and _private_gcs is not None and _private_gcs == ray.get_runtime_context().gcs_address
+
+
+def _exit_after_gcs_death(reason: str) -> None:
+    """The end of a process whose main thread did not take the GCS watcher's interrupt: it sits in a
+    Ray call that Ray itself would abort. Print the CLI's one-line error, kill the local Ray, exit 2."""
+    print(f"error: {reason}", file=sys.stderr, flush=True)
+    kill_ray_processes(ray._private.worker._global_node)
+    os._exit(2)
 
 
 def shutdown_ray() -> None:
