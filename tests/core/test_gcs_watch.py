@@ -14,8 +14,10 @@ import time
 import pytest
 
 SCRIPT = textwrap.dedent("""
-    import os, subprocess, sys, time
+    import os, signal, subprocess, sys, time
     from nrl_core.cluster import gcs_watch
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal; a parent may have ignored it
 
     gcs_watch.GRACE_S = 1.0
     gcs = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
