@@ -16,15 +16,21 @@ What runs (every setting is the same on both sides unless said):
 * loss: clipped policy gradient, clip 0.2, token-level mean (nrl ``token_level_loss``; TRL
   ``loss_type="dapo"``, its default), KL to the reference 0.01 (nrl
   ``loss_fn.reference_policy_kl_penalty``; TRL ``beta``), so both compute reference logprobs;
-* one optimizer step per GRPO step: nrl ``train_global_batch_size`` = micro = logprob batch = 32;
-  TRL ``per_device_train_batch_size`` 32, ``gradient_accumulation_steps`` 1,
-  ``steps_per_generation`` 1, ``num_iterations`` 1;
+* one optimizer step per GRPO step: nrl ``train_global_batch_size`` 32; TRL
+  ``per_device_train_batch_size`` 32, ``gradient_accumulation_steps`` 1, ``steps_per_generation``
+  1, ``num_iterations`` 1;
+* batching as each framework does it best on this machine: nrl packs the 32 sequences
+  (``policy.sequence_packing``, rows of at most 2048 tokens for training and 4096 for logprobs,
+  ``sequence_length_round`` 1: nothing is computed on padding, each sequence attends only to
+  itself); TRL pads the batch to its longest sequence (its padding-free mode needs flash
+  attention, which does not run on CPU);
 * AdamW lr 3e-4, betas (0.9, 0.99), eps 1e-8, no weight decay, constant lr, grad-norm clip 1.0;
   seed 42;
 * nrl: ``nrl train grpo`` on a config generated from the demo's (DTensor backend, one training
   worker, vLLM colocated with ``enforce_eager``, ``max_model_len`` and
   ``max_total_sequence_length`` 128, the vLLM KV cache at nrl's default size), no validation or
-  checkpoints, ``OMP_NUM_THREADS=1`` as ``scripts/demo.sh`` sets it (``--nrl-omp-threads``);
+  checkpoints, ``OMP_NUM_THREADS=2`` (``--nrl-omp-threads``): the training actor computes on both
+  cores, as TRL does (without it Ray gives each actor one thread; docs/platform.md);
 * TRL 1.16.0 (its own venv, ``benchmarks/trl/make_venv.sh``; same torch and transformers as nrl):
   ``benchmarks/trl/run_trl.py``, HF ``generate`` (TRL's default, no vLLM), 2 torch threads
   (``--trl-threads``), ``use_cpu``.
@@ -84,6 +90,7 @@ from benchmarks.process_tree_sampler import TreeSampler, busy_threads  # noqa: E
 
 PROMPTS_PER_STEP, GENERATIONS, MAX_NEW_TOKENS, MAX_LEN = 8, 4, 64, 128
 KL, LR, SEED = 0.01, 3e-4, 42
+PACKED_TRAIN_TOKENS, PACKED_LOGPROB_TOKENS = 2048, 4096
 TRAINING_SIDE = ("logprobs", "training")
 
 
@@ -96,6 +103,8 @@ def nrl_config(model: Path, steps: int, log_dir: Path) -> dict[str, Any]:
     batch = PROMPTS_PER_STEP * GENERATIONS
     cfg["policy"].update(model_name=str(model), train_global_batch_size=batch, train_micro_batch_size=batch,
                          logprob_batch_size=batch, max_total_sequence_length=MAX_LEN)
+    cfg["policy"]["sequence_packing"] = {"enabled": True, "train_mb_tokens": PACKED_TRAIN_TOKENS,
+                                         "logprob_mb_tokens": PACKED_LOGPROB_TOKENS, "sequence_length_round": 1}
     cfg["policy"]["optimizer"]["kwargs"]["lr"] = LR
     gen = cfg["policy"]["generation"]
     gen.update(max_new_tokens=MAX_NEW_TOKENS, temperature=1.0, top_p=1.0, top_k=None)
@@ -222,9 +231,10 @@ def summarize(runs: list[dict[str, Any]], first: int) -> dict[str, float]:
 
 
 def phase_table(runs: list[dict[str, Any]], first: int, weights: int, mm: dict[int, float],
-                forwards: dict[str, int]) -> dict[str, dict[str, float]]:
+                forwards: dict[str, int], omp_threads: int) -> dict[str, dict[str, float]]:
     """Median seconds of each nrl phase; for the training side, FLOP/s and its fraction of torch.mm's
-    (``mm``: the best FLOP/s per thread count)."""
+    (``mm``: the best FLOP/s per thread count). A phase too short for the sampler to see its threads
+    is compared with torch.mm on the threads nrl was given (``omp_threads``), and says so."""
     st = steady(runs, first)
     out: dict[str, dict[str, float]] = {}
     for phase in st[0]["timing"]:
@@ -232,7 +242,7 @@ def phase_table(runs: list[dict[str, Any]], first: int, weights: int, mm: dict[i
         if phase in forwards:
             flops = statistics.median(forwards[phase] * weights * s["tokens"] / s["timing"][phase] for s in st)
             busy = [s["threads"][phase]["busy_threads"] for s in st if s["threads"].get(phase)]
-            threads = max(1, min(2, round(statistics.median(busy)))) if busy else 1  # unmeasured: 1, and said
+            threads = max(1, min(2, round(statistics.median(busy)) if busy else omp_threads))
             cores = [s["threads"][phase]["cores"] for s in st if s["threads"].get(phase)]
             roof = mm[threads]
             row.update(gflops=flops / 1e9, threads=threads, threads_measured_steps=len(busy),
@@ -249,7 +259,7 @@ def main() -> None:
     parser.add_argument("--first-steady", type=int, default=3)
     parser.add_argument("--trl-python", default=str(BENCH / ".venv-trl" / "bin" / "python"))
     parser.add_argument("--trl-threads", type=int, default=2)
-    parser.add_argument("--nrl-omp-threads", type=int, default=1)
+    parser.add_argument("--nrl-omp-threads", type=int, default=2, help="OMP_NUM_THREADS for nrl's run")
     parser.add_argument("--nrl-override", action="append", default=[], metavar="KEY=VALUE",
                         help="an override appended to nrl's command line (repeatable), e.g. to try a setting")
     parser.add_argument("--logprobs-forwards", type=int, default=None,
@@ -292,7 +302,7 @@ def main() -> None:
     ratio = {k: summary["nrl"][k] / summary["trl"][k] for k in summary["nrl"]}
     logprobs_forwards = args.logprobs_forwards or max(run["logprobs_forwards"] for run in results["nrl"])
     forwards = {"logprobs": 2 * logprobs_forwards, "training": 6}  # FLOPs per weight per token
-    phases = phase_table(results["nrl"], args.first_steady, weights, mm, forwards)
+    phases = phase_table(results["nrl"], args.first_steady, weights, mm, forwards, args.nrl_omp_threads)
     print(f"\n{'':28s}{'nrl':>10s}{'TRL':>10s}{'nrl/TRL':>9s}")
     for key, label, scale in (("step_s", "steady step, s", 1), ("s_per_generated_token", "per generated token, ms", 1e3),
                               ("generated_tokens_per_step", "generated tokens / step", 1),
@@ -303,7 +313,7 @@ def main() -> None:
           f"logprobs = {logprobs_forwards} forward pass(es))")
     for phase, row in phases.items():
         busy = (f"({row['cores']:.2f} cores busy)" if row.get("threads_measured_steps")
-                else "(not measured: phase shorter than the sampling)")
+                else f"(not measured: phase shorter than the sampling; assumed {row['threads']}, the OMP_NUM_THREADS given)")
         extra = (f"  {row['gflops']:.1f} GFLOP/s on {row['threads']} thread(s) {busy}, "
                  f"torch.mm {row['mm_gflops']:.1f}: {100 * row['fraction_of_mm']:.0f}%") if "gflops" in row else ""
         print(f"  {phase:12s}{row['s']:8.3f}{extra}")

@@ -39,10 +39,13 @@ def packed_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                                       **kwargs)
     gqa = query.shape[1] != key.shape[1]
     rows = []
-    for b in range(query.shape[0]):
-        parts = [F.scaled_dot_product_attention(query[b:b + 1, :, s:e], key[b:b + 1, :, s:e], value[b:b + 1, :, s:e],
-                                                dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=gqa)
-                 for s, e in _segments(position_ids[b if position_ids.shape[0] > 1 else 0])]
+    # split, not slicing: the backward of one split is one concatenation, while each slice's
+    # backward would write a zero tensor the size of the whole row
+    for b, (q, k, v) in enumerate(zip(query.split(1), key.split(1), value.split(1))):
+        sizes = [e - s for s, e in _segments(position_ids[b if position_ids.shape[0] > 1 else 0])]
+        parts = [F.scaled_dot_product_attention(qs, ks, vs, dropout_p=dropout, is_causal=True, scale=scaling,
+                                                enable_gqa=gqa)
+                 for qs, ks, vs in zip(q.split(sizes, dim=2), k.split(sizes, dim=2), v.split(sizes, dim=2))]
         rows.append(torch.cat(parts, dim=2))
     return torch.cat(rows, dim=0).transpose(1, 2).contiguous(), None
 
