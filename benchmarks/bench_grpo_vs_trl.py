@@ -252,6 +252,20 @@ def phase_table(runs: list[dict[str, Any]], first: int, weights: int, mm: dict[i
     return out
 
 
+def phase_lines(phases: dict[str, dict[str, float]]) -> list[str]:
+    """The phase table's lines: seconds, and for the training side FLOP/s against torch.mm."""
+    lines = []
+    for phase, row in phases.items():
+        extra = ""
+        if "gflops" in row:
+            busy = (f"({row['cores']:.2f} cores busy)" if row["threads_measured_steps"]
+                    else "(not measured: phase shorter than the sampling; the OMP_NUM_THREADS given)")
+            extra = (f"  {row['gflops']:.1f} GFLOP/s on {row['threads']} thread(s) {busy}, "
+                     f"torch.mm {row['mm_gflops']:.1f}: {100 * row['fraction_of_mm']:.0f}%")
+        lines.append(f"  {phase:12s}{row['s']:8.3f}{extra}")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=2, help="alternating (nrl, TRL) pairs")
@@ -311,12 +325,7 @@ def main() -> None:
         print(f"{label:28s}{summary['nrl'][key] * scale:10.3f}{summary['trl'][key] * scale:10.3f}{ratio[key]:9.2f}")
     print(f"\nnrl phases (median s; training side: GFLOP/s, busy threads, of torch.mm at those threads; "
           f"logprobs = {logprobs_forwards} forward pass(es))")
-    for phase, row in phases.items():
-        busy = (f"({row['cores']:.2f} cores busy)" if row.get("threads_measured_steps")
-                else f"(not measured: phase shorter than the sampling; assumed {row['threads']}, the OMP_NUM_THREADS given)")
-        extra = (f"  {row['gflops']:.1f} GFLOP/s on {row['threads']} thread(s) {busy}, "
-                 f"torch.mm {row['mm_gflops']:.1f}: {100 * row['fraction_of_mm']:.0f}%") if "gflops" in row else ""
-        print(f"  {phase:12s}{row['s']:8.3f}{extra}")
+    print("\n".join(phase_lines(phases)))
     print(json.dumps({"bench": "grpo_vs_trl", "rounds": args.rounds, "steps": args.steps,
                       "first_steady": args.first_steady, "matmul_weights": weights,
                       "logprobs_forwards": logprobs_forwards, "nrl_overrides": args.nrl_override, "nrl": summary["nrl"],

@@ -8,9 +8,10 @@ import subprocess
 import sys
 import time
 
+import pytest
 import yaml
 
-from benchmarks.bench_grpo_vs_trl import matmul_weights, nrl_config
+from benchmarks.bench_grpo_vs_trl import matmul_weights, nrl_config, phase_lines, phase_table
 from benchmarks.process_tree_sampler import TreeSampler, busy_threads
 from nrl_core.cli import main
 from nrl_core.testing.tiny_models import cached_tiny_model
@@ -50,3 +51,16 @@ def test_matmul_weights_are_the_models_linear_weights():
     hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model))
     linear = sum(m.weight.numel() for m in hf.modules() if isinstance(m, torch.nn.Linear))
     assert matmul_weights(model) == linear
+
+
+def test_phase_table_compares_an_unsampled_phase_at_the_given_threads():
+    step = {"tokens": 1000, "timing": {"generation": 1.0, "logprobs": 0.5, "training": 2.0},
+            "threads": {"training": {"busy_threads": 1, "cores": 1.0}}}  # logprobs too short to be sampled
+    phases = phase_table([{"steps": [step] * 3}], 1, weights=10**6, mm={1: 2e9, 2: 4e9},
+                         forwards={"logprobs": 2, "training": 6}, omp_threads=2)
+    assert phases["logprobs"]["threads"] == 2 and phases["logprobs"]["fraction_of_mm"] == pytest.approx(4e9 / 4e9)
+    assert phases["training"]["threads"] == 1 and phases["training"]["fraction_of_mm"] == pytest.approx(3e9 / 2e9)
+    lines = phase_lines(phases)
+    assert lines[0].split() == ["generation", "1.000"]
+    assert "not measured" in lines[1] and "on 2 thread(s)" in lines[1] and lines[1].endswith("100%")
+    assert "(1.00 cores busy)" in lines[2] and lines[2].endswith("150%")
