@@ -162,6 +162,13 @@ def run_tree(cmd: list[str], env: dict[str, str], cwd: Path, log: Path) -> tuple
     return t0, sampler
 
 
+def tree_figures(t0: float, first_step_end: float, sampler: TreeSampler) -> dict[str, Any]:
+    """What every run reports of its process tree: time to the first step's end, peak memory, the
+    sampler's own CPU time."""
+    return {"first_step_s": first_step_end - t0, "peak_pss": sampler.peak("pss"), "peak_uss": sampler.peak("uss"),
+            "peak_processes": sampler.peak("processes"), "sampler_cpu_s": sampler.cpu_s}
+
+
 def run_nrl(model: Path, steps: int, work: Path, omp: int, overrides: list[str]) -> dict[str, Any]:
     log_dir = work / "logs"
     config = work / "grpo_vs_trl.yaml"
@@ -193,9 +200,8 @@ def run_nrl(model: Path, steps: int, work: Path, omp: int, overrides: list[str])
     # nrl logs whether the training forward gives the previous-policy logprobs (then the logprobs
     # phase runs the reference forward only); an nrl that does not say runs both there.
     prev_from_training = "previous-policy logprobs: from the training forward" in (work / "nrl.log").read_text()
-    return {"first_step_s": ends[0] - t0, "peak_pss": sampler.peak("pss"), "peak_uss": sampler.peak("uss"),
-            "peak_processes": sampler.peak("processes"), "sampler_cpu_s": sampler.cpu_s,
-            "logprobs_forwards": 1 if prev_from_training else 2, "steps": steps_out}
+    return {**tree_figures(t0, ends[0], sampler), "logprobs_forwards": 1 if prev_from_training else 2,
+            "steps": steps_out}
 
 
 def run_trl(python: str, model: Path, prompts: Path, steps: int, work: Path, threads: int) -> dict[str, Any]:
@@ -210,8 +216,8 @@ def run_trl(python: str, model: Path, prompts: Path, steps: int, work: Path, thr
     res = json.loads(out.read_text())
     ends = res["step_end_unix"]
     starts = [res["train_begin_unix"], *ends[:-1]]
-    return {"first_step_s": ends[0] - t0, "peak_pss": sampler.peak("pss"), "peak_uss": sampler.peak("uss"),
-            "peak_processes": sampler.peak("processes"), "sampler_cpu_s": sampler.cpu_s, "steps": [{"step_s": e - s, "generated_tokens": g, "reward": r}
+    return {**tree_figures(t0, ends[0], sampler),
+            "steps": [{"step_s": e - s, "generated_tokens": g, "reward": r}
                       for e, s, g, r in zip(ends, starts, res["completion_tokens"], res["reward"])]}
 
 
