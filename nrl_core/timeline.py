@@ -6,7 +6,9 @@ The variable starts with ``NRL_``, so Ray forwards it to every worker
 (:data:`nrl_core.cluster.ray_cluster.FORWARDED_ENV_PREFIXES`) and marks from the driver and the
 actors land in one file; ``benchmarks/startup_profile.py`` sets it and prints the timeline.
 Once torch is imported, a mark also records the process's torch intra-op threads and the CPUs it
-may run on (``threads``, ``cpus``). Lines are short single ``write`` calls on a file opened for appending, so processes do not
+may run on (``threads``, ``cpus``), and every mark the process's proportional set size (``pss_mib``:
+its memory with shared pages divided among the processes sharing them, read from
+``/proc/self/smaps_rollup``; about 10 ms per GB mapped, so only while a timeline is recorded). Lines are short single ``write`` calls on a file opened for appending, so processes do not
 interleave within a line.
 """
 
@@ -30,9 +32,23 @@ def mark(event: str, **fields: object) -> None:
     torch = sys.modules.get("torch")
     if torch is not None and hasattr(os, "sched_getaffinity"):  # what this process computes with now
         fields = {"threads": torch.get_num_threads(), "cpus": len(os.sched_getaffinity(0)), **fields}
+    pss = _pss_mib()
+    if pss is not None:
+        fields = {**fields, "pss_mib": pss}
     line = json.dumps({"t": time.time(), "pid": os.getpid(), "event": event, **fields}) + "\n"
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         os.write(fd, line.encode())
     finally:
         os.close(fd)
+
+
+def _pss_mib() -> int | None:
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) >> 10
+    except OSError:
+        pass
+    return None
