@@ -4,7 +4,7 @@ Runs ``nrl train grpo`` in a child process with ``NRL_TIMELINE`` set (see :mod:`
 the driver and every Ray actor append their marks to one file), timestamps vLLM's own start-up log
 lines as they arrive, and samples the proportional set size (PSS, so shared pages are counted once
 over the tree) of every process under the child every ``--interval`` seconds. Prints the timeline
-(seconds since the command started), each process's peak PSS, the tree's peak and who held it at
+(seconds since the command started; each mark with its process's PSS at that moment, ``pss_mib``), each process's peak PSS, the tree's peak and who held it at
 that moment, and one JSON line.
 
 By default it runs the issue-18 bench work: ``nrl tiny-model --size bench`` (25.7M parameters),
