@@ -65,15 +65,17 @@ def _cmd_config_show(args: argparse.Namespace) -> int:
 def _cmd_train(args: argparse.Namespace) -> int:
     from nrl_core.config import load_and_validate
     from nrl_core.contracts import import_object
+    from nrl_core.long_lived import long_lived_objects
     from nrl_core.plugins import get_plugin_manager
-
     from nrl_core.timeline import mark
 
     mark("cli_start")
-    spec = get_plugin_manager().algorithms().get(args.algorithm, "algorithm")
-    config = load_and_validate(args.config, args.overrides, algorithm=args.algorithm)
+    with long_lived_objects(freeze=False):  # imports torch and transformers: no collection while they load
+        spec = get_plugin_manager().algorithms().get(args.algorithm, "algorithm")
+        config = load_and_validate(args.config, args.overrides, algorithm=args.algorithm)
+        run = import_object(spec.entry)
     mark("config_validated")
-    return int(import_object(spec.entry)(config) or 0)
+    return int(run(config) or 0)
 
 
 def _cmd_tiny_model(args: argparse.Namespace) -> int:

@@ -15,6 +15,7 @@ import sys
 from datetime import timedelta
 from typing import Any, Callable
 
+from nrl_core.long_lived import long_lived_objects
 from nrl_core.refit.endpoints import RefitEndpoints
 from nrl_core.timeline import mark
 
@@ -126,9 +127,10 @@ class WorkerHost(RefitEndpoints):
         from nrl_core.contracts import import_object
 
         mark("worker_import_start", worker=worker_cls, rank=self.rank)
-        cls = import_object(worker_cls)
-        mark("worker_build_start", worker=worker_cls, rank=self.rank)
-        self.worker = cls(**init_kwargs, rank=self.rank, world_size=self.world_size)
+        with long_lived_objects():
+            cls = import_object(worker_cls)
+            mark("worker_build_start", worker=worker_cls, rank=self.rank)
+            self.worker = cls(**init_kwargs, rank=self.rank, world_size=self.world_size)
         mark("worker_built", worker=worker_cls, rank=self.rank)
 
     def call(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
 from nrl_core.contracts import WeightSpec, import_object
+from nrl_core.long_lived import long_lived_objects
 from nrl_core.refit.buckets import manifest_bytes
 from nrl_core.refit.report import RefitReport
 from nrl_core.refit.transports import RefitSession, RefitTransport
@@ -120,9 +121,10 @@ class RefitEndpoints:
         rank = getattr(self, "rank", 0) if rank is None else rank
         world_size = getattr(self, "world_size", 1) if world_size is None else world_size
         mark("generation_worker_import_start", worker=worker_cls, rank=rank)
-        cls = import_object(worker_cls)
-        mark("generation_worker_build_start", worker=worker_cls, rank=rank)
-        self.generation_worker = cls(config, rank=rank, world_size=world_size)
+        with long_lived_objects():
+            cls = import_object(worker_cls)
+            mark("generation_worker_build_start", worker=worker_cls, rank=rank)
+            self.generation_worker = cls(config, rank=rank, world_size=world_size)
         mark("generation_worker_built", worker=worker_cls, rank=rank)
 
     def nrl_generation_call(self, method: str, *args: Any, **kwargs: Any) -> Any:
