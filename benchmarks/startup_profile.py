@@ -4,8 +4,9 @@ Runs ``nrl train grpo`` in a child process with ``NRL_TIMELINE`` set (see :mod:`
 the driver and every Ray actor append their marks to one file), timestamps vLLM's own start-up log
 lines as they arrive, and samples the proportional set size (PSS, so shared pages are counted once
 over the tree) of every process under the child every ``--interval`` seconds. Prints the timeline
-(seconds since the command started; each mark with its process's PSS at that moment, ``pss_mib``), each process's peak PSS, the tree's peak and who held it at
-that moment, and one JSON line.
+(seconds since the command started; each mark with its process's PSS at that moment,
+``pss_mib``), each process's peak PSS, the tree's peak and who held it at that moment, and one
+JSON line.
 
 By default it runs the issue-18 bench work: ``nrl tiny-model --size bench`` (25.7M parameters),
 8 prompts x 4 generations, up to 64 new tokens, DTensor, colocated vLLM, one worker, one step,
@@ -27,6 +28,8 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from nrl_core.timeline import pss_kib
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE_CONFIG = ROOT / "examples" / "configs" / "grpo_tiny_cpu.yaml"
@@ -82,17 +85,6 @@ def process_tree(root: int) -> list[int]:
         tree.append(pid)
         todo.extend(children.get(pid, []))
     return tree
-
-
-def pss_kib(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
-            for line in f:
-                if line.startswith("Pss:"):
-                    return int(line.split()[1])
-    except OSError:
-        return None
-    return None
 
 
 def cmdline(pid: int) -> str:

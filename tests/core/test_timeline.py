@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from nrl_core.timeline import ENV, mark
+from nrl_core.timeline import ENV, mark, pss_kib
 
 
 def test_mark_writes_nothing_without_the_variable(tmp_path, monkeypatch):
@@ -36,3 +36,15 @@ def test_marks_from_two_processes_land_in_one_file_with_their_memory(tmp_path, m
     assert lines[0]["step"] == 1 and lines[0]["pid"] == os.getpid() and lines[1]["pid"] != os.getpid()
     # Proportional set size in MiB: a Python process maps several MiB of its own at least.
     assert all(line["pss_mib"] >= 5 for line in lines)
+
+
+def test_pss_of_a_process_by_pid_and_of_one_that_is_gone():
+    child = subprocess.Popen([sys.executable, "-c", "import time; print('up', flush=True); time.sleep(30)"],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline() == "up\n"  # a running interpreter, not a process still exec-ing
+        assert pss_kib(child.pid) > 1024 and pss_kib() > pss_kib(child.pid) // 4
+    finally:
+        child.kill()
+        child.wait()
+    assert pss_kib(child.pid) is None
