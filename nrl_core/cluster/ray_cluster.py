@@ -9,7 +9,9 @@ or ``RAY_ADDRESS`` an existing cluster (``ray start --head`` on the first node, 
 
 Workers are separate processes that do not inherit the driver's ``sys.path`` or shell, so the
 environment variables they need (``PYTHONPATH``, engine knobs such as ``VLLM_*``, thread counts)
-are forwarded explicitly through the job's ``runtime_env``.
+are forwarded explicitly: a local Ray's processes start with them in their environment, a joined
+cluster gets them through the job's ``runtime_env``, and an actor whose environment differs from
+what its Ray already has carries its own (:func:`actor_runtime_env`).
 """
 
 from __future__ import annotations
@@ -22,12 +24,13 @@ from typing import Any, Iterator, Mapping
 
 import ray
 from ray._private import ray_constants
+from ray._private.node import Node
 
 from nrl_core.cluster.gcs_watch import cluster_failure, kill_ray_processes, stop_watching, watch_gcs
 from nrl_core.errors import NrlError
 from nrl_core.timeline import mark
 
-__all__ = ["cluster_failure", "init_ray", "private_local_ray", "shutdown_ray", "worker_env_vars",
+__all__ = ["actor_runtime_env", "cluster_failure", "init_ray", "private_local_ray", "shutdown_ray", "worker_env_vars",
            "FORWARDED_ENV_PREFIXES", "FORWARDED_ENV_NAMES"]
 
 log = logging.getLogger(__name__)
@@ -52,15 +55,20 @@ FORWARDED_ENV_NAMES: tuple[str, ...] = (
     "PYTORCH_CUDA_ALLOC_CONF",
     "CUDA_LAUNCH_BLOCKING",
 )
-#: Ray settings of the local Ray nrl starts. Ray prestarts one idle worker per CPU for the first
-#: driver, but nrl's actors each carry their own ``runtime_env`` and never reuse them: on a 2-core
-#: machine that is two Python processes importing Ray beside the driver at start (and ~45 MiB
-#: each) for nothing. Nothing reads Ray's metrics here (no dashboard, no Prometheus).
-LOCAL_SYSTEM_CONFIG: Mapping[str, Any] = {"prestart_worker_first_driver": False, "enable_metrics_collection": False}
+#: Ray settings of the local Ray nrl starts. Nothing reads Ray's metrics here (no dashboard, no
+#: Prometheus).
+LOCAL_SYSTEM_CONFIG: Mapping[str, Any] = {"enable_metrics_collection": False}
+#: Ray prestarts one idle worker process per advertised CPU when the first driver connects, and an
+#: actor without a ``runtime_env`` of its own takes one of them instead of waiting ~1 s for a new
+#: process (see :func:`actor_runtime_env`). A run's first actors are a handful, so on a machine
+#: with more CPUs than this the rest would idle at ~45 MiB each: there nothing is prestarted.
+PRESTART_MAX_CPUS = 8
 # Ray assigns devices per actor through this one; forwarding the driver's would defeat that.
 _NEVER_FORWARD = frozenset({"CUDA_VISIBLE_DEVICES"})
 # The GCS address of the loopback-only Ray this process started (None: it started none).
 _private_gcs: str | None = None
+# The worker environment that Ray's processes inherited when this process started it.
+_inherited_env: dict[str, str] | None = None
 
 
 def worker_env_vars(extra: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -109,20 +117,31 @@ def _use_token_auth_if_available() -> None:
 
 
 @contextlib.contextmanager
-def _loopback_only() -> Iterator[None]:
-    """Make Ray keep ``127.0.0.1`` as the node address instead of swapping in the routable one.
+def _private_head() -> Iterator[None]:
+    """Start a head node for this process alone: loopback only, without the services nobody can use.
 
     On Linux Ray resolves a loopback ``_node_ip_address`` to the machine's network address (so
     other nodes could join); its single-machine mode, which Ray itself uses on macOS and Windows
     and exposes as ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, keeps the loopback address. The flag is
     read from a module constant at call time, so it is switched only around the start.
+
+    ``ray.init`` also starts the autoscaler's monitor and the dashboard's API server, which
+    ``include_dashboard=False`` only trims (``ray start`` has ``--no-monitor``; ``ray.init`` no
+    switch for either). A private Ray on one machine never scales and takes no jobs, and
+    ``ray.init`` waits about a second for the API server to come up; skipping both saves that and
+    ~130 MiB of two Python processes. Worker logs reach the driver through the log monitor, which
+    stays.
     """
     saved = getattr(ray_constants, "ENABLE_RAY_CLUSTER", None)
+    saved_monitor, saved_api_server = Node.start_monitor, Node.start_api_server
     ray_constants.ENABLE_RAY_CLUSTER = False
+    Node.start_monitor = lambda self: None  # type: ignore[method-assign]
+    Node.start_api_server = lambda self, **kwargs: None  # type: ignore[method-assign]
     try:
         yield
     finally:
         ray_constants.ENABLE_RAY_CLUSTER = saved
+        Node.start_monitor, Node.start_api_server = saved_monitor, saved_api_server  # type: ignore[method-assign]
 
 
 def init_ray(cluster_cfg: Mapping[str, Any] | None = None) -> None:
@@ -137,14 +156,13 @@ def init_ray(cluster_cfg: Mapping[str, Any] | None = None) -> None:
     Ray only schedules by these numbers; workers ask for fractions of a CPU (see
     :mod:`nrl_core.cluster.placement`), so a 2-core machine can host more workers than cores.
     """
-    global _private_gcs
+    global _private_gcs, _inherited_env
     if ray.is_initialized():
         return
     mark("ray_init_start")
     cfg: Mapping[str, Any] = cluster_cfg or {}
     env_vars = worker_env_vars(cfg.get("env_vars"))
     common: dict[str, Any] = {
-        "runtime_env": {"env_vars": env_vars},
         "log_to_driver": bool(cfg.get("log_to_driver", True)),
         "logging_level": cfg.get("logging_level", "warning"),
         "namespace": cfg.get("namespace"),
@@ -154,22 +172,23 @@ def init_ray(cluster_cfg: Mapping[str, Any] | None = None) -> None:
         if address is not None:
             log.info("joining the Ray cluster at %s", address)
             _use_token_auth_if_available()
-            ray.init(address=address, **common)
+            ray.init(address=address, runtime_env={"env_vars": env_vars}, **common)
             mark("ray_init_end")
             return
         num_cpus = int(cfg.get("num_cpus") or os.cpu_count() or 1)
         num_gpus = cfg.get("num_gpus")
-        with _loopback_only():
+        with _private_head(), _environment(env_vars):
             ray.init(
                 address="local",  # never attach to someone else's `ray start` by accident
                 _node_ip_address="127.0.0.1",
                 include_dashboard=False,
                 num_cpus=num_cpus,
                 num_gpus=None if num_gpus is None else int(num_gpus),
-                _system_config=dict(LOCAL_SYSTEM_CONFIG),
+                _system_config={**LOCAL_SYSTEM_CONFIG, "prestart_worker_first_driver": num_cpus <= PRESTART_MAX_CPUS},
                 **common,
             )
         _private_gcs = ray.get_runtime_context().gcs_address
+        _inherited_env = env_vars
         node = ray._private.worker._global_node
         watch_gcs(node.all_processes[ray_constants.PROCESS_TYPE_GCS_SERVER][0].process, is_connected=ray.is_initialized,
                   on_unheeded=_exit_after_gcs_death)
@@ -180,6 +199,35 @@ def init_ray(cluster_cfg: Mapping[str, Any] | None = None) -> None:
             f"{where}: cannot connect to a Ray cluster at '{address}' ({exc}); start one with "
             "`ray start --head` or unset it to run on a local Ray"
         ) from exc
+
+
+def actor_runtime_env(env_vars: Mapping[str, str]) -> dict[str, Any] | None:
+    """The ``runtime_env`` that gives an actor the environment ``env_vars`` (from
+    :func:`worker_env_vars`): None when the private local Ray's processes already have exactly it.
+
+    The local Ray :func:`init_ray` starts inherits the worker environment, so an actor asking for
+    the same one needs no ``runtime_env``, and only such an actor can take a worker Ray prestarted
+    (Ray matches workers to tasks by runtime environment). Anything that differs since (a variable
+    set after the start, a group's own ``env_vars``, another working directory) goes in one.
+    """
+    if private_local_ray() and dict(env_vars) == _inherited_env:
+        return None
+    return {"env_vars": dict(env_vars)}
+
+
+@contextlib.contextmanager
+def _environment(env_vars: Mapping[str, str]) -> Iterator[None]:
+    """``os.environ`` with ``env_vars`` set while the block runs: what Ray's processes inherit."""
+    saved = {name: os.environ.get(name) for name in env_vars}
+    os.environ.update(env_vars)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def private_local_ray() -> bool:
@@ -202,9 +250,9 @@ def shutdown_ray() -> None:
     After the local Ray lost its GCS (:func:`~nrl_core.cluster.gcs_watch.cluster_failure`), its
     processes are killed outright first: a graceful stop would wait on the dead GCS.
     """
-    global _private_gcs
+    global _private_gcs, _inherited_env
     private = private_local_ray()
-    _private_gcs = None
+    _private_gcs = _inherited_env = None
     stop_watching()
     if private and cluster_failure() is not None:
         killed = kill_ray_processes(ray._private.worker._global_node)

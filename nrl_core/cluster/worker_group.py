@@ -37,7 +37,7 @@ from ray import exceptions as rex
 from nrl_core.cluster._host import WorkerHost
 from nrl_core.cluster._logs import tail_lines
 from nrl_core.cluster.placement import Placement
-from nrl_core.cluster.ray_cluster import init_ray, private_local_ray, worker_env_vars
+from nrl_core.cluster.ray_cluster import actor_runtime_env, init_ray, private_local_ray, worker_env_vars
 from nrl_core.errors import NrlError, WorkerError, WorkerRaisedError
 from nrl_core.process_groups import DEFAULT_TIMEOUT_S
 
@@ -208,7 +208,9 @@ class WorkerGroup:
         else:
             opts.update(num_cpus=cpus, num_gpus=gpus)
         # Forwarded again per group (not only at init_ray) so a Ray the user started still gets them.
-        opts["runtime_env"] = {"env_vars": worker_env_vars(env_vars)}
+        runtime_env = actor_runtime_env(worker_env_vars(env_vars))
+        if runtime_env is not None:
+            opts["runtime_env"] = runtime_env
         return opts
 
     def _start(

@@ -1,0 +1,87 @@
+"""Actors on the private local Ray take the workers Ray prestarted, and still get the right environment.
+
+A fresh local Ray of its own (``init_ray``), so the two prestarted workers are still idle when the
+first group asks for them.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Iterator
+
+import psutil
+import pytest
+import ray
+
+from nrl_core.cluster import WorkerGroup, init_ray, shutdown_ray, worker_env_vars
+from nrl_core.cluster.ray_cluster import actor_runtime_env
+
+HERE = Path(__file__).resolve().parent
+WORKER = "cluster_workers:CollectiveWorker"
+
+
+@pytest.fixture()
+def fresh_ray(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    shutdown_ray()
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p))
+    monkeypatch.setenv("NRL_CLUSTER_TEST_FORWARD", "at-start")
+    try:
+        init_ray({"num_cpus": 2, "log_to_driver": False, "env_vars": {"NRL_TEST_MARK": "from-cluster-section"}})
+        yield
+    finally:
+        shutdown_ray()
+
+
+def _is_idle_worker(cmdline: list[str]) -> bool:
+    """A Ray worker process booting (``default_worker.py``) or booted and idle (it renames itself)."""
+    return bool(cmdline) and (cmdline[0] == "ray::IDLE" or any(arg.endswith("default_worker.py") for arg in cmdline))
+
+
+def _idle_ray_workers(timeout_s: float = 30.0) -> set[int]:
+    """The pids of the worker processes Ray's node started before any actor asked for one."""
+    raylet = ray._private.worker._global_node.all_processes["raylet"][0].process.pid
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        workers = {p.pid for p in psutil.Process(raylet).children() if _is_idle_worker(p.cmdline())}
+        if len(workers) == 2:
+            return workers
+        time.sleep(0.1)
+    raise AssertionError(f"Ray prestarted {len(workers)} workers on a 2-CPU node, expected 2")
+
+
+def test_a_group_takes_a_prestarted_worker_with_the_starting_environment(fresh_ray: None) -> None:
+    assert os.environ.get("NRL_TEST_MARK") is None  # the cluster section's variable stays out of the driver
+    assert actor_runtime_env(worker_env_vars({"NRL_TEST_MARK": "from-cluster-section"})) is None
+    prestarted = _idle_ray_workers()
+    group = WorkerGroup(WORKER, 1, name="prestarted", env_vars={"NRL_TEST_MARK": "from-cluster-section"},
+                        num_cpus_per_worker=0.1)
+    try:
+        me = group.run_rank(0, "whoami")
+    finally:
+        group.shutdown()
+    assert me["pid"] in prestarted
+    assert (me["forwarded"], me["nrl_test_mark"]) == ("at-start", "from-cluster-section")
+
+
+def test_a_variable_set_after_the_start_still_reaches_a_new_group(fresh_ray: None,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    prestarted = _idle_ray_workers()
+    monkeypatch.setenv("NRL_CLUSTER_TEST_FORWARD", "changed-later")
+    runtime_env = actor_runtime_env(worker_env_vars({"NRL_TEST_MARK": "from-cluster-section"}))
+    assert runtime_env is not None and runtime_env["env_vars"]["NRL_CLUSTER_TEST_FORWARD"] == "changed-later"
+    group = WorkerGroup(WORKER, 1, name="late-env", env_vars={"NRL_TEST_MARK": "from-cluster-section"},
+                        num_cpus_per_worker=0.1)
+    try:
+        me = group.run_rank(0, "whoami")
+    finally:
+        group.shutdown()
+    assert me["pid"] not in prestarted  # a worker of its own environment
+    assert (me["forwarded"], me["nrl_test_mark"]) == ("changed-later", "from-cluster-section")
+
+
+def test_the_private_ray_starts_no_autoscaler_and_no_dashboard(fresh_ray: None) -> None:
+    scripts = {Path(arg).name for p in psutil.Process().children(recursive=True) for arg in p.cmdline()[:3]}
+    assert "log_monitor.py" in scripts  # worker output still reaches the driver
+    assert not scripts & {"monitor.py", "dashboard.py"}
