@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import psutil
 import pytest
@@ -51,16 +51,21 @@ def _idle_ray_workers(timeout_s: float = 30.0) -> set[int]:
     raise AssertionError(f"Ray prestarted {len(workers)} workers on a 2-CPU node, expected 2")
 
 
+def _whoami_in_a_new_group(name: str) -> dict[str, Any]:
+    """One worker's report, from a group given the cluster section's variables (as a run's groups are)."""
+    group = WorkerGroup(WORKER, 1, name=name, env_vars={"NRL_TEST_MARK": "from-cluster-section"},
+                        num_cpus_per_worker=0.1)
+    try:
+        return group.run_rank(0, "whoami")
+    finally:
+        group.shutdown()
+
+
 def test_a_group_takes_a_prestarted_worker_with_the_starting_environment(fresh_ray: None) -> None:
     assert os.environ.get("NRL_TEST_MARK") is None  # the cluster section's variable stays out of the driver
     assert actor_runtime_env(worker_env_vars({"NRL_TEST_MARK": "from-cluster-section"})) is None
     prestarted = _idle_ray_workers()
-    group = WorkerGroup(WORKER, 1, name="prestarted", env_vars={"NRL_TEST_MARK": "from-cluster-section"},
-                        num_cpus_per_worker=0.1)
-    try:
-        me = group.run_rank(0, "whoami")
-    finally:
-        group.shutdown()
+    me = _whoami_in_a_new_group("prestarted")
     assert me["pid"] in prestarted
     assert (me["forwarded"], me["nrl_test_mark"]) == ("at-start", "from-cluster-section")
 
@@ -71,12 +76,7 @@ def test_a_variable_set_after_the_start_still_reaches_a_new_group(fresh_ray: Non
     monkeypatch.setenv("NRL_CLUSTER_TEST_FORWARD", "changed-later")
     runtime_env = actor_runtime_env(worker_env_vars({"NRL_TEST_MARK": "from-cluster-section"}))
     assert runtime_env is not None and runtime_env["env_vars"]["NRL_CLUSTER_TEST_FORWARD"] == "changed-later"
-    group = WorkerGroup(WORKER, 1, name="late-env", env_vars={"NRL_TEST_MARK": "from-cluster-section"},
-                        num_cpus_per_worker=0.1)
-    try:
-        me = group.run_rank(0, "whoami")
-    finally:
-        group.shutdown()
+    me = _whoami_in_a_new_group("late-env")
     assert me["pid"] not in prestarted  # a worker of its own environment
     assert (me["forwarded"], me["nrl_test_mark"]) == ("changed-later", "from-cluster-section")
 
