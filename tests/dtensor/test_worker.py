@@ -40,6 +40,29 @@ def test_loss_falls_and_reference_stays_initial():
     assert not torch.allclose(gather_shards(w.get_logprobs(batch), batch), initial)
 
 
+def test_gradients_reduce_once_per_step_with_the_same_update(monkeypatch):
+    """Four micro-batches: FSDP reduces each parameter group's gradients once per optimizer step,
+    after the last micro-batch, and the update is bit-identical to reducing after every one."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+
+    reduces = []
+    real_reduce = _fsdp_param_group.foreach_reduce
+    monkeypatch.setattr(_fsdp_param_group, "foreach_reduce", lambda *a, **k: reduces.append(1) or real_reduce(*a, **k))
+    batch = make_batch()
+    once = worker()
+    groups = sum(isinstance(m, FSDPModule) for m in once.model.modules())
+    once.train(batch, NLLLoss())
+    assert len(reduces) == groups
+
+    real_sync = FSDPModule.set_requires_gradient_sync
+    monkeypatch.setattr(FSDPModule, "set_requires_gradient_sync", lambda self, _, **k: real_sync(self, True, **k))
+    every = worker()
+    every.train(batch, NLLLoss())
+    assert len(reduces) == groups + 4 * groups  # make_batch: 8 sequences, micro-batches of 2
+    assert all(torch.equal(a, b) for a, b in zip(params(once), params(every)))
+
+
 @pytest.mark.parametrize("mode", ["packing", "dynamic", "chunked+checkpointing"])
 def test_packed_dynamic_chunked_equal_padded(mode):
     batch = make_batch(seed=1)

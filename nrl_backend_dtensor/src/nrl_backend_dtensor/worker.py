@@ -2,8 +2,8 @@
 
 The driver hands every rank the *full* global batch; each rank takes its data-parallel shard
 (``batch.shard(dp_rank, dp_size)``: ranks in one tensor-parallel group share a shard, as DTensor
-TP requires identical inputs), runs micro-batches with gradient accumulation and steps the
-optimizer. Results that the driver reads (metrics, logprobs) are reduced or gathered so that every
+TP requires identical inputs), runs micro-batches with gradient accumulation (reduced across ranks once, after the last
+micro-batch) and steps the optimizer. Results that the driver reads (metrics, logprobs) are reduced or gathered so that every
 rank returns the same global answer.
 
 Reference logprobs come from the initial weights, kept as a CPU copy of this rank's *shards* and
@@ -168,7 +168,11 @@ class DTensorPolicyWorker:
         lr = float(self.optimizer.param_groups[0]["lr"])
         sums: dict[str, float] = {}
         loss_total = 0.0
-        for mb in self._plan(local, train=True):
+        plan = self._plan(local, train=True)
+        for i, mb in enumerate(plan):
+            # Gradients are reduced once, after the last micro-batch: until then each rank sums its
+            # own, as a reduce-scatter per layer and micro-batch would only move partial sums.
+            self.model.set_requires_gradient_sync(i == len(plan) - 1)
             dummy = mb is None
             if dummy:
                 mb, sub = self._dummy(local)
