@@ -295,6 +295,7 @@ def main() -> None:
         raise SystemExit(f"--steps {args.steps}: needs at least --first-steady ({args.first_steady}) steps")
     if not Path(args.trl_python).exists():
         raise SystemExit(f"--trl-python {args.trl_python} not found; create TRL's venv with benchmarks/trl/make_venv.sh")
+    args.trl_python = os.path.abspath(args.trl_python)  # the runs start in a work directory; not resolve(): a venv's python is a link
     work = Path(tempfile.mkdtemp(prefix="nrl-bench-trl-"))
     model, prompts = work / "model", work / "prompts.jsonl"
     subprocess.run([sys.executable, "-m", "nrl_core.cli", "tiny-model", str(model), "--size", "bench", "--seed", "0"],
