@@ -535,7 +535,9 @@ class GenerationWorker(Protocol):
     from the same HF checkpoint as the policy. ``world_size`` is the ranks of the group hosting it:
     the training ranks when colocated (the engine lives in their actors), else the generation
     group; every ``GenerationBackendSpec.engine_size`` consecutive ranks form one engine and get the
-    same prompts."""
+    same prompts. An engine may start without the checkpoint's weights (vLLM's ``load_format:
+    dummy``) and say so with a negative ``weight_version``: the core then loads the policy's into
+    it before its first generation."""
 
     weight_version: int
 

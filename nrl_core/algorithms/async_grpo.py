@@ -176,8 +176,10 @@ class AsyncGRPO(GRPO):
     def start(self) -> None:
         """Start collecting once the run's state is restored (the engines' weight version and the
         dataloader position are the resumed ones)."""
-        versions = [state["weight_version"] for state in self.generation.sampling_states()]
-        self.collector = TrajectoryCollector(self, first_step=self.state.step + 1, version=min(versions))
+        if min(self.generation.weight_versions()) < 0:
+            self.generation.prepare()  # engines built with placeholder weights load the policy's first
+        self.collector = TrajectoryCollector(self, first_step=self.state.step + 1,
+                                             version=min(self.generation.weight_versions()))
         self.collector.start()
 
     def step_data(self, step: int) -> tuple[int, list[Trajectory], float]:

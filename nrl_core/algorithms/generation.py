@@ -60,7 +60,6 @@ class Generation:
         self.num_engines = topology.num_engines
         self.offload_weights = bool(generation["colocated"]["offload_weights"])
         self.refit_options = refit_options(config)
-        self.stale = False  # engines start from the same HF checkpoint as the policy
         self._policy_state = "training"  # colocated: "training" -> "refit" -> "generating" -> "training"
         if self.colocated:
             self.hosts = policy.group
@@ -79,6 +78,9 @@ class Generation:
                                      collective_timeout_s=policy.timeout_s)
         self.ranks = list(range(self.hosts.world_size))
         self.leads = self.ranks[:: self.engine_size]  # the rank of each engine that reports for it
+        # engines built with placeholder weights (version -1) get the policy's before they generate;
+        # that first load makes them version 0, the checkpoint's weights, as if they had read it
+        self.stale = min(self.weight_versions()) < 0
         mark("generation_built")
 
     # ------------------------------------------------------------------ generating
@@ -157,6 +159,10 @@ class Generation:
             self.stale = True
         self.policy.prepare_for_training()
         self._policy_state = "training"
+
+    def weight_versions(self) -> list[int]:
+        """Each engine's weight version (negative: placeholder weights, never loaded)."""
+        return self.hosts.host_call(self.leads, WorkerHost.nrl_weight_version)
 
     def mark_stale(self) -> None:
         self.stale = True

@@ -132,6 +132,10 @@ class RefitEndpoints:
         self.record_call(f"generation.{method}")
         return getattr(self.nrl_refit_sink(), method)(*args, **kwargs)
 
+    def nrl_weight_version(self) -> int:
+        """This actor's engine's weight version (negative: no weights loaded yet)."""
+        return int(self.nrl_refit_sink().weight_version)
+
     def nrl_generate_sharded(self, chunks: list[list[list[int]]], engine_size: int, greedy: bool = False) -> Any:
         """Generate this rank's engine's chunk (engine ``rank // engine_size``); only the engine's
         first rank returns the output, so each engine's result crosses to the driver once."""

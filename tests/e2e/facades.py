@@ -16,7 +16,9 @@ CONFIG = Path(__file__).resolve().parents[2] / "examples" / "configs" / "grpo_ti
 
 @contextmanager
 def policy_and_generation(model: Path, overrides: list[str]) -> Iterator[tuple[dict[str, Any], Any, Any]]:
-    """``(config, Policy, Generation)`` for ``model`` (batches of 8), shut down on exit."""
+    """``(config, Policy, Generation)`` for ``model`` (batches of 8), shut down on exit. The engines
+    read the checkpoint themselves (``load_format: auto``) so a test can generate before any refit;
+    GRPO's default, placeholder weights loaded by the first ``prepare()``, is an override away."""
     from nrl_core.algorithms.generation import Generation
     from nrl_core.algorithms.policy import Policy
     from nrl_core.cluster import init_ray
@@ -24,7 +26,7 @@ def policy_and_generation(model: Path, overrides: list[str]) -> Iterator[tuple[d
 
     config = load_and_validate(str(CONFIG), [f"policy.model_name={model}", "policy.train_global_batch_size=8",
                                              "policy.train_micro_batch_size=4", "policy.logprob_batch_size=8",
-                                             *overrides])
+                                             "policy.generation.vllm_cfg.load_format=auto", *overrides])
     choice = choose_backends(config)
     init_ray(config["cluster"])
     policy = Policy(config, choice.training, colocated_generation=config["policy"]["generation"]["colocated"]["enabled"])

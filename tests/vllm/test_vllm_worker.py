@@ -180,3 +180,48 @@ def test_refit_does_not_print_the_rotary_warning_and_keeps_the_rotary_cache(engi
     assert all(torch.equal(before[k], after[k]) for k in before)  # the cache is the one in use: harmless
     assert not [m for m in quiet if "Failed to load weights" in m], quiet
     assert [m for m in loud if m.endswith("RotaryEmbedding: Failed to load weights")], loud
+
+
+def _dummy_engine_before_and_after_refit(rank: int, world_size: int, model_dir: str,
+                                         prompts: list[list[int]]) -> tuple[Any, ...]:
+    from nrl_core.errors import NrlError
+    from nrl_gen_vllm.worker import VllmGenerationWorker
+    from tests.vllm.helpers import generation_config
+
+    worker = VllmGenerationWorker(generation_config(model_dir, load_format="dummy"))
+    try:
+        version_before = worker.weight_version
+        try:
+            worker.generate(prompts, greedy=True)
+            refused = ""
+        except NrlError as exc:
+            refused = str(exc)
+        report = refit(HFWeightSource(model_dir), worker, bucket_bytes=256 * 1024)
+        out = worker.generate(prompts, greedy=True)
+        return version_before, refused, report.version, out.weight_version, out.token_ids
+    finally:
+        worker.shutdown()
+
+
+@pytest.mark.slow
+def test_dummy_load_format_refuses_to_generate_until_the_first_refit(model_dir, prompts) -> None:
+    """``load_format: dummy`` (the GRPO default, as in NeMo RL): the engine starts on vLLM's
+    placeholder weights, says so with weight version -1 and refuses to generate; the first refit
+    makes it version 0 and it then generates exactly what HF generates from the checkpoint."""
+    from nrl_core.testing.distributed import run_distributed
+
+    (before, refused, refit_version, out_version, token_ids), = run_distributed(
+        _dummy_engine_before_and_after_refit, 1, str(model_dir), prompts)
+    assert before == -1
+    assert "before any weights were loaded" in refused and "load_format: auto" in refused
+    assert refit_version == out_version == 0
+    assert token_ids == hf_greedy(hf_model(model_dir), prompts)
+
+
+def test_load_format_defaults_to_dummy_and_refuses_other_loaders() -> None:
+    from nrl_core.errors import ConfigError
+
+    schema = get_plugin_manager().generation_backends().get("vllm", "policy.generation.backend").config_schema
+    assert schema.validate({}, "policy.generation.vllm_cfg")["load_format"] == "dummy"
+    with pytest.raises(ConfigError, match=r"policy\.generation\.vllm_cfg\.load_format.*must be one of 'dummy', 'auto'"):
+        schema.validate({"load_format": "pt"}, "policy.generation.vllm_cfg")

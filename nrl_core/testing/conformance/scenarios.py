@@ -313,6 +313,9 @@ def generation_refit(rank: int, world_size: int, config: dict[str, Any], worker_
     out["missing_protocol_methods"] = [n for n in dir(GenerationWorker) if not n.startswith("_")
                                        and callable(getattr(GenerationWorker, n, None)) and not hasattr(engine, n)]
     out["is_generation_worker"] = isinstance(engine, GenerationWorker)
+    out["initial_version"] = engine.weight_version
+    if engine.weight_version < 0:  # placeholder weights: the core loads the policy's before generating
+        refit(HFWeightSource(config["policy"]["model_name"]), engine, bucket_bytes=BUCKET_BYTES)
     first = engine.generate(prompts, greedy=True)
     out["before"] = first.token_ids
     out["before/logprob_lengths"] = [len(lp) == len(ids) for lp, ids in zip(first.logprobs, first.token_ids)]

@@ -312,6 +312,14 @@ class _GenerationChecks:
             f"the worker lacks {run['missing_protocol_methods']} of nrl_core.contracts.GenerationWorker")
         assert run["is_generation_worker"]
 
+    def test_weight_version_starts_at_the_checkpoint(self, run) -> None:
+        assert run["initial_version"] in (0, -1), (
+            f"a new engine's weight_version is {run['initial_version']}: 0 when it read the checkpoint, "
+            "-1 when it holds placeholder weights until the first refit")
+        assert run["version0"] == 0, (
+            f"weight_version is {run['version0']} once the engine holds the checkpoint's weights; it must be 0 "
+            "(the first import into a placeholder engine makes it 0)")
+
     def test_greedy_equals_hf_greedy(self, run, model_dir, prompts) -> None:
         expected = scenarios.hf_greedy(scenarios.hf_model(model_dir), prompts, self.max_new_tokens)
         assert run["before"] == expected, (

@@ -27,6 +27,10 @@ VLLM_CFG = Section(doc="vLLM engine options (the vllm generation backend).", fie
     "kv_cache_space_gb": Field(type=float, default=None, nullable=True,
                                doc="CPU KV cache in GiB (what VLLM_CPU_KVCACHE_SPACE sets; the variable wins if set); "
                                    "null: sized for the run's largest generation batch (nrl_gen_vllm/kv_cache.py)"),
+    "load_format": Field(type=str, default="dummy", choices=("dummy", "auto"),
+                         doc="dummy: the engine starts with placeholder weights and the first refit loads the "
+                             "policy's (NeMo RL's choice for training: the checkpoint is read once, by the policy); "
+                             "auto: the engine reads policy.model_name itself"),
     "seed": Field(type=int, default=None, nullable=True,
                   doc="base sampling seed; null: policy.seed, else the algorithm's seed"),
     # NeMo RL keys accepted so copied configs validate; they change nothing here.
@@ -34,6 +38,5 @@ VLLM_CFG = Section(doc="vLLM engine options (the vllm generation backend).", fie
     "use_deep_gemm": Field(type=bool, default=False, inert=True),
     "num_last_layers_in_bf16": Field(type=int, default=0, inert=True),
     "num_first_layers_in_bf16": Field(type=int, default=0, inert=True),
-    "load_format": Field(type=str, default="auto", inert=True),
     "skip_tokenizer_init": Field(type=bool, default=False, inert=True),
 })

@@ -117,7 +117,13 @@ class VllmGenerationWorker:
         self._sampling = SamplingSettings.from_config(generation)
         self._seed = base_seed(config)
         self._calls = 0
-        self._version = 0
+        # a validated run config says "dummy" (the core then refits before the first generation);
+        # a worker built from a bare config reads the checkpoint, as the contract's default
+        self.load_format = str(vcfg.get("load_format") or "auto")
+        if self.load_format not in ("auto", "dummy"):
+            raise ConfigError("policy.generation.vllm_cfg.load_format",
+                              f"must be 'dummy' or 'auto', got {self.load_format!r}")
+        self._version = -1 if self.load_format == "dummy" else 0
         self._awake = set(SLEEP_TAGS)
         self.model_dir = str(policy["model_name"])
         precision = vcfg.get("precision") or policy.get("precision") or "float32"
@@ -171,6 +177,7 @@ class VllmGenerationWorker:
                     # the sampled token's logprob after temperature (and top-k/top-p), i.e. under the
                     # distribution it was drawn from, which the policy's logprobs reproduce (temperature)
                     logprobs_mode="processed_logprobs",
+                    load_format=self.load_format,
                     **engine_kwargs,
                 )
         except Exception as exc:  # vLLM refuses some config values only when the engine starts
@@ -191,7 +198,8 @@ class VllmGenerationWorker:
 
     @property
     def weight_version(self) -> int:
-        """0 for the checkpoint's weights, +1 for every successful :meth:`import_weights`."""
+        """0 for the checkpoint's weights, +1 for every successful :meth:`import_weights`; -1 while
+        an engine built with ``load_format: dummy`` holds only placeholder weights."""
         return self._version
 
     @property
@@ -232,6 +240,10 @@ class VllmGenerationWorker:
         from vllm.inputs import TokensPrompt
 
         self._require_awake("generate", SLEEP_TAGS)
+        if self._version < 0:
+            raise NrlError(f"vLLM engine {self.engine_index}: generate before any weights were loaded "
+                           "(vllm_cfg.load_format: dummy starts with placeholders); import_weights first, "
+                           "or set load_format: auto to read the checkpoint")
         call = self._calls
         self._calls += 1
         requests, params = [], []
