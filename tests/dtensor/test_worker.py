@@ -9,6 +9,7 @@ import shutil
 import pytest
 from nrl_core.testing.distributed import gather_shards
 import torch
+from torch.distributed.tensor import DTensor
 
 from common import make_batch, make_config
 from nrl_core.algorithms.loss import NLLLoss
@@ -23,7 +24,35 @@ def worker(**overrides) -> DTensorPolicyWorker:
 
 
 def params(w: DTensorPolicyWorker) -> list[torch.Tensor]:
-    return [p.full_tensor().clone() for p in w.model.parameters()]
+    return [(p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for p in w.model.parameters()]
+
+
+def fsdp_worker(**overrides) -> DTensorPolicyWorker:
+    """A worker wrapped in FSDP2 although it runs at one data-parallel rank in float32."""
+    from nrl_backend_dtensor import parallel
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(parallel, "fsdp_needed", lambda *a, **k: True)
+        return worker(**overrides)
+
+
+def test_one_rank_in_float32_skips_fsdp_and_trains_bit_identically():
+    """FSDP2 at one rank shards nothing but copies every layer's parameters in and its gradients
+    out; the worker leaves it out there, and the logprobs, losses, gradient norms and weights are
+    exactly the wrapped worker's."""
+    from torch.distributed.fsdp import FSDPModule
+
+    batch = make_batch()
+    plain, wrapped = worker(), fsdp_worker()
+    assert not plain.fsdp and not any(isinstance(m, FSDPModule) for m in plain.model.modules())
+    assert wrapped.fsdp and isinstance(wrapped.model, FSDPModule)
+    for _ in range(2):
+        a, b = plain.train(batch, NLLLoss()), wrapped.train(batch, NLLLoss())
+        assert (a["loss"], a["grad_norm"]) == (b["loss"], b["grad_norm"])
+    assert all(torch.equal(x, y) for x, y in zip(params(plain), params(wrapped)))
+    assert torch.equal(gather_shards(plain.get_logprobs(batch), batch), gather_shards(wrapped.get_logprobs(batch), batch))
+    assert torch.equal(gather_shards(plain.get_reference_logprobs(batch), batch),
+                       gather_shards(wrapped.get_reference_logprobs(batch), batch))
 
 
 def test_loss_falls_and_reference_stays_initial():
@@ -50,14 +79,14 @@ def test_gradients_reduce_once_per_step_with_the_same_update(monkeypatch):
     real_reduce = _fsdp_param_group.foreach_reduce
     monkeypatch.setattr(_fsdp_param_group, "foreach_reduce", lambda *a, **k: reduces.append(1) or real_reduce(*a, **k))
     batch = make_batch()
-    once = worker()
+    once = fsdp_worker()
     groups = sum(isinstance(m, FSDPModule) for m in once.model.modules())
     once.train(batch, NLLLoss())
     assert len(reduces) == groups
 
     real_sync = FSDPModule.set_requires_gradient_sync
     monkeypatch.setattr(FSDPModule, "set_requires_gradient_sync", lambda self, _, **k: real_sync(self, True, **k))
-    every = worker()
+    every = fsdp_worker()
     every.train(batch, NLLLoss())
     assert len(reduces) == groups + 4 * groups  # make_batch: 8 sequences, micro-batches of 2
     assert all(torch.equal(a, b) for a, b in zip(params(once), params(every)))

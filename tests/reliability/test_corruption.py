@@ -68,7 +68,7 @@ def test_dtensor_flipped_shard_falls_back_to_the_previous_checkpoint(tmp_path, c
     fresh = DTensorPolicyWorker(make_config(), 0, 1)
     fresh.load_checkpoint(str(manager.latest_verified() / "policy"))
     assert fresh.train_step_count == 1
-    assert all(torch.isfinite(p.full_tensor()).all() for p in fresh.model.parameters())
+    assert all(torch.isfinite(p.detach()).all() for p in fresh.model.parameters())  # one rank: plain tensors
 
 
 def megatron_scenario(rank: int, world: int, model: str, root: str) -> dict[str, Any]:

@@ -2,7 +2,8 @@
 
 Order matters and follows the composable-parallelism recipe: tensor parallelism first (it replaces
 the decoder layers' projection weights with DTensors over the ``tp`` mesh), then activation
-checkpointing, then ``fully_shard`` per decoder layer and at the root over the ``dp`` mesh.
+checkpointing, then ``fully_shard`` per decoder layer and at the root over the ``dp`` mesh (skipped
+where it would shard nothing: one data-parallel rank, float32, no CPU offload).
 
 The default plan splits attention heads and MLP columns (q/k/v and gate/up column-wise, o and down
 row-wise). Hugging Face attention reshapes with ``-1`` heads, so local head counts follow from the
@@ -115,9 +116,20 @@ def apply_tensor_parallel(hf_model: nn.Module, layout: ParallelLayout, *, sequen
         parallelize_module(layer, layout.tp_mesh, factory(layer, config, sequence_parallel))
 
 
+def fsdp_needed(layout: ParallelLayout, *, param_dtype: torch.dtype, cpu_offload: bool) -> bool:
+    """Whether ``fully_shard`` does anything here. At one data-parallel rank in float32 without CPU
+    offload it shards nothing, yet gathers every layer's parameters into a fresh buffer before each
+    forward and backward and copies gradients out after: 7% of a training step on CPU (measured in
+    docs/benchmarks.md). Mixed precision and CPU offload are FSDP's to do, so they keep it."""
+    return layout.dp_size > 1 or param_dtype != torch.float32 or cpu_offload
+
+
 def apply_fsdp(model: nn.Module, layers: nn.ModuleList, layout: ParallelLayout, *, param_dtype: torch.dtype,
-               cpu_offload: bool) -> None:
-    """``fully_shard`` each decoder layer, then the root (which keeps embeddings and head)."""
+               cpu_offload: bool) -> bool:
+    """``fully_shard`` each decoder layer, then the root (which keeps embeddings and head), where
+    :func:`fsdp_needed`; returns whether it did."""
+    if not fsdp_needed(layout, param_dtype=param_dtype, cpu_offload=cpu_offload):
+        return False
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) \
         if param_dtype != torch.float32 else MixedPrecisionPolicy()
     kwargs: dict[str, Any] = dict(mesh=layout.dp_mesh, mp_policy=mp)
@@ -126,3 +138,4 @@ def apply_fsdp(model: nn.Module, layers: nn.ModuleList, layout: ParallelLayout, 
     for layer in layers:
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
+    return True

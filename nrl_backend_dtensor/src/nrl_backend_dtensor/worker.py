@@ -2,7 +2,8 @@
 
 The driver hands every rank the *full* global batch; each rank takes its data-parallel shard
 (``batch.shard(dp_rank, dp_size)``: ranks in one tensor-parallel group share a shard, as DTensor
-TP requires identical inputs), runs micro-batches with gradient accumulation (reduced across ranks once, after the last
+TP requires identical inputs; at one data-parallel rank in float32 the model is not wrapped in
+FSDP, ``parallel.fsdp_needed``), runs micro-batches with gradient accumulation (reduced across ranks once, after the last
 micro-batch) and steps the optimizer. Results that the driver reads (metrics, logprobs) are reduced or gathered so that every
 rank returns the same global answer.
 
@@ -95,8 +96,8 @@ class DTensorPolicyWorker:
         if self.dcfg.get("activation_checkpointing"):
             hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model = LogprobModel(hf_model, self.policy.get("logprob_chunk_size"), logprob_temperature(config))
-        apply_fsdp(self.model, hf_model.model.layers, self.layout, param_dtype=PRECISIONS[precision],
-                   cpu_offload=bool(self.dcfg.get("cpu_offload")))
+        self.fsdp = apply_fsdp(self.model, hf_model.model.layers, self.layout, param_dtype=PRECISIONS[precision],
+                               cpu_offload=bool(self.dcfg.get("cpu_offload")))
 
         self.optimizer = build_optimizer(self.model.parameters(), self.policy.get("optimizer") or {})
         self.scheduler = build_scheduler(self.optimizer, self.policy.get("scheduler"))
@@ -118,6 +119,12 @@ class DTensorPolicyWorker:
 
     def _set_step(self, step: int) -> None:
         self.train_step_count = step
+
+    def _reshard(self) -> None:
+        """FSDP2 keeps the root's parameters gathered after a forward without backward; put the
+        shards back so that parameters() and state dicts see the sharded DTensors again."""
+        if self.fsdp:
+            self.model.reshard()
 
     @staticmethod
     def _local(param: torch.Tensor) -> torch.Tensor:
@@ -172,7 +179,8 @@ class DTensorPolicyWorker:
         for i, mb in enumerate(plan):
             # Gradients are reduced once, after the last micro-batch: until then each rank sums its
             # own, as a reduce-scatter per layer and micro-batch would only move partial sums.
-            self.model.set_requires_gradient_sync(i == len(plan) - 1)
+            if self.fsdp:
+                self.model.set_requires_gradient_sync(i == len(plan) - 1)
             dummy = mb is None
             if dummy:
                 mb, sub = self._dummy(local)
@@ -230,9 +238,7 @@ class DTensorPolicyWorker:
             sub = local.select(mb.rows)
             lp = mb.to_padded(self._forward(mb), sub).float().cpu()
             out[mb.rows, :lp.shape[1]] = lp
-        # FSDP2 keeps the root's parameters gathered after a forward without backward; put the
-        # shards back so that parameters() and state dicts see the sharded DTensors again
-        self.model.reshard()
+        self._reshard()
         if self.layout.mesh.get_local_rank("tp") != 0:
             return None
         return BatchShard(rows=batch.shard_rows(self.layout.dp_rank, self.layout.dp_size), values=out)
@@ -240,7 +246,7 @@ class DTensorPolicyWorker:
     @torch.no_grad()
     def get_reference_logprobs(self, batch: TokenBatch) -> BatchShard | None:
         """Logprobs under the initial weights (swapped in from the CPU copy, then swapped back)."""
-        self.model.reshard()
+        self._reshard()
         params = [self._local(p) for p in self.model.parameters()]
         current = [p.detach().to("cpu", copy=True) for p in params]
         try:
@@ -284,11 +290,11 @@ class DTensorPolicyWorker:
     # ------------------------------------------------------------------ weights out
 
     def weight_manifest(self, dtype: str) -> list[WeightSpec]:
-        self.model.reshard()
+        self._reshard()
         return weights_io.manifest(self.model, dtype)
 
     def export_weights(self, bucket_bytes: int, dtype: str) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        self.model.reshard()
+        self._reshard()
         return weights_io.export_buckets(self.model, bucket_bytes, dtype)
 
     def export_hf(self, path: str) -> None:
