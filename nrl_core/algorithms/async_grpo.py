@@ -176,10 +176,10 @@ class AsyncGRPO(GRPO):
     def start(self) -> None:
         """Start collecting once the run's state is restored (the engines' weight version and the
         dataloader position are the resumed ones)."""
-        if min(self.generation.weight_versions()) < 0:
-            self.generation.prepare()  # engines built with placeholder weights load the policy's first
-        self.collector = TrajectoryCollector(self, first_step=self.state.step + 1,
-                                             version=min(self.generation.weight_versions()))
+        version = min(self.generation.weight_versions())
+        if version < 0:  # engines built with placeholder weights load the policy's first
+            version = self.generation.prepare().version
+        self.collector = TrajectoryCollector(self, first_step=self.state.step + 1, version=version)
         self.collector.start()
 
     def step_data(self, step: int) -> tuple[int, list[Trajectory], float]:
