@@ -64,3 +64,19 @@ def test_phase_table_compares_an_unsampled_phase_at_the_given_threads():
     assert lines[0].split() == ["generation", "1.000"]
     assert "not measured" in lines[1] and "on 2 thread(s)" in lines[1] and lines[1].endswith("100%")
     assert "(1.00 cores busy)" in lines[2] and lines[2].endswith("150%")
+
+
+def test_commit_bench_imports_every_first_party_package_from_the_tree(tmp_path):
+    """bench_grpo_commits runs a commit's code through PYTHONPATH: it must win over this venv's
+    editable installs, for the core and for the plugin distributions alike."""
+    from benchmarks.bench_grpo_commits import source_path
+
+    for package in ("nrl_core", "nrl_backend_dtensor/src/nrl_backend_dtensor", "plugins/nrl_env_math/src/nrl_env_math"):
+        (tmp_path / package).mkdir(parents=True)
+        (tmp_path / package / "__init__.py").write_text("")
+    run_dir = tmp_path / "run"  # the bench's runs start in their own directory, not in the repository
+    run_dir.mkdir()
+    code = "import nrl_core, nrl_backend_dtensor, nrl_env_math as m; print(nrl_core.__file__, nrl_backend_dtensor.__file__, m.__file__)"
+    out = subprocess.run([sys.executable, "-c", code], env={"PYTHONPATH": source_path(tmp_path)},
+                         cwd=run_dir, capture_output=True, text=True, check=True).stdout.split()
+    assert len(out) == 3 and all(path.startswith(str(tmp_path)) for path in out), out
