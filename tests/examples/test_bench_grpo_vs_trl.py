@@ -1,6 +1,7 @@
 """The pieces of ``benchmarks/bench_grpo_vs_trl.py`` that can break silently: the process-tree
 sampler (memory and busy threads of a real child process), the generated nrl config (must stay a
-valid config as the demo's evolves) and the FLOP count's weight total (against the model itself)."""
+valid config as the demo's evolves), the FLOP count's weight total (against the model itself), and
+``bench_grpo_commits.py``'s PYTHONPATH (a commit's packages must win over the editable installs)."""
 
 from __future__ import annotations
 
