@@ -30,6 +30,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from benchmarks.bench_grpo_vs_trl import run_nrl, steady  # noqa: E402
+from nrl_core.testing.tiny_models import cached_tiny_model  # noqa: E402
 
 
 def source_path(tree: Path) -> str:
@@ -75,9 +76,7 @@ def main() -> None:
     try:
         for commit in args.commits:
             trees[commit] = checkout(commit, work)
-        model = work / "model"
-        subprocess.run([sys.executable, "-m", "nrl_core.cli", "tiny-model", str(model), "--size", "bench", "--seed", "0"],
-                       check=True, capture_output=True)
+        model = cached_tiny_model("llama", size="bench")  # nrl tiny-model --size bench --seed 0, built once
         results: dict[str, list[dict[str, Any]]] = {c: [] for c in args.commits}
         for r in range(args.rounds):
             for commit, tree in trees.items():

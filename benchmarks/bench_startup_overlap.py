@@ -19,7 +19,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -56,9 +55,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    model = Path(tempfile.mkdtemp(prefix="nrl-overlap-")) / "model"
-    subprocess.run([sys.executable, "-m", "nrl_core.cli", "tiny-model", str(model), "--size", "bench", "--seed", "0"],
-                   check=True, capture_output=True)
+    from nrl_core.testing.tiny_models import cached_tiny_model
+
+    model = cached_tiny_model("llama", size="bench")  # nrl tiny-model --size bench --seed 0, built once
     driver = DRIVER.format(config=str(DEMO), model=model)
     rows = []
     for r in range(args.rounds):
