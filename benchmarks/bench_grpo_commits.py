@@ -42,8 +42,11 @@ def source_path(tree: Path) -> str:
 
 
 def checkout(commit: str, into: Path) -> Path:
-    sha = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", commit], check=True,
-                         capture_output=True, text=True).stdout.strip()
+    found = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "--verify", f"{commit}^{{commit}}"],
+                           capture_output=True, text=True)
+    if found.returncode:
+        raise SystemExit(f"{commit!r} is not a commit of {REPO}; give a hash, tag or branch (e.g. HEAD~1)")
+    sha = found.stdout.strip()
     tree = into / sha
     subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(tree), sha], check=True,
                    capture_output=True)

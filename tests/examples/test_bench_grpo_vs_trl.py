@@ -81,3 +81,11 @@ def test_commit_bench_imports_every_first_party_package_from_the_tree(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], env={"PYTHONPATH": source_path(tmp_path)},
                          cwd=run_dir, capture_output=True, text=True, check=True).stdout.split()
     assert len(out) == 3 and all(path.startswith(str(tmp_path)) for path in out), out
+
+
+def test_commit_bench_refuses_a_name_that_is_no_commit_in_one_line(tmp_path):
+    from benchmarks.bench_grpo_commits import checkout
+
+    with pytest.raises(SystemExit, match=r"^'no-such-commit' is not a commit of .*; give a hash, tag or branch"):
+        checkout("no-such-commit", tmp_path)
+    assert not any(tmp_path.iterdir())  # nothing checked out
