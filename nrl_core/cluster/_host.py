@@ -122,6 +122,23 @@ class WorkerHost(RefitEndpoints):
         )
         mark("process_group_joined", group=self.group_name, rank=self.rank)
 
+    def preload(self, modules: list[str]) -> list[str]:
+        """Import ``modules`` now, before the worker is built, while the driver is still busy with
+        its own start-up; returns the ones that failed. A failure is not raised here: the worker's
+        own import of that module reports it, where it has its context."""
+        import importlib
+
+        mark("preload_start", group=self.group_name, rank=self.rank)
+        failed = []
+        with long_lived_objects(freeze=False):  # construct() collects and freezes once, after the build
+            for name in modules:
+                try:
+                    importlib.import_module(name)
+                except Exception:
+                    failed.append(name)
+        mark("preloaded", group=self.group_name, rank=self.rank, failed=len(failed))
+        return failed
+
     def construct(self, worker_cls: str, init_kwargs: dict[str, Any]) -> None:
         """Import the worker class and build it for this rank."""
         from nrl_core.contracts import import_object

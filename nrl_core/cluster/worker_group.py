@@ -23,6 +23,7 @@ arrives as :class:`WorkerRaisedError` carrying the remote traceback.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import shutil
@@ -140,6 +141,11 @@ class WorkerGroup:
     oversubscribed) and ``num_gpus_per_worker``. ``env_vars`` are added to the workers' environment
     on top of what :func:`~nrl_core.cluster.worker_env_vars` forwards from the driver.
 
+    ``preload`` names modules every actor imports as its first call (:meth:`WorkerHost.preload`).
+    With ``start=False`` the constructor only creates the actors and sends them that call, and
+    returns at once; :meth:`start` then joins the process group and builds the workers (with
+    ``init_kwargs`` given there, if not here), so the caller can do its own start-up meanwhile.
+
     ``collective_timeout_s`` is the process group's timeout (the run's ``distributed_timeout_minutes``,
     :mod:`nrl_core.process_groups`). After one rank fails, the others get ``error_grace_s`` to finish
     their part of the call; ranks still running then are taken to be blocked on the failed one, and
@@ -161,6 +167,8 @@ class WorkerGroup:
         start_timeout_s: float = 300.0,
         collective_timeout_s: float = DEFAULT_TIMEOUT_S,
         error_grace_s: float = 3.0,
+        preload: Sequence[str] = (),
+        start: bool = True,
     ) -> None:
         if num_workers < 1:
             raise ValueError(f"worker group '{name}' needs at least one worker, got {num_workers}")
@@ -184,15 +192,18 @@ class WorkerGroup:
         self._actors: list[Any] = []
         self._closed = False
         self._broken: str | None = None
+        self._started = False
+        self._init_kwargs = init_kwargs
+        self._timeouts = (start_timeout_s, collective_timeout_s)
+        with self._closed_on_error():
+            self._launch(env_vars or {}, num_cpus_per_worker, num_gpus_per_worker, list(preload))
+        if start:
+            self.start()
+
+    @contextlib.contextmanager
+    def _closed_on_error(self) -> Iterator[None]:
         try:
-            self._start(
-                init_kwargs or {},
-                env_vars or {},
-                num_cpus_per_worker,
-                num_gpus_per_worker,
-                start_timeout_s,
-                collective_timeout_s,
-            )
+            yield
         except BaseException:
             self._kill_actors()
             self._remove_rendezvous()
@@ -213,20 +224,27 @@ class WorkerGroup:
             opts["runtime_env"] = runtime_env
         return opts
 
-    def _start(
-        self,
-        init_kwargs: dict[str, Any],
-        env_vars: Mapping[str, str],
-        cpus: float,
-        gpus: float,
-        start_timeout_s: float,
-        collective_timeout_s: float,
-    ) -> None:
+    def _launch(self, env_vars: Mapping[str, str], cpus: float, gpus: float, preload: list[str]) -> None:
         host = _remote_host()
         n = self.world_size
         self._actors = [
             host.options(**self._actor_options(r, env_vars, cpus, gpus)).remote(self.name, r, n) for r in range(n)
         ]
+        if preload:  # not awaited: describe() queues behind it, and a failed import is the worker's to report
+            for actor in self._actors:
+                actor.preload.remote(preload)
+
+    def start(self, init_kwargs: dict[str, Any] | None = None) -> None:
+        """Join the ranks' process group and build the worker on each (``Cls(**init_kwargs, rank=,
+        world_size=)``); what the constructor does unless it was given ``start=False``."""
+        if self._started or self._closed:
+            raise WorkerError(f"worker group '{self.name}' is {'shut down' if self._closed else 'already started'}")
+        self._started = True
+        with self._closed_on_error():
+            self._start(init_kwargs if init_kwargs is not None else self._init_kwargs or {}, *self._timeouts)
+
+    def _start(self, init_kwargs: dict[str, Any], start_timeout_s: float, collective_timeout_s: float) -> None:
+        n = self.world_size
         described = self._collect(self._on_all("start-up", lambda a, r: a.describe.remote()), start_timeout_s, starting=True)
         self._infos = [
             WorkerInfo(
@@ -284,6 +302,8 @@ class WorkerGroup:
             raise WorkerError(f"worker group '{self.name}' was stopped after a failure: {self._broken}")
         if self._closed:
             raise WorkerError(f"worker group '{self.name}' is shut down")
+        if not self._started:
+            raise WorkerError(f"worker group '{self.name}' is not started: call start() first")
 
     def _on_all(self, what: str, submit: Callable[[Any, int], ray.ObjectRef]) -> WorkerFutures:
         return self._on_ranks(range(self.world_size), what, submit)
@@ -502,7 +522,7 @@ class WorkerGroup:
         if self._closed:
             return
         self._closed = True
-        if self._actors and self._broken is None and ray.is_initialized():
+        if self._actors and self._started and self._broken is None and ray.is_initialized():
             refs = [actor.teardown.remote() for actor in self._actors]
             ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
         if ray.is_initialized():

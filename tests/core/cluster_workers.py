@@ -7,6 +7,7 @@ They live in their own module (not the test file) because Ray actors import them
 from __future__ import annotations
 
 import os
+import sys
 import time
 from typing import Any
 
@@ -21,6 +22,7 @@ class CollectiveWorker:
         self.rank = rank
         self.world_size = world_size
         self.tag = tag
+        self.built_at = time.time()
 
     def all_reduce(self, value: float) -> float:
         t = torch.tensor([float(value)])
@@ -47,6 +49,12 @@ class CollectiveWorker:
     def all_reduce_unless_rank(self, skipping_rank: int) -> float:
         """Every rank but ``skipping_rank`` enters an all-reduce that one never joins."""
         return 0.0 if self.rank == skipping_rank else self.all_reduce(1.0)
+
+    def preloaded_before_build(self, module: str) -> bool | None:
+        """Whether ``module`` (one that records its import time) was imported before this worker
+        was built; None when it was never imported."""
+        loaded = sys.modules.get(module)
+        return None if loaded is None else loaded.IMPORTED_AT < self.built_at
 
     def echo(self, *args: Any, **kwargs: Any) -> tuple[int, tuple[Any, ...], dict[str, Any]]:
         return self.rank, args, kwargs

@@ -299,6 +299,35 @@ def test_rank_raising_while_peer_blocks_in_collective_does_not_hang(ray_session:
     group.shutdown()
 
 
+def test_a_group_launched_unstarted_preloads_its_modules_then_starts_on_request(ray_session: None) -> None:
+    """``start=False`` returns with the actors importing ``preload``; the workers are built (and the
+    process group joined) only by ``start``; a module that fails to import there stops nothing."""
+    group = WorkerGroup(WORKER, 2, name="launched", init_kwargs={"tag": "early"},
+                        preload=["cluster_preloaded", "no_such_module_anywhere"], start=False)
+    try:
+        with pytest.raises(WorkerError, match="worker group 'launched' is not started: call start"):
+            group.run_all("whoami")
+        group.start()
+        assert group.run_all("preloaded_before_build", "cluster_preloaded") == [True, True]
+        assert [w["tag"] for w in group.run_all("whoami")] == ["early", "early"]
+        assert group.run_all("all_reduce", 1.5) == [3.0, 3.0]
+        with pytest.raises(WorkerError, match="already started"):
+            group.start()
+    finally:
+        group.shutdown()
+
+
+def test_a_group_shut_down_before_it_started_stops_its_actors_at_once(ray_session: None) -> None:
+    group = WorkerGroup(WORKER, 2, name="never-started", preload=["cluster_preloaded"], start=False)
+    pids = [ray.get(actor.describe.remote())["pid"] for actor in group.actors]
+    began = time.monotonic()
+    group.shutdown()
+    assert time.monotonic() - began < 5.0  # no teardown call queued behind the imports
+    assert _pids_gone(pids)
+    with pytest.raises(WorkerError, match="is shut down"):
+        group.start()
+
+
 def test_constructor_failure_names_the_worker(ray_session: None) -> None:
     with pytest.raises(WorkerRaisedError) as info:
         WorkerGroup("cluster_workers:FailingInit", 2, name="failing")
