@@ -2,14 +2,14 @@
 
 Run:  OMP_NUM_THREADS=2 python benchmarks/bench_startup_overlap.py [--rounds 3]
 
-Why: before its first step, ``nrl train grpo`` runs two long single-threaded stretches one after
+Why: before its first step, ``nrl train grpo`` ran two long single-threaded stretches one after
 the other. First the driver imports torch and transformers and validates the config. Then, after
 Ray starts, the policy actor imports torch, transformers' model classes, the DTensor worker and
-vLLM, while the driver waits. Each uses one core, so on two cores they could run side by side if the
-actors were created before the config is fully checked. This times the two stretches as fresh
-processes, one after the other and side by side, alternating, with the GRPO bench model. The
-difference bounds what that reordering could save. Ray and the model loads are left out (they do
-not move).
+vLLM, while the driver waits. Each uses one core, so on two cores they can run side by side when the
+actors are created before the config is fully checked, which ``nrl train`` now does
+(``nrl_core/algorithms/policy_launch.py``). This times the two stretches as fresh processes, one
+after the other and side by side, alternating, with the GRPO bench model: the difference bounds
+what that reordering can save. Ray and the model loads are left out (they do not move).
 """
 
 from __future__ import annotations

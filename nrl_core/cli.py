@@ -63,19 +63,23 @@ def _cmd_config_show(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from nrl_core.config import load_and_validate
+    from nrl_core.algorithms.policy_launch import policy_launched_early
+    from nrl_core.config import check_selected_backends, choose_backends, load_and_validate
     from nrl_core.contracts import import_object
     from nrl_core.long_lived import long_lived_objects
     from nrl_core.plugins import get_plugin_manager
     from nrl_core.timeline import mark
 
     mark("cli_start")
-    with long_lived_objects(freeze=False):  # imports torch and transformers: no collection while they load
-        spec = get_plugin_manager().algorithms().get(args.algorithm, "algorithm")
-        config = load_and_validate(args.config, args.overrides, algorithm=args.algorithm)
-        run = import_object(spec.entry)
-    mark("config_validated")
-    return int(run(config) or 0)
+    spec = get_plugin_manager().algorithms().get(args.algorithm, "algorithm")
+    config = load_and_validate(args.config, args.overrides, algorithm=args.algorithm, backend_checks=False)
+    choice = choose_backends(config, generation=spec.generates, warn=False)  # the run warns
+    with policy_launched_early(config, spec, choice.training, choice.generation):  # its workers import meanwhile
+        with long_lived_objects(freeze=False):  # imports torch and transformers: no collection while they load
+            check_selected_backends(config, algorithm=args.algorithm)
+            run = import_object(spec.entry)
+        mark("config_validated")
+        return int(run(config) or 0)
 
 
 def _cmd_tiny_model(args: argparse.Namespace) -> int:

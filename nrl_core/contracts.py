@@ -98,8 +98,9 @@ ConfigCheck = Callable[[Mapping[str, Any]], None]
 """A backend's config check, named by ``config_check`` in its spec: it gets the whole validated
 config after the schema and the core's own checks passed, and raises
 :class:`~nrl_core.errors.ConfigError` naming the key. ``nrl config check`` and ``nrl train`` call
-it for the *selected* backends only, before any worker starts, so it must be cheap: it may import
-torch and read the model's ``config.json``, never build a model or start an engine."""
+it for the *selected* backends only, before any worker is built (``nrl train`` runs it while the
+policy's workers import their modules), so it must be cheap: it may import torch and read the
+model's ``config.json``, never build a model or start an engine."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -114,7 +115,11 @@ class TrainingBackendSpec:
     ``config_check`` is the import path of a :data:`ConfigCheck`: the backend's own checks of
     values only it can judge (sizes against the model's heads and layers, optimizer names).
     ``capabilities`` names what it supports among :data:`TRAINING_CAPABILITIES`; validation refuses
-    a config that needs one it does not declare.
+    a config that needs one it does not declare. ``preload`` names modules the worker imports
+    lazily but surely (``transformers.modeling_utils``): each worker process imports them, and
+    ``worker``'s module, first thing, while ``nrl train`` still checks the config and loads data,
+    so the two start-ups overlap. An import that fails there is ignored; the worker's own import
+    reports it.
     """
 
     name: str
@@ -127,6 +132,7 @@ class TrainingBackendSpec:
     parallel_size_keys: tuple[str, ...] = ()
     config_check: str | None = None
     capabilities: frozenset[str] = frozenset()
+    preload: tuple[str, ...] = ()
     description: str = ""
 
     def __post_init__(self) -> None:
@@ -147,7 +153,8 @@ class GenerationBackendSpec:
 
     Chosen by ``policy.generation.backend == name``; its section is
     ``policy.generation.<config_key>`` (``vllm_cfg``). ``worker`` is the import path of a
-    :class:`GenerationWorker` class; ``config_check`` as for :class:`TrainingBackendSpec`.
+    :class:`GenerationWorker` class; ``config_check`` and ``preload`` as for
+    :class:`TrainingBackendSpec` (a colocated engine's modules are preloaded in the training workers).
     """
 
     name: str
@@ -158,6 +165,7 @@ class GenerationBackendSpec:
     parallel_size_keys: tuple[str, ...] = ()
     config_check: str | None = None
     capabilities: frozenset[str] = frozenset()
+    preload: tuple[str, ...] = ()
     description: str = ""
 
     def __post_init__(self) -> None:
@@ -254,7 +262,11 @@ class AlgorithmSpec:
     ``config_check`` is the import path of a :data:`ConfigCheck` for rules that relate the section to
     the rest of the config; it runs only when this algorithm is the one checked. ``generates`` says it
     samples from ``policy.generation``, so a config without an installed generation backend is
-    refused at check time, not at run time.
+    refused at check time, not at run time. ``early_policy_start`` says ``entry`` builds an
+    :class:`~nrl_core.algorithms.base.AlgorithmRun` (which builds the policy's training workers
+    with :class:`~nrl_core.algorithms.policy.Policy`): ``nrl train`` then launches those workers
+    before it checks the model and the run loads its data, so their imports overlap
+    (:mod:`nrl_core.algorithms.policy_launch`).
     """
 
     name: str
@@ -265,6 +277,7 @@ class AlgorithmSpec:
     config_schema: Section | None = None
     config_check: str | None = None
     generates: bool = False
+    early_policy_start: bool = False
 
     @property
     def section(self) -> str:

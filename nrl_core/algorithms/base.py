@@ -39,7 +39,8 @@ class AlgorithmRun:
         self.checkpoints = CheckpointManager(config["checkpointing"], on_publish=self.checkpoint_published)
         self.resume_from, self.state = resume_point(self.checkpoints)
         init_ray(config["cluster"])
-        self.policy = Policy(self.worker_config(config), self.choice.training, colocated_generation=colocated_generation)
+        self.policy = Policy(self.worker_config(config), self.choice.training, colocated_generation=colocated_generation,
+                             generation=self.choice.generation)
         mark("policy_built")
         self.max_steps = min(int(self.cfg["max_num_steps"]), int(self.cfg["max_num_epochs"]) * len(self.train_loader))
         self.log = MetricLogger(config["logger"], total_steps=self.max_steps,

@@ -14,13 +14,14 @@ from typing import Any, Mapping
 
 import torch
 
-from nrl_core.cluster import WorkerGroup, make_placement
+from nrl_core.algorithms.policy_launch import launch_policy, take_early_policy
 from nrl_core.cluster.placement import Placement
-from nrl_core.process_groups import distributed_timeout_s
 from nrl_core.config.topology import cluster_topology
+from nrl_core.process_groups import distributed_timeout_s
 from nrl_core.contracts import (
     BatchShard,
     CheckpointOptions,
+    GenerationBackendSpec,
     LossFunction,
     TokenBatch,
     TrainingBackendSpec,
@@ -43,20 +44,24 @@ class Policy:
     """The training workers of ``spec``: every training rank of the cluster's topology
     (:func:`~nrl_core.config.validate.cluster_topology`)."""
 
-    def __init__(self, config: Mapping[str, Any], spec: TrainingBackendSpec, *, colocated_generation: bool) -> None:
-        cluster = config["cluster"]
+    def __init__(self, config: Mapping[str, Any], spec: TrainingBackendSpec, *, colocated_generation: bool,
+                 generation: GenerationBackendSpec | None = None) -> None:
+        """Takes the group ``nrl train`` launched early when there is one, else launches it
+        (:mod:`nrl_core.algorithms.policy_launch`), then builds the workers with ``config``.
+        ``generation`` is the engine's spec, whose modules colocated workers preload."""
         self.spec = spec
-        topology = cluster_topology(config)
-        self.world_size = topology.train_world
+        self.world_size = cluster_topology(config).train_world
         self.checkpoint_options = CheckpointOptions.from_section(config["policy"][spec.config_key])
         self.timeout_s = distributed_timeout_s(config, spec.config_key)  # every group of this run
-        self.placement: Placement = make_placement(cluster, self.world_size, name="policy",
-                                                   max_colocated_groups=2 if colocated_generation else 1,
-                                                   nodes=topology.train_nodes)
-        self.group = WorkerGroup(spec.worker, self.world_size, name=f"policy-{spec.name}",
-                                 init_kwargs={"config": dict(config)}, placement=self.placement,
-                                 env_vars=dict(cluster.get("env_vars") or {}),
-                                 collective_timeout_s=self.timeout_s)
+        launched = (take_early_policy(spec, colocated=colocated_generation)
+                    or launch_policy(config, spec, colocated=colocated_generation, generation=generation))
+        self.placement: Placement = launched.placement
+        self.group = launched.group
+        try:
+            self.group.start({"config": dict(config)})
+        except BaseException:
+            self.placement.remove()
+            raise
 
     # ------------------------------------------------------------------ compute
 

@@ -12,7 +12,8 @@ from typing import Any
 _EXPORTS = {
     "REQUIRED": "schema", "Field": "schema", "Section": "schema",
     "apply_overrides": "loader", "deep_merge": "loader", "load_config": "loader", "resolve_interpolations": "loader",
-    "BackendChoice": "validate", "build_schema": "validate", "choose_backends": "validate",
+    "BackendChoice": "validate", "build_schema": "validate", "check_selected_backends": "validate",
+    "choose_backends": "validate",
     "data_parallel_size": "validate", "select_training_backend": "validate", "validate_config": "validate",
 }
 
@@ -26,10 +27,10 @@ def __getattr__(name: str) -> Any:
 
 
 def load_and_validate(path: str, overrides: list[str] | tuple[str, ...] = (), *,
-                      algorithm: str | None = None) -> dict[str, Any]:
+                      algorithm: str | None = None, backend_checks: bool = True) -> dict[str, Any]:
     """``load_config`` then ``validate_config`` (checking ``algorithm``'s section, or those the file
-    sets): the config every command and algorithm uses."""
+    sets; ``backend_checks`` as there): the config every command and algorithm uses."""
     from nrl_core.config.loader import load_config
     from nrl_core.config.validate import validate_config
 
-    return validate_config(load_config(path, overrides), algorithm=algorithm)
+    return validate_config(load_config(path, overrides), algorithm=algorithm, backend_checks=backend_checks)

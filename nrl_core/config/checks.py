@@ -2,7 +2,9 @@
 
 The schema checks each value alone (types, choices, minimums). What is left is checked here, after
 it, by :func:`check_config`, which ``validate_config`` runs, so ``nrl config check`` and
-``nrl train`` refuse the same configs before anything starts:
+``nrl train`` refuse the same configs before any worker is built (``nrl train`` runs the
+backends' own checks, :func:`check_backends`, while the policy's workers import their modules,
+and stops those workers and its Ray when a check fails):
 
 * sizes: the split of the cluster between training and generation (:mod:`nrl_core.config.topology`),
   the backend's model-parallel size against the training workers, the global batch against micro-batches and
@@ -29,13 +31,16 @@ from nrl_core.contracts import AlgorithmSpec, ConfigCheck, GenerationBackendSpec
 from nrl_core.errors import ConfigError
 from nrl_core.plugins import PluginManager
 
-__all__ = ["check_config", "data_parallel_size", "directory_problem"]
+__all__ = ["check_backends", "check_config", "data_parallel_size", "directory_problem"]
 
 
 def check_config(config: Mapping[str, Any], pm: PluginManager, *, algorithms: Collection[str],
-                 training: TrainingBackendSpec | None, generation: GenerationBackendSpec | None) -> None:
+                 training: TrainingBackendSpec | None, generation: GenerationBackendSpec | None,
+                 backends: bool = True) -> None:
     """Everything in the module docstring; ``training``/``generation`` are the selected backends
-    (None when none is selected yet: their checks are skipped)."""
+    (None when none is selected yet: their checks are skipped). ``backends=False`` leaves out the
+    backends' own checks, the ones that import transformers and read the model
+    (:func:`check_backends` runs them later)."""
     specs = [pm.algorithms().get(name, "algorithm") for name in algorithms]
     for spec in specs:
         _check_algorithm_needs(config, pm, spec, generation)
@@ -48,8 +53,17 @@ def check_config(config: Mapping[str, Any], pm: PluginManager, *, algorithms: Co
     _check_directories(config)
     for spec in specs:
         _run_backend_check(spec.config_check, config)
+    if backends:
+        check_backends(config, pm, algorithms=algorithms, training=training, generation=generation)
+
+
+def check_backends(config: Mapping[str, Any], pm: PluginManager, *, algorithms: Collection[str],
+                   training: TrainingBackendSpec | None, generation: GenerationBackendSpec | None) -> None:
+    """The selected backends' own checks (their spec's ``config_check``); the generation backend's
+    only when one of ``algorithms`` generates (or none is named)."""
     if training is not None:
         _run_backend_check(training.config_check, config)
+    specs = [pm.algorithms().get(name, "algorithm") for name in algorithms]
     uses_generation = not specs or any(spec.generates for spec in specs)
     if generation is not None and config["policy"]["generation"] is not None and uses_generation:
         _run_backend_check(generation.config_check, config)

@@ -89,13 +89,16 @@ def algorithm_sections(pm: PluginManager | None = None) -> dict[str, str]:
 
 
 def validate_config(raw: Mapping[str, Any], pm: PluginManager | None = None, *,
-                    algorithm: str | None = None) -> dict[str, Any]:
+                    algorithm: str | None = None, backend_checks: bool = True) -> dict[str, Any]:
     """Check ``raw`` (from :func:`nrl_core.config.loader.load_config`) and return the full config.
 
     After the schema, :func:`nrl_core.config.checks.check_config` relates values to each other, to
     the filesystem and to the selected backends. Algorithm sections are checked for ``algorithm``
     (the one about to run) or, without one, for each installed algorithm whose section ``raw`` sets.
-    A section of a NeMo RL algorithm nrl lacks is refused first, in one line.
+    A section of a NeMo RL algorithm nrl lacks is refused first, in one line. ``backend_checks=False``
+    leaves out the selected backends' own checks, the slow part (they import transformers to read
+    the model's config): ``nrl train`` runs them with :func:`check_selected_backends` while the
+    policy's workers start.
     """
     pm = pm or get_plugin_manager()
     sections = algorithm_sections(pm)
@@ -113,8 +116,18 @@ def validate_config(raw: Mapping[str, Any], pm: PluginManager | None = None, *,
     training, generation = _selected_backends(config, pm)
     algorithms = [algorithm] if algorithm is not None else [name for key, name in sections.items() if key in raw]
     _resolve_seed(config, algorithms)
-    check_config(config, pm, algorithms=algorithms, training=training, generation=generation)
+    check_config(config, pm, algorithms=algorithms, training=training, generation=generation,
+                 backends=backend_checks)
     return config
+
+
+def check_selected_backends(config: Mapping[str, Any], pm: PluginManager | None = None, *,
+                            algorithm: str) -> None:
+    """The backends' own checks that ``validate_config(..., backend_checks=False)`` left out, for a
+    config it returned and the ``algorithm`` about to run."""
+    pm = pm or get_plugin_manager()
+    training, generation = _selected_backends(config, pm)
+    checks.check_backends(config, pm, algorithms=[algorithm], training=training, generation=generation)
 
 
 def _resolve_seed(config: dict[str, Any], algorithms: Sequence[str]) -> None:
@@ -133,7 +146,7 @@ def _selected_backends(config: Mapping[str, Any],
     """The backends a run would use, or None where the choice itself fails (that failure is
     reported when the run asks for the backend, with its own message)."""
     try:
-        training: TrainingBackendSpec | None = select_training_backend(config, pm)
+        training: TrainingBackendSpec | None = choose_backends(config, pm, generation=False, warn=False).training
     except ConfigError:
         training = None
     generation = None
@@ -216,7 +229,7 @@ def _expand_short_forms(config: dict[str, Any], pm: PluginManager) -> None:
 def data_parallel_size(config: Mapping[str, Any], pm: PluginManager | None = None) -> int:
     """Training ranks divided by the ranks one model replica spans under the selected backend."""
     try:
-        spec: TrainingBackendSpec | None = select_training_backend(config, pm)
+        spec: TrainingBackendSpec | None = choose_backends(config, pm, generation=False, warn=False).training
     except ConfigError:
         spec = None
     return checks.data_parallel_size(config, spec)
@@ -230,7 +243,10 @@ def select_training_backend(config: Mapping[str, Any], pm: PluginManager | None 
     return choose_backends(config, pm, generation=False).training
 
 
-def choose_backends(config: Mapping[str, Any], pm: PluginManager | None = None, *, generation: bool = True) -> BackendChoice:
+def choose_backends(config: Mapping[str, Any], pm: PluginManager | None = None, *, generation: bool = True,
+                    warn: bool = True) -> BackendChoice:
+    """The enabled training backend of highest priority (with ``warn``, a warning names those it
+    overrode: the run warns, validation does not repeat it) and the configured generation backend."""
     pm = pm or get_plugin_manager()
     registry = pm.training_backends()
     policy = config["policy"]
@@ -243,7 +259,7 @@ def choose_backends(config: Mapping[str, Any], pm: PluginManager | None = None, 
         raise ConfigError("policy", f"no training backend is enabled; set {keys}")
     candidates.sort(key=lambda spec: spec.priority, reverse=True)
     chosen, overridden = candidates[0], tuple(spec.name for spec in candidates[1:])
-    if overridden:
+    if overridden and warn:
         logger.warning("policy.%s and %s are all enabled; using '%s' (highest priority), not %s",
                        chosen.config_key, ", ".join(f"policy.{s.config_key}" for s in candidates[1:]),
                        chosen.name, ", ".join(f"'{n}'" for n in overridden))

@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Mapping
 
 import pytest
 
@@ -27,7 +28,8 @@ def model() -> Path:
     return cached_tiny_model("llama", size="small")
 
 
-def nrl_train(tmp: Path, model: Path, *overrides: str, algorithm: str = "grpo") -> subprocess.CompletedProcess[str]:
+def nrl_train(tmp: Path, model: Path, *overrides: str, algorithm: str = "grpo",
+              env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """``nrl train`` on the tiny CPU GRPO config, scaled to a few steps of a few prompts."""
     args = [
         f"policy.model_name={model}", "grpo.max_num_steps=3", "grpo.num_prompts_per_step=4",
@@ -35,17 +37,18 @@ def nrl_train(tmp: Path, model: Path, *overrides: str, algorithm: str = "grpo") 
         "policy.logprob_batch_size=16", "grpo.val_period=2", "grpo.max_val_samples=8", "grpo.val_batch_size=8",
         "grpo.val_at_start=false", "data.generate.num_train=64", "data.generate.num_val=8", *overrides,
     ]
-    return run_nrl(tmp, CONFIG, algorithm, args)
+    return run_nrl(tmp, CONFIG, algorithm, args, env=env)
 
 
-def run_nrl(tmp: Path, config: Path, algorithm: str, overrides: list[str]) -> subprocess.CompletedProcess[str]:
+def run_nrl(tmp: Path, config: Path, algorithm: str, overrides: list[str],
+            env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """``nrl train ALGORITHM --config CONFIG`` in a subprocess, as a user runs it, writing its
     checkpoints and logs under ``tmp`` (checkpoints every step, no HF export, no plots unless the
     overrides say otherwise)."""
     args = [f"checkpointing.checkpoint_dir={tmp / 'ckpt'}", "checkpointing.save_period=1",
             f"logger.log_dir={tmp / 'logs'}", "logger.tensorboard_enabled=false", "logger.plot=false",
             "checkpointing.export_hf=false", "checkpointing.keep_top_k=null", *overrides]
-    env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "NRL_STRICT_PLUGINS": "1"}
+    env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "NRL_STRICT_PLUGINS": "1", **(env or {})}
     return subprocess.run([sys.executable, "-m", "nrl_core.cli", "train", algorithm, "--config", str(config), *args],
                           capture_output=True, text=True, env=env, cwd=tmp, timeout=900)
 
@@ -67,7 +70,7 @@ def three_steps(model, tmp_path_factory) -> Path:
     """The tiny config's three steps, checkpointing each one with its RNG state: several tests
     read this one run."""
     tmp = tmp_path_factory.mktemp("three_steps")
-    proc = nrl_train(tmp, model, *LOAD_RNG)
+    proc = nrl_train(tmp, model, *LOAD_RNG, env={"NRL_TIMELINE": str(tmp / "timeline.jsonl")})
     assert_ok(proc)
     (tmp / "stderr.txt").write_text(proc.stderr)
     return tmp
@@ -94,6 +97,21 @@ def test_dtensor_colocated_three_steps(three_steps):
     # vLLM and the policy agree on the sampled tokens' logprobs (1.0 = identical)
     assert all(abs(r["train/token_mult_prob_error"] - 1.0) < 1e-3 for r in rows)
     assert sorted(p.name for p in (three_steps / "ckpt").iterdir()) == ["step_1", "step_2", "step_3"]
+
+
+def test_the_policy_worker_imports_its_engines_while_the_driver_checks_the_config(three_steps):
+    """``nrl train`` launches the policy's worker right after the config's schema pass: its actor
+    imports the backend's and the colocated engine's modules (every one of them importable) while
+    the driver runs the model-aware checks, and the run builds its policy on that same actor."""
+    events = [json.loads(line) for line in (three_steps / "timeline.jsonl").read_text().splitlines()]
+    first = {}
+    for event in events:
+        first.setdefault(event["event"], event)
+    assert first["policy_launched"]["t"] < first["preload_start"]["t"] < first["config_validated"]["t"]
+    assert first["preloaded"]["failed"] == 0
+    assert first["preloaded"]["t"] < first["worker_build_start"]["t"]
+    policy_actors = {e["pid"] for e in events if e["event"] == "actor_start" and e["group"].startswith("policy-")}
+    assert policy_actors == {first["worker_built"]["pid"]}
 
 
 def test_logprobs_from_the_training_forward_train_as_the_separate_pass(three_steps, separate_logprob_pass):

@@ -1,8 +1,9 @@
-"""Bad configs fail in one line before anything starts, or, when only a run can tell, at run time.
+"""Bad configs fail in one line before any worker is built, or, when only a run can tell, at run time.
 
 Each case is a tiny CPU recipe with overrides. ``check`` cases must fail ``nrl config check`` with
-exactly one ``error:`` line naming the key (and ``nrl train`` with the same line, before Ray
-starts); ``run`` cases pass the check, because only the run can tell (the data is read, the model
+exactly one ``error:`` line naming the key (and ``nrl train`` with the same line, leaving no Ray
+running: the backends' own checks run while the policy's workers import, which a failure stops
+with the Ray it started); ``run`` cases pass the check, because only the run can tell (the data is read, the model
 loaded, the engine started), and then fail ``nrl train`` with one line and exit 2.
 docs/configuration.md ("What `nrl config check` catches") lists every case; a test keeps it so.
 """
@@ -200,7 +201,7 @@ def test_config_check_refuses_in_one_line(case, paths, tmp_path, capsys) -> None
     code = main(["config", "check", *args])
     [line] = _error_lines(capsys.readouterr().err)
     assert code == 2 and line.startswith(f"error: {key}") and phrase in line, line
-    # `nrl train` refuses it the same way, before Ray or any worker starts
+    # `nrl train` refuses it the same way and leaves nothing running (a backend's check fails after Ray started)
     assert main(["train", algorithm, "--config", *args]) == 2
     assert _error_lines(capsys.readouterr().err) == [line]
     assert not ray.is_initialized()

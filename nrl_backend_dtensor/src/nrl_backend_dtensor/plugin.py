@@ -27,6 +27,7 @@ def nrl_training_backends() -> list[TrainingBackendSpec]:
         parallel_size_keys=("tensor_parallel_size", "context_parallel_size"),
         config_check="nrl_backend_dtensor.checks:check_config",
         capabilities=frozenset({"data_parallel", "sequence_packing", "dynamic_batching"}),
+        preload=("transformers.modeling_utils", "transformers.models.auto.modeling_auto"),  # the HF model's load
         description="PyTorch FSDP2 (fully_shard) with optional DTensor tensor parallelism",
     )]
 

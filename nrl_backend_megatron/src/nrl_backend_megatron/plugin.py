@@ -23,6 +23,8 @@ def nrl_training_backends() -> list[TrainingBackendSpec]:
         parallel_size_keys=("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"),
         config_check="nrl_backend_megatron.checks:check_config",
         capabilities=frozenset({"data_parallel", "sequence_packing"}),
+        preload=("megatron.core", "megatron.core.models.gpt.gpt_model", "megatron.core.optimizer",
+                 "transformers.modeling_utils"),  # what building the GPT model and its optimizer imports
         description="Megatron-Core: tensor/pipeline parallel training, dist_checkpointing",
     )]
 

@@ -19,5 +19,6 @@ def nrl_generation_backends() -> list[GenerationBackendSpec]:
         parallel_size_keys=("tensor_parallel_size",),
         config_check="nrl_gen_vllm.checks:check_config",
         capabilities=frozenset({"streaming"}),
+        preload=("vllm.entrypoints.llm",),  # vllm.LLM, imported when the engine starts
         description="vllm.LLM rollouts; refit through vLLM's layerwise reload",
     )]

@@ -1,4 +1,4 @@
-"""The docs backend's own config rules: what the schema cannot judge, checked before any worker starts."""
+"""The docs backend's own config rules: what the schema cannot judge, checked before any worker is built."""
 
 from __future__ import annotations
 
