@@ -56,8 +56,15 @@ FORWARDED_ENV_NAMES: tuple[str, ...] = (
     "CUDA_LAUNCH_BLOCKING",
 )
 #: Ray settings of the local Ray nrl starts. Nothing reads Ray's metrics here (no dashboard, no
-#: Prometheus).
-LOCAL_SYSTEM_CONFIG: Mapping[str, Any] = {"enable_metrics_collection": False}
+#: Prometheus). The raylet connects to its own object store's socket while another thread of it
+#: is still creating that socket; when it loses that race (often, on 2 cores) it retries only after
+#: ``raylet_client_connect_timeout_milliseconds``, 1 s by default, and ``ray.init`` takes a second
+#: longer. Retrying every 20 ms (as many times as needed for the same 10 s in all) removes that.
+LOCAL_SYSTEM_CONFIG: Mapping[str, Any] = {
+    "enable_metrics_collection": False,
+    "raylet_client_connect_timeout_milliseconds": 20,
+    "raylet_client_num_connect_attempts": 500,
+}
 #: Ray prestarts one idle worker process per advertised CPU when the first driver connects, and an
 #: actor without a ``runtime_env`` of its own takes one of them instead of waiting ~1 s for a new
 #: process (see :func:`actor_runtime_env`). A run's first actors are a handful, so on a machine

@@ -85,3 +85,12 @@ def test_the_private_ray_starts_no_autoscaler_and_no_dashboard(fresh_ray: None) 
     scripts = {Path(arg).name for p in psutil.Process().children(recursive=True) for arg in p.cmdline()[:3]}
     assert "log_monitor.py" in scripts  # worker output still reaches the driver
     assert not scripts & {"monitor.py", "dashboard.py"}
+
+
+def test_the_private_ray_retries_its_socket_connections_every_20_ms_for_10_s(fresh_ray: None) -> None:
+    """The raylet's object-store connection retries on this schedule (``LOCAL_SYSTEM_CONFIG``), not
+    Ray's one attempt per second, and still gives up after Ray's 10 s: read back from the running
+    Ray. (A key Ray does not know stops its GCS at start, so a renamed setting fails every test.)"""
+    held = ray._private.state.state.get_system_config()
+    assert held["raylet_client_connect_timeout_milliseconds"] == 20
+    assert held["raylet_client_num_connect_attempts"] * 20 == 10_000
