@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from nrl_core.algorithms.policy import Policy
+from nrl_core.algorithms.policy_launch import colocated_generation
 from nrl_core.algorithms.setup import resume_point, seed_everything
 from nrl_core.checkpoint.manager import CheckpointManager
 from nrl_core.cluster import cluster_failure, init_ray, shutdown_ray
@@ -29,7 +30,7 @@ class AlgorithmRun:
     val_data: Sequence[DatumSpec] = ()
 
     def __init__(self, config: Mapping[str, Any], *, batch_size: int, train_data: Sequence[DatumSpec],
-                 colocated_generation: bool = False, with_generation: bool = False) -> None:
+                 with_generation: bool = False) -> None:
         self.config = config
         self.cfg = config[self.section]
         seed_everything(self.cfg["seed"])
@@ -39,8 +40,8 @@ class AlgorithmRun:
         self.checkpoints = CheckpointManager(config["checkpointing"], on_publish=self.checkpoint_published)
         self.resume_from, self.state = resume_point(self.checkpoints)
         init_ray(config["cluster"])
-        self.policy = Policy(self.worker_config(config), self.choice.training, colocated_generation=colocated_generation,
-                             generation=self.choice.generation)
+        self.policy = Policy(self.worker_config(config), self.choice.training, generation=self.choice.generation,
+                             colocated_generation=colocated_generation(config, generates=with_generation))
         mark("policy_built")
         self.max_steps = min(int(self.cfg["max_num_steps"]), int(self.cfg["max_num_epochs"]) * len(self.train_loader))
         self.log = MetricLogger(config["logger"], total_steps=self.max_steps,

@@ -18,7 +18,6 @@ from nrl_core.algorithms.advantages import group_advantages
 from nrl_core.algorithms.base import AlgorithmRun
 from nrl_core.algorithms.generation import Generation
 from nrl_core.algorithms.loss import ClippedPGLoss
-from nrl_core.algorithms.policy_launch import colocated_generation
 from nrl_core.algorithms.rollouts import repeat_prompts, rollout_batch
 from nrl_core.algorithms.setup import PhaseTimer, build_environment, load_tokenizer
 from nrl_core.algorithms.grpo_config import check_grpo, on_policy_ratio
@@ -64,7 +63,6 @@ class GRPO(AlgorithmRun):
                     if self.loss_fn.force_on_policy_ratio else "a separate get_logprobs pass")
         self.env = build_environment(config)
         super().__init__(config, batch_size=int(config["grpo"]["num_prompts_per_step"]), train_data=data.train,
-                         colocated_generation=colocated_generation(config, generates=True),
                          with_generation=True)
         assert self.choice.generation is not None
         self.generation = Generation(config, self.choice.generation, self.policy)
