@@ -169,17 +169,24 @@ def _get_node_promptly(get_node: Callable[[str, str], Any], timeout_s: float = 3
     answers without its one-second sleep, and reports a node that never came as before."""
 
     def wait_then_get(gcs_address: str, node_id: str) -> Any:
-        state = GlobalState()
-        state._initialize_global_state(services._get_gcs_client_options(gcs_address))
         deadline = time.monotonic() + timeout_s
-        try:
+        with _gcs_state(gcs_address) as state:
             while time.monotonic() < deadline and not _node_alive(state, node_id):
                 time.sleep(interval_s)
-        finally:
-            state.disconnect()
         return get_node(gcs_address, node_id)
 
     return wait_then_get
+
+
+@contextlib.contextmanager
+def _gcs_state(gcs_address: str) -> Iterator[GlobalState]:
+    """A connection to the GCS at ``gcs_address`` for reading its tables, closed on exit."""
+    state = GlobalState()
+    state._initialize_global_state(services._get_gcs_client_options(gcs_address))
+    try:
+        yield state
+    finally:
+        state.disconnect()
 
 
 def _node_alive(state: GlobalState, node_id: str) -> bool:

@@ -100,15 +100,8 @@ def test_the_start_polls_the_node_table_for_the_node_it_waits_on(fresh_ray: None
     """``init_ray`` waits for its raylet by polling the GCS's node table (``_node_alive``) instead of
     Ray's call that sleeps a second between tries; the poll must recognise this node, and no other,
     in the table as the running GCS returns it (else every start would wait its full 30 s)."""
-    from ray._private import services
-    from ray._private.state import GlobalState
+    from nrl_core.cluster.ray_cluster import _gcs_state, _node_alive
 
-    from nrl_core.cluster.ray_cluster import _node_alive
-
-    state = GlobalState()
-    state._initialize_global_state(services._get_gcs_client_options(ray.get_runtime_context().gcs_address))
-    try:
+    with _gcs_state(ray.get_runtime_context().gcs_address) as state:
         assert _node_alive(state, ray.get_runtime_context().get_node_id())
         assert not _node_alive(state, "ab" * 28)
-    finally:
-        state.disconnect()
