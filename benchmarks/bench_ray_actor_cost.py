@@ -33,36 +33,30 @@ def grpo_work(steps: int) -> dict[str, list[float]]:
     """``steps`` GRPO steps' engine work in this process; seconds per phase and step."""
     import torch
 
+    from bench_dtensor_one_rank_fsdp import worker_config
     from nrl_backend_dtensor.worker import DTensorPolicyWorker
     from nrl_core.algorithms.loss import ClippedPGLoss
-    from nrl_core.contracts import TokenBatch
+    from nrl_core.algorithms.rollouts import rollout_batch
     from nrl_core.testing.tiny_models import cached_tiny_model
     from nrl_gen_vllm.worker import VllmGenerationWorker
 
-    model = str(cached_tiny_model("llama", size="bench"))
-    batch_size = PROMPTS * GENERATIONS
-    policy = {
-        "model_name": model, "precision": "float32", "seed": 42, "max_total_sequence_length": 128,
-        "train_global_batch_size": batch_size, "train_micro_batch_size": batch_size,
-        "logprob_batch_size": batch_size, "max_grad_norm": 1.0,
-        "optimizer": {"name": "torch.optim.AdamW", "kwargs": {"lr": 3e-4}}, "scheduler": None,
-        "sequence_packing": {"enabled": True, "train_mb_tokens": 1024, "logprob_mb_tokens": 4096,
-                             "algorithm": "modified_first_fit_decreasing", "sequence_length_round": 1},
-        "dtensor_config": {"enabled": True},
-        "generation": {"max_new_tokens": NEW_TOKENS, "temperature": 1.0, "top_p": 1.0, "top_k": None,
-                       "colocated": {"enabled": True},
-                       "vllm_cfg": {"load_format": "auto", "max_model_len": 128, "enforce_eager": True}}}
-    config = {"policy": policy, "grpo": {"num_prompts_per_step": PROMPTS, "num_generations_per_prompt": GENERATIONS}}
+    config = worker_config(str(cached_tiny_model("llama", size="bench")), PROMPTS * GENERATIONS)
+    config["policy"].update(max_total_sequence_length=128, generation={
+        "max_new_tokens": NEW_TOKENS, "temperature": 1.0, "top_p": 1.0, "top_k": None, "colocated": {"enabled": True},
+        "vllm_cfg": {"load_format": "auto", "max_model_len": 128, "enforce_eager": True}})
+    config["grpo"] = {"num_prompts_per_step": PROMPTS, "num_generations_per_prompt": GENERATIONS}
     trainer = DTensorPolicyWorker(config, 0, 1)
     engine = VllmGenerationWorker(config)
     loss = ClippedPGLoss(reference_policy_kl_penalty=KL, force_on_policy_ratio=True)
     prompts = [[5 + p % 7, 6, 7 + p % 5, 8, 9, 10, 11, 12, 13, 14 + p] for p in range(PROMPTS) for _ in range(GENERATIONS)]
+    advantages = torch.randn(len(prompts), 1, generator=torch.Generator().manual_seed(0))
     seconds: dict[str, list[float]] = {phase: [] for phase in PHASES}
     for _ in range(steps):
         start = time.perf_counter()
         out = engine.generate(prompts)
         seconds["generation"].append(time.perf_counter() - start)
-        batch = _token_batch(prompts, out.token_ids, TokenBatch, torch)
+        batch = rollout_batch(prompts, out, pad_token_id=0)
+        batch.fields.update(advantages=advantages * batch.fields["token_mask"], sample_mask=torch.ones(len(prompts)))
         start = time.perf_counter()
         batch.fields["reference_logprobs"] = trainer.get_reference_logprobs(batch).values
         seconds["logprobs"].append(time.perf_counter() - start)
@@ -70,21 +64,6 @@ def grpo_work(steps: int) -> dict[str, list[float]]:
         trainer.train(batch, loss)
         seconds["training"].append(time.perf_counter() - start)
     return seconds
-
-
-def _token_batch(prompts: list[list[int]], responses: list[list[int]], token_batch: type, torch: object) -> object:
-    """Prompt + response rows, right-padded, with the loss's fields (random advantages)."""
-    rows = [p + r for p, r in zip(prompts, responses)]
-    width = max(map(len, rows))
-    ids = torch.zeros((len(rows), width), dtype=torch.long)
-    mask = torch.zeros((len(rows), width))
-    for i, (p, row) in enumerate(zip(prompts, rows)):
-        ids[i, :len(row)] = torch.tensor(row)
-        mask[i, len(p):len(row)] = 1.0
-    g = torch.Generator().manual_seed(0)
-    fields = {"token_mask": mask, "advantages": torch.randn(len(rows), 1, generator=g) * mask,
-              "sample_mask": torch.ones(len(rows)), "generation_logprobs": torch.zeros(len(rows), width)}
-    return token_batch(input_ids=ids, input_lengths=torch.tensor([len(r) for r in rows]), fields=fields)
 
 
 def run_in_actor(steps: int) -> dict[str, list[float]]:
