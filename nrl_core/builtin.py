@@ -5,10 +5,14 @@ from __future__ import annotations
 from nrl_core.algorithms.dpo_schema import DPO_SCHEMA
 from nrl_core.algorithms.grpo_config import GRPO
 from nrl_core.algorithms.sft_config import SFT
+from nrl_core.config.core_schema import NUMBER
+from nrl_core.config.schema import Field, Section
 from nrl_core.contracts import (
+    AdvantageEstimatorSpec,
     AlgorithmSpec,
     DataProcessorSpec,
     DatasetGeneratorSpec,
+    LossFunctionSpec,
     MetricSinkSpec,
     RefitTransportSpec,
 )
@@ -79,3 +83,39 @@ def nrl_dataset_generators() -> list[DatasetGeneratorSpec]:
                                  generator="nrl_core.data.preference:arithmetic_preference_splits",
                                  distribution="nrl-core",
                                  description="the arithmetic problems as preference pairs: right answer over a wrong one")]
+
+
+@hookimpl
+def nrl_advantage_estimators() -> list[AdvantageEstimatorSpec]:
+    """NeMo RL's estimators; their shared keys (normalize_rewards, use_leave_one_out_baseline,
+    std_of) sit at the top of ``grpo.adv_estimator``, as in NeMo RL's configs."""
+    return [
+        AdvantageEstimatorSpec(name="grpo", estimator="nrl_core.algorithms.estimators:GroupRelativeEstimator",
+                               distribution="nrl-core",
+                               description="reward minus the prompt's (leave-one-out) mean, over its std"),
+        AdvantageEstimatorSpec(
+            name="gdpo", estimator="nrl_core.algorithms.estimators:MultiRewardEstimator", distribution="nrl-core",
+            config_schema=Section(fields={"reward_weights": Field(type=list, item_type=NUMBER, default=None, nullable=True,
+                                                                  doc="one weight per named reward, alphabetical")}),
+            description="GDPO: a group-relative advantage per named reward, weighted, summed, normalised"),
+        AdvantageEstimatorSpec(
+            name="reinforce_plus_plus", estimator="nrl_core.algorithms.estimators:ReinforcePlusPlusEstimator",
+            distribution="nrl-core", needs=("prev_logprobs", "reference_logprobs"), uses_kl_in_reward=True,
+            config_schema=Section(fields={"minus_baseline": Field(type=bool, default=True,
+                                                                  doc="subtract the prompt's mean reward")}),
+            description="REINFORCE++: baseline, KL in the reward, whitened over the batch's tokens"),
+        AdvantageEstimatorSpec(
+            name="gae", estimator="nrl_core.algorithms.estimators:GeneralizedAdvantageEstimator",
+            distribution="nrl-core", needs=("values", "prev_logprobs", "reference_logprobs"), uses_kl_in_reward=True,
+            config_schema=Section(fields={
+                "gae_gamma": Field(type=NUMBER, default=1.0, minimum=0), "gae_lambda": Field(type=NUMBER, default=0.95, minimum=0),
+                "normalize_advantages": Field(type=bool, default=True)}),
+            description="generalized advantage estimation on a value model's values (PPO)"),
+    ]
+
+
+@hookimpl
+def nrl_loss_functions() -> list[LossFunctionSpec]:
+    return [LossFunctionSpec(name="clipped_pg", loss="nrl_core.algorithms.loss:ClippedPGLoss", distribution="nrl-core",
+                             description="NeMo RL's ClippedPGLossFn: PPO/GRPO clipping, GSPO, CISPO, REINFORCE, "
+                                         "truncated importance sampling, KL penalty")]

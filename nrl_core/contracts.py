@@ -286,6 +286,50 @@ class AlgorithmSpec:
 
 
 @dataclass(frozen=True, kw_only=True)
+class AdvantageEstimatorSpec:
+    """An advantage estimator selectable as ``grpo.adv_estimator.name``, returned by
+    ``nrl_advantage_estimators``.
+
+    ``estimator`` is the import path of a class built once per run as ``Estimator(section,
+    config)``: ``section`` is ``grpo.adv_estimator``, where ``config_schema``'s keys join the others
+    (flat, as in NeMo RL's configs; a key two estimators declare differently is an error when the
+    schema is built), ``config`` the whole validated config. It is called once per step in the driver with :class:`AdvantageInputs` and
+    returns one advantage per response (``[b]``) or per token (``[b, t]``, aligned with
+    ``input_ids``). ``needs`` names the batch fields it reads that the algorithm must compute
+    before advantages (``"reference_logprobs"``, ``"prev_logprobs"``); ``uses_kl_in_reward`` says it
+    takes the KL penalty into the reward (``loss_fn.use_kl_in_reward``), which the loss then leaves
+    out.
+    """
+
+    name: str
+    estimator: str
+    distribution: str
+    config_schema: "Section | None" = None
+    needs: tuple[str, ...] = ()
+    uses_kl_in_reward: bool = False
+    description: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LossFunctionSpec:
+    """A policy loss selectable as ``loss_fn.name``, returned by ``nrl_loss_functions``.
+
+    ``loss`` is the import path of a class with ``from_config(section) -> LossFunction``, where
+    ``section`` is the whole ``loss_fn`` mapping (NeMo RL's keys at its top, this loss's own
+    ``config_schema`` keys under ``loss_fn.<name>``). The built loss is pickled to the training
+    workers, so its module must import there (an installed distribution's does). ``algorithms``
+    lists the algorithms whose batches it understands.
+    """
+
+    name: str
+    loss: str
+    distribution: str
+    algorithms: tuple[str, ...] = ("grpo",)
+    config_schema: "Section | None" = None
+    description: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
 class RunInfo:
     """The run a lifecycle hook observes (``nrl_run_start``, ``nrl_step_end``,
     ``nrl_checkpoint_saved``, ``nrl_run_end``); the same object for every call of one run."""
@@ -334,17 +378,19 @@ class TokenBatch:
         """``(valid tokens, valid sequences)``: the normalisers a :class:`LossFunction` gets.
 
         A token counts when ``token_mask`` is set and its sequence's ``sample_mask`` (when
-        present) is 1; a sequence counts when it has a counted token. Every backend uses this one
-        definition (summed over data-parallel ranks), so losses mean the same on all of them.
+        present) is 1; a sequence counts when its ``sample_mask`` is 1 (every sequence without
+        one), as in NeMo RL. Every backend uses this one definition (summed over data-parallel
+        ranks), so losses mean the same on all of them.
         """
         import torch
 
         mask = self.fields.get("token_mask")
         if mask is None:
             mask = (torch.arange(self.input_ids.shape[1])[None, :] < self.input_lengths[:, None]).float()
-        if "sample_mask" in self.fields:
-            mask = mask * self.fields["sample_mask"].to(mask.dtype).unsqueeze(1)
-        return float(mask.sum()), float((mask.sum(dim=1) > 0).sum())
+        sample_mask = self.fields.get("sample_mask")
+        if sample_mask is None:
+            return float(mask.sum()), float(self.size)
+        return float((mask * sample_mask.to(mask.dtype).unsqueeze(1)).sum()), float(sample_mask.sum())
 
     def shard_rows(self, rank: int, world_size: int) -> list[int]:
         """Rows ``rank::world_size`` of data-parallel rank ``rank``: a strided split, so every
@@ -439,11 +485,16 @@ class EnvSample:
 class EnvResult:
     """Rewards in the order of the samples, and metrics over them: means, except the keys named in
     ``counts``, which are totals (timeouts, sample counts). That distinction lets results of parts
-    of a batch (async GRPO scores each group as it completes) combine into the batch's."""
+    of a batch (async GRPO scores each group as it completes) combine into the batch's.
+
+    A multi-reward environment also reports each named reward per sample in ``components``
+    (NeMo RL's ``reward/<name>`` keys, e.g. ``{"correctness": [...], "format": [...]}``); its
+    ``rewards`` are then their sum, as NeMo RL totals them, and estimators such as GDPO read the parts."""
 
     rewards: list[float]
     metrics: dict[str, float] = field(default_factory=dict)
     counts: tuple[str, ...] = ()
+    components: dict[str, list[float]] = field(default_factory=dict)
 
     @staticmethod
     def combine(results: "Sequence[EnvResult]") -> "EnvResult":
@@ -453,10 +504,35 @@ class EnvResult:
         keys = list(dict.fromkeys(k for r in results for k in r.metrics))
         metrics = {k: sum(r.metrics.get(k, 0.0) if k in counts else r.metrics.get(k, 0.0) * len(r.rewards)
                           for r in results) / (1 if k in counts else max(total, 1)) for k in keys}
-        return EnvResult(rewards=[x for r in results for x in r.rewards], metrics=metrics, counts=counts)
+        names = list(dict.fromkeys(k for r in results for k in r.components))
+        components = {name: [x for r in results for x in r.components.get(name, [0.0] * len(r.rewards))]
+                      for name in names}
+        return EnvResult(rewards=[x for r in results for x in r.rewards], metrics=metrics, counts=counts,
+                         components=components)
+
+    def slice(self, start: int, stop: int) -> "EnvResult":
+        """Samples ``start:stop``'s rewards and components (metrics belong to the whole batch)."""
+        return EnvResult(rewards=self.rewards[start:stop], counts=self.counts,
+                         components={k: v[start:stop] for k, v in self.components.items()})
 
 
 # --------------------------------------------------------------------------- protocols
+
+
+@dataclass(kw_only=True)
+class AdvantageInputs:
+    """What an :class:`AdvantageEstimator` sees of one step's rollouts, in batch order."""
+
+    rewards: "torch.Tensor"  # [b] the environment's rewards (after any reward shaping)
+    group_ids: "torch.Tensor"  # [b] long: responses to one prompt share an id
+    batch: "TokenBatch"  # token_mask, sample_mask, response_lengths and the fields the spec ``needs``
+    reward_components: "Mapping[str, torch.Tensor]" = field(default_factory=dict)  # name -> [b], when reported
+
+
+class AdvantageEstimator(Protocol):
+    """Turns a step's rewards into advantages: ``[b]`` per response or ``[b, t]`` per token."""
+
+    def __call__(self, inputs: AdvantageInputs) -> "torch.Tensor": ...
 
 
 class LossFunction(Protocol):

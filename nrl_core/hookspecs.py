@@ -26,12 +26,14 @@ import pluggy
 
 if TYPE_CHECKING:
     from nrl_core.contracts import (
+        AdvantageEstimatorSpec,
         AlgorithmSpec,
         CheckpointOptions,
         DataProcessorSpec,
         DatasetGeneratorSpec,
         EnvironmentSpec,
         GenerationBackendSpec,
+        LossFunctionSpec,
         MetricSinkSpec,
         RefitTransportSpec,
         RunInfo,
@@ -114,6 +116,26 @@ def nrl_algorithms() -> "list[AlgorithmSpec] | None":
     """Algorithms runnable with ``nrl train <name>``.
 
     Called by the CLI to dispatch ``nrl train``. Collecting.
+    """
+
+
+@hookspec
+def nrl_advantage_estimators() -> "list[AdvantageEstimatorSpec] | None":
+    """Advantage estimators (``grpo.adv_estimator.name``): rewards of a step's rollouts to advantages.
+
+    Called when the config schema is built (each spec's keys under ``grpo.adv_estimator.<name>``)
+    and once per run by the algorithm, which then calls the estimator in the driver every step.
+    Collecting. The core's ``grpo`` (group-relative, NeMo RL's default) registers here too.
+    """
+
+
+@hookspec
+def nrl_loss_functions() -> "list[LossFunctionSpec] | None":
+    """Policy losses (``loss_fn.name``) the training workers call once per micro-batch.
+
+    Called when the config schema is built (each spec's keys under ``loss_fn.<name>``) and once
+    per run by the algorithm, which ships the built loss to the workers with every train call.
+    Collecting. The core's ``clipped_pg`` (NeMo RL's ``ClippedPGLossFn``) registers here too.
     """
 
 

@@ -30,11 +30,13 @@ import pluggy
 
 from nrl_core import hookspecs
 from nrl_core.contracts import (
+    AdvantageEstimatorSpec,
     AlgorithmSpec,
     DataProcessorSpec,
     DatasetGeneratorSpec,
     EnvironmentSpec,
     GenerationBackendSpec,
+    LossFunctionSpec,
     MetricSinkSpec,
     RefitTransportSpec,
     RunInfo,
@@ -290,6 +292,12 @@ class PluginManager:
 
     def algorithms(self) -> Registry[AlgorithmSpec]:
         return self._registry("algorithm", self._pm.hook.nrl_algorithms)
+
+    def advantage_estimators(self) -> Registry[AdvantageEstimatorSpec]:
+        return self._registry("advantage estimator", self._pm.hook.nrl_advantage_estimators)
+
+    def loss_functions(self) -> Registry[LossFunctionSpec]:
+        return self._registry("loss function", self._pm.hook.nrl_loss_functions)
 
     # ------------------------------------------------------------------ dispatch hooks
 

@@ -9,19 +9,19 @@ logprobs of what was sampled, train with the clipped policy-gradient loss; the l
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import torch
 
-from nrl_core.algorithms.advantages import group_advantages
+from nrl_core.algorithms.advantages import clip_advantages, prompt_group_ids
 from nrl_core.algorithms.base import AlgorithmRun
 from nrl_core.algorithms.generation import Generation
-from nrl_core.algorithms.loss import ClippedPGLoss
+from nrl_core.algorithms.loss import GRPO_SEMANTICS_VERSION
 from nrl_core.algorithms.rollouts import repeat_prompts, rollout_batch
 from nrl_core.algorithms.setup import PhaseTimer, build_environment, load_tokenizer
 from nrl_core.algorithms.grpo_config import check_grpo, on_policy_ratio
-from nrl_core.contracts import EnvSample, GenerationOutput, TokenBatch
+from nrl_core.contracts import AdvantageInputs, EnvSample, GenerationOutput, TokenBatch, import_object
 from nrl_core.data import DatumSpec, LengthLimits, prepare_data
 from nrl_core.plugins import get_plugin_manager
 
@@ -36,6 +36,15 @@ class RolloutGroup:
     prompt: DatumSpec
     output: GenerationOutput
     rewards: list[float]
+    components: dict[str, list[float]] = field(default_factory=dict)
+
+
+def reward_components(groups: Sequence[RolloutGroup]) -> dict[str, torch.Tensor]:
+    """Each named reward over the groups' samples, in group order; 0 where a group lacks it (a
+    batch mixing environments), as NeMo RL fills them."""
+    names = sorted({name for g in groups for name in g.components})
+    return {name: torch.tensor([r for g in groups for r in g.components.get(name, [0.0] * len(g.rewards))])
+            for name in names}
 
 
 def merge_groups(groups: Sequence[RolloutGroup]) -> GenerationOutput:
@@ -57,10 +66,16 @@ class GRPO(AlgorithmRun):
         self.tokenizer = load_tokenizer(config)
         data = prepare_data(config["data"], self.tokenizer, limits=prompt_limits(config))
         self.val_data: list[DatumSpec] = (data.val or [])[: config["grpo"]["max_val_samples"]]
-        self.loss_fn = ClippedPGLoss.from_config({**config["loss_fn"],
-                                                  "force_on_policy_ratio": on_policy_ratio(config)})
+        plugins = get_plugin_manager()
+        self.on_policy_ratio = on_policy_ratio(config)
+        loss_spec = plugins.loss_functions().get(config["loss_fn"]["name"], "loss_fn.name")
+        self.loss_fn = import_object(loss_spec.loss).from_config({**config["loss_fn"],
+                                                                  "force_on_policy_ratio": self.on_policy_ratio})
+        self.estimator_spec = plugins.advantage_estimators().get(config["grpo"]["adv_estimator"]["name"],
+                                                                 "grpo.adv_estimator.name")
+        self.estimator = import_object(self.estimator_spec.estimator)(config["grpo"]["adv_estimator"], config)
         logger.info("previous-policy logprobs: %s", "from the training forward (one optimizer step per GRPO step)"
-                    if self.loss_fn.force_on_policy_ratio else "a separate get_logprobs pass")
+                    if self.on_policy_ratio else "a separate get_logprobs pass")
         self.env = build_environment(config)
         super().__init__(config, batch_size=int(config["grpo"]["num_prompts_per_step"]), train_data=data.train,
                          with_generation=True)
@@ -88,14 +103,13 @@ class GRPO(AlgorithmRun):
         prompt_ids = repeat_prompts([g.prompt.prompt_ids for g in groups], self.group_size)
         rollouts = merge_groups(groups)
         rewards = torch.tensor([r for g in groups for r in g.rewards], dtype=torch.float32)
-        advantages = group_advantages(rewards, self.group_size, leave_one_out=self.cfg["use_leave_one_out_baseline"],
-                                      normalize=self.cfg["normalize_rewards"])
-        batch = self.training_batch(prompt_ids, rollouts, advantages)
+        batch = self.training_batch(prompt_ids, rollouts)
         with timer("logprobs"):
-            if not self.loss_fn.force_on_policy_ratio:
+            if not self.on_policy_ratio or "prev_logprobs" in self.estimator_spec.needs:
                 batch.fields["prev_logprobs"] = self.policy.get_logprobs(batch)
-            if self.loss_fn.reference_policy_kl_penalty:
+            if self.config["loss_fn"]["reference_policy_kl_penalty"]:
                 batch.fields["reference_logprobs"] = self.policy.get_reference_logprobs(batch)
+        batch.fields["advantages"] = self.advantages(rewards, prompt_ids, batch, groups)
         with timer("training"):
             train_metrics = self.train(batch)
         self.generation.mark_stale()
@@ -116,7 +130,8 @@ class GRPO(AlgorithmRun):
         result = self.env.score(samples)
         n = self.group_size
         groups = [RolloutGroup(prompt=prompt, output=rollouts.slice(i * n, (i + 1) * n),
-                               rewards=list(result.rewards[i * n:(i + 1) * n])) for i, prompt in enumerate(prompts)]
+                               rewards=list(result.rewards[i * n:(i + 1) * n]),
+                               components=result.slice(i * n, (i + 1) * n).components) for i, prompt in enumerate(prompts)]
         return groups, {f"env/{k}": v for k, v in result.metrics.items()}
 
     def log_rollouts(self, groups: Sequence[RolloutGroup]) -> None:
@@ -128,11 +143,20 @@ class GRPO(AlgorithmRun):
              "reward": reward, "weight_version": g.output.weight_version}
             for g in groups for ids, reward in zip(g.output.token_ids, g.rewards)])
 
-    def training_batch(self, prompt_ids: list[list[int]], rollouts: GenerationOutput,
-                       advantages: torch.Tensor) -> TokenBatch:
+    def advantages(self, rewards: torch.Tensor, prompt_ids: list[list[int]], batch: TokenBatch,
+                   groups: Sequence[RolloutGroup]) -> torch.Tensor:
+        """The estimator's advantages per token (zero outside the responses), responses to identical
+        prompts grouped together, clipped to ``grpo.advantage_clip_low/high``."""
+        advantages = self.estimator(AdvantageInputs(rewards=rewards, group_ids=prompt_group_ids(prompt_ids), batch=batch,
+                                                    reward_components=reward_components(groups)))
+        if advantages.dim() == 1:
+            advantages = advantages.unsqueeze(1)
+        advantages = clip_advantages(advantages, self.cfg["advantage_clip_low"], self.cfg["advantage_clip_high"])
+        return advantages.to(torch.float32) * batch.fields["token_mask"]
+
+    def training_batch(self, prompt_ids: list[list[int]], rollouts: GenerationOutput) -> TokenBatch:
         batch = rollout_batch(prompt_ids, rollouts, pad_token_id=self.tokenizer.pad_token_id,
                               max_total_length=self.config["policy"]["max_total_sequence_length"])
-        batch.fields["advantages"] = advantages.unsqueeze(1) * batch.fields["token_mask"]
         # Overlong filtering: a response cut at the length limit says nothing about its answer.
         truncated = batch.fields["truncated"]
         batch.fields["sample_mask"] = 1.0 - truncated if self.cfg["overlong_filtering"] else torch.ones_like(truncated)
@@ -180,12 +204,14 @@ class GRPO(AlgorithmRun):
     # ------------------------------------------------------------------ state beyond the policy
 
     def extra_state(self) -> dict[str, Any]:
-        return {"generation": self.generation.sampling_states(), "generation_stale": self.generation.stale}
+        return {"generation": self.generation.sampling_states(), "generation_stale": self.generation.stale,
+                "grpo_semantics": GRPO_SEMANTICS_VERSION}
 
     def restore_extra_state(self, info: Mapping[str, Any]) -> None:
         """The engines started from the HF checkpoint: load the restored policy's weights into them
         now, then put back their sampling position and weight label and whether the saved run
         would have refit before its next step, so the resumed run continues exactly."""
+        warn_if_other_semantics(info)
         self.generation.update_weights()
         self.generation.load_sampling_states(info.get("generation", []))
         self.generation.stale = bool(info.get("generation_stale", True))
@@ -208,6 +234,17 @@ def prompt_limits(config: Mapping[str, Any]) -> LengthLimits:
     if engine_limit is not None and int(engine_limit) < limit:
         limit, key = int(engine_limit), f"policy.generation.{spec.config_key}.max_model_len"
     return LengthLimits(prompt=limit - 1, prompt_key=key)
+
+
+def warn_if_other_semantics(info: Mapping[str, Any]) -> None:
+    """Once, when a resumed checkpoint was written under other loss and advantage semantics: its
+    run trained with them, this one continues with the current ones (docs/changelog.md)."""
+    written = int(info.get("grpo_semantics", 1))
+    if written != GRPO_SEMANTICS_VERSION:
+        logger.warning("this checkpoint was written under GRPO semantics version %d (nrl before NeMo RL parity); the "
+                       "resumed run trains with version %d: leave-one-out advantages divide by the other responses' "
+                       "std, the KL term carries its score-function gradient, GSPO weights whole sequences; see "
+                       "docs/changelog.md", written, GRPO_SEMANTICS_VERSION)
 
 
 def _warn_truncated_sampling(generation: Mapping[str, Any]) -> None:

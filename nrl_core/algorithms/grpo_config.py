@@ -6,8 +6,13 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from nrl_core.config.core_schema import NUMBER
 from nrl_core.config.schema import Field, Section
 from nrl_core.errors import ConfigError
+from nrl_core.plugins import get_plugin_manager
+
+#: Batch fields GRPO can compute before the advantages, for an estimator's ``needs``.
+GRPO_BATCH_FIELDS = ("prev_logprobs", "reference_logprobs")
 
 GRPO = Section(doc="GRPO algorithm settings (NeMo RL's names and meaning).", fields={
     "num_prompts_per_step": Field(type=int, default=32, minimum=1, doc="distinct prompts per step"),
@@ -17,6 +22,17 @@ GRPO = Section(doc="GRPO algorithm settings (NeMo RL's names and meaning).", fie
     "max_num_steps": Field(type=int, default=1000000, minimum=1),
     "normalize_rewards": Field(type=bool, default=True, doc="divide advantages by the group's reward std"),
     "use_leave_one_out_baseline": Field(type=bool, default=True),
+    "adv_estimator": Section(doc="The advantage estimator (NeMo RL's keys); docs/configuration.md lists them.", fields={
+        "name": Field(type=str, default="grpo", doc="the estimator, from the nrl_advantage_estimators hook"),
+        "normalize_rewards": Field(type=bool, default=None, nullable=True, doc="null: grpo.normalize_rewards"),
+        "use_leave_one_out_baseline": Field(type=bool, default=None, nullable=True,
+                                            doc="null: grpo.use_leave_one_out_baseline"),
+        "std_of": Field(type=str, default="others", choices=("others", "group"),
+                        doc="the std advantages are divided by: of the rewards the baseline averages (NeMo RL) or "
+                            "of the whole group (TRL, verl)"),
+    }),
+    "advantage_clip_low": Field(type=NUMBER, default=None, nullable=True, doc="lower bound of normalised advantages"),
+    "advantage_clip_high": Field(type=NUMBER, default=None, nullable=True, doc="upper bound of normalised advantages"),
     "val_period": Field(type=int, default=10, doc="validate every N steps; 0 or less never (NeMo RL uses -1)"),
     "val_at_start": Field(type=bool, default=False),
     "val_at_end": Field(type=bool, default=False),
@@ -57,6 +73,7 @@ def check_grpo(config: Mapping[str, Any]) -> None:
             raise ConfigError("loss_fn.use_importance_sampling_correction",
                               "must be true with grpo.async_grpo.enabled: rollouts sampled by older weights need the "
                               "correction (NeMo RL requires it; async runs collapse without it)")
+    _check_loss_and_estimator(config)
     rollouts = grpo["num_prompts_per_step"] * group
     if rollouts % policy["train_global_batch_size"]:
         raise ConfigError("policy.train_global_batch_size",
@@ -76,10 +93,36 @@ def on_policy_ratio(config: Mapping[str, Any]) -> bool:
     With one optimizer step per GRPO step, every micro-batch's training forward runs under the
     weights a separate ``get_logprobs`` pass would use, so that pass is redundant work (TRL skips
     it too); with several, later steps need the logprobs of the weights before the first.
-    ``loss_fn.force_on_policy_ratio`` null decides by that; false keeps the separate pass."""
+    ``loss_fn.force_on_policy_ratio`` null decides by that (CISPO keeps the pass, as NeMo RL
+    refuses to force its ratio); false keeps the separate pass."""
     forced = config["loss_fn"].get("force_on_policy_ratio")
     if forced is not None:
         return bool(forced)
+    if config["loss_fn"].get("use_cispo"):
+        return False
     grpo = config["grpo"]
     rollouts = grpo["num_prompts_per_step"] * grpo["num_generations_per_prompt"]
     return rollouts == config["policy"]["train_global_batch_size"]
+
+
+def _check_loss_and_estimator(config: Mapping[str, Any]) -> None:
+    """The selected loss and estimator are installed and get what they need from GRPO (the loss's
+    own keys are checked for every config: ``nrl_core.config.checks``)."""
+    loss = config["loss_fn"]
+    plugins = get_plugin_manager()
+    spec = plugins.loss_functions().get(loss.get("name", "clipped_pg"), "loss_fn.name")
+    if "grpo" not in spec.algorithms:
+        raise ConfigError("loss_fn.name", f"loss '{spec.name}' ({spec.distribution}) is written for "
+                                          f"{', '.join(spec.algorithms)}, not GRPO; pick a GRPO loss such as clipped_pg")
+    estimator_name = (config["grpo"].get("adv_estimator") or {}).get("name", "grpo")
+    estimator = plugins.advantage_estimators().get(estimator_name, "grpo.adv_estimator.name")
+    missing = [need for need in estimator.needs if need not in GRPO_BATCH_FIELDS]
+    if missing:
+        raise ConfigError("grpo.adv_estimator.name", f"estimator '{estimator.name}' needs {', '.join(missing)}, which "
+                                                     "GRPO does not compute (a value model's values come with PPO); "
+                                                     "use grpo, reinforce_plus_plus or a plugin's")
+    if loss.get("use_kl_in_reward") and not estimator.uses_kl_in_reward:
+        raise ConfigError("loss_fn.use_kl_in_reward", f"the KL penalty would go nowhere: estimator '{estimator.name}' "
+                                                      "does not take it into the reward; use reinforce_plus_plus or "
+                                                      "set use_kl_in_reward: false")
+

@@ -26,6 +26,7 @@ import os
 from pathlib import Path
 from typing import Any, Collection, Mapping
 
+from nrl_core.algorithms.loss_rules import loss_config_problem
 from nrl_core.config.topology import cluster_topology
 from nrl_core.contracts import AlgorithmSpec, ConfigCheck, GenerationBackendSpec, TrainingBackendSpec, import_object
 from nrl_core.errors import ConfigError
@@ -116,9 +117,9 @@ def _run_backend_check(path: str | None, config: Mapping[str, Any]) -> None:
 
 def _check_ranges(config: Mapping[str, Any]) -> None:
     """Ranges a schema minimum cannot say."""
-    loss = config["loss_fn"]
-    if loss["ratio_clip_c"] is not None and loss["ratio_clip_c"] <= 1:
-        raise ConfigError("loss_fn.ratio_clip_c", f"must be greater than 1 (dual clip) or null, got {loss['ratio_clip_c']}")
+    problem = loss_config_problem(config["loss_fn"])
+    if problem is not None:
+        raise ConfigError(*problem)
     generation = config["policy"]["generation"]
     if generation is not None and not 0 < generation["top_p"] <= 1:
         raise ConfigError("policy.generation.top_p", f"must be in (0, 1], got {generation['top_p']}")

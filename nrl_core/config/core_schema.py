@@ -20,7 +20,8 @@ ALGORITHM = Section(doc="The short form from the backend documentation; mapped o
     "gradient_accumulation_steps": Field(type=int, default=None, nullable=True, minimum=1),
 })
 
-LOSS_FN = Section(doc="Clipped policy-gradient loss (GRPO).", fields={
+LOSS_FN = Section(doc="The policy loss (GRPO): NeMo RL's ClippedPGLossFn keys; docs/configuration.md.", fields={
+    "name": Field(type=str, default="clipped_pg", doc="the loss, from the nrl_loss_functions hook"),
     "reference_policy_kl_penalty": Field(type=NUMBER, default=0.01, minimum=0),
     "reference_policy_kl_type": Field(type=str, default="k3", choices=("k1", "k2", "k3")),
     "kl_input_clamp_value": Field(type=NUMBER, default=20.0, nullable=True, minimum=0),
@@ -29,8 +30,20 @@ LOSS_FN = Section(doc="Clipped policy-gradient loss (GRPO).", fields={
     "ratio_clip_max": Field(type=NUMBER, default=0.2, minimum=0),
     "ratio_clip_c": Field(type=NUMBER, default=None, nullable=True, doc="dual-clip constant (> 1) or null"),
     "use_on_policy_kl_approximation": Field(type=bool, default=False),
+    "use_kl_in_reward": Field(type=bool, default=False,
+                              doc="the KL penalty goes into the reward (an estimator that does so, e.g. "
+                                  "reinforce_plus_plus), not the loss"),
     "use_importance_sampling_correction": Field(type=bool, default=False),
-    "truncated_importance_sampling_ratio": Field(type=NUMBER, default=None, nullable=True, minimum=0),
+    "truncated_importance_sampling_type": Field(type=str, default=None, nullable=True,
+                                                choices=("tis", "icepop", "seq-mask-tis"),
+                                                doc="tis: clamp the weights to [min, max]; icepop: drop tokens outside; "
+                                                    "seq-mask-tis: drop sequences whose geometric-mean weight is outside"),
+    "truncated_importance_sampling_ratio": Field(type=NUMBER, default=None, nullable=True, minimum=0,
+                                                 doc="upper bound of the weights (with a null type: tis)"),
+    "truncated_importance_sampling_ratio_min": Field(type=NUMBER, default=None, nullable=True, minimum=0,
+                                                     doc="lower bound (tis: default 0)"),
+    "disable_ppo_ratio": Field(type=bool, default=False, doc="REINFORCE/RLOO: -A logprobs, no ratio or clipping"),
+    "use_cispo": Field(type=bool, default=False, doc="CISPO: -A sg(clip(ratio)) logprobs (token-level)"),
     "token_level_loss": Field(type=bool, default=True),
     "sequence_level_importance_ratios": Field(type=bool, default=False, doc="GSPO"),
     "force_on_policy_ratio": Field(type=bool, default=None, nullable=True,

@@ -79,7 +79,28 @@ def build_schema(pm: PluginManager | None = None) -> Section:
     for sink in pm.metric_sinks():  # logger.<name>_enabled switches it on; logger.<name> holds its options
         schema = schema.attach("logger", f"{sink.name}_enabled", Field(type=bool, default=False))
         schema = schema.attach("logger", sink.name, Section(open=True))
+    schema = _attach_estimator_keys(schema, pm)
+    for loss in pm.loss_functions():
+        if loss.config_schema is not None:
+            schema = schema.attach("loss_fn", loss.name, loss.config_schema)
     return with_nemo_rl_keys(schema)
+
+
+def _attach_estimator_keys(schema: Section, pm: PluginManager) -> Section:
+    """Each estimator's keys join ``grpo.adv_estimator`` flat, as NeMo RL lays them out; a key two
+    estimators declare differently is an error naming both."""
+    grpo = schema.fields.get("grpo")
+    if not isinstance(grpo, Section) or "adv_estimator" not in grpo.fields:
+        return schema
+    declared: dict[str, tuple[str, Any]] = {}
+    for spec in pm.advantage_estimators():
+        for key, field in (spec.config_schema.fields.items() if spec.config_schema else ()):
+            owner, known = declared.setdefault(key, (spec.name, field))
+            if known != field:
+                raise ConfigError("grpo.adv_estimator", f"advantage estimators '{owner}' and '{spec.name}' declare "
+                                                        f"'{key}' differently; rename it in one of them")
+            schema = schema.attach("grpo.adv_estimator", key, field)
+    return schema
 
 
 def algorithm_sections(pm: PluginManager | None = None) -> dict[str, str]:

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from nrl_core.algorithms.advantages import group_advantages
+from nrl_core.algorithms.advantages import group_advantages, prompt_group_ids
 from nrl_core.algorithms.grpo_config import check_grpo, on_policy_ratio
 from nrl_core.algorithms.loss import ClippedPGLoss, NLLLoss, kl_estimate
 from nrl_core.contracts import TokenBatch
@@ -19,11 +19,38 @@ L = math.log
 # ----------------------------------------------------------------------------- advantages
 
 
-def test_leave_one_out_baseline_normalised():
-    # Group [1, 0, 0]: others' means [0, .5, .5]; unbiased std sqrt(1/3).
+def test_leave_one_out_baseline_normalised_by_the_others_std():
+    # Group [1, 0, 0]: others [0, 0] (mean 0, std 0: left unscaled), [1, 0] and [1, 0] (mean .5, std sqrt(.5)).
     adv = group_advantages(torch.tensor([1.0, 0.0, 0.0]), 3, leave_one_out=True, normalize=True)
-    s = math.sqrt(1 / 3)
-    assert adv.tolist() == pytest.approx([1 / s, -0.5 / s, -0.5 / s], rel=1e-5)
+    s = math.sqrt(0.5)
+    assert adv.tolist() == pytest.approx([1.0, -0.5 / (s + 1e-6), -0.5 / (s + 1e-6)], rel=1e-6)
+
+
+def test_leave_one_out_baseline_normalised_by_the_group_std():
+    # std_of="group": the whole group's unbiased std sqrt(1/3), as TRL and verl divide.
+    adv = group_advantages(torch.tensor([1.0, 0.0, 0.0]), 3, leave_one_out=True, normalize=True, std_of="group")
+    s = math.sqrt(1 / 3) + 1e-6
+    assert adv.tolist() == pytest.approx([1 / s, -0.5 / s, -0.5 / s], rel=1e-6)
+
+
+def test_leave_one_out_leaves_groups_of_two_unnormalised():
+    # One other reward has no spread: NeMo RL divides by nothing.
+    adv = group_advantages(torch.tensor([3.0, 1.0]), 2, leave_one_out=True, normalize=True)
+    assert adv.tolist() == [2.0, -2.0]
+
+
+def test_a_tiny_spread_is_still_normalised():
+    # NeMo RL normalises whenever the std is above zero (nrl used to zero advantages below 1e-6).
+    adv = group_advantages(torch.tensor([0.0, 1e-7, 0.0, 1e-7], dtype=torch.float64), 4, leave_one_out=False)
+    std = torch.tensor([0.0, 1e-7, 0.0, 1e-7], dtype=torch.float64).std().item()
+    assert adv.tolist() == pytest.approx([-0.5e-7 / (std + 1e-6), 0.5e-7 / (std + 1e-6)] * 2, rel=1e-9)
+
+
+def test_identical_prompts_form_one_group_wherever_they_stand():
+    ids = prompt_group_ids([[5, 6], [7], [5, 6], [7]])
+    assert ids.tolist() == [0, 1, 0, 1]
+    adv = group_advantages(torch.tensor([1.0, 4.0, 0.0, 2.0]), group_ids=ids, leave_one_out=False, normalize=False)
+    assert adv.tolist() == [0.5, 1.0, -0.5, -1.0]
 
 
 def test_mean_baseline_unnormalised():
@@ -110,7 +137,7 @@ def test_kl_penalty_is_added_per_token():
     ref = [[0.0, L(0.25), L(0.2)]]  # token 1: k1 = log 2; token 2: 0
     loss_fn = ClippedPGLoss(reference_policy_kl_penalty=0.1, reference_policy_kl_type="k1")
     loss, m = _run(loss_fn, CURR, _batch(CURR, PREV, [1.0], ref_rows=ref))
-    assert m["kl_penalty"] == pytest.approx(0.1 * L(2) / 2)
+    assert m["kl_penalty"] == pytest.approx(L(2) / 2)  # the raw KL, as NeMo RL logs it
     assert float(loss) == pytest.approx((-1.2 - 0.8) / 2 + 0.1 * L(2) / 2)
 
 
