@@ -1,9 +1,11 @@
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # `common` and `scenarios`, also in spawned ranks
+os.environ.setdefault("NRL_CHECK_DEVICES", "1")  # the worker checks the loss's batch device (nrl_core.device)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -244,3 +244,19 @@ def test_nonfinite_guard_can_be_turned_off():
     metrics = w.train(make_batch(), _Diverged(float("nan")))
     assert w.train_step_count == 1 and metrics["grad_norm"] != metrics["grad_norm"]
     assert all(torch.isnan(p).any() for p in params(w))
+
+
+def test_a_batch_on_another_device_than_the_logprobs_fails_in_check_mode(monkeypatch):
+    """With NRL_CHECK_DEVICES=1 (the suite's setting) the worker checks the batch the loss reads
+    against the logprobs' device; a batch left behind (here: sent to the meta device) is one line."""
+    from nrl_backend_dtensor import worker as worker_module
+    from nrl_core import device
+    from nrl_core.contracts import TokenBatch
+
+    w = worker()
+    w.train(make_batch(), NLLLoss())  # moved where the logprobs are: passes the check
+    misplaced = lambda value, where: device.to_device(value, "meta" if isinstance(value, TokenBatch) else where)
+    monkeypatch.setattr(worker_module, "to_device", misplaced)
+    monkeypatch.setenv(device.CHECK_DEVICES_ENV, "1")
+    with pytest.raises(NrlError, match=r"^dtensor train: batch\.\S+ is on meta but the logprobs are on cpu"):
+        w.train(make_batch(), NLLLoss())

@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from nrl_core.contracts import CheckpointOptions
+from nrl_core.device import broadcast
 from nrl_core.errors import NrlError
 from nrl_backend_dtensor.safe_load import dcp_load, load_file
 
@@ -337,15 +338,12 @@ def broadcast_tree(tree: Any) -> Any:
 
     box = [strip(tree) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     received = iter(tensors)
 
     def fill(node: Any) -> Any:
         if isinstance(node, _TensorSlot):
-            t = next(received).to(device) if dist.get_rank() == 0 else torch.empty(node.shape, dtype=node.dtype,
-                                                                                  device=device)
-            dist.broadcast(t, src=0)
-            return t.cpu()
+            t = next(received).cpu() if dist.get_rank() == 0 else torch.empty(node.shape, dtype=node.dtype)
+            return broadcast(t, src=0)
         if isinstance(node, dict):
             return {k: fill(v) for k, v in node.items()}
         if isinstance(node, (list, tuple)):

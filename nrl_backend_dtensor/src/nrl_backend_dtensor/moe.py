@@ -18,6 +18,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
+from nrl_core.device import all_reduce
 from nrl_core.errors import ConfigError
 from nrl_core.moe import RouterStats, balance_metrics
 
@@ -70,7 +71,7 @@ class RouterMetrics:
     def collect(self, group: dist.ProcessGroup) -> dict[str, float]:
         """Sum over ``group`` (the data-parallel ranks) and compute; collective."""
         totals = self.stats.totals()
-        dist.all_reduce(totals, group=group)
+        all_reduce(totals, group=group)
         self.stats.reset()
         return balance_metrics(totals, self.stats.num_experts, self.stats.topk)
 

@@ -24,6 +24,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from nrl_core.contracts import BatchShard, CheckpointOptions, LossFunction, TokenBatch, WeightSpec, logprob_temperature
+from nrl_core.device import (all_reduce, all_reduce_values, check_batch_device, free_device_cache, host_copy,
+                             model_device, move_optimizer_state, resolve_precision, to_device)
 from nrl_core.errors import ConfigError, NrlError
 from nrl_core.nonfinite import check_finite, guard_enabled
 from nrl_core.process_groups import main_group_timeout
@@ -46,13 +48,6 @@ def _ensure_process_group() -> None:
         init_local_group()
 
 
-def _move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
-    for state in optimizer.state.values():
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor) and value.device != device:
-                state[key] = value.to(device)
-
-
 class DTensorPolicyWorker:
     """One training rank (see the module docstring and ``nrl_core.contracts.TrainingWorker``)."""
 
@@ -68,8 +63,8 @@ class DTensorPolicyWorker:
                            f"{dist.get_rank()}/{dist.get_world_size()}")
         self.seed = int(self.policy["seed"])  # resolved at validation (nrl_core.config.validate)
         torch.manual_seed(self.seed)
-        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-        precision = self.policy.get("precision", "float32")
+        self.device = model_device()
+        precision = resolve_precision(self.policy.get("precision"), self.device)
         if precision not in PRECISIONS:
             raise ConfigError("policy.precision", f"must be one of {', '.join(PRECISIONS)}, got {precision!r}")
         self.layout = build_layout(self.device.type, int(self.dcfg.get("tensor_parallel_size", 1)),
@@ -104,7 +99,7 @@ class DTensorPolicyWorker:
         mark("optimizer_built", rank=self.rank)
         self.train_step_count = 0
         self._offloaded: set[str] = set()
-        self._reference = [self._local(p).detach().to("cpu", copy=True) for p in self.model.parameters()]
+        self._reference = [host_copy(self._local(p)) for p in self.model.parameters()]
         # DCP async saves talk on their own group, with the main group's timeout (not torch's default)
         async_group = dist.new_group(backend="gloo", timeout=main_group_timeout())
         self.checkpoint_io = CheckpointIO(TrainState(
@@ -141,23 +136,16 @@ class DTensorPolicyWorker:
                                   width_multiple=self.layout.tp_size if self.sequence_parallel else 1,
                                   seed=self.seed + self.train_step_count)
         # every rank must run the same number of forwards (FSDP and TP collectives)
-        count = torch.tensor([len(plan)], dtype=torch.long)
-        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        count = all_reduce(torch.tensor([len(plan)], dtype=torch.long), op=dist.ReduceOp.MAX)
         return plan + [None] * (int(count) - len(plan))  # type: ignore[list-item]
 
     def _forward(self, mb: MicroBatch) -> torch.Tensor:
-        return self.model(mb.input_ids.to(self.device), mb.position_ids.to(self.device))
+        return self.model(to_device(mb.input_ids, self.device), to_device(mb.position_ids, self.device))
 
     def _dummy(self, local: TokenBatch) -> tuple[MicroBatch, TokenBatch]:
         sub = local.select([0])
         return plan_micro_batches(sub, {"train_micro_batch_size": 1, "logprob_batch_size": 1}, train=True,
                                   pad_id=self.pad_id, width_multiple=self.layout.tp_size)[0], sub
-
-    def _all_reduce(self, values: list[float], op: dist.ReduceOp = dist.ReduceOp.SUM,
-                    group: dist.ProcessGroup | None = None) -> list[float]:
-        t = torch.tensor(values, dtype=torch.float64)
-        dist.all_reduce(t, op=op, group=group)
-        return t.tolist()
 
     # ------------------------------------------------------------------ training
 
@@ -168,7 +156,7 @@ class DTensorPolicyWorker:
         self.model.train()
         local = self._local_batch(batch)
         valid_tokens, valid_seqs = local.loss_counts()
-        global_tokens, global_seqs, tokens_seen = self._all_reduce(
+        global_tokens, global_seqs, tokens_seen = all_reduce_values(
             [valid_tokens, valid_seqs, float(local.input_lengths.sum())], group=self.layout.dp_group)
 
         self.optimizer.zero_grad(set_to_none=True)
@@ -188,6 +176,8 @@ class DTensorPolicyWorker:
                 sub = local.select(mb.rows)
             with self._routing(mb, sub, dummy):
                 logprobs = mb.to_padded(self._forward(mb), sub)
+            sub = to_device(sub, logprobs.device)  # what the loss reads, where the logprobs are
+            check_batch_device(sub, logprobs.device, "dtensor train")
             loss, metrics = loss_fn(logprobs, sub, global_valid_tokens=global_tokens, global_valid_seqs=global_seqs)
             # FSDP averages gradients over dp ranks; the loss is already a share of the global
             # loss, so scale by dp to get the sum. A padding micro-batch contributes nothing.
@@ -198,14 +188,14 @@ class DTensorPolicyWorker:
                     sums[k] = sums.get(k, 0.0) + float(v)
         grad_norm = clip_grad_norm(self.model.parameters(), self.policy.get("max_grad_norm"))
         keys = sorted(sums)
-        reduced = self._all_reduce([loss_total] + [sums[k] for k in keys], group=self.layout.dp_group)
+        reduced = all_reduce_values([loss_total] + [sums[k] for k in keys], group=self.layout.dp_group)
         if guard_enabled(self.policy):  # both values are global: every rank raises together
             check_finite(self.train_step_count + 1, {"loss": reduced[0], "grad_norm": grad_norm}, backend="dtensor")
         self.optimizer.step()
         self.scheduler.step()
         self.train_step_count += 1
 
-        seconds = self._all_reduce([time.perf_counter() - start], op=dist.ReduceOp.MAX)[0]
+        seconds = all_reduce_values([time.perf_counter() - start], op=dist.ReduceOp.MAX)[0]
         out = dict(zip(keys, reduced[1:]))
         out.update(loss=reduced[0], grad_norm=grad_norm, lr=lr, num_tokens=tokens_seen,
                    num_valid_tokens=global_tokens, step_seconds=seconds)
@@ -250,7 +240,7 @@ class DTensorPolicyWorker:
         if self._reference_swaps_storage():
             return self._reference_logprobs_by_storage(batch)
         params = [self._local(p) for p in self.model.parameters()]
-        current = [p.detach().to("cpu", copy=True) for p in params]
+        current = [host_copy(p) for p in params]
         try:
             for p, ref in zip(params, self._reference):
                 p.copy_(ref)
@@ -285,13 +275,15 @@ class DTensorPolicyWorker:
         generation needs them. On a CPU device there is nothing to move; the gradients are freed."""
         self.optimizer.zero_grad(set_to_none=True)
         if self.device.type != "cpu" and not self.dcfg.get("cpu_offload"):
-            _move_optimizer_state(self.optimizer, torch.device("cpu"))
+            move_optimizer_state(self.optimizer, torch.device("cpu"))
+        free_device_cache()
         self._offloaded.add("optimizer")
 
     def offload_after_refit(self) -> None:
         """Move the (sharded) weights to host memory while the engine generates from its copy."""
         if self.device.type != "cpu" and not self.dcfg.get("cpu_offload"):
             self.model.to("cpu")
+        free_device_cache()
         self._offloaded.add("weights")
 
     def prepare_for_training(self) -> None:
@@ -300,7 +292,7 @@ class DTensorPolicyWorker:
             if "weights" in self._offloaded:
                 self.model.to(self.device)
             if "optimizer" in self._offloaded:
-                _move_optimizer_state(self.optimizer, self.device)
+                move_optimizer_state(self.optimizer, self.device)
         self._offloaded.clear()
 
     def _require_on_device(self, what: str) -> None:

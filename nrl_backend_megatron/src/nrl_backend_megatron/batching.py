@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from nrl_core.contracts import TokenBatch
+from nrl_core.device import all_reduce
 
 
 @dataclass
@@ -34,10 +35,11 @@ class MicroBatch:
     def token_mask(self) -> torch.Tensor:
         """``[b, S]`` True where the model input holds a real token (not padding)."""
         width = int(self.input_ids.shape[1])
+        lengths = self.rows.input_lengths.cpu()
         if self.offsets is None:
-            return torch.arange(width)[None, :] < self.rows.input_lengths[:, None]
+            return torch.arange(width)[None, :] < lengths[:, None]
         mask = torch.zeros(1, width, dtype=torch.bool)
-        for start, length in zip(self.offsets, self.rows.input_lengths.tolist()):
+        for start, length in zip(self.offsets, lengths.tolist()):
             mask[0, start:start + length] = True
         return mask
 
@@ -45,7 +47,8 @@ class MicroBatch:
         """``[b, S]`` per-position logprobs of the model inputs → ``[n, T]`` aligned with ``rows``."""
         width = self.rows.input_ids.shape[1]
         if self.offsets is None:  # zero past each row's length, as the packed path does
-            valid = torch.arange(width)[None, :] < self.rows.input_lengths[:, None]
+            lengths = self.rows.input_lengths.to(token_logprobs.device)
+            valid = torch.arange(width, device=token_logprobs.device)[None, :] < lengths[:, None]
             return token_logprobs[:, :width] * valid
         flat = token_logprobs[0]
         out = []
@@ -76,11 +79,13 @@ def token_logprobs(vocab_parallel_logits: torch.Tensor, input_ids: torch.Tensor,
     return torch.cat([lp.new_zeros(lp.shape[0], 1), lp], dim=1)
 
 
-def padded_micro_batches(shard: TokenBatch, mbs: int) -> list[MicroBatch]:
+def padded_micro_batches(shard: TokenBatch, mbs: int, width_multiple: int = 1) -> list[MicroBatch]:
+    """Micro-batches of ``mbs`` rows, right-padded to the shard's longest sequence rounded up to
+    ``width_multiple`` (sequence parallelism splits the sequence over the tensor-parallel ranks)."""
     if shard.size % mbs:
         raise ValueError(f"this rank's {shard.size} sequences do not divide into micro-batches of {mbs}; "
                          "make the global batch a multiple of micro-batch size x data-parallel size")
-    width = int(shard.input_ids.shape[1])
+    width = _round_up(int(shard.input_ids.shape[1]), width_multiple)
     out = []
     for start in range(0, shard.size, mbs):
         idx = list(range(start, start + mbs))
@@ -106,7 +111,7 @@ def packed_micro_batches(shard: TokenBatch, mb_tokens: int, round_to: int, dp_gr
     bins = [list(b) for b in pack_bins(lengths, mb_tokens, algorithm, round_to=round_to, seed=seed)]
     count = torch.tensor([len(bins)], dtype=torch.long)
     if dist.is_initialized() and dist.get_world_size(dp_group) > 1:
-        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=dp_group)
+        all_reduce(count, op=dist.ReduceOp.MAX, group=dp_group)
     bins += [[] for _ in range(int(count) - len(bins))]
     out = []
     for members in bins:

@@ -91,7 +91,7 @@ def transformer_config(hf_config: Any, layout: ParallelLayout, *, params_dtype: 
         tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
         context_parallel_size=layout.cp, sequence_parallel=layout.sequence_parallel,
         params_dtype=params_dtype, pipeline_dtype=pipeline_dtype or params_dtype, bf16=bf16, fp16=fp16,
-        use_cpu_initialization=True, perform_initialization=True,
+        use_cpu_initialization=not torch.cuda.is_available(), perform_initialization=True,
         bias_dropout_fusion=on_gpu, apply_rope_fusion=False, masked_softmax_fusion=on_gpu,
         persist_layer_norm=on_gpu, gradient_accumulation_fusion=False, bias_activation_fusion=False,
         attention_softmax_in_fp32=True,

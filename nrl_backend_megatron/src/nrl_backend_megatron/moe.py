@@ -202,9 +202,9 @@ class RouterMetrics:
     def collect(self, num_microbatches: int, dp_size: int) -> dict[str, float]:
         """The step's metrics, identical on every rank. Collective over the whole world."""
         import torch
-        import torch.distributed as dist
         from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
+        from nrl_core.device import all_reduce
         from nrl_core.moe import balance_metrics
 
         cfg = self.tconfig
@@ -218,7 +218,7 @@ class RouterMetrics:
         # unless the sequence is split over them) and the aux losses (partial sums over TP/CP
         # ranks, disjoint layers over PP, one value per data-parallel rank to be averaged)
         flat = torch.cat([self.stats.totals().reshape(-1)] + aux)
-        dist.all_reduce(flat)
+        all_reduce(flat)
         n_stats = self.stats.totals().numel()
         duplicates = 1 if cfg.sequence_parallel else self.tp_size
         totals = flat[:n_stats].reshape(layers, -1) / duplicates

@@ -17,6 +17,7 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.distributed as dist
 
+from nrl_core.device import all_reduce
 from nrl_core.errors import ConfigError
 
 from nrl_backend_megatron.checks import KEY, check_optimizer_section
@@ -92,11 +93,12 @@ def global_grad_norm(optimizer: Any) -> float:
     own grad-stats group (the experts' group spans the expert-parallel ranks), then summed."""
     total = 0.0
     for leaf in _leaf_optimizers(optimizer):
-        squares = torch.zeros(1, dtype=torch.float64)
-        for g in leaf.get_main_grads_for_grad_norm():
+        grads = leaf.get_main_grads_for_grad_norm()
+        squares = torch.zeros(1, dtype=torch.float64, device=grads[0].device if grads else "cpu")
+        for g in grads:
             squares += g.detach().double().pow(2).sum()
         if dist.is_initialized():
-            dist.all_reduce(squares, group=leaf.get_grad_stats_parallel_group())
+            all_reduce(squares, group=leaf.get_grad_stats_parallel_group())
         total += float(squares)
     return math.sqrt(total)
 

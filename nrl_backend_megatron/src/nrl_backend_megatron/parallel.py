@@ -11,12 +11,12 @@ import os
 import socket
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
+from nrl_core.device import process_group_backend
 from nrl_core.errors import ConfigError
 
-from nrl_backend_megatron.model import ParallelLayout, te_available
+from nrl_backend_megatron.model import ParallelLayout
 
 KEY = "policy.megatron_cfg"
 
@@ -32,9 +32,10 @@ def check_layout(layout: ParallelLayout, world_size: int, hf_config: Any | None)
     if world_size % (tp * pp * cp):
         raise ConfigError(f"{KEY}.tensor_model_parallel_size",
                           f"tp*pp*cp = {tp}*{pp}*{cp} does not divide the world size {world_size}")
-    if cp > 1 and not te_available():
+    if cp > 1:  # refused also with TE: the batches are not split per CP rank, so attention would be wrong
         raise ConfigError(f"{KEY}.context_parallel_size",
-                          f"{cp} needs Transformer Engine and CUDA; set it to 1 on this machine")
+                          f"{cp} needs Transformer Engine and CUDA, and sequences split per context-parallel rank, "
+                          "which this backend does not do yet; set it to 1")
     if layout.sequence_parallel and tp == 1:
         raise ConfigError(f"{KEY}.sequence_parallel", "needs tensor_model_parallel_size > 1; set it to false")
     # expert-parallel ranks are carved out of one pipeline stage's data- and tensor-parallel ranks
@@ -63,7 +64,8 @@ def _timeout(minutes: int | None) -> datetime.timedelta | None:
 
 
 def ensure_process_group(rank: int, world_size: int, timeout_minutes: int | None) -> bool:
-    """Start torch.distributed when nobody has (a world of ``world_size``, gloo without CUDA).
+    """Start torch.distributed when nobody has (a world of ``world_size``: gloo without CUDA,
+    ``cpu:gloo,cuda:nccl`` with it, since checkpoints and object collectives carry CPU tensors).
 
     Returns True when this call started it. ``timeout_minutes`` (``distributed_timeout_minutes``)
     becomes the process group's timeout; unset keeps torch's default.
@@ -79,8 +81,7 @@ def ensure_process_group(rank: int, world_size: int, timeout_minutes: int | None
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    kwargs: dict[str, Any] = {"backend": backend, "rank": rank, "world_size": world_size}
+    kwargs: dict[str, Any] = {"backend": process_group_backend(), "rank": rank, "world_size": world_size}
     if timeout_minutes is not None:
         kwargs["timeout"] = _timeout(timeout_minutes)
     dist.init_process_group(**kwargs)

@@ -22,6 +22,8 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
+from nrl_core.device import all_gather, broadcast
+
 from nrl_backend_megatron.convert.mapping import local_name
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
@@ -69,8 +71,7 @@ def unshard(local: torch.Tensor, param: torch.Tensor, name: str, tp_group: Any, 
     """The full tensor from every tensor-parallel rank's slice (collective over ``tp_group``)."""
     if tp_size == 1 or not getattr(param, "tensor_model_parallel", False) or is_expert(name):
         return local
-    parts = [torch.empty_like(local) for _ in range(tp_size)]
-    dist.all_gather(parts, local.contiguous(), group=tp_group)
+    parts = all_gather(local, group=tp_group)
     if _is_gated_fc1(name):
         gates, ups = zip(*(torch.chunk(p, 2, 0) for p in parts))
         return torch.cat([torch.cat(gates, 0), torch.cat(ups, 0)], 0)
@@ -101,6 +102,7 @@ def iter_full_tensors(model: Any, shapes: dict[str, tuple[int, ...]], *, tp_grou
                       ep_size: int = 1) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield every canonical tensor in full on every rank, in the order of ``shapes``. Collective."""
     local = canonical_param_names(model)
+    device = next(model.parameters()).device  # stages that do not own a tensor receive it here
     owners = _stage_owners(model, shapes, pp_group, pp_size, pp_rank)
     experts: dict[str, torch.Tensor] = {}  # the current layer's gathered experts, handed out in order
     for canon, shape in shapes.items():
@@ -115,11 +117,9 @@ def iter_full_tensors(model: Any, shapes: dict[str, tuple[int, ...]], *, tp_grou
             # never hand out a live parameter: the consumer may keep it while training goes on
             full = full.to(dtype=dtype, copy=full.data_ptr() == param.data.data_ptr())
         else:
-            full = torch.empty(shape, dtype=dtype)
+            full = torch.empty(shape, dtype=dtype, device=device)
         if pp_size > 1:
-            src = dist.get_global_rank(pp_group, owner)
-            full = full.contiguous()
-            dist.broadcast(full, src=src, group=pp_group)
+            full = broadcast(full.contiguous(), src=dist.get_global_rank(pp_group, owner), group=pp_group)
         yield canon, full
 
 
@@ -138,9 +138,7 @@ def _gather_layer_experts(local: dict[str, tuple[str, torch.nn.Parameter]], cano
         items.sort(key=lambda item: item[0])
         stacked = torch.stack([t for _, t in items]).to(dtype)  # a copy: never a live parameter
         if ep_size > 1:
-            parts = [torch.empty_like(stacked) for _ in range(ep_size)]
-            dist.all_gather(parts, stacked.contiguous(), group=ep_group)
-            stacked = torch.cat(parts)
+            stacked = torch.cat(all_gather(stacked, group=ep_group))
         for e in range(stacked.shape[0]):  # expert-parallel rank r holds experts r*n .. r*n + n - 1
             out[f"{prefix}{e}.{suffix}"] = stacked[e]
     return out
@@ -154,9 +152,7 @@ def _stage_owners(model: Any, shapes: dict[str, tuple[int, ...]], pp_group: Any,
     mine |= {n for n in shapes if is_expert(n) and n.split(".mlp.")[0] + ".mlp.router.weight" in mine}
     flags = torch.tensor([[1 if n in mine else 0 for n in shapes]], dtype=torch.int64)
     if pp_size > 1:
-        gathered = [torch.zeros_like(flags) for _ in range(pp_size)]
-        dist.all_gather(gathered, flags, group=pp_group)
-        table = torch.cat(gathered, 0)
+        table = torch.cat(all_gather(flags, group=pp_group), 0)
     else:
         table = flags
     owners: dict[str, int] = {}

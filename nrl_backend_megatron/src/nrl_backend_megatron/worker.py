@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 
 from nrl_core.contracts import BatchShard, CheckpointOptions, LossFunction, TokenBatch, WeightSpec, logprob_temperature
+from nrl_core.device import (all_reduce, broadcast, check_batch_device, free_device_cache, host_copy, model_device,
+                             move_optimizer_state, resolve_precision, to_device)
 from nrl_core.errors import ConfigError, NrlError
 from nrl_core.nonfinite import KEY as NAN_KEY, NonFiniteError, check_finite, guard_enabled
 
@@ -58,14 +60,6 @@ def _resolve_model_path(name: str) -> str:
     return snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"])
 
 
-def _move_optimizer_state(optimizer: Any, device: str) -> None:
-    """Megatron's optimizer wrappers expose the torch optimizer's per-parameter state as ``.state``."""
-    for state in optimizer.state.values():
-        for key, value in state.items():
-            if torch.is_tensor(value) and value.device.type != device:
-                state[key] = value.to(device)
-
-
 class MegatronPolicyWorker:
     """One rank of the Megatron-Core backend (see the module docstring)."""
 
@@ -92,6 +86,7 @@ class MegatronPolicyWorker:
         family_of(hf_config)
         self.hf_config = hf_config
         self.layout = layout_of(self.cfg)
+        self.device = model_device()
         check_moe_section(self.cfg, hf_config, te_available())
         check_layout(self.layout, world_size, hf_config)
         timeout = self.cfg.get("distributed_timeout_minutes")
@@ -157,9 +152,10 @@ class MegatronPolicyWorker:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, \
             finalize_model_grads
 
-        precision = str(self.policy.get("precision", "float32"))
+        precision = resolve_precision(self.policy.get("precision"), self.device)
         if precision not in DTYPES:
             raise ConfigError("policy.precision", f"must be one of {', '.join(DTYPES)}, got {precision!r}")
+        self.precision = precision
         dtype = DTYPES[precision]
         pipeline_dtype = DTYPES[self.cfg["pipeline_dtype"]] if self.cfg.get("pipeline_dtype") else None
         self.tconfig = transformer_config(
@@ -168,7 +164,7 @@ class MegatronPolicyWorker:
             bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, moe=self.cfg)
         self.hf_config_dropout()
         model = build_gpt_model(self.hf_config, self.tconfig, pre_process=self.is_first_stage,
-                                post_process=self.is_last_stage)
+                                post_process=self.is_last_stage).to(self.device)
         load_shard(model, self.conversion.path)  # this rank's part only
         self.model = model
         self.router_metrics = None
@@ -193,7 +189,7 @@ class MegatronPolicyWorker:
         self.opt = build_optimizer([self.ddp], self.cfg, precision)
         if dtype != torch.float32:
             self.tconfig.grad_scale_func = self.opt.optimizer.scale_loss
-        self.reference = {n: p.detach().clone() for n, p in model.named_parameters()}
+        self.reference = {n: host_copy(p) for n, p in model.named_parameters()}  # host: not a second model on the device
         from nrl_backend_megatron.ckpt_io import CheckpointIO, register_exit_finalizer
 
         self.ckpt = CheckpointIO({"model_name": self.model_name, "tp": self.layout.tp, "pp": self.layout.pp,
@@ -210,20 +206,23 @@ class MegatronPolicyWorker:
         shard = batch.shard(self.dp_rank, self.dp_size)
         shard.fields["__row__"] = torch.arange(shard.size)  # where each row's results go back
         packing = self.policy.get("sequence_packing") or {}
+        # sequence parallelism splits every input's sequence dimension over the tensor-parallel ranks
+        multiple = self.layout.tp if self.layout.sequence_parallel else 1
         if packing.get("enabled"):
             tokens = packing.get("train_mb_tokens" if train else "logprob_mb_tokens") or \
                 self.policy["max_total_sequence_length"]
-            return packed_micro_batches(shard, int(tokens), int(packing.get("sequence_length_round") or 1),
+            tokens = -(-int(tokens) // multiple) * multiple
+            return packed_micro_batches(shard, tokens, int(packing.get("sequence_length_round") or 1),
                                         self.dp_group, algorithm=packing.get("algorithm") or
                                         "modified_first_fit_decreasing")
         size = self.policy.get("train_micro_batch_size" if train else "logprob_batch_size") or 1
-        return padded_micro_batches(shard, min(int(size), max(shard.size, 1)))
+        return padded_micro_batches(shard, min(int(size), max(shard.size, 1)), multiple)
 
     def _run(self, mbs: list[MicroBatch], loss_of: Any, *, forward_only: bool) -> list[Any]:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         def forward_step(data_iterator: Iterator[MicroBatch], model: Any) -> tuple[torch.Tensor, Any]:
-            mb = next(data_iterator)
+            mb = to_device(next(data_iterator), self.device)
             with self._routing(mb, forward_only):
                 out = model(mb.input_ids, mb.position_ids, None, packed_seq_params=mb.packed)
             return out, partial(loss_of, mb)
@@ -248,6 +247,7 @@ class MegatronPolicyWorker:
         scale = float(len(mbs) * self.dp_size)  # undo Megatron's 1/num_microbatches and DDP's 1/dp
 
         def loss_of(mb: MicroBatch, output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            check_batch_device(mb.rows, output.device, "megatron train")
             logprobs = mb.row_logprobs(token_logprobs(output, mb.input_ids, self.temperature))
             loss, metrics = loss_fn(logprobs, mb.rows, global_valid_tokens=global_tokens,
                                     global_valid_seqs=global_seqs)
@@ -295,9 +295,9 @@ class MegatronPolicyWorker:
         values = torch.tensor([sum(float(r[k]) for r in reported if k in r) for k in names] if self.is_last_stage
                               else [0.0] * len(names), dtype=torch.float64)
         if self.layout.pp > 1:
-            dist.broadcast(values, src=dist.get_global_rank(self.pp_group, self.layout.pp - 1), group=self.pp_group)
+            broadcast(values, src=dist.get_global_rank(self.pp_group, self.layout.pp - 1), group=self.pp_group)
         if self.dp_size > 1:
-            dist.all_reduce(values, group=self.dp_group)
+            all_reduce(values, group=self.dp_group)
         return {k: float(v) for k, v in zip(names, values.tolist())}
 
     @torch.no_grad()
@@ -309,7 +309,7 @@ class MegatronPolicyWorker:
         collected: list[torch.Tensor] = []
 
         def loss_of(mb: MicroBatch, output: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
-            collected.append(mb.row_logprobs(token_logprobs(output, mb.input_ids, self.temperature)).float())
+            collected.append(mb.row_logprobs(token_logprobs(output, mb.input_ids, self.temperature)).float().cpu())
             return output.new_zeros(()), {}
 
         self.ddp.eval()
@@ -328,7 +328,8 @@ class MegatronPolicyWorker:
 
     def get_reference_logprobs(self, batch: TokenBatch) -> BatchShard | None:
         """Logprobs under the initial weights: swap them in, compute, swap back."""
-        current = {n: p.detach().clone() for n, p in self.model.named_parameters()}
+        self._sync_params()  # else the pending gather would overwrite the swapped-in weights
+        current = {n: host_copy(p) for n, p in self.model.named_parameters()}
         params = dict(self.model.named_parameters())
         with torch.no_grad():
             for n, p in params.items():
@@ -349,7 +350,8 @@ class MegatronPolicyWorker:
         for buffer in self._grad_buffers():
             buffer.offload_to_cpu(move_params=False, move_grads=True)
         if torch.cuda.is_available():
-            _move_optimizer_state(self.opt.optimizer, "cpu")
+            move_optimizer_state(self.opt.optimizer, torch.device("cpu"))
+        free_device_cache()
         self._offloaded.add("optimizer")
 
     def offload_after_refit(self) -> None:
@@ -358,6 +360,7 @@ class MegatronPolicyWorker:
         if torch.cuda.is_available():
             for buffer in self._grad_buffers():
                 buffer.offload_to_cpu(move_params=True, move_grads=False)
+        free_device_cache()
         self._offloaded.add("weights")
 
     def prepare_for_training(self) -> None:
@@ -367,7 +370,7 @@ class MegatronPolicyWorker:
                 buffer.reload_from_cpu(move_params="weights" in self._offloaded and torch.cuda.is_available(),
                                        move_grads="optimizer" in self._offloaded)
             if torch.cuda.is_available():
-                _move_optimizer_state(self.opt.optimizer, "cuda")
+                move_optimizer_state(self.opt.optimizer, self.device)
         self._offloaded.clear()
 
     def _grad_buffers(self) -> list[Any]:
@@ -379,7 +382,15 @@ class MegatronPolicyWorker:
                            f"{', '.join(sorted(self._offloaded))} are offloaded; call prepare_for_training first")
 
     # ------------------------------------------------------------------ weights out
+    def _sync_params(self) -> None:
+        """With ``overlap_param_gather`` the distributed optimizer's all-gather of the updated
+        parameters waits for the next forward; whatever reads parameters before one (export, save,
+        the reference swap) finishes it here, as Megatron's own training loop does before a save."""
+        if self.ddp_config.overlap_param_gather and self.ddp_config.use_distributed_optimizer:
+            self.ddp.start_param_sync(force_sync=True)
+
     def _full_megatron(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+        self._sync_params()
         return iter_full_tensors(self.model, canonical_shapes(self.hf_config), tp_group=self.tp_group,
                                  tp_size=self.layout.tp, pp_group=self.pp_group, pp_size=self.layout.pp,
                                  pp_rank=self.pp_rank, dtype=dtype, ep_group=self.ep_group, ep_size=self.layout.ep)
@@ -406,8 +417,7 @@ class MegatronPolicyWorker:
         from safetensors.torch import save_file
         from transformers import AutoTokenizer
 
-        dtype = str(self.policy.get("precision", "float32"))
-        state = {n: t.contiguous() for bucket in self.export_weights(1 << 62, dtype) for n, t in bucket}
+        state = {n: t.contiguous().cpu() for bucket in self.export_weights(1 << 62, self.precision) for n, t in bucket}
         if dist.get_rank() == 0:
             out = Path(path)
             out.mkdir(parents=True, exist_ok=True)
@@ -431,6 +441,7 @@ class MegatronPolicyWorker:
     def save_checkpoint(self, path: str, options: CheckpointOptions | None = None) -> None:
         """Model, optimizer, scheduler, step and RNG via ``dist_checkpointing`` (see ckpt_io)."""
         options = options or CheckpointOptions.from_section(self.cfg)
+        self._sync_params()
         common = {"scheduler": self.opt.scheduler.state_dict(), "step": self.step}
         self.ckpt.save(path, options, self._sharded_state(is_loading=False), common)
 
@@ -445,7 +456,7 @@ class MegatronPolicyWorker:
         for inner in getattr(self.opt.optimizer, "chained_optimizers", None) or [self.opt.optimizer]:
             torch_optimizer = getattr(inner, "optimizer", inner)
             live += [v for st in torch_optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
-        backup = [t.clone() for t in live]
+        backup = [host_copy(t) for t in live]
         try:
             state = self.ckpt.load(path, options, self._sharded_state(is_loading=True))
         except BaseException:

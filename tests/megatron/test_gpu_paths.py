@@ -1,0 +1,105 @@
+"""What the Megatron backend does for GPU runs, checked on the CPU: the batch the loss reads is
+checked against the logprobs' device, parameters are synced before they are read when the
+distributed optimizer defers its all-gather, sequence parallelism pads to the tensor-parallel
+size, and context parallelism is refused (its sequences are not split per rank)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core", reason="nrl-backend-megatron's engine is not installed")
+pytest.importorskip("nrl_backend_megatron")
+
+from nrl_core.errors import ConfigError
+from nrl_core.testing.tiny_models import cached_tiny_model
+
+from _helpers import make_batch, make_config, run_world
+
+
+def world1(rank: int, world: int, path: str, ckpt: str) -> dict[str, Any]:
+    from nrl_backend_megatron import worker as worker_module
+    from nrl_core import device
+    from nrl_core.algorithms.loss import NLLLoss
+    from nrl_core.errors import NrlError
+
+    w = worker_module.MegatronPolicyWorker(make_config(path), rank, world)
+    batch = make_batch()
+    out: dict[str, Any] = {"loss": w.train(batch, NLLLoss())["loss"]}  # check mode on: the batch is in place
+
+    # the distributed optimizer with overlap_param_gather (CUDA only) defers the parameters'
+    # all-gather to the next forward: whatever reads them first must finish it
+    calls: list[dict] = []
+    w.ddp_config = dataclasses.replace(w.ddp_config, overlap_param_gather=True, use_distributed_optimizer=True)
+    w.ddp.start_param_sync = lambda *a, **k: calls.append(k)
+    list(w.export_weights(1 << 30, "float32"))
+    out["synced/export"] = list(calls)
+    w.get_reference_logprobs(batch)
+    out["synced/reference"] = list(calls)
+    w.save_checkpoint(ckpt)
+    out["synced/save"] = list(calls)
+
+    def misplaced(value: Any, where: Any) -> Any:
+        moved = device.to_device(value, where)
+        return dataclasses.replace(moved, rows=device.to_device(moved.rows, "meta"))
+
+    worker_module.to_device = misplaced
+    try:
+        w.train(batch, NLLLoss())
+        out["misplaced"] = None
+    except NrlError as exc:
+        out["misplaced"] = str(exc)
+    return out
+
+
+@pytest.fixture(scope="module")
+def w1(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("mcore-gpu-paths")
+    (result,) = run_world(world1, 1, str(cached_tiny_model("llama")), str(root / "ckpt"),
+                          env={"NRL_MEGATRON_CHECKPOINT_DIR": str(root / "converted"), "NRL_CHECK_DEVICES": "1"})
+    return result
+
+
+@pytest.mark.slow
+def test_a_batch_on_another_device_than_the_logprobs_fails_in_check_mode(w1: dict[str, Any]) -> None:
+    assert w1["loss"] == w1["loss"]
+    assert w1["misplaced"] is not None and "\n" not in w1["misplaced"]
+    assert w1["misplaced"].startswith("megatron train: batch.input_ids is on meta but the logprobs are on cpu")
+
+
+@pytest.mark.slow
+def test_parameters_are_synced_before_export_reference_logprobs_and_save(w1: dict[str, Any]) -> None:
+    assert w1["synced/export"] == [{"force_sync": True}]
+    assert w1["synced/reference"] == [{"force_sync": True}] * 2
+    assert w1["synced/save"] == [{"force_sync": True}] * 3
+
+
+def test_sequence_parallel_pads_every_micro_batch_to_the_tensor_parallel_size() -> None:
+    from nrl_backend_megatron.batching import padded_micro_batches
+
+    batch = make_batch(rows=4, width=11)
+    for mb in padded_micro_batches(batch, 2, width_multiple=4):
+        assert tuple(mb.input_ids.shape) == (2, 12) and tuple(mb.position_ids.shape) == (2, 12)
+        assert torch.equal(mb.input_ids[:, :11], mb.rows.input_ids) and bool((mb.input_ids[:, 11:] == 0).all())
+    assert padded_micro_batches(batch, 2)[0].input_ids.shape[1] == 11
+
+
+def test_context_parallel_is_refused_in_one_line() -> None:
+    from nrl_backend_megatron.model import ParallelLayout
+    from nrl_backend_megatron.parallel import check_layout
+
+    with pytest.raises(ConfigError, match="split per context-parallel rank") as err:
+        check_layout(ParallelLayout(cp=2), 2, None)
+    assert "\n" not in str(err.value)
+
+
+def test_megatron_initialises_on_the_cpu_only_without_cuda() -> None:
+    from nrl_backend_megatron.model import ParallelLayout, transformer_config
+    from nrl_core.config.model_config import read_model_config
+
+    hf = read_model_config(str(cached_tiny_model("llama")))
+    config = transformer_config(hf, ParallelLayout(), params_dtype=torch.float32)
+    assert config.use_cpu_initialization is not torch.cuda.is_available()
