@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check (benchmarks/gpu/gpu_check.py) on a machine where only PyTorch is installed:
 # DTensor FSDP2 and Megatron-Core training steps (bf16, NCCL, every visible GPU) on a small model
-# built locally, logprobs against HF, tokens/s and MFU, device memory freed by offload.
+# built locally, logprobs against HF, tokens/s and MFU, device memory given back by offload (mem_get_info).
 #
 #   scripts/gpu_check.sh [--wheels DIR] [--dry-run] [--out FILE] [--world N] [--backends dtensor,megatron]
 #   scripts/gpu_check.sh --download-wheels DIR   # where pip can reach an index: fill DIR for Python 3.11 and 3.12
