@@ -56,3 +56,53 @@ def tensor_parallel(rank: int, world_size: int) -> dict[str, Any]:
     qwen = DTensorPolicyWorker(make_config("qwen3", dtensor_config={"tensor_parallel_size": 2}), rank, world_size)
     out["qwen3/logprobs"] = gather_shards(qwen.get_logprobs(batch), batch)
     return out
+
+
+#: ClippedPGLoss configurations the data-parallel loss test trains with, one optimizer step each.
+LOSS_VARIANTS: dict[str, dict[str, Any]] = {
+    "ppo+kl": {"reference_policy_kl_penalty": 0.1, "ratio_clip_c": 3.0},
+    "gspo+tis": {"sequence_level_importance_ratios": True, "token_level_loss": False,
+                 "use_importance_sampling_correction": True, "truncated_importance_sampling_type": "tis",
+                 "truncated_importance_sampling_ratio": 1.02, "reference_policy_kl_penalty": 0.05},
+    "cispo+icepop": {"use_cispo": True, "use_importance_sampling_correction": True,
+                     "truncated_importance_sampling_type": "icepop", "truncated_importance_sampling_ratio": 1.01,
+                     "truncated_importance_sampling_ratio_min": 0.99},
+    "reinforce+seq-mask-tis": {"disable_ppo_ratio": True, "token_level_loss": False,
+                               "use_importance_sampling_correction": True,
+                               "truncated_importance_sampling_type": "seq-mask-tis",
+                               "truncated_importance_sampling_ratio": 1.002,
+                               "truncated_importance_sampling_ratio_min": 0.998},
+}
+
+
+def rl_batch(logprobs: Any) -> Any:
+    """``make_batch`` with GRPO's fields around ``logprobs`` (the current policy's): previous,
+    engine and reference logprobs a little off, advantages of both signs, one sequence dropped by
+    its sample mask."""
+    import torch
+
+    batch = make_batch()
+    g = torch.Generator().manual_seed(1)
+    mask = batch.fields["token_mask"]
+    noise = lambda scale: (torch.randn(logprobs.shape, generator=g, dtype=torch.float64) * scale).float()
+    batch.fields.update(
+        prev_logprobs=(logprobs + noise(0.01)) * mask, generation_logprobs=(logprobs + noise(0.02)) * mask,
+        reference_logprobs=(logprobs + noise(0.1)) * mask,
+        advantages=torch.tensor([1.0, -0.5, 2.0, -1.0, 0.3, -2.0, 0.7, -0.1])[:, None] * mask,
+        sample_mask=torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0]))
+    return batch
+
+
+def loss_variants(rank: int, world_size: int, packing: bool) -> dict[str, Any]:
+    """One optimizer step per ``LOSS_VARIANTS`` entry at this world size: the logprobs before each
+    step, the batch and the step's reported metrics, for a direct computation in the test."""
+    from nrl_core.algorithms.loss import ClippedPGLoss
+
+    config = make_config(sequence_packing={"enabled": packing, "train_mb_tokens": 48, "logprob_mb_tokens": 64})
+    worker = DTensorPolicyWorker(config, rank, world_size)
+    out: dict[str, Any] = {}
+    for name, keys in LOSS_VARIANTS.items():
+        logprobs = gather_shards(worker.get_logprobs(make_batch()), make_batch())
+        batch = rl_batch(logprobs)
+        out[name] = {"logprobs": logprobs, "batch": batch, "metrics": worker.train(batch, ClippedPGLoss(**keys))}
+    return out
