@@ -1,0 +1,22 @@
+"""Entry point (group ``nrl``, name ``hf``): registers the ``hf`` generation backend."""
+
+from __future__ import annotations
+
+from nrl_core.contracts import GenerationBackendSpec
+from nrl_core.hookspecs import hookimpl
+
+from nrl_gen_hf.config import HF_CFG
+
+
+@hookimpl
+def nrl_generation_backends() -> list[GenerationBackendSpec]:
+    return [GenerationBackendSpec(
+        name="hf",
+        config_key="hf_cfg",
+        worker="nrl_gen_hf.worker:HFGenerationWorker",
+        config_schema=HF_CFG,
+        distribution="nrl-gen-hf",
+        config_check="nrl_gen_hf.checks:check_config",
+        preload=("transformers.modeling_utils", "transformers.generation.utils"),
+        description="transformers generate rollouts (no vLLM needed); refit by copying into the model",
+    )]
