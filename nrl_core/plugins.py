@@ -56,6 +56,7 @@ FIRST_PARTY_DISTRIBUTIONS: dict[str, str] = {
     "dtensor": "nrl-backend-dtensor",
     "megatron": "nrl-backend-megatron",
     "vllm": "nrl-gen-vllm",
+    "hf": "nrl-gen-hf",
     "math": "nrl-env-math",
 }
 """Where the first-party plugins come from, so a miss can say what to ``pip install``."""

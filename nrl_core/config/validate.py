@@ -40,6 +40,7 @@ KNOWN_TRAINING_SECTIONS: dict[str, _KnownSection] = {
 }
 KNOWN_GENERATION_SECTIONS: dict[str, _KnownSection] = {
     "vllm_cfg": _KnownSection("vllm", "nrl-gen-vllm", {}),
+    "hf_cfg": _KnownSection("hf", "nrl-gen-hf", {}),
 }
 
 _UNINSTALLED = Section(open=True, nullable=True, doc="section of a plugin that is not installed")

@@ -1,22 +1,20 @@
-"""Sampling settings from ``policy.generation`` and reproducible per-request seeds.
+"""vLLM ``SamplingParams`` from the core's sampling settings, and the engine's base seed.
 
-Every request gets its own seed, derived from (base seed, worker rank, call counter, position in
-the batch). A vLLM engine's sampling is then independent of how requests were scheduled or
-batched, so two workers built from the same config produce identical samples call after call,
-and a resumed run that restores the counter reproduces its rollouts.
+Every request gets its own seed, derived from (base seed, engine, call counter, position in the
+batch) by :func:`nrl_core.generation_kit.derive_seed`. A vLLM engine's sampling is then independent
+of how requests were scheduled or batched, so two workers built from the same config produce
+identical samples call after call, and a resumed run that restores the counter reproduces its
+rollouts.
 """
 
 from __future__ import annotations
 
-import hashlib
-from dataclasses import dataclass
 from typing import Any, Mapping
 
+from nrl_core.generation_kit import SamplingSettings
+from nrl_core.generation_kit import derive_seed as request_seed
 
-def request_seed(base: int, rank: int, call: int, index: int) -> int:
-    """A well-mixed 63-bit seed for one request (hash, so neighbouring inputs do not correlate)."""
-    digest = hashlib.blake2b(f"{base}:{rank}:{call}:{index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & (2**63 - 1)
+__all__ = ["VllmSampling", "base_seed", "request_seed"]
 
 
 def base_seed(config: Mapping[str, Any]) -> int:
@@ -26,40 +24,21 @@ def base_seed(config: Mapping[str, Any]) -> int:
     return int(policy["seed"] if seed is None else seed)
 
 
-@dataclass(frozen=True)
-class SamplingSettings:
-    """The ``policy.generation`` keys that shape every request."""
-
-    max_new_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int | None
-    stop_token_ids: tuple[int, ...]
-    stop_strings: tuple[str, ...]
-
-    @classmethod
-    def from_config(cls, generation: Mapping[str, Any]) -> "SamplingSettings":
-        return cls(
-            max_new_tokens=int(generation.get("max_new_tokens") or 512),
-            temperature=float(generation["temperature"]),
-            top_p=float(generation.get("top_p") if generation.get("top_p") is not None else 1.0),
-            top_k=generation.get("top_k"),
-            stop_token_ids=tuple(generation.get("stop_token_ids") or ()),
-            stop_strings=tuple(generation.get("stop_strings") or ()),
-        )
+class VllmSampling(SamplingSettings):
+    """The core's :class:`~nrl_core.generation_kit.SamplingSettings`, translated for vLLM."""
 
     def params(self, *, max_tokens: int, seed: int, greedy: bool) -> Any:
         """vLLM ``SamplingParams`` for one request; ``logprobs=0`` returns the sampled token's
         logprob under the distribution it was sampled from (the engine runs with
         ``logprobs_mode="processed_logprobs"``: after temperature, top-k and top-p; greedy
-        requests report the unscaled distribution)."""
+        requests report the unscaled distribution). vLLM spells "no top-k" ``top_k=0``."""
         from vllm import SamplingParams
 
         return SamplingParams(
             n=1,
             temperature=0.0 if greedy else self.temperature,
             top_p=1.0 if greedy else self.top_p,
-            top_k=0 if greedy or not self.top_k or self.top_k < 0 else int(self.top_k),
+            top_k=0 if greedy or self.top_k is None else self.top_k,
             max_tokens=max_tokens,
             stop_token_ids=list(self.stop_token_ids) or None,
             stop=list(self.stop_strings) or None,

@@ -17,6 +17,7 @@ from typing import Any, Iterable, Iterator, Mapping
 
 from nrl_core.contracts import GenerationOutput, WeightSpec
 from nrl_core.errors import ConfigError, NrlError
+from nrl_core.generation_kit import SamplingState, SleepState
 from nrl_core.refit.buckets import Bucket, dtype_name, parse_dtype, spec_of
 from nrl_core.refit.manifest import RefitError, verify
 from nrl_core.timeline import mark
@@ -27,14 +28,13 @@ from nrl_gen_vllm.checkpoint import check_against_checkpoint, checkpoint_shapes
 from nrl_gen_vllm.checks import engine_start_error
 from nrl_gen_vllm.cpu_sampler import use_eager_rank_count
 from nrl_gen_vllm.kv_cache import KvCacheSize, kv_cache_space
-from nrl_gen_vllm.sampling import SamplingSettings, base_seed, request_seed
+from nrl_gen_vllm.sampling import VllmSampling, base_seed
 from nrl_gen_vllm.threads import keep_process_threads
 
 logger = logging.getLogger(__name__)
 
 EXTENSION = "nrl_gen_vllm.extension.NrlWorkerExtension"
 _FINISH = {"stop": "stop", "length": "length"}
-SLEEP_TAGS = ("weights", "kv_cache")
 
 
 def _configure_environment() -> None:
@@ -114,17 +114,15 @@ class VllmGenerationWorker:
             raise ConfigError("policy.generation.vllm_cfg.pipeline_parallel_size",
                               "nrl-gen-vllm runs engines without pipeline parallelism; use tensor_parallel_size")
         self.engine_index = rank // self.tp
-        self._sampling = SamplingSettings.from_config(generation)
-        self._seed = base_seed(config)
-        self._calls = 0
+        self._sampling = VllmSampling.from_generation(generation)
         # a validated run config says "dummy" (the core then refits before the first generation);
         # a worker built from a bare config reads the checkpoint, as the contract's default
         self.load_format = str(vcfg.get("load_format") or "auto")
         if self.load_format not in ("auto", "dummy"):
             raise ConfigError("policy.generation.vllm_cfg.load_format",
                               f"must be 'dummy' or 'auto', got {self.load_format!r}")
-        self._version = -1 if self.load_format == "dummy" else 0
-        self._awake = set(SLEEP_TAGS)
+        self._state = SamplingState(seed=base_seed(config), weight_version=-1 if self.load_format == "dummy" else 0)
+        self._sleep = SleepState(f"vLLM engine {self.engine_index}")
         self.model_dir = str(policy["model_name"])
         precision = vcfg.get("precision") or policy.get("precision") or "float32"
         self.dtype = "auto" if precision == "auto" else dtype_name(parse_dtype(precision))
@@ -166,7 +164,7 @@ class VllmGenerationWorker:
                     model=self.model_dir,
                     tokenizer=tokenizer,
                     dtype=self.dtype,
-                    seed=self._seed,
+                    seed=self._state.seed,
                     max_model_len=self.max_model_len,
                     tensor_parallel_size=self.tp,
                     gpu_memory_utilization=float(vcfg.get("gpu_memory_utilization") or 0.6),
@@ -200,23 +198,21 @@ class VllmGenerationWorker:
     def weight_version(self) -> int:
         """0 for the checkpoint's weights, +1 for every successful :meth:`import_weights`; -1 while
         an engine built with ``load_format: dummy`` holds only placeholder weights."""
-        return self._version
+        return self._state.weight_version
 
     @property
     def calls(self) -> int:
         """How many :meth:`generate` calls this worker served (part of every request's seed)."""
-        return self._calls
+        return self._state.calls
 
     def sampling_state(self) -> dict[str, int]:
         """What, with the weights, determines the next samples (and the version label the next refit
         continues from): save it with a checkpoint."""
-        return {"calls": self._calls, "seed": self._seed, "weight_version": self._version}
+        return self._state.as_dict()
 
     def load_sampling_state(self, state: Mapping[str, int]) -> None:
         """Restore :meth:`sampling_state` so the next calls repeat the saved run's samples."""
-        self._calls = int(state["calls"])
-        self._seed = int(state.get("seed", self._seed))
-        self._version = int(state.get("weight_version", self._version))
+        self._state.load(state)
 
     def generate(self, prompts: list[list[int]], *, greedy: bool = False) -> GenerationOutput:
         """Complete each prompt (token ids); per-request seeds make the samples reproducible."""
@@ -232,20 +228,19 @@ class VllmGenerationWorker:
         the same tokens."""
         repeated = [prompt for prompt in prompts for _ in range(group_size)]
         requests, params = self._requests(repeated, greedy)
-        version = self._version
+        version = self._state.weight_version
         for index, outputs in self._engine.stream(requests, params, group_size):
             yield index, self._output(outputs, version)
 
     def _requests(self, prompts: list[list[int]], greedy: bool) -> tuple[list[Any], list[Any]]:
         from vllm.inputs import TokensPrompt
 
-        self._require_awake("generate", SLEEP_TAGS)
-        if self._version < 0:
+        self._sleep.require_awake("generate")
+        if self._state.weight_version < 0:
             raise NrlError(f"vLLM engine {self.engine_index}: generate before any weights were loaded "
                            "(vllm_cfg.load_format: dummy starts with placeholders); import_weights first, "
                            "or set load_format: auto to read the checkpoint")
-        call = self._calls
-        self._calls += 1
+        call = self._state.next_call()
         requests, params = [], []
         for i, prompt in enumerate(prompts):
             room = self.max_model_len - len(prompt)
@@ -254,7 +249,7 @@ class VllmGenerationWorker:
                                f"{self.max_model_len}; raise policy.max_total_sequence_length or shorten prompts")
             requests.append(TokensPrompt(prompt_token_ids=list(prompt)))
             params.append(self._sampling.params(max_tokens=min(self._sampling.max_new_tokens, room),
-                                                seed=request_seed(self._seed, self.engine_index, call, i),
+                                                seed=self._state.seed_for(self.engine_index, call, i),
                                                 greedy=greedy))
         return requests, params
 
@@ -267,7 +262,7 @@ class VllmGenerationWorker:
             logprobs.append([float(seq.logprobs[t][tok].logprob) for t, tok in enumerate(ids)] if seq.logprobs else [])
             reasons.append(_FINISH.get(seq.finish_reason or "", "stop"))
         return GenerationOutput(token_ids=token_ids, logprobs=logprobs, finish_reasons=reasons,
-                                weight_version=self._version if version is None else version)
+                                weight_version=self._state.weight_version if version is None else version)
 
     # ------------------------------------------------------------------ refit
 
@@ -278,15 +273,15 @@ class VllmGenerationWorker:
         On any mismatch raises :class:`~nrl_core.refit.manifest.RefitError` naming the keys, and
         the engine keeps its previous weights (nothing was loaded yet).
         """
-        self._require_awake("import_weights", ("weights",))
+        self._sleep.require_awake("import_weights", ("weights",))
         staged: list[tuple[str, Any]] = [item for bucket in buckets for item in bucket]
         verify([spec_of(name, tensor) for name, tensor in staged], manifest)
         check_against_checkpoint(manifest, self._checkpoint, self.model_dir)
         self._engine.load_weights(staged)
         del staged
         self._engine.reset_prefix_cache()  # cached KV was computed with the old weights
-        self._version += 1
-        return self._version
+        self._state.weight_version += 1
+        return self._state.weight_version
 
     # ------------------------------------------------------------------ memory hand-off (colocated)
 
@@ -297,30 +292,20 @@ class VllmGenerationWorker:
         the engine keeps its memory; the state is still tracked, so a call out of order fails the
         same way everywhere."""
         dropped = False
-        if self.sleep_mode and self._awake:
+        if self.sleep_mode and self._sleep.awake:
             self._engine.reset_prefix_cache()
             self._engine.sleep(self.sleep_level)
             dropped = self.sleep_level == 2
-        self._awake.clear()
+        self._sleep.sleep()
         return dropped
 
     def prepare_for_generation(self, tags: list[str] | None = None) -> None:
         """Wake what ``tags`` name (``"weights"``, ``"kv_cache"``; all when None): weights before a
         refit, the KV cache once training's memory is out of the way."""
-        wanted = set(tags or SLEEP_TAGS)
-        unknown = wanted - set(SLEEP_TAGS)
-        if unknown:
-            raise ValueError(f"unknown sleep tags {sorted(unknown)}; use {list(SLEEP_TAGS)}")
-        missing = wanted - self._awake
+        missing = self._sleep.to_wake(tags)
         if self.sleep_mode and missing:
             self._engine.wake_up(sorted(missing))
-        self._awake |= missing
-
-    def _require_awake(self, what: str, tags: Iterable[str]) -> None:
-        asleep = sorted(set(tags) - self._awake)
-        if asleep:
-            raise NrlError(f"vLLM engine {self.engine_index}: {what} while its {', '.join(asleep)} sleep; "
-                           "call prepare_for_generation first")
+        self._sleep.wake(tags)
 
     def shutdown(self) -> None:
         """Stop the engine and free its memory (safe to call twice)."""

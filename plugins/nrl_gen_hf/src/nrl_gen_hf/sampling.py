@@ -12,38 +12,16 @@ step and keeps one row per sequence.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Iterator
+
+from nrl_core.generation_kit import SamplingSettings
 
 if TYPE_CHECKING:
     import torch
 
 
-@dataclass(frozen=True)
-class SamplingSettings:
-    """The core's ``policy.generation`` keys that shape every request."""
-
-    max_new_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int | None
-    stop_token_ids: tuple[int, ...]
-    stop_strings: tuple[str, ...]
-
-    @classmethod
-    def from_generation(cls, generation: Mapping[str, Any]) -> "SamplingSettings":
-        top_p = generation.get("top_p")
-        top_k = generation.get("top_k")
-        return cls(max_new_tokens=int(generation.get("max_new_tokens") or 512),
-                   temperature=float(generation.get("temperature", 1.0)),
-                   top_p=1.0 if top_p is None else float(top_p),
-                   top_k=int(top_k) if top_k is not None and top_k > 0 else None,  # 0 and -1 mean off, as in vLLM
-                   stop_token_ids=tuple(int(t) for t in generation.get("stop_token_ids") or ()),
-                   stop_strings=tuple(generation.get("stop_strings") or ()))
-
-    def samples(self, greedy: bool) -> bool:
-        """Whether a call draws tokens (a temperature of 0 is greedy, as in vLLM)."""
-        return not greedy and self.temperature > 0
+class HFSampling(SamplingSettings):
+    """The core's :class:`~nrl_core.generation_kit.SamplingSettings`, as transformers' warpers."""
 
     def warpers(self, greedy: bool) -> list[Any]:
         """transformers' warpers in the order its sampling applies them; none for greedy, whose
@@ -104,15 +82,6 @@ class LogprobRecorder:
         if not self._resolved:
             return torch.zeros(new_tokens.shape, dtype=torch.float32)
         return torch.stack(self._resolved[:steps], dim=1).cpu()
-
-
-def batch_seed(base: int, engine: int, call: int, batch: int) -> int:
-    """A well-mixed 63-bit seed for one generate batch: the same inputs sample the same tokens in
-    any process, so a restored sampling state repeats a run's rollouts."""
-    import numpy as np
-
-    state = np.random.SeedSequence([base & (2**63 - 1), engine, call, batch]).generate_state(1, np.uint64)
-    return int(state[0]) & (2**63 - 1)
 
 
 @contextlib.contextmanager

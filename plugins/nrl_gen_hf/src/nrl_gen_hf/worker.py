@@ -14,18 +14,17 @@ from typing import Any, Iterable, Mapping
 
 from nrl_core.contracts import GenerationOutput, WeightSpec
 from nrl_core.errors import NrlError
+from nrl_core.generation_kit import SamplingState, SleepState
 from nrl_core.refit.buckets import Bucket, parse_dtype, spec_of
 from nrl_core.refit.manifest import RefitError, verify
 
 from nrl_gen_hf import memory
 from nrl_gen_hf.config import EngineSettings
 from nrl_gen_hf.layout import RefitLayout
-from nrl_gen_hf.sampling import LogprobRecorder, SamplingSettings, batch_seed, seeded
+from nrl_gen_hf.sampling import HFSampling, LogprobRecorder, seeded
 from nrl_gen_hf.stops import cut, stop_token_ids
 
 logger = logging.getLogger(__name__)
-
-SLEEP_TAGS = ("weights", "kv_cache")
 
 
 def _device() -> Any:
@@ -70,7 +69,7 @@ class HFGenerationWorker:
         self.rank = rank
         self.world_size = world_size
         self.settings = EngineSettings.from_config(config)
-        self.sampling = SamplingSettings.from_generation(config["policy"].get("generation") or {})
+        self.sampling = HFSampling.from_generation(config["policy"].get("generation") or {})
         self.device = _device()
         self.model = _load_model(self.settings, self.device)
         self.layout = RefitLayout(self.model)
@@ -79,10 +78,9 @@ class HFGenerationWorker:
         # rows that finished early are filled with it, then cut at their stop
         self._pad_id = int(pad) if pad is not None else (self._stop_ids[0] if self._stop_ids else 0)
         self.tokenizer = self._load_tokenizer() if self.sampling.stop_strings else None  # stop strings need text
-        self._version = -1 if self.settings.load_format == "dummy" else 0
-        self._seed = self.settings.seed
-        self._calls = 0
-        self._awake = set(SLEEP_TAGS)
+        self._state = SamplingState(seed=self.settings.seed,
+                                    weight_version=-1 if self.settings.load_format == "dummy" else 0)
+        self._sleep = SleepState(f"hf engine {rank}")
         logger.info("hf engine %d (rank %d of %d): %s in %s on %s", rank, rank, world_size, self.settings.model_dir,
                     self.settings.precision, self.device)
 
@@ -101,23 +99,21 @@ class HFGenerationWorker:
     def weight_version(self) -> int:
         """0 for the checkpoint's weights, +1 for every successful :meth:`import_weights`; -1 while
         an engine built with ``load_format: dummy`` holds random weights."""
-        return self._version
+        return self._state.weight_version
 
     def sampling_state(self) -> dict[str, int]:
         """What, with the weights, determines the next samples: every batch's generator is seeded
         from (seed, rank, call, batch), so the seed and the call count are the whole state."""
-        return {"calls": self._calls, "seed": self._seed, "weight_version": self._version}
+        return self._state.as_dict()
 
     def load_sampling_state(self, state: Mapping[str, int]) -> None:
-        self._calls = int(state["calls"])
-        self._seed = int(state.get("seed", self._seed))
-        self._version = int(state.get("weight_version", self._version))
+        self._state.load(state)
 
     def generate(self, prompts: list[list[int]], *, greedy: bool = False) -> GenerationOutput:
         """Complete each prompt (token ids). Prompts of one length decode together, in batches of
         at most ``hf_cfg.batch_size``; outputs come back in input order."""
-        self._require_awake("generate", SLEEP_TAGS)
-        if self._version < 0:
+        self._sleep.require_awake("generate")
+        if self._state.weight_version < 0:
             raise NrlError(f"hf engine {self.rank}: generate before any weights were loaded (hf_cfg.load_format: "
                            "dummy starts with random weights); import_weights first, or set load_format: auto")
         for i, prompt in enumerate(prompts):
@@ -125,14 +121,14 @@ class HFGenerationWorker:
                 raise NrlError(f"prompt {i} has {len(prompt)} tokens, no room to generate within "
                                f"policy.max_total_sequence_length={self.settings.max_total_length}; raise it or "
                                "shorten prompts")
-        call, self._calls = self._calls, self._calls + 1
+        call = self._state.next_call()
         results: list[tuple[list[int], list[float], str]] = [([], [], "length")] * len(prompts)
         for batch, rows in enumerate(self._batches(prompts)):
-            seed = batch_seed(self._seed, self.rank, call, batch)
+            seed = self._state.seed_for(self.rank, call, batch)
             for row, result in zip(rows, self._generate_batch([prompts[r] for r in rows], greedy, seed)):
                 results[row] = result
         return GenerationOutput(token_ids=[r[0] for r in results], logprobs=[r[1] for r in results],
-                                finish_reasons=[r[2] for r in results], weight_version=self._version)
+                                finish_reasons=[r[2] for r in results], weight_version=self._state.weight_version)
 
     def _batches(self, prompts: list[list[int]]) -> list[list[int]]:
         """Row indices grouped by prompt length (in order of first appearance), then cut to size."""
@@ -182,41 +178,31 @@ class HFGenerationWorker:
         the model keeps its previous weights (nothing was copied yet). Colocated, the buckets hold
         the policy's tensors by reference: they are copied, never kept.
         """
-        self._require_awake("import_weights", ("weights",))
+        self._sleep.require_awake("import_weights", ("weights",))
         staged = [item for bucket in buckets for item in bucket]
         verify([spec_of(name, tensor) for name, tensor in staged], manifest)
         self.layout.check(manifest)
         self.layout.load(staged)
         del staged
-        self._version += 1
-        return self._version
+        self._state.weight_version += 1
+        return self._state.weight_version
 
     # ------------------------------------------------------------------ memory hand-off (colocated)
 
     def finish_generation(self) -> bool:
         """Park the weights in host memory until :meth:`prepare_for_generation` (on a GPU; on the
         CPU only the state changes). Always False: the weights are kept, never dropped."""
-        if "weights" in self._awake and self.device.type == "cuda":
+        if "weights" in self._sleep.awake and self.device.type == "cuda":
             memory.park(self.model)
-        self._awake.clear()
+        self._sleep.sleep()
         return False
 
     def prepare_for_generation(self, tags: list[str] | None = None) -> None:
         """Wake what ``tags`` name (``"weights"``, ``"kv_cache"``; all when None). ``generate``
         allocates its KV cache per call, so waking it only marks the engine ready."""
-        wanted = set(tags or SLEEP_TAGS)
-        unknown = wanted - set(SLEEP_TAGS)
-        if unknown:
-            raise ValueError(f"unknown sleep tags {sorted(unknown)}; use {list(SLEEP_TAGS)}")
-        if "weights" in wanted - self._awake:
+        if "weights" in self._sleep.to_wake(tags):
             memory.restore(self.model, self.device)
-        self._awake |= wanted
-
-    def _require_awake(self, what: str, tags: Iterable[str]) -> None:
-        asleep = sorted(set(tags) - self._awake)
-        if asleep:
-            raise NrlError(f"hf engine {self.rank}: {what} while its {', '.join(asleep)} sleep; "
-                           "call prepare_for_generation first")
+        self._sleep.wake(tags)
 
     def shutdown(self) -> None:
         """Drop the model and free its memory (safe to call twice)."""
