@@ -118,7 +118,8 @@ POLICY = Section(required=True, doc="The model being trained and how.", aliases=
     "logprob_batch_size": Field(type=int, default=4, minimum=1),
     "max_total_sequence_length": Field(type=int, default=512, minimum=2),
     "max_seq_length": Field(type=int, default=None, nullable=True, minimum=2, doc="short form: sets max_total_sequence_length"),
-    "precision": Field(type=str, default="float32", choices=("float32", "bfloat16", "float16")),
+    "precision": Field(type=str, default=None, nullable=True, choices=("float32", "bfloat16", "float16"),
+                       doc="null: bfloat16 on a bf16-capable GPU, float32 elsewhere (resolved on each worker)"),
     "logprob_chunk_size": Field(type=int, default=None, nullable=True, minimum=1),
     "make_sequence_length_divisible_by": Field(type=int, default=1, minimum=1, inert=True,
                                                doc="NeMo RL pads to a multiple of the tensor-parallel size; nrl's "

@@ -27,10 +27,16 @@ def dtype_name(dtype: "torch.dtype") -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def parse_dtype(name: str) -> "torch.dtype":
-    """``"float32"`` (or ``"torch.float32"``, ``"bf16"``, ``"fp16"``...) -> the torch dtype."""
+def parse_dtype(name: str | None) -> "torch.dtype":
+    """``"float32"`` (or ``"torch.float32"``, ``"bf16"``, ``"fp16"``...) -> the torch dtype. ``None``
+    (``policy.precision`` left null) is this process's default precision
+    (:func:`nrl_core.device.resolve_precision`), so every reader of the config resolves it alike."""
     import torch
 
+    if name is None:
+        from nrl_core.device import resolve_precision
+
+        name = resolve_precision(None)
     aliases = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
     key = name.removeprefix("torch.")
     key = aliases.get(key, key)
@@ -38,6 +44,12 @@ def parse_dtype(name: str) -> "torch.dtype":
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"'{name}' is not a torch dtype")
     return dtype
+
+
+def refit_dtype(dtype: str | None) -> str:
+    """The manifest spelling of a refit's ``dtype``; ``None`` resolves in the calling process (the
+    weights' owner), not on a driver that may have no GPU."""
+    return dtype_name(parse_dtype(dtype))
 
 
 def tensor_nbytes(tensor: "torch.Tensor") -> int:

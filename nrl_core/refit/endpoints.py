@@ -22,7 +22,7 @@ from typing import Any, Iterable, Iterator
 
 from nrl_core.contracts import WeightSpec, import_object
 from nrl_core.long_lived import long_lived_objects
-from nrl_core.refit.buckets import manifest_bytes
+from nrl_core.refit.buckets import manifest_bytes, refit_dtype
 from nrl_core.refit.report import RefitReport
 from nrl_core.refit.transports import RefitSession, RefitTransport
 from nrl_core.timeline import mark
@@ -155,9 +155,11 @@ class RefitEndpoints:
 
         return str(ray.get_runtime_context().get_node_id())
 
-    def nrl_refit_export(self, transport_name: str, bucket_bytes: int, dtype: str) -> ExportedWeights:
+    def nrl_refit_export(self, transport_name: str, bucket_bytes: int, dtype: str | None) -> ExportedWeights:
         """Export the source's weights through a handle-based transport, for any number of
-        :meth:`nrl_refit_import` calls; :meth:`nrl_refit_cleanup` ends the refit."""
+        :meth:`nrl_refit_import` calls; :meth:`nrl_refit_cleanup` ends the refit. A ``dtype`` of
+        None, here and in the other endpoints, is this process's default precision."""
+        dtype = refit_dtype(dtype)
         transport = get_transport(transport_name)
         session = transport.prepare(RefitSession())
         try:
@@ -187,27 +189,27 @@ class RefitEndpoints:
                 return
         get_transport(done.transport).cleanup(done.session)
 
-    def nrl_refit_manifest(self, dtype: str) -> list[WeightSpec]:
-        return list(self.nrl_refit_source().weight_manifest(dtype))
+    def nrl_refit_manifest(self, dtype: str | None) -> list[WeightSpec]:
+        return list(self.nrl_refit_source().weight_manifest(refit_dtype(dtype)))
 
     def nrl_refit_prepare(self, transport_name: str, session: RefitSession) -> RefitSession:
         return get_transport(transport_name).prepare(session)
 
     def nrl_refit_send(self, transport_name: str, session: RefitSession, bucket_bytes: int,
-                       dtype: str) -> Iterator[Any]:
+                       dtype: str | None) -> Iterator[Any]:
         """The sending half of a collective transport: a generator, call with
         ``.options(num_returns="streaming")``."""
-        yield from send_handles(self.nrl_refit_source(), transport_name, session, bucket_bytes, dtype)
+        yield from send_handles(self.nrl_refit_source(), transport_name, session, bucket_bytes, refit_dtype(dtype))
 
     def nrl_refit_receive(self, transport_name: str, session: RefitSession, manifest: list[WeightSpec]) -> int:
         """The receiving half of a collective transport (the bytes arrive out of band); the new
         weight version."""
         return receive_into(self.nrl_refit_sink(), transport_name, session, (), manifest)
 
-    def nrl_refit_drain(self, bucket_bytes: int, dtype: str) -> None:
+    def nrl_refit_drain(self, bucket_bytes: int, dtype: str | None) -> None:
         """Run the source's export and drop the buckets: what ranks other than 0 of a sharded
         training backend do during a refit, since gathering full tensors is collective."""
-        for _ in self.nrl_refit_source().export_weights(bucket_bytes, dtype):
+        for _ in self.nrl_refit_source().export_weights(bucket_bytes, refit_dtype(dtype)):
             pass
 
     def nrl_refit_release(self) -> None:
@@ -216,7 +218,8 @@ class RefitEndpoints:
 
         release_shared_buffers()
 
-    def nrl_refit_local(self, transport_name: str, bucket_bytes: int, dtype: str) -> RefitReport:
+    def nrl_refit_local(self, transport_name: str, bucket_bytes: int, dtype: str | None) -> RefitReport:
         self.record_call("refit")
-        return refit_local(self.nrl_refit_source(), self.nrl_refit_sink(), transport_name, bucket_bytes, dtype)
+        return refit_local(self.nrl_refit_source(), self.nrl_refit_sink(), transport_name, bucket_bytes,
+                           refit_dtype(dtype))
 

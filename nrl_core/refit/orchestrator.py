@@ -50,7 +50,8 @@ def refit_options(config: Mapping[str, Any]) -> dict[str, Any]:
     """``transport``, ``bucket_bytes`` and ``dtype`` for :func:`refit` from a validated config:
     ``policy.refit.transport`` (null: by placement), the bucket size from
     ``policy.refit_buffer_size_gb`` (NeMo RL's spelling, GiB) when set, else
-    ``policy.refit.bucket_size_mb`` (MiB), and the dtype from ``policy.precision``."""
+    ``policy.refit.bucket_size_mb`` (MiB), and the dtype from ``policy.precision`` (null: each
+    weight owner's default precision, resolved where the weights are)."""
     policy = config.get("policy", {}) or {}
     section = policy.get("refit") or {}
     gb = policy.get("refit_buffer_size_gb")
@@ -62,30 +63,32 @@ def refit_options(config: Mapping[str, Any]) -> dict[str, Any]:
     else:
         bucket_bytes = DEFAULT_BUCKET_BYTES
     return {"transport": section.get("transport"), "bucket_bytes": bucket_bytes,
-            "dtype": policy.get("precision") or "float32"}
+            "dtype": policy.get("precision")}
 
 
 def refit(source: Any, sink: Any | Sequence[Any], transport: str | None = None,
-          bucket_bytes: int = DEFAULT_BUCKET_BYTES, dtype: str = "float32",
+          bucket_bytes: int = DEFAULT_BUCKET_BYTES, dtype: str | None = "float32",
           timeout_s: float | None = None) -> RefitReport:
     """Move ``source``'s weights (a :class:`~nrl_core.contracts.TrainingWorker`-like object with
     ``weight_manifest``/``export_weights``, or a Ray actor hosting one) into ``sink`` (a
     :class:`~nrl_core.contracts.GenerationWorker` or actor; several actors for data-parallel
     generation). Actors must inherit :class:`~nrl_core.refit.endpoints.RefitEndpoints`.
 
-    ``timeout_s`` bounds a collective transport's own group (``distributed_timeout_minutes``).
+    ``dtype`` None is the source's default precision (``policy.precision`` null), resolved in the
+    source's process. ``timeout_s`` bounds a collective transport's own group (``distributed_timeout_minutes``).
 
     Raises :class:`~nrl_core.refit.manifest.RefitError` (sinks keep their old weights) when what
     arrives does not match the source's manifest.
     """
-    from nrl_core.refit.buckets import parse_dtype, dtype_name
+    from nrl_core.refit.buckets import refit_dtype
 
-    dtype = dtype_name(parse_dtype(dtype))
+    dtype = None if dtype is None else refit_dtype(dtype)
     sinks = list(sink) if isinstance(sink, (list, tuple)) else [sink]
     if not sinks:
         raise ValueError("refit needs at least one sink")
     if not _is_actor(source) and not any(_is_actor(s) for s in sinks):
-        reports = [refit_local(source, s, choose_transport("same_process", transport), bucket_bytes, dtype)
+        local = refit_dtype(dtype)
+        reports = [refit_local(source, s, choose_transport("same_process", transport), bucket_bytes, local)
                    for s in sinks]
         return combine_reports(reports, concurrent=False)
     if not (_is_actor(source) and all(_is_actor(s) for s in sinks)):
@@ -93,7 +96,7 @@ def refit(source: Any, sink: Any | Sequence[Any], transport: str | None = None,
     return _refit_actors(source, sinks, transport, bucket_bytes, dtype, timeout_s)
 
 
-def _refit_actors(source: Any, sinks: list[Any], override: str | None, bucket_bytes: int, dtype: str,
+def _refit_actors(source: Any, sinks: list[Any], override: str | None, bucket_bytes: int, dtype: str | None,
                   timeout_s: float | None = None) -> RefitReport:
     import ray
 
@@ -147,7 +150,7 @@ def _call(actor: Any, method: str, *args: Any) -> Any:
     return getattr(actor, method).options(enable_task_events=False).remote(*args)
 
 
-def _export_import(source: Any, sinks: list[Any], name: str, bucket_bytes: int, dtype: str) -> tuple[int, list[int]]:
+def _export_import(source: Any, sinks: list[Any], name: str, bucket_bytes: int, dtype: str | None) -> tuple[int, list[int]]:
     """The source exports once; every sink imports the same handles, concurrently. The sinks'
     calls depend on the export's object ref, so Ray starts them when it is done: one wait here."""
     import ray
@@ -164,7 +167,7 @@ def _export_import(source: Any, sinks: list[Any], name: str, bucket_bytes: int, 
         _call(source, "nrl_refit_cleanup", [exported])  # runs before the source's next call; nothing to wait for
 
 
-def _collective(source: Any, sinks: list[Any], name: str, bucket_bytes: int, dtype: str,
+def _collective(source: Any, sinks: list[Any], name: str, bucket_bytes: int, dtype: str | None,
                 timeout_s: float | None = None) -> tuple[int, list[int]]:
     """One sender, every sink receiving the same broadcast concurrently."""
     import ray

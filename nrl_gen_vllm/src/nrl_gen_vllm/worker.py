@@ -16,6 +16,7 @@ import time
 from typing import Any, Iterable, Iterator, Mapping
 
 from nrl_core.contracts import GenerationOutput, WeightSpec
+from nrl_core.device import resolve_precision
 from nrl_core.errors import ConfigError, NrlError
 from nrl_core.generation_kit import SamplingState, SleepState
 from nrl_core.refit.buckets import Bucket, dtype_name, parse_dtype, spec_of
@@ -124,7 +125,7 @@ class VllmGenerationWorker:
         self._state = SamplingState(seed=base_seed(config), weight_version=-1 if self.load_format == "dummy" else 0)
         self._sleep = SleepState(f"vLLM engine {self.engine_index}")
         self.model_dir = str(policy["model_name"])
-        precision = vcfg.get("precision") or policy.get("precision") or "float32"
+        precision = vcfg.get("precision") or resolve_precision(policy.get("precision"))
         self.dtype = "auto" if precision == "auto" else dtype_name(parse_dtype(precision))
         self.max_model_len = int(vcfg.get("max_model_len") or policy.get("max_total_sequence_length") or 512)
         self.sleep_level = int(vcfg.get("sleep_level") or 1)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from nrl_core.config.schema import Field, Section
+from nrl_core.device import resolve_precision
 
 KEY = "policy.generation.hf_cfg"
 PRECISIONS = ("float32", "bfloat16", "float16")
@@ -58,7 +59,7 @@ class EngineSettings:
         return cls(
             model_dir=model_dir,
             tokenizer_dir=str((policy.get("tokenizer") or {}).get("name") or model_dir),
-            precision=section["precision"] or str(policy.get("precision") or "float32"),
+            precision=section["precision"] or resolve_precision(policy.get("precision")),
             batch_size=int(section["batch_size"]),
             attn_implementation=section["attn_implementation"],
             load_format=section["load_format"],
