@@ -24,7 +24,8 @@ if TYPE_CHECKING:
 __all__ = [
     "CHECK_DEVICES_ENV", "all_gather", "all_reduce", "all_reduce_values", "broadcast", "check_batch_device",
     "collective_device", "default_precision", "free_device_cache", "host_copy", "model_device", "move_optimizer_state",
-    "process_group_backend", "resolve_precision", "to_device", "to_host",
+    "move_tensors",
+    "process_group_backend", "resolve_precision", "to_device", "to_host", "uses_nccl",
 ]
 
 CHECK_DEVICES_ENV = "NRL_CHECK_DEVICES"
@@ -46,6 +47,12 @@ def process_group_backend(cuda: bool | None = None) -> str:
     if cuda is None:
         cuda = torch.cuda.is_available()
     return "cpu:gloo,cuda:nccl" if cuda else "gloo"
+
+
+def uses_nccl(backend_config: str) -> bool:
+    """Whether a group created with ``backend_config`` (``nccl`` or ``cpu:gloo,cuda:nccl``) runs NCCL,
+    so its ranks must pick their CUDA device before joining it."""
+    return backend_config.strip().lower() == "nccl" or _backends(backend_config).get("cuda") == "nccl"
 
 
 def model_device() -> "torch.device":
@@ -218,6 +225,14 @@ def move_optimizer_state(optimizer: Any, device: "torch.device") -> None:
         for key, value in state.items():
             if isinstance(value, torch.Tensor) and value.device.type != device.type:
                 state[key] = to_host(value) if device.type == "cpu" else to_device(value, device)
+
+
+def move_tensors(tensors: Sequence["torch.Tensor"], device: "torch.device") -> None:
+    """Move each tensor's ``.data`` to ``device`` in place (pinned host memory on the way out), so
+    whatever holds the tensor itself (an optimizer's param groups and its state keys) keeps working."""
+    for tensor in tensors:
+        if tensor.device.type != device.type:
+            tensor.data = to_host(tensor.data) if device.type == "cpu" else to_device(tensor.data, device)
 
 
 def free_device_cache() -> None:

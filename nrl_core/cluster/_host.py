@@ -15,6 +15,7 @@ import sys
 from datetime import timedelta
 from typing import Any, Callable
 
+from nrl_core.device import uses_nccl
 from nrl_core.long_lived import long_lived_objects
 from nrl_core.refit.endpoints import RefitEndpoints
 from nrl_core.timeline import mark
@@ -109,7 +110,7 @@ class WorkerHost(RefitEndpoints):
         if loopback and "lo" in {name for _, name in socket.if_nameindex()}:
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
-        if backend == "nccl":
+        if uses_nccl(backend):
             # Ray usually exposes exactly this actor's GPU(s); index by local rank only otherwise.
             visible = torch.cuda.device_count()
             torch.cuda.set_device(0 if visible == 1 else int(env["LOCAL_RANK"]) % max(visible, 1))

@@ -39,6 +39,7 @@ from nrl_core.cluster._host import WorkerHost
 from nrl_core.cluster._logs import tail_lines
 from nrl_core.cluster.placement import Placement
 from nrl_core.cluster.ray_cluster import actor_runtime_env, init_ray, private_local_ray, worker_env_vars
+from nrl_core.device import process_group_backend
 from nrl_core.errors import NrlError, WorkerError, WorkerRaisedError
 from nrl_core.process_groups import DEFAULT_TIMEOUT_S
 
@@ -127,6 +128,15 @@ Method = Union[str, Callable[..., Any]]
 or its name as a string (a backend's own extension method)."""
 
 
+def group_backend(requested: str, cuda: bool) -> str:
+    """The backend string the ranks join with: ``auto`` (with CUDA on every rank) and ``nccl`` give
+    :func:`~nrl_core.device.process_group_backend`'s ``cpu:gloo,cuda:nccl``, so the same group
+    carries the CPU tensors of object collectives and checkpoints; ``auto`` without CUDA is gloo."""
+    if requested == "nccl" or (requested == "auto" and cuda):
+        return process_group_backend(cuda=True)
+    return "gloo" if requested == "auto" else requested
+
+
 def method_name(method: Method) -> str:
     return method if isinstance(method, str) else method.__name__
 
@@ -135,9 +145,9 @@ class WorkerGroup:
     """``num_workers`` ranks of ``worker_cls`` (an import path, ``"pkg.mod:Class"``) on Ray.
 
     Each rank is built as ``Cls(**init_kwargs, rank=r, world_size=n)`` after the ranks joined a
-    ``torch.distributed`` group: ``distributed_backend`` ``auto`` picks NCCL when every actor sees
-    CUDA and gloo otherwise; ``none`` skips the group (engines that form their own). Without a
-    ``placement`` each actor asks Ray for ``num_cpus_per_worker`` (default 0, so CPUs can be
+    ``torch.distributed`` group: ``distributed_backend`` ``auto`` picks ``cpu:gloo,cuda:nccl`` when
+    every actor sees CUDA and gloo otherwise (:func:`group_backend`); ``none`` skips the group
+    (engines that form their own). Without a ``placement`` each actor asks Ray for ``num_cpus_per_worker`` (default 0, so CPUs can be
     oversubscribed) and ``num_gpus_per_worker``. ``env_vars`` are added to the workers' environment
     on top of what :func:`~nrl_core.cluster.worker_env_vars` forwards from the driver.
 
@@ -261,8 +271,7 @@ class WorkerGroup:
             for r, d in enumerate(described)
         ]
         logger.info("%s: %s", self.name, ", ".join(f"rank {i.rank} pid {i.pid} on {i.node_ip}" for i in self._infos))
-        if self.backend == "auto":
-            self.backend = "nccl" if all(i.cuda for i in self._infos) else "gloo"
+        self.backend = group_backend(self.backend, cuda=all(i.cuda for i in self._infos))
         # Rank 0 hosts the rendezvous store, so the port must be free on *its* node.
         self.master_addr = self._infos[0].node_ip or "127.0.0.1"
         self.master_port = int(self._collect(self._on_ranks([0], "free-port discovery", lambda a, r: a.free_port.remote()))[0])

@@ -123,6 +123,20 @@ def test_process_group_backend_is_mixed_only_with_cuda() -> None:
     assert device.process_group_backend(cuda=False) == "gloo"
 
 
+@pytest.mark.parametrize(("requested", "cuda", "expected"), [
+    ("auto", True, "cpu:gloo,cuda:nccl"), ("auto", False, "gloo"), ("nccl", True, "cpu:gloo,cuda:nccl"),
+    ("gloo", True, "gloo"), ("none", True, "none")])
+def test_ray_worker_groups_join_the_mixed_group_on_gpus(requested: str, cuda: bool, expected: str) -> None:
+    """What a worker group's ranks join (decided on the driver from what every actor sees), and
+    whether they pick their CUDA device first: any group that includes NCCL."""
+    from nrl_core.cluster.worker_group import group_backend
+
+    backend = group_backend(requested, cuda=cuda)
+    assert backend == expected
+    assert device.uses_nccl(backend) is (expected != "gloo" and expected != "none")
+    assert device.uses_nccl("nccl") and not device.uses_nccl("cpu:gloo")
+
+
 def _collectives(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
