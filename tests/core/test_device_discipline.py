@@ -200,6 +200,16 @@ def test_precision_defaults_by_device_and_keeps_an_explicit_choice() -> None:
     assert device.resolve_precision("float32", torch.device("cuda")) == "float32"
 
 
+def test_moving_tensors_to_where_they_are_keeps_their_storage() -> None:
+    """How Megatron's fp32 main parameters are offloaded (``tensor.data`` moves, the tensor object an
+    optimizer is keyed by stays): on the CPU a no-op, so training stays bit-identical here. The
+    move itself needs CUDA (torch refuses ``.data`` across CPU and meta)."""
+    param = torch.nn.Parameter(torch.ones(3))
+    before = param.data_ptr()
+    device.move_tensors([param], torch.device("cpu"))
+    assert param.data_ptr() == before and param.device.type == "cpu"
+
+
 def test_optimizer_state_moves_with_the_optimizer() -> None:
     param = torch.nn.Parameter(torch.ones(3))
     optimizer = torch.optim.Adam([param])

@@ -1,7 +1,8 @@
 """What the Megatron backend does for GPU runs, checked on the CPU: the batch the loss reads is
 checked against the logprobs' device, parameters are synced before they are read when the
-distributed optimizer defers its all-gather, sequence parallelism pads to the tensor-parallel
-size, and context parallelism is refused (its sequences are not split per rank)."""
+distributed optimizer defers its all-gather, the colocated hand-off leaves training bit-identical,
+sequence parallelism pads to the tensor-parallel size, and context parallelism is refused (its
+sequences are not split per rank)."""
 
 from __future__ import annotations
 
@@ -75,6 +76,38 @@ def test_parameters_are_synced_before_export_reference_logprobs_and_save(w1: dic
     assert w1["synced/export"] == [{"force_sync": True}]
     assert w1["synced/reference"] == [{"force_sync": True}] * 2
     assert w1["synced/save"] == [{"force_sync": True}] * 3
+
+
+def handoff_world(rank: int, world: int, path: str, handoff: bool) -> dict[str, Any]:
+    """Two training steps, with or without the colocated hand-off (both offloads, then prepare)
+    between them: the losses and the final weights."""
+    from nrl_backend_megatron.optim import main_params
+    from nrl_backend_megatron.worker import MegatronPolicyWorker
+    from nrl_core.algorithms.loss import NLLLoss
+
+    w = MegatronPolicyWorker(make_config(path), rank, world)
+    losses = [w.train(make_batch(), NLLLoss())["loss"]]
+    if handoff:
+        w.offload_before_refit()
+        w.offload_after_refit()
+        w.prepare_for_training()
+    losses.append(w.train(make_batch(seed=1), NLLLoss())["loss"])
+    weights = {n: t.clone() for bucket in w.export_weights(1 << 30, "float32") for n, t in bucket}
+    return {"losses": losses, "weights": weights, "main_params": len(main_params(w.opt.optimizer))}
+
+
+@pytest.mark.slow
+def test_training_after_the_hand_off_is_bit_identical_to_training_without_it(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The hand-off moves gradients, optimizer state and (mixed precision, GPU only: none here)
+    the fp32 main parameters off the device and back; nothing it moves may change a bit."""
+    env = {"NRL_MEGATRON_CHECKPOINT_DIR": str(tmp_path_factory.mktemp("mcore-handoff"))}
+    path = str(cached_tiny_model("llama"))
+    (plain,) = run_world(handoff_world, 1, path, False, env=env)
+    (handed,) = run_world(handoff_world, 1, path, True, env=env)
+    assert handed["main_params"] == plain["main_params"] == 0  # fp32 on the CPU: no separate main copy
+    assert handed["losses"] == plain["losses"]
+    assert all(torch.equal(handed["weights"][n], t) for n, t in plain["weights"].items())
 
 
 def test_sequence_parallel_pads_every_micro_batch_to_the_tensor_parallel_size() -> None:

@@ -77,6 +77,17 @@ def build_optimizer(models: list[Any], section: Mapping[str, Any], precision: st
     return OptimizerBundle(optimizer, scheduler, clip, own_clipping)
 
 
+def main_params(optimizer: Any) -> list[torch.Tensor]:
+    """The fp32 main copies Megatron's mixed-precision optimizers keep of bf16/fp16 parameters (its
+    own, or the distributed optimizer's shards): standalone tensors that neither the parameter nor
+    the gradient buffers hold, so offload must move them itself. Empty for an fp32 model (CPU)."""
+    out = []
+    for leaf in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        for attr in ("fp32_from_float16_groups", "shard_fp32_from_float16_groups"):
+            out.extend(p for group in getattr(leaf, attr, None) or [] for p in group if p is not None)
+    return out
+
+
 def _transformer_engine_installed() -> bool:
     import importlib.util
 

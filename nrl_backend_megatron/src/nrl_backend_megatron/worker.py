@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from nrl_core.contracts import BatchShard, CheckpointOptions, LossFunction, TokenBatch, WeightSpec, logprob_temperature
 from nrl_core.device import (all_reduce, broadcast, check_batch_device, free_device_cache, host_copy, model_device,
-                             move_optimizer_state, resolve_precision, to_device)
+                             move_optimizer_state, move_tensors, resolve_precision, to_device)
 from nrl_core.errors import ConfigError, NrlError
 from nrl_core.nonfinite import KEY as NAN_KEY, NonFiniteError, check_finite, guard_enabled
 
@@ -35,7 +35,7 @@ from nrl_backend_megatron.convert import canonical_shapes, family_of, megatron_t
 from nrl_backend_megatron.convert.sharded import convert_in_subprocess, load_shard
 from nrl_backend_megatron.model import DTYPES, build_gpt_model, te_available, transformer_config
 from nrl_backend_megatron.moe import RouterMetrics, check_moe_section, freeze_router, is_moe, mark_experts_parallel
-from nrl_backend_megatron.optim import build_optimizer, optimizer_step
+from nrl_backend_megatron.optim import build_optimizer, main_params, optimizer_step
 from nrl_backend_megatron.parallel import check_layout, ensure_process_group, init_model_parallel
 from nrl_backend_megatron.weights import iter_full_tensors
 
@@ -343,12 +343,13 @@ class MegatronPolicyWorker:
 
     # ------------------------------------------------------------------ memory hand-off (colocated)
     def offload_before_refit(self) -> None:
-        """Free the gradient buffers and move the optimizer state to host memory: neither the
-        refit nor generation needs them. A pending asynchronous save still references the device
-        tensors, so it is finished first."""
+        """Free the gradient buffers and move the optimizer state and the fp32 main parameters of
+        mixed precision to host memory: neither the refit nor generation needs them. A pending
+        asynchronous save still references the device tensors, so it is finished first."""
         self.finalize_checkpoint()
         for buffer in self._grad_buffers():
             buffer.offload_to_cpu(move_params=False, move_grads=True)
+        move_tensors(main_params(self.opt.optimizer), torch.device("cpu"))
         if torch.cuda.is_available():
             move_optimizer_state(self.opt.optimizer, torch.device("cpu"))
         free_device_cache()
@@ -369,6 +370,8 @@ class MegatronPolicyWorker:
             for buffer in self._grad_buffers():
                 buffer.reload_from_cpu(move_params="weights" in self._offloaded and torch.cuda.is_available(),
                                        move_grads="optimizer" in self._offloaded)
+            if "optimizer" in self._offloaded:
+                move_tensors(main_params(self.opt.optimizer), self.device)
             if torch.cuda.is_available():
                 move_optimizer_state(self.opt.optimizer, self.device)
         self._offloaded.clear()
