@@ -1,7 +1,8 @@
 """The ``nrl`` command.
 
-``nrl plugins [--json]``, ``nrl config check|show CONFIG [overrides...]`` and
-``nrl train ALGORITHM --config CONFIG [overrides...]``. User errors (:class:`NrlError`), also
+``nrl plugins [--json]``, ``nrl config check|show CONFIG [overrides...]``,
+``nrl train ALGORITHM --config CONFIG [overrides...]`` and ``nrl stacks LOG_DIR`` (every stack of
+a running run, written into its log directory). User errors (:class:`NrlError`), also
 those raised inside a Ray worker, print one line, ``error: <key.path>: <what and how to fix>``, on
 stderr and exit 2; there is no traceback unless ``NRL_DEBUG=1``. Anything else a worker raises is
 a bug: its remote traceback is printed, then the line naming the worker, and the exit code is 1.
@@ -82,6 +83,15 @@ def _cmd_train(args: argparse.Namespace) -> int:
         return int(run(config) or 0)
 
 
+def _cmd_stacks(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from nrl_core.watchdog import request_stacks
+
+    print(request_stacks(Path(args.log_dir), timeout_s=args.timeout))
+    return 0
+
+
 def _cmd_tiny_model(args: argparse.Namespace) -> int:
     from nrl_core.testing.tiny_models import build_tiny_model
 
@@ -120,6 +130,11 @@ def build_parser() -> argparse.ArgumentParser:
                            "small 0.92M, bench 25.7M")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(func=_cmd_tiny_model)
+
+    stacks = sub.add_parser("stacks", help="write every stack of a running run into its log directory")
+    stacks.add_argument("log_dir", help="the run's logger.log_dir")
+    stacks.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the dump")
+    stacks.set_defaults(func=_cmd_stacks)
 
     train = sub.add_parser("train", help="run an algorithm")
     train.add_argument("algorithm", help="algorithm name (grpo, sft, ...)")

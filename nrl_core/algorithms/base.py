@@ -18,6 +18,7 @@ from nrl_core.data import DatumSpec, PromptDataloader
 from nrl_core.logging import MetricLogger
 from nrl_core.plugins import get_plugin_manager
 from nrl_core.timeline import mark
+from nrl_core.watchdog import Watchdog, fired, phase
 
 logger = logging.getLogger(__name__)
 
@@ -61,24 +62,29 @@ class AlgorithmRun:
 
     def run(self) -> dict[str, float]:
         if self.resume_from is not None:
-            self.restore(self.resume_from)
+            with phase("checkpoint_load"):
+                self.restore(self.resume_from)
         self.start()
         self.hooks.run_start(self.info)
         if self.cfg["val_at_start"] and self.state.step == 0:
-            self.last_metrics = self.validate(0)
+            with phase("validation", step=0):
+                self.last_metrics = self.validate(0)
             if self.last_metrics:
                 self.log.log_step(0, self.last_metrics)
         for step in range(self.state.step + 1, self.max_steps + 1):
-            metrics = self.step(self.step_data(step))
+            with phase("step", step=step):
+                metrics = self.step(self.step_data(step))
             mark("step_end", step=step)
             if self.validation_due(step):
-                metrics.update(self.validate(step))
+                with phase("validation", step=step):
+                    metrics.update(self.validate(step))
             self.stop_reason = self.hooks.step_end(self.info, step, metrics)
             self.log.log_step(step, metrics)
             self.state.step = step
             last_step = step == self.max_steps or self.stop_reason is not None
             if self.checkpoints.should_save(step, last_step=last_step):
-                self.save_checkpoint(step, metrics)
+                with phase("checkpoint_save", step=step):
+                    self.save_checkpoint(step, metrics)
             self.last_metrics = metrics
             if self.stop_reason is not None:
                 logger.info("stopping after step %d: %s", step, self.stop_reason)
@@ -145,8 +151,9 @@ class AlgorithmRun:
         (``status``), stop workers; returns where outputs are.
 
         After the local Ray lost its GCS nothing of that is possible (every step would wait on the
-        dead GCS): the cluster's processes are killed and the pending save stays unpublished."""
-        if cluster_failure() is not None:
+        dead GCS): the cluster's processes are killed and the pending save stays unpublished; so
+        after the watchdog fired (its workers are killed)."""
+        if cluster_failure() is not None or fired() is not None:
             shutdown_ray()
             self.hooks.run_end(self.info, "failed", self.state.step, self.last_metrics, {})
             return {}
@@ -177,14 +184,17 @@ class AlgorithmRun:
 
     @classmethod
     def main(cls, config: Mapping[str, Any]) -> int:
-        """``nrl train <section>``: build, run every step, close (even after an error)."""
-        run = cls(config)
-        status = "failed"
-        try:
-            final = run.run()
-            status = "completed" if run.stop_reason is None else "stopped"
-        finally:
-            run.close(status)
+        """``nrl train <section>``: build, run every step, close (even after an error), every phase
+        under the run's watchdog (docs/watchdog.md)."""
+        with Watchdog.for_run(config):
+            with phase("start_up"):
+                run = cls(config)
+            status = "failed"
+            try:
+                final = run.run()
+                status = "completed" if run.stop_reason is None else "stopped"
+            finally:
+                run.close(status)
         logger.info("%s finished: %s", cls.section.upper(),
                     {k: round(v, 4) for k, v in final.items() if k.startswith(cls.summary_prefixes)})
         return 0

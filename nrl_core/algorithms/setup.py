@@ -18,12 +18,14 @@ from nrl_core.cluster import init_ray
 from nrl_core.contracts import Environment, import_object
 from nrl_core.plugins import get_plugin_manager
 from nrl_core.timeline import mark
+from nrl_core.watchdog import phase as watched
 
 logger = logging.getLogger(__name__)
 
 
 class PhaseTimer:
-    """Wall-clock seconds per named phase of one step (``timing/<phase>`` metrics)."""
+    """Wall-clock seconds per named phase of one step (``timing/<phase>`` metrics); each phase also
+    runs under the run's watchdog and goes into its trace (:func:`nrl_core.watchdog.phase`)."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
@@ -32,7 +34,8 @@ class PhaseTimer:
     def __call__(self, phase: str) -> Iterator[None]:
         start = time.perf_counter()
         try:
-            yield
+            with watched(phase):
+                yield
         finally:
             self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
 

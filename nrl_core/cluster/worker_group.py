@@ -29,6 +29,7 @@ import re
 import shutil
 import tempfile
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar, Union
 
@@ -50,6 +51,7 @@ __all__ = [
     "WorkerDiedError",
     "WorkerRaisedError",
     "WorkerTimeoutError",
+    "live_groups",
 ]
 
 T = TypeVar("T")
@@ -97,6 +99,13 @@ class WorkerFutures:
 
 
 _REMOTE_HOST: Any = None
+_LIVE: "weakref.WeakSet[WorkerGroup]" = weakref.WeakSet()
+
+
+def live_groups() -> list["WorkerGroup"]:
+    """Every worker group of this driver not yet shut down: whose stacks a watchdog dumps and
+    whose actors it kills."""
+    return [group for group in list(_LIVE) if not group._closed]
 
 
 def _remote_host() -> Any:
@@ -205,6 +214,8 @@ class WorkerGroup:
         self._started = False
         self._init_kwargs = init_kwargs
         self._timeouts = (start_timeout_s, collective_timeout_s)
+        self._waiting: dict[int, tuple[str, set[int]]] = {}  # calls the driver waits on: ranks not yet done
+        _LIVE.add(self)
         with self._closed_on_error():
             self._launch(env_vars or {}, num_cpus_per_worker, num_gpus_per_worker, list(preload))
         if start:
@@ -439,7 +450,21 @@ class WorkerGroup:
         """The Ray actor handles in rank order, for code that passes them on (e.g. weight transfer)."""
         return list(self._actors)
 
+    def pending_calls(self) -> list[tuple[str, list[int]]]:
+        """The calls the driver is waiting on in this group, each with the ranks that have not
+        answered yet (read from another thread by the watchdog)."""
+        return [(what, sorted(ranks)) for what, ranks in list(self._waiting.values())]
+
     def _collect(self, futures: WorkerFutures, timeout_s: float | None = None, *, starting: bool = False) -> list[Any]:
+        unanswered = set(futures.ranks)
+        key = id(unanswered)
+        self._waiting[key] = (futures.what, unanswered)
+        try:
+            return self._wait_for(futures, unanswered, timeout_s, starting=starting)
+        finally:
+            del self._waiting[key]
+
+    def _wait_for(self, futures: WorkerFutures, unanswered: set[int], timeout_s: float | None, *, starting: bool) -> list[Any]:
         rank_of = dict(zip(futures.refs, futures.ranks))
         results: dict[int, Any] = {}
         failures: list[tuple[int, BaseException]] = []  # in the order they were seen
@@ -448,6 +473,7 @@ class WorkerGroup:
 
         def take(ready: list[ray.ObjectRef]) -> None:
             for ref in ready:
+                unanswered.discard(rank_of[ref])
                 try:
                     results[rank_of[ref]] = ray.get(ref)
                 except Exception as exc:  # every Ray and remote error ends up here

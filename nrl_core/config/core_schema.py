@@ -206,6 +206,31 @@ CLUSTER = Section(doc="Where workers run. On a CPU machine gpus_per_node counts 
 
 ENV = Section(doc="Reward environments by name; plugins add their sections.")
 
+PHASES = ("start_up", "step", "refit", "generation", "hand_off", "reward", "logprobs", "reference_logprobs",
+          "training", "checkpoint_save", "checkpoint_load", "validation")
+
+
+def _check_phase_limits(section: dict[str, Any], path: str) -> dict[str, Any]:
+    for name, limit in (section.get("phases") or {}).items():
+        key = f"{path}.phases.{name}"
+        if name not in PHASES:
+            raise ConfigError(key, f"unknown phase; the phases are {', '.join(PHASES)}")
+        if isinstance(limit, bool) or not isinstance(limit, NUMBER) or limit <= 0:
+            raise ConfigError(key, f"must be a limit in seconds above 0, got {limit!r}")
+    return section
+
+
+WATCHDOG = Section(preprocess=_check_phase_limits, doc="Time limits per phase and the run's trace (docs/watchdog.md).",
+                   fields={
+    "enabled": Field(type=bool, default=True, doc="end a run whose phase passes its limit, with every stack"),
+    "floor_s": Field(type=NUMBER, default=1800, minimum=1,
+                     doc="limit of a phase seen for the first time, and the least limit of any phase"),
+    "multiple": Field(type=NUMBER, default=5, minimum=1, doc="a phase's limit: this times the slowest it took"),
+    "startup_s": Field(type=NUMBER, default=3600, minimum=1, doc="limit of the start-up"),
+    "phases": Section(open=True, doc="fixed limits in seconds by phase name (start_up, generation, training, ...)"),
+    "trace": Field(type=bool, default=True, doc="write every phase of every step to <log_dir>/trace.json"),
+})
+
 CORE_SCHEMA = Section(fields={
     "algorithm": ALGORITHM,
     "loss_fn": LOSS_FN,
@@ -215,4 +240,5 @@ CORE_SCHEMA = Section(fields={
     "logger": LOGGER,
     "checkpointing": CHECKPOINTING,
     "cluster": CLUSTER,
+    "watchdog": WATCHDOG,
 })

@@ -1,0 +1,271 @@
+"""Hangs are never silent: a time limit on every phase of a run, and every stack when one passes.
+
+The driver runs each phase (start-up, refit, generation, hand-off, reward, logprobs, training,
+checkpoint save and load, validation, and the step around them) inside :func:`phase`. A phase's
+limit comes from its own history, ``max(floor_s, multiple x the slowest it has taken)``, so a run
+whose phases grow steadily longer raises its limits with them; a phase never seen before gets
+``floor_s`` (start-up ``startup_s``); ``watchdog.phases.<name>`` fixes a limit outright.
+
+A monitor thread checks the limits. When one passes it writes every process's stack (the driver
+and each rank of every worker group, :mod:`nrl_core.stacks`) and the one-line error into
+``<log_dir>/stacks/``, kills the workers (a driver blocked on them wakes with their death; one
+blocked in itself is interrupted) and the phase raises :class:`HangError`: the run ends with
+nothing left running and no checkpoint published after the last complete one. ``SIGUSR1`` to the
+driver (``nrl stacks <log_dir>``) writes the same stacks without stopping anything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+from nrl_core import stacks, timeline
+from nrl_core.config.core_schema import PHASES
+from nrl_core.errors import NrlError
+
+__all__ = ["HangError", "PHASES", "PhaseLimits", "Watchdog", "WatchdogSettings", "fired", "phase", "request_stacks"]
+
+logger = logging.getLogger(__name__)
+
+PID_FILE = "driver.pid"
+
+
+class HangError(NrlError):
+    """A phase passed its watchdog limit; the message is the one line the user sees."""
+
+
+@dataclass(frozen=True)
+class WatchdogSettings:
+    """The ``watchdog`` section."""
+
+    enabled: bool = True
+    floor_s: float = 1800.0
+    multiple: float = 5.0
+    startup_s: float = 3600.0
+    phases: Mapping[str, float] = field(default_factory=dict)
+    trace: bool = True
+
+    @classmethod
+    def from_section(cls, section: Mapping[str, Any] | None) -> "WatchdogSettings":
+        section = dict(section or {})
+        return cls(**{k: section[k] for k in ("enabled", "floor_s", "multiple", "startup_s", "trace") if k in section},
+                   phases=dict(section.get("phases") or {}))
+
+
+class PhaseLimits:
+    """Each phase's limit from the slowest it has taken so far (see the module docstring)."""
+
+    def __init__(self, settings: WatchdogSettings) -> None:
+        self.settings = settings
+        self.slowest: dict[str, float] = {}
+
+    def limit(self, name: str) -> float:
+        fixed = self.settings.phases.get(name)
+        if fixed is not None:
+            return float(fixed)
+        if name == "start_up":
+            return float(self.settings.startup_s)
+        seen = self.slowest.get(name)
+        floor = float(self.settings.floor_s)
+        return floor if seen is None else max(floor, self.settings.multiple * seen)
+
+    def record(self, name: str, seconds: float) -> None:
+        self.slowest[name] = max(seconds, self.slowest.get(name, 0.0))
+
+
+@dataclass(eq=False)
+class _Running:
+    name: str
+    started: float  # monotonic
+    limit: float
+    thread: int
+
+
+class Watchdog:
+    """The run's monitor: enter it around the whole run (it becomes the one :func:`phase` uses)."""
+
+    tick_s = 0.5
+
+    def __init__(self, settings: WatchdogSettings, log_dir: Path) -> None:
+        self.settings = settings
+        self.log_dir = log_dir
+        self.limits = PhaseLimits(settings)
+        self.error: str | None = None
+        self._running: list[_Running] = []
+        self._phase_ended = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._own_stacks: Path | None = None
+        self._own_stacks_size = 0
+        self._dumps = 0
+
+    @classmethod
+    def for_run(cls, config: Mapping[str, Any]) -> "Watchdog":
+        return cls(WatchdogSettings.from_section(config.get("watchdog")), Path(config["logger"]["log_dir"]).expanduser())
+
+    def __enter__(self) -> "Watchdog":
+        global _active
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._own_stacks = stacks.install_stack_dump()  # before the pid file: SIGUSR1 would end us otherwise
+        self._own_stacks_size = self._own_stacks.stat().st_size
+        (self.log_dir / PID_FILE).write_text(f"{os.getpid()}\n")
+        if self.settings.trace:
+            timeline.start_trace(self.log_dir / "trace.json")
+        self._thread = threading.Thread(target=self._watch, name="nrl-watchdog", daemon=True)
+        self._thread.start()
+        _active = self
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        global _active
+        _active = None
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        timeline.stop_trace()
+        with contextlib.suppress(OSError):
+            (self.log_dir / PID_FILE).unlink()
+        if self.error is not None:
+            from nrl_core.cluster import shutdown_ray
+
+            shutdown_ray()
+
+    @contextlib.contextmanager
+    def phase(self, name: str, **args: Any) -> Iterator[None]:
+        running = _Running(name, time.monotonic(), self.limits.limit(name), threading.get_ident())
+        wall = time.time()
+        self._running.append(running)
+        try:
+            yield
+        except BaseException:
+            if self.error is not None:
+                raise HangError(self.error) from None
+            raise
+        else:
+            self.limits.record(name, time.monotonic() - running.started)
+            if self.error is not None:
+                raise HangError(self.error)
+        finally:
+            self._running.remove(running)
+            self._phase_ended.set()
+            timeline.span(name, wall, time.monotonic() - running.started, **args)
+
+    # ------------------------------------------------------------------ the monitor thread
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.tick_s):
+            if self._dump_requested():
+                self.dump("on_demand")
+            now = time.monotonic()
+            late = [r for r in list(self._running) if now - r.started > r.limit]
+            if late and self.settings.enabled:
+                self._fire(late[-1], now - late[-1].started)
+                return
+
+    def _dump_requested(self) -> bool:
+        """``SIGUSR1`` made faulthandler append the driver's stacks to its stack file."""
+        assert self._own_stacks is not None
+        size = self._own_stacks.stat().st_size
+        requested, self._own_stacks_size = size > self._own_stacks_size, size
+        return requested
+
+    def dump(self, reason: str) -> Path:
+        """Every process's stacks into ``<log_dir>/stacks/<time>-<reason>/``: the driver's and
+        each worker rank's, with ``status.txt`` (which answered, which calls are pending)."""
+        from nrl_core.cluster.worker_group import live_groups
+
+        self._dumps += 1
+        dest = self.log_dir / "stacks" / f"{time.strftime('%Y%m%d-%H%M%S')}-{self._dumps}-{reason}"
+        dest.mkdir(parents=True, exist_ok=True)
+        with open(dest / f"driver-pid{os.getpid()}.txt", "w") as f:
+            import faulthandler
+
+            faulthandler.dump_traceback(file=f, all_threads=True)
+        assert self._own_stacks is not None
+        self._own_stacks_size = self._own_stacks.stat().st_size
+        status = stacks.dump_processes(_worker_targets(live_groups()), dest)
+        lines = [f"{label}: {what}" for label, what in status.items()]
+        lines += [f"pending: {group.label(rank)} {what}" for group in live_groups()
+                  for what, ranks in group.pending_calls() for rank in ranks]
+        (dest / "status.txt").write_text("".join(line + "\n" for line in lines))
+        logger.warning("stacks of the driver and %d workers written to %s", len(status), dest)
+        return dest
+
+    def _fire(self, late: _Running, waited: float) -> None:
+        from nrl_core.cluster.worker_group import live_groups
+
+        groups = live_groups()
+        pending = [f"{group.label(rank)} in {what}" for group in groups
+                   for what, ranks in group.pending_calls() for rank in ranks]
+        dest = self.dump(f"hang-{late.name}")
+        still = f"still running: {', '.join(pending)}" if pending else f"the driver (pid {os.getpid()}) itself"
+        self.error = (f"watchdog: phase '{late.name}' did not finish within its limit of {late.limit:.0f} s (waited "
+                      f"{waited:.0f} s); {still}; every stack is in {dest}; if the phase is legitimately this slow, "
+                      f"raise watchdog.phases.{late.name}")
+        (dest / "error.txt").write_text(self.error + "\n")
+        logger.error("%s", self.error)
+        _kill(groups)
+        self._phase_ended.clear()
+        if not self._phase_ended.wait(5.0) and any(r is late for r in self._running):
+            signal.pthread_kill(late.thread, signal.SIGINT)  # blocked in itself, not on a worker
+
+
+def _worker_targets(groups: list[Any]) -> list[stacks.StackTarget]:
+    import ray
+
+    here = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+    return [stacks.StackTarget(f"{group.name}-rank{info.rank}-pid{info.pid}", info.pid, local=info.node_id == here)
+            for group in groups for info in group.infos if info.pid is not None]
+
+
+def _kill(groups: list[Any]) -> None:
+    import ray
+
+    for group in groups:
+        for actor in group.actors:
+            with contextlib.suppress(Exception):
+                ray.kill(actor, no_restart=True)
+
+
+_active: Watchdog | None = None
+
+
+def phase(name: str, **args: Any) -> contextlib.AbstractContextManager[None]:
+    """Run a phase under the run's watchdog and into its trace (nothing outside a watched run)."""
+    return _active.phase(name, **args) if _active is not None else contextlib.nullcontext()
+
+
+def fired() -> str | None:
+    """The watchdog's error once it fired: the run cannot talk to its workers any more."""
+    return _active.error if _active is not None else None
+
+
+def request_stacks(log_dir: Path, timeout_s: float = 60.0) -> Path:
+    """Signal the driver of the run logging to ``log_dir`` (its pid is in ``driver.pid``) and
+    wait for the dump it writes; returns the dump's directory (``nrl stacks``)."""
+    pid_file = log_dir / PID_FILE
+    try:
+        pid = int(pid_file.read_text())
+    except (OSError, ValueError):
+        raise NrlError(f"{log_dir}: no running nrl run logs here ({pid_file} is missing); pass the run's "
+                       "logger.log_dir") from None
+    before = set((log_dir / "stacks").glob("*-on_demand"))
+    try:
+        os.kill(pid, stacks.SIGNAL)
+    except ProcessLookupError:
+        raise NrlError(f"{pid_file}: the driver (pid {pid}) is gone; the run is not running") from None
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        done = [d for d in (log_dir / "stacks").glob("*-on_demand") if d not in before and (d / "status.txt").exists()]
+        if done:
+            return done[0]
+        time.sleep(0.2)
+    raise NrlError(f"the driver (pid {pid}) wrote no stacks within {timeout_s:.0f} s; its own stack file is "
+                   f"{stacks.stack_file(pid)}")

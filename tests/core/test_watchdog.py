@@ -1,0 +1,118 @@
+"""The watchdog on real threads and a real Ray: limits from each phase's history, no alarm for a
+first phase or steadily growing ones, and a rank stuck in a collective ended with one line, every
+stack on disk and no actor left; the on-demand dump leaves the run going; the trace is valid JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from nrl_core.cluster import WorkerGroup, init_ray, shutdown_ray
+from nrl_core.config.core_schema import WATCHDOG
+from nrl_core.errors import ConfigError
+from nrl_core.stacks import SIGNAL, process_state
+from nrl_core.watchdog import HangError, PhaseLimits, Watchdog, WatchdogSettings, phase
+
+HERE = Path(__file__).resolve().parent
+WORKER = "cluster_workers:CollectiveWorker"
+CLUSTER = {"num_cpus": 2, "cpus_per_worker": 0.1, "log_to_driver": False}
+
+
+@pytest.fixture(scope="module")
+def worker_path() -> Iterator[None]:
+    """Actors import ``cluster_workers`` through the PYTHONPATH init_ray forwards."""
+    shutdown_ray()
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(HERE)] + ([saved] if saved else []))
+    try:
+        yield
+    finally:
+        shutdown_ray()
+        os.environ.pop("PYTHONPATH") if saved is None else os.environ.__setitem__("PYTHONPATH", saved)
+
+
+def fast(tmp: Path, **settings: object) -> Watchdog:
+    dog = Watchdog(WatchdogSettings(**settings), tmp)  # type: ignore[arg-type]
+    dog.tick_s = 0.05
+    return dog
+
+
+def test_a_first_phase_gets_the_floor_then_a_multiple_of_its_slowest() -> None:
+    limits = PhaseLimits(WatchdogSettings(floor_s=10, multiple=3, startup_s=99, phases={"reward": 7}))
+    assert limits.limit("generation") == 10
+    limits.record("generation", 2.0)
+    assert limits.limit("generation") == 10  # the floor still rules
+    limits.record("generation", 8.0)
+    limits.record("generation", 5.0)
+    assert limits.limit("generation") == 24  # the slowest, not the last
+    assert limits.limit("start_up") == 99 and limits.limit("reward") == 7
+
+
+def test_steadily_growing_phases_and_a_slow_first_one_raise_no_alarm(tmp_path: Path) -> None:
+    with fast(tmp_path, floor_s=0.4, multiple=2) as dog:
+        with phase("start_up"):
+            time.sleep(0.6)  # above the floor: start-up has its own limit
+        for seconds in (0.1, 0.15, 0.22, 0.33, 0.5, 0.75):  # each 1.5x the one before
+            with phase("generation"):
+                time.sleep(seconds)
+    assert dog.error is None
+
+
+def test_a_driver_stuck_in_itself_is_interrupted_with_one_line(tmp_path: Path) -> None:
+    with pytest.raises(HangError) as info:
+        with fast(tmp_path, floor_s=0.3) as dog:
+            with phase("reward"):
+                time.sleep(60)
+    message = str(info.value)
+    assert "\n" not in message and "phase 'reward'" in message and "the driver" in message
+    assert dog.error == message
+    driver = next((tmp_path / "stacks").glob("*-hang-reward/driver-pid*.txt")).read_text()
+    assert "test_a_driver_stuck_in_itself" in driver
+
+
+def test_bad_values_are_one_line_errors_naming_the_key() -> None:
+    for section, key in (({"phases": {"trainin": 5}}, "watchdog.phases.trainin"),
+                         ({"phases": {"training": 0}}, "watchdog.phases.training"),
+                         ({"multiple": 0.5}, "watchdog.multiple")):
+        with pytest.raises(ConfigError) as info:
+            WATCHDOG.validate(section, "watchdog")
+        assert info.value.key_path == key
+    assert WATCHDOG.validate({}, "watchdog")["enabled"] is True
+
+
+def test_on_demand_dump_then_a_rank_stuck_in_a_collective(worker_path: None, tmp_path: Path) -> None:
+    init_ray(CLUSTER)
+    group = WorkerGroup(WORKER, 2, name="pair")
+    pids = [info.pid for info in group.infos]
+    with pytest.raises(HangError) as info:
+        with fast(tmp_path, floor_s=3) as dog:
+            with phase("training"):
+                group.run_all("all_reduce", 1.0)
+            os.kill(os.getpid(), SIGNAL)  # what ``nrl stacks`` sends
+            deadline = time.monotonic() + 20
+            while not list((tmp_path / "stacks").glob("*-on_demand/status.txt")) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert group.run_all("echo", 1) == [(0, (1,), {}), (1, (1,), {})]  # the run went on
+            with phase("training"):
+                group.run_all("all_reduce_unless_rank", 1)  # rank 0 waits for rank 1 forever
+    message = str(info.value)
+    assert "\n" not in message and "phase 'training'" in message and "pair[rank 0]" in message
+    assert "pair[rank 1]" not in message and "waited 3 s" in message
+    for reason, where in (("on_demand", "echo"), ("hang-training", "all_reduce")):
+        dump = next((tmp_path / "stacks").glob(f"*-{reason}"))
+        ranks = sorted(p.name for p in dump.glob("pair-rank*.txt"))
+        assert ranks == [f"pair-rank{r}-pid{pid}.txt" for r, pid in enumerate(pids)], (dump / "status.txt").read_text()
+        assert list(dump.glob("driver-pid*.txt"))
+    stuck = next((tmp_path / "stacks").glob("*-hang-training")) / f"pair-rank0-pid{pids[0]}.txt"
+    assert "all_reduce" in stuck.read_text()
+    deadline = time.monotonic() + 15
+    while any(process_state(pid) not in (None, "Z") for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert all(process_state(pid) in (None, "Z") for pid in pids)
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    assert [e["name"] for e in trace] == ["training", "training"] and all(e["ph"] == "X" for e in trace)

@@ -1,0 +1,78 @@
+"""The watchdog through ``nrl train sft`` on two real ranks: while rank 1's checkpoint save never
+returns, ``nrl stacks`` dumps every stack and the run goes on; then the save's limit passes and the
+run ends with one line naming the phase and the rank, every rank's stack on disk, no worker left,
+the previous checkpoint the latest, and a trace of every phase that parses as JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from nrl_core.checkpoint.manager import CheckpointManager
+from nrl_core.stacks import process_state
+from nrl_core.testing.tiny_models import cached_tiny_model
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG = REPO / "examples" / "configs" / "sft_tiny_cpu.yaml"
+
+
+@pytest.mark.slow
+def test_a_blocked_save_is_dumped_on_demand_then_ends_the_run_with_the_last_checkpoint_intact(tmp_path: Path) -> None:
+    logs, ckpt, mark = tmp_path / "logs", tmp_path / "ckpt", tmp_path / "hanging"
+    args = [f"policy.model_name={cached_tiny_model('llama', size='small')}", "cluster.gpus_per_node=2",
+            "sft.max_num_steps=4", "sft.val_period=0", "policy.train_global_batch_size=8",
+            "policy.train_micro_batch_size=4", "policy.logprob_batch_size=8", "data.generate.num_train=64",
+            "data.generate.num_val=8", f"checkpointing.checkpoint_dir={ckpt}", "checkpointing.save_period=1",
+            "checkpointing.metric_name=null", "checkpointing.keep_top_k=null", "checkpointing.export_hf=false",
+            f"logger.log_dir={logs}", "logger.tensorboard_enabled=false", "logger.plot=false",
+            "watchdog.phases.checkpoint_save=20"]
+    env = {**os.environ, "NRL_PLUGINS": "tests.e2e.hang_plugin", "NRL_STRICT_PLUGINS": "1",
+           "NRL_TEST_HANG_RANK": "1", "NRL_TEST_HANG_STEP": "2", "NRL_TEST_HANG_MARK": str(mark),
+           "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    run = subprocess.Popen([sys.executable, "-m", "nrl_core.cli", "train", "sft", "--config", str(CONFIG), *args],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 400
+        while not mark.exists() and run.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert mark.exists(), run.communicate(timeout=60)[1][-3000:]
+
+        asked = subprocess.run([sys.executable, "-m", "nrl_core.cli", "stacks", str(logs)], capture_output=True,
+                               text=True, env=env, timeout=120)
+        assert asked.returncode == 0, asked.stderr
+        dump = Path(asked.stdout.strip())
+        assert run.poll() is None  # the dump did not stop the run
+        assert list(dump.glob("driver-pid*.txt"))
+        stuck = next(dump.glob("*-rank1-pid*.txt")).read_text()
+        assert "hang_plugin.py" in stuck, (dump / "status.txt").read_text()
+
+        _, stderr = run.communicate(timeout=300)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert run.returncode == 2 and len(errors) == 1, stderr[-3000:]
+    assert "phase 'checkpoint_save'" in errors[0] and "[rank 1]" in errors[0] and "limit of 20 s" in errors[0]
+
+    hang = next((logs / "stacks").glob("*-hang-checkpoint_save"))
+    rank_files = sorted(hang.glob("*-rank*-pid*.txt"))
+    assert [p.name.split("-pid")[0].rsplit("-", 1)[1] for p in rank_files] == ["rank0", "rank1"]
+    assert (hang / "error.txt").read_text().strip() == errors[0].removeprefix("error: ")
+    pids = [int(p.name.split("-pid")[1].split(".")[0]) for p in rank_files]
+    assert all(process_state(pid) in (None, "Z") for pid in pids)
+    assert not (logs / "driver.pid").exists()
+
+    manager = CheckpointManager({"enabled": True, "checkpoint_dir": str(ckpt), "save_period": 1})
+    latest = manager.latest_verified()
+    assert latest is not None and latest.name == "step_1"
+
+    trace = json.loads((logs / "trace.json").read_text())
+    names = {event["name"] for event in trace}
+    assert {"start_up", "step", "training", "checkpoint_save"} <= names
+    assert all(event["ph"] == "X" and event["dur"] >= 0 for event in trace)
