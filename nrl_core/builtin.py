@@ -95,6 +95,7 @@ def nrl_advantage_estimators() -> list[AdvantageEstimatorSpec]:
                                description="reward minus the prompt's (leave-one-out) mean, over its std"),
         AdvantageEstimatorSpec(
             name="gdpo", estimator="nrl_core.algorithms.estimators:MultiRewardEstimator", distribution="nrl-core",
+            needs=("reward_components",),
             config_schema=Section(fields={"reward_weights": Field(type=list, item_type=NUMBER, default=None, nullable=True,
                                                                   doc="one weight per named reward, alphabetical")}),
             description="GDPO: a group-relative advantage per named reward, weighted, summed, normalised"),

@@ -182,13 +182,16 @@ class GenerationBackendSpec:
 
 @dataclass(frozen=True, kw_only=True)
 class EnvironmentSpec:
-    """A reward environment, returned by ``nrl_environments``; configured under ``env.<name>``."""
+    """A reward environment, returned by ``nrl_environments``; configured under ``env.<name>``.
+    ``reward_components`` names the rewards it reports per sample in ``EnvResult.components``
+    (none for a single reward), so a config whose estimator needs them is checked before it runs."""
 
     name: str
     environment: str
     config_schema: Section
     distribution: str
     description: str = ""
+    reward_components: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -296,7 +299,8 @@ class AdvantageEstimatorSpec:
     schema is built), ``config`` the whole validated config. It is called once per step in the driver with :class:`AdvantageInputs` and
     returns one advantage per response (``[b]``) or per token (``[b, t]``, aligned with
     ``input_ids``). ``needs`` names the batch fields it reads that the algorithm must compute
-    before advantages (``"reference_logprobs"``, ``"prev_logprobs"``); ``uses_kl_in_reward`` says it
+    before advantages (``"reference_logprobs"``, ``"prev_logprobs"``), or ``"reward_components"``
+    when it reads an environment's named rewards; ``uses_kl_in_reward`` says it
     takes the KL penalty into the reward (``loss_fn.use_kl_in_reward``), which the loss then leaves
     out.
     """

@@ -149,7 +149,7 @@ class TrajectoryCollector:
             texts = run.tokenizer.batch_decode(output.token_ids, skip_special_tokens=True)
             result = run.env.score([EnvSample(prompt=prompt.prompt_text, response=text, metadata=prompt.metadata)
                                     for text in texts])
-            group = RolloutGroup(prompt=prompt, output=output, rewards=list(result.rewards), components=result.components)
+            group = run.scored_group(prompt, output, result)
             self.buffer.put(Trajectory(group=group, step=step, position=index, env_result=result))
 
     # ------------------------------------------------------------------ called by the trainer

@@ -21,7 +21,9 @@ from nrl_core.algorithms.loss import GRPO_SEMANTICS_VERSION
 from nrl_core.algorithms.rollouts import repeat_prompts, rollout_batch
 from nrl_core.algorithms.setup import PhaseTimer, build_environment, load_tokenizer
 from nrl_core.algorithms.grpo_config import check_grpo, on_policy_ratio
-from nrl_core.contracts import AdvantageInputs, EnvSample, GenerationOutput, TokenBatch, import_object
+from nrl_core.algorithms.rewards import has_spread, scale_rewards, shape_rewards
+from nrl_core.contracts import AdvantageInputs, EnvResult, EnvSample, GenerationOutput, TokenBatch, import_object
+from nrl_core.errors import NrlError
 from nrl_core.data import DatumSpec, LengthLimits, prepare_data
 from nrl_core.plugins import get_plugin_manager
 
@@ -37,6 +39,7 @@ class RolloutGroup:
     output: GenerationOutput
     rewards: list[float]
     components: dict[str, list[float]] = field(default_factory=dict)
+    task_rewards: list[float] | None = None  # before reward shaping: what dynamic sampling filters on
 
 
 def reward_components(groups: Sequence[RolloutGroup]) -> dict[str, torch.Tensor]:
@@ -77,13 +80,20 @@ class GRPO(AlgorithmRun):
         logger.info("previous-policy logprobs: %s", "from the training forward (one optimizer step per GRPO step)"
                     if self.on_policy_ratio else "a separate get_logprobs pass")
         self.env = build_environment(config)
-        super().__init__(config, batch_size=int(config["grpo"]["num_prompts_per_step"]), train_data=data.train,
+        super().__init__(config, batch_size=prompts_per_batch(config["grpo"]), train_data=data.train,
                          with_generation=True)
         assert self.choice.generation is not None
         self.generation = Generation(config, self.choice.generation, self.policy)
 
     def step(self, prompts: Sequence[DatumSpec]) -> dict[str, float]:
         timer = PhaseTimer()
+        groups, env_metrics = self.sample(prompts, timer)
+        if self.cfg["use_dynamic_sampling"]:
+            groups, env_metrics = self.dynamic_sampling(groups, env_metrics, timer)
+        return self.train_on(groups, env_metrics, timer)
+
+    def sample(self, prompts: Sequence[DatumSpec], timer: PhaseTimer) -> tuple[list[RolloutGroup], dict[str, float]]:
+        """``group_size`` responses to each prompt, scored."""
         prompt_ids = repeat_prompts([d.prompt_ids for d in prompts], self.group_size)
         with timer("refit"):
             self.generation.prepare()  # refit if stale; colocated: the engines take the device
@@ -92,8 +102,27 @@ class GRPO(AlgorithmRun):
         with timer("hand_off"):
             self.generation.finish()  # colocated: the engines sleep, training takes the device back
         with timer("reward"):
-            groups, env_metrics = self.score(prompts, rollouts)
-        return self.train_on(groups, env_metrics, timer)
+            return self.score(prompts, rollouts)
+
+    def dynamic_sampling(self, groups: list[RolloutGroup], env_metrics: dict[str, float],
+                         timer: PhaseTimer) -> tuple[list[RolloutGroup], dict[str, float]]:
+        """DAPO's dynamic sampling: keep the groups whose rewards (before shaping) differ, the only
+        ones with a gradient, and sample further batches of prompts until ``num_prompts_per_step``
+        such groups are found, at most ``dynamic_sampling_max_gen_batches`` batches in all."""
+        need, limit = int(self.cfg["num_prompts_per_step"]), int(self.cfg["dynamic_sampling_max_gen_batches"])
+        kept = [g for g in groups if has_spread(g.task_rewards or g.rewards)]
+        batches, seen = 1, len(groups)
+        while len(kept) < need:
+            if batches >= limit:
+                raise NrlError(f"grpo.dynamic_sampling_max_gen_batches: {batches} generation batches gave only "
+                               f"{len(kept)} of the {need} prompts with differing rewards a step needs; raise the "
+                               "limit or grpo.batch_multiplier, or use easier data")
+            more, env_metrics = self.sample(self.train_loader.next_batch(), timer)
+            batches, seen = batches + 1, seen + len(more)
+            kept += [g for g in more if has_spread(g.task_rewards or g.rewards)]
+        return kept[:need], {**env_metrics, "dynamic_sampling/num_gen_batches": float(batches),
+                             "dynamic_sampling/kept_fraction": len(kept) / seen,
+                             "dynamic_sampling/num_discarded_valid_groups": float(len(kept) - need)}
 
     def train_on(self, groups: Sequence[RolloutGroup], env_metrics: Mapping[str, float],
                  timer: PhaseTimer) -> dict[str, float]:
@@ -129,10 +158,20 @@ class GRPO(AlgorithmRun):
                              metadata=prompts[i // self.group_size].metadata) for i, text in enumerate(texts)]
         result = self.env.score(samples)
         n = self.group_size
-        groups = [RolloutGroup(prompt=prompt, output=rollouts.slice(i * n, (i + 1) * n),
-                               rewards=list(result.rewards[i * n:(i + 1) * n]),
-                               components=result.slice(i * n, (i + 1) * n).components) for i, prompt in enumerate(prompts)]
+        groups = [self.scored_group(prompt, rollouts.slice(i * n, (i + 1) * n), result.slice(i * n, (i + 1) * n))
+                  for i, prompt in enumerate(prompts)]
         return groups, {f"env/{k}": v for k, v in result.metrics.items()}
+
+    def scored_group(self, prompt: DatumSpec, output: GenerationOutput, result: EnvResult) -> RolloutGroup:
+        """One prompt's responses with the environment's rewards after ``grpo.reward_scaling`` and
+        ``grpo.reward_shaping`` (the named rewards are scaled too, as NeMo RL does)."""
+        scaling, shaping = self.cfg["reward_scaling"], self.cfg["reward_shaping"]
+        task = scale_rewards(result.rewards, scaling)
+        limit = shaping["max_response_length"] or self.config["policy"]["max_total_sequence_length"]
+        shaped = shape_rewards(task, [len(ids) for ids in output.token_ids],
+                               [reason == "length" for reason in output.finish_reasons], shaping, int(limit))
+        return RolloutGroup(prompt=prompt, output=output, rewards=shaped, task_rewards=task,
+                            components={k: scale_rewards(v, scaling) for k, v in result.components.items()})
 
     def log_rollouts(self, groups: Sequence[RolloutGroup]) -> None:
         """Every rollout of the step being trained to ``train_data_step<N>.jsonl`` (NeMo RL's file):
@@ -222,6 +261,13 @@ class GRPO(AlgorithmRun):
             self.env.shutdown()
         finally:
             super().shutdown()
+
+
+def prompts_per_batch(grpo: Mapping[str, Any]) -> int:
+    """Prompts per generation batch: ``num_prompts_per_step``, times ``batch_multiplier`` with
+    dynamic sampling (which draws batches until enough prompts have a signal)."""
+    multiplier = float(grpo["batch_multiplier"]) if grpo["use_dynamic_sampling"] else 1.0
+    return int(grpo["num_prompts_per_step"] * multiplier)
 
 
 def prompt_limits(config: Mapping[str, Any]) -> LengthLimits:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from nrl_core.algorithms.rewards import shaping_problem
 from nrl_core.config.core_schema import NUMBER
 from nrl_core.config.schema import Field, Section
 from nrl_core.errors import ConfigError
@@ -33,6 +34,30 @@ GRPO = Section(doc="GRPO algorithm settings (NeMo RL's names and meaning).", fie
     }),
     "advantage_clip_low": Field(type=NUMBER, default=None, nullable=True, doc="lower bound of normalised advantages"),
     "advantage_clip_high": Field(type=NUMBER, default=None, nullable=True, doc="upper bound of normalised advantages"),
+    "use_dynamic_sampling": Field(type=bool, default=False,
+                                  doc="DAPO: train only on prompts whose responses' rewards differ, generating more "
+                                      "batches until num_prompts_per_step such prompts are found"),
+    "dynamic_sampling_max_gen_batches": Field(type=int, default=10, minimum=1,
+                                              doc="generation batches one step may use before it stops with an error"),
+    "batch_multiplier": Field(type=NUMBER, default=1.0, minimum=1,
+                              doc="with dynamic sampling, each generation batch has num_prompts_per_step x this prompts"),
+    "reward_scaling": Section(doc="Clamp rewards to [source_min, source_max], map them onto [target_min, target_max].",
+                              fields={
+        "enabled": Field(type=bool, default=False),
+        "source_min": Field(type=NUMBER, default=0.0), "source_max": Field(type=NUMBER, default=1.0),
+        "target_min": Field(type=NUMBER, default=0.0), "target_max": Field(type=NUMBER, default=1.0),
+    }),
+    "reward_shaping": Section(doc="DAPO's overlong penalty, or the stop-properly penalty (NeMo RL's keys).", fields={
+        "enabled": Field(type=bool, default=False),
+        "overlong_buffer_length": Field(type=int, default=128, nullable=True, minimum=1,
+                                        doc="responses longer than max_response_length minus this are penalised"),
+        "overlong_buffer_penalty": Field(type=NUMBER, default=1.0, nullable=True, minimum=0,
+                                         doc="the penalty at max_response_length, growing linearly over the buffer"),
+        "max_response_length": Field(type=int, default=None, nullable=True, minimum=1,
+                                     doc="null: policy.max_total_sequence_length"),
+        "stop_properly_penalty_coef": Field(type=NUMBER, default=None, nullable=True,
+                                            doc="instead of the overlong penalty: truncated responses' rewards times this"),
+    }),
     "val_period": Field(type=int, default=10, doc="validate every N steps; 0 or less never (NeMo RL uses -1)"),
     "val_at_start": Field(type=bool, default=False),
     "val_at_end": Field(type=bool, default=False),
@@ -74,6 +99,7 @@ def check_grpo(config: Mapping[str, Any]) -> None:
                               "must be true with grpo.async_grpo.enabled: rollouts sampled by older weights need the "
                               "correction (NeMo RL requires it; async runs collapse without it)")
     _check_loss_and_estimator(config)
+    _check_reward_processing(config)
     rollouts = grpo["num_prompts_per_step"] * group
     if rollouts % policy["train_global_batch_size"]:
         raise ConfigError("policy.train_global_batch_size",
@@ -116,7 +142,15 @@ def _check_loss_and_estimator(config: Mapping[str, Any]) -> None:
                                           f"{', '.join(spec.algorithms)}, not GRPO; pick a GRPO loss such as clipped_pg")
     estimator_name = (config["grpo"].get("adv_estimator") or {}).get("name", "grpo")
     estimator = plugins.advantage_estimators().get(estimator_name, "grpo.adv_estimator.name")
-    missing = [need for need in estimator.needs if need not in GRPO_BATCH_FIELDS]
+    if "reward_components" in estimator.needs:
+        env_name = config.get("data", {}).get("env_name", "math")
+        environment = plugins.environments().get(env_name, "data.env_name")
+        if not environment.reward_components:
+            raise ConfigError("grpo.adv_estimator.name", f"estimator '{estimator.name}' needs an environment that "
+                                                         f"reports several named rewards; data.env_name '{env_name}' "
+                                                         "reports one (use a multi-reward environment such as "
+                                                         "math_multi_reward, or the grpo estimator)")
+    missing = [need for need in estimator.needs if need not in (*GRPO_BATCH_FIELDS, "reward_components")]
     if missing:
         raise ConfigError("grpo.adv_estimator.name", f"estimator '{estimator.name}' needs {', '.join(missing)}, which "
                                                      "GRPO does not compute (a value model's values come with PPO); "
@@ -125,4 +159,20 @@ def _check_loss_and_estimator(config: Mapping[str, Any]) -> None:
         raise ConfigError("loss_fn.use_kl_in_reward", f"the KL penalty would go nowhere: estimator '{estimator.name}' "
                                                       "does not take it into the reward; use reinforce_plus_plus or "
                                                       "set use_kl_in_reward: false")
+
+
+def _check_reward_processing(config: Mapping[str, Any]) -> None:
+    """Reward scaling, shaping and DAPO's dynamic sampling make sense together."""
+    grpo = config["grpo"]
+    if "reward_shaping" not in grpo:  # a config built in code, without these keys: all off
+        return
+    problem = shaping_problem(grpo)
+    if problem is not None:
+        raise ConfigError(*problem)
+    if grpo["batch_multiplier"] != 1 and not grpo["use_dynamic_sampling"]:
+        raise ConfigError("grpo.batch_multiplier", f"{grpo['batch_multiplier']} only applies with dynamic sampling; "
+                                                   "set grpo.use_dynamic_sampling: true or batch_multiplier: 1")
+    if grpo["use_dynamic_sampling"] and grpo["async_grpo"]["enabled"]:
+        raise ConfigError("grpo.use_dynamic_sampling", "filters whole generation batches, which the asynchronous "
+                                                       "collector does not form; use it with async_grpo.enabled: false")
 

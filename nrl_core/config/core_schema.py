@@ -162,6 +162,9 @@ DATA = Section(preprocess=_refuse_dataset_lists, fields={
     "num_workers": Field(type=int, default=1, inert=True),
     "processor": Field(type=str, default="math", doc="prompt processor name"),
     "env_name": Field(type=str, default="math", doc="environment that scores this data"),
+    "default": Section(doc="NeMo RL's newer data layout; nrl reads env_name from it", fields={
+        "env_name": Field(type=str, default=None, nullable=True, doc="NeMo RL's spelling of data.env_name"),
+    }),
     "generate": Section(nullable=True, open=True, doc="arguments of a built-in dataset generator"),
 })
 

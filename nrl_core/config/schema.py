@@ -181,6 +181,7 @@ class Section:
             value = self.preprocess(dict(value), path)
         value = self._resolve_aliases(value, path)
         out: dict[str, Any] = {}
+        disabled = self._disabled(value)
         for key, item in value.items():
             key_path = _join(path, key)
             if not isinstance(key, str):
@@ -191,7 +192,14 @@ class Section:
                     out[key] = item
                     continue
                 raise ConfigError(key_path, self._unknown_key_message(key, item))
-            checked = spec.validate(item, key_path)
+            try:
+                checked = spec.validate(item, key_path)
+            except ConfigError as exc:
+                if not disabled or key == "enabled" or not isinstance(spec, Field) or spec.default is REQUIRED:
+                    raise
+                # A switched-off section's values do nothing, so a bad one is named, not fatal.
+                logger.warning("%s (ignored: %s is disabled)", exc, path)
+                checked = _copy_default(spec.default)
             if not spec.dropped:
                 out[key] = checked
         for key, spec in self.fields.items():
@@ -207,6 +215,11 @@ class Section:
             else:
                 out[key] = _copy_default(spec.default)
         return out
+
+    def _disabled(self, value: Mapping[str, Any]) -> bool:
+        """Whether ``value`` switches this section off (an ``enabled`` key that is false)."""
+        switch = self.fields.get("enabled")
+        return isinstance(switch, Field) and value.get("enabled", switch.default) is False
 
     def _resolve_aliases(self, value: Mapping[str, Any], path: str) -> dict[str, Any]:
         resolved = dict(value)

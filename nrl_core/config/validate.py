@@ -238,6 +238,9 @@ def _expand_short_forms(config: dict[str, Any], pm: PluginManager) -> None:
                 generation[gspec.config_key] = gspec.config_schema.validate({}, f"policy.generation.{gspec.config_key}")
     if policy["tokenizer"]["name"] is None:
         policy["tokenizer"]["name"] = policy["model_name"]
+    data = config["data"]
+    if data["default"]["env_name"] is not None:  # NeMo RL's layout names the environment there
+        data["env_name"] = data["default"]["env_name"]
     algorithm = config["algorithm"]
     if algorithm["batch_size"] is not None or algorithm["gradient_accumulation_steps"] is not None:
         micro = algorithm["batch_size"] or 1

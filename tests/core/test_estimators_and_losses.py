@@ -234,3 +234,57 @@ def test_resuming_a_checkpoint_of_the_old_semantics_warns_once(caplog):
         warn_if_other_semantics({"grpo_semantics": GRPO_SEMANTICS_VERSION})
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 1 and "GRPO semantics version 1" in warnings[0] and "docs/changelog.md" in warnings[0]
+
+
+# ----------------------------------------------------------------------------- corrections that must reduce
+
+
+def _loss_and_grad(loss_fn: ClippedPGLoss, prev_offset: float = 0.0, engine_is_trainer: bool = False):
+    """Loss and gradient on fixed numbers; ``prev_offset`` moves the previous logprobs off the
+    current ones, ``engine_is_trainer`` makes the engine's logprobs equal the previous ones."""
+    torch.manual_seed(3)
+    lp = (torch.rand(3, 5, dtype=torch.float64) - 1.5)
+    mask = torch.tensor([[0, 1, 1, 1, 0], [0, 0, 1, 1, 1], [0, 1, 1, 0, 0]], dtype=torch.float64)
+    prev = lp + prev_offset
+    fields = {"token_mask": mask, "advantages": torch.tensor([[1.0], [-0.5], [2.0]], dtype=torch.float64) * mask,
+              "prev_logprobs": prev,
+              "generation_logprobs": prev.clone() if engine_is_trainer else lp + 0.3 * torch.rand(3, 5, dtype=torch.float64),
+              "sample_mask": torch.ones(3, dtype=torch.float64)}
+    batch = TokenBatch(input_ids=torch.zeros(3, 5, dtype=torch.long), input_lengths=torch.full((3,), 5), fields=fields)
+    leaf = lp.clone().requires_grad_(True)
+    tokens, seqs = batch.loss_counts()
+    loss, _ = loss_fn(leaf, batch, global_valid_tokens=tokens, global_valid_seqs=seqs)
+    loss.backward()
+    return float(loss.detach()), leaf.grad
+
+
+@pytest.mark.parametrize("truncation", [
+    {"truncated_importance_sampling_type": "tis", "truncated_importance_sampling_ratio": 1e9},
+    {"truncated_importance_sampling_type": "icepop", "truncated_importance_sampling_ratio": 1e9,
+     "truncated_importance_sampling_ratio_min": 0.0},
+    {"truncated_importance_sampling_type": "seq-mask-tis", "truncated_importance_sampling_ratio": 1e9,
+     "truncated_importance_sampling_ratio_min": 0.0},
+])
+def test_truncations_with_bounds_that_never_bind_are_plain_importance_sampling(truncation):
+    plain = _loss_and_grad(ClippedPGLoss(use_importance_sampling_correction=True))
+    truncated = _loss_and_grad(ClippedPGLoss(use_importance_sampling_correction=True, **truncation))
+    assert truncated[0] == plain[0] and torch.equal(truncated[1], plain[1])
+
+
+@pytest.mark.parametrize("variant", [{"use_cispo": True}, {"disable_ppo_ratio": True}])
+def test_cispo_and_reinforce_have_the_policy_gradient_of_ppo_on_policy(variant):
+    # prev == logprobs: ratio 1, inside the clip; all three gradients are -A grad(logprobs) / tokens
+    ppo = _loss_and_grad(ClippedPGLoss())
+    other = _loss_and_grad(ClippedPGLoss(**variant))
+    torch.testing.assert_close(other[1], ppo[1], rtol=0, atol=1e-15)
+
+
+def test_importance_sampling_with_the_engine_equal_to_the_trainer_changes_nothing():
+    # generation == prev: every weight is exactly 1, so the corrected loss is the plain one
+    plain = _loss_and_grad(ClippedPGLoss(), prev_offset=0.01, engine_is_trainer=True)
+    corrected = _loss_and_grad(ClippedPGLoss(use_importance_sampling_correction=True,
+                                             truncated_importance_sampling_type="icepop",
+                                             truncated_importance_sampling_ratio=2.0,
+                                             truncated_importance_sampling_ratio_min=0.5),
+                               prev_offset=0.01, engine_is_trainer=True)
+    assert corrected[0] == plain[0] and torch.equal(corrected[1], plain[1])

@@ -43,6 +43,15 @@ CPU_ONLY = {"dtensor": [], "megatron": [
     "policy.megatron_cfg.optimizer.use_precision_aware_optimizer=false"]}
 
 
+# The twin's arithmetic data states answers as numbers, never DAPO's "Answer:" line, so its DAPO
+# twin scores with math-verify; every other DAPO key (dynamic sampling, scaling, shaping) stays.
+# Dynamic sampling needs prompts whose answers differ: sums of 0 to 4, which the tiny model
+# sometimes gets right, and more generation batches than a real run would allow.
+TWIN_EXTRAS = {"grpo-dapo-qwen2.5-1.5b-1n8g-dtensor": [
+    "env.math.math_verify_impl=hf_math_verify", "grpo.dynamic_sampling_max_gen_batches=40",
+    "++data.generate={num_train: 20, num_val: 4, min_operand: 0, max_operand: 4, ops: ['+'], seed: 0}"]}
+
+
 def cpu_twin(recipe: Path, model: Path) -> list[str]:
     """Overrides that turn ``recipe`` into its data-parallel-2 CPU twin (see the module docstring)."""
     config = load_and_validate(str(recipe))
@@ -68,7 +77,7 @@ def cpu_twin(recipe: Path, model: Path) -> list[str]:
             train_world += engine_size
     else:
         overrides += ["sft.max_num_steps=1", "sft.val_period=0", "sft.val_at_start=false"]
-    return overrides + [f"cluster.gpus_per_node={train_world}"]
+    return overrides + TWIN_EXTRAS.get(recipe.stem, []) + [f"cluster.gpus_per_node={train_world}"]
 
 
 @pytest.mark.parametrize("recipe", ONE_NODE_EIGHT, ids=lambda p: p.stem)

@@ -1,5 +1,6 @@
-"""A verifier that misbehaves on purpose, loaded by the math environment's Ray workers in tests
-(``env.math.verifier: tests.plugins.math_verifiers:misbehave_on_marker``)."""
+"""Verifiers for tests, loaded by the math environment's Ray workers
+(``env.math.verifier: tests.plugins.math_verifiers:<name>``): one that misbehaves on purpose, one
+lenient enough that an untrained model's responses get different rewards."""
 
 from __future__ import annotations
 
@@ -20,3 +21,10 @@ def misbehave_on_marker(response: str, ground_truth: str) -> bool:
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
         time.sleep(600)
     return verify_response(response, ground_truth)
+
+
+def mentions_the_answer_s_first_digit(response: str, ground_truth: str) -> bool:
+    """Whether the response contains the ground truth's first character: a reward an untrained
+    tiny model earns about half the time, so a group's rewards differ and GRPO has a gradient."""
+    return bool(ground_truth) and ground_truth.strip()[:1] in response
+

@@ -178,3 +178,15 @@ def test_a_hung_worker_is_named_killed_and_replaced(faulty_env):
                                           r"for 1 samples within 2\.5 s"):
         faulty_env.score(samples(("HANG", "1")))
     assert faulty_env.score(samples(("2", "2"))).rewards == [1.0]
+
+
+def test_the_dapo_environment_scores_with_dapo_s_verifier_in_its_workers(ray_session):
+    from nrl_env_math.environment import DapoMathEnvironment
+
+    env = DapoMathEnvironment({"num_workers": 1})
+    try:
+        result = env.score(samples(("Answer: 1,000", "1000"), ("\\boxed{1000}", "1000")))
+    finally:
+        env.shutdown()
+    assert env.config["verifier"] == "nrl_env_math.dapo:verify_response"
+    assert result.rewards == [1.0, 0.0]  # math-verify would accept the boxed answer; DAPO's rule does not

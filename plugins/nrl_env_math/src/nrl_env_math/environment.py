@@ -26,13 +26,13 @@ from typing import Any, Mapping
 from nrl_core.contracts import EnvResult, EnvSample
 from nrl_core.errors import ConfigError, WorkerError
 
-from nrl_env_math.plugin import MATH_ENV_SCHEMA
+from nrl_env_math.plugin import DAPO_ENV_SCHEMA, MATH_ENV_SCHEMA, VERIFIERS
 from nrl_env_math.verify import extract_answer
 
 COUNTS = ("timeouts", "errors", "no_answer", "num_samples")
 """The metrics that are totals over the samples (the others are means)."""
 
-__all__ = ["MathEnvironment"]
+__all__ = ["DapoMathEnvironment", "MathEnvironment"]
 
 logger = logging.getLogger(__name__)
 
@@ -55,16 +55,19 @@ class MathEnvironment:
     """Scores math responses; ``config`` is the ``env.math`` section (defaults filled in here too,
     so a partial mapping works outside a validated run)."""
 
+    section, schema = "env.math", MATH_ENV_SCHEMA
+
     def __init__(self, config: Mapping[str, Any]) -> None:
         import ray
 
         from nrl_core.cluster import init_ray
 
-        cfg = MATH_ENV_SCHEMA.validate(dict(config), "env.math")
+        cfg = self.schema.validate(dict(config), self.section)
         assert cfg is not None
         for key in ("num_workers", "timeout_seconds", "startup_timeout_seconds"):
             if cfg[key] <= 0:
-                raise ConfigError(f"env.math.{key}", f"must be > 0, got {cfg[key]}")
+                raise ConfigError(f"{self.section}.{key}", f"must be > 0, got {cfg[key]}")
+        cfg["verifier"] = cfg["verifier"] or VERIFIERS[cfg["math_verify_impl"]]
         self.config = cfg
         init_ray()
         from nrl_env_math.worker import VerifierWorker
@@ -94,11 +97,11 @@ class MathEnvironment:
                 info = ray.get(slot.ready, timeout=limit)
             except ray.exceptions.GetTimeoutError:
                 self._replace(i)
-                raise WorkerError(f"env.math: verifier worker {slot.name} did not start within {limit:g} s; "
+                raise WorkerError(f"{self.section}: verifier worker {slot.name} did not start within {limit:g} s; "
                                   "raise env.math.startup_timeout_seconds or check the Ray cluster's free CPUs") from None
             except Exception as exc:
                 self._replace(i)
-                raise WorkerError(f"env.math: verifier worker {slot.name} failed to start: {_first_line(exc)}") from None
+                raise WorkerError(f"{self.section}: verifier worker {slot.name} failed to start: {_first_line(exc)}") from None
             slot.pid, slot.ready = info["pid"], None
             if not info["per_sample_timeout"]:
                 logger.warning("%s cannot use alarms; only the hang limit bounds slow samples", slot.name)
@@ -122,7 +125,7 @@ class MathEnvironment:
             return EnvResult(rewards=[], metrics={"accuracy": 0.0, "reward_mean": 0.0, "timeouts": 0.0,
                                                   "errors": 0.0, "no_answer": 0.0, "num_samples": 0.0}, counts=COUNTS)
         if not self._slots:
-            raise WorkerError("env.math: the environment was shut down; build a new MathEnvironment")
+            raise WorkerError(f"{self.section}: the environment was shut down; build a new {type(self).__name__}")
         self._await_ready()
         pairs = [(s.response, str(s.metadata.get("ground_truth", ""))) for s in samples]
         statuses = self._run(pairs)
@@ -180,7 +183,7 @@ class MathEnvironment:
             for i in failures:
                 self._replace(i)
             more = f" ({len(failures) - 1} more workers failed too)" if len(failures) > 1 else ""
-            raise WorkerError(f"env.math: verifier worker {names[first]} {failures[first]}; "
+            raise WorkerError(f"{self.section}: verifier worker {names[first]} {failures[first]}; "
                               f"it was replaced by a fresh worker{more}")
         statuses: list[str] = [""] * len(pairs)
         for i, chunk_statuses in results.items():
@@ -197,6 +200,12 @@ class MathEnvironment:
             except Exception:
                 pass
         self._slots = []
+
+
+class DapoMathEnvironment(MathEnvironment):
+    """``env.dapo``: the math environment with DAPO's verifier (:mod:`nrl_env_math.dapo`)."""
+
+    section, schema = "env.dapo", DAPO_ENV_SCHEMA
 
 
 def _first_line(exc: BaseException) -> str:

@@ -12,6 +12,9 @@ from nrl_core.contracts import EnvironmentSpec
 
 NUMBER = (int, float)
 
+#: ``math_verify_impl`` -> the verifier it names (NeMo RL's values).
+VERIFIERS = {"hf_math_verify": "nrl_env_math.verify:verify_response", "dapo_math_verify": "nrl_env_math.dapo:verify_response"}
+
 MATH_ENV_SCHEMA = Section(doc="The math environment: reward for a response whose answer equals the ground truth.", fields={
     "num_workers": Field(type=int, default=1, doc="Ray actors that verify answers; a batch is split across them"),
     "timeout_seconds": Field(type=NUMBER, default=5.0,
@@ -22,8 +25,24 @@ MATH_ENV_SCHEMA = Section(doc="The math environment: reward for a response whose
                                 doc="a worker silent for timeout_seconds x its samples + this is declared hung"),
     "startup_timeout_seconds": Field(type=NUMBER, default=120.0, doc="time a new worker may take to start"),
     "cpus_per_worker": Field(type=NUMBER, default=0.1, doc="CPUs Ray reserves per worker (scheduling only)"),
-    "verifier": Field(type=str, default="nrl_env_math.verify:verify_response",
-                      doc="'module:function' (response, ground_truth) -> bool, run inside the workers"),
+    "verifier": Field(type=str, default=None, nullable=True,
+                      doc="'module:function' (response, ground_truth) -> bool, run inside the workers; "
+                          "null: the one math_verify_impl names"),
+    "math_verify_impl": Field(type=str, default="hf_math_verify", choices=tuple(VERIFIERS),
+                              doc="hf_math_verify: math-verify's symbolic check; dapo_math_verify: DAPO's "
+                                  "normalised string match of the last 'Answer:' line"),
+})
+
+#: ``env.dapo``: the math environment with DAPO's verifier (NeMo RL's DAPO recipes set this section).
+DAPO_ENV_SCHEMA = MATH_ENV_SCHEMA.with_fields(
+    math_verify_impl=Field(type=str, default="dapo_math_verify", choices=("dapo_math_verify",),
+                           doc="DAPO's normalised string match of the last 'Answer:' line"))
+
+MULTI_REWARD_SCHEMA = Section(doc="Three named rewards (correctness, integer, format) for GDPO.", fields={
+    "num_workers": Field(type=int, default=1, minimum=1, doc="accepted for NeMo RL's configs; the checks are string "
+                                                             "operations that run in the driver"),
+    "math_verify_impl": Field(type=str, default="hf_math_verify", choices=("hf_math_verify",),
+                              doc="NeMo RL's only implementation for this environment"),
 })
 
 
@@ -31,4 +50,11 @@ MATH_ENV_SCHEMA = Section(doc="The math environment: reward for a response whose
 def nrl_environments() -> list[EnvironmentSpec]:
     return [EnvironmentSpec(name="math", environment="nrl_env_math.environment:MathEnvironment",
                             config_schema=MATH_ENV_SCHEMA, distribution="nrl-env-math",
-                            description="math answers (\\boxed{} or last number) checked with math-verify")]
+                            description="math answers (\\boxed{} or last number) checked with math-verify"),
+            EnvironmentSpec(name="dapo", environment="nrl_env_math.environment:DapoMathEnvironment",
+                            config_schema=DAPO_ENV_SCHEMA, distribution="nrl-env-math",
+                            description="math answers ('Answer: ...') checked by DAPO's normalised string match"),
+            EnvironmentSpec(name="math_multi_reward", environment="nrl_env_math.multi_reward:MathMultiRewardEnvironment",
+                            config_schema=MULTI_REWARD_SCHEMA, distribution="nrl-env-math",
+                            reward_components=("correctness", "format", "integer"),
+                            description="correctness, integer and format rewards (<think>/<answer>) for GDPO")]
