@@ -18,9 +18,10 @@ bytes. A collective transport (``broadcast``) returns no handles: its two halves
   only copy on the path is the sender's pack. By default both sides keep the files mapped and the
   sender rewrites them at the next refit (``reuse_buffers``; fresh pages cost more than the copy);
   with ``reuse_buffers=False`` every refit uses new files, removed by the refit's cleanup.
-* ``broadcast``: a ``torch.distributed`` gloo group of the training rank 0 (root) and the
-  generation ranks, created from a ``TCPStore`` the sender hosts; each bucket is a header, its
-  pickled layout, and one flat ``uint8`` buffer broadcast. Works across nodes.
+* ``broadcast``: a private ``torch.distributed`` group of the training rank 0 (root) and the
+  generation ranks, created from a ``TCPStore`` the sender hosts, NCCL between GPUs and gloo on
+  the CPU; each bucket is a header, its pickled layout, and one flat ``uint8`` buffer broadcast,
+  all on the group's device. Works across nodes.
 """
 
 from __future__ import annotations
@@ -364,18 +365,39 @@ def _node_address() -> str:
     return "127.0.0.1"
 
 
+def broadcast_backend(cuda: bool) -> str:
+    """The refit group's backend: NCCL between GPUs (device to device, no host copy, as NeMo RL and
+    verl refit), gloo on the CPU. The sender decides; every receiver joins what it chose."""
+    return "nccl" if cuda else "gloo"
+
+
 class _Group:
-    """A private gloo group for one refit (never the default group: training owns that one)."""
+    """A private group for one refit (never the default group: training owns that one), on the
+    backend the sender chose; every tensor it carries lives on :attr:`device`."""
 
     def __init__(self, session: RefitSession, rank: int) -> None:
+        import torch
         import torch.distributed as dist
 
         opts = session.options
+        backend = str(opts.get("backend", "gloo"))
+        if backend == "nccl" and not torch.cuda.is_available():
+            from nrl_core.refit.manifest import RefitError
+
+            raise RefitError(f"refit rejected, weights unchanged; the sender broadcasts over NCCL but receiver rank "
+                             f"{rank} has no CUDA device; give every generation worker a GPU or none to the trainer")
         timeout = datetime.timedelta(seconds=float(opts.get("timeout_s", 600)))
-        self._store = dist.TCPStore(opts["host"], int(opts["port"]), int(opts["world_size"]), rank == 0,
-                                    timeout=timeout)
-        self._pg = dist.ProcessGroupGloo(dist.PrefixStore(f"nrl-refit-{session.id}", self._store), rank,
-                                         int(opts["world_size"]), timeout)
+        size = int(opts["world_size"])
+        self._store = dist.TCPStore(opts["host"], int(opts["port"]), size, rank == 0, timeout=timeout)
+        store = dist.PrefixStore(f"nrl-refit-{session.id}", self._store)
+        if backend == "nccl":
+            self.device = torch.device("cuda", torch.cuda.current_device())
+            nccl_opts = dist.ProcessGroupNCCL.Options()
+            nccl_opts._timeout = timeout
+            self._pg = dist.ProcessGroupNCCL(store, rank, size, nccl_opts)
+        else:
+            self.device = torch.device("cpu")
+            self._pg = dist.ProcessGroupGloo(store, rank, size, timeout)
         self._bopts = dist.BroadcastOptions()
         self._bopts.rootRank = 0
 
@@ -390,11 +412,12 @@ class _BroadcastSender:
     def send(self, bucket: Bucket) -> None:
         import torch
 
+        device = self._group.device
         layout = layout_of(bucket)
-        meta = torch.frombuffer(bytearray(pickle.dumps(layout)), dtype=torch.uint8)
-        self._group.broadcast(torch.tensor([meta.numel(), layout.nbytes], dtype=torch.int64))
+        meta = torch.frombuffer(bytearray(pickle.dumps(layout)), dtype=torch.uint8).to(device)
+        self._group.broadcast(torch.tensor([meta.numel(), layout.nbytes], dtype=torch.int64, device=device))
         self._group.broadcast(meta)
-        flat = torch.empty(layout.nbytes, dtype=torch.uint8)
+        flat = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
         pack_into(flat, bucket, layout)
         self._group.broadcast(flat)
         return None
@@ -402,7 +425,7 @@ class _BroadcastSender:
     def close(self) -> None:
         import torch
 
-        self._group.broadcast(torch.zeros(2, dtype=torch.int64))  # end of stream
+        self._group.broadcast(torch.zeros(2, dtype=torch.int64, device=self._group.device))  # end of stream
 
 
 class _BroadcastReceiver:
@@ -412,16 +435,17 @@ class _BroadcastReceiver:
     def buckets(self, handles: Iterable[Any]) -> Iterator[Bucket]:
         import torch
 
+        device = self._group.device
         while True:
-            header = torch.zeros(2, dtype=torch.int64)
+            header = torch.zeros(2, dtype=torch.int64, device=device)
             self._group.broadcast(header)
-            meta_len, nbytes = (int(v) for v in header)
+            meta_len, nbytes = (int(v) for v in header.tolist())
             if meta_len == 0:
                 return
-            meta = torch.empty(meta_len, dtype=torch.uint8)
+            meta = torch.empty(meta_len, dtype=torch.uint8, device=device)
             self._group.broadcast(meta)
-            layout: PackedLayout = pickle.loads(meta.numpy().tobytes())
-            flat = torch.empty(nbytes, dtype=torch.uint8)
+            layout: PackedLayout = pickle.loads(meta.cpu().numpy().tobytes())
+            flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
             self._group.broadcast(flat)
             yield views_of(flat, layout)
 
@@ -430,18 +454,23 @@ class _BroadcastReceiver:
 
 
 class BroadcastTransport:
-    """A gloo broadcast group spanning training rank 0 and the generation ranks; any placement.
+    """A broadcast group spanning training rank 0 and the generation ranks; any placement. NCCL
+    when the sender has CUDA (every receiver must then have a GPU), gloo otherwise: one code path.
 
     ``session.options``: ``world_size`` (1 + generation ranks; default 2), ``rank`` on each
-    receiver (1..world_size-1), ``host``/``port`` filled in by :meth:`prepare` on the sender.
+    receiver (1..world_size-1), ``host``/``port`` and ``backend`` (:func:`broadcast_backend`)
+    filled in by :meth:`prepare` on the sender.
     """
 
     name = "broadcast"
 
     def prepare(self, session: RefitSession) -> RefitSession:
+        import torch
+
         host = session.options.get("host") or _node_address()
+        backend = session.options.get("backend") or broadcast_backend(torch.cuda.is_available())
         return session.with_options(host=host, port=session.options.get("port") or _free_port(host),
-                                    world_size=int(session.options.get("world_size", 2)))
+                                    world_size=int(session.options.get("world_size", 2)), backend=backend)
 
     def sender(self, session: RefitSession) -> TransportSender:
         return _BroadcastSender(session)

@@ -228,6 +228,19 @@ def ray_actors():
         ray.shutdown()
 
 
+def test_broadcast_runs_nccl_between_gpus_and_gloo_here_on_one_code_path() -> None:
+    """The sender picks the group's backend in ``prepare``; a receiver without CUDA asked to join
+    an NCCL group refuses in one line before touching the store (nothing hangs)."""
+    from nrl_core.refit.transports import BroadcastTransport, broadcast_backend
+
+    assert (broadcast_backend(cuda=True), broadcast_backend(cuda=False)) == ("nccl", "gloo")
+    session = BroadcastTransport().prepare(RefitSession(options={"world_size": 3}))
+    assert session.options["backend"] == ("nccl" if torch.cuda.is_available() else "gloo")
+    if not torch.cuda.is_available():
+        with pytest.raises(RefitError, match="over NCCL but receiver rank 1 has no CUDA device"):
+            BroadcastTransport().receiver(session.with_options(backend="nccl", rank=1))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("transport", [None, "broadcast"])
 def test_refit_between_ray_actors(ray_actors, transport) -> None:
