@@ -288,3 +288,14 @@ def test_importance_sampling_with_the_engine_equal_to_the_trainer_changes_nothin
                                              truncated_importance_sampling_ratio_min=0.5),
                                prev_offset=0.01, engine_is_trainer=True)
     assert corrected[0] == plain[0] and torch.equal(corrected[1], plain[1])
+
+
+def test_advantages_are_clipped_after_the_estimator():
+    from nrl_core.algorithms.advantages import clip_advantages
+
+    config = grpo_config("grpo.advantage_clip_low=-1.0", "grpo.advantage_clip_high=0.5")
+    adv = GroupRelativeEstimator(config["grpo"]["adv_estimator"], config)(
+        inputs([3.0, 0.0, 0.0, 0.0], [0, 0, 0, 0], [[1.0]] * 4))
+    clipped = clip_advantages(adv, config["grpo"]["advantage_clip_low"], config["grpo"]["advantage_clip_high"])
+    assert float(adv[0]) > 0.5 and clipped.tolist() == [0.5, *adv[1:].clamp(min=-1.0).tolist()]
+    assert clip_advantages(adv, None, None) is adv

@@ -71,6 +71,9 @@ def test_a_third_party_estimator_negates_the_first_update(model, site, tmp_path)
     core, plugin = (metrics(runs[n])[-1] for n in ("core", "plugin"))
     assert plugin["train/reward"] == core["train/reward"]  # the same rollouts
     assert plugin["train/pg_loss"] == pytest.approx(-core["train/pg_loss"], abs=1e-6)
+    for key in ("token_mult_prob_error", "gen_kl_error", "policy_kl_error", "js_divergence_error",
+                "sampling_importance_ratio", "approx_entropy", "num_valid_samples"):  # NeMo RL's mismatch metrics
+        assert f"train/{key}" in core
     initial = weights(Path(model))
     core_w, plugin_w = (weights(runs[n] / "ckpt" / "hf_export") for n in ("core", "plugin"))
     moved = 0.0
