@@ -31,11 +31,13 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
     pm = get_plugin_manager()
     infos = pm.list_plugins()
     if args.json:
-        print(json.dumps([{"name": i.name, "distribution": i.distribution, "version": i.version, "hooks": i.hooks}
-                          for i in infos], indent=2))
+        print(json.dumps([{"name": i.name, "distribution": i.distribution, "version": i.version, "contract": i.contract,
+                           "hooks": i.hooks} for i in infos], indent=2))
         return 0
     for info in infos:
-        print(f"{info.name:<24} {info.distribution or '-':<24} {info.version or '-':<10} {', '.join(info.hooks)}")
+        contract = f"contract {info.contract}" if info.contract is not None else "-"
+        print(f"{info.name:<24} {info.distribution or '-':<24} {info.version or '-':<10} {contract:<11} "
+              f"{', '.join(info.hooks)}")
     for name, message in pm.failed.items():
         print(f"{name:<24} FAILED: {message}")
     return 0
@@ -46,13 +48,32 @@ def _cmd_config_check(args: argparse.Namespace) -> int:
 
     config = load_and_validate(args.config, args.overrides, algorithm=args.algorithm)
     choice = choose_backends(config, generation=args.algorithm not in ("sft", "dpo"))
+    notes = _check_contracts(config, choice, first_party=True)
     print(f"ok: {args.config}")
     print(f"training backend: {choice.training.name} ({choice.training.distribution})")
     if choice.generation is not None:
         print(f"generation backend: {choice.generation.name} ({choice.generation.distribution})")
     else:
         print("generation backend: none (policy.generation is null)")
+    for note in notes:
+        print(f"contract: {note}")
     return 0
+
+
+def _check_contracts(config: dict, choice: object, *, first_party: bool) -> list[str]:
+    """The selected backends' worker classes against their plugins' contract versions: a one-line
+    ``PluginError`` for what cannot be adapted, notes on what is. ``first_party=False`` skips the
+    core's own distributions (the conformance kit holds them to the contract; importing their
+    workers in the driver would only slow ``nrl train``'s start)."""
+    from nrl_core.contract_adapters import check_selected
+    from nrl_core.plugins import FIRST_PARTY_DISTRIBUTIONS
+
+    generation = (config.get("policy") or {}).get("generation") or {}
+    colocated = bool((generation.get("colocated") or {}).get("enabled", True))
+    if not first_party and all(getattr(spec, "distribution", None) in FIRST_PARTY_DISTRIBUTIONS.values()
+                               for spec in (choice.training, choice.generation) if spec is not None):
+        return []
+    return check_selected(choice, colocated=colocated)
 
 
 def _cmd_config_show(args: argparse.Namespace) -> int:
@@ -78,6 +99,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     with policy_launched_early(config, spec, choice.training, choice.generation):  # its workers import meanwhile
         with long_lived_objects(freeze=False):  # imports torch and transformers: no collection while they load
             check_selected_backends(config, algorithm=args.algorithm)
+            for note in _check_contracts(config, choice, first_party=False):
+                logging.getLogger("nrl_core.contract_adapters").warning("%s", note)
             run = import_object(spec.entry)
         mark("config_validated")
         return int(run(config) or 0)

@@ -26,6 +26,11 @@ if TYPE_CHECKING:
 
     from nrl_core.config.schema import Section
 
+CONTRACT_VERSION: int = 3
+"""The version of the plugin contract this module defines, apart from nrl-core's package version.
+A plugin states the version it was written for as ``NRL_CONTRACT = N`` in its entry-point module;
+:mod:`nrl_core.contract_versions` lists every version the core still serves and what each changed."""
+
 
 def import_object(path: str) -> Any:
     """Resolve ``"package.module:attr"`` (the form every spec uses for classes) to the object."""

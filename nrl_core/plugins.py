@@ -13,11 +13,17 @@ Environment switches:
 * ``NRL_PLUGINS=pkg.mod,other``: also register these importable modules as plugins, after the
   entry points (a run's own lifecycle hooks without packaging them; like ``PYTEST_PLUGINS``).
 * ``NRL_TRACE_HOOKS=1``: print every hook call and result to stderr.
+
+Each plugin is written for a version of the plugin contract (``NRL_CONTRACT`` in its entry-point
+module, 1 when absent; :mod:`nrl_core.contract_versions`). The registries give the worker of a
+backend written for an older contract through :mod:`nrl_core.contract_adapters`, and a plugin's
+``nrl-core`` range is not held against it while the core still serves its contract.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import importlib.metadata as md
 import logging
@@ -29,7 +35,10 @@ from typing import Any, Callable, Generic, Iterable, Iterator, Mapping, TypeVar
 import pluggy
 
 from nrl_core import hookspecs
+from nrl_core.contract_adapters import adapter_path
+from nrl_core.contract_versions import SERVED_CONTRACTS, declared_contract, served_range
 from nrl_core.contracts import (
+    CONTRACT_VERSION,
     AdvantageEstimatorSpec,
     AlgorithmSpec,
     DataProcessorSpec,
@@ -78,6 +87,7 @@ class PluginInfo:
     distribution: str | None
     version: str | None
     hooks: list[str]
+    contract: int | None = None
 
 
 T = TypeVar("T")
@@ -153,6 +163,7 @@ class PluginManager:
         self._pm.add_hookspecs(hookspecs)
         self._loaded = False
         self._distributions: dict[str, tuple[str, str]] = {}
+        self._contracts: dict[str, int] = {}
         self._registries: dict[str, Registry[Any]] = {}
         self.failed: dict[str, str] = {}
         if _env_flag("NRL_TRACE_HOOKS"):
@@ -184,8 +195,12 @@ class PluginManager:
         dist_version = ep.dist.version if ep.dist else "?"
 
         def load() -> object:
-            _check_core_requirement(ep)
-            return ep.load()
+            _check_core_requirement(ep)  # a plugin that needs a newer core is refused before it imports
+            module = ep.load()
+            contract = CONTRACT_VERSION if dist_name in FIRST_PARTY_DISTRIBUTIONS.values() else None
+            self._contracts[ep.name] = contract or declared_contract(module, ep.name)
+            _check_core_requirement(ep, contract=self._contracts[ep.name])
+            return module
 
         if self._load_guarded(ep.name, f"{dist_name} {dist_version}", load):
             self._distributions[ep.name] = (dist_name, dist_version)
@@ -194,8 +209,11 @@ class PluginManager:
         """Register what ``load()`` returns as plugin ``name``; a failure is a warning naming the
         plugin, ``origin`` and the error (an error under NRL_STRICT_PLUGINS)."""
         try:
-            self._pm.register(load(), name=name)
+            plugin = load()
+            self._contracts.setdefault(name, declared_contract(plugin, name))
+            self._pm.register(plugin, name=name)
         except Exception as exc:  # a broken plugin must not take the others down
+            self._contracts.pop(name, None)
             message = f"plugin '{name}' ({origin}) failed to load: {type(exc).__name__}: {exc}"
             if _env_flag("NRL_STRICT_PLUGINS"):
                 raise PluginError(message + " (NRL_STRICT_PLUGINS is set)") from exc
@@ -226,13 +244,16 @@ class PluginManager:
     def registered(self, plugin: object, name: str) -> Iterator[object]:
         """Register ``plugin`` in-process for the duration of a ``with`` block (tests, notebooks)."""
         self.load()
+        contract = declared_contract(plugin, name)
         self._pm.register(plugin, name=name)
+        self._contracts[name] = contract
         self._registries.clear()
         try:
             self._check_pending(strict=True)
             yield plugin
         finally:
             self._pm.unregister(name=name)
+            self._contracts.pop(name, None)
             self._registries.clear()
 
     # ------------------------------------------------------------------ introspection
@@ -247,8 +268,14 @@ class PluginManager:
             dist, version = self._distributions.get(name, (None, None))
             if name in BUILTIN_PLUGINS:
                 dist, version = "nrl-core", _own_version()
-            infos.append(PluginInfo(name=name, distribution=dist, version=version, hooks=hooks))
+            infos.append(PluginInfo(name=name, distribution=dist, version=version, hooks=hooks,
+                                    contract=self.contract_of(name)))
         return sorted(infos, key=lambda info: info.name)
+
+    def contract_of(self, plugin: str) -> int:
+        """The contract version plugin ``plugin`` (entry-point name) is written for; the core's
+        built-ins meet the current one."""
+        return CONTRACT_VERSION if plugin in BUILTIN_PLUGINS else self._contracts.get(plugin, SERVED_CONTRACTS[0])
 
     def versions(self) -> dict[str, str]:
         """``{distribution: version}`` of every loaded plugin, recorded in run metadata."""
@@ -266,9 +293,18 @@ class PluginManager:
                 result = impl.function()
                 if _env_flag("NRL_TRACE_HOOKS"):
                     sys.stderr.write(f"nrl hook {hook.name} -> {impl.plugin_name}: {result!r}\n")
-                specs.extend((impl.plugin_name, spec) for spec in result or [])
+                specs.extend((impl.plugin_name, self._adapted(kind, impl.plugin_name, spec)) for spec in result or [])
             self._registries[kind] = Registry(kind, specs, self.failed)
         return self._registries[kind]
+
+    def _adapted(self, kind: str, plugin: str, spec: Any) -> Any:
+        """``spec`` with its worker path through :mod:`nrl_core.contract_adapters` when its plugin
+        is written for an older contract (nothing is imported here)."""
+        role = {"training backend": "training", "generation backend": "generation"}.get(kind)
+        if role is None or not isinstance(getattr(spec, "worker", None), str):
+            return spec
+        path = adapter_path(spec.worker, role, self.contract_of(plugin), plugin)
+        return spec if path == spec.worker else dataclasses.replace(spec, worker=path)
 
     def training_backends(self) -> Registry[TrainingBackendSpec]:
         return self._registry("training backend", self._pm.hook.nrl_training_backends)
@@ -369,26 +405,52 @@ def _unique_entry_points() -> list[md.EntryPoint]:
 
 
 def _own_version() -> str:
-    try:
-        return md.version("nrl-core")
-    except md.PackageNotFoundError:
-        return "0+unknown"
+    """The running core's version (the source tree's, which an editable install's metadata may lag)."""
+    from nrl_core import __version__
+
+    return __version__
 
 
-def _check_core_requirement(ep: md.EntryPoint) -> None:
-    """Refuse a plugin whose declared ``nrl-core`` range excludes the running core."""
+def _check_core_requirement(ep: md.EntryPoint, *, contract: int | None = None) -> None:
+    """Refuse a plugin whose declared ``nrl-core`` range excludes the running core.
+
+    Without ``contract`` (before the plugin is imported) only a range that needs a *newer* core
+    refuses it. With the plugin's contract version, a range that excludes this core because the
+    core is newer is not held against a plugin whose contract the core still serves: the contract
+    version, not the package version, says what it needs (docs/plugins.md#8-contract-versions)."""
     if ep.dist is None:
         return
     from packaging.requirements import Requirement
     from packaging.version import Version
 
+    running = Version(_own_version())
     for line in ep.dist.requires or []:
         req = Requirement(line)
         if req.name.replace("_", "-").lower() != "nrl-core" or req.marker is not None:
             continue
-        version = _own_version()
-        if req.specifier and not req.specifier.contains(Version(version), prereleases=True):
-            raise PluginError(f"needs nrl-core{req.specifier} but nrl-core {version} is installed; upgrade one of them")
+        if not req.specifier or req.specifier.contains(running, prereleases=True):
+            continue
+        failing = [s for s in req.specifier if not s.contains(running, prereleases=True)]
+        needs_newer = any(s.operator in (">", ">=", "==", "~=", "===") and _spec_version(s.version) > running
+                          for s in failing)
+        if needs_newer:
+            raise PluginError(f"needs nrl-core{req.specifier} but nrl-core {running} is installed; upgrade one of them")
+        if contract is None:
+            continue
+        if contract not in SERVED_CONTRACTS:  # declared_contract refuses these first; kept for direct callers
+            raise PluginError(f"needs nrl-core{req.specifier} but nrl-core {running} is installed and serves contracts "
+                              f"{served_range()}, not its {contract}; upgrade the plugin")
+        logger.debug("plugin '%s' asks for nrl-core%s; nrl-core %s still serves its contract %d, so it loads",
+                     ep.name, req.specifier, running, contract)
+
+
+def _spec_version(text: str) -> Any:
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return Version(text.rstrip(".*"))
+    except InvalidVersion:
+        return Version("0")
 
 
 _manager: PluginManager | None = None

@@ -17,6 +17,7 @@ import torch
 from nrl_core.algorithms.policy_launch import launch_policy, take_early_policy
 from nrl_core.cluster.placement import Placement
 from nrl_core.config.topology import cluster_topology
+from nrl_core.contract_versions import check_result
 from nrl_core.process_groups import distributed_timeout_s
 from nrl_core.contracts import (
     BatchShard,
@@ -69,12 +70,15 @@ class Policy:
         return self.group.run_all(TrainingWorker.train, batch, loss_fn)[0]
 
     def get_logprobs(self, batch: TokenBatch) -> torch.Tensor:
-        """``[B, T]`` logprobs of ``batch``, put together from every data-parallel group's shard."""
-        return BatchShard.assemble(self.group.run_all(TrainingWorker.get_logprobs, batch), batch.size, int(batch.input_ids.shape[1]))
+        """``[B, T]`` logprobs of ``batch``, put together from every data-parallel group's shard
+        (anything else a worker returns is a one-line error naming the method and the type due)."""
+        shards = [check_result("get_logprobs", s) for s in self.group.run_all(TrainingWorker.get_logprobs, batch)]
+        return BatchShard.assemble(shards, batch.size, int(batch.input_ids.shape[1]))
 
     def get_reference_logprobs(self, batch: TokenBatch) -> torch.Tensor:
-        return BatchShard.assemble(self.group.run_all(TrainingWorker.get_reference_logprobs, batch), batch.size,
-                                   int(batch.input_ids.shape[1]))
+        shards = [check_result("get_reference_logprobs", s)
+                  for s in self.group.run_all(TrainingWorker.get_reference_logprobs, batch)]
+        return BatchShard.assemble(shards, batch.size, int(batch.input_ids.shape[1]))
 
     # ------------------------------------------------------------------ memory hand-off (colocated generation)
 

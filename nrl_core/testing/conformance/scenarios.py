@@ -157,6 +157,21 @@ class TrainingForwardLogprobs:
         return self.loss(logprobs, batch, **counts)
 
 
+def result_type_errors(worker: Any, batch: "TokenBatch") -> list[str]:
+    """One line per logprob method whose result is not a ``BatchShard`` (or ``None``), probed once
+    before any check uses it: a worker returning a bare tensor is named, not a crash in assembly."""
+    from nrl_core.errors import PluginError
+    from nrl_core.contract_versions import check_result
+
+    errors = []
+    for method in ("get_logprobs", "get_reference_logprobs"):
+        try:
+            check_result(method, getattr(worker, method)(batch))
+        except PluginError as exc:
+            errors.append(str(exc))
+    return errors
+
+
 def _whole(worker_result: Any, batch: "TokenBatch") -> "torch.Tensor":
     from nrl_core.testing.distributed import gather_shards
 
@@ -208,6 +223,9 @@ def training_world1(rank: int, world_size: int, configs: dict[str, dict[str, Any
     out: dict[str, Any] = {}
 
     w = build_training_worker(configs["base"], rank, world_size)
+    out["contract_errors"] = result_type_errors(w, batch)
+    if out["contract_errors"]:  # the suite reports them, one line each, instead of failing inside a check
+        return out
     out["missing_protocol_methods"] = [n for n in dir(TrainingWorker) if not n.startswith("_")
                                        and callable(getattr(TrainingWorker, n, None)) and not hasattr(w, n)]
     out["is_training_worker"] = isinstance(w, TrainingWorker)

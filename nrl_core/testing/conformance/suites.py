@@ -35,6 +35,25 @@ def _tmp_env(env: Mapping[str, str], tmp: Path) -> dict[str, str]:
     return {key: value.replace("{tmp}", str(tmp)) for key, value in env.items()}
 
 
+def _contract_gaps(spec: Any, role: str, registry: Any) -> None:
+    """Fail before anything runs, one line per method the worker lacks or cannot be called as the
+    core calls it, against the contract its plugin declares (docs/plugins.md#8-contract-versions)."""
+    from nrl_core.contract_adapters import unwrap_path
+    from nrl_core.contract_versions import worker_gaps
+    from nrl_core.contracts import import_object
+
+    worker, _, version, plugin = unwrap_path(spec.worker)
+    gaps = worker_gaps(import_object(worker), role, version, plugin or registry.owner(spec.name))
+    if gaps:
+        pytest.fail("\n".join(gaps), pytrace=False)
+
+
+def _fail_on_contract_errors(result: Mapping[str, Any]) -> None:
+    """A worker result of the wrong type, found by a scenario, as one line per method."""
+    if result.get("contract_errors"):
+        pytest.fail("\n".join(result["contract_errors"]), pytrace=False)
+
+
 def _skip_unless_declared(spec: Any, capability: str) -> None:
     if capability not in spec.capabilities:
         pytest.skip(f"backend '{spec.name}' does not declare '{capability}'")
@@ -56,7 +75,10 @@ class _TrainingChecks:
     def spec(self) -> Any:
         from nrl_core.plugins import get_plugin_manager
 
-        return get_plugin_manager().training_backends().get(self.backend, "policy")
+        registry = get_plugin_manager().training_backends()
+        spec = registry.get(self.backend, "policy")
+        _contract_gaps(spec, "training", registry)
+        return spec
 
     @pytest.fixture(scope="class")
     def model_dir(self) -> Path:
@@ -77,6 +99,7 @@ class _TrainingChecks:
                 configs[capability] = make(**{capability: {"enabled": True, "train_mb_tokens": 32,
                                                            "logprob_mb_tokens": 48, "sequence_length_round": 4}})
         (result,) = run_distributed(scenarios.training_world1, 1, configs, str(root), _tmp_env(self.env, root))
+        _fail_on_contract_errors(result)
         result["root"] = root
         return result
 
@@ -290,7 +313,9 @@ class _GenerationChecks:
         from nrl_core.plugins import get_plugin_manager
         from nrl_core.testing.distributed import run_distributed
 
-        spec = get_plugin_manager().generation_backends().get(self.backend, "policy.generation.backend")
+        registry = get_plugin_manager().generation_backends()
+        spec = registry.get(self.backend, "policy.generation.backend")
+        _contract_gaps(spec, "generation", registry)
         root = tmp_path_factory.mktemp(f"conformance-{self.backend}")
         training = self.training_backend or next(iter(get_plugin_manager().training_backends().names()), None)
         if training is None:

@@ -7,6 +7,8 @@ from nrl_core.algorithms.advantages import group_advantages
 from nrl_core.config.schema import Field, Section
 from nrl_core.contracts import AdvantageEstimatorSpec, AdvantageInputs
 
+NRL_CONTRACT = 3  # the plugin contract this module is written for (docs/plugins.md#8-contract-versions)
+
 
 class ScaledGroupAdvantage:
     def __init__(self, section, config):

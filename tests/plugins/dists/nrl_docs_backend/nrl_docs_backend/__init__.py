@@ -13,6 +13,8 @@ from nrl_core.contracts import TrainingBackendSpec
 
 WORKER_PATH = "nrl_docs_backend.worker:DocsWorker"
 
+NRL_CONTRACT = 3  # the plugin contract this module is written for (docs/plugins.md#8-contract-versions)
+
 SCHEMA = Section(doc="The docs backend: one process, plain PyTorch, any HF causal LM.", fields={
     "enabled": Field(type=bool, default=False),
     "fully_parallel_save": Field(type=bool, default=True, doc="one rank: the same single write either way"),

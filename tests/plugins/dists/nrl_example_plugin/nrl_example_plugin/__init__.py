@@ -13,6 +13,8 @@ from nrl_core.contracts import AlgorithmSpec, TrainingBackendSpec
 
 WORKER_PATH = "nrl_example_plugin.worker:ExampleWorker"
 
+NRL_CONTRACT = 3  # the plugin contract this module is written for (docs/plugins.md#8-contract-versions)
+
 
 @hookimpl
 def nrl_training_backends():

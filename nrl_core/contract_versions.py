@@ -1,0 +1,208 @@
+"""Which plugin contract each version is, and how a worker class is checked against one.
+
+The contract (the hooks, the specs and the worker Protocols of :mod:`nrl_core.contracts`) has its
+own version, :data:`nrl_core.contracts.CONTRACT_VERSION`, apart from nrl-core's package version. A
+plugin states the version it was written for as ``NRL_CONTRACT = N`` in its entry-point module;
+one that states nothing was written for contract 1. The core serves every version in
+:data:`SERVED_CONTRACTS`: it checks a plugin's worker classes against the methods of *its* version
+(:func:`worker_gaps`) and fills in what later versions added (:mod:`nrl_core.contract_adapters`).
+docs/plugins.md#8-contract-versions is the policy and the changelog for plugin authors.
+
+Standard library only: ``nrl plugins`` imports this without torch.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+from nrl_core.contracts import CONTRACT_VERSION
+from nrl_core.errors import PluginError
+
+DOCS = "docs/plugins.md"
+WORKER_DOCS = f"{DOCS}#4-the-worker"
+GENERATION_DOCS = f"{DOCS}#a-generation-backend-nrl_coregeneration_kit"
+VERSIONS_DOCS = f"{DOCS}#8-contract-versions"
+
+
+@dataclass(frozen=True)
+class ContractVersion:
+    """One version of the plugin contract: where it starts in the history and what it changed."""
+
+    version: int
+    since: str
+    added: tuple[str, ...] = ()
+    changed: tuple[str, ...] = ()
+    removed: tuple[str, ...] = ()
+    renamed: tuple[str, ...] = ()
+
+
+CONTRACT_HISTORY: tuple[ContractVersion, ...] = (
+    ContractVersion(1, "9270dbe", added=(
+        "hooks nrl_training_backends, nrl_generation_backends, nrl_environments, nrl_refit_transports, "
+        "nrl_metric_sinks, nrl_algorithms, nrl_checkpoint_save, nrl_checkpoint_load",
+        "TrainingWorker: train, get_logprobs -> Tensor [B, T] (every rank, the whole batch), "
+        "get_reference_logprobs, weight_manifest, export_weights, export_hf, finalize_checkpoint",
+        "GenerationWorker: weight_version, generate, import_weights")),
+    ContractVersion(2, "f86aa56", added=(
+        "TrainingWorker.offload_before_refit, offload_after_refit, prepare_for_training (colocated hand-off)",
+        "GenerationWorker.prepare_for_generation, finish_generation, sampling_state, load_sampling_state, shutdown",
+        "hooks nrl_data_processors, nrl_dataset_generators; capabilities on backend specs",
+        "lifecycle hooks nrl_run_start, nrl_step_end, nrl_checkpoint_saved, nrl_run_end (fd0ce25)",
+        "AlgorithmSpec config_key/config_schema/config_check (ce2ff60), early_policy_start and spec preload "
+        "(71b64cb); an engine may start at weight_version -1 (839cc97)"),
+        changed=("get_logprobs/get_reference_logprobs return a BatchShard from one rank per data-parallel "
+                 "group and None from the others, instead of a tensor from every rank",)),
+    ContractVersion(3, "a8656e9", added=(
+        "hooks nrl_advantage_estimators, nrl_loss_functions with AdvantageEstimatorSpec, AdvantageInputs, "
+        "LossFunctionSpec",
+        "EnvResult.components and EnvironmentSpec.reward_components (d0b2cbb)")),
+)
+"""Every contract version, oldest first; docs/plugins.md and docs/changelog.md repeat it."""
+
+SERVED_CONTRACTS: tuple[int, ...] = tuple(v.version for v in CONTRACT_HISTORY)
+"""The versions this core still loads; dropping one is a major version of nrl-core."""
+
+assert SERVED_CONTRACTS[-1] == CONTRACT_VERSION
+
+
+@dataclass(frozen=True)
+class Method:
+    """A worker method as the core calls it: positional arguments, keywords, what it returns."""
+
+    name: str
+    args: tuple[str, ...] = ()
+    kwargs: tuple[str, ...] = ()
+    since: int = 1
+    returns: str = ""  # checked where it matters: "BatchShard" from contract 2 on
+    adaptable: bool = False  # a worker of an older contract without it gets a default
+
+    def call(self) -> str:
+        return f"{self.name}({', '.join([*self.args, *(f'{k}=...' for k in self.kwargs)])})"
+
+
+TRAINING_METHODS: tuple[Method, ...] = (
+    Method("train", ("batch", "loss_fn")),
+    Method("get_logprobs", ("batch",), returns="BatchShard"),
+    Method("get_reference_logprobs", ("batch",), returns="BatchShard"),
+    Method("offload_before_refit", since=2, adaptable=True),
+    Method("offload_after_refit", since=2, adaptable=True),
+    Method("prepare_for_training", since=2, adaptable=True),
+    Method("weight_manifest", ("dtype",)),
+    Method("export_weights", ("bucket_bytes", "dtype")),
+    Method("export_hf", ("path",)),
+    Method("finalize_checkpoint"),
+)
+
+GENERATION_METHODS: tuple[Method, ...] = (
+    Method("generate", ("prompts",), ("greedy",)),
+    Method("import_weights", ("buckets", "manifest")),
+    Method("prepare_for_generation", ("tags",), since=2, adaptable=True),
+    Method("finish_generation", since=2, adaptable=True),
+    Method("sampling_state", since=2, adaptable=True),
+    Method("load_sampling_state", ("state",), since=2, adaptable=True),
+    Method("shutdown", since=2, adaptable=True),
+)
+
+ROLES: dict[str, tuple[str, tuple[Method, ...], str]] = {
+    "training": ("TrainingWorker", TRAINING_METHODS, WORKER_DOCS),
+    "generation": ("GenerationWorker", GENERATION_METHODS, GENERATION_DOCS),
+}
+
+
+def served_range() -> str:
+    return f"{SERVED_CONTRACTS[0]}-{SERVED_CONTRACTS[-1]}"
+
+
+def declared_contract(plugin: object, name: str) -> int:
+    """The contract ``plugin`` (its entry-point module) states with ``NRL_CONTRACT``; 1 when it
+    states none. A version the core does not serve is a one-line :class:`PluginError`."""
+    version = getattr(plugin, "NRL_CONTRACT", 1)
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise PluginError(f"plugin '{name}' sets NRL_CONTRACT = {version!r}; it must be an int among the served "
+                          f"contract versions {served_range()} ({VERSIONS_DOCS})")
+    if version > CONTRACT_VERSION:
+        raise PluginError(f"plugin '{name}' is written for contract {version} but this nrl-core serves "
+                          f"{served_range()}; upgrade nrl-core ({VERSIONS_DOCS})")
+    if version not in SERVED_CONTRACTS:
+        raise PluginError(f"plugin '{name}' is written for contract {version}, which this nrl-core no longer "
+                          f"serves ({served_range()}); move it to contract {CONTRACT_VERSION} ({VERSIONS_DOCS})")
+    return version
+
+
+def methods_of(role: str, version: int) -> tuple[Method, ...]:
+    """The methods a ``role`` worker of contract ``version`` must have."""
+    return tuple(m for m in ROLES[role][1] if m.since <= version)
+
+
+def adapted_methods(cls: type, role: str, version: int) -> list[str]:
+    """What the core fills in for a worker of an older contract (defaults for later methods it
+    lacks, a tensor wrapped into a ``BatchShard``), as short phrases for ``nrl config check``."""
+    notes = [f"no-op {m.name}" for m in ROLES[role][1] if m.since > version and m.adaptable
+             and not hasattr(cls, m.name)]
+    if role == "training" and version < 2:
+        notes.append("tensor logprobs wrapped into BatchShard")
+    return notes
+
+
+def _annotation_text(annotation: Any) -> str:
+    if annotation is inspect.Signature.empty:
+        return ""
+    text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", repr(annotation))
+    return text.strip("'\"")
+
+
+def _signature_gap(cls: type, method: Method) -> str | None:
+    """Why ``cls``'s method cannot be called as the core calls it, or None."""
+    raw = inspect.getattr_static(cls, method.name)
+    function = getattr(cls, method.name)
+    if not callable(function):
+        return f"is not a method (found {type(raw).__name__})"
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):
+        return None  # a builtin or C method: nothing to check
+    placeholders = [object()] * len(method.args)
+    bound_self = () if isinstance(raw, (staticmethod, classmethod)) else (object(),)
+    try:
+        signature.bind(*bound_self, *placeholders, **{k: object() for k in method.kwargs})
+    except TypeError as exc:
+        return f"has signature {method.name}{signature} and cannot be called as {method.call()} ({exc})"
+    return None
+
+
+def worker_gaps(cls: type, role: str, version: int, plugin: str) -> list[str]:
+    """One line per method of contract ``version`` that ``cls`` lacks, cannot be called as the
+    core calls it, or is annotated to return the wrong type. Methods a later contract added are
+    not gaps: :mod:`nrl_core.contract_adapters` fills them in."""
+    protocol, _, docs = ROLES[role]
+    where = f"plugin '{plugin}', {cls.__module__}.{cls.__qualname__}"
+    lines = []
+    for method in methods_of(role, version):
+        if not hasattr(cls, method.name):
+            lines.append(f"{where}: {protocol}.{method.call()} is missing; contract {method.since} requires it "
+                         f"({docs})")
+            continue
+        gap = _signature_gap(cls, method)
+        if gap:
+            lines.append(f"{where}: {method.name} {gap}; contract {method.since} requires {method.call()} ({docs})")
+            continue
+        if method.returns and version >= 2:
+            returned = _annotation_text(inspect.signature(getattr(cls, method.name)).return_annotation)
+            if returned and method.returns not in returned and "Tensor" in returned:
+                lines.append(f"{where}: {method.name} is annotated to return {returned}; contract 2 and later "
+                             f"require {method.returns} | None (nrl_core.contracts.BatchShard) ({docs})")
+    return lines
+
+
+def check_result(method: str, value: Any) -> Any:
+    """``value`` when it is what ``method`` must return from contract 2 on (a ``BatchShard`` or
+    None), else a one-line :class:`PluginError` naming the method and the type expected."""
+    from nrl_core.contracts import BatchShard
+
+    if value is None or isinstance(value, BatchShard):
+        return value
+    kind = f"{type(value).__module__}.{type(value).__qualname__}".removeprefix("builtins.")
+    raise PluginError(f"{method} returned {kind}; contract 2 and later require a BatchShard or None "
+                      f"(nrl_core.contracts.BatchShard(rows=..., values=...); {WORKER_DOCS})")
