@@ -176,3 +176,13 @@ def test_an_old_core_range_does_not_refuse_a_plugin_whose_contract_is_served():
         _check_core_requirement(_entry_point(f"nrl-core=={major + 5}.0"), contract=1)
     with pytest.raises(PluginError, match="serves contracts"):
         _check_core_requirement(old, contract=0)
+
+
+def test_a_worker_declaring_nothing_that_already_meets_a_later_contract_keeps_its_own_methods():
+    # the example plugin as the conformance kit first ran it: BatchShard and the hand-off, no NRL_CONTRACT
+    current = worker_of("training", CONTRACT_VERSION)
+    own_offload = current.offload_before_refit
+    adapted = adapted_class(current, "training", 1, "kit-era")
+    assert adapted.offload_before_refit is own_offload
+    shard = adapted().get_logprobs(batch())
+    assert isinstance(shard, BatchShard) and shard.rows == [0, 1]
