@@ -23,12 +23,16 @@ WRONG_TYPE = ("error: plugin 'contract_gaps', nrl_contract_gaps_plugin.WrongType
               "(docs/plugins.md#4-the-worker)")
 
 
+def install(target: Path, *dists: str) -> Path:
+    """A private, non-editable install of ``dists`` (names under ``dists/``) into ``target``."""
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", "--target",
+                    str(target), *(str(DISTS / d) for d in dists)], check=True, capture_output=True, text=True)
+    return target
+
+
 @pytest.fixture(scope="module")
 def site(tmp_path_factory) -> Path:
-    target = tmp_path_factory.mktemp("contract-site")
-    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", "--target",
-                    str(target), str(DISTS / FIRST), str(DISTS / GAPS)], check=True, capture_output=True, text=True)
-    return target
+    return install(tmp_path_factory.mktemp("contract-site"), FIRST, GAPS)
 
 
 def environment(site: Path, **extra: str) -> dict[str, str]:
