@@ -210,7 +210,8 @@ class PluginManager:
         plugin, ``origin`` and the error (an error under NRL_STRICT_PLUGINS)."""
         try:
             plugin = load()
-            self._contracts.setdefault(name, declared_contract(plugin, name))
+            if name not in self._contracts:  # an entry point's load() has recorded it already
+                self._contracts[name] = declared_contract(plugin, name)
             self._pm.register(plugin, name=name)
         except Exception as exc:  # a broken plugin must not take the others down
             self._contracts.pop(name, None)
