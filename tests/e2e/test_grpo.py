@@ -159,7 +159,7 @@ def test_interrupted_save_then_resume_reproduces_step_three(tmp_path, model, thr
 def test_unknown_environment_missing_dataset_and_unwritable_checkpoints_are_one_line(tmp_path, model):
     proc = nrl_train(tmp_path, model, "data.env_name=chess")
     assert proc.returncode == 2
-    assert "error: data.env_name: environment 'chess' is not available (installed: math)" in proc.stderr
+    assert "error: data.env_name: environment 'chess' is not available (installed: dapo, math, math_multi_reward)" in proc.stderr
     proc = nrl_train(tmp_path, model, f"data.train_data_path={tmp_path / 'nope.jsonl'}")
     assert proc.returncode == 2 and "nope.jsonl" in proc.stderr and "Traceback" not in proc.stderr
     blocker = tmp_path / "a_file"
