@@ -1,0 +1,36 @@
+"""A training backend written to the first plugin contract (tests/plugins/dists/
+nrl_first_contract_plugin: no memory hand-off, logprobs as a bare tensor, no ``NRL_CONTRACT``),
+installed as its own distribution, trains two colocated GRPO steps on today's core: the core
+adapts it (no-op offload, the tensor wrapped into a ``BatchShard``) and its checkpoint hooks still
+recognise the adapted worker."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.test_grpo import assert_ok, finite, metrics, model, nrl_train  # noqa: F401 - model is a fixture
+from tests.plugins.test_contract_versions import FIRST, install
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> Path:
+    return install(tmp_path_factory.mktemp("first-contract-site"), FIRST)
+
+
+def test_two_colocated_grpo_steps_on_a_first_contract_backend(model, site, tmp_path):
+    env = {"PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+    proc = nrl_train(tmp_path, model, "grpo.max_num_steps=2", "grpo.val_period=0", "grpo.val_at_end=false",
+                     "policy.dtensor_config.enabled=false", "++policy.first_contract_cfg.enabled=true",
+                     "policy.generation.colocated.enabled=true", "checkpointing.metric_name=null", env=env)
+    assert_ok(proc)
+    assert "training backend 'first_contract' is written for contract 1 (this core: 3)" in proc.stderr
+    assert "colocated generation: the training backend does not hand its memory back" in proc.stderr
+    rows = [row for row in metrics(tmp_path) if "train/loss" in row]
+    assert len(rows) == 2 and finite(rows)
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("step_*")) == ["step_1", "step_2"]
+    assert (tmp_path / "ckpt" / "step_2" / "policy" / "first_contract_state.pt").is_file()
