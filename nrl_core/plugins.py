@@ -197,8 +197,7 @@ class PluginManager:
         def load() -> object:
             _check_core_requirement(ep)  # a plugin that needs a newer core is refused before it imports
             module = ep.load()
-            contract = CONTRACT_VERSION if dist_name in FIRST_PARTY_DISTRIBUTIONS.values() else None
-            self._contracts[ep.name] = contract or declared_contract(module, ep.name)
+            self._contracts[ep.name] = declared_contract(module, ep.name)
             _check_core_requirement(ep, contract=self._contracts[ep.name])
             return module
 

@@ -11,6 +11,8 @@ from nrl_core.contracts import TrainingBackendSpec
 from nrl_core.hookspecs import hookimpl
 from nrl_backend_dtensor.schema import DTENSOR_CONFIG_SCHEMA
 
+NRL_CONTRACT = 3  # the plugin contract this distribution is written for (docs/plugins.md)
+
 WORKER_PATH = "nrl_backend_dtensor.worker:DTensorPolicyWorker"
 
 

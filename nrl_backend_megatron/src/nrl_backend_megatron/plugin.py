@@ -12,6 +12,8 @@ from nrl_core.hookspecs import hookimpl
 
 from nrl_backend_megatron.schema import MEGATRON_CFG_SCHEMA
 
+NRL_CONTRACT = 3  # the plugin contract this distribution is written for (docs/plugins.md)
+
 WORKER_PATH = "nrl_backend_megatron.worker:MegatronPolicyWorker"
 
 

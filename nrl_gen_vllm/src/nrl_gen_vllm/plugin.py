@@ -7,6 +7,8 @@ from nrl_core.hookspecs import hookimpl
 
 from nrl_gen_vllm.config import VLLM_CFG
 
+NRL_CONTRACT = 3  # the plugin contract this distribution is written for (docs/plugins.md)
+
 
 @hookimpl
 def nrl_generation_backends() -> list[GenerationBackendSpec]:

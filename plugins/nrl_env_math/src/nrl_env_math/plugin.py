@@ -10,6 +10,8 @@ from nrl_core import hookimpl
 from nrl_core.config.schema import Field, Section
 from nrl_core.contracts import EnvironmentSpec
 
+NRL_CONTRACT = 3  # the plugin contract this distribution is written for (docs/plugins.md)
+
 NUMBER = (int, float)
 
 #: ``math_verify_impl`` -> the verifier it names (NeMo RL's values).
