@@ -92,6 +92,7 @@ class Watchdog:
     """The run's monitor: enter it around the whole run (it becomes the one :func:`phase` uses)."""
 
     tick_s = 0.5
+    merge_s = 10.0  # how often the workers' spans are merged into trace.json while the run goes on
 
     def __init__(self, settings: WatchdogSettings, log_dir: Path) -> None:
         self.settings = settings
@@ -160,9 +161,13 @@ class Watchdog:
     # ------------------------------------------------------------------ the monitor thread
 
     def _watch(self) -> None:
+        merged = time.monotonic()
         while not self._stop.wait(self.tick_s):
             if self._dump_requested():
                 self.dump("on_demand")
+            if time.monotonic() - merged >= self.merge_s:
+                merged = time.monotonic()
+                timeline.merge_workers()
             now = time.monotonic()
             late = [r for r in list(self._running) if now - r.started > r.limit]
             if late and self.settings.enabled:

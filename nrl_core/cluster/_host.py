@@ -9,17 +9,19 @@ means they also run under ``torchrun`` without Ray, and Ray never has to import 
 from __future__ import annotations
 
 import collections
+import functools
 import os
 import socket
 import sys
+import time
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from nrl_core.device import uses_nccl
 from nrl_core.long_lived import long_lived_objects
 from nrl_core.refit.endpoints import RefitEndpoints
 from nrl_core.stacks import install_stack_dump
-from nrl_core.timeline import mark
+from nrl_core.timeline import WorkerSpans, mark
 
 __all__ = ["WorkerHost"]
 
@@ -33,6 +35,38 @@ def _fd_target(fd: int) -> str | None:
     except OSError:
         return None
     return target if target.startswith("/") else None
+
+
+def _traced(method: Callable[..., Any], label: Callable[..., str] | None = None) -> Callable[..., Any]:
+    """``method`` recording a span of each call into the run's trace, when there is one, named
+    after the method or ``label(*args)``."""
+
+    @functools.wraps(method)
+    def traced(self: "WorkerHost", *args: Any, **kwargs: Any) -> Any:
+        if self._spans is None:
+            return method(self, *args, **kwargs)
+        wall, start = time.time(), time.perf_counter()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._spans.record(method.__name__ if label is None else label(*args), wall, time.perf_counter() - start)
+
+    return traced
+
+
+def _traced_stream(method: Callable[..., Iterator[Any]]) -> Callable[..., Iterator[Any]]:
+    """:func:`_traced` for a generator method (a streaming Ray call): the span lasts until it ends."""
+
+    @functools.wraps(method)
+    def traced(self: "WorkerHost", *args: Any, **kwargs: Any) -> Iterator[Any]:
+        wall, start = time.time(), time.perf_counter()
+        try:
+            yield from method(self, *args, **kwargs)
+        finally:
+            if self._spans is not None:
+                self._spans.record(method.__name__, wall, time.perf_counter() - start)
+
+    return traced
 
 
 class WorkerHost(RefitEndpoints):
@@ -57,6 +91,7 @@ class WorkerHost(RefitEndpoints):
         self.world_size = world_size
         self.worker: Any = None
         self._calls: collections.deque[str] = collections.deque(maxlen=_CALL_HISTORY)
+        self._spans = WorkerSpans.from_env(group_name, rank)  # the run's trace.json, when it has one
 
     def record_call(self, what: str) -> None:
         self._calls.append(what)
@@ -155,14 +190,33 @@ class WorkerHost(RefitEndpoints):
 
     def call(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Run ``worker.<method>(*args, **kwargs)``."""
+        return self._run(method, args, kwargs)
+
+    def _run(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         self.record_call(method)
-        return getattr(self.worker, method)(*args, **kwargs)
+        if self._spans is None:
+            return getattr(self.worker, method)(*args, **kwargs)
+        wall, start = time.time(), time.perf_counter()
+        try:
+            return getattr(self.worker, method)(*args, **kwargs)
+        finally:
+            self._spans.record(method, wall, time.perf_counter() - start)
+
+    # The refit endpoints the orchestrator calls directly: each a span on this rank's row too...
+    nrl_refit_export = _traced(RefitEndpoints.nrl_refit_export)
+    nrl_refit_import = _traced(RefitEndpoints.nrl_refit_import)
+    nrl_refit_receive = _traced(RefitEndpoints.nrl_refit_receive)
+    nrl_refit_local = _traced(RefitEndpoints.nrl_refit_local)
+    nrl_refit_send = _traced_stream(RefitEndpoints.nrl_refit_send)
+    # ... and a colocated engine's generation calls.
+    nrl_generation_call = _traced(RefitEndpoints.nrl_generation_call, lambda method, *_: f"generation.{method}")
+    nrl_generate_sharded = _traced(RefitEndpoints.nrl_generate_sharded)
+    nrl_generate_groups = _traced_stream(RefitEndpoints.nrl_generate_groups)
 
     def call_packed(self, method: str, packed: tuple[tuple[Any, ...], dict[str, Any]]) -> Any:
         """:meth:`call` with arguments stored once in the object store for all ranks."""
         args, kwargs = packed
-        self.record_call(method)
-        return getattr(self.worker, method)(*args, **kwargs)
+        return self._run(method, args, kwargs)
 
     def execute(self, fn: Callable[[Any], Any]) -> Any:
         """Run ``fn(worker)`` here (tests and one-off inspection)."""

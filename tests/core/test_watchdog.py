@@ -87,10 +87,11 @@ def test_bad_values_are_one_line_errors_naming_the_key() -> None:
 
 def test_on_demand_dump_then_a_rank_stuck_in_a_collective(worker_path: None, tmp_path: Path) -> None:
     init_ray(CLUSTER)
-    group = WorkerGroup(WORKER, 2, name="pair")
-    pids = [info.pid for info in group.infos]
+    pids: list[int] = []
     with pytest.raises(HangError) as info:
         with fast(tmp_path, floor_s=3) as dog:
+            group = WorkerGroup(WORKER, 2, name="pair")  # started under the run's trace, like a run's groups
+            pids += [info.pid for info in group.infos]
             with phase("training"):
                 group.run_all("all_reduce", 1.0)
             os.kill(os.getpid(), SIGNAL)  # what ``nrl stacks`` sends
@@ -115,4 +116,12 @@ def test_on_demand_dump_then_a_rank_stuck_in_a_collective(worker_path: None, tmp
         time.sleep(0.2)
     assert all(process_state(pid) in (None, "Z") for pid in pids)
     trace = json.loads((tmp_path / "trace.json").read_text())
-    assert [e["name"] for e in trace] == ["training", "training"] and all(e["ph"] == "X" for e in trace)
+    driver = [e for e in trace if e.get("tid") == "driver"]
+    assert [e["name"] for e in driver] == ["training", "training"] and all(e["ph"] == "X" for e in driver)
+    rows = {e["pid"]: e["args"]["name"] for e in trace if e["name"] == "process_name"}
+    assert rows == {pids[0]: "pair rank 0", pids[1]: "pair rank 1"}
+    for rank, pid in enumerate(pids):  # each rank's own spans, on its own row
+        served = [e["name"] for e in trace if e["ph"] == "X" and e["pid"] == pid]
+        assert served[:2] == ["all_reduce", "echo"], served
+    assert "all_reduce_unless_rank" in [e["name"] for e in trace if e["pid"] == pids[1]]  # rank 1 returned
+    assert "all_reduce_unless_rank" not in [e["name"] for e in trace if e["pid"] == pids[0]]  # rank 0 never did
