@@ -93,6 +93,11 @@ class WorkerHost(RefitEndpoints):
         self._calls: collections.deque[str] = collections.deque(maxlen=_CALL_HISTORY)
         self._spans = WorkerSpans.from_env(group_name, rank)  # the run's trace.json, when it has one
 
+    def nrl_trace_into(self, directory: str | None) -> None:
+        """Record this actor's spans into ``directory`` from now on (None: not at all): the driver
+        opened or closed its run's trace after this actor started."""
+        self._spans = WorkerSpans(directory, self.group_name, self.rank) if directory else None
+
     def record_call(self, what: str) -> None:
         self._calls.append(what)
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import re
 import shutil
 import tempfile
@@ -43,6 +44,7 @@ from nrl_core.cluster.ray_cluster import actor_runtime_env, init_ray, private_lo
 from nrl_core.device import process_group_backend
 from nrl_core.errors import NrlError, WorkerError, WorkerRaisedError
 from nrl_core.process_groups import DEFAULT_TIMEOUT_S
+from nrl_core.timeline import TRACE_DIR_ENV
 
 __all__ = [
     "WorkerGroup",
@@ -215,6 +217,7 @@ class WorkerGroup:
         self._init_kwargs = init_kwargs
         self._timeouts = (start_timeout_s, collective_timeout_s)
         self._waiting: dict[int, tuple[str, set[int]]] = {}  # calls the driver waits on: ranks not yet done
+        self._trace_dir = os.environ.get(TRACE_DIR_ENV)  # where the actors record their spans (forwarded)
         _LIVE.add(self)
         with self._closed_on_error():
             self._launch(env_vars or {}, num_cpus_per_worker, num_gpus_per_worker, list(preload))
@@ -330,8 +333,19 @@ class WorkerGroup:
 
     def _on_ranks(self, ranks: Sequence[int], what: str, submit: Callable[[Any, int], ray.ObjectRef]) -> WorkerFutures:
         """Submit ``submit(actor, rank)`` for each rank; ``what`` names the call in error messages."""
+        self._follow_trace()
         refs = tuple(submit(self._actors[r], r) for r in ranks)
         return WorkerFutures(refs, tuple(ranks), what)
+
+    def _follow_trace(self) -> None:
+        """Tell the actors where the run's trace records worker spans when that changed since
+        they last heard (a group launched before the run's watchdog opened its trace, e.g. the
+        policy ``nrl train`` starts early); Ray runs the message before the call that follows."""
+        trace_dir = os.environ.get(TRACE_DIR_ENV)
+        if trace_dir != self._trace_dir:
+            self._trace_dir = trace_dir
+            for actor in self._actors:
+                actor.nrl_trace_into.options(enable_task_events=False).remote(trace_dir)
 
     def run_all_async(self, method: Method, *args: Any, **kwargs: Any) -> WorkerFutures:
         """Call ``method(*args, **kwargs)`` on every rank; the arguments are stored once for all."""

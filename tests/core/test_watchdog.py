@@ -87,11 +87,10 @@ def test_bad_values_are_one_line_errors_naming_the_key() -> None:
 
 def test_on_demand_dump_then_a_rank_stuck_in_a_collective(worker_path: None, tmp_path: Path) -> None:
     init_ray(CLUSTER)
-    pids: list[int] = []
+    group = WorkerGroup(WORKER, 2, name="pair")  # launched before the trace opens, as nrl train's early policy
+    pids = [info.pid for info in group.infos]
     with pytest.raises(HangError) as info:
         with fast(tmp_path, floor_s=3) as dog:
-            group = WorkerGroup(WORKER, 2, name="pair")  # started under the run's trace, like a run's groups
-            pids += [info.pid for info in group.infos]
             with phase("training"):
                 group.run_all("all_reduce", 1.0)
             os.kill(os.getpid(), SIGNAL)  # what ``nrl stacks`` sends

@@ -1,7 +1,8 @@
 """The watchdog through ``nrl train sft`` on two real ranks: while rank 1's checkpoint save never
 returns, ``nrl stacks`` dumps every stack and the run goes on; then the save's limit passes and the
 run ends with one line naming the phase and the rank, every rank's stack on disk, no worker left,
-the previous checkpoint the latest, and a trace of every phase that parses as JSON."""
+the previous checkpoint the latest, and a trace of every phase (and every rank's own calls) that
+parses as JSON; the same command without the hang then resumes from that checkpoint."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ CONFIG = REPO / "examples" / "configs" / "sft_tiny_cpu.yaml"
 
 
 @pytest.mark.slow
-def test_a_blocked_save_is_dumped_on_demand_then_ends_the_run_with_the_last_checkpoint_intact(tmp_path: Path) -> None:
+def test_a_blocked_save_is_dumped_on_demand_then_ends_the_run_with_the_last_checkpoint_resumable(
+        tmp_path: Path) -> None:
     logs, ckpt, mark = tmp_path / "logs", tmp_path / "ckpt", tmp_path / "hanging"
     args = [f"policy.model_name={cached_tiny_model('llama', size='small')}", "cluster.gpus_per_node=2",
             "sft.max_num_steps=4", "sft.val_period=0", "policy.train_global_batch_size=8",
@@ -75,4 +77,17 @@ def test_a_blocked_save_is_dumped_on_demand_then_ends_the_run_with_the_last_chec
     trace = json.loads((logs / "trace.json").read_text())
     names = {event["name"] for event in trace}
     assert {"start_up", "step", "training", "checkpoint_save"} <= names
-    assert all(event["ph"] == "X" and event["dur"] >= 0 for event in trace)
+    assert all(event["ph"] == "X" and event["dur"] >= 0 for event in trace if event["ph"] != "M")
+    rows = {event["pid"]: event["args"]["name"] for event in trace if event["name"] == "process_name"}
+    assert sorted(rows) == sorted(pids) and sorted(name.rsplit(" rank ", 1)[1] for name in rows.values()) == ["0", "1"]
+    for pid in pids:  # each rank's own calls on its own row
+        assert "train" in {event["name"] for event in trace if event["pid"] == pid and event["ph"] == "X"}
+
+    # The same command with the hang gone resumes from step_1 and completes step 2.
+    del env["NRL_PLUGINS"]
+    again = subprocess.run([sys.executable, "-m", "nrl_core.cli", "train", "sft", "--config", str(CONFIG), *args,
+                            "sft.max_num_steps=2"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=400)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resuming from" in again.stdout + again.stderr and "step_1" in again.stdout + again.stderr
+    latest = manager.latest_verified()
+    assert latest is not None and latest.name == "step_2"
