@@ -7,6 +7,14 @@ still answers. :func:`dump_processes` signals processes of this machine and copi
 wrote into the run's log directory; a process that does not answer is named with its state (a
 process in uninterruptible I/O, state ``D``, cannot even be killed). ``py-spy``, when it is
 installed, adds each process's native stack.
+
+A process with a GPU also keeps PyTorch's NCCL flight recorder (``TORCH_NCCL_TRACE_BUFFER_SIZE``,
+set to 2000 entries unless the user set it, before any process group exists) and runs a thread
+that, when asked through a request file beside its stack file, writes the recorder's dump
+(``torch._C._distributed_c10d._dump_nccl_trace``, or ``_dump_fr_trace`` where that is the name)
+into the run's stack directory: the collectives each rank issued, and which it is still in. That
+thread runs Python, so it answers only while the stuck call has released the GIL (NCCL waits do).
+Without a GPU none of this happens.
 """
 
 from __future__ import annotations
@@ -17,15 +25,20 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Sequence
 
-__all__ = ["SIGNAL", "StackTarget", "install_stack_dump", "stack_file", "dump_processes", "process_state"]
+__all__ = ["SIGNAL", "StackTarget", "dump_flight_recorder", "dump_processes", "install_stack_dump", "process_state",
+           "stack_file"]
 
 SIGNAL = signal.SIGUSR1
 _installed: IO[str] | None = None
+#: The flight recorder's ring buffer size: the NCCL name, and the one newer PyTorch reads too.
+FLIGHT_RECORDER_ENV = ("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_FR_BUFFER_SIZE")
+FLIGHT_RECORDER_ENTRIES = "2000"
 
 
 def stack_file(pid: int) -> Path:
@@ -41,7 +54,66 @@ def install_stack_dump() -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
         _installed = open(path, "w")  # truncates what a dead process with this pid left
         faulthandler.register(SIGNAL, file=_installed, all_threads=True, chain=False)
+        if has_gpu():
+            _start_flight_recorder(path)
     return path
+
+
+def has_gpu() -> bool:
+    """Whether this process may use a GPU: ``CUDA_VISIBLE_DEVICES`` names one (Ray sets it for an
+    actor with GPUs, empty for one without), or, unset, the machine has an NVIDIA device."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return visible.strip() not in ("", "-1")
+    return os.path.exists("/dev/nvidiactl")
+
+
+def _flight_recorder_request(pid: int) -> Path:
+    """Where the driver asks process ``pid`` for its flight recorder's dump (the file holds the
+    destination path); ``.fr-ready`` beside it says the process answers such requests."""
+    return stack_file(pid).with_suffix(".fr-request")
+
+
+def _start_flight_recorder(path: Path) -> None:
+    for name in FLIGHT_RECORDER_ENV:  # read when the first NCCL process group is made: before it
+        os.environ.setdefault(name, FLIGHT_RECORDER_ENTRIES)
+    request = _flight_recorder_request(os.getpid())
+    request.unlink(missing_ok=True)
+    threading.Thread(target=_answer_flight_recorder_requests, args=(request,), name="nrl-flight-recorder",
+                     daemon=True).start()
+    path.with_suffix(".fr-ready").touch()
+
+
+def _answer_flight_recorder_requests(request: Path, poll_s: float = 0.5) -> None:
+    while True:
+        time.sleep(poll_s)
+        try:
+            dest = Path(request.read_text().strip())
+        except OSError:
+            continue
+        if dest.name:
+            dump = dump_flight_recorder()
+            partial = dest.with_name(dest.name + ".part")
+            partial.write_bytes(dump if dump is not None else b"")  # empty: this PyTorch has no recorder
+            os.replace(partial, dest)
+        request.unlink(missing_ok=True)
+
+
+def dump_flight_recorder() -> bytes | None:
+    """PyTorch's flight recorder dump of this process (a pickle: ``pickle.loads`` it, or read it
+    with ``torch.distributed.flight_recorder``'s analyzer); None where this PyTorch has none."""
+    try:
+        from torch._C import _distributed_c10d as c10d
+    except Exception:  # no torch, or one built without distributed
+        return None
+    for name in ("_dump_nccl_trace", "_dump_fr_trace"):
+        fn = getattr(c10d, name, None)
+        if fn is not None:
+            try:
+                return bytes(fn())
+            except Exception:  # no NCCL process group here, or nothing recorded
+                continue
+    return None
 
 
 def process_state(pid: int) -> str | None:
@@ -93,8 +165,30 @@ def dump_processes(targets: Sequence[StackTarget], dest: Path, wait_s: float = 5
         state = process_state(target.pid)
         status[label] = ("gone" if state is None else f"no answer (state {state}"
                          f"{': uninterruptible I/O, it cannot be killed either' if state == 'D' else ''})")
+    _flight_recorders([t for t in targets if t.local and status.get(t.label) != "gone"], dest, wait_s, status)
     _native_stacks([t for t in targets if t.local and status.get(t.label) != "gone"], dest)
     return status
+
+
+def _flight_recorders(targets: Sequence[StackTarget], dest: Path, wait_s: float, status: dict[str, str]) -> None:
+    """Ask each target that keeps a flight recorder (a GPU process) for its dump, into
+    ``dest/<label>.nccl_trace.pkl``; notes in ``status`` whether it came."""
+    asked: dict[str, Path] = {}
+    for target in targets:
+        if stack_file(target.pid).with_suffix(".fr-ready").exists():
+            out = dest / f"{target.label}.nccl_trace.pkl"
+            _flight_recorder_request(target.pid).write_text(f"{out}\n")
+            asked[target.label] = out
+    deadline = time.monotonic() + wait_s
+    while asked and time.monotonic() < deadline:
+        time.sleep(0.1)
+        for label, out in list(asked.items()):
+            if out.exists():
+                what = "NCCL flight recorder dumped" if out.stat().st_size else "no flight recorder in this PyTorch"
+                status[label] = f"{status.get(label, '')}; {what}".lstrip("; ")
+                del asked[label]
+    for label in asked:
+        status[label] = f"{status.get(label, '')}; NCCL flight recorder: no answer (its thread needs the GIL)".lstrip("; ")
 
 
 def _settled(path: Path, offset: int) -> bool:
