@@ -69,6 +69,25 @@ def _traced_stream(method: Callable[..., Iterator[Any]]) -> Callable[..., Iterat
     return traced
 
 
+class _BucketSpans:
+    """A refit source whose ``export_weights`` records a ``refit_bucket`` span per bucket, from
+    asking for it until the next ask (exporting it and sending it); everything else is the source's."""
+
+    def __init__(self, source: Any, spans: WorkerSpans) -> None:
+        self._source, self._spans = source, spans
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._source, name)
+
+    def export_weights(self, *args: Any, **kwargs: Any) -> Iterator[Any]:
+        wall, start = time.time(), time.perf_counter()
+        for bucket in self._source.export_weights(*args, **kwargs):
+            yield bucket
+            now = time.perf_counter()
+            self._spans.record("refit_bucket", wall, now - start)
+            wall, start = wall + (now - start), now
+
+
 class WorkerHost(RefitEndpoints):
     """Hosts one rank of a worker group inside a Ray actor process.
 
@@ -206,6 +225,10 @@ class WorkerHost(RefitEndpoints):
             return getattr(self.worker, method)(*args, **kwargs)
         finally:
             self._spans.record(method, wall, time.perf_counter() - start)
+
+    def nrl_refit_source(self) -> Any:
+        source = super().nrl_refit_source()
+        return source if self._spans is None or source is None else _BucketSpans(source, self._spans)
 
     # The refit endpoints the orchestrator calls directly: each a span on this rank's row too...
     nrl_refit_export = _traced(RefitEndpoints.nrl_refit_export)

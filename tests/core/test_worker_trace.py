@@ -1,5 +1,5 @@
 """Every worker's own spans in the run's trace: a host records each call it serves (worker
-methods, refit endpoints, a colocated engine's generation, streamed or not) into its own file, and
+methods, refit endpoints and each refit bucket, a colocated engine's generation, streamed or not) into its own file, and
 the driver merges those into trace.json as one Perfetto row per rank; nothing is recorded without
 a trace."""
 
@@ -51,8 +51,12 @@ def test_each_rank_records_its_calls_and_the_driver_merges_them_one_row_per_rank
     served = [(e["tid"], e["name"]) for e in events if e["ph"] == "X"]
     calls = ["checksums", "nrl_refit_local", "nrl_generate_groups", "generation.checksums"]
     for rank in (0, 1):
-        assert [name for tid, name in served if tid == f"lm_policy-rank{rank}"][:4] == calls
+        assert [name for tid, name in served if tid == f"lm_policy-rank{rank}" and name != "refit_bucket"][:4] == calls
     assert served[-1] == ("lm_policy-rank0", "checksums")
+    buckets = [e for e in events if e["name"] == "refit_bucket" and e["tid"] == "lm_policy-rank0"]
+    refit = next(e for e in events if e["name"] == "nrl_refit_local" and e["tid"] == "lm_policy-rank0")
+    assert len(buckets) == 2 and all(refit["ts"] <= b["ts"] <= b["ts"] + b["dur"] <= refit["ts"] + refit["dur"] + 1
+                                     for b in buckets)  # one span per bucket, inside the transfer
     assert all(e["dur"] >= 0 and e["ts"] > 0 and e["pid"] == 4240 + int(e["tid"][-1]) for e in events if e["ph"] == "X")
 
 
