@@ -24,6 +24,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -91,20 +92,23 @@ def _answer_flight_recorder_requests(request: Path, poll_s: float = 0.5) -> None
             dest = Path(request.read_text().strip())
         except OSError:
             continue
-        if dest.name:
-            dump = dump_flight_recorder()
-            partial = dest.with_name(dest.name + ".part")
-            partial.write_bytes(dump if dump is not None else b"")  # empty: this PyTorch has no recorder
-            os.replace(partial, dest)
+        if not dest.name:
+            continue  # the driver writes requests whole (a rename), but be sure
+        dump = dump_flight_recorder()
+        partial = dest.with_name(dest.name + ".part")
+        partial.write_bytes(dump if dump is not None else b"")  # empty: this PyTorch has no recorder
+        os.replace(partial, dest)
         request.unlink(missing_ok=True)
 
 
 def dump_flight_recorder() -> bytes | None:
     """PyTorch's flight recorder dump of this process (a pickle: ``pickle.loads`` it, or read it
     with ``torch.distributed.flight_recorder``'s analyzer); None where this PyTorch has none."""
+    if "torch" not in sys.modules:  # a process that never imported torch has no process group
+        return None
     try:
         from torch._C import _distributed_c10d as c10d
-    except Exception:  # no torch, or one built without distributed
+    except Exception:  # one built without distributed
         return None
     for name in ("_dump_nccl_trace", "_dump_fr_trace"):
         fn = getattr(c10d, name, None)
@@ -177,7 +181,9 @@ def _flight_recorders(targets: Sequence[StackTarget], dest: Path, wait_s: float,
     for target in targets:
         if stack_file(target.pid).with_suffix(".fr-ready").exists():
             out = dest / f"{target.label}.nccl_trace.pkl"
-            _flight_recorder_request(target.pid).write_text(f"{out}\n")
+            request = _flight_recorder_request(target.pid)
+            request.with_name(request.name + ".part").write_text(f"{out}\n")
+            os.replace(request.with_name(request.name + ".part"), request)  # whole, or not at all
             asked[target.label] = out
     deadline = time.monotonic() + wait_s
     while asked and time.monotonic() < deadline:

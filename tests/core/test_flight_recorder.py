@@ -24,6 +24,8 @@ def test_no_gpu_no_recorder(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_a_gpu_process_dumps_its_recorder_into_the_stack_directory(tmp_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed  # noqa: F401  (a rank has imported it long before it hangs)
+
     for name in stacks.FLIGHT_RECORDER_ENV:
         monkeypatch.delenv(name, raising=False)
     me = stacks.stack_file(os.getpid())
