@@ -72,9 +72,7 @@ class ReinforcePlusPlusEstimator:
 
     def __init__(self, section: Mapping[str, Any], config: Mapping[str, Any]) -> None:
         self.minus_baseline = bool(section.get("minus_baseline", True))
-        loss = config["loss_fn"]
-        self.kl_coef = float(loss["reference_policy_kl_penalty"]) if loss.get("use_kl_in_reward") else 0.0
-        self.kl_type = loss["reference_policy_kl_type"]
+        self.kl = RewardKL(config["loss_fn"])
 
     def __call__(self, inputs: AdvantageInputs) -> torch.Tensor:
         rewards = inputs.rewards.double()
@@ -82,12 +80,23 @@ class ReinforcePlusPlusEstimator:
             baseline, _ = baseline_and_std(rewards, inputs.group_ids, leave_one_out=False)
             rewards = rewards - baseline
         mask = inputs.batch.fields["token_mask"].double()
-        advantages = rewards.unsqueeze(1).expand_as(mask)
-        if self.kl_coef:
-            fields = inputs.batch.fields
-            kl = kl_estimate(fields["prev_logprobs"].double(), fields["reference_logprobs"].double(), self.kl_type)
-            advantages = advantages - self.kl_coef * kl
+        advantages = rewards.unsqueeze(1).expand_as(mask) - self.kl(inputs.batch.fields)
         return whiten(advantages, mask).to(inputs.rewards.dtype)
+
+
+class RewardKL:
+    """beta x KL(policy || reference) per token, the penalty ``loss_fn.use_kl_in_reward`` moves from
+    the loss into the reward (0 without it), for the estimators that take it."""
+
+    def __init__(self, loss_fn: Mapping[str, Any]) -> None:
+        self.coef = float(loss_fn["reference_policy_kl_penalty"]) if loss_fn.get("use_kl_in_reward") else 0.0
+        self.kind = loss_fn["reference_policy_kl_type"]
+
+    def __call__(self, fields: Mapping[str, torch.Tensor]) -> torch.Tensor | float:
+        if not self.coef:
+            return 0.0
+        return self.coef * kl_estimate(fields["prev_logprobs"].double(), fields["reference_logprobs"].double(),
+                                       self.kind)
 
 
 def whiten(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -126,17 +135,12 @@ class GeneralizedAdvantageEstimator:
     def __init__(self, section: Mapping[str, Any], config: Mapping[str, Any]) -> None:
         self.gamma, self.lam = float(section.get("gae_gamma", 1.0)), float(section.get("gae_lambda", 0.95))
         self.normalize = bool(section.get("normalize_advantages", True))
-        loss = config["loss_fn"]
-        self.kl_coef = float(loss["reference_policy_kl_penalty"]) if loss.get("use_kl_in_reward") else 0.0
-        self.kl_type = loss["reference_policy_kl_type"]
+        self.kl = RewardKL(config["loss_fn"])
 
     def __call__(self, inputs: AdvantageInputs) -> torch.Tensor:
         fields = inputs.batch.fields
         mask = fields["token_mask"].double()
-        token_rewards = torch.zeros_like(mask)
-        if self.kl_coef:
-            token_rewards -= self.kl_coef * kl_estimate(fields["prev_logprobs"].double(),
-                                                         fields["reference_logprobs"].double(), self.kl_type)
+        token_rewards = torch.zeros_like(mask) - self.kl(fields)
         last = mask.shape[1] - 1 - mask.fliplr().argmax(dim=1)
         rows = mask.any(dim=1).nonzero().flatten()
         token_rewards[rows, last[rows]] += inputs.rewards.double()[rows]

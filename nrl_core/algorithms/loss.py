@@ -62,6 +62,11 @@ def kl_estimate(
     return kl
 
 
+def sequence_mean(x: torch.Tensor, token_mask: torch.Tensor) -> torch.Tensor:
+    """Each sequence's mean of ``x`` over its ``token_mask`` tokens (0 for a sequence without any)."""
+    return (x * token_mask).sum(1) / token_mask.sum(1).clamp_min(1)
+
+
 def _finite(x: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
 
@@ -153,8 +158,7 @@ class ClippedPGLoss(ConfiguredLoss):
         def mean(x: torch.Tensor) -> torch.Tensor:
             if self.token_level_loss:
                 return token_mean(x)
-            per_sequence = (x * token_mask).sum(1) / token_mask.sum(1).clamp_min(1)
-            return (per_sequence * sample_mask).sum() / seqs
+            return (sequence_mean(x, token_mask) * sample_mask).sum() / seqs
 
         ratio, clipped = self._ratios(logprobs, prev, token_mask)
         pg = self._objective(logprobs, advantages, ratio, clipped)
@@ -195,8 +199,7 @@ class ClippedPGLoss(ConfiguredLoss):
             return logprobs, logprobs
         log_ratio = logprobs - prev
         if self.sequence_level_importance_ratios:
-            per_sequence = (log_ratio * token_mask).sum(1) / token_mask.sum(1).clamp_min(1)
-            log_ratio = per_sequence.unsqueeze(1).expand_as(logprobs)
+            log_ratio = sequence_mean(log_ratio, token_mask).unsqueeze(1).expand_as(logprobs)
         ratio = log_ratio.exp()
         return ratio, ratio.clamp(1 - self.ratio_clip_min, 1 + self.ratio_clip_max)
 
@@ -236,7 +239,7 @@ class ClippedPGLoss(ConfiguredLoss):
                 outside = float(token_mean((~kept).to(weights.dtype)))
                 return torch.where(kept, weights, torch.zeros_like(weights)), {"is_oob_ratio": outside}
             log_weights = _finite(prev - generation)
-            geometric = ((log_weights * token_mask).sum(1) / token_mask.sum(1).clamp_min(1)).exp()
+            geometric = sequence_mean(log_weights, token_mask).exp()
             kept_sequences = ((geometric >= low) & (geometric <= high)).to(weights.dtype)
             outside = float(((1 - kept_sequences) * sample_mask).sum() / seqs)
             return weights * kept_sequences.unsqueeze(1), {"is_oob_ratio": outside}
