@@ -1,42 +1,90 @@
 #!/usr/bin/env bash
-# The GPU check (benchmarks/gpu/gpu_check.py) on a machine where only PyTorch is installed:
-# DTensor FSDP2 and Megatron-Core training steps (bf16, NCCL, every visible GPU) on a small model
-# built locally, logprobs against HF, tokens/s and MFU, device memory given back by offload (mem_get_info).
+# The GPU acceptance run, on a machine where only PyTorch is installed (Python 3.11 or 3.12):
+#   backends  benchmarks/gpu/gpu_check.py: DTensor FSDP2 and Megatron-Core through the core's code
+#             paths in bf16 on a 0.69B Llama built locally (packed logprobs vs HF fp32, reference
+#             pass, GRPO's loss with KL, checkpoint round trip, weight export, offload measured with
+#             mem_get_info) and a Qwen3-MoE model; torch.multiprocessing ranks, no Ray.
+#   grpo      benchmarks/gpu/grpo_check.py: `nrl train sft` then `nrl train grpo` on one GPU with
+#             Ray, the DTensor backend and rollouts from nrl-gen-hf; passes when the reward rises.
 #
-#   scripts/gpu_check.sh [--wheels DIR] [--dry-run] [--out FILE] [--world N] [--backends dtensor,megatron]
-#   scripts/gpu_check.sh --download-wheels DIR   # where pip can reach an index: fill DIR for Python 3.11 and 3.12
+#   scripts/gpu_check.sh [--wheels DIR] [--out DIR] [--parts backends,grpo] [--dry-run]
+#   scripts/gpu_check.sh --download-wheels DIR   # where pip reaches an index: the wheels a bare machine needs
 #
-# --wheels DIR installs megatron-core, transformers and the pure-Python packages nrl imports from DIR
-# (no network) into .venv-gpu-check, a venv that sees the system's PyTorch (--system-site-packages).
-# Without it the interpreter ($PYTHON, default python3) must already have them. The project itself is
-# used from this checkout through PYTHONPATH; Ray and vLLM are never imported. Exit status: 0 all
-# checks passed, 1 a check failed, 2 no GPU (use --dry-run for the CPU path).
-set -euo pipefail
+# --wheels DIR installs every wheel in DIR (no index, no dependency resolution: DIR holds what the
+# machine lacks) and this checkout's distributions, editable, into the interpreter's environment
+# ($PYTHON, default python3): meant for a disposable GPU machine. The grpo part needs the editable
+# install (plugins are found through their entry points); the backends part runs from the checkout.
+# Each part has a time limit (NRL_GPU_CHECK_BACKENDS_S, NRL_GPU_CHECK_GRPO_S) so that one hang
+# still leaves the other's result. Results: DIR/backends.json, DIR/grpo.json. Exit status: 0 every
+# check passed, 1 one failed, 2 no GPU (use --dry-run for the CPU path).
+set -uo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
+DISTS=(. nrl_backend_dtensor nrl_backend_megatron plugins/nrl_gen_hf plugins/nrl_env_math)
 
 if [[ "${1:-}" == "--download-wheels" ]]; then
+  set -e
   dir="${2:?usage: scripts/gpu_check.sh --download-wheels DIR}"
   mkdir -p "$dir"
   "$PY" benchmarks/gpu/requirements.py > "$dir/requirements.txt"
   for version in 3.11 3.12; do
     "$PY" -m pip download --quiet --no-deps --only-binary=:all: --python-version "$version" \
       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-      --platform any -d "$dir" -r "$dir/requirements.txt"
+      --platform any -d "$dir/full" -r "$dir/requirements.txt"
   done
-  echo "wheels for Python 3.11 and 3.12 in $dir; carry it to the GPU machine and run: scripts/gpu_check.sh --wheels $dir"
+  for wheel in "$dir"/full/*.whl; do  # Ray without its Java worker and dashboard bundle
+    case "$(basename "$wheel")" in
+      ray-*) "$PY" benchmarks/gpu/slim_wheel.py "$wheel" "$dir" >/dev/null ;;
+      *) mv "$wheel" "$dir/" ;;
+    esac
+  done
+  rm -rf "$dir/full"
+  echo "wheels for Python 3.11 and 3.12 in $dir; keep one Python's wheels, drop what the GPU machine already has,"
+  echo "carry the folder there and run: scripts/gpu_check.sh --wheels $dir"
   exit 0
 fi
 
-if [[ "${1:-}" == "--wheels" ]]; then
-  dir="${2:?usage: scripts/gpu_check.sh --wheels DIR [arguments]}"
-  shift 2
-  venv=.venv-gpu-check
-  [[ -x "$venv/bin/python" ]] || "$PY" -m venv --system-site-packages "$venv"
-  "$venv/bin/python" -m pip install --quiet --no-index --find-links "$dir" -r "$dir/requirements.txt"
-  PY="$venv/bin/python"
+wheels="" out="" parts="backends,grpo" dry=()
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --wheels) wheels="${2:?--wheels DIR}"; shift 2 ;;
+    --out) out="${2:?--out DIR}"; shift 2 ;;
+    --parts) parts="${2:?--parts backends,grpo}"; shift 2 ;;
+    --dry-run) dry=(--dry-run); shift ;;
+    *) echo "gpu_check: unknown argument $1 (see the header of scripts/gpu_check.sh)" >&2; exit 64 ;;
+  esac
+done
+out="${out:-results/gpu_check}"
+mkdir -p "$out"
+
+if [[ -n "$wheels" ]]; then
+  shopt -s nullglob
+  found=("$wheels"/*.whl)
+  if ((${#found[@]})); then
+    "$PY" -m pip install --quiet --no-index --no-deps --disable-pip-version-check "${found[@]}" || exit 1
+  fi
+  editable=()
+  for dist in "${DISTS[@]}"; do editable+=(-e "$dist"); done
+  "$PY" -m pip install --quiet --no-index --no-deps --no-build-isolation --ignore-requires-python \
+    --disable-pip-version-check "${editable[@]}" || exit 1
 fi
 
-export PYTHONPATH="$PWD:$PWD/nrl_backend_dtensor/src:$PWD/nrl_backend_megatron/src${PYTHONPATH:+:$PYTHONPATH}"
-export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" TOKENIZERS_PARALLELISM=false
-exec "$PY" benchmarks/gpu/gpu_check.py "$@"
+export PYTHONPATH="$PWD:$PWD/nrl_backend_dtensor/src:$PWD/nrl_backend_megatron/src:$PWD/plugins/nrl_gen_hf/src:$PWD/plugins/nrl_env_math/src${PYTHONPATH:+:$PYTHONPATH}"
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+status=0
+if [[ ",$parts," == *",backends,"* ]]; then
+  timeout --kill-after=10 "${NRL_GPU_CHECK_BACKENDS_S:-900}" "$PY" benchmarks/gpu/gpu_check.py "${dry[@]}" \
+    --out "$out/backends.json"
+  code=$?
+  ((code == 124)) && echo "backends: FAIL timed out after ${NRL_GPU_CHECK_BACKENDS_S:-900} s (partial results in $out/backends.json)"
+  ((code == 2)) && exit 2
+  ((code)) && status=1
+fi
+if [[ ",$parts," == *",grpo,"* ]]; then
+  timeout --kill-after=10 "${NRL_GPU_CHECK_GRPO_S:-900}" "$PY" benchmarks/gpu/grpo_check.py "${dry[@]}" \
+    --out "$out/grpo.json" --workdir "$out/grpo_run"
+  code=$?
+  ((code == 124)) && echo "grpo: FAIL timed out after ${NRL_GPU_CHECK_GRPO_S:-900} s (its logs: $out/grpo_run/*.log)"
+  ((code)) && status=1
+fi
+exit $status

@@ -44,33 +44,59 @@ for _path in (ROOT, ROOT / "nrl_backend_dtensor" / "src", ROOT / "nrl_backend_me
 #: Dense bf16 peak per device (FLOP/s), matched against ``torch.cuda.get_device_name()``.
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "B200": 2250e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
 BACKENDS = ("dtensor", "megatron")
-TOLERANCE = {"float32": 1e-3, "bfloat16": 0.25}  # max |logprob - HF fp32 logprob|; bf16 rounds every matmul
+#: Bounds on |logprob - HF fp32 logprob| over the valid tokens: (max, mean). bf16 rounds every
+#: matmul input to 8 bits of mantissa; fp32 differs from HF only in summation order.
+TOLERANCE = {"float32": (1e-3, 1e-4), "bfloat16": (0.25, 0.02)}
+#: Logprobs that must come out identical up to kernel nondeterminism: the reference pass before
+#: any update, and the same weights after a checkpoint round trip.
+SAME_WEIGHTS = 1e-4
 GIVEN_BACK = 0.9  # share of the device memory the worker held that offload must return to the driver
+KL_PENALTY = 0.01  # GRPO's loss with a reference-KL term, so the reference path is in the step
 
 
 def _settings(dry_run: bool) -> dict[str, Any]:
     if dry_run:
-        return {"size": "tiny", "rows": 4, "seq": 32, "steps": 2, "precision": "float32"}
-    return {"size": "bench", "rows": 32, "seq": 512, "steps": 5, "precision": "bfloat16"}
+        return {"size": "tiny", "vocab": 512, "rows": 4, "seq": 32, "steps": 2, "precision": "float32",
+                "moe_size": "tiny"}
+    return {"size": "gpu", "vocab": 32768, "rows": 16, "seq": 1024, "steps": 4, "precision": "bfloat16",
+            "moe_size": "bench"}
 
 
 def _batch(rows: int, seq: int, vocab: int, seed: int = 0) -> Any:
+    """Rows of four lengths (seq down to 5/8 of it), padded on the right: packing has work to do."""
     from nrl_core.contracts import TokenBatch
 
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(4, vocab, (rows, seq), generator=g)
-    mask = torch.ones(rows, seq)
-    mask[:, 0] = 0
-    return TokenBatch(input_ids=ids, input_lengths=torch.full((rows,), seq), fields={"token_mask": mask})
+    lengths = torch.tensor([seq - (i % 4) * (seq // 8) for i in range(rows)])
+    mask = torch.zeros(rows, seq)
+    for i, n in enumerate(lengths.tolist()):
+        ids[i, n:] = 3
+        mask[i, 1:n] = 1.0
+    return TokenBatch(input_ids=ids, input_lengths=lengths, fields={"token_mask": mask})
+
+
+def _rl_batch(batch: Any, logprobs: torch.Tensor, reference: torch.Tensor) -> Any:
+    """``batch`` with the fields GRPO's loss reads: advantages of both signs, on-policy logprobs."""
+    from nrl_core.contracts import TokenBatch
+
+    mask = batch.fields["token_mask"]
+    signs = torch.tensor([1.0, -1.0]).repeat((batch.input_ids.shape[0] + 1) // 2)[: batch.input_ids.shape[0]]
+    fields = dict(batch.fields, advantages=signs[:, None] * mask, prev_logprobs=logprobs * mask,
+                  generation_logprobs=logprobs * mask, reference_logprobs=reference * mask,
+                  sample_mask=torch.ones(batch.input_ids.shape[0]))
+    return TokenBatch(input_ids=batch.input_ids, input_lengths=batch.input_lengths, fields=fields)
 
 
 def _policy(model: str, settings: dict[str, Any], world: int) -> dict[str, Any]:
     micro = max(1, settings["rows"] // (world * 2))
+    tokens = micro * settings["seq"]
     return {"model_name": model, "trust_remote_code": False, "precision": settings["precision"],
             "train_global_batch_size": settings["rows"], "train_micro_batch_size": micro,
             "logprob_batch_size": micro, "max_total_sequence_length": settings["seq"], "max_grad_norm": 1.0,
             "hf_config_overrides": {}, "seed": 1234, "logprob_chunk_size": None,
-            "sequence_packing": {"enabled": False}, "dynamic_batching": {"enabled": False}}
+            "sequence_packing": {"enabled": True, "train_mb_tokens": tokens, "logprob_mb_tokens": tokens},
+            "dynamic_batching": {"enabled": False}}
 
 
 def _config(backend: str, model: str, settings: dict[str, Any], world: int) -> dict[str, Any]:
@@ -93,13 +119,24 @@ def _config(backend: str, model: str, settings: dict[str, Any], world: int) -> d
     return {"policy": policy}
 
 
-def _hf_logprobs(model_dir: str, batch: Any) -> torch.Tensor:
+def _hf_logprobs(model_dir: str, batch: Any, cuda: bool) -> torch.Tensor:
+    """HF ``transformers`` in fp32 (no TF32) on the same weights, on the device when there is one."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    device = "cuda" if cuda else "cpu"
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+    ids = batch.input_ids.to(device)
+    attention = (torch.arange(ids.shape[1])[None] < batch.input_lengths[:, None]).long().to(device)
+    rows = []
     with torch.no_grad():
-        logits = model(batch.input_ids).logits.float()
-    lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, batch.input_ids[:, 1:, None])[..., 0]
+        for i in range(ids.shape[0]):  # one row at a time: a 32k-vocabulary fp32 logits tensor per row
+            logits = model(ids[i : i + 1], attention_mask=attention[i : i + 1]).logits.float()
+            rows.append(torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[i : i + 1, 1:, None])[..., 0].cpu())
+    del model
+    if cuda:
+        torch.cuda.empty_cache()
+    lp = torch.cat(rows)
     return torch.cat([torch.zeros(lp.shape[0], 1), lp], 1)
 
 
@@ -120,51 +157,158 @@ def _peak(cuda: bool) -> float | None:
     return next((flops for key, flops in PEAK_FLOPS.items() if key in name), None)
 
 
-def check_backend(backend: str, model: str, settings: dict[str, Any], rank: int, world: int,
-                  reference: torch.Tensor, n_params: int) -> dict[str, Any]:
-    """One backend on this rank: logprobs vs HF, timed steps, offload. Collective over the ranks."""
-    from nrl_core.algorithms.loss import NLLLoss
+def _worker_class(backend: str) -> Any:
+    if backend == "dtensor":
+        from nrl_backend_dtensor.worker import DTensorPolicyWorker
+
+        return DTensorPolicyWorker
+    from nrl_backend_megatron.worker import MegatronPolicyWorker
+
+    return MegatronPolicyWorker
+
+
+def _gather(shard: Any, batch: Any) -> torch.Tensor:
     from nrl_core.testing.distributed import gather_shards
 
-    cuda = torch.cuda.is_available()
-    free_at_start = _free(cuda)
-    if backend == "dtensor":
-        from nrl_backend_dtensor.worker import DTensorPolicyWorker as Worker
-    else:
-        from nrl_backend_megatron.worker import MegatronPolicyWorker as Worker
-    worker = Worker(_config(backend, model, settings, world), rank=rank, world_size=world)
-    batch = _batch(settings["rows"], settings["seq"], 512)
-    logprobs = gather_shards(worker.get_logprobs(batch), batch).float().cpu()
-    diff = float((logprobs[:, 1:] - reference[:, 1:]).abs().max())
+    return gather_shards(shard, batch).float().cpu()
 
-    loss = NLLLoss()
-    worker.train(batch, loss)  # warm-up: allocations, kernels
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor, valid: torch.Tensor) -> float:
+    return float((a - b).abs()[valid].max())
+
+
+def _export_rate(worker: Any, cuda: bool) -> dict[str, float]:
+    """The training half of a refit: every weight streamed in bf16 buckets, as a generation engine
+    receives them, against a plain device-to-device copy of as many bytes (the memory's own speed)."""
     _sync(cuda)
     start = time.perf_counter()
-    losses = [float(worker.train(batch, loss)["loss"]) for _ in range(settings["steps"])]
+    total = 0
+    for bucket in worker.export_weights(1 << 30, "bfloat16"):
+        total += sum(t.numel() * t.element_size() for _, t in bucket)
     _sync(cuda)
     seconds = time.perf_counter() - start
-    tokens_per_s = settings["steps"] * settings["rows"] * settings["seq"] / seconds
-    peak = _peak(cuda)
-    mfu = 6 * n_params * tokens_per_s / (peak * world) if peak else None
+    device = "cuda" if cuda else "cpu"
+    source = torch.empty(total, dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    target.copy_(source)
+    _sync(cuda)
+    start = time.perf_counter()
+    target.copy_(source)
+    _sync(cuda)
+    copy_seconds = time.perf_counter() - start
+    del source, target
+    return {"export_bytes": total, "export_seconds": seconds, "export_bytes_per_s": total / seconds,
+            "copy_bytes_per_s": total / copy_seconds, "export_vs_copy": copy_seconds / seconds}
 
-    before = _free(cuda)
+
+def check_backend(backend: str, model: str, settings: dict[str, Any], rank: int, world: int, batch: Any,
+                  hf: torch.Tensor, n_params: int, workdir: Path) -> dict[str, Any]:
+    """The core's code paths on this rank, in a GRPO step's order: logprobs (packed) against HF,
+    the reference pass, timed training steps with GRPO's loss and its KL term, the reference
+    unchanged by them, a checkpoint round trip, the weight export of a refit, and the colocated
+    hand-off (offload, prepare) measured with ``mem_get_info``. Collective over the ranks."""
+    from nrl_core.algorithms.loss import ClippedPGLoss
+
+    cuda = torch.cuda.is_available()
+    valid = batch.fields["token_mask"].bool()
+    memory = {"free_at_start": _free(cuda)}
+    start = time.perf_counter()
+    worker = _worker_class(backend)(_config(backend, model, settings, world), rank=rank, world_size=world)
+    _sync(cuda)
+    startup = time.perf_counter() - start
+    memory["free_after_build"] = _free(cuda)
+    result: dict[str, Any] = {"startup_seconds": startup}
+
+    logprobs = _gather(worker.get_logprobs(batch), batch)
+    reference = _gather(worker.get_reference_logprobs(batch), batch)
+    diff = (logprobs - hf).abs()[valid]
+    result.update(logprob_max_abs_diff=float(diff.max()), logprob_mean_abs_diff=float(diff.mean()),
+                  reference_vs_policy_before_training=_max_diff(reference, logprobs, valid))
+
+    loss = ClippedPGLoss(reference_policy_kl_penalty=KL_PENALTY)
+    rl = _rl_batch(batch, logprobs, reference)
+    worker.train(rl, loss)  # warm-up: allocations, kernels
+    _sync(cuda)
+    start = time.perf_counter()
+    metrics = [worker.train(rl, loss) for _ in range(settings["steps"])]
+    _sync(cuda)
+    seconds = time.perf_counter() - start
+    tokens = int(batch.input_lengths.sum())
+    tokens_per_s = settings["steps"] * tokens / seconds
+    peak = _peak(cuda)
+    memory["free_after_training"] = _free(cuda)
+    result.update(tokens_per_s=tokens_per_s, tokens_per_s_per_device=tokens_per_s / world,
+                  mfu=6 * n_params * tokens_per_s / (peak * world) if peak else None,
+                  losses=[float(m["loss"]) for m in metrics])
+
+    trained = _gather(worker.get_logprobs(batch), batch)
+    reference_after = _gather(worker.get_reference_logprobs(batch), batch)
+    result.update(policy_moved=_max_diff(trained, logprobs, valid),
+                  reference_after_training_vs_before=_max_diff(reference_after, reference, valid))
+
+    checkpoint = workdir / backend / "checkpoint"
+    worker.save_checkpoint(str(checkpoint))
+    worker.finalize_checkpoint()
+    worker.train(rl, loss)
+    worker.load_checkpoint(str(checkpoint))
+    result["checkpoint_round_trip_diff"] = _max_diff(_gather(worker.get_logprobs(batch), batch), trained, valid)
+
+    result.update(_export_rate(worker, cuda))
+    memory["free_before_offload"] = _free(cuda)
     worker.offload_before_refit()
+    _sync(cuda)
+    memory["free_after_offload_before_refit"] = _free(cuda)
     worker.offload_after_refit()
     _sync(cuda)
-    offloaded = _free(cuda)
+    memory["free_after_offload_after_refit"] = _free(cuda)
     worker.prepare_for_training()
-    after_loss = float(worker.train(batch, loss)["loss"])
-    restored = _free(cuda)
-    held = free_at_start - before
-    result = {"logprob_max_abs_diff": diff, "tolerance": TOLERANCE[settings["precision"]],
-              "tokens_per_s": tokens_per_s, "tokens_per_s_per_device": tokens_per_s / world, "mfu": mfu,
-              "losses": losses, "loss_after_offload": after_loss,
-              "device_bytes_held_by_worker": held, "device_bytes_free_before_offload": before,
-              "device_bytes_free_after_offload": offloaded, "device_bytes_given_back": offloaded - before,
-              "device_bytes_free_after_prepare": restored}
-    result["ok"] = bool(diff <= result["tolerance"] and all(math.isfinite(v) for v in [*losses, after_loss])
-                        and (not cuda or offloaded - before >= GIVEN_BACK * held))
+    result["loss_after_offload"] = float(worker.train(rl, loss)["loss"])
+    memory["free_after_prepare"] = _free(cuda)
+    held = memory["free_at_start"] - memory["free_before_offload"]
+    given_back = memory["free_after_offload_after_refit"] - memory["free_before_offload"]
+    result.update(memory=memory, device_bytes_held_by_worker=held, device_bytes_given_back=given_back)
+
+    bound_max, bound_mean = TOLERANCE[settings["precision"]]
+    result["tolerance"] = {"max": bound_max, "mean": bound_mean, "same_weights": SAME_WEIGHTS}
+    finite = all(math.isfinite(v) for v in [*result["losses"], result["loss_after_offload"]])
+    result["checks"] = {
+        "logprobs_match_hf": result["logprob_max_abs_diff"] <= bound_max and result["logprob_mean_abs_diff"] <= bound_mean,
+        "reference_equals_initial_policy": result["reference_vs_policy_before_training"] <= SAME_WEIGHTS,
+        "training_moves_policy_not_reference": result["policy_moved"] > SAME_WEIGHTS
+        and result["reference_after_training_vs_before"] <= SAME_WEIGHTS,
+        "checkpoint_round_trip": result["checkpoint_round_trip_diff"] <= SAME_WEIGHTS,
+        "finite_losses": finite,
+        "offload_gives_back": not cuda or given_back >= GIVEN_BACK * held,
+    }
+    result["ok"] = all(result["checks"].values())
+    _close(worker, cuda)
+    return result
+
+
+def check_moe(backend: str, model: str, settings: dict[str, Any], rank: int, world: int, batch: Any,
+              hf: torch.Tensor) -> dict[str, Any]:
+    """A mixture-of-experts model (Qwen3-MoE shapes): packed logprobs against HF and a finite
+    training step with GRPO's loss, through the same worker."""
+    from nrl_core.algorithms.loss import ClippedPGLoss
+
+    cuda = torch.cuda.is_available()
+    valid = batch.fields["token_mask"].bool()
+    worker = _worker_class(backend)(_config(backend, model, settings, world), rank=rank, world_size=world)
+    logprobs = _gather(worker.get_logprobs(batch), batch)
+    diff = (logprobs - hf).abs()[valid]
+    metrics = worker.train(_rl_batch(batch, logprobs, logprobs), ClippedPGLoss(reference_policy_kl_penalty=KL_PENALTY))
+    bound_max, bound_mean = TOLERANCE[settings["precision"]]
+    result = {"logprob_max_abs_diff": float(diff.max()), "logprob_mean_abs_diff": float(diff.mean()),
+              "loss": float(metrics["loss"])}
+    result["checks"] = {"logprobs_match_hf": result["logprob_max_abs_diff"] <= bound_max
+                        and result["logprob_mean_abs_diff"] <= bound_mean,
+                        "finite_loss": math.isfinite(result["loss"])}
+    result["ok"] = all(result["checks"].values())
+    _close(worker, cuda)
+    return result
+
+
+def _close(worker: Any, cuda: bool) -> None:
     shutdown = getattr(worker, "shutdown", None)
     if callable(shutdown):
         shutdown()
@@ -172,7 +316,24 @@ def check_backend(backend: str, model: str, settings: dict[str, Any], rank: int,
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
-    return result
+
+
+def _guarded(name: str, fn: Any, *args: Any) -> dict[str, Any]:
+    """One check; an exception is its result (the other checks still run and report)."""
+    try:
+        return fn(*args)
+    except Exception as exc:  # noqa: BLE001 - reported, with where it came from
+        import traceback
+
+        return {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:2000],
+                "traceback": traceback.format_exc()[-6000:], "check": name}
+
+
+def _n_params(model: str) -> int:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return sum(p.numel() for p in AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model)).parameters())
 
 
 def _rank(rank: int, world: int, port: int, args: dict[str, Any], out: str) -> None:
@@ -190,24 +351,39 @@ def _rank(rank: int, world: int, port: int, args: dict[str, Any], out: str) -> N
 
     dist.init_process_group(process_group_backend(cuda), rank=rank, world_size=world)
     settings = _settings(args["dry_run"])
-    model = args["model"]
-    batch = _batch(settings["rows"], settings["seq"], 512)
-    reference = _hf_logprobs(model, batch)
-    from transformers import AutoConfig, AutoModelForCausalLM
+    summary: dict[str, Any] = {
+        "device": torch.cuda.get_device_name() if cuda else "cpu (dry run)", "world": world,
+        "backend": process_group_backend(cuda), "torch": torch.__version__, "python": sys.version.split()[0],
+        "settings": settings, "results": {}}
 
-    with torch.device("meta"):
-        n_params = sum(p.numel() for p in AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model))
-                       .parameters())
-    results: dict[str, Any] = {}
-    for backend in args["backends"]:
-        results[backend] = check_backend(backend, model, settings, rank, world, reference, n_params)
-        dist.barrier()
-    if rank == 0:
-        summary = {"device": torch.cuda.get_device_name() if cuda else "cpu (dry run)", "world": world,
-                   "backend": process_group_backend(cuda), "torch": torch.__version__, "python": sys.version.split()[0],
-                   "model": {"size": settings["size"], "parameters": n_params}, "settings": settings,
-                   "results": results, "ok": all(r["ok"] for r in results.values())}
-        Path(out).write_text(json.dumps(summary, indent=1))
+    def publish() -> None:  # after every check, so a crash or a hang later keeps what ran
+        if rank == 0:
+            summary["ok"] = bool(summary["results"]) and all(r["ok"] for r in summary["results"].values())
+            Path(out).write_text(json.dumps(summary, indent=1))
+
+    workdir = Path(args["workdir"])
+    if "dense" in args["models"]:
+        model = args["model"]
+        batch = _batch(settings["rows"], settings["seq"], settings["vocab"])
+        hf = _hf_logprobs(model, batch, cuda)
+        n_params = _n_params(model)
+        summary["model"] = {"family": "llama", "size": settings["size"], "parameters": n_params}
+        for backend in args["backends"]:
+            summary["results"][backend] = _guarded(backend, check_backend, backend, model, settings, rank, world,
+                                                   batch, hf, n_params, workdir)
+            publish()
+            dist.barrier()
+    if "moe" in args["models"]:
+        model = args["moe_model"]
+        batch = _batch(settings["rows"], settings["seq"] // 2, 512, seed=1)
+        hf = _hf_logprobs(model, batch, cuda)
+        summary["moe_model"] = {"family": "qwen3_moe", "size": settings["moe_size"], "parameters": _n_params(model)}
+        for backend in args["backends"]:
+            summary["results"][f"{backend}-moe"] = _guarded(f"{backend}-moe", check_moe, backend, model, settings,
+                                                            rank, world, batch, hf)
+            publish()
+            dist.barrier()
+    publish()
     dist.destroy_process_group()
 
 
@@ -218,15 +394,31 @@ def _free_port() -> int:
 
 
 def _report(summary: dict[str, Any]) -> str:
-    lines = [f"{summary['device']} x{summary['world']} ({summary['backend']}, {summary['settings']['precision']}), "
-             f"llama {summary['model']['size']} ({summary['model']['parameters'] / 1e6:.1f}M parameters), "
-             f"batch {summary['settings']['rows']}x{summary['settings']['seq']}"]
+    s = summary["settings"]
+    lines = [f"{summary['device']} x{summary['world']} ({summary['backend']}, {s['precision']}), batch "
+             f"{s['rows']}x{s['seq']} packed, torch {summary['torch']}, Python {summary['python']}"]
+    if "model" in summary:
+        lines.append(f"dense: llama {summary['model']['size']} ({summary['model']['parameters'] / 1e6:.1f}M parameters)")
+    if "moe_model" in summary:
+        lines.append(f"moe: qwen3_moe {summary['moe_model']['size']} "
+                     f"({summary['moe_model']['parameters'] / 1e6:.1f}M parameters)")
     for name, r in summary["results"].items():
-        mfu = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
-        lines.append(f"  {name:9s} {'ok  ' if r['ok'] else 'FAIL'} logprob diff vs HF {r['logprob_max_abs_diff']:.2e} "
-                     f"(<= {r['tolerance']:g}); {r['tokens_per_s']:.0f} tokens/s ({r['tokens_per_s_per_device']:.0f} "
-                     f"per device), MFU {mfu}; offload gave back {r['device_bytes_given_back'] / 2**20:.1f} of "
-                     f"{r['device_bytes_held_by_worker'] / 2**20:.1f} MiB held (>= {100 * GIVEN_BACK:.0f}%)")
+        status = "ok  " if r["ok"] else "FAIL"
+        if "error" in r:
+            lines.append(f"  {name:13s} FAIL {r['error'].splitlines()[0][:300]}")
+            continue
+        failed = [k for k, v in r["checks"].items() if not v]
+        detail = f"logprobs vs HF fp32 max {r['logprob_max_abs_diff']:.2e} mean {r['logprob_mean_abs_diff']:.2e}"
+        if "tokens_per_s" in r:
+            mfu = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
+            mem = r["memory"]
+            detail += (f"; {r['tokens_per_s']:.0f} tokens/s, MFU {mfu}; export {r['export_bytes_per_s'] / 1e9:.1f} GB/s "
+                       f"({r['export_vs_copy']:.2f}x a device copy); offload gave back "
+                       f"{r['device_bytes_given_back'] / 2**30:.2f} of {r['device_bytes_held_by_worker'] / 2**30:.2f} GiB "
+                       f"held (>= {100 * GIVEN_BACK:.0f}%); free GiB build/train/offload/prepare "
+                       f"{mem['free_after_build'] / 2**30:.1f}/{mem['free_after_training'] / 2**30:.1f}/"
+                       f"{mem['free_after_offload_after_refit'] / 2**30:.1f}/{mem['free_after_prepare'] / 2**30:.1f}")
+        lines.append(f"  {name:13s} {status} {detail}" + (f"; failed: {', '.join(failed)}" if failed else ""))
     return "\n".join(lines)
 
 
@@ -235,7 +427,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="CPU, gloo, fp32, a tiny model, two ranks")
     parser.add_argument("--world", type=int, default=None, help="ranks (default: every visible GPU; 2 on a dry run)")
     parser.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated subset of dtensor,megatron")
-    parser.add_argument("--out", default=None, help="write the results as JSON here too")
+    parser.add_argument("--models", default="dense,moe", help="comma-separated subset of dense,moe")
+    parser.add_argument("--out", default=None, help="write the results as JSON here too (after every check)")
     args = parser.parse_args(argv)
     if not args.dry_run and not torch.cuda.is_available():
         print("gpu_check: no CUDA device visible; run with --dry-run to check the code path on the CPU")
@@ -245,20 +438,25 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(backends) - set(BACKENDS))
     if unknown:
         parser.error(f"unknown backends {unknown}; choose from {', '.join(BACKENDS)}")
+    models = [m for m in args.models.split(",") if m]
+    if set(models) - {"dense", "moe"}:
+        parser.error(f"unknown models {sorted(set(models) - {'dense', 'moe'})}; choose from dense, moe")
     from nrl_core.testing.tiny_models import cached_tiny_model
 
-    model = str(cached_tiny_model("llama", size=_settings(args.dry_run)["size"]))  # built here once, for every rank
+    settings = _settings(args.dry_run)
+    # built here once, for every rank
+    model = str(cached_tiny_model("llama", size=settings["size"], vocab_size=settings["vocab"])) \
+        if "dense" in models else None
+    moe_model = str(cached_tiny_model("qwen3_moe", size=settings["moe_size"])) if "moe" in models else None
     with tempfile.TemporaryDirectory(prefix="nrl-gpu-check-") as tmp:
         # the Megatron conversion goes to a private directory unless the caller chose one
         os.environ.setdefault("NRL_MEGATRON_CHECKPOINT_DIR", str(Path(tmp) / "converted"))
-        out = str(Path(tmp) / "results.json")
-        torch.multiprocessing.spawn(_rank, args=(world, _free_port(), {"dry_run": args.dry_run, "backends": backends,
-                                                                       "model": model},
-                                                 out), nprocs=world, join=True)
+        out = args.out or str(Path(tmp) / "results.json")
+        torch.multiprocessing.spawn(_rank, args=(world, _free_port(), {
+            "dry_run": args.dry_run, "backends": backends, "models": models, "model": model, "moe_model": moe_model,
+            "workdir": tmp}, out), nprocs=world, join=True)
         summary = json.loads(Path(out).read_text())
     print(_report(summary))
-    if args.out:
-        Path(args.out).write_text(json.dumps(summary, indent=1))
     return 0 if summary["ok"] else 1
 
 

@@ -44,6 +44,10 @@ SIZES: dict[str, dict[str, int]] = {
     # 25.7M parameters (Llama): benchmarks.
     "bench": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
                   num_key_value_heads=4),
+    # 0.69B parameters (Llama, vocabulary 32768): the GPU acceptance run, at the shapes of a
+    # 0.5-1.5B model (128-wide heads, grouped-query attention), so memory and speed mean something.
+    "gpu": dict(hidden_size=1536, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=12,
+                num_key_value_heads=2),
 }
 
 # Mixture-of-experts shapes per size: attention with 32-wide heads, 8 experts of width
@@ -137,11 +141,13 @@ def build_tiny_model(out_dir: str | os.PathLike[str], family: str = "llama", siz
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
         # Larger-than-default init so a random model's outputs are far from uniform and greedy
-        # decoding is stable under tiny numeric differences between engines.
+        # decoding is stable under tiny numeric differences between engines; the GPU size keeps
+        # the usual 0.02, which at 24 layers keeps activations at a trained model's scale.
+        std = 0.02 if size == "gpu" else 0.08
         with torch.no_grad():
             for name, param in model.named_parameters():
                 if param.dim() >= 2:
-                    param.normal_(0.0, 0.08)
+                    param.normal_(0.0, std)
     finally:
         torch.random.set_rng_state(generator_state)
     model.save_pretrained(str(out), safe_serialization=True)

@@ -32,20 +32,28 @@ def test_without_a_gpu_the_check_says_to_use_the_dry_run(tmp_path: Path) -> None
 
     if torch.cuda.is_available():
         pytest.skip("a GPU is visible")
-    run = _run([], tmp_path)
+    run = _run(["--out", str(tmp_path / "out")], tmp_path)
     assert run.returncode == 2 and "run with --dry-run" in run.stdout, run.stdout + run.stderr[-2000:]
 
 
 @pytest.mark.slow
 def test_dry_run_trains_both_backends_and_matches_hf(tmp_path: Path) -> None:
-    out = tmp_path / "results.json"
-    run = _run(["--dry-run", "--out", str(out)], tmp_path)
+    run = _run(["--dry-run", "--parts", "backends", "--out", str(tmp_path / "out")], tmp_path)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
-    summary = json.loads(out.read_text())
+    summary = json.loads((tmp_path / "out" / "backends.json").read_text())
     assert summary["world"] == 2 and summary["backend"] == "gloo" and summary["ok"] is True
-    assert set(summary["results"]) == {"dtensor", "megatron"}
-    for name, result in summary["results"].items():
+    assert set(summary["results"]) == {"dtensor", "megatron", "dtensor-moe", "megatron-moe"}
+    for name in ("dtensor", "megatron"):
+        result = summary["results"][name]
+        assert all(result["checks"].values()), (name, result["checks"])
         assert result["logprob_max_abs_diff"] <= 1e-4, name  # fp32 on both sides
+        # same weights, same kernels: the reference pass and a checkpoint round trip are exact
+        assert result["reference_vs_policy_before_training"] == 0.0, name
+        assert result["reference_after_training_vs_before"] == 0.0 and result["policy_moved"] > 0, name
+        assert result["checkpoint_round_trip_diff"] == 0.0, name
         assert result["tokens_per_s"] > 0 and result["mfu"] is None, name  # no peak figure for a CPU
-        assert len(result["losses"]) == 2 and result["losses"][-1] < result["losses"][0], name
-    assert "dtensor   ok" in run.stdout and "megatron  ok" in run.stdout
+        assert result["export_bytes"] > 0 and len(result["losses"]) == 2, name
+    for name in ("dtensor-moe", "megatron-moe"):
+        assert summary["results"][name]["logprob_max_abs_diff"] <= 1e-4, name
+    for name in ("dtensor ", "megatron ", "dtensor-moe ", "megatron-moe "):
+        assert f"{name.strip():13s} ok" in run.stdout, run.stdout
