@@ -154,6 +154,8 @@ def to_device(value: T, device: "torch.device | str") -> T:
     if isinstance(value, torch.Tensor):
         if value.device == device or (value.device.type == device.type and device.index is None):
             return value
+        if _is_dtensor(value):  # DTensors have no sharding rule for pinning; they move whole
+            return value.to(device)  # type: ignore[return-value]
         if device.type == "cuda" and value.device.type == "cpu":
             return value.pin_memory().to(device, non_blocking=True)  # type: ignore[return-value]
         return value.to(device)  # type: ignore[return-value]
@@ -168,6 +170,12 @@ def to_device(value: T, device: "torch.device | str") -> T:
     if isinstance(value, (list, tuple)):
         return type(value)(to_device(v, device) for v in value)  # type: ignore[return-value]
     return value
+
+
+def _is_dtensor(value: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(value, DTensor)
 
 
 def _tensors(value: Any, path: str) -> list[tuple[str, "torch.Tensor"]]:

@@ -14,8 +14,8 @@
 # machine lacks) and this checkout's distributions, editable, into the interpreter's environment
 # ($PYTHON, default python3): meant for a disposable GPU machine. The grpo part needs the editable
 # install (plugins are found through their entry points); the backends part runs from the checkout.
-# Each part has a time limit (NRL_GPU_CHECK_BACKENDS_S, NRL_GPU_CHECK_GRPO_S) so that one hang
-# still leaves the other's result. Results: DIR/backends.json, DIR/grpo.json. Exit status: 0 every
+# Parts run in the order given. Each has a time limit (NRL_GPU_CHECK_BACKENDS_S, NRL_GPU_CHECK_GRPO_S)
+# so that one hang still leaves the other's result; NRL_GPU_CHECK_GRPO_STEPS sets GRPO's steps. Results: DIR/backends.json, DIR/grpo.json. Exit status: 0 every
 # check passed, 1 one failed, 2 no GPU (use --dry-run for the CPU path).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -72,19 +72,22 @@ fi
 export PYTHONPATH="$PWD:$PWD/nrl_backend_dtensor/src:$PWD/nrl_backend_megatron/src:$PWD/plugins/nrl_gen_hf/src:$PWD/plugins/nrl_env_math/src${PYTHONPATH:+:$PYTHONPATH}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 status=0
-if [[ ",$parts," == *",backends,"* ]]; then
-  timeout --kill-after=10 "${NRL_GPU_CHECK_BACKENDS_S:-900}" "$PY" benchmarks/gpu/gpu_check.py "${dry[@]}" \
-    --out "$out/backends.json"
-  code=$?
-  ((code == 124)) && echo "backends: FAIL timed out after ${NRL_GPU_CHECK_BACKENDS_S:-900} s (partial results in $out/backends.json)"
-  ((code == 2)) && exit 2
+IFS=, read -r -a order <<< "$parts"
+for part in "${order[@]}"; do
+  case "$part" in
+    backends)
+      timeout --kill-after=10 "${NRL_GPU_CHECK_BACKENDS_S:-900}" "$PY" benchmarks/gpu/gpu_check.py "${dry[@]}" \
+        --out "$out/backends.json"
+      code=$?
+      ((code == 124)) && echo "backends: FAIL timed out after ${NRL_GPU_CHECK_BACKENDS_S:-900} s (partial results in $out/backends.json)"
+      ((code == 2)) && exit 2 ;;
+    grpo)
+      timeout --kill-after=10 "${NRL_GPU_CHECK_GRPO_S:-900}" "$PY" benchmarks/gpu/grpo_check.py "${dry[@]}" \
+        ${NRL_GPU_CHECK_GRPO_STEPS:+--steps "$NRL_GPU_CHECK_GRPO_STEPS"} --out "$out/grpo.json" --workdir "$out/grpo_run"
+      code=$?
+      ((code == 124)) && echo "grpo: FAIL timed out after ${NRL_GPU_CHECK_GRPO_S:-900} s (its logs: $out/grpo_run/*.log)" ;;
+    *) echo "gpu_check: unknown part '$part' (backends, grpo)" >&2; exit 64 ;;
+  esac
   ((code)) && status=1
-fi
-if [[ ",$parts," == *",grpo,"* ]]; then
-  timeout --kill-after=10 "${NRL_GPU_CHECK_GRPO_S:-900}" "$PY" benchmarks/gpu/grpo_check.py "${dry[@]}" \
-    --out "$out/grpo.json" --workdir "$out/grpo_run"
-  code=$?
-  ((code == 124)) && echo "grpo: FAIL timed out after ${NRL_GPU_CHECK_GRPO_S:-900} s (its logs: $out/grpo_run/*.log)"
-  ((code)) && status=1
-fi
+done
 exit $status

@@ -125,9 +125,9 @@ def model_config(family: str, size: str = "tiny", vocab_size: int = 512, **overr
 
 
 def build_tiny_model(out_dir: str | os.PathLike[str], family: str = "llama", size: str = "tiny", seed: int = 0,
-                     **config_overrides: Any) -> Path:
+                     init_std: float | None = None, **config_overrides: Any) -> Path:
     """Write a random-init model of ``family`` and the local tokenizer to ``out_dir``; deterministic
-    for ``seed``. Returns ``out_dir``."""
+    for ``seed``. ``init_std``: the weight matrices' normal std (default below). Returns ``out_dir``."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -143,7 +143,7 @@ def build_tiny_model(out_dir: str | os.PathLike[str], family: str = "llama", siz
         # Larger-than-default init so a random model's outputs are far from uniform and greedy
         # decoding is stable under tiny numeric differences between engines; the GPU size keeps
         # the usual 0.02, which at 24 layers keeps activations at a trained model's scale.
-        std = 0.02 if size == "gpu" else 0.08
+        std = init_std if init_std is not None else 0.02 if size == "gpu" else 0.08
         with torch.no_grad():
             for name, param in model.named_parameters():
                 if param.dim() >= 2:
@@ -155,11 +155,13 @@ def build_tiny_model(out_dir: str | os.PathLike[str], family: str = "llama", siz
 
 
 def cached_tiny_model(family: str = "llama", size: str = "tiny", seed: int = 0, cache_dir: str | None = None,
-                      **config_overrides: Any) -> Path:
+                      init_std: float | None = None, **config_overrides: Any) -> Path:
     """Like :func:`build_tiny_model` but built once per (family, size, seed, overrides) under
     ``cache_dir`` (default ``$NRL_TEST_CACHE`` or the system temp dir) and reused."""
-    key = json.dumps({"family": family, "size": size, "seed": seed, "overrides": config_overrides, "v": 1},
-                     sort_keys=True)
+    spec = {"family": family, "size": size, "seed": seed, "overrides": config_overrides, "v": 1}
+    if init_std is not None:
+        spec["init_std"] = init_std
+    key = json.dumps(spec, sort_keys=True)
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
     root = Path(cache_dir or os.environ.get("NRL_TEST_CACHE") or Path(tempfile.gettempdir()) / "nrl-test-models")
     target = root / f"{family}-{size}-s{seed}-{digest}"
@@ -167,7 +169,7 @@ def cached_tiny_model(family: str = "llama", size: str = "tiny", seed: int = 0, 
         return target
     root.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=root, prefix=f".{target.name}."))
-    build_tiny_model(staging, family=family, size=size, seed=seed, **config_overrides)
+    build_tiny_model(staging, family=family, size=size, seed=seed, init_std=init_std, **config_overrides)
     try:
         staging.rename(target)
     except OSError:  # another process finished first; theirs is identical

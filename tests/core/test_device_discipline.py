@@ -217,3 +217,31 @@ def test_optimizer_state_moves_with_the_optimizer() -> None:
     optimizer.step()
     device.move_optimizer_state(optimizer, torch.device("meta"))
     assert {v.device.type for s in optimizer.state.values() for v in s.values() if v.dim()} == {"meta"}
+
+
+def _dtensor_to_cuda(rank: int, world: int) -> dict:
+    """Where a GPU run failed first: FSDP2's optimizer state is DTensors, which have no sharding
+    rule for ``is_pinned``; they must move through ``DTensor.to``, never through ``pin_memory``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    dt = distribute_tensor(torch.arange(4.0), mesh, [Shard(0)])
+    calls = []
+    original = DTensor.to
+
+    def record(self, *args, **kwargs):  # CUDA is absent here: record the move and stay on the CPU
+        calls.append(str(args[0]))
+        return original(self, "cpu")
+
+    DTensor.to = record
+    try:
+        moved = device.to_device(dt, torch.device("cuda"))
+    finally:
+        DTensor.to = original
+    return {"calls": calls, "dtensor": isinstance(moved, DTensor)}
+
+
+def test_dtensors_move_without_pinning_which_has_no_sharding_rule() -> None:
+    (result,) = run_distributed(_dtensor_to_cuda, 1)
+    assert result == {"calls": ["cuda"], "dtensor": True}

@@ -281,3 +281,28 @@ def test_what_needs_cuda_is_one_line_on_cpu(optimizer: dict, key: str) -> None:
     section = validate({"optimizer": optimizer})
     with pytest.raises(ConfigError, match=f"^{KEY}.optimizer.{key}: .*(CUDA|Transformer Engine)"):
         build_optimizer([], section, "float32")
+
+
+@pytest.mark.parametrize("heads,groups", [(4, 4), (4, 2)])
+def test_packed_attention_runs_each_sequence_on_its_own(heads: int, groups: int) -> None:
+    """The packed (THD) path splits the row at ``cu_seqlens`` and equals the block-diagonal causal
+    mask it replaced (which held row-length^2 scores per head and layer: out of memory on a GPU),
+    grouped-query attention and trailing padding included."""
+    from types import SimpleNamespace
+
+    from nrl_backend_megatron.packed_attention import PackedDotProductAttention, block_causal_mask
+
+    g = torch.Generator().manual_seed(0)
+    total, dim, scale = 23, 8, 0.3
+    q = torch.randn(total, heads, dim, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(total, groups, dim, generator=g, dtype=torch.float64) for _ in range(2))
+    cu = torch.tensor([0, 5, 5, 14, 20])  # an empty sequence, then 3 tokens of padding
+    this = SimpleNamespace(attention_dropout=torch.nn.Dropout(0.0), training=True, softmax_scale=scale)
+    out = PackedDotProductAttention._per_sequence(this, q, k, v, cu)
+
+    kk, vv = (t.repeat_interleave(heads // groups, dim=1) for t in (k, v))
+    scores = torch.einsum("thd,shd->hts", q, kk) * scale
+    scores = scores.masked_fill(block_causal_mask(cu, total)[0], float("-inf"))
+    expected = torch.einsum("hts,shd->thd", scores.softmax(-1), vv).reshape(total, 1, heads * dim)
+    assert out.shape == (total, 1, heads * dim)
+    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)

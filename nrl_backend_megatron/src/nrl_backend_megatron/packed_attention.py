@@ -1,10 +1,13 @@
 """Local-spec core attention that also accepts packed (THD) sequences.
 
-Why: Megatron-Core's local ``DotProductAttention`` (the only attention that runs on CPU) refuses
-``packed_seq_params``; Transformer Engine's handles them but needs CUDA. Packed sequences must not
-attend across their boundaries, so this subclass turns ``cu_seqlens`` into a block-diagonal causal
-mask and reuses the parent's computation. RoPE position resets are done by Megatron's
-``Attention`` itself from the same ``cu_seqlens`` before this is called.
+Why: Megatron-Core's local ``DotProductAttention`` (the attention of machines without Transformer
+Engine, the CPU among them) refuses ``packed_seq_params``; Transformer Engine's handles them but
+needs CUDA. Packed sequences must not attend across their boundaries, so this subclass splits the
+packed row at ``cu_seqlens`` and runs causal SDPA on each sequence: memory and work grow with the
+sum of squared sequence lengths, where a block-diagonal mask over the whole row would hold
+(row length)^2 scores per head and layer for the backward (on a GPU, out of memory at a few
+thousand tokens). RoPE position resets are done by Megatron's ``Attention`` itself from the same
+``cu_seqlens`` before this is called.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
+import torch.nn.functional as F
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
 
@@ -34,9 +38,27 @@ class PackedDotProductAttention(DotProductAttention):
                 attention_bias: Optional[torch.Tensor] = None, packed_seq_params: Any = None) -> torch.Tensor:
         if packed_seq_params is None:
             return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias)
+        if attention_bias is None and getattr(self, "softmax_offset", None) is None:
+            return self._per_sequence(query, key, value, packed_seq_params.cu_seqlens_q)
         # THD: [t, heads, dim] -> [t, 1, heads, dim] (one packed row)
         total = query.shape[0]
         mask = block_causal_mask(packed_seq_params.cu_seqlens_q, total).to(query.device)
         out = super().forward(query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1), mask, attn_mask_type,
                               attention_bias)
         return out.reshape(total, 1, -1)
+
+    def _per_sequence(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      cu_seqlens: torch.Tensor) -> torch.Tensor:
+        """THD ``[t, heads, dim]`` in, ``[t, 1, heads * dim]`` out, each sequence attending only to
+        itself (trailing padding after the last boundary is one more sequence)."""
+        total = query.shape[0]
+        bounds = cu_seqlens.to("cpu").tolist()
+        sizes = [end - start for start, end in zip(bounds, bounds[1:]) if end > start]
+        if bounds[-1] < total:
+            sizes.append(total - bounds[-1])
+        q, k, v = (t.permute(1, 0, 2).unsqueeze(0) for t in (query, key, value))  # [1, heads, t, dim]
+        dropout = self.attention_dropout.p if self.training else 0.0
+        parts = [F.scaled_dot_product_attention(qs, ks, vs, dropout_p=dropout, is_causal=True,
+                                                scale=self.softmax_scale, enable_gqa=q.shape[1] != k.shape[1])
+                 for qs, ks, vs in zip(q.split(sizes, dim=2), k.split(sizes, dim=2), v.split(sizes, dim=2))]
+        return torch.cat(parts, dim=2)[0].permute(1, 0, 2).reshape(total, 1, -1)
