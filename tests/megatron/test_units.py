@@ -306,3 +306,30 @@ def test_packed_attention_runs_each_sequence_on_its_own(heads: int, groups: int)
     expected = torch.einsum("hts,shd->thd", scores.softmax(-1), vv).reshape(total, 1, heads * dim)
     assert out.shape == (total, 1, heads * dim)
     torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
+
+
+def _built_parameter_dtypes(rank: int, world: int, family: str) -> dict:
+    from megatron.core import tensor_parallel
+
+    from nrl_backend_megatron import cpu_shim
+    from nrl_backend_megatron.model import ParallelLayout, build_gpt_model, transformer_config
+    from nrl_backend_megatron.parallel import init_model_parallel
+
+    cpu_shim.install()
+    init_model_parallel(ParallelLayout(), None)
+    tensor_parallel.model_parallel_cuda_manual_seed(0)
+    from transformers import AutoConfig
+
+    hf = AutoConfig.from_pretrained(cached_tiny_model(family))
+    config = transformer_config(hf, ParallelLayout(), params_dtype=torch.bfloat16, bf16=True)
+    model = build_gpt_model(hf, config, pre_process=True, post_process=True)
+    return {name: str(p.dtype) for name, p in model.named_parameters() if p.dtype != torch.bfloat16}
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_every_parameter_is_built_in_the_training_dtype(family: str) -> None:
+    """Megatron's bf16 optimizer checkpoints through its bf16 parameters only: the local spec's
+    norm weights, built in fp32 whatever params_dtype says, failed the first save on a GPU."""
+    from nrl_core.testing.distributed import run_distributed
+
+    assert run_distributed(_built_parameter_dtypes, 1, family) == [{}]

@@ -146,4 +146,11 @@ def build_gpt_model(hf_config: Any, config: Any, *, pre_process: bool, post_proc
     )
     if getattr(model, "rotary_pos_emb", None) is not None:
         model.rotary_pos_emb.inv_freq = hf_inv_freq(hf_config).to(model.rotary_pos_emb.inv_freq.device)
+    # The local spec's torch norms ignore params_dtype. Megatron's mixed-precision optimizer maps its
+    # checkpoint through the bf16/fp16 parameters only, so one fp32 norm weight fails the first save
+    # ("Param id N does not match any model sharded param", seen on a GPU); Float16Module, which nrl
+    # does not use, would have cast them too. Buffers (RoPE frequencies) stay as they are.
+    for param in model.parameters():
+        if param.is_floating_point() and param.dtype != config.params_dtype:
+            param.data = param.data.to(config.params_dtype)
     return model
