@@ -1,5 +1,6 @@
-"""Print, one per line as ``name==version``, what the GPU check imports beyond PyTorch, taken from
-the environment this runs in: megatron-core, transformers, nrl's own small dependencies, and
+"""Print, one per line as ``name==version``, what the GPU acceptance run imports beyond PyTorch,
+taken from the environment this runs in: megatron-core, transformers, Ray, the math environment's
+verifier, nrl's own small dependencies (and setuptools, which installs the checkout), and
 everything they require, less PyTorch and whatever PyTorch itself requires (the GPU machine has
 those). ``scripts/gpu_check.sh --download-wheels`` downloads exactly these."""
 
@@ -9,7 +10,7 @@ import re
 from importlib import metadata
 
 ROOTS = ("megatron-core", "transformers", "safetensors", "tokenizers", "pluggy", "PyYAML", "filelock", "numpy",
-         "packaging")
+         "packaging", "ray", "math-verify", "rich", "tensorboard", "matplotlib", "setuptools")
 
 
 def _name(requirement: str) -> str:
