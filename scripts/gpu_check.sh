@@ -15,7 +15,8 @@
 # ($PYTHON, default python3): meant for a disposable GPU machine. The grpo part needs the editable
 # install (plugins are found through their entry points); the backends part runs from the checkout.
 # Parts run in the order given. Each has a time limit (NRL_GPU_CHECK_BACKENDS_S, NRL_GPU_CHECK_GRPO_S)
-# so that one hang still leaves the other's result; NRL_GPU_CHECK_GRPO_STEPS sets GRPO's steps. Results: DIR/backends.json, DIR/grpo.json. Exit status: 0 every
+# so that one hang still leaves the other's result; NRL_GPU_CHECK_GRPO_STEPS sets GRPO's steps, and
+# NRL_GPU_CHECK_ONLY (e.g. megatron) and NRL_GPU_CHECK_MODELS (dense, moe) narrow the backends part. Results: DIR/backends.json, DIR/grpo.json. Exit status: 0 every
 # check passed, 1 one failed, 2 no GPU (use --dry-run for the CPU path).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -77,6 +78,7 @@ for part in "${order[@]}"; do
   case "$part" in
     backends)
       timeout --kill-after=10 "${NRL_GPU_CHECK_BACKENDS_S:-900}" "$PY" benchmarks/gpu/gpu_check.py "${dry[@]}" \
+        --backends "${NRL_GPU_CHECK_ONLY:-dtensor,megatron}" --models "${NRL_GPU_CHECK_MODELS:-dense,moe}" \
         --out "$out/backends.json"
       code=$?
       ((code == 124)) && echo "backends: FAIL timed out after ${NRL_GPU_CHECK_BACKENDS_S:-900} s (partial results in $out/backends.json)"

@@ -284,6 +284,8 @@ def check_backend(backend: str, model: str, settings: dict[str, Any], rank: int,
     }
     result["ok"] = all(result["checks"].values())
     _close(worker, cuda)
+    if cuda:  # what a closed worker leaves behind: torch's own tensors, and the device's free memory
+        result.update(allocated_after_close=int(torch.cuda.memory_allocated()), free_after_close=_free(cuda))
     return result
 
 

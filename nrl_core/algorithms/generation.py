@@ -61,12 +61,11 @@ class Generation:
         self.offload_weights = bool(generation["colocated"]["offload_weights"])
         self.refit_options = refit_options(config)
         self._policy_state = "training"  # colocated: "training" -> "refit" -> "generating" -> "training"
+        dropped = False
         if self.colocated:
             self.hosts = policy.group
-            # vLLM builds its process groups collectively: every training rank builds its engine at once
-            self.hosts.host_call(list(range(self.hosts.world_size)), WorkerHost.nrl_colocate_generation, spec.worker,
-                                 dict(config))
             self.placement = None
+            dropped = self._build_colocated(spec, config)
         else:
             world = topology.generation_world
             self.placement = make_placement(config["cluster"], world, name="generation", nodes=topology.generation_nodes)
@@ -80,8 +79,24 @@ class Generation:
         self.leads = self.ranks[:: self.engine_size]  # the rank of each engine that reports for it
         # engines built with placeholder weights (version -1) get the policy's before they generate;
         # that first load makes them version 0, the checkpoint's weights, as if they had read it
-        self.stale = min(self.weight_versions()) < 0
+        self.stale = dropped or min(self.weight_versions()) < 0
         mark("generation_built")
+
+    def _build_colocated(self, spec: GenerationBackendSpec, config: Mapping[str, Any]) -> bool:
+        """Build an engine inside every training actor while the training state is off the device,
+        as it will be whenever the engine runs: vLLM sizes itself from the device's memory at
+        start-up and refuses to start when less is free than ``gpu_memory_utilization`` asks. The
+        engines then sleep and the training state comes back. True when they dropped their weights."""
+        ranks = list(range(self.hosts.world_size))
+        self.policy.offload_before_refit()
+        if self.offload_weights:
+            self.policy.offload_after_refit()
+        # vLLM builds its process groups collectively: every training rank builds its engine at once
+        self.hosts.host_call(ranks, WorkerHost.nrl_colocate_generation, spec.worker, dict(config))
+        dropped = any(self.hosts.host_call(ranks, WorkerHost.nrl_generation_call,
+                                           method_name(GenerationWorker.finish_generation)))
+        self.policy.prepare_for_training()
+        return dropped
 
     # ------------------------------------------------------------------ generating
 
@@ -159,6 +174,14 @@ class Generation:
             self.stale = True
         self.policy.prepare_for_training()
         self._policy_state = "training"
+
+    def load_policy_weights(self) -> RefitReport | None:
+        """Refit every engine with the policy's weights now (a resumed run's), through the same
+        hand-off as before a generation: colocated engines wake for it and sleep again after."""
+        self.stale = True
+        report = self.prepare()
+        self.finish()
+        return report
 
     def weight_versions(self) -> list[int]:
         """Each engine's weight version (negative: placeholder weights, never loaded)."""

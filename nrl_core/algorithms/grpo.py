@@ -251,7 +251,7 @@ class GRPO(AlgorithmRun):
         now, then put back their sampling position and weight label and whether the saved run
         would have refit before its next step, so the resumed run continues exactly."""
         warn_if_other_semantics(info)
-        self.generation.update_weights()
+        self.generation.load_policy_weights()
         self.generation.load_sampling_states(info.get("generation", []))
         self.generation.stale = bool(info.get("generation_stale", True))
 

@@ -8,6 +8,7 @@ resharding into full HF tensors."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -43,23 +44,33 @@ def ray_session():
 def test_refit_from_backend_matches_hf_generate(case, model, tmp_path, ray_session, capsys):
     with policy_and_generation(model, ["policy.optimizer.kwargs.lr=5e-3", *CASES[case]]) as (_, policy, generation):
         prompts = chat_prompts(model)
-        before = generation.generate(prompts, greedy=True)
+
+        def greedy() -> Any:  # as GRPO generates: colocated engines wake, then sleep again
+            generation.prepare()
+            try:
+                return generation.generate(prompts, greedy=True)
+            finally:
+                generation.finish()
+
+        before = greedy()
         assert before.token_ids == hf_greedy(hf_model(model), prompts, max_new_tokens=8)
 
         for step in range(3):
             policy.train(training_batch(step), NLLLoss())
-        report = generation.update_weights()
-        after = generation.generate(prompts, greedy=True)
+        report = generation.load_policy_weights()
+        after = greedy()
         policy.export_hf(str(tmp_path / "trained"))
         expected = hf_greedy(hf_model(tmp_path / "trained"), prompts, max_new_tokens=8)
         assert after.token_ids == expected
         assert after.token_ids != before.token_ids, "training should have changed the greedy answers"
         assert report.version == after.weight_version == 1
 
-        generation.update_weights()  # nothing trained since: same weights, same answers
-        assert generation.generate(prompts, greedy=True).token_ids == after.token_ids
+        generation.load_policy_weights()  # nothing trained since: same weights, same answers
+        assert greedy().token_ids == after.token_ids
 
+        generation.prepare()
         sampled = generation.generate(prompts * 4)  # at temperature 0.7
+        generation.finish()
         batch = rollout_batch(prompts * 4, sampled, pad_token_id=3)
         policy_lp = policy.get_logprobs(batch)
         gaps = (policy_lp - batch.fields["generation_logprobs"]).abs()[batch.fields["token_mask"] > 0]
@@ -75,9 +86,10 @@ HANDOFF = {"offload_before_refit", "offload_after_refit", "prepare_for_training"
 
 
 def test_colocated_memory_hand_off_runs_in_order(model, ray_session):
-    """Colocated at data-parallel 2: each training rank hosts an engine; the driver's calls reach
-    every rank in NeMo RL's order, and a call out of order is refused by the worker, not run. The
-    engines start on placeholder weights (GRPO's default), so the first step refits too."""
+    """Colocated at data-parallel 2: each training rank hosts an engine, built while the training
+    state is on the host; the driver's calls reach every rank in NeMo RL's order, and a call out of
+    order is refused by the worker, not run. The engines start on placeholder weights (GRPO's
+    default), so the first step refits too."""
     from nrl_core.errors import NrlError
 
     overrides = ["cluster.gpus_per_node=2", "policy.generation.vllm_cfg.load_format=dummy"]
@@ -95,8 +107,11 @@ def test_colocated_memory_hand_off_runs_in_order(model, ray_session):
                               "prepare_for_training", "get_logprobs", "train"]
         refit_step = ["offload_before_refit", "generation.prepare_for_generation", "refit", "offload_after_refit",
                       *generate_and_train]
+        # the engines are built while the training state is off the device (vLLM sizes itself from
+        # the free memory at start-up), then sleep while it comes back
+        start_up = ["offload_before_refit", "offload_after_refit", "generation.finish_generation", "prepare_for_training"]
         for history in policy.group.host_call([0, 1], "call_history"):
-            assert [name for name in history if name in HANDOFF] == refit_step + refit_step
+            assert [name for name in history if name in HANDOFF] == start_up + refit_step + refit_step
 
         with pytest.raises(NrlError, match="prepare_for_generation first"):
             generation._engines("generate", prompts)  # the engines sleep after finish()

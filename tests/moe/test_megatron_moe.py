@@ -238,3 +238,14 @@ def test_checkpoint_saved_at_ep2_resumes_at_ep1(w2: list[dict[str, Any]]) -> Non
     for r in w2:
         assert float((r["ep1/logprobs"] - r["saved/logprobs"]).abs().max()) < 1e-5
         assert r["ep1/next_loss"] == pytest.approx(r["saved/next_loss"], abs=1e-5)  # optimizer state came too
+
+
+def test_grouped_gemm_is_accepted_and_experts_still_run_one_by_one() -> None:
+    """NeMo RL's MoE recipes set moe_grouped_gemm (its default is true): the key validates as an
+    inert one (named in the inert-keys warning) and the experts stay SequentialMLP."""
+    from nrl_backend_megatron.moe import moe_config_kwargs
+    from nrl_backend_megatron.schema import MEGATRON_CFG_SCHEMA
+
+    section = _section(moe_grouped_gemm=True)
+    assert MEGATRON_CFG_SCHEMA.fields["moe_grouped_gemm"].inert
+    assert moe_config_kwargs(_arch("qwen3_moe"), section, on_gpu=True)["moe_grouped_gemm"] is False

@@ -126,6 +126,10 @@ MEGATRON_CFG_SCHEMA: Section = MegatronCfgSection(doc="Megatron-Core training ba
     "expert_model_parallel_size": Field(type=int, default=1, doc="ranks the routed experts are split over"),
     "expert_tensor_parallel_size": Field(type=int, default=1, doc="only 1: experts are never tensor-parallel"),
     "freeze_moe_router": Field(type=bool, default=False, doc="the routers' weights do not train"),
+    "moe_grouped_gemm": Field(type=bool, default=False, inert=True,
+                              doc="NeMo RL's default is true; nrl always runs the experts as SequentialMLP (one "
+                                  "GEMM per expert): grouped GEMM's expert weights have no converter mapping yet, "
+                                  "so a true value is named in the inert-keys warning"),
     "moe_router_topk": Field(type=int, default=None, nullable=True,
                              doc="experts per token in training; null: the model's num_experts_per_tok"),
     "moe_router_dtype": Field(type=str, default=None, nullable=True, choices=("fp32", "fp64"),
