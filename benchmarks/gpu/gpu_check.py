@@ -27,7 +27,6 @@ import gc
 import json
 import math
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -404,12 +403,6 @@ def _rank(rank: int, world: int, port: int, args: dict[str, Any], out: str) -> N
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _report(summary: dict[str, Any]) -> str:
     s = summary["settings"]
     lines = [f"{summary['device']} x{summary['world']} ({summary['backend']}, {s['precision']}), batch "
@@ -465,6 +458,7 @@ def main(argv: list[str] | None = None) -> int:
     models = [m for m in args.models.split(",") if m]
     if set(models) - {"dense", "moe"}:
         parser.error(f"unknown models {sorted(set(models) - {'dense', 'moe'})}; choose from dense, moe")
+    from nrl_core.net import free_port
     from nrl_core.testing.tiny_models import cached_tiny_model
 
     settings = _settings(args.dry_run)
@@ -477,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
         # the Megatron conversion goes to a private directory unless the caller chose one
         os.environ.setdefault("NRL_MEGATRON_CHECKPOINT_DIR", str(Path(tmp) / "converted"))
         out = args.out or str(Path(tmp) / "results.json")
-        torch.multiprocessing.spawn(_rank, args=(world, _free_port(), {
+        torch.multiprocessing.spawn(_rank, args=(world, free_port(), {
             "dry_run": args.dry_run, "backends": backends, "models": models, "model": model, "moe_model": moe_model,
             "workdir": tmp}, out), nprocs=world, join=True)
         summary = json.loads(Path(out).read_text())

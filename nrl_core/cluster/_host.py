@@ -149,9 +149,9 @@ class WorkerHost(RefitEndpoints):
 
     def free_port(self) -> int:
         """A TCP port free on this node right now, for the rendezvous store rank 0 will host."""
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("", 0))
-            return int(s.getsockname()[1])
+        from nrl_core.net import free_port
+
+        return free_port("")
 
     def setup_distributed(self, backend: str, env: dict[str, str], timeout_s: float, *, init_method: str = "env://",
                           loopback: bool = False) -> None:

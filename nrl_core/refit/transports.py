@@ -30,12 +30,12 @@ import datetime
 import glob
 import os
 import pickle
-import socket
 import tempfile
 import uuid
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Protocol
 
+from nrl_core.net import free_port
 from nrl_core.refit.buckets import Bucket, dtype_name, parse_dtype, tensor_nbytes
 
 if TYPE_CHECKING:
@@ -348,12 +348,6 @@ class SharedMemoryTransport:
 # --------------------------------------------------------------------------- broadcast
 
 
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
 def _node_address() -> str:
     try:
         import ray
@@ -469,7 +463,7 @@ class BroadcastTransport:
 
         host = session.options.get("host") or _node_address()
         backend = session.options.get("backend") or broadcast_backend(torch.cuda.is_available())
-        return session.with_options(host=host, port=session.options.get("port") or _free_port(host),
+        return session.with_options(host=host, port=session.options.get("port") or free_port(host),
                                     world_size=int(session.options.get("world_size", 2)), backend=backend)
 
     def sender(self, session: RefitSession) -> TransportSender:

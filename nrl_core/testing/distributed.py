@@ -10,19 +10,13 @@ and plain Python objects both come back.
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 import time
 import traceback
 from pathlib import Path
 from typing import Any, Callable
 
-
-def free_port() -> int:
-    """A TCP port that was free a moment ago (for ``MASTER_PORT``)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from nrl_core.net import free_port
 
 
 def init_local_group(rank: int = 0, world_size: int = 1, port: int | None = None) -> None:

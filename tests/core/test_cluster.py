@@ -34,6 +34,7 @@ from nrl_core.cluster import (
 )
 from nrl_core import hookimpl
 from nrl_core.cli import main
+from nrl_core.net import free_port
 from nrl_core.process_groups import DEFAULT_TIMEOUT_S, distributed_timeout_s
 from nrl_core.contracts import AlgorithmSpec
 from nrl_core.errors import NrlError
@@ -370,12 +371,6 @@ def test_colocated_groups_share_bundles_and_shutdown_stops_them(ray_session: Non
     shared.remove()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _wait_for_line(proc: subprocess.Popen[str], text: str, timeout_s: float) -> str:
     """Read ``proc``'s output until a line contains ``text``; what was read, for failure messages."""
     seen: list[str] = []
@@ -408,7 +403,7 @@ _JOIN_SCRIPT = textwrap.dedent(
 
 def test_init_ray_joins_an_existing_cluster_from_ray_address() -> None:
     """A head started with ``ray start`` (its own temp dir, stopped by its pid afterwards)."""
-    port = _free_port()
+    port = free_port()
     temp_dir = tempfile.mkdtemp(prefix="nrlray", dir="/tmp")  # short: Ray's socket paths have a limit
     ray_bin = str(Path(sys.executable).with_name("ray"))
     head = subprocess.Popen(

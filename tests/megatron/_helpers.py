@@ -9,18 +9,13 @@ from __future__ import annotations
 
 import io
 import os
-import socket
 import traceback
 from typing import Any, Callable
 
 import torch
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from nrl_core.net import free_port
 
 
 def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, env: dict, queue: Any) -> None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -36,6 +35,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from nrl_core.contracts import CheckpointOptions
 from nrl_core.device import broadcast
 from nrl_core.errors import NrlError
+from nrl_core.sdk import first_failure, rng_state, set_rng_state
 from nrl_backend_dtensor.safe_load import dcp_load, load_file
 
 MARKER = "nrl_checkpoint.json"
@@ -64,31 +64,6 @@ class _Pending:
     path: str
     futures: list[Future] = field(default_factory=list)
     marker: dict[str, Any] = field(default_factory=dict)
-
-
-def _rng_state() -> dict[str, Any]:
-    """Every RNG as tensors and plain values, so that ``torch.load(weights_only=True)`` reads it."""
-    import numpy as np
-
-    name, keys, pos, has_gauss, cached = np.random.get_state()
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate(),
-                             "numpy": {"name": str(name), "keys": torch.from_numpy(keys.astype(np.int64)),
-                                       "pos": int(pos), "has_gauss": int(has_gauss), "cached": float(cached)}}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    import numpy as np
-
-    torch.set_rng_state(state["torch"])
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    n = state["numpy"]
-    np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached"]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def _clone(tree: Any) -> Any:
@@ -144,7 +119,7 @@ class CheckpointIO:
                 write = lambda: torch.save({"model": msd, "optim": osd}, os.path.join(path, CONSOLIDATED))  # noqa: E731
                 pending.futures.append(_in_thread(write) if options.async_save else _done(write()))
             fmt = "consolidated"
-        torch.save(_rng_state(), os.path.join(path, "rng", f"rank{rank}.pt"))
+        torch.save(rng_state(), os.path.join(path, "rng", f"rank{rank}.pt"))
         if rank == 0:
             torch.save({"step": self.state.get_step(), "scheduler": self.state.scheduler.state_dict()},
                        os.path.join(path, TRAINER_STATE))
@@ -220,8 +195,8 @@ class CheckpointIO:
         except NrlError:
             raise
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP/pickle errors become one line
-            if isinstance(_cause(exc), NrlError):
-                raise _cause(exc) from None
+            if isinstance(first_failure(exc), NrlError):
+                raise first_failure(exc) from None
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise NrlError(f"checkpoint '{path}' could not be read ({type(exc).__name__}: {first[:200]}); "
                            f"it is truncated or corrupt") from None
@@ -231,7 +206,7 @@ class CheckpointIO:
         self.state.scheduler.load_state_dict(trainer["scheduler"])
         self.state.set_step(int(trainer["step"]))
         if rng is not None:
-            _set_rng_state(rng)
+            set_rng_state(rng)
 
     def _read_every_rank(self, path: str, fmt: str) -> tuple[Any, Any, StateDictOptions]:
         if fmt == "sharded":
@@ -270,8 +245,8 @@ class CheckpointIO:
                     full = load_file(os.path.join(path, CONSOLIDATED), map_location="cpu")
                     model_sd, optim_sd = full["model"], full["optim"]
             except (Exception, CheckpointException) as exc:  # noqa: BLE001 - shared with the other ranks
-                if isinstance(_cause(exc), NrlError):
-                    error[0] = _cause(exc)
+                if isinstance(first_failure(exc), NrlError):
+                    error[0] = first_failure(exc)
                 else:
                     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
                     error[0] = f"{type(exc).__name__}: {first[:200]}"
@@ -282,15 +257,6 @@ class CheckpointIO:
             raise NrlError(f"checkpoint '{path}' could not be read on rank 0 ({error[0]}); it is truncated or corrupt")
         model_sd, optim_sd = broadcast_tree([model_sd, optim_sd] if rank0 else None)
         return self._shard_like_live(model_sd, optim_sd)
-
-
-def _cause(exc: BaseException) -> BaseException:
-    """The first rank's own exception inside DCP's ``CheckpointException`` (else ``exc``)."""
-    failures = getattr(exc, "failures", None)
-    if isinstance(failures, dict) and failures:
-        inner = sorted(failures.items())[0][1]
-        return inner[0] if isinstance(inner, tuple) else inner
-    return exc
 
 
 def _shard_like(full: Any, live: Any, where: str = "") -> Any:

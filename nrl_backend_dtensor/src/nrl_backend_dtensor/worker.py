@@ -7,10 +7,9 @@ FSDP, ``parallel.fsdp_needed``), runs micro-batches with gradient accumulation (
 micro-batch) and steps the optimizer. Results that the driver reads (metrics, logprobs) are reduced or gathered so that every
 rank returns the same global answer.
 
-Reference logprobs come from the initial weights, kept as a CPU copy of this rank's *shards* and
-swapped into the live parameters for the reference pass. Why not a second frozen model: that would
-hold a second sharded model in device memory for the whole run and double the build time; the
-swap costs two shard-sized copies per call and host memory equal to one shard.
+Reference logprobs come from the initial weights, a host copy of this rank's *shards* swapped into
+the live parameters for the reference pass (:class:`nrl_core.sdk.ReferenceWeights`). The colocated
+memory hand-off and the HF export are the SDK's (:class:`nrl_core.sdk.TrainingWorkerBase`).
 """
 
 from __future__ import annotations
@@ -21,14 +20,13 @@ from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from nrl_core.contracts import BatchShard, CheckpointOptions, LossFunction, TokenBatch, WeightSpec, logprob_temperature
-from nrl_core.device import (all_reduce, all_reduce_values, check_batch_device, free_device_cache, host_copy,
-                             model_device, move_optimizer_state, resolve_precision, to_device)
+from nrl_core.device import all_reduce, all_reduce_values, check_batch_device, model_device, to_device
 from nrl_core.errors import ConfigError, NrlError
 from nrl_core.nonfinite import check_finite, guard_enabled
 from nrl_core.process_groups import main_group_timeout
+from nrl_core.sdk import ReferenceWeights, TrainingWorkerBase, training_precision
 from nrl_core.timeline import mark
 from nrl_backend_dtensor import weights as weights_io
 from nrl_backend_dtensor.checkpoint import CheckpointIO, TrainState
@@ -38,9 +36,6 @@ from nrl_backend_dtensor.moe import RouterMetrics, check_tensor_parallel
 from nrl_backend_dtensor.optim import build_optimizer, build_scheduler, clip_grad_norm
 from nrl_backend_dtensor.parallel import apply_fsdp, apply_tensor_parallel, build_layout
 
-PRECISIONS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 def _ensure_process_group() -> None:
     if not dist.is_initialized():
         from nrl_core.testing.distributed import init_local_group
@@ -48,8 +43,10 @@ def _ensure_process_group() -> None:
         init_local_group()
 
 
-class DTensorPolicyWorker:
+class DTensorPolicyWorker(TrainingWorkerBase):
     """One training rank (see the module docstring and ``nrl_core.contracts.TrainingWorker``)."""
+
+    backend_name = "dtensor"
 
     def __init__(self, config: dict[str, Any], rank: int | None = None, world_size: int | None = None) -> None:
         _ensure_process_group()
@@ -64,9 +61,7 @@ class DTensorPolicyWorker:
         self.seed = int(self.policy["seed"])  # resolved at validation (nrl_core.config.validate)
         torch.manual_seed(self.seed)
         self.device = model_device()
-        precision = resolve_precision(self.policy.get("precision"), self.device)
-        if precision not in PRECISIONS:
-            raise ConfigError("policy.precision", f"must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+        precision = training_precision(self.policy, self.device)
         self.layout = build_layout(self.device.type, int(self.dcfg.get("tensor_parallel_size", 1)),
                                    int(self.dcfg.get("context_parallel_size", 1)))
         gbs = self.policy.get("train_global_batch_size")
@@ -91,15 +86,14 @@ class DTensorPolicyWorker:
         if self.dcfg.get("activation_checkpointing"):
             hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model = LogprobModel(hf_model, self.policy.get("logprob_chunk_size"), logprob_temperature(config))
-        self.fsdp = apply_fsdp(self.model, hf_model.model.layers, self.layout, param_dtype=PRECISIONS[precision],
+        self.fsdp = apply_fsdp(self.model, hf_model.model.layers, self.layout, param_dtype=getattr(torch, precision),
                                cpu_offload=bool(self.dcfg.get("cpu_offload")))
 
         self.optimizer = build_optimizer(self.model.parameters(), self.policy.get("optimizer") or {})
         self.scheduler = build_scheduler(self.optimizer, self.policy.get("scheduler"))
         mark("optimizer_built", rank=self.rank)
         self.train_step_count = 0
-        self._offloaded: set[str] = set()
-        self._reference = [host_copy(self._local(p)) for p in self.model.parameters()]
+        self.reference = ReferenceWeights(self.model.parameters())
         # DCP async saves talk on their own group, with the main group's timeout (not torch's default)
         async_group = dist.new_group(backend="gloo", timeout=main_group_timeout())
         self.checkpoint_io = CheckpointIO(TrainState(
@@ -120,10 +114,6 @@ class DTensorPolicyWorker:
         shards back so that parameters() and state dicts see the sharded DTensors again."""
         if self.fsdp:
             self.model.reshard()
-
-    @staticmethod
-    def _local(param: torch.Tensor) -> torch.Tensor:
-        return param.to_local() if isinstance(param, DTensor) else param
 
     def _local_batch(self, batch: TokenBatch) -> TokenBatch:
         if batch.size % self.layout.dp_size:
@@ -151,7 +141,7 @@ class DTensorPolicyWorker:
 
     def train(self, batch: TokenBatch, loss_fn: LossFunction) -> dict[str, float]:
         """One optimizer step on the global ``batch`` (see module docstring); metrics are global."""
-        self._require_on_device("train")
+        self.require_on_device("train")
         start = time.perf_counter()
         self.model.train()
         local = self._local_batch(batch)
@@ -215,7 +205,7 @@ class DTensorPolicyWorker:
     def get_logprobs(self, batch: TokenBatch) -> BatchShard | None:
         """Float32 logprobs of this data-parallel group's shard under the current weights; the
         group's tensor-parallel rank 0 returns them, the other ranks ``None``."""
-        self._require_on_device("get_logprobs")
+        self.require_on_device("get_logprobs")
         self.model.eval()
         local = self._local_batch(batch)
         width = int(batch.input_ids.shape[1])
@@ -235,70 +225,17 @@ class DTensorPolicyWorker:
 
     @torch.no_grad()
     def get_reference_logprobs(self, batch: TokenBatch) -> BatchShard | None:
-        """Logprobs under the initial weights (swapped in from the CPU copy, then swapped back)."""
+        """Logprobs under the initial weights (swapped in from the host copy, then swapped back)."""
         self._reshard()
-        if self._reference_swaps_storage():
-            return self._reference_logprobs_by_storage(batch)
-        params = [self._local(p) for p in self.model.parameters()]
-        current = [host_copy(p) for p in params]
-        try:
-            for p, ref in zip(params, self._reference):
-                p.copy_(ref)
+        with self.reference.swapped_in():
             return self.get_logprobs(batch)
-        finally:
-            for p, cur in zip(params, current):
-                p.copy_(cur)
-
-    def _reference_swaps_storage(self) -> bool:
-        """Plain parameters on the CPU (one rank, no FSDP) can point at the reference copy itself."""
-        return all(not isinstance(p, DTensor) and p.device == ref.device
-                   for p, ref in zip(self.model.parameters(), self._reference))
-
-    def _reference_logprobs_by_storage(self, batch: TokenBatch) -> BatchShard | None:
-        """The reference pass without copying: each parameter's storage is the reference copy's
-        for the pass. The copying path moves every weight three times: 0.05-0.06 s for the GRPO
-        benchmark's 25.7M parameters on 2 threads, against a 0.93 s pass."""
-        params = list(self.model.parameters())
-        current = [p.data for p in params]
-        try:
-            for p, ref in zip(params, self._reference):
-                p.data = ref
-            return self.get_logprobs(batch)
-        finally:
-            for p, cur in zip(params, current):
-                p.data = cur
 
     # ------------------------------------------------------------------ memory hand-off (colocated)
 
-    def offload_before_refit(self) -> None:
-        """Free the gradients and move the optimizer state to host memory: neither the refit nor
-        generation needs them. On a CPU device there is nothing to move; the gradients are freed."""
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.device.type != "cpu" and not self.dcfg.get("cpu_offload"):
-            move_optimizer_state(self.optimizer, torch.device("cpu"))
-        free_device_cache()
-        self._offloaded.add("optimizer")
-
-    def offload_after_refit(self) -> None:
-        """Move the (sharded) weights to host memory while the engine generates from its copy."""
-        if self.device.type != "cpu" and not self.dcfg.get("cpu_offload"):
-            self.model.to("cpu")
-        free_device_cache()
-        self._offloaded.add("weights")
-
-    def prepare_for_training(self) -> None:
-        """Bring back what the offload calls moved (idempotent)."""
-        if self.device.type != "cpu" and not self.dcfg.get("cpu_offload"):
-            if "weights" in self._offloaded:
-                self.model.to(self.device)
-            if "optimizer" in self._offloaded:
-                move_optimizer_state(self.optimizer, self.device)
-        self._offloaded.clear()
-
-    def _require_on_device(self, what: str) -> None:
-        if self._offloaded:
-            raise NrlError(f"dtensor worker rank {self.rank}: {what} while its {', '.join(sorted(self._offloaded))} "
-                           "are offloaded; call prepare_for_training first")
+    @property
+    def moves_to_host(self) -> bool:
+        """With FSDP's CPU offload the state already lives on the host between uses."""
+        return super().moves_to_host and not self.dcfg.get("cpu_offload")
 
     # ------------------------------------------------------------------ weights out
 
@@ -309,9 +246,6 @@ class DTensorPolicyWorker:
     def export_weights(self, bucket_bytes: int, dtype: str) -> Iterator[list[tuple[str, torch.Tensor]]]:
         self._reshard()
         return weights_io.export_buckets(self.model, bucket_bytes, dtype)
-
-    def export_hf(self, path: str) -> None:
-        weights_io.export_hf(self.model, self.hf_config, self.policy["model_name"], path)
 
     # ------------------------------------------------------------------ checkpoints
 

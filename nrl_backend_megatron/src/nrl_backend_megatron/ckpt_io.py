@@ -19,12 +19,9 @@ from __future__ import annotations
 
 import json
 import os
-import random
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-import numpy as np
-import torch
 import torch.distributed as dist
 
 from nrl_core.contracts import CheckpointOptions
@@ -35,24 +32,20 @@ REQUIRED_FILES = ("common.pt", "metadata.json")  # what dist_checkpointing.save 
 
 
 def rng_state() -> dict[str, Any]:
+    """The SDK's RNG state plus Megatron's CUDA RNG tracker (its model-parallel streams)."""
     from megatron.core import tensor_parallel
 
-    state: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(),
-                             "torch": torch.get_rng_state(),
-                             "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
+    from nrl_core.sdk import rng_state as base_state
+
+    return {**base_state(), "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
 
 
 def set_rng_state(state: Mapping[str, Any]) -> None:
     from megatron.core import tensor_parallel
 
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+    from nrl_core.sdk import set_rng_state as set_base
+
+    set_base(state)
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
@@ -142,22 +135,10 @@ class CheckpointIO:
         try:
             return dist_checkpointing.load(sharded, path, sharded_strategy=strategy)
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - surfaced as one line
+            from nrl_core.sdk import describe_failure
+
             raise NrlError(f"cannot load checkpoint {path}: {describe_failure(exc)}; it is truncated or "
                            f"corrupt") from None
-
-
-def describe_failure(exc: BaseException) -> str:
-    """One line for a failed load. torch's ``CheckpointException`` says only which ranks failed
-    (``CheckpointException ranks:dict_keys([0])``); the first rank's own exception says why."""
-    failures = getattr(exc, "failures", None)
-    if isinstance(failures, dict) and failures:
-        rank, failure = sorted(failures.items())[0]
-        inner = failure[0] if isinstance(failure, tuple) else failure
-        if isinstance(inner, BaseException):
-            return f"rank {rank}: {describe_failure(inner)}"
-    text = str(exc).strip()
-    first = text.splitlines()[0][:300] if text else ""
-    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
 
 
 def rng_sharded_object(key: str, state: Any) -> Any:

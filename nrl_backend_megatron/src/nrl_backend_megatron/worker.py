@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 
 from nrl_core.contracts import BatchShard, CheckpointOptions, LossFunction, TokenBatch, WeightSpec, logprob_temperature
-from nrl_core.device import (all_reduce, broadcast, check_batch_device, free_device_cache, host_copy, model_device,
-                             move_optimizer_state, move_tensors, resolve_precision, to_device)
-from nrl_core.errors import ConfigError, NrlError
+from nrl_core.device import (all_reduce, broadcast, check_batch_device, host_copy, model_device, move_optimizer_state,
+                             move_tensors, to_device)
+from nrl_core.sdk import ReferenceWeights, TrainingWorkerBase, training_precision
 from nrl_core.nonfinite import KEY as NAN_KEY, NonFiniteError, check_finite, guard_enabled
 
 from nrl_backend_megatron import cpu_shim
@@ -60,13 +60,16 @@ def _resolve_model_path(name: str) -> str:
     return snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"])
 
 
-class MegatronPolicyWorker:
+class MegatronPolicyWorker(TrainingWorkerBase):
     """One rank of the Megatron-Core backend (see the module docstring)."""
+
+    backend_name = "megatron"
 
     def __init__(self, config: Mapping[str, Any], rank: int = 0, world_size: int = 1) -> None:
         cpu_shim.install()
         from transformers import AutoConfig
 
+        self.rank = rank
         self.config = dict(config)
         policy = self.config["policy"]
         self.policy = policy
@@ -99,7 +102,6 @@ class MegatronPolicyWorker:
         self.conversion = self._convert()
         self._build()
         self.step = 0
-        self._offloaded: set[str] = set()
 
     # ------------------------------------------------------------------ setup
     def _groups(self) -> None:
@@ -152,10 +154,8 @@ class MegatronPolicyWorker:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, \
             finalize_model_grads
 
-        precision = resolve_precision(self.policy.get("precision"), self.device)
-        if precision not in DTYPES:
-            raise ConfigError("policy.precision", f"must be one of {', '.join(DTYPES)}, got {precision!r}")
-        self.precision = precision
+        precision = training_precision(self.policy, self.device)
+        self.precision = self.export_dtype = precision
         dtype = DTYPES[precision]
         pipeline_dtype = DTYPES[self.cfg["pipeline_dtype"]] if self.cfg.get("pipeline_dtype") else None
         self.tconfig = transformer_config(
@@ -189,7 +189,9 @@ class MegatronPolicyWorker:
         self.opt = build_optimizer([self.ddp], self.cfg, precision)
         if dtype != torch.float32:
             self.tconfig.grad_scale_func = self.opt.optimizer.scale_loss
-        self.reference = {n: host_copy(p) for n, p in model.named_parameters()}  # host: not a second model on the device
+        # host: not a second model on the device; copied in and out, since the parameters are
+        # views into the DDP buffers
+        self.reference = ReferenceWeights(model.parameters(), by_storage=False)
         from nrl_backend_megatron.ckpt_io import CheckpointIO, register_exit_finalizer
 
         self.ckpt = CheckpointIO({"model_name": self.model_name, "tp": self.layout.tp, "pp": self.layout.pp,
@@ -241,7 +243,7 @@ class MegatronPolicyWorker:
 
     def train(self, batch: TokenBatch, loss_fn: LossFunction) -> dict[str, float]:
         """One optimizer step on the global batch; metrics summed over micro-batches and ranks."""
-        self._require_on_device("train")
+        self.require_on_device("train")
         global_tokens, global_seqs = batch.loss_counts()  # every rank holds the global batch
         mbs = self._micro_batches(batch, train=True)
         scale = float(len(mbs) * self.dp_size)  # undo Megatron's 1/num_microbatches and DDP's 1/dp
@@ -304,7 +306,7 @@ class MegatronPolicyWorker:
     def get_logprobs(self, batch: TokenBatch) -> BatchShard | None:
         """Float32 logprobs of this data-parallel group's shard; returned by the group's
         tensor-parallel rank 0 on the last pipeline stage (the rank that has them), else ``None``."""
-        self._require_on_device("get_logprobs")
+        self.require_on_device("get_logprobs")
         mbs = self._micro_batches(batch, train=False)
         collected: list[torch.Tensor] = []
 
@@ -329,60 +331,42 @@ class MegatronPolicyWorker:
     def get_reference_logprobs(self, batch: TokenBatch) -> BatchShard | None:
         """Logprobs under the initial weights: swap them in, compute, swap back."""
         self._sync_params()  # else the pending gather would overwrite the swapped-in weights
-        current = {n: host_copy(p) for n, p in self.model.named_parameters()}
-        params = dict(self.model.named_parameters())
-        with torch.no_grad():
-            for n, p in params.items():
-                p.copy_(self.reference[n])
-        try:
+        with self.reference.swapped_in():
             return self.get_logprobs(batch)
-        finally:
-            with torch.no_grad():
-                for n, p in params.items():
-                    p.copy_(current[n])
 
     # ------------------------------------------------------------------ memory hand-off (colocated)
-    def offload_before_refit(self) -> None:
+    def offload_training_state(self) -> None:
         """Free the gradient buffers and move the optimizer state and the fp32 main parameters of
-        mixed precision to host memory: neither the refit nor generation needs them. A pending
-        asynchronous save still references the device tensors, so it is finished first."""
+        mixed precision to host memory. A pending asynchronous save still references the device
+        tensors, so it is finished first."""
         self.finalize_checkpoint()
         for buffer in self._grad_buffers():
             buffer.offload_to_cpu(move_params=False, move_grads=True)
         move_tensors(main_params(self.opt.optimizer), torch.device("cpu"))
         if torch.cuda.is_available():
             move_optimizer_state(self.opt.optimizer, torch.device("cpu"))
-        free_device_cache()
-        self._offloaded.add("optimizer")
 
-    def offload_after_refit(self) -> None:
-        """Move the parameter buffers to host memory (where Megatron keeps them contiguous: the
-        distributed optimizer's buffers) while the engine generates from its copy."""
+    def reload_training_state(self) -> None:
+        """The gradient buffers come back zeroed."""
+        for buffer in self._grad_buffers():
+            buffer.reload_from_cpu(move_params=False, move_grads=True)
+        move_tensors(main_params(self.opt.optimizer), self.device)
+        if torch.cuda.is_available():
+            move_optimizer_state(self.opt.optimizer, self.device)
+
+    def offload_weights(self) -> None:
+        """The parameter buffers (where Megatron keeps them contiguous: the distributed optimizer's)."""
         if torch.cuda.is_available():
             for buffer in self._grad_buffers():
                 buffer.offload_to_cpu(move_params=True, move_grads=False)
-        free_device_cache()
-        self._offloaded.add("weights")
 
-    def prepare_for_training(self) -> None:
-        """Bring back what the offload calls moved (idempotent); the gradient buffers come back zeroed."""
-        if self._offloaded:
+    def reload_weights(self) -> None:
+        if torch.cuda.is_available():
             for buffer in self._grad_buffers():
-                buffer.reload_from_cpu(move_params="weights" in self._offloaded and torch.cuda.is_available(),
-                                       move_grads="optimizer" in self._offloaded)
-            if "optimizer" in self._offloaded:
-                move_tensors(main_params(self.opt.optimizer), self.device)
-            if torch.cuda.is_available():
-                move_optimizer_state(self.opt.optimizer, self.device)
-        self._offloaded.clear()
+                buffer.reload_from_cpu(move_params=True, move_grads=False)
 
     def _grad_buffers(self) -> list[Any]:
         return [*self.ddp.buffers, *getattr(self.ddp, "expert_parallel_buffers", [])]
-
-    def _require_on_device(self, what: str) -> None:
-        if self._offloaded:
-            raise NrlError(f"megatron worker rank {dist.get_rank()}: {what} while its "
-                           f"{', '.join(sorted(self._offloaded))} are offloaded; call prepare_for_training first")
 
     # ------------------------------------------------------------------ weights out
     def _sync_params(self) -> None:
@@ -415,22 +399,8 @@ class MegatronPolicyWorker:
                  for item in megatron_to_hf_items(name, full, self.hf_config))
         yield from iter_buckets(named, bucket_bytes)
 
-    def export_hf(self, path: str) -> None:
-        """A ``save_pretrained``-compatible directory (rank 0 writes). Collective."""
-        from safetensors.torch import save_file
-        from transformers import AutoTokenizer
-
-        state = {n: t.contiguous().cpu() for bucket in self.export_weights(1 << 62, self.precision) for n, t in bucket}
-        if dist.get_rank() == 0:
-            out = Path(path)
-            out.mkdir(parents=True, exist_ok=True)
-            save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-            self.hf_config.save_pretrained(str(out))
-            try:
-                AutoTokenizer.from_pretrained(self.model_path).save_pretrained(str(out))
-            except Exception as exc:  # noqa: BLE001 - a model without a tokenizer still exports
-                logger.warning("tokenizer not exported: %s", exc)
-        dist.barrier()
+    def tokenizer_source(self) -> str:
+        return self.model_path
 
     # ------------------------------------------------------------------ checkpoints
     def _sharded_state(self, is_loading: bool) -> dict[str, Any]:

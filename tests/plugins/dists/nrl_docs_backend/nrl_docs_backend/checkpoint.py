@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import threading
 from pathlib import Path
 from typing import Any
@@ -24,30 +23,6 @@ FORMAT = "nrl-docs-backend/1"
 META = "docs_checkpoint.json"
 WEIGHTS = "model.safetensors"
 STATE = "state.pt"
-
-
-def rng_state() -> dict[str, Any]:
-    """Every RNG a training step can draw from, as tensors and plain values (``weights_only`` loadable)."""
-    import numpy as np
-
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate(),
-                             "numpy": (kind, torch.from_numpy(keys.astype("int64")), pos, has_gauss, gauss)}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    import numpy as np
-
-    torch.set_rng_state(state["torch"])
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    kind, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((kind, keys.numpy().astype("uint32"), pos, has_gauss, cached))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def _write(path: Path, weights: dict[str, torch.Tensor], state: dict[str, Any], options: dict[str, bool]) -> None:

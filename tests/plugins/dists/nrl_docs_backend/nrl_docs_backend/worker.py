@@ -18,6 +18,7 @@ from nrl_core.contracts import BatchShard, CheckpointOptions, LossFunction, Toke
 from nrl_core.errors import NrlError
 from nrl_core.refit.buckets import parse_dtype
 from nrl_core.refit.hf_source import HFWeightSource
+from nrl_core.sdk import rng_state, set_rng_state
 from nrl_docs_backend import checkpoint
 from nrl_docs_backend.checks import optimizer_class
 
@@ -160,7 +161,7 @@ class DocsWorker:
         weights = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in self.model.state_dict().items()}
         state: dict[str, Any] = {"optimizer": _move(self.optimizer.state_dict(), "cpu", copy_tensors=True)}
         if options.load_rng:
-            state["rng"] = checkpoint.rng_state()
+            state["rng"] = rng_state()
         self.writer.write(path, weights, state, dataclasses.asdict(options), background=options.async_save)
 
     def load_checkpoint(self, path: str, options: CheckpointOptions) -> None:
@@ -180,7 +181,7 @@ class DocsWorker:
         self.model.load_state_dict(weights)
         self.optimizer.load_state_dict(state["optimizer"])
         if options.load_rng:
-            checkpoint.set_rng_state(state["rng"])
+            set_rng_state(state["rng"])
 
     def finalize_checkpoint(self) -> None:
         self.writer.wait()

@@ -1,10 +1,13 @@
-"""``ExampleWorker``: the smallest complete nrl training worker, one process, plain PyTorch.
+"""``ExampleWorker``: the smallest complete nrl training worker, one process, plain PyTorch, on
+the backend SDK (:mod:`nrl_core.sdk`).
 
 It keeps every promise of :class:`nrl_core.contracts.TrainingWorker` and nothing more: an HF
 causal LM trained with AdamW on padded micro-batches, logprobs under the sampling temperature,
-HF-named weight export, ``save_pretrained`` export, and checkpoints that restore model, optimizer,
-step and (with ``load_rng``) the RNG. It declares no capabilities, so validation refuses configs
-that need data parallelism, sequence packing or dynamic batching with it.
+HF-named weight export, and checkpoints that restore model, optimizer, step and (with
+``load_rng``) the RNG. The SDK's base class brings the colocated memory hand-off and the HF
+export (built from ``export_weights``); its ``ReferenceWeights`` keep the initial weights for the
+KL penalty in host memory. It declares no capabilities, so validation refuses configs that need
+data parallelism, sequence packing or dynamic batching with it.
 """
 
 from __future__ import annotations
@@ -22,17 +25,20 @@ from nrl_core.errors import ConfigError, NrlError
 from nrl_core.nonfinite import check_finite, guard_enabled
 from nrl_core.refit.buckets import parse_dtype
 from nrl_core.refit.hf_source import HFWeightSource
+from nrl_core.sdk import ReferenceWeights, TrainingWorkerBase, rng_state, set_rng_state, training_precision
 
 STATE_FILE = "example_state.pt"
 
 
-class ExampleWorker:
+class ExampleWorker(TrainingWorkerBase):
+    backend_name = "example"
+
     def __init__(self, config: Mapping[str, Any], rank: int = 0, world_size: int = 1) -> None:
         from transformers import AutoModelForCausalLM
 
         if world_size != 1:
             raise ConfigError("cluster", f"the example backend trains on one rank, got a world of {world_size}")
-        self.config = config
+        self.config, self.rank, self.device = config, rank, torch.device("cpu")
         policy = config["policy"]
         self.policy = policy
         if policy.get("scheduler"):
@@ -40,11 +46,12 @@ class ExampleWorker:
         self.temperature = logprob_temperature(config)
         torch.manual_seed(int(policy["seed"]))  # validation resolves a null seed to the algorithm's
         self.model = AutoModelForCausalLM.from_pretrained(
-            policy["model_name"], dtype=parse_dtype(policy["precision"]),
+            policy["model_name"], dtype=parse_dtype(training_precision(policy, self.device)),
             trust_remote_code=bool(policy.get("trust_remote_code")))
         for key, value in (policy.get("hf_config_overrides") or {}).items():
             setattr(self.model.config, key, value)
-        self.reference = copy.deepcopy(self.model).eval()  # the initial weights, for the KL penalty
+        self.hf_config = self.model.config
+        self.reference = ReferenceWeights(self.model.parameters())  # the initial weights, for the KL penalty
         optimizer = policy.get("optimizer") or {}
         if optimizer.get("name", "torch.optim.AdamW") not in ("torch.optim.AdamW", "AdamW"):
             raise ConfigError("policy.optimizer.name", "the example backend supports torch.optim.AdamW only")
@@ -74,7 +81,8 @@ class ExampleWorker:
         return self._all_logprobs(self.model, batch)
 
     def get_reference_logprobs(self, batch: TokenBatch) -> BatchShard:
-        return self._all_logprobs(self.reference, batch)
+        with self.reference.swapped_in():
+            return self._all_logprobs(self.model, batch)
 
     def train(self, batch: TokenBatch, loss_fn: LossFunction) -> dict[str, float]:
         tokens, seqs = batch.loss_counts()  # global normalisers: micro-batch losses add up to the batch's
@@ -96,17 +104,6 @@ class ExampleWorker:
         self.step += 1
         return {**metrics, "grad_norm": float(grad_norm)}
 
-    # ------------------------------------------------------------------ colocation (nothing on a device)
-
-    def offload_before_refit(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
-
-    def offload_after_refit(self) -> None:
-        pass
-
-    def prepare_for_training(self) -> None:
-        pass
-
     # ------------------------------------------------------------------ weights out
 
     def weight_manifest(self, dtype: str) -> list[WeightSpec]:
@@ -114,12 +111,6 @@ class ExampleWorker:
 
     def export_weights(self, bucket_bytes: int, dtype: str) -> Iterator[list[tuple[str, torch.Tensor]]]:
         return HFWeightSource(self.model).export_weights(bucket_bytes, dtype)
-
-    def export_hf(self, path: str) -> None:
-        from transformers import AutoTokenizer
-
-        self.model.save_pretrained(path, safe_serialization=True)
-        AutoTokenizer.from_pretrained(self.policy["tokenizer"]["name"] or self.policy["model_name"]).save_pretrained(path)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -130,7 +121,7 @@ class ExampleWorker:
         self.finalize_checkpoint()  # one save at a time
         state = {"model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
                  "optimizer": copy.deepcopy(self.optimizer.state_dict()), "step": self.step,
-                 "rng": torch.get_rng_state(), "model_name": str(self.policy["model_name"])}
+                 "rng": rng_state(), "model_name": str(self.policy["model_name"])}
         Path(path).mkdir(parents=True, exist_ok=True)
 
         def write() -> None:
@@ -169,4 +160,4 @@ class ExampleWorker:
         self.optimizer.load_state_dict(state["optimizer"])
         self.step = int(state["step"])
         if options.load_rng:
-            torch.set_rng_state(state["rng"])
+            set_rng_state(state["rng"])

@@ -1,0 +1,82 @@
+"""A ``save_pretrained``-compatible directory written from a backend's weight stream.
+
+The stream (``export_weights``) is what refit sends and what the conformance kit checks against
+the HF model, so an export built from it cannot disagree with what generation engines load. Rank
+0 writes safetensors in HF's checkpoint layout (shards of at most ``max_shard_bytes`` with an
+index, as ``save_pretrained`` does), the config with the exported dtype, and the tokenizer."""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import shutil
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                   "merges.txt", "tokenizer.model", "chat_template.jinja", "added_tokens.json")
+MAX_SHARD_BYTES = 5 * 2**30  # save_pretrained's default shard size
+
+
+def _shards(state: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in state.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += nbytes
+    return shards
+
+
+def _copy_tokenizer(source: str, out: Path) -> None:
+    copied = [name for name in TOKENIZER_FILES if (Path(source) / name).is_file()]
+    for name in copied:
+        shutil.copy2(Path(source) / name, out / name)
+    if copied:
+        return
+    try:  # a hub name, or a tokenizer in another layout
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(source).save_pretrained(str(out))
+    except Exception as exc:  # noqa: BLE001 - a model without a tokenizer still exports
+        logger.warning("tokenizer not exported: %s", exc)
+
+
+def write_hf_export(buckets: Iterable[list[tuple[str, torch.Tensor]]], hf_config: Any, tokenizer_source: str,
+                    path: str, *, dtype: str, writer: bool, max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
+    """Consume ``buckets`` (every rank must: the stream is collective) and, on the ``writer``
+    rank, write the export to ``path``. Returns after the writer has finished (a barrier)."""
+    from safetensors.torch import save_file
+
+    state = {name: tensor.detach().contiguous().cpu() for bucket in buckets for name, tensor in bucket}
+    if writer:
+        out = Path(path)
+        out.mkdir(parents=True, exist_ok=True)
+        shards = _shards(state, max_shard_bytes)
+        if len(shards) == 1:
+            save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
+        else:
+            weight_map = {}
+            for i, shard in enumerate(shards, 1):
+                file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+                save_file(shard, str(out / file), metadata={"format": "pt"})
+                weight_map.update(dict.fromkeys(shard, file))
+            total = sum(t.numel() * t.element_size() for t in state.values())
+            (out / "model.safetensors.index.json").write_text(
+                json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+        config = copy.deepcopy(hf_config)
+        config.dtype = getattr(torch, dtype)  # what the files hold: HF loads "auto" from it
+        config.save_pretrained(str(out))
+        _copy_tokenizer(tokenizer_source, out)
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
