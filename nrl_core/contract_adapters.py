@@ -62,7 +62,8 @@ def adapted_class(cls: type, role: str, version: int, plugin: str) -> type:
         raise PluginError(gaps[0] + more)
     namespace: dict[str, Any] = {}
     for method in ROLES[role][1]:
-        if method.since > version and method.adaptable and not hasattr(cls, method.name):
+        if method.since > version and method.adaptable and (method.name in _HOOK_CHECKPOINTS or
+                                                              not hasattr(cls, method.name)):
             namespace[method.name] = _DEFAULTS[method.name](plugin, version)
     if role == "training" and version < 2:
         for name in ("get_logprobs", "get_reference_logprobs"):
@@ -105,6 +106,36 @@ def _no_op(method: str, result: Any = None) -> Callable[[str, int], Callable[...
     return make
 
 
+def _through_hook(method: str, hook: str) -> Callable[[str, int], Callable[..., Any]]:
+    """Contracts 1-3 saved and loaded through the checkpoint hooks the plugin answers; the adapted
+    worker keeps doing so (the plugin manager warns once that the hooks are deprecated). A hook
+    that forwards to the worker's own method of the same name (``worker_checkpoint_hooks`` does)
+    reaches that method, not this one again."""
+
+    def make(plugin: str, version: int) -> Callable[..., Any]:
+        def default(self: Any, path: str, options: Any = None) -> Any:
+            from nrl_core.contracts import CheckpointOptions
+            from nrl_core.plugins import get_plugin_manager
+
+            options = options or CheckpointOptions()
+            if getattr(self, "_nrl_in_checkpoint_hook", False):
+                own = next((vars(c)[method] for c in type(self).__mro__[1:] if method in vars(c)), None)
+                if own is None:
+                    raise PluginError(f"plugin '{plugin}': its checkpoint hook calls {method} on a worker that has "
+                                      f"none ({VERSIONS_DOCS})")
+                return own(self, path, options)
+            self._nrl_in_checkpoint_hook = True
+            try:
+                getattr(get_plugin_manager(), hook)(self, path, options)
+            finally:
+                self._nrl_in_checkpoint_hook = False
+
+        default.__name__ = method
+        return default
+
+    return make
+
+
 _DEFAULTS: dict[str, Callable[[str, int], Callable[..., Any]]] = {
     "offload_before_refit": _no_memory_handoff("offload_before_refit"),
     "offload_after_refit": _no_op("offload_after_refit"),
@@ -114,7 +145,10 @@ _DEFAULTS: dict[str, Callable[[str, int], Callable[..., Any]]] = {
     "sampling_state": _no_op("sampling_state", dict),
     "load_sampling_state": _no_op("load_sampling_state"),
     "shutdown": _no_op("shutdown"),
+    "save_checkpoint": _through_hook("save_checkpoint", "checkpoint_save"),
+    "load_checkpoint": _through_hook("load_checkpoint", "checkpoint_load"),
 }
+_HOOK_CHECKPOINTS = ("save_checkpoint", "load_checkpoint")  # adapted even where the class has the method
 
 
 def _as_shard(method: Callable[..., Any]) -> Callable[..., Any]:

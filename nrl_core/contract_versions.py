@@ -58,6 +58,11 @@ CONTRACT_HISTORY: tuple[ContractVersion, ...] = (
         "hooks nrl_advantage_estimators, nrl_loss_functions with AdvantageEstimatorSpec, AdvantageInputs, "
         "LossFunctionSpec",
         "EnvResult.components and EnvironmentSpec.reward_components (d0b2cbb)")),
+    ContractVersion(4, "93bc744", added=(
+        "TrainingWorker.save_checkpoint(path, options), load_checkpoint(path, options): the core calls them on "
+        "every rank",),
+        changed=("the nrl_checkpoint_save/nrl_checkpoint_load hooks are deprecated: the core reaches them only "
+                 "through the adapter of a contract 1-3 worker",)),
 )
 """Every contract version, oldest first; docs/plugins.md and docs/changelog.md repeat it."""
 
@@ -93,6 +98,8 @@ TRAINING_METHODS: tuple[Method, ...] = (
     Method("export_weights", ("bucket_bytes", "dtype")),
     Method("export_hf", ("path",)),
     Method("finalize_checkpoint"),
+    Method("save_checkpoint", ("path", "options"), since=4, adaptable=True),
+    Method("load_checkpoint", ("path", "options"), since=4, adaptable=True),
 )
 
 GENERATION_METHODS: tuple[Method, ...] = (
@@ -140,9 +147,11 @@ def adapted_methods(cls: type, role: str, version: int) -> list[str]:
     """What the core fills in for a worker of an older contract (defaults for later methods it
     lacks, a tensor wrapped into a ``BatchShard``), as short phrases for ``nrl config check``."""
     notes = [f"no-op {m.name}" for m in ROLES[role][1] if m.since > version and m.adaptable
-             and not hasattr(cls, m.name)]
+             and not hasattr(cls, m.name) and m.name not in ("save_checkpoint", "load_checkpoint")]
     if role == "training" and version < 2:
         notes.append("tensor logprobs wrapped into BatchShard")
+    if role == "training" and version < 4:
+        notes.append("checkpoints through the plugin's (deprecated) checkpoint hooks")
     return notes
 
 

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
     from nrl_core.config.schema import Section
 
-CONTRACT_VERSION: int = 3
+CONTRACT_VERSION: int = 4
 """The version of the plugin contract this module defines, apart from nrl-core's package version.
 A plugin states the version it was written for as ``NRL_CONTRACT = N`` in its entry-point module;
 :mod:`nrl_core.contract_versions` lists every version the core still serves and what each changed."""
@@ -579,10 +579,9 @@ class TrainingWorker(Protocol):
     Every rank receives the whole global batch and takes its data-parallel shard
     (:meth:`TokenBatch.shard_rows`), since only the backend knows its parallel layout.
 
-    Saving and loading are not methods here: the core calls the ``nrl_checkpoint_save``/
-    ``nrl_checkpoint_load`` hooks, which the backend's plugin answers for its own workers
-    (:func:`nrl_core.checkpoint.hooks.worker_checkpoint_hooks` forwards them to the worker's
-    ``save_checkpoint(path, options)``/``load_checkpoint(path, options)``)."""
+    Saving and loading are methods (contract 4): the core calls ``save_checkpoint`` and
+    ``load_checkpoint`` on every rank. A worker of contracts 1-3 is adapted to reach its plugin's
+    deprecated ``nrl_checkpoint_save``/``nrl_checkpoint_load`` hooks through them."""
 
     def train(self, batch: TokenBatch, loss_fn: LossFunction) -> dict[str, float]:
         """One optimizer step on this rank's share of the global batch; metrics reduced over ranks.
@@ -622,6 +621,14 @@ class TrainingWorker(Protocol):
 
     def export_hf(self, path: str) -> None:
         """Write a ``save_pretrained``-compatible checkpoint (safetensors and tokenizer)."""
+
+    def save_checkpoint(self, path: str, options: CheckpointOptions) -> None:
+        """Write this rank's part of a checkpoint under ``path`` (the core creates nothing there;
+        every rank gets the same path). Contract 4."""
+
+    def load_checkpoint(self, path: str, options: CheckpointOptions) -> None:
+        """Restore what :meth:`save_checkpoint` wrote; a bad checkpoint raises one line and
+        changes nothing. Contract 4."""
 
     def finalize_checkpoint(self) -> None:
         """Wait for any asynchronous checkpoint save to complete."""

@@ -34,11 +34,13 @@ logger = logging.getLogger(__name__)
 
 
 def _save(worker: Any, path: str, options: CheckpointOptions) -> None:
-    get_plugin_manager().checkpoint_save(worker, path, options)
+    """The worker's own ``save_checkpoint`` (a worker of contract 1-3 is adapted to reach its
+    plugin's checkpoint hook through it: :mod:`nrl_core.contract_adapters`)."""
+    worker.save_checkpoint(path, options)
 
 
 def _load(worker: Any, path: str, options: CheckpointOptions) -> None:
-    get_plugin_manager().checkpoint_load(worker, path, options)
+    worker.load_checkpoint(path, options)
 
 
 class Policy:

@@ -61,8 +61,7 @@ def test_plugin_registers_backend() -> None:
     (spec,) = plugin.nrl_training_backends()
     assert (spec.name, spec.config_key, spec.priority) == ("megatron", "megatron_cfg", 20)
     assert spec.worker == "nrl_backend_megatron.worker:MegatronPolicyWorker"
-    assert plugin.nrl_checkpoint_save(worker=object(), path="x", options=CheckpointOptions()) is None
-    assert plugin.nrl_checkpoint_load(worker=object(), path="x", options=CheckpointOptions()) is None
+    assert not hasattr(plugin, "nrl_checkpoint_save")  # the core calls the worker's own methods
 
 
 def test_logging_level_reaches_megatron_loggers() -> None:

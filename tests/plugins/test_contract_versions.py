@@ -59,7 +59,7 @@ def test_plugins_lists_each_plugin_with_its_contract(site):
     assert plugins["first_contract"]["distribution"] == "nrl-first-contract-plugin"
     assert plugins["first_contract"]["contract"] == 1
     assert plugins["contract_gaps"]["contract"] == 3
-    assert plugins["nrl_core.builtin"]["contract"] == 3
+    assert plugins["nrl_core.builtin"]["contract"] == 4
     text = nrl(site, "plugins")
     assert any(line.startswith("first_contract ") and " contract 1 " in line for line in text.stdout.splitlines())
 
@@ -68,9 +68,9 @@ def test_config_check_passes_the_first_contract_backend_and_says_what_it_adapts(
     proc = nrl(site, "config", "check", str(config(tmp_path, "first_contract")))
     assert proc.returncode == 0, proc.stderr
     assert "training backend: first_contract (nrl-first-contract-plugin)" in proc.stdout
-    assert ("contract: training backend 'first_contract' is written for contract 1 (this core: 3); adapted: no-op "
+    assert ("contract: training backend 'first_contract' is written for contract 1 (this core: 4); adapted: no-op "
             "offload_before_refit, no-op offload_after_refit, no-op prepare_for_training, tensor logprobs wrapped "
-            "into BatchShard") in proc.stdout
+            "into BatchShard, checkpoints through the plugin's (deprecated) checkpoint hooks") in proc.stdout
 
 
 @pytest.mark.parametrize("backend,line", [("lacking", LACKING), ("wrongtype", WRONG_TYPE)])

@@ -6,12 +6,11 @@ plugin costs nothing beyond the schema.
 
 from __future__ import annotations
 
-from nrl_core.checkpoint.hooks import worker_checkpoint_hooks
 from nrl_core.contracts import TrainingBackendSpec
 from nrl_core.hookspecs import hookimpl
 from nrl_backend_dtensor.schema import DTENSOR_CONFIG_SCHEMA
 
-NRL_CONTRACT = 3  # the plugin contract this distribution is written for (docs/plugins.md)
+NRL_CONTRACT = 4  # the plugin contract this distribution is written for (docs/plugins.md)
 
 WORKER_PATH = "nrl_backend_dtensor.worker:DTensorPolicyWorker"
 
@@ -33,5 +32,3 @@ def nrl_training_backends() -> list[TrainingBackendSpec]:
         description="PyTorch FSDP2 (fully_shard) with optional DTensor tensor parallelism",
     )]
 
-
-nrl_checkpoint_save, nrl_checkpoint_load = worker_checkpoint_hooks(WORKER_PATH)

@@ -6,13 +6,12 @@ the checkpoint hooks only import it when they are handed a worker.
 
 from __future__ import annotations
 
-from nrl_core.checkpoint.hooks import worker_checkpoint_hooks
 from nrl_core.contracts import TrainingBackendSpec
 from nrl_core.hookspecs import hookimpl
 
 from nrl_backend_megatron.schema import MEGATRON_CFG_SCHEMA
 
-NRL_CONTRACT = 3  # the plugin contract this distribution is written for (docs/plugins.md)
+NRL_CONTRACT = 4  # the plugin contract this distribution is written for (docs/plugins.md)
 
 WORKER_PATH = "nrl_backend_megatron.worker:MegatronPolicyWorker"
 
@@ -30,5 +29,3 @@ def nrl_training_backends() -> list[TrainingBackendSpec]:
         description="Megatron-Core: tensor/pipeline parallel training, dist_checkpointing",
     )]
 
-
-nrl_checkpoint_save, nrl_checkpoint_load = worker_checkpoint_hooks(WORKER_PATH)

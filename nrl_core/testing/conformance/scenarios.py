@@ -216,10 +216,9 @@ def training_world1(rank: int, world_size: int, configs: dict[str, dict[str, Any
 
     from nrl_core.algorithms.loss import NLLLoss
     from nrl_core.contracts import CheckpointOptions, TrainingWorker
-    from nrl_core.plugins import get_plugin_manager
 
     _set_env(env)
-    pm, loss, batch, ckpt = get_plugin_manager(), NLLLoss(), conformance_batch(), Path(root)
+    loss, batch, ckpt = NLLLoss(), conformance_batch(), Path(root)
     out: dict[str, Any] = {}
 
     w = build_training_worker(configs["base"], rank, world_size)
@@ -252,18 +251,18 @@ def training_world1(rank: int, world_size: int, configs: dict[str, dict[str, Any
                           for b in w.export_weights(BUCKET_BYTES, "bfloat16") for n, t in b]
     w.export_hf(str(ckpt / "hf"))
 
-    pm.checkpoint_save(w, str(ckpt / "sync"), CheckpointOptions(load_rng=True))
+    w.save_checkpoint(str(ckpt / "sync"), CheckpointOptions(load_rng=True))
     out["rng_draw"] = torch.rand(8)
     out["m2"] = w.train(batch, loss)
     out["lp2"] = _whole(w.get_logprobs(batch), batch)
-    pm.checkpoint_save(w, str(ckpt / "async"), CheckpointOptions(async_save=True))
-    pm.checkpoint_save(w, str(ckpt / "consolidated"), CheckpointOptions(fully_parallel_save=False))
+    w.save_checkpoint(str(ckpt / "async"), CheckpointOptions(async_save=True))
+    w.save_checkpoint(str(ckpt / "consolidated"), CheckpointOptions(fully_parallel_save=False))
     w.finalize_checkpoint()
 
     out["truncated_file"] = _truncate_largest_file(ckpt / "sync", ckpt / "truncated")
     out["bad_loads"] = {
-        "missing": _error_of(lambda: pm.checkpoint_load(w, str(ckpt / "missing"), CheckpointOptions())),
-        "truncated": _error_of(lambda: pm.checkpoint_load(w, str(ckpt / "truncated"), CheckpointOptions())),
+        "missing": _error_of(lambda: w.load_checkpoint(str(ckpt / "missing"), CheckpointOptions())),
+        "truncated": _error_of(lambda: w.load_checkpoint(str(ckpt / "truncated"), CheckpointOptions())),
     }
     out["lp2_after_bad_loads"] = _whole(w.get_logprobs(batch), batch)
     out["train_after_bad_loads"] = _error_of(lambda: w.train(batch, loss))
@@ -273,12 +272,12 @@ def training_world1(rank: int, world_size: int, configs: dict[str, dict[str, Any
     # A backend that seeds torch when built and draws nothing while training would otherwise
     # pass without restoring the RNG: the fresh worker's state would equal the saved one anyway.
     torch.rand(5)
-    pm.checkpoint_load(fresh, str(ckpt / "sync"), CheckpointOptions(load_rng=True))
+    fresh.load_checkpoint(str(ckpt / "sync"), CheckpointOptions(load_rng=True))
     out["rng_draw_loaded"] = torch.rand(8)
     out["sync/lp"] = _whole(fresh.get_logprobs(batch), batch)
     out["sync/m2"] = fresh.train(batch, loss)
     for name, options in [("async", CheckpointOptions()), ("consolidated", CheckpointOptions(fully_parallel_load=False))]:
-        pm.checkpoint_load(fresh, str(ckpt / name), options)
+        fresh.load_checkpoint(str(ckpt / name), options)
         out[f"{name}/lp"] = _whole(fresh.get_logprobs(batch), batch)
     fresh = None
 
@@ -298,17 +297,16 @@ def training_world2(rank: int, world_size: int, config: dict[str, Any], root: st
     """Two data-parallel ranks: logprobs, a step, and a sharded checkpoint round trip."""
     from nrl_core.algorithms.loss import NLLLoss
     from nrl_core.contracts import CheckpointOptions
-    from nrl_core.plugins import get_plugin_manager
 
     _set_env(env)
-    pm, loss, batch = get_plugin_manager(), NLLLoss(), conformance_batch()
+    loss, batch = NLLLoss(), conformance_batch()
     w = build_training_worker(config, rank, world_size)
     out: dict[str, Any] = {"lp0": _whole(w.get_logprobs(batch), batch), "m1": w.train(batch, loss)}
     out["lp1"] = _whole(w.get_logprobs(batch), batch)
-    pm.checkpoint_save(w, os.path.join(root, "dp2"), CheckpointOptions())
+    w.save_checkpoint(os.path.join(root, "dp2"), CheckpointOptions())
     w.finalize_checkpoint()
     out["m2"] = w.train(batch, loss)
-    pm.checkpoint_load(w, os.path.join(root, "dp2"), CheckpointOptions())
+    w.load_checkpoint(os.path.join(root, "dp2"), CheckpointOptions())
     out["loaded/lp"] = _whole(w.get_logprobs(batch), batch)
     return out
 

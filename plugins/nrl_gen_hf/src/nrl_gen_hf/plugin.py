@@ -7,7 +7,7 @@ from nrl_core.hookspecs import hookimpl
 
 from nrl_gen_hf.config import HF_CFG
 
-NRL_CONTRACT = 3  # the plugin contract this distribution is written for (docs/plugins.md)
+NRL_CONTRACT = 4  # the plugin contract this distribution is written for (docs/plugins.md)
 
 
 @hookimpl

@@ -7,13 +7,12 @@ backend; the worker (torch, transformers) is imported by the core when a run bui
 from __future__ import annotations
 
 from nrl_core import hookimpl
-from nrl_core.checkpoint.hooks import worker_checkpoint_hooks
 from nrl_core.config.schema import Field, Section
 from nrl_core.contracts import TrainingBackendSpec
 
 WORKER_PATH = "nrl_docs_backend.worker:DocsWorker"
 
-NRL_CONTRACT = 3  # the plugin contract this module is written for (docs/plugins.md#8-contract-versions)
+NRL_CONTRACT = 4  # the plugin contract this module is written for (docs/plugins.md#8-contract-versions)
 
 SCHEMA = Section(doc="The docs backend: one process, plain PyTorch, any HF causal LM.", fields={
     "enabled": Field(type=bool, default=False),
@@ -32,5 +31,3 @@ def nrl_training_backends() -> list[TrainingBackendSpec]:
                                 capabilities=frozenset(),
                                 description="single-process PyTorch backend written from the plugin guide")]
 
-
-nrl_checkpoint_save, nrl_checkpoint_load = worker_checkpoint_hooks(WORKER_PATH)

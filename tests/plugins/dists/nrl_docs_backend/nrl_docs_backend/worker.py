@@ -1,7 +1,7 @@
 """The docs backend's worker: one rank, one plain ``AutoModelForCausalLM``, one torch optimizer.
 
 It satisfies ``nrl_core.contracts.TrainingWorker`` plus ``save_checkpoint``/``load_checkpoint``
-(reached through ``worker_checkpoint_hooks``). The backend declares no capabilities, so the core
+(which the core calls directly). The backend declares no capabilities, so the core
 never builds it with more than one rank, packed sequences or dynamic batches.
 """
 

@@ -7,13 +7,12 @@ transformers) is named by its import path and loaded only when a run builds it.
 """
 
 from nrl_core import hookimpl
-from nrl_core.checkpoint.hooks import worker_checkpoint_hooks
 from nrl_core.config.schema import Field, Section
 from nrl_core.contracts import AlgorithmSpec, TrainingBackendSpec
 
 WORKER_PATH = "nrl_example_plugin.worker:ExampleWorker"
 
-NRL_CONTRACT = 3  # the plugin contract this module is written for (docs/plugins.md#8-contract-versions)
+NRL_CONTRACT = 4  # the plugin contract this module is written for (docs/plugins.md#8-contract-versions)
 
 
 @hookimpl
@@ -44,8 +43,3 @@ def hello(config):
     for _ in range(config["hello"]["times"]):
         print(f"{config['hello']['greeting']} from the example plugin: model {config['policy']['model_name']}")
     return 0
-
-
-# Checkpoints: the core calls these hooks on every rank; they hand a worker of ours to its own
-# save_checkpoint/load_checkpoint and leave any other worker to its plugin.
-nrl_checkpoint_save, nrl_checkpoint_load = worker_checkpoint_hooks(WORKER_PATH)
