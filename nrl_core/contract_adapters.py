@@ -17,7 +17,7 @@ import functools
 import logging
 from typing import Any, Callable
 
-from nrl_core.contract_versions import ROLES, VERSIONS_DOCS, adapted_methods, worker_gaps
+from nrl_core.contract_versions import HOOK_CHECKPOINT_METHODS, ROLES, VERSIONS_DOCS, adapted_methods, worker_gaps
 from nrl_core.contracts import CONTRACT_VERSION, import_object
 from nrl_core.errors import PluginError
 
@@ -62,7 +62,7 @@ def adapted_class(cls: type, role: str, version: int, plugin: str) -> type:
         raise PluginError(gaps[0] + more)
     namespace: dict[str, Any] = {}
     for method in ROLES[role][1]:
-        if method.since > version and method.adaptable and (method.name in _HOOK_CHECKPOINTS or
+        if method.since > version and method.adaptable and (method.name in HOOK_CHECKPOINT_METHODS or
                                                               not hasattr(cls, method.name)):
             namespace[method.name] = _DEFAULTS[method.name](plugin, version)
     if role == "training" and version < 2:
@@ -108,7 +108,7 @@ def _no_op(method: str, result: Any = None) -> Callable[[str, int], Callable[...
 
 def _through_hook(method: str, hook: str) -> Callable[[str, int], Callable[..., Any]]:
     """Contracts 1-3 saved and loaded through the checkpoint hooks the plugin answers; the adapted
-    worker keeps doing so (the plugin manager warns once that the hooks are deprecated). A hook
+    worker keeps doing so, warning once per worker class that the hooks are deprecated. A hook
     that forwards to the worker's own method of the same name (``worker_checkpoint_hooks`` does)
     reaches that method, not this one again."""
 
@@ -124,6 +124,11 @@ def _through_hook(method: str, hook: str) -> Callable[[str, int], Callable[..., 
                     raise PluginError(f"plugin '{plugin}': its checkpoint hook calls {method} on a worker that has "
                                       f"none ({VERSIONS_DOCS})")
                 return own(self, path, options)
+            _warn_once(f"{plugin}.{type(self).__qualname__}.checkpoint",
+                       f"plugin '{plugin}' checkpoints {type(self).__qualname__} through the deprecated "
+                       f"nrl_checkpoint_save/nrl_checkpoint_load hooks; give the worker save_checkpoint(path, options) "
+                       f"and load_checkpoint(path, options) methods and set NRL_CONTRACT = {CONTRACT_VERSION} "
+                       f"({VERSIONS_DOCS})")
             self._nrl_in_checkpoint_hook = True
             try:
                 getattr(get_plugin_manager(), hook)(self, path, options)
@@ -148,7 +153,6 @@ _DEFAULTS: dict[str, Callable[[str, int], Callable[..., Any]]] = {
     "save_checkpoint": _through_hook("save_checkpoint", "checkpoint_save"),
     "load_checkpoint": _through_hook("load_checkpoint", "checkpoint_load"),
 }
-_HOOK_CHECKPOINTS = ("save_checkpoint", "load_checkpoint")  # adapted even where the class has the method
 
 
 def _as_shard(method: Callable[..., Any]) -> Callable[..., Any]:

@@ -102,6 +102,10 @@ TRAINING_METHODS: tuple[Method, ...] = (
     Method("load_checkpoint", ("path", "options"), since=4, adaptable=True),
 )
 
+HOOK_CHECKPOINT_METHODS = ("save_checkpoint", "load_checkpoint")
+"""What a contract 1-3 worker reaches through its plugin's checkpoint hooks, even where its class
+has methods of those names (the hooks decided how it saved)."""
+
 GENERATION_METHODS: tuple[Method, ...] = (
     Method("generate", ("prompts",), ("greedy",)),
     Method("import_weights", ("buckets", "manifest")),
@@ -147,7 +151,7 @@ def adapted_methods(cls: type, role: str, version: int) -> list[str]:
     """What the core fills in for a worker of an older contract (defaults for later methods it
     lacks, a tensor wrapped into a ``BatchShard``), as short phrases for ``nrl config check``."""
     notes = [f"no-op {m.name}" for m in ROLES[role][1] if m.since > version and m.adaptable
-             and not hasattr(cls, m.name) and m.name not in ("save_checkpoint", "load_checkpoint")]
+             and not hasattr(cls, m.name) and m.name not in HOOK_CHECKPOINT_METHODS]
     if role == "training" and version < 2:
         notes.append("tensor logprobs wrapped into BatchShard")
     if role == "training" and version < 4:

@@ -79,9 +79,6 @@ def _env_names(name: str) -> list[str]:
     return [item.strip() for item in os.environ.get(name, "").split(",") if item.strip()]
 
 
-_WARNED_HOOK_CHECKPOINTS: set[str] = set()  # worker classes already warned about, once per process
-
-
 @dataclass(frozen=True)
 class PluginInfo:
     """What ``nrl plugins`` shows about one registered plugin."""
@@ -369,19 +366,14 @@ class PluginManager:
         self._pm.hook.nrl_run_end(run=run, status=status, last_step=last_step, metrics=metrics, outputs=outputs)
 
     def _dispatch(self, hook_name: str, worker: object, **kwargs: Any) -> None:
-        """The deprecated checkpoint hooks, for a worker of contract 1-3 (whose adapter calls
-        this), with a warning naming the replacement once per worker class."""
+        """The deprecated checkpoint hooks, for a worker of contract 1-3 (whose adapter calls this)."""
         self.load()
         result = getattr(self._pm.hook, hook_name)(worker=worker, **kwargs)
         name = f"{type(worker).__module__}.{type(worker).__qualname__}"
         if result is None:
             raise PluginError(f"no installed plugin implements {hook_name} for {name}; give the worker "
                               "save_checkpoint(path, options) and load_checkpoint(path, options) methods")
-        if name not in _WARNED_HOOK_CHECKPOINTS:
-            _WARNED_HOOK_CHECKPOINTS.add(name)
-            logger.warning("%s checkpoints through the deprecated %s hook; give the worker save_checkpoint(path, "
-                           "options) and load_checkpoint(path, options) methods and set NRL_CONTRACT = 4 "
-                           "(docs/plugins.md#8-contract-versions)", name, hook_name)
+        logger.debug("%s handled %s", hook_name, name)
 
 
 def _unknown_hooks(plugin: object) -> str:

@@ -174,8 +174,20 @@ def _gather(shard: Any, batch: Any) -> torch.Tensor:
     return gather_shards(shard, batch).float().cpu()
 
 
+def _gaps(a: torch.Tensor, b: torch.Tensor, valid: torch.Tensor) -> tuple[float, float]:
+    """Largest and mean ``|a - b|`` over the valid tokens."""
+    diff = (a - b).abs()[valid]
+    return float(diff.max()), float(diff.mean())
+
+
 def _max_diff(a: torch.Tensor, b: torch.Tensor, valid: torch.Tensor) -> float:
-    return float((a - b).abs()[valid].max())
+    return _gaps(a, b, valid)[0]
+
+
+def _logprobs_within(result: dict[str, Any]) -> bool:
+    """The logprob gaps a check recorded against HF, within the bounds it recorded."""
+    return (result["logprob_max_abs_diff"] <= result["tolerance"]["max"]
+            and result["logprob_mean_abs_diff"] <= result["tolerance"]["mean"])
 
 
 def _export_rate(worker: Any, cuda: bool) -> dict[str, float]:
@@ -222,8 +234,8 @@ def check_backend(backend: str, model: str, settings: dict[str, Any], rank: int,
 
     logprobs = _gather(worker.get_logprobs(batch), batch)
     reference = _gather(worker.get_reference_logprobs(batch), batch)
-    diff = (logprobs - hf).abs()[valid]
-    result.update(logprob_max_abs_diff=float(diff.max()), logprob_mean_abs_diff=float(diff.mean()),
+    largest, mean = _gaps(logprobs, hf, valid)
+    result.update(logprob_max_abs_diff=largest, logprob_mean_abs_diff=mean,
                   reference_vs_policy_before_training=_max_diff(reference, logprobs, valid))
 
     loss = ClippedPGLoss(reference_policy_kl_penalty=KL_PENALTY)
@@ -273,7 +285,7 @@ def check_backend(backend: str, model: str, settings: dict[str, Any], rank: int,
     result["tolerance"] = {"max": bound_max, "mean": bound_mean, "same_weights": SAME_WEIGHTS}
     finite = all(math.isfinite(v) for v in [*result["losses"], result["loss_after_offload"]])
     result["checks"] = {
-        "logprobs_match_hf": result["logprob_max_abs_diff"] <= bound_max and result["logprob_mean_abs_diff"] <= bound_mean,
+        "logprobs_match_hf": _logprobs_within(result),
         "reference_equals_initial_policy": result["reference_vs_policy_before_training"] <= SAME_WEIGHTS,
         "training_moves_policy_not_reference": result["policy_moved"] > SAME_WEIGHTS
         and result["reference_after_training_vs_before"] <= SAME_WEIGHTS,
@@ -300,18 +312,14 @@ def check_moe(backend: str, model: str, settings: dict[str, Any], rank: int, wor
     valid = batch.fields["token_mask"].bool()
     worker = _worker_class(backend)(_config(backend, model, settings, world), rank=rank, world_size=world)
     logprobs = _gather(worker.get_logprobs(batch), batch)
-    diff = (logprobs - hf).abs()[valid]
-    own = (hf_same_precision - hf).abs()[valid]
-    result.update(logprob_max_abs_diff=float(diff.max()), logprob_mean_abs_diff=float(diff.mean()),
-                  hf_same_precision_max_abs_diff=float(own.max()), hf_same_precision_mean_abs_diff=float(own.mean()))
+    (largest, mean), (own_max, own_mean) = _gaps(logprobs, hf, valid), _gaps(hf_same_precision, hf, valid)
+    result.update(logprob_max_abs_diff=largest, logprob_mean_abs_diff=mean,
+                  hf_same_precision_max_abs_diff=own_max, hf_same_precision_mean_abs_diff=own_mean)
     metrics = worker.train(_rl_batch(batch, logprobs, logprobs), ClippedPGLoss(reference_policy_kl_penalty=KL_PENALTY))
     result["loss"] = float(metrics["loss"])
     bound_max, bound_mean = TOLERANCE[settings["precision"]]
-    result["tolerance"] = {"max": max(bound_max, MOE_SLACK * float(own.max())),
-                           "mean": max(bound_mean, MOE_SLACK * float(own.mean()))}
-    result["checks"] = {"logprobs_match_hf": result["logprob_max_abs_diff"] <= result["tolerance"]["max"]
-                        and result["logprob_mean_abs_diff"] <= result["tolerance"]["mean"],
-                        "finite_loss": math.isfinite(result["loss"])}
+    result["tolerance"] = {"max": max(bound_max, MOE_SLACK * own_max), "mean": max(bound_mean, MOE_SLACK * own_mean)}
+    result["checks"] = {"logprobs_match_hf": _logprobs_within(result), "finite_loss": math.isfinite(result["loss"])}
     result["ok"] = all(result["checks"].values())
     _close(worker, cuda)
     return result
@@ -377,12 +385,11 @@ def _rank(rank: int, world: int, port: int, args: dict[str, Any], out: str) -> N
         model = args["model"]
         batch = _batch(settings["rows"], settings["seq"], settings["vocab"])
         hf = _hf_logprobs(model, batch, cuda)
-        own = (_hf_logprobs(model, batch, cuda, getattr(torch, settings["precision"])) - hf).abs()[
-            batch.fields["token_mask"].bool()]
+        own_max, own_mean = _gaps(_hf_logprobs(model, batch, cuda, getattr(torch, settings["precision"])), hf,
+                                  batch.fields["token_mask"].bool())
         n_params = _n_params(model)
         summary["model"] = {"family": "llama", "size": settings["size"], "parameters": n_params,
-                            "hf_same_precision_max_abs_diff": float(own.max()),
-                            "hf_same_precision_mean_abs_diff": float(own.mean())}
+                            "hf_same_precision_max_abs_diff": own_max, "hf_same_precision_mean_abs_diff": own_mean}
         for backend in args["backends"]:
             summary["results"][backend] = _guarded(backend, check_backend, backend, model, settings, rank, world,
                                                    batch, hf, n_params, workdir)

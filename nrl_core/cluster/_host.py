@@ -220,13 +220,9 @@ class WorkerHost(RefitEndpoints):
 
     def _run(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         self.record_call(method)
-        if self._spans is None:
-            return getattr(self.worker, method)(*args, **kwargs)
-        wall, start = time.time(), time.perf_counter()
-        try:
-            return getattr(self.worker, method)(*args, **kwargs)
-        finally:
-            self._spans.record(method, wall, time.perf_counter() - start)
+        return getattr(self.worker, method)(*args, **kwargs)
+
+    _run = _traced(_run, lambda method, *_: method)  # a span named after the worker method
 
     def nrl_refit_source(self) -> Any:
         source = super().nrl_refit_source()

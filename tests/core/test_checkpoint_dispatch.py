@@ -43,19 +43,19 @@ class OldPlugin:
     def __init__(self) -> None:
         self.calls: list[str] = []
 
+    def _answer(self, worker, what: str, path: str) -> bool | None:
+        if not isinstance(worker, OldWorker):
+            return None  # not this plugin's worker
+        self.calls.append(f"hook {what} {path}")
+        return True
+
     @hookimpl
     def nrl_checkpoint_save(self, worker, path, options):
-        if isinstance(worker, OldWorker):
-            self.calls.append(f"hook save {path}")
-            return True
-        return None
+        return self._answer(worker, "save", path)
 
     @hookimpl
     def nrl_checkpoint_load(self, worker, path, options):
-        if isinstance(worker, OldWorker):
-            self.calls.append(f"hook load {path}")
-            return True
-        return None
+        return self._answer(worker, "load", path)
 
 
 def test_the_core_calls_a_current_workers_methods_and_no_hook() -> None:
@@ -70,7 +70,7 @@ def test_the_core_calls_a_current_workers_methods_and_no_hook() -> None:
 def test_a_contract_3_worker_checkpoints_through_its_plugins_hooks_warning_once(
         cls: type, caplog: pytest.LogCaptureFixture) -> None:
     plugin, worker = OldPlugin(), adapted_class(cls, "training", 3, "old")()
-    with get_plugin_manager().registered(plugin, name="old"), caplog.at_level(logging.WARNING, "nrl_core.plugins"):
+    with get_plugin_manager().registered(plugin, name="old"), caplog.at_level(logging.WARNING):
         _save(worker, "/a", OPTIONS)
         _save(worker, "/b", OPTIONS)
         _load(worker, "/b", OPTIONS)

@@ -1,4 +1,4 @@
-"""Registers the ``dtensor`` training backend and its checkpoint hooks with nrl.
+"""Registers the ``dtensor`` training backend with nrl.
 
 The worker module (torch, transformers) is imported only when a worker exists, so loading this
 plugin costs nothing beyond the schema.

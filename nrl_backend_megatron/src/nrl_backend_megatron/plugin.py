@@ -1,7 +1,6 @@
-"""nrl hook implementations of the Megatron backend: registration and checkpoint dispatch.
+"""nrl hook implementation of the Megatron backend: its registration.
 
-Imports nothing heavy: the worker module (torch, megatron) is only named by its import path, and
-the checkpoint hooks only import it when they are handed a worker.
+Imports nothing heavy: the worker module (torch, megatron) is only named by its import path.
 """
 
 from __future__ import annotations

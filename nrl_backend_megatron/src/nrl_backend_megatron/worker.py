@@ -23,8 +23,8 @@ import torch.distributed as dist
 from nrl_core.contracts import BatchShard, CheckpointOptions, LossFunction, TokenBatch, WeightSpec, logprob_temperature
 from nrl_core.device import (all_reduce, broadcast, check_batch_device, host_copy, model_device, move_optimizer_state,
                              move_tensors, to_device)
-from nrl_core.sdk import ReferenceWeights, TrainingWorkerBase, training_precision
 from nrl_core.nonfinite import KEY as NAN_KEY, NonFiniteError, check_finite, guard_enabled
+from nrl_core.sdk import ReferenceWeights, TrainingWorkerBase, training_precision
 
 from nrl_backend_megatron import cpu_shim
 from nrl_backend_megatron.batching import MicroBatch, packed_micro_batches, padded_micro_batches, token_logprobs
