@@ -39,6 +39,7 @@ sys.path.insert(0, str(REPO))
 def rollout(args: argparse.Namespace) -> dict[str, float]:
     from nrl_core.algorithms.generation import split_evenly
     from nrl_core.cluster import WorkerGroup, init_ray, shutdown_ray
+    from nrl_core.cluster._host import WorkerHost
     from nrl_core.testing.tiny_models import cached_tiny_model
     from tests.vllm.helpers import generation_config
 
@@ -53,7 +54,7 @@ def rollout(args: argparse.Namespace) -> dict[str, float]:
               for n in (1, 2)}
 
     def run(n: int) -> int:
-        outs = groups[n].host_call(list(range(n)), "nrl_generate_sharded", split_evenly(prompts, n), 1)
+        outs = groups[n].call(WorkerHost.nrl_generate_sharded, split_evenly(prompts, n), 1)
         return sum(len(t) for o in outs for t in o.token_ids)
 
     try:

@@ -89,13 +89,13 @@ def _reload(worker: Any, items: list[tuple[str, Any]]) -> None:
     worker.llm.collective_rpc(_prepack)
 
 
-def _reload_in_actor(host: Any) -> float:
+def _reload_in_actor(worker: Any) -> float:
     """Runs inside the generation actor: vLLM's own reload of the checkpoint's state dict there."""
-    items = getattr(host, "bench_items", None)
+    items = getattr(worker, "bench_items", None)
     if items is None:
-        items = host.bench_items = _state_dict(host.worker.model_dir)
+        items = worker.bench_items = _state_dict(worker.model_dir)
     start = time.perf_counter()
-    _reload(host.worker, items)
+    _reload(worker, items)
     return time.perf_counter() - start
 
 
@@ -122,20 +122,21 @@ def measure(name: str, repeats: int, cross: bool) -> dict:
     worker.shutdown()
     row = {"bytes": nbytes, "tensors": len(items), **{key: nbytes / seconds for key, seconds in best.items()}}
     if cross:
-        import ray
+        from nrl_core.cluster import WorkerGroup
+        from nrl_core.cluster._host import WorkerHost
 
-        from nrl_core.testing.refit_host import RefitTestHost
-
-        host = ray.remote(RefitTestHost)
-        src = host.remote("nrl_core.refit.hf_source:HFWeightSource", model_dir)
-        sink = host.remote("nrl_gen_vllm.worker:VllmGenerationWorker", _config(model_dir))
-        ray.get([src.pid.remote(), sink.pid.remote()])
-        best = _best_in_turns({"vllm_reload_in_actor": lambda: ray.get(sink.execute.remote(_reload_in_actor)),
-                               "nrl_cross_process": _timed(lambda: refit(src, sink, bucket_bytes=BUCKET))}, repeats)
+        src = WorkerGroup("nrl_core.testing.refit_host:RankedHFSource", 1, name="bench-source",
+                          init_kwargs={"model": model_dir}, distributed_backend="none")
+        sink = WorkerGroup("nrl_gen_vllm.worker:VllmGenerationWorker", 1, name="bench-sink",
+                           init_kwargs={"config": _config(model_dir)}, distributed_backend="none")
+        best = _best_in_turns({"vllm_reload_in_actor": lambda: sink.call(WorkerHost.execute, _reload_in_actor, on=0),
+                               "nrl_cross_process": _timed(lambda: refit(src.endpoint(0), sink.endpoint(0),
+                                                                         bucket_bytes=BUCKET))}, repeats)
         row.update({key: nbytes / seconds for key, seconds in best.items()})
-        ray.get([sink.call.remote("shutdown"), src.nrl_refit_release.remote()])
-        ray.kill(src)
-        ray.kill(sink)
+        sink.call("shutdown")
+        src.call(WorkerHost.nrl_refit_release)
+        src.shutdown()
+        sink.shutdown()
     return row
 
 

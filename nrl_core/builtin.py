@@ -24,14 +24,12 @@ def nrl_algorithms() -> list[AlgorithmSpec]:
     return [
         AlgorithmSpec(name="grpo", entry="nrl_core.algorithms.grpo:main", distribution="nrl-core",
                       description="Group Relative Policy Optimization", config_schema=GRPO,
-                      config_check="nrl_core.algorithms.grpo_config:check_grpo", generates=True,
-                      early_policy_start=True),
+                      config_check="nrl_core.algorithms.grpo_config:check_grpo", generates=True),
         AlgorithmSpec(name="sft", entry="nrl_core.algorithms.sft:main", distribution="nrl-core",
-                      description="supervised fine-tuning (response-only NLL)", config_schema=SFT,
-                      early_policy_start=True),
+                      description="supervised fine-tuning (response-only NLL)", config_schema=SFT),
         AlgorithmSpec(name="dpo", entry="nrl_core.algorithms.dpo:main", distribution="nrl-core",
                       description="Direct Preference Optimization on (chosen, rejected) pairs", config_schema=DPO_SCHEMA,
-                      config_check="nrl_core.algorithms.dpo_schema:check_dpo", early_policy_start=True),
+                      config_check="nrl_core.algorithms.dpo_schema:check_dpo"),
     ]
 
 

@@ -63,6 +63,13 @@ CONTRACT_HISTORY: tuple[ContractVersion, ...] = (
         "every rank",),
         changed=("the nrl_checkpoint_save/nrl_checkpoint_load hooks are deprecated: the core reaches them only "
                  "through the adapter of a contract 1-3 worker",)),
+    ContractVersion(5, "HEAD", added=(
+        "worker classes may name modules they import lazily in lazy_imports; the core imports them early",
+        "each TrainingWorker/GenerationWorker method declares how the core calls it (nrl_core.dispatch): "
+        "fan-out and gather, read by WorkerGroup.call"),
+        removed=("AlgorithmSpec.early_policy_start (nrl train starts every algorithm's policy early) and the "
+                 "preload field of TrainingBackendSpec/GenerationBackendSpec: both still accepted with a "
+                 "deprecation warning, preload still honoured",)),
 )
 """Every contract version, oldest first; docs/plugins.md and docs/changelog.md repeat it."""
 

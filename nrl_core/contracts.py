@@ -16,9 +16,10 @@ plugins or checking a config never imports torch-heavy engine code.
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Protocol, Sequence, runtime_checkable
 
+from nrl_core.dispatch import Fanout, Gather, dispatch
 from nrl_core.errors import PluginError
 
 if TYPE_CHECKING:
@@ -26,10 +27,28 @@ if TYPE_CHECKING:
 
     from nrl_core.config.schema import Section
 
-CONTRACT_VERSION: int = 4
+CONTRACT_VERSION: int = 5
 """The version of the plugin contract this module defines, apart from nrl-core's package version.
 A plugin states the version it was written for as ``NRL_CONTRACT = N`` in its entry-point module;
 :mod:`nrl_core.contract_versions` lists every version the core still serves and what each changed."""
+
+
+LEGACY_PRELOAD: dict[str, tuple[str, ...]] = {}
+"""Modules a contract 1-4 spec named in ``preload``, by worker import path: still imported early."""
+
+
+def _deprecated(message: str) -> None:
+    import warnings
+
+    warnings.warn(message, FutureWarning, stacklevel=4)
+
+
+def _keep_legacy_preload(kind: str, worker: str, preload: Sequence[str] | None) -> None:
+    if preload is None:
+        return
+    LEGACY_PRELOAD[worker] = tuple(preload)
+    _deprecated(f"{kind}(preload=...) for {worker} is deprecated since contract 5: name the modules in the "
+                f"worker class's lazy_imports instead (docs/plugins.md#8-contract-versions)")
 
 
 def import_object(path: str) -> Any:
@@ -120,11 +139,12 @@ class TrainingBackendSpec:
     ``config_check`` is the import path of a :data:`ConfigCheck`: the backend's own checks of
     values only it can judge (sizes against the model's heads and layers, optimizer names).
     ``capabilities`` names what it supports among :data:`TRAINING_CAPABILITIES`; validation refuses
-    a config that needs one it does not declare. ``preload`` names modules the worker imports
-    lazily but surely (``transformers.modeling_utils``): each worker process imports them, and
-    ``worker``'s module, first thing, while ``nrl train`` still checks the config and loads data,
-    so the two start-ups overlap. An import that fails there is ignored; the worker's own import
-    reports it.
+    a config that needs one it does not declare.
+
+    Start-up overlap is the core's business (contract 5): every worker process imports ``worker``
+    and the modules its class names in ``lazy_imports`` while ``nrl train`` still checks the config
+    (:mod:`nrl_core.algorithms.policy_launch`). ``preload``, the spec field that named them up to
+    contract 4, is still accepted from older plugins (with a deprecation warning) and honoured.
     """
 
     name: str
@@ -137,11 +157,12 @@ class TrainingBackendSpec:
     parallel_size_keys: tuple[str, ...] = ()
     config_check: str | None = None
     capabilities: frozenset[str] = frozenset()
-    preload: tuple[str, ...] = ()
     description: str = ""
+    preload: InitVar[Sequence[str] | None] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, preload: Sequence[str] | None) -> None:
         _check_capabilities("training backend", self.name, self.capabilities, TRAINING_CAPABILITIES)
+        _keep_legacy_preload("TrainingBackendSpec", self.worker, preload)
 
     def model_parallel_size(self, section: Mapping[str, Any]) -> int:
         """Ranks one model replica spans (the product of ``parallel_size_keys`` in its section), so
@@ -158,8 +179,8 @@ class GenerationBackendSpec:
 
     Chosen by ``policy.generation.backend == name``; its section is
     ``policy.generation.<config_key>`` (``vllm_cfg``). ``worker`` is the import path of a
-    :class:`GenerationWorker` class; ``config_check`` and ``preload`` as for
-    :class:`TrainingBackendSpec` (a colocated engine's modules are preloaded in the training workers).
+    :class:`GenerationWorker` class; ``config_check`` and start-up overlap as for
+    :class:`TrainingBackendSpec` (a colocated engine's modules are imported early in the training workers).
     """
 
     name: str
@@ -170,11 +191,12 @@ class GenerationBackendSpec:
     parallel_size_keys: tuple[str, ...] = ()
     config_check: str | None = None
     capabilities: frozenset[str] = frozenset()
-    preload: tuple[str, ...] = ()
     description: str = ""
+    preload: InitVar[Sequence[str] | None] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, preload: Sequence[str] | None) -> None:
         _check_capabilities("generation backend", self.name, self.capabilities, GENERATION_CAPABILITIES)
+        _keep_legacy_preload("GenerationBackendSpec", self.worker, preload)
 
     def engine_size(self, section: Mapping[str, Any]) -> int:
         """Ranks one engine spans (the product of ``parallel_size_keys`` in its section): the core
@@ -270,11 +292,13 @@ class AlgorithmSpec:
     ``config_check`` is the import path of a :data:`ConfigCheck` for rules that relate the section to
     the rest of the config; it runs only when this algorithm is the one checked. ``generates`` says it
     samples from ``policy.generation``, so a config without an installed generation backend is
-    refused at check time, not at run time. ``early_policy_start`` says ``entry`` builds an
-    :class:`~nrl_core.algorithms.base.AlgorithmRun` (which builds the policy's training workers
-    with :class:`~nrl_core.algorithms.policy.Policy`): ``nrl train`` then launches those workers
-    before it checks the model and the run loads its data, so their imports overlap
-    (:mod:`nrl_core.algorithms.policy_launch`).
+    refused at check time, not at run time.
+
+    ``nrl train`` launches the policy's training workers before it checks the model and the run
+    loads its data, for every algorithm, so their imports overlap; a run that builds no
+    :class:`~nrl_core.algorithms.policy.Policy` leaves them untaken and they stop with it
+    (:mod:`nrl_core.algorithms.policy_launch`). ``early_policy_start``, the field that asked for
+    this up to contract 4, is still accepted (with a deprecation warning) and has no effect.
     """
 
     name: str
@@ -285,7 +309,12 @@ class AlgorithmSpec:
     config_schema: Section | None = None
     config_check: str | None = None
     generates: bool = False
-    early_policy_start: bool = False
+    early_policy_start: InitVar[bool | None] = None
+
+    def __post_init__(self, early_policy_start: bool | None) -> None:
+        if early_policy_start is not None:
+            _deprecated(f"AlgorithmSpec(early_policy_start=...) of algorithm '{self.name}' has no effect since "
+                        f"contract 5 (nrl train starts every algorithm's policy early); remove it")
 
     @property
     def section(self) -> str:
@@ -583,6 +612,7 @@ class TrainingWorker(Protocol):
     ``load_checkpoint`` on every rank. A worker of contracts 1-3 is adapted to reach its plugin's
     deprecated ``nrl_checkpoint_save``/``nrl_checkpoint_load`` hooks through them."""
 
+    @dispatch(Fanout.ALL, Gather.FIRST)
     def train(self, batch: TokenBatch, loss_fn: LossFunction) -> dict[str, float]:
         """One optimizer step on this rank's share of the global batch; metrics reduced over ranks.
         The loss sees logprobs as :meth:`get_logprobs` computes them. Returns the loss function's
@@ -590,46 +620,57 @@ class TrainingWorker(Protocol):
         (before clipping); with ``policy.check_for_nan`` a non-finite loss or norm raises before
         the optimizer step (:mod:`nrl_core.nonfinite`)."""
 
+    @dispatch(Fanout.ALL, Gather.SHARDS)
     def get_logprobs(self, batch: TokenBatch) -> BatchShard | None:
         """Per-token float32 logprobs of this rank's data-parallel shard of ``batch`` under the
         current weights (aligned as in :class:`TokenBatch`), from the logits divided by
         :func:`logprob_temperature` (the distribution rollouts are sampled from). One rank per
         data-parallel group returns its shard; the others return ``None``."""
 
+    @dispatch(Fanout.ALL, Gather.SHARDS)
     def get_reference_logprobs(self, batch: TokenBatch) -> BatchShard | None:
         """The same under the initial (reference) weights, for the KL penalty: ``policy.model_name``
         as the constructor loaded it, also after a resume (the reference is not checkpointed)."""
 
+    @dispatch(Fanout.ALL, Gather.NONE)
     def offload_before_refit(self) -> None:
         """Colocated generation is about to take the device: move what neither the refit nor
         generation needs (optimizer state, gradients) off it. A no-op where nothing is on a device."""
 
+    @dispatch(Fanout.ALL, Gather.NONE)
     def offload_after_refit(self) -> None:
         """The engines hold a copy of the weights now: move the weights off the device too (called
         only with ``policy.generation.colocated.offload_weights``)."""
 
+    @dispatch(Fanout.ALL, Gather.NONE)
     def prepare_for_training(self) -> None:
         """Bring back whatever the offload calls moved; the core calls it before the next
         ``get_logprobs``/``train`` after a colocated generation."""
 
+    @dispatch(Fanout.RANK0)
     def weight_manifest(self, dtype: str) -> list[WeightSpec]:
         """Every weight ``export_weights`` will yield, HF names, full (unsharded) shapes."""
 
+    @dispatch(Fanout.ALL)
     def export_weights(self, bucket_bytes: int, dtype: str) -> Iterator[list[tuple[str, "torch.Tensor"]]]:
         """Full HF-named tensors cast to ``dtype``, in buckets of at most ``bucket_bytes`` (a single
         larger tensor forms its own bucket). Collective: every rank must iterate."""
 
+    @dispatch(Fanout.ALL, Gather.NONE)
     def export_hf(self, path: str) -> None:
         """Write a ``save_pretrained``-compatible checkpoint (safetensors and tokenizer)."""
 
+    @dispatch(Fanout.ALL, Gather.NONE)
     def save_checkpoint(self, path: str, options: CheckpointOptions) -> None:
         """Write this rank's part of a checkpoint under ``path`` (the core creates nothing there;
         every rank gets the same path). Contract 4."""
 
+    @dispatch(Fanout.ALL, Gather.NONE)
     def load_checkpoint(self, path: str, options: CheckpointOptions) -> None:
         """Restore what :meth:`save_checkpoint` wrote; a bad checkpoint raises one line and
         changes nothing. Contract 4."""
 
+    @dispatch(Fanout.ALL, Gather.NONE)
     def finalize_checkpoint(self) -> None:
         """Wait for any asynchronous checkpoint save to complete."""
 
@@ -646,23 +687,29 @@ class GenerationWorker(Protocol):
 
     weight_version: int
 
+    @dispatch(Fanout.ALL, Gather.SHARDS)
     def generate(self, prompts: list[list[int]], *, greedy: bool = False) -> GenerationOutput: ...
 
+    @dispatch(Fanout.DP)
     def import_weights(self, buckets: Iterable[list[tuple[str, "torch.Tensor"]]], manifest: list[WeightSpec]) -> int:
         """Load the buckets atomically against ``manifest``; return the new weight version."""
 
+    @dispatch(Fanout.ALL, Gather.NONE)
     def prepare_for_generation(self, tags: list[str] | None = None) -> None:
         """Colocated: wake what ``tags`` name (``"weights"`` before a refit, ``"kv_cache"`` before
         generating; everything when None) after :meth:`finish_generation`."""
 
+    @dispatch(Fanout.ALL, Gather.LIST)
     def finish_generation(self) -> bool:
         """Colocated: release the device's memory for training until the next
         :meth:`prepare_for_generation`. True when the engine dropped its weights, so the core
         refits it before it generates again."""
 
+    @dispatch(Fanout.DP)
     def sampling_state(self) -> dict[str, int]:
         """What, with the weights, determines the next samples; saved with checkpoints."""
 
+    @dispatch(Fanout.ALL, Gather.NONE)
     def load_sampling_state(self, state: Mapping[str, int]) -> None:
         """Restore :meth:`sampling_state` so a resumed run samples as the uninterrupted one."""
 

@@ -30,6 +30,7 @@ from nrl_core.cluster._host import WorkerHost
 from nrl_core.cluster.worker_group import method_name
 from nrl_core.config.topology import cluster_topology
 from nrl_core.contracts import GenerationBackendSpec, GenerationOutput, GenerationWorker
+from nrl_core.dispatch import Fanout, dispatch_of
 from nrl_core.errors import NrlError
 from nrl_core.refit.orchestrator import choose_transport, refit, refit_options
 from nrl_core.refit.report import RefitReport, combine_reports
@@ -65,6 +66,7 @@ class Generation:
         if self.colocated:
             self.hosts = policy.group
             self.placement = None
+            self._index_ranks()
             dropped = self._build_colocated(spec, config)
         else:
             world = topology.generation_world
@@ -75,26 +77,28 @@ class Generation:
                                      env_vars=dict(config["cluster"].get("env_vars") or {}),
                                      distributed_backend="auto" if topology.engine_size > 1 else "none",
                                      collective_timeout_s=policy.timeout_s)
-        self.ranks = list(range(self.hosts.world_size))
-        self.leads = self.ranks[:: self.engine_size]  # the rank of each engine that reports for it
+            self._index_ranks()
+            self.hosts.dp_leads = tuple(self.leads)
         # engines built with placeholder weights (version -1) get the policy's before they generate;
         # that first load makes them version 0, the checkpoint's weights, as if they had read it
         self.stale = dropped or min(self.weight_versions()) < 0
         mark("generation_built")
+
+    def _index_ranks(self) -> None:
+        self.ranks = list(range(self.hosts.world_size))
+        self.leads = self.ranks[:: self.engine_size]  # the rank of each engine that reports for it
 
     def _build_colocated(self, spec: GenerationBackendSpec, config: Mapping[str, Any]) -> bool:
         """Build an engine inside every training actor while the training state is off the device,
         as it will be whenever the engine runs: vLLM sizes itself from the device's memory at
         start-up and refuses to start when less is free than ``gpu_memory_utilization`` asks. The
         engines then sleep and the training state comes back. True when they dropped their weights."""
-        ranks = list(range(self.hosts.world_size))
         self.policy.offload_before_refit()
         if self.offload_weights:
             self.policy.offload_after_refit()
         # vLLM builds its process groups collectively: every training rank builds its engine at once
-        self.hosts.host_call(ranks, WorkerHost.nrl_colocate_generation, spec.worker, dict(config))
-        dropped = any(self.hosts.host_call(ranks, WorkerHost.nrl_generation_call,
-                                           method_name(GenerationWorker.finish_generation)))
+        self.hosts.call(WorkerHost.nrl_colocate_generation, spec.worker, dict(config))
+        dropped = any(self._engines(GenerationWorker.finish_generation))
         self.policy.prepare_for_training()
         return dropped
 
@@ -104,9 +108,8 @@ class Generation:
         """Complete ``prompts`` on every engine (a contiguous chunk each); outputs in input order."""
         chunks = split_evenly(list(prompts), self.num_engines)
         mark("generate_start")
-        results = self.hosts.host_call(self.ranks, WorkerHost.nrl_generate_sharded, chunks, self.engine_size, greedy=greedy)
+        outputs = self.hosts.call(WorkerHost.nrl_generate_sharded, chunks, self.engine_size, greedy=greedy)
         mark("generate_end")
-        outputs = [out for out in results if out is not None]
         return GenerationOutput(
             token_ids=[t for o in outputs for t in o.token_ids],
             logprobs=[lp for o in outputs for lp in o.logprobs],
@@ -126,8 +129,8 @@ class Generation:
 
         def consume(rank: int, indices: list[int]) -> None:
             try:
-                for local, output in self.hosts.host_stream(rank, WorkerHost.nrl_generate_groups,
-                                                            [list(prompts[i]) for i in indices], group_size):
+                for local, output in self.hosts.stream(WorkerHost.nrl_generate_groups,
+                                                       [list(prompts[i]) for i in indices], group_size, on=rank):
                     arrived.put((indices[local], output))
                 arrived.put(None)
             except BaseException as exc:  # re-raised in the consuming thread
@@ -185,14 +188,20 @@ class Generation:
 
     def weight_versions(self) -> list[int]:
         """Each engine's weight version (negative: placeholder weights, never loaded)."""
-        return self.hosts.host_call(self.leads, WorkerHost.nrl_weight_version)
+        return self.hosts.call(WorkerHost.nrl_weight_version, on=self.leads)
 
     def mark_stale(self) -> None:
         self.stale = True
 
-    def _engines(self, method: Callable[..., Any], *args: Any) -> list[Any]:
-        """``method`` (a :class:`GenerationWorker` method) on every rank of every engine."""
-        return self.hosts.host_call(self.ranks, WorkerHost.nrl_generation_call, method_name(method), *args)
+    def _engines(self, method: Callable[..., Any], *args: Any,
+                 per_rank_args: Sequence[tuple[Any, ...]] | None = None) -> list[Any]:
+        """``method`` (a :class:`GenerationWorker` method) on every rank of every engine, or on
+        each engine's lead rank for a method declared one per data-parallel group."""
+        on = self.leads if dispatch_of(method).fanout is Fanout.DP else self.ranks
+        if per_rank_args is not None:
+            per_rank_args = [(method_name(method), *a) for a in per_rank_args]
+        return self.hosts.call(WorkerHost.nrl_generation_call, method_name(method), *args, on=on,
+                               per_rank_args=per_rank_args)
 
     # ------------------------------------------------------------------ weights
 
@@ -205,19 +214,15 @@ class Generation:
         opts = self.refit_options
         if self.colocated:
             transport = choose_transport("same_process", opts["transport"])
-            report = combine_reports(self.hosts.host_call(self.ranks, WorkerHost.nrl_refit_local, transport,
-                                                          opts["bucket_bytes"], opts["dtype"]))
+            report = combine_reports(self.hosts.call(WorkerHost.nrl_refit_local, transport,
+                                                     opts["bucket_bytes"], opts["dtype"]))
         else:
             drains = None
             if self.policy.world_size > 1:
-                drains = self.policy.group.host_call_async(list(range(1, self.policy.world_size)), WorkerHost.nrl_refit_drain,
-                                                           opts["bucket_bytes"], opts["dtype"])
-            try:
-                report = refit(self.policy.rank0, self.hosts.actors, transport=opts["transport"],
-                               bucket_bytes=opts["bucket_bytes"], dtype=opts["dtype"], timeout_s=self.policy.timeout_s)
-            except Exception:
-                self.hosts.host_call(self.ranks, WorkerHost.nrl_refit_node_id)  # a dead engine: its own one-line error
-                raise
+                drains = self.policy.group.call_async(WorkerHost.nrl_refit_drain, opts["bucket_bytes"], opts["dtype"],
+                                                      on=list(range(1, self.policy.world_size)))
+            report = refit(self.policy.rank0, [self.hosts.endpoint(r) for r in self.ranks], transport=opts["transport"],
+                           bucket_bytes=opts["bucket_bytes"], dtype=opts["dtype"], timeout_s=self.policy.timeout_s)
             if drains is not None:
                 self.policy.group.get(drains)
         logger.info("refit: %.1f MB in %.2fs over %s (weights v%d)", report.bytes / 1e6, report.seconds,
@@ -229,7 +234,7 @@ class Generation:
     def sampling_states(self) -> list[dict[str, Any]]:
         """Each engine's sampling position (seed and call count): restored on resume so sampled
         rollouts continue exactly as in an uninterrupted run."""
-        return self.hosts.host_call(self.leads, WorkerHost.nrl_generation_call, method_name(GenerationWorker.sampling_state))
+        return self._engines(GenerationWorker.sampling_state)
 
     def load_sampling_states(self, states: Sequence[Mapping[str, Any]]) -> None:
         if not states:
@@ -237,16 +242,13 @@ class Generation:
         if len(states) != self.num_engines:
             raise ValueError(f"the checkpoint holds the sampling state of {len(states)} engines, this run has "
                              f"{self.num_engines}; resume with the same generation layout")
-        pending = [self.hosts.host_call_async(rank, WorkerHost.nrl_generation_call,
-                                              method_name(GenerationWorker.load_sampling_state),
-                                              states[rank // self.engine_size]) for rank in self.ranks]
-        for futures in pending:
-            self.hosts.get(futures)
+        self._engines(GenerationWorker.load_sampling_state,
+                      per_rank_args=[(states[rank // self.engine_size],) for rank in self.ranks])
 
     def shutdown(self) -> None:
         if self.colocated:
             return  # the engines live in the policy's actors, which the policy stops
-        self.policy.group.host_call(0, WorkerHost.nrl_refit_release)  # the training side's shared buffers
+        self.policy.group.call(WorkerHost.nrl_refit_release)  # the training side's shared buffers
         self.hosts.shutdown()
         if self.placement is not None:
             self.placement.remove()

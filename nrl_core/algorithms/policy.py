@@ -16,6 +16,7 @@ import torch
 
 from nrl_core.algorithms.policy_launch import launch_policy, take_early_policy
 from nrl_core.cluster.placement import Placement
+from nrl_core.cluster.worker_group import GroupRank
 from nrl_core.config.topology import cluster_topology
 from nrl_core.contract_versions import check_result
 from nrl_core.process_groups import distributed_timeout_s
@@ -31,16 +32,6 @@ from nrl_core.contracts import (
 from nrl_core.plugins import get_plugin_manager
 
 logger = logging.getLogger(__name__)
-
-
-def _save(worker: Any, path: str, options: CheckpointOptions) -> None:
-    """The worker's own ``save_checkpoint`` (a worker of contract 1-3 is adapted to reach its
-    plugin's checkpoint hook through it: :mod:`nrl_core.contract_adapters`)."""
-    worker.save_checkpoint(path, options)
-
-
-def _load(worker: Any, path: str, options: CheckpointOptions) -> None:
-    worker.load_checkpoint(path, options)
 
 
 class Policy:
@@ -69,52 +60,51 @@ class Policy:
     # ------------------------------------------------------------------ compute
 
     def train(self, batch: TokenBatch, loss_fn: LossFunction) -> dict[str, float]:
-        return self.group.run_all(TrainingWorker.train, batch, loss_fn)[0]
+        return self.group.call(TrainingWorker.train, batch, loss_fn)
 
     def get_logprobs(self, batch: TokenBatch) -> torch.Tensor:
         """``[B, T]`` logprobs of ``batch``, put together from every data-parallel group's shard
         (anything else a worker returns is a one-line error naming the method and the type due)."""
-        shards = [check_result("get_logprobs", s) for s in self.group.run_all(TrainingWorker.get_logprobs, batch)]
+        shards = [check_result("get_logprobs", s) for s in self.group.call(TrainingWorker.get_logprobs, batch)]
         return BatchShard.assemble(shards, batch.size, int(batch.input_ids.shape[1]))
 
     def get_reference_logprobs(self, batch: TokenBatch) -> torch.Tensor:
         shards = [check_result("get_reference_logprobs", s)
-                  for s in self.group.run_all(TrainingWorker.get_reference_logprobs, batch)]
+                  for s in self.group.call(TrainingWorker.get_reference_logprobs, batch)]
         return BatchShard.assemble(shards, batch.size, int(batch.input_ids.shape[1]))
 
     # ------------------------------------------------------------------ memory hand-off (colocated generation)
 
     def offload_before_refit(self) -> None:
-        self.group.run_all(TrainingWorker.offload_before_refit)
+        self.group.call(TrainingWorker.offload_before_refit)
 
     def offload_after_refit(self) -> None:
-        self.group.run_all(TrainingWorker.offload_after_refit)
+        self.group.call(TrainingWorker.offload_after_refit)
 
     def prepare_for_training(self) -> None:
-        self.group.run_all(TrainingWorker.prepare_for_training)
+        self.group.call(TrainingWorker.prepare_for_training)
 
     # ------------------------------------------------------------------ state
 
     def save_checkpoint(self, path: str) -> None:
-        """Each rank saves through ``nrl_checkpoint_save`` (the backend's plugin answers)."""
-        options = self.checkpoint_options
-        self.group.execute_all(lambda worker: _save(worker, path, options))
+        """Every rank's ``save_checkpoint`` (a contract 1-3 worker's adapter reaches its plugin's
+        hook: :mod:`nrl_core.contract_adapters`)."""
+        self.group.call(TrainingWorker.save_checkpoint, path, self.checkpoint_options)
 
     def load_checkpoint(self, path: str) -> None:
-        options = self.checkpoint_options
-        self.group.execute_all(lambda worker: _load(worker, path, options))
+        self.group.call(TrainingWorker.load_checkpoint, path, self.checkpoint_options)
 
     def finalize_checkpoint(self) -> None:
         """Block until an asynchronous save has written every file."""
-        self.group.run_all(TrainingWorker.finalize_checkpoint)
+        self.group.call(TrainingWorker.finalize_checkpoint)
 
     def export_hf(self, path: str) -> None:
-        self.group.run_all(TrainingWorker.export_hf, path)
+        self.group.call(TrainingWorker.export_hf, path)
 
     @property
-    def rank0(self) -> Any:
-        """The actor of rank 0: the refit source for engines in other actors."""
-        return self.group.actors[0]
+    def rank0(self) -> GroupRank:
+        """Rank 0: the refit source for engines in other actors."""
+        return self.group.endpoint(0)
 
     def shutdown(self) -> None:
         self.group.shutdown()

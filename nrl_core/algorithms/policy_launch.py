@@ -5,10 +5,12 @@ transformers, checks the config against the model and loads the data. Each polic
 torch, its backend, transformers' model classes and, when generation is colocated, vLLM. Run one
 after the other they add up; on a machine with a core to spare they overlap if the workers exist
 first. So ``nrl train`` starts Ray and launches the policy's worker group right after the config's
-schema pass (:func:`policy_launched_early`, for algorithms whose spec sets ``early_policy_start``):
-its actors import their modules (the specs' ``preload``) while the driver does the rest, and the
+schema pass (:func:`policy_launched_early`, for every algorithm): its actors import the worker
+classes and the modules those name in ``lazy_imports`` while the driver does the rest, and the
 run's :class:`~nrl_core.algorithms.policy.Policy` takes that group (:func:`take_early_policy`)
-instead of launching its own. ``benchmarks/bench_startup_overlap.py`` measures the overlap.
+instead of launching its own; an algorithm that builds no policy leaves it to be stopped at the
+end. This is the core's business, not a plugin's: no spec field asks for it (contract 5).
+``benchmarks/bench_startup_overlap.py`` measures the overlap.
 
 Nothing here imports torch: the launch happens before the driver does.
 """
@@ -25,7 +27,7 @@ import ray
 from nrl_core.cluster import WorkerGroup, init_ray, make_placement, shutdown_ray
 from nrl_core.cluster.placement import Placement
 from nrl_core.config.topology import cluster_topology
-from nrl_core.contracts import AlgorithmSpec, GenerationBackendSpec, TrainingBackendSpec
+from nrl_core.contracts import LEGACY_PRELOAD, AlgorithmSpec, GenerationBackendSpec, TrainingBackendSpec
 from nrl_core.process_groups import distributed_timeout_s
 from nrl_core.timeline import mark
 
@@ -62,9 +64,9 @@ def launch_policy(config: Mapping[str, Any], training: TrainingBackendSpec, *, c
     topology = cluster_topology(config)
     placement = make_placement(cluster, topology.train_world, name="policy",
                                max_colocated_groups=2 if colocated else 1, nodes=topology.train_nodes)
-    preload = [_module_of(training.worker), *training.preload]
+    preload = _imports_of(training)
     if colocated and generation is not None:
-        preload += [_module_of(generation.worker), *generation.preload]
+        preload += _imports_of(generation)
     try:
         group = WorkerGroup(training.worker, topology.train_world, name=f"policy-{training.name}",
                             placement=placement, env_vars=dict(cluster.get("env_vars") or {}),
@@ -76,8 +78,12 @@ def launch_policy(config: Mapping[str, Any], training: TrainingBackendSpec, *, c
     return LaunchedPolicy(group, placement, colocated)
 
 
-def _module_of(import_path: str) -> str:
-    return import_path.partition(":")[0]
+def _imports_of(spec: TrainingBackendSpec | GenerationBackendSpec) -> list[str]:
+    """What a worker process imports early for ``spec``: its worker class (and with it the
+    modules the class names in ``lazy_imports``), and what a contract 1-4 spec named in ``preload``."""
+    from nrl_core.contract_adapters import unwrap_path
+
+    return [spec.worker, *LEGACY_PRELOAD.get(unwrap_path(spec.worker)[0], ())]
 
 
 _early: LaunchedPolicy | None = None
@@ -89,12 +95,8 @@ def policy_launched_early(config: Mapping[str, Any], algorithm: AlgorithmSpec, t
     """Within the block, the policy's worker group is launched and waiting to be taken by the
     run's ``Policy``. On the way out a group nobody took (the config's last checks failed, or the
     run failed before it built its policy) is shut down, and so is the Ray this started, so a
-    refused config leaves nothing running. A no-op for an algorithm whose spec does not set
-    ``early_policy_start``."""
+    refused config leaves nothing running."""
     global _early
-    if not algorithm.early_policy_start:
-        yield
-        return
     started_ray = not ray.is_initialized()
     init_ray(config["cluster"])
     launched = False

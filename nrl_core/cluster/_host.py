@@ -186,16 +186,24 @@ class WorkerHost(RefitEndpoints):
 
     def preload(self, modules: list[str]) -> list[str]:
         """Import ``modules`` now, before the worker is built, while the driver is still busy with
-        its own start-up; returns the ones that failed. A failure is not raised here: the worker's
-        own import of that module reports it, where it has its context."""
+        its own start-up; returns the ones that failed. A class path (``pkg.mod:Class``) also
+        imports the modules the class names in ``lazy_imports``. A failure is not raised here: the
+        worker's own import reports it, where it has its context."""
         import importlib
+
+        from nrl_core.contracts import import_object
 
         mark("preload_start", group=self.group_name, rank=self.rank)
         failed = []
         with long_lived_objects(freeze=False):  # construct() collects and freezes once, after the build
-            for name in modules:
+            pending = list(modules)
+            while pending:
+                name = pending.pop(0)
                 try:
-                    importlib.import_module(name)
+                    if ":" in name:
+                        pending[:0] = list(getattr(import_object(name), "lazy_imports", ()))
+                    else:
+                        importlib.import_module(name)
                 except Exception:
                     failed.append(name)
         mark("preloaded", group=self.group_name, rank=self.rank, failed=len(failed))

@@ -39,6 +39,7 @@ from ray import exceptions as rex
 
 from nrl_core.cluster._host import WorkerHost
 from nrl_core.cluster._logs import tail_lines
+from nrl_core.dispatch import Fanout, Gather, dispatch_of
 from nrl_core.cluster.placement import Placement
 from nrl_core.cluster.ray_cluster import actor_runtime_env, init_ray, private_local_ray, worker_env_vars
 from nrl_core.device import process_group_backend
@@ -47,6 +48,7 @@ from nrl_core.process_groups import DEFAULT_TIMEOUT_S
 from nrl_core.timeline import TRACE_DIR_ENV
 
 __all__ = [
+    "GroupRank",
     "WorkerGroup",
     "WorkerFutures",
     "WorkerInfo",
@@ -91,13 +93,36 @@ class WorkerFutures:
     """Pending results of one call on some ranks; resolve with :meth:`WorkerGroup.get`.
 
     ``refs`` are plain Ray object references (they can be passed on to other actors) in the order
-    of ``ranks``. ``single`` marks a one-rank call whose result is the value, not a list.
+    of ``ranks``. ``single`` marks a one-rank call whose result is the value, not a list;
+    ``gather`` is how :meth:`WorkerGroup.get` gathers the others (:class:`~nrl_core.dispatch.Gather`).
     """
 
     refs: tuple[ray.ObjectRef, ...]
     ranks: tuple[int, ...]
     what: str
     single: bool = False
+    gather: Gather = Gather.LIST
+
+
+@dataclass(frozen=True)
+class GroupRank:
+    """One rank of a worker group, as a caller that addresses ranks one by one (refit) names it."""
+
+    group: "WorkerGroup"
+    rank: int
+
+    @property
+    def node_id(self) -> str | None:
+        return self.group.infos[self.rank].node_id
+
+    def call_async(self, method: Method, *args: Any, **kwargs: Any) -> WorkerFutures:
+        return self.group.call_async(method, *args, on=self.rank, **kwargs)
+
+    def call(self, method: Method, *args: Any, **kwargs: Any) -> Any:
+        return self.group.call(method, *args, on=self.rank, **kwargs)
+
+    def get(self, futures: WorkerFutures) -> Any:
+        return self.group.get(futures)
 
 
 _REMOTE_HOST: Any = None
@@ -162,7 +187,8 @@ class WorkerGroup:
     oversubscribed) and ``num_gpus_per_worker``. ``env_vars`` are added to the workers' environment
     on top of what :func:`~nrl_core.cluster.worker_env_vars` forwards from the driver.
 
-    ``preload`` names modules every actor imports as its first call (:meth:`WorkerHost.preload`).
+    ``preload`` names modules every actor imports as its first call, or worker classes whose
+    ``lazy_imports`` come with them (:meth:`WorkerHost.preload`).
     With ``start=False`` the constructor only creates the actors and sends them that call, and
     returns at once; :meth:`start` then joins the process group and builds the workers (with
     ``init_kwargs`` given there, if not here), so the caller can do its own start-up meanwhile.
@@ -216,6 +242,7 @@ class WorkerGroup:
         self._started = False
         self._init_kwargs = init_kwargs
         self._timeouts = (start_timeout_s, collective_timeout_s)
+        self.dp_leads: tuple[int, ...] = tuple(range(num_workers))  # where Fanout.DP calls go
         self._waiting: dict[int, tuple[str, set[int]]] = {}  # calls the driver waits on: ranks not yet done
         self._trace_dir = os.environ.get(TRACE_DIR_ENV)  # where the actors record their spans (forwarded)
         _LIVE.add(self)
@@ -347,105 +374,122 @@ class WorkerGroup:
             for actor in self._actors:
                 actor.nrl_trace_into.options(enable_task_events=False).remote(trace_dir)
 
-    def run_all_async(self, method: Method, *args: Any, **kwargs: Any) -> WorkerFutures:
-        """Call ``method(*args, **kwargs)`` on every rank; the arguments are stored once for all."""
-        self._check_usable()
-        method = method_name(method)
-        if args or kwargs:
-            packed = ray.put((args, kwargs))
-            return self._on_all(f"{method}()", lambda a, r: a.call_packed.remote(method, packed))
-        return self._on_all(f"{method}()", lambda a, r: a.call.remote(method, (), {}))
+    def call_async(self, method: Method, *args: Any, on: int | Sequence[int] | None = None,
+                   per_rank_args: Sequence[tuple[Any, ...]] | None = None, **kwargs: Any) -> WorkerFutures:
+        """Start ``method(*args, **kwargs)`` on the ranks its :func:`~nrl_core.dispatch.dispatch`
+        declaration names (every rank when undeclared); resolve with :meth:`get`.
 
-    def run_all_sharded_async(
-        self,
-        method: Method,
-        per_rank_args: Sequence[tuple[Any, ...]],
-        per_rank_kwargs: Sequence[dict[str, Any]] | None = None,
-    ) -> WorkerFutures:
-        """Call ``method`` on every rank with that rank's own arguments (``per_rank_args[r]``)."""
+        ``method`` is a worker method (a Protocol function such as ``TrainingWorker.train``, or a
+        name) or one of the host's own endpoints (``WorkerHost.nrl_refit_export``). ``on`` picks
+        the ranks instead: one rank (its answer is the value) or several (gathered as declared).
+        ``per_rank_args`` gives each of those ranks its own positional arguments."""
         self._check_usable()
-        method = method_name(method)
-        kw = list(per_rank_kwargs) if per_rank_kwargs is not None else [{} for _ in range(self.world_size)]
-        if len(per_rank_args) != self.world_size or len(kw) != self.world_size:
-            raise ValueError(
-                f"worker group '{self.name}' has {self.world_size} ranks; got {len(per_rank_args)} argument "
-                f"tuples and {len(kw)} keyword dicts for {method}()"
-            )
-        return self._on_all(f"{method}()", lambda a, r: a.call.remote(method, tuple(per_rank_args[r]), dict(kw[r])))
+        declared = dispatch_of(method)
+        if declared.fanout is Fanout.STREAM:
+            raise ValueError(f"{method_name(method)}() is streamed: call it with WorkerGroup.stream")
+        single = isinstance(on, int) or (on is None and declared.fanout is Fanout.RANK0)
+        ranks = self._ranks_for(declared.fanout, on)
+        name = method_name(method)
+        what = f"{name}()"
+        if per_rank_args is not None:
+            if len(per_rank_args) != len(ranks):
+                raise ValueError(f"worker group '{self.name}': {name}() goes to {len(ranks)} ranks; got "
+                                 f"{len(per_rank_args)} argument tuples")
+            per_rank = dict(zip(ranks, per_rank_args))
+            submit = self._submitter(method, lambda r: (tuple(per_rank[r]), kwargs))
+        elif (args or kwargs) and len(ranks) > 1 and self._host_method(method) is None:
+            packed = ray.put((args, kwargs))  # a batch stored once for all ranks
+            submit = self._submitter(method, lambda r: None, packed=packed)
+        else:
+            submit = self._submitter(method, lambda r: (args, kwargs))
+        futures = self._on_ranks(ranks, what, submit)
+        return WorkerFutures(futures.refs, futures.ranks, what, single=single, gather=declared.gather)
 
-    def run_rank_async(self, rank: int, method: Method, *args: Any, **kwargs: Any) -> WorkerFutures:
-        """Call ``method`` on one rank."""
+    def call(self, method: Method, *args: Any, on: int | Sequence[int] | None = None,
+             per_rank_args: Sequence[tuple[Any, ...]] | None = None, **kwargs: Any) -> Any:
+        """:meth:`call_async`, then :meth:`get`: the answers gathered as the method declares."""
+        return self.get(self.call_async(method, *args, on=on, per_rank_args=per_rank_args, **kwargs))
+
+    def stream(self, method: Method, *args: Any, on: int = 0, backpressure: int | None = None,
+               **kwargs: Any) -> Iterator[Any]:
+        """Call a generator endpoint of the host on one rank and yield its items as they arrive
+        (at most ``backpressure`` unread); a rank that dies or raises ends the stream with the same
+        one-line error as any other call."""
         self._check_usable()
-        method = method_name(method)
-        if not 0 <= rank < self.world_size:
-            raise ValueError(f"worker group '{self.name}' has ranks 0..{self.world_size - 1}, not {rank}")
-        futures = self._on_ranks([rank], f"{method}()", lambda a, r: a.call.remote(method, args, kwargs))
-        return WorkerFutures(futures.refs, futures.ranks, futures.what, single=True)
-
-    def host_call_async(self, ranks: int | Sequence[int], method: Method, *args: Any, **kwargs: Any) -> WorkerFutures:
-        """Call a method of the host actors themselves (the refit endpoints), not of their workers;
-        one rank gives its value, a list of ranks a list."""
-        self._check_usable()
-        method = method_name(method)
-        single = isinstance(ranks, int)
-        chosen = [ranks] if single else list(ranks)
-        futures = self._on_ranks(chosen, f"{method}()", lambda actor, r: getattr(actor, method).remote(*args, **kwargs))
-        return WorkerFutures(futures.refs, futures.ranks, futures.what, single=single)
-
-    def host_call(self, ranks: int | Sequence[int], method: Method, *args: Any, **kwargs: Any) -> Any:
-        return self.get(self.host_call_async(ranks, method, *args, **kwargs))
-
-    def host_stream(self, rank: int, method: Method, *args: Any, **kwargs: Any) -> Iterator[Any]:
-        """Call a generator method of one host actor and yield its items as they arrive; a rank
-        that dies or raises ends the stream with the same one-line error as any other call."""
-        self._check_usable()
-        method = method_name(method)
-        stream = getattr(self._actors[rank], method).options(num_returns="streaming").remote(*args, **kwargs)
+        name = self._host_method(method)
+        if name is None:
+            raise ValueError(f"{method_name(method)}(): only the host's generator endpoints are streamed")
+        options: dict[str, Any] = {"num_returns": "streaming", "enable_task_events": False}
+        if backpressure is not None:
+            options["_generator_backpressure_num_objects"] = backpressure
+        self._follow_trace()
+        stream = getattr(self._actors[on], name).options(**options).remote(*args, **kwargs)
+        what = f"{name}()"
+        unanswered = {on}
+        key = id(unanswered)
+        self._waiting[key] = (what, unanswered)
         try:
             for ref in stream:
                 yield ray.get(ref)
         except Exception as exc:  # every Ray and remote error ends up here
-            err = self._error(f"{method}()", [(rank, exc)], [])
+            err = self._error(what, [(on, exc)], [])
             if _is_death(exc):
                 self._broken = str(err).splitlines()[0]
             raise err from None
-
-    def execute_all_async(self, fn: Callable[[Any], T]) -> WorkerFutures:
-        """Run the picklable ``fn(worker)`` on every rank."""
-        self._check_usable()
-        name = getattr(fn, "__name__", "function")
-        return self._on_all(f"execute_all({name})", lambda a, r: a.execute.remote(fn))
+        finally:
+            del self._waiting[key]
 
     def get(self, futures: WorkerFutures, timeout_s: float | None = None) -> Any:
-        """Wait for ``futures``: a list in rank order (the value for a one-rank call).
+        """Wait for ``futures`` and gather them: in rank order, the first, the non-None ones or
+        nothing, as the method declared (the value for a one-rank call).
 
         Raises :class:`WorkerError` subclasses as the module docstring describes; never waits on a
         dead rank. ``timeout_s`` bounds the wait (then :class:`WorkerTimeoutError`; the group is
         left running, the call may still finish).
         """
         results = self._collect(futures, timeout_s)
-        return results[0] if futures.single else results
+        if futures.single:
+            return results[0]
+        if futures.gather is Gather.FIRST:
+            return results[0]
+        if futures.gather is Gather.SHARDS:
+            return [r for r in results if r is not None]
+        if futures.gather is Gather.NONE:
+            return None
+        return results
 
-    def run_all(self, method: Method, *args: Any, **kwargs: Any) -> list[Any]:
-        """Call ``method(*args, **kwargs)`` on every rank and return the results in rank order."""
-        return self.get(self.run_all_async(method, *args, **kwargs))
+    def endpoint(self, rank: int) -> "GroupRank":
+        """One rank of this group as an endpoint of a weight transfer (:func:`nrl_core.refit.refit`)."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"worker group '{self.name}' has ranks 0..{self.world_size - 1}, not {rank}")
+        return GroupRank(self, rank)
 
-    def run_all_sharded(
-        self,
-        method: Method,
-        per_rank_args: Sequence[tuple[Any, ...]],
-        per_rank_kwargs: Sequence[dict[str, Any]] | None = None,
-    ) -> list[Any]:
-        """Call ``method`` with each rank's own arguments; results in rank order."""
-        return self.get(self.run_all_sharded_async(method, per_rank_args, per_rank_kwargs))
+    def _ranks_for(self, fanout: Fanout, on: int | Sequence[int] | None) -> list[int]:
+        if on is None:
+            return {Fanout.RANK0: [0], Fanout.DP: list(self.dp_leads)}.get(fanout, list(range(self.world_size)))
+        ranks = [on] if isinstance(on, int) else list(on)
+        bad = [r for r in ranks if not 0 <= r < self.world_size]
+        if bad:
+            raise ValueError(f"worker group '{self.name}' has ranks 0..{self.world_size - 1}, not {bad}")
+        return ranks
 
-    def run_rank(self, rank: int, method: Method, *args: Any, **kwargs: Any) -> Any:
-        """Call ``method`` on one rank and return its result."""
-        return self.get(self.run_rank_async(rank, method, *args, **kwargs))
+    @staticmethod
+    def _host_method(method: Method) -> str | None:
+        """The name of ``method`` when it is one of the host actor's own endpoints."""
+        if callable(method) and getattr(WorkerHost, method.__name__, None) is method:
+            return method.__name__
+        return None
 
-    def execute_all(self, fn: Callable[[Any], T]) -> list[T]:
-        """Run the picklable ``fn(worker)`` on every rank; results in rank order."""
-        return self.get(self.execute_all_async(fn))
+    def _submitter(self, method: Method, arguments: Callable[[int], tuple[tuple[Any, ...], dict[str, Any]] | None],
+                   packed: Any = None) -> Callable[[Any, int], ray.ObjectRef]:
+        host = self._host_method(method)
+        if host is not None:  # object refs among the arguments reach the endpoint resolved
+            return lambda actor, r: getattr(actor, host).options(enable_task_events=False).remote(
+                *arguments(r)[0], **arguments(r)[1])
+        name = method_name(method)
+        if packed is not None:
+            return lambda actor, r: actor.call_packed.remote(name, packed)
+        return lambda actor, r: actor.call.remote(name, *arguments(r))
 
     # ------------------------------------------------------------------ errors
 

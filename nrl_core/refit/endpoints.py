@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
+from nrl_core.dispatch import Fanout, Gather, dispatch
 from nrl_core.contracts import WeightSpec, import_object
 from nrl_core.long_lived import long_lived_objects
 from nrl_core.refit.buckets import manifest_bytes, refit_dtype
@@ -94,7 +95,8 @@ def refit_local(source: Any, sink: Any, transport_name: str, bucket_bytes: int, 
 
 
 class RefitEndpoints:
-    """Mixin for Ray actor classes that host a training and/or a generation worker.
+    """Mixin for Ray actor classes that host a training and/or a generation worker; each endpoint
+    declares how :meth:`WorkerGroup.call <nrl_core.cluster.worker_group.WorkerGroup.call>` reaches it.
 
     The training side is ``self.worker``; the generation side is ``self.generation_worker`` when the
     actor also hosts one (colocated placement, built with :meth:`nrl_colocate_generation`), else
@@ -114,6 +116,7 @@ class RefitEndpoints:
     def nrl_refit_sink(self) -> Any:
         return self.generation_worker if self.generation_worker is not None else self.worker
 
+    @dispatch(Fanout.ALL, Gather.NONE)
     def nrl_colocate_generation(self, worker_cls: str, config: dict[str, Any], rank: int | None = None,
                                 world_size: int | None = None) -> None:
         """Build a generation worker (import path) inside this actor, beside its training worker;
@@ -127,15 +130,18 @@ class RefitEndpoints:
             self.generation_worker = cls(config, rank=rank, world_size=world_size)
         mark("generation_worker_built", worker=worker_cls, rank=rank)
 
+    @dispatch(Fanout.ALL)
     def nrl_generation_call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Call a method of this actor's generation worker (``generate``, ``shutdown``...)."""
         self.record_call(f"generation.{method}")
         return getattr(self.nrl_refit_sink(), method)(*args, **kwargs)
 
+    @dispatch(Fanout.DP)
     def nrl_weight_version(self) -> int:
         """This actor's engine's weight version (negative: no weights loaded yet)."""
         return int(self.nrl_refit_sink().weight_version)
 
+    @dispatch(Fanout.ALL, Gather.SHARDS)
     def nrl_generate_sharded(self, chunks: list[list[list[int]]], engine_size: int, greedy: bool = False) -> Any:
         """Generate this rank's engine's chunk (engine ``rank // engine_size``); only the engine's
         first rank returns the output, so each engine's result crosses to the driver once."""
@@ -144,17 +150,20 @@ class RefitEndpoints:
         output = self.nrl_refit_sink().generate(chunks[rank // engine_size], greedy=greedy)
         return output if rank % engine_size == 0 else None
 
+    @dispatch(Fanout.STREAM)
     def nrl_generate_groups(self, prompts: list[list[int]], group_size: int, greedy: bool = False) -> Iterator[Any]:
         """``(prompt index, output)`` for each prompt's group of samples as it completes: a
         generator, call with ``.options(num_returns="streaming")``."""
         self.record_call("generation.generate_groups")
         yield from self.nrl_refit_sink().generate_groups(prompts, group_size, greedy=greedy)
 
+    @dispatch(Fanout.ALL)
     def nrl_refit_node_id(self) -> str:
         import ray
 
         return str(ray.get_runtime_context().get_node_id())
 
+    @dispatch(Fanout.RANK0)
     def nrl_refit_export(self, transport_name: str, bucket_bytes: int, dtype: str | None) -> ExportedWeights:
         """Export the source's weights through a handle-based transport, for any number of
         :meth:`nrl_refit_import` calls; :meth:`nrl_refit_cleanup` ends the refit. A ``dtype`` of
@@ -170,12 +179,14 @@ class RefitEndpoints:
             raise
         return ExportedWeights(transport=transport_name, session=session, manifest=manifest, handles=handles)
 
+    @dispatch(Fanout.DP)
     def nrl_refit_import(self, exported: ExportedWeights) -> int:
         """Load an export of another actor into this actor's generation worker; the new version."""
         self.record_call("refit")
         return receive_into(self.nrl_refit_sink(), exported.transport, exported.session, exported.handles,
                             exported.manifest)
 
+    @dispatch(Fanout.RANK0, Gather.NONE)
     def nrl_refit_cleanup(self, exported: list[Any]) -> None:
         """End a refit this actor sent: ``[ExportedWeights]``, or ``[ref]`` to one (wrapped in a
         list so that a failed export reaches here as the ref, not as an error)."""
@@ -189,35 +200,42 @@ class RefitEndpoints:
                 return
         get_transport(done.transport).cleanup(done.session)
 
+    @dispatch(Fanout.RANK0)
     def nrl_refit_manifest(self, dtype: str | None) -> list[WeightSpec]:
         return list(self.nrl_refit_source().weight_manifest(refit_dtype(dtype)))
 
+    @dispatch(Fanout.RANK0)
     def nrl_refit_prepare(self, transport_name: str, session: RefitSession) -> RefitSession:
         return get_transport(transport_name).prepare(session)
 
+    @dispatch(Fanout.STREAM)
     def nrl_refit_send(self, transport_name: str, session: RefitSession, bucket_bytes: int,
                        dtype: str | None) -> Iterator[Any]:
         """The sending half of a collective transport: a generator, call with
         ``.options(num_returns="streaming")``."""
         yield from send_handles(self.nrl_refit_source(), transport_name, session, bucket_bytes, refit_dtype(dtype))
 
+    @dispatch(Fanout.DP)
     def nrl_refit_receive(self, transport_name: str, session: RefitSession, manifest: list[WeightSpec]) -> int:
         """The receiving half of a collective transport (the bytes arrive out of band); the new
         weight version."""
         return receive_into(self.nrl_refit_sink(), transport_name, session, (), manifest)
 
+    @dispatch(Fanout.ALL, Gather.NONE)
     def nrl_refit_drain(self, bucket_bytes: int, dtype: str | None) -> None:
         """Run the source's export and drop the buckets: what ranks other than 0 of a sharded
         training backend do during a refit, since gathering full tensors is collective."""
         for _ in self.nrl_refit_source().export_weights(bucket_bytes, refit_dtype(dtype)):
             pass
 
+    @dispatch(Fanout.RANK0, Gather.NONE)
     def nrl_refit_release(self) -> None:
         """Free the shared-memory buffers this process keeps for refits (at shutdown)."""
         from nrl_core.refit.transports import release_shared_buffers
 
         release_shared_buffers()
 
+    @dispatch(Fanout.ALL)
     def nrl_refit_local(self, transport_name: str, bucket_bytes: int, dtype: str | None) -> RefitReport:
         self.record_call("refit")
         return refit_local(self.nrl_refit_source(), self.nrl_refit_sink(), transport_name, bucket_bytes,

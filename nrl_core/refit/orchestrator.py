@@ -20,10 +20,6 @@ from nrl_core.refit.transports import PLACEMENTS, RefitSession
 TRANSPORT_KEY = "policy.refit.transport"
 
 
-def _is_actor(obj: Any) -> bool:
-    return type(obj).__module__.startswith("ray.") and type(obj).__name__ == "ActorHandle"
-
-
 def choose_transport(placement: str, override: str | None = None) -> str:
     """The transport for ``placement``: ``override`` if given (checked against where it works),
     else the registered transport of highest priority that works there."""
@@ -69,10 +65,13 @@ def refit_options(config: Mapping[str, Any]) -> dict[str, Any]:
 def refit(source: Any, sink: Any | Sequence[Any], transport: str | None = None,
           bucket_bytes: int = DEFAULT_BUCKET_BYTES, dtype: str | None = "float32",
           timeout_s: float | None = None) -> RefitReport:
-    """Move ``source``'s weights (a :class:`~nrl_core.contracts.TrainingWorker`-like object with
-    ``weight_manifest``/``export_weights``, or a Ray actor hosting one) into ``sink`` (a
-    :class:`~nrl_core.contracts.GenerationWorker` or actor; several actors for data-parallel
-    generation). Actors must inherit :class:`~nrl_core.refit.endpoints.RefitEndpoints`.
+    """Move ``source``'s weights into ``sink`` (several sinks for data-parallel generation).
+
+    Either all are local objects (a :class:`~nrl_core.contracts.TrainingWorker`-like source with
+    ``weight_manifest``/``export_weights``, :class:`~nrl_core.contracts.GenerationWorker` sinks),
+    or all are ranks of worker groups (:meth:`WorkerGroup.endpoint
+    <nrl_core.cluster.worker_group.WorkerGroup.endpoint>`), called through the groups like any
+    other worker call: a rank that dies or raises is one error naming it.
 
     ``dtype`` None is the source's default precision (``policy.precision`` null), resolved in the
     source's process. ``timeout_s`` bounds a collective transport's own group (``distributed_timeout_minutes``).
@@ -86,106 +85,128 @@ def refit(source: Any, sink: Any | Sequence[Any], transport: str | None = None,
     sinks = list(sink) if isinstance(sink, (list, tuple)) else [sink]
     if not sinks:
         raise ValueError("refit needs at least one sink")
-    if not _is_actor(source) and not any(_is_actor(s) for s in sinks):
+    ranks = [_is_group_rank(x) for x in (source, *sinks)]
+    if not any(ranks):
         local = refit_dtype(dtype)
         reports = [refit_local(source, s, choose_transport("same_process", transport), bucket_bytes, local)
                    for s in sinks]
         return combine_reports(reports, concurrent=False)
-    if not (_is_actor(source) and all(_is_actor(s) for s in sinks)):
-        raise TypeError("refit: source and sinks must be all local objects or all Ray actors")
-    return _refit_actors(source, sinks, transport, bucket_bytes, dtype, timeout_s)
+    if not all(ranks):
+        raise TypeError("refit: source and sinks must be all local objects or all worker group ranks "
+                        "(WorkerGroup.endpoint)")
+    return _refit_ranks(source, sinks, transport, bucket_bytes, dtype, timeout_s)
 
 
-def _refit_actors(source: Any, sinks: list[Any], override: str | None, bucket_bytes: int, dtype: str | None,
-                  timeout_s: float | None = None) -> RefitReport:
-    import ray
+def _is_group_rank(obj: Any) -> bool:
+    from nrl_core.cluster.worker_group import GroupRank
+
+    return isinstance(obj, GroupRank)
+
+
+def _refit_ranks(source: Any, sinks: list[Any], override: str | None, bucket_bytes: int, dtype: str | None,
+                 timeout_s: float | None = None) -> RefitReport:
+    from nrl_core.cluster._host import WorkerHost
 
     start = time.perf_counter()
-    colocated = [s._actor_id == source._actor_id for s in sinks]
+    colocated = [s == source for s in sinks]
     if any(colocated):
         if not all(colocated):
             raise ValueError("refit: the sinks must all live in the source's actor (colocated) or all in other "
                              "actors; a sharded training backend exports once per refit")
         transport = choose_transport("same_process", override)
-        reports = ray.get([_call(s, "nrl_refit_local", transport, bucket_bytes, dtype) for s in sinks])
+        reports = [source.call(WorkerHost.nrl_refit_local, transport, bucket_bytes, dtype) for _ in sinks]
         return RefitReport(bytes=sum(r.bytes for r in reports), seconds=time.perf_counter() - start,
                            version=max(r.version for r in reports), transport=transport, placement="same_process")
-    source_node, *nodes = _node_ids([source, *sinks])
-    placement = "same_node" if all(n == source_node for n in nodes) else "cross_node"
+    source_node = source.node_id
+    placement = "same_node" if all(s.node_id == source_node for s in sinks) else "cross_node"
     name = choose_transport(placement, override)
     from nrl_core.plugins import get_plugin_manager
 
-    try:
-        if get_plugin_manager().refit_transports().get(name, TRANSPORT_KEY).collective:
-            nbytes, versions = _collective(source, sinks, name, bucket_bytes, dtype, timeout_s)
-        else:
-            nbytes, versions = _export_import(source, sinks, name, bucket_bytes, dtype)
-    except BaseException:
-        for actor in (source, *sinks):  # in case an actor was restarted elsewhere: ask again next time
-            _NODE_OF_ACTOR.pop(actor._actor_id, None)
-        raise
+    if get_plugin_manager().refit_transports().get(name, TRANSPORT_KEY).collective:
+        nbytes, versions = _collective(source, sinks, name, bucket_bytes, dtype, timeout_s)
+    else:
+        nbytes, versions = _export_import(source, sinks, name, bucket_bytes, dtype)
     return RefitReport(bytes=nbytes * len(sinks), seconds=time.perf_counter() - start, version=max(versions),
                        transport=name, placement=placement)
 
 
-_NODE_OF_ACTOR: dict[Any, str] = {}
+def _by_group(sinks: list[Any]) -> dict[Any, list[int]]:
+    """The sinks' ranks per group (one call per group, not per rank)."""
+    groups: dict[Any, list[int]] = {}
+    for sink in sinks:
+        groups.setdefault(sink.group, []).append(sink.rank)
+    return groups
 
 
-def _node_ids(actors: list[Any]) -> list[str]:
-    """The node of each actor, asked once per actor: every refit would otherwise pay a round trip
-    for it, and an actor does not move (nrl's worker groups do not let Ray restart one; a failed
-    refit forgets the actors involved, in case one was restarted elsewhere)."""
+def _gather(calls: list[tuple[Any, Any]]) -> list[Any]:
+    """Wait for every group's call, then surface the first failure: every engine must be done
+    with the buffers before an error reaches a caller who might refit again at once (the next
+    export rewrites them)."""
     import ray
 
-    unknown = [a for a in actors if a._actor_id not in _NODE_OF_ACTOR]
-    for actor, node in zip(unknown, ray.get([_call(a, "nrl_refit_node_id") for a in unknown])):
-        _NODE_OF_ACTOR[actor._actor_id] = node
-    return [_NODE_OF_ACTOR[a._actor_id] for a in actors]
-
-
-def _call(actor: Any, method: str, *args: Any) -> Any:
-    """``actor.method.remote(*args)`` kept out of Ray's task-event stream (the dashboard's task
-    list): recording an event costs about a millisecond per call here, a quarter of the fixed cost
-    of a small model's refit."""
-    return getattr(actor, method).options(enable_task_events=False).remote(*args)
+    ray.wait([ref for _, futures in calls for ref in futures.refs], num_returns=sum(len(f.refs) for _, f in calls))
+    return [value for group, futures in calls for value in group.get(futures)]
 
 
 def _export_import(source: Any, sinks: list[Any], name: str, bucket_bytes: int, dtype: str | None) -> tuple[int, list[int]]:
     """The source exports once; every sink imports the same handles, concurrently. The sinks'
-    calls depend on the export's object ref, so Ray starts them when it is done: one wait here."""
+    calls take the export's object ref, so Ray starts them when it is done."""
+    from nrl_core.cluster._host import WorkerHost
+
+    exported = source.call_async(WorkerHost.nrl_refit_export, name, bucket_bytes, dtype)
+    try:
+        imports = [(group, group.call_async(WorkerHost.nrl_refit_import, exported.refs[0], on=ranks))
+                   for group, ranks in _by_group(sinks).items()]
+        try:
+            weights = source.get(exported)  # an export that failed is the source's error, not the engines'
+        except BaseException:
+            _gather_quietly(imports)
+            raise
+        return manifest_bytes(weights.manifest), [int(v) for v in _gather(imports)]
+    finally:
+        # Runs before the source's next call; nothing to wait for (a failed export cleaned up itself).
+        _cleanup(source, [exported.refs[0]])
+
+
+def _gather_quietly(calls: list[tuple[Any, Any]]) -> None:
     import ray
 
-    exported = _call(source, "nrl_refit_export", name, bucket_bytes, dtype)
-    try:
-        imports = [_call(s, "nrl_refit_import", exported) for s in sinks]
-        # Every engine must be done with the buffers before an error reaches a caller who might
-        # refit again at once: the next export rewrites them.
-        ray.wait(imports, num_returns=len(imports))
-        versions = [int(v) for v in ray.get(imports)]
-        return manifest_bytes(ray.get(exported).manifest), versions
-    finally:
-        _call(source, "nrl_refit_cleanup", [exported])  # runs before the source's next call; nothing to wait for
+    ray.wait([ref for _, futures in calls for ref in futures.refs], num_returns=sum(len(f.refs) for _, f in calls))
 
 
 def _collective(source: Any, sinks: list[Any], name: str, bucket_bytes: int, dtype: str | None,
                 timeout_s: float | None = None) -> tuple[int, list[int]]:
     """One sender, every sink receiving the same broadcast concurrently."""
-    import ray
+    from nrl_core.cluster._host import WorkerHost
 
     options: dict[str, Any] = {"world_size": 1 + len(sinks)}
     if timeout_s is not None:
         options["timeout_s"] = float(timeout_s)
-    manifest = ray.get(_call(source, "nrl_refit_manifest", dtype))
-    session = ray.get(_call(source, "nrl_refit_prepare", name, RefitSession(options=options)))
+    manifest = source.call(WorkerHost.nrl_refit_manifest, dtype)
+    session = source.call(WorkerHost.nrl_refit_prepare, name, RefitSession(options=options))
     try:
-        pending = [_call(s, "nrl_refit_receive", name, session.with_options(rank=i + 1), manifest)
-                   for i, s in enumerate(sinks)]
-        stream = source.nrl_refit_send.options(num_returns="streaming", enable_task_events=False,
-                                               _generator_backpressure_num_objects=STREAM_BACKPRESSURE).remote(
-            name, session, bucket_bytes, dtype)
-        for ref in stream:  # a collective sender yields no handles; this waits for it and surfaces its errors
-            ray.get(ref)
-        ray.wait(pending, num_returns=len(pending))
-        return manifest_bytes(manifest), [int(v) for v in ray.get(pending)]
+        receive_rank = {(s.group, s.rank): i + 1 for i, s in enumerate(sinks)}
+        pending = [(group, group.call_async(WorkerHost.nrl_refit_receive, on=ranks, per_rank_args=[
+                        (name, session.with_options(rank=receive_rank[(group, r)]), manifest) for r in ranks]))
+                   for group, ranks in _by_group(sinks).items()]
+        try:
+            for _ in source.group.stream(WorkerHost.nrl_refit_send, name, session, bucket_bytes, dtype, on=source.rank,
+                                         backpressure=STREAM_BACKPRESSURE):
+                pass  # a collective sender yields no handles; this waits for it and surfaces its errors
+        except BaseException:
+            _gather_quietly(pending)
+            raise
+        return manifest_bytes(manifest), [int(v) for v in _gather(pending)]
     finally:
-        _call(source, "nrl_refit_cleanup", [ExportedWeights(transport=name, session=session, manifest=[], handles=[])])
+        _cleanup(source, [ExportedWeights(transport=name, session=session, manifest=[], handles=[])])
+
+
+def _cleanup(source: Any, exported: list[Any]) -> None:
+    """End the source's side of a refit; a source whose group a failure stopped has nothing left to end."""
+    from nrl_core.cluster._host import WorkerHost
+    from nrl_core.errors import WorkerError
+
+    try:
+        source.call_async(WorkerHost.nrl_refit_cleanup, exported)
+    except WorkerError:
+        pass

@@ -12,7 +12,8 @@ and ``tokenizer_source``.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -38,6 +39,8 @@ class TrainingWorkerBase:
 
     backend_name = "training"  # in messages: "<backend_name> worker rank N: ..."
     export_dtype = "float32"  # the dtype of the HF export's tensors
+    lazy_imports: tuple[str, ...] = ()  # modules the worker imports only once built: the core imports them early
+    router_metrics: Any = None  # MoE models: the routers' choice counts (nrl_core.moe.RouterStats as .stats)
     device: torch.device
     rank: int
     model: Any
@@ -78,6 +81,13 @@ class TrainingWorkerBase:
         if "optimizer" in self.offloaded:
             self.reload_training_state()
         self.offloaded.clear()
+
+    def recording_routes(self, token_mask: Callable[[], torch.Tensor] | None) -> AbstractContextManager[Any]:
+        """Count the routers' choices during a forward (MoE models, whose ``router_metrics`` the
+        backend set); ``None`` for a pass that must not count (padding, forward-only)."""
+        if self.router_metrics is None or token_mask is None:
+            return nullcontext()
+        return self.router_metrics.stats.recording(token_mask())
 
     def require_on_device(self, what: str) -> None:
         """Refuse ``what`` (train, logprobs) in one line while anything is offloaded."""

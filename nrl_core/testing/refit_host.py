@@ -1,45 +1,19 @@
-"""A minimal Ray actor class for refit tests and benchmarks: hosts one worker built from an import
-path and exposes the refit endpoints.
-
-The cluster's :class:`~nrl_core.cluster.worker_group.WorkerGroup` hosts production workers; this
-class exists so refit can be tested between processes without a process group or a backend.
+"""Engine-free workers for refit tests and benchmarks: a seeded random weight source and a sink
+that records what arrived, built by a :class:`~nrl_core.cluster.worker_group.WorkerGroup` like any
+backend's worker (``rank``/``world_size`` keywords) or directly in one process.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
-from nrl_core.contracts import import_object
-from nrl_core.refit.endpoints import RefitEndpoints
-
-
-class RefitTestHost(RefitEndpoints):
-    """``RefitTestHost(worker_cls, *args, **kwargs)`` builds ``worker_cls(*args, **kwargs)``."""
-
-    def __init__(self, worker_cls: str, *args: Any, **kwargs: Any) -> None:
-        import os
-
-        for key, value in kwargs.pop("env", {}).items():
-            os.environ[key] = value
-        self.worker = import_object(worker_cls)(*args, **kwargs)
-
-    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        return getattr(self.worker, method)(*args, **kwargs)
-
-    def execute(self, fn: Callable[["RefitTestHost"], Any]) -> Any:
-        """Run ``fn(host)`` in the actor (the host, so it can reach both workers)."""
-        return fn(self)
-
-    def pid(self) -> int:
-        import os
-
-        return os.getpid()
 
 
 class RandomWeightSource:
     """A weight source of seeded random tensors (``{name: shape}``), for engine-free refit tests."""
 
-    def __init__(self, shapes: dict[str, tuple[int, ...]], seed: int = 0, dtype: str = "float32") -> None:
+    def __init__(self, shapes: dict[str, tuple[int, ...]], seed: int = 0, dtype: str = "float32",
+                 rank: int = 0, world_size: int = 1) -> None:
         import torch
 
         from nrl_core.refit.buckets import parse_dtype
@@ -71,7 +45,7 @@ class RandomWeightSource:
 class RecordingSink:
     """A generation-side stand-in that verifies the manifest and keeps a copy of what arrived."""
 
-    def __init__(self) -> None:
+    def __init__(self, rank: int = 0, world_size: int = 1) -> None:
         self.weight_version = 0
         self.received: dict[str, Any] = {}
         self.buckets = 0
@@ -104,14 +78,14 @@ def perturb_weights(model: Any, seed: int, scale: float = 0.05) -> None:
             param.add_(torch.randn(param.shape, generator=gen, dtype=param.dtype) * scale)
 
 
-def perturb_hosted_source(host: RefitTestHost, seed: int, scale: float = 0.05, fresh_from: str | None = None) -> None:
-    """``host.execute`` target: perturb the HF model of the host's training-side weight source
+def perturb_hosted_source(worker: Any, seed: int, scale: float = 0.05, fresh_from: str | None = None) -> None:
+    """``WorkerHost.execute`` target: perturb the HF model of a hosted training-side weight source
     (first reloading it from the checkpoint ``fresh_from`` when given)."""
     if fresh_from is not None:
         from nrl_core.refit.hf_source import HFWeightSource
 
-        host.worker.model = HFWeightSource(fresh_from).model
-    perturb_weights(host.worker.model, seed, scale)
+        worker.model = HFWeightSource(fresh_from).model
+    perturb_weights(worker.model, seed, scale)
 
 
 class RankedHFSource:

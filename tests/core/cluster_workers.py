@@ -18,6 +18,8 @@ import torch.distributed as dist
 class CollectiveWorker:
     """Sums over the group, reports its environment, and fails on request."""
 
+    lazy_imports = ("cluster_preloaded",)  # imported early when a group preloads this class
+
     def __init__(self, *, rank: int, world_size: int, tag: str = "") -> None:
         self.rank = rank
         self.world_size = world_size
@@ -67,6 +69,10 @@ class CollectiveWorker:
         time.sleep(0.2)
         return self.all_reduce(1.0)
 
+    def odd_rank(self) -> int | None:
+        """An answer from odd ranks only, as a shard owner answers and the others return None."""
+        return self.rank if self.rank % 2 else None
+
     def explode(self, message: str) -> None:
         raise ValueError(message)
 
@@ -90,7 +96,7 @@ def algorithm_with_user_error(config: dict[str, Any]) -> int:
     from nrl_core.cluster import WorkerGroup
 
     with WorkerGroup("cluster_workers:CollectiveWorker", 2, name="algo") as group:
-        group.run_all("refuse", "policy.optimizer.kwargs.lr", "must be non-negative, got -0.1")
+        group.call("refuse", "policy.optimizer.kwargs.lr", "must be non-negative, got -0.1")
     return 0
 
 
@@ -99,7 +105,7 @@ def algorithm_with_bug(config: dict[str, Any]) -> int:
     from nrl_core.cluster import WorkerGroup
 
     with WorkerGroup("cluster_workers:CollectiveWorker", 1, name="algo") as group:
-        group.run_all("divide", 1.0, 0.0)
+        group.call("divide", 1.0, 0.0)
     return 0
 
 

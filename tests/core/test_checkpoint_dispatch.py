@@ -9,9 +9,8 @@ import logging
 import pytest
 
 from nrl_core import hookimpl
-from nrl_core.algorithms.policy import _load, _save
 from nrl_core.contract_adapters import adapted_class
-from nrl_core.contracts import CheckpointOptions
+from nrl_core.contracts import CONTRACT_VERSION, CheckpointOptions
 from nrl_core.errors import PluginError
 from nrl_core.plugins import get_plugin_manager
 from tests.core.test_contract_versions import worker_of
@@ -61,8 +60,8 @@ class OldPlugin:
 def test_the_core_calls_a_current_workers_methods_and_no_hook() -> None:
     plugin, worker = OldPlugin(), CurrentWorker()
     with get_plugin_manager().registered(plugin, name="old"):
-        _save(worker, "/ckpt", OPTIONS)
-        _load(worker, "/ckpt", OPTIONS)
+        worker.save_checkpoint("/ckpt", OPTIONS)
+        worker.load_checkpoint("/ckpt", OPTIONS)
     assert worker.calls == ["save /ckpt", "load /ckpt"] and plugin.calls == []
 
 
@@ -71,16 +70,16 @@ def test_a_contract_3_worker_checkpoints_through_its_plugins_hooks_warning_once(
         cls: type, caplog: pytest.LogCaptureFixture) -> None:
     plugin, worker = OldPlugin(), adapted_class(cls, "training", 3, "old")()
     with get_plugin_manager().registered(plugin, name="old"), caplog.at_level(logging.WARNING):
-        _save(worker, "/a", OPTIONS)
-        _save(worker, "/b", OPTIONS)
-        _load(worker, "/b", OPTIONS)
+        worker.save_checkpoint("/a", OPTIONS)
+        worker.save_checkpoint("/b", OPTIONS)
+        worker.load_checkpoint("/b", OPTIONS)
     assert plugin.calls == ["hook save /a", "hook save /b", "hook load /b"]
     warnings = [r.getMessage() for r in caplog.records if "deprecated" in r.getMessage()]
-    assert len(warnings) == 1 and "set NRL_CONTRACT = 4" in warnings[0]
+    assert len(warnings) == 1 and f"set NRL_CONTRACT = {CONTRACT_VERSION}" in warnings[0]
 
 
 def test_an_old_worker_no_plugin_saves_is_one_line_naming_the_methods() -> None:
     orphan = adapted_class(worker_of("training", 2), "training", 2, "orphaned")()
     with pytest.raises(PluginError, match=r"no installed plugin implements nrl_checkpoint_save for .*; give the "
                                           r"worker save_checkpoint\(path, options\)"):
-        _save(orphan, "/x", OPTIONS)
+        orphan.save_checkpoint("/x", OPTIONS)

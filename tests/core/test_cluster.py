@@ -22,6 +22,7 @@ from typing import Iterator
 import pytest
 import ray
 
+from nrl_core.cluster._host import WorkerHost
 from nrl_core.cluster import (
     WorkerDiedError,
     WorkerError,
@@ -128,9 +129,9 @@ def test_placement_that_cannot_fit_is_a_one_line_error(monkeypatch: pytest.Monke
 
 
 def test_all_reduce_over_gloo(pair: WorkerGroup) -> None:
-    assert pair.run_all("all_reduce", 1.5) == [3.0, 3.0]
-    assert pair.run_all_sharded("all_reduce", [(1.0,), (10.0,)]) == [11.0, 11.0]
-    info = pair.run_all("whoami")
+    assert pair.call("all_reduce", 1.5) == [3.0, 3.0]
+    assert pair.call("all_reduce", per_rank_args=[(1.0,), (10.0,)]) == [11.0, 11.0]
+    info = pair.call("whoami")
     assert [i["rank"] for i in info] == [0, 1]
     assert {i["backend"] for i in info} == {"gloo"}
     assert [i["env"]["RANK"] for i in info] == ["0", "1"]
@@ -197,7 +198,7 @@ def test_a_group_on_the_private_local_ray_listens_on_loopback_only(ray_session: 
     try:
         assert group.rendezvous_dir is not None and os.path.isdir(group.rendezvous_dir)
         assert oct(os.stat(group.rendezvous_dir).st_mode & 0o777) == "0o700"
-        assert group.run_all("all_reduce", 2.0) == [4.0, 4.0]
+        assert group.call("all_reduce", 2.0) == [4.0, 4.0]
         listening = {w.rank: _listening(w.pid) for w in group.infos}
         assert all(listening.values()), listening  # gloo's own connections do listen, on loopback
         assert not [a for addrs in listening.values() for a in addrs if not _loopback(a)], listening
@@ -208,36 +209,78 @@ def test_a_group_on_the_private_local_ray_listens_on_loopback_only(ray_session: 
 
 
 def test_calls_on_one_rank_async_and_execute(pair: WorkerGroup) -> None:
-    assert pair.run_rank(1, "echo", 7, key="v") == (1, (7,), {"key": "v"})
-    futures = pair.run_all_async("echo", "x")
+    assert pair.call("echo", 7, key="v", on=1) == (1, (7,), {"key": "v"})
+    futures = pair.call_async("echo", "x")
     assert pair.get(futures) == [(0, ("x",), {}), (1, ("x",), {})]
-    assert pair.execute_all(lambda w: w.rank * 10) == [0, 10]
+    assert pair.call(WorkerHost.execute, lambda w: w.rank * 10) == [0, 10]
     with pytest.raises(ValueError, match="2 ranks"):
-        pair.run_all_sharded("echo", [()])
+        pair.call("echo", per_rank_args=[()])
+
+
+def test_a_declared_dispatch_picks_the_ranks_and_how_answers_are_gathered(pair: WorkerGroup) -> None:
+    """What a Protocol method declares with ``@dispatch`` is what ``call`` does; ``on`` overrides the ranks."""
+    from nrl_core.dispatch import Fanout, Gather, dispatch
+
+    @dispatch(Fanout.RANK0)
+    def echo(self, *args): ...
+
+    @dispatch(Fanout.ALL, Gather.FIRST)
+    def whoami(self): ...
+
+    @dispatch(Fanout.ALL, Gather.SHARDS)
+    def odd_rank(self): ...
+
+    @dispatch(Fanout.ALL, Gather.NONE)
+    def all_reduce(self, value): ...
+
+    @dispatch(Fanout.STREAM)
+    def streamed(self): ...
+
+    assert pair.call(echo, 5) == (0, (5,), {})
+    assert pair.call(echo, 5, on=[0, 1]) == [(0, (5,), {}), (1, (5,), {})]
+    assert pair.call(whoami)["rank"] == 0
+    assert pair.call(odd_rank) == [1]
+    assert pair.call(all_reduce, 1.0) is None  # both ranks took part: neither is left in the collective
+    assert pair.call("all_reduce", 1.0) == [2.0, 2.0]
+
+    @dispatch(Fanout.DP)
+    def echo(self, *args): ...  # noqa: F811
+
+    pair.dp_leads = (1,)
+    try:
+        assert pair.call(echo, "x") == [(1, ("x",), {})]
+    finally:
+        pair.dp_leads = (0, 1)
+    with pytest.raises(ValueError, match="is streamed: call it with WorkerGroup.stream"):
+        pair.call(streamed)
+    with pytest.raises(ValueError, match="only the host's generator endpoints are streamed"):
+        list(pair.stream("echo"))
+    with pytest.raises(ValueError, match="has ranks 0..1, not \\[2\\]"):
+        pair.call("echo", on=[2])
 
 
 def test_worker_exception_names_rank_type_and_message(pair: WorkerGroup) -> None:
     with pytest.raises(WorkerRaisedError) as info:
-        pair.run_rank(1, "explode", "bad value 42")
+        pair.call("explode", "bad value 42", on=1)
     message = str(info.value)
     assert f"pair[rank 1] pid {pair.infos[1].pid}" in message
     assert "explode()" in message and "ValueError: bad value 42" in message
     assert isinstance(info.value.__cause__, ValueError)
     assert "explode" in info.value.remote_traceback
     # Every rank had finished: nothing is stuck, so the group stays usable.
-    assert pair.run_all("all_reduce", 1.0) == [2.0, 2.0]
+    assert pair.call("all_reduce", 1.0) == [2.0, 2.0]
 
 
 @pytest.mark.parametrize("cls", nrl_error_classes(), ids=lambda cls: cls.__name__)
 def test_nrl_error_raised_in_a_worker_arrives_as_itself(pair: WorkerGroup, cls: type[NrlError]) -> None:
     expected = example_error(cls)
     with pytest.raises(cls) as info:
-        pair.run_all("raise_example", cls)
+        pair.call("raise_example", cls)
     assert type(info.value) is cls and str(info.value) == str(expected)
     assert info.value.extra_attribute == expected.extra_attribute  # type: ignore[attr-defined]
     assert any(note.startswith("raised in pair[rank ") and "raise_example()" in note
                for note in info.value.__notes__), info.value.__notes__
-    assert pair.run_all("all_reduce", 1.0) == [2.0, 2.0]  # both ranks raised; none is stuck
+    assert pair.call("all_reduce", 1.0) == [2.0, 2.0]  # both ranks raised; none is stuck
 
 
 class _Algorithms:
@@ -270,14 +313,14 @@ def test_killed_worker_is_named_with_its_last_output_while_peer_blocks(ray_sessi
     marker = "last words of rank one 7f3a"
     started = time.monotonic()
     with pytest.raises(WorkerDiedError) as info:
-        group.run_all("die_during_all_reduce", 1, marker)
+        group.call("die_during_all_reduce", 1, marker)
     elapsed = time.monotonic() - started
     message = str(info.value)
     assert f"dying[rank 1] pid {pids[1]} died" in message
     assert marker in message
     assert elapsed < 30, f"took {elapsed:.1f} s to report a dead worker"
     with pytest.raises(WorkerError, match="stopped after a failure"):
-        group.run_all("whoami")
+        group.call("whoami")
     assert _pids_gone(pids), "rank 0 (blocked in the all-reduce) should have been stopped"
     group.shutdown()
 
@@ -292,7 +335,7 @@ def test_rank_raising_while_peer_blocks_in_collective_does_not_hang(ray_session:
 
     started = time.monotonic()
     with pytest.raises(WorkerRaisedError) as info:
-        group.execute_all(rank1_raises)
+        group.call(WorkerHost.execute, rank1_raises)
     assert time.monotonic() - started < 30
     assert "halfway[rank 1]" in str(info.value) and "KeyError" in str(info.value)
     assert "ranks [0] were still running" in str(info.value)
@@ -301,17 +344,18 @@ def test_rank_raising_while_peer_blocks_in_collective_does_not_hang(ray_session:
 
 
 def test_a_group_launched_unstarted_preloads_its_modules_then_starts_on_request(ray_session: None) -> None:
-    """``start=False`` returns with the actors importing ``preload``; the workers are built (and the
-    process group joined) only by ``start``; a module that fails to import there stops nothing."""
+    """``start=False`` returns with the actors importing ``preload`` (the worker class, and with it
+    the modules it names in ``lazy_imports``); the workers are built (and the process group joined)
+    only by ``start``; a module that fails to import there stops nothing."""
     group = WorkerGroup(WORKER, 2, name="launched", init_kwargs={"tag": "early"},
-                        preload=["cluster_preloaded", "no_such_module_anywhere"], start=False)
+                        preload=["no_such_module_anywhere", "no_such_module:Anywhere", WORKER], start=False)
     try:
         with pytest.raises(WorkerError, match="worker group 'launched' is not started: call start"):
-            group.run_all("whoami")
+            group.call("whoami")
         group.start()
-        assert group.run_all("preloaded_before_build", "cluster_preloaded") == [True, True]
-        assert [w["tag"] for w in group.run_all("whoami")] == ["early", "early"]
-        assert group.run_all("all_reduce", 1.5) == [3.0, 3.0]
+        assert group.call("preloaded_before_build", "cluster_preloaded") == [True, True]
+        assert [w["tag"] for w in group.call("whoami")] == ["early", "early"]
+        assert group.call("all_reduce", 1.5) == [3.0, 3.0]
         with pytest.raises(WorkerError, match="already started"):
             group.start()
     finally:
@@ -355,7 +399,7 @@ def test_colocated_groups_share_bundles_and_shutdown_stops_them(ray_session: Non
     assert gen_placement.bundle_indices == shared.bundle_indices
     with WorkerGroup(WORKER, 2, name="gen", placement=gen_placement) as gen:
         # Two process groups side by side, each summing only its own ranks.
-        futures = [train.run_all_async("all_reduce", 1.0), gen.run_all_async("all_reduce", 2.0)]
+        futures = [train.call_async("all_reduce", 1.0), gen.call_async("all_reduce", 2.0)]
         assert [train.get(futures[0]), gen.get(futures[1])] == [[2.0, 2.0], [4.0, 4.0]]
         assert [w.node_id for w in train.infos] == [w.node_id for w in gen.infos]
         gen_pids = [w.pid for w in gen.infos]
@@ -364,7 +408,7 @@ def test_colocated_groups_share_bundles_and_shutdown_stops_them(ray_session: Non
     train.shutdown()  # idempotent
     assert _pids_gone(gen_pids + train_pids)
     with pytest.raises(WorkerError, match="shut down"):
-        train.run_all("whoami")
+        train.call("whoami")
     for actor in train.actors:
         with pytest.raises(ray.exceptions.RayActorError):
             ray.get(actor.describe.remote(), timeout=30)
@@ -396,7 +440,7 @@ _JOIN_SCRIPT = textwrap.dedent(
     init_ray()
     assert ray.cluster_resources().get("nrl_join_probe") == 1, ray.cluster_resources()
     with WorkerGroup("cluster_workers:CollectiveWorker", 1, name="joined") as group:
-        print("JOINED", ray.get_runtime_context().gcs_address, group.run_all("all_reduce", 5.0))
+        print("JOINED", ray.get_runtime_context().gcs_address, group.call("all_reduce", 5.0))
     """
 )
 
@@ -435,14 +479,14 @@ def test_distributed_timeout_minutes_is_the_main_groups_timeout(ray_session: Non
     assert distributed_timeout_s(config, "megatron_cfg") == 420.0
     assert distributed_timeout_s(config, "dtensor_cfg") == DEFAULT_TIMEOUT_S
     with WorkerGroup(WORKER, 2, name="timeout7", collective_timeout_s=distributed_timeout_s(config, "megatron_cfg")) as group:
-        assert group.run_all("main_group_timeout_s") == [420.0, 420.0]
+        assert group.call("main_group_timeout_s") == [420.0, 420.0]
 
 
 def test_a_rank_that_never_joins_fails_its_peer_after_the_group_timeout(ray_session: None) -> None:
     with WorkerGroup(WORKER, 2, name="short", collective_timeout_s=3.0, error_grace_s=1.0) as group:
         started = time.monotonic()
         with pytest.raises(WorkerRaisedError) as info:
-            group.run_all("all_reduce_unless_rank", 1)
+            group.call("all_reduce_unless_rank", 1)
         elapsed = time.monotonic() - started
     assert 3.0 <= elapsed < 30, elapsed
     assert "short[rank 0]" in str(info.value) and "3000ms" in str(info.value), str(info.value)

@@ -186,3 +186,22 @@ def test_a_worker_declaring_nothing_that_already_meets_a_later_contract_keeps_it
     assert adapted.offload_before_refit is own_offload
     shard = adapted().get_logprobs(batch())
     assert isinstance(shard, BatchShard) and shard.rows == [0, 1]
+
+
+def test_contract_4_spec_fields_are_accepted_with_a_warning_and_preload_is_still_imported_early():
+    """Contract 5 took start-up tuning out of the specs; a plugin written before still loads."""
+    from nrl_core.algorithms.policy_launch import _imports_of
+    from nrl_core.config.schema import Section
+    from nrl_core.contracts import LEGACY_PRELOAD, AlgorithmSpec, TrainingBackendSpec
+
+    with pytest.warns(FutureWarning, match=r"TrainingBackendSpec\(preload=\.\.\.\) for old_mod:Worker is deprecated "
+                                           r"since contract 5: name the modules in the worker class's lazy_imports"):
+        spec = TrainingBackendSpec(name="old", config_key="old_cfg", priority=0, worker="old_mod:Worker",
+                                   config_schema=Section(fields={}), distribution="old", preload=("heavy.module",))
+    import dataclasses
+
+    assert "preload" not in {f.name for f in dataclasses.fields(spec)}
+    assert LEGACY_PRELOAD["old_mod:Worker"] == ("heavy.module",)
+    assert _imports_of(spec) == ["old_mod:Worker", "heavy.module"]
+    with pytest.warns(FutureWarning, match="early_policy_start=...\\) of algorithm 'old' has no effect since contract 5"):
+        AlgorithmSpec(name="old", entry="old_mod:main", distribution="old", early_policy_start=True)

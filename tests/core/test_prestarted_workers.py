@@ -56,7 +56,7 @@ def _whoami_in_a_new_group(name: str) -> dict[str, Any]:
     group = WorkerGroup(WORKER, 1, name=name, env_vars={"NRL_TEST_MARK": "from-cluster-section"},
                         num_cpus_per_worker=0.1)
     try:
-        return group.run_rank(0, "whoami")
+        return group.call("whoami", on=0)
     finally:
         group.shutdown()
 

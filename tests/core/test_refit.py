@@ -209,23 +209,29 @@ def test_missing_tensor_is_rejected_and_shared_memory_is_cleaned_up() -> None:
 
 
 @pytest.fixture(scope="module")
-def ray_actors():
+def ray_groups():
+    """A weight source and two sinks, each a worker group of one rank (the production host)."""
     ray = pytest.importorskip("ray")
-    from nrl_core.testing.refit_host import RefitTestHost
+    from nrl_core.cluster import WorkerGroup
+    from nrl_core.cluster._host import WorkerHost
 
     started = not ray.is_initialized()
     if started:
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
                  runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
-    host = ray.remote(RefitTestHost)
-    source = host.remote("nrl_core.testing.refit_host:RandomWeightSource", SHAPES, seed=5)
-    sinks = [host.remote("nrl_core.testing.refit_host:RecordingSink") for _ in range(2)]
-    yield ray, source, sinks
-    ray.get(source.nrl_refit_release.remote())  # ray.kill skips exit handlers: free the buffers first
-    for actor in [source, *sinks]:
-        ray.kill(actor)
+    source = WorkerGroup("nrl_core.testing.refit_host:RandomWeightSource", 1, name="source",
+                         init_kwargs={"shapes": SHAPES, "seed": 5}, distributed_backend="none")
+    sinks = WorkerGroup("nrl_core.testing.refit_host:RecordingSink", 2, name="sinks", distributed_backend="none")
+    yield source, sinks
+    source.call(WorkerHost.nrl_refit_release)  # ray.kill skips exit handlers: free the buffers first
+    source.shutdown()
+    sinks.shutdown()
     if started:
         ray.shutdown()
+
+
+def _sinks(group: Any) -> list[Any]:
+    return [group.endpoint(r) for r in range(group.world_size)]
 
 
 def test_broadcast_runs_nccl_between_gpus_and_gloo_here_on_one_code_path() -> None:
@@ -243,51 +249,81 @@ def test_broadcast_runs_nccl_between_gpus_and_gloo_here_on_one_code_path() -> No
 
 @pytest.mark.slow
 @pytest.mark.parametrize("transport", [None, "broadcast"])
-def test_refit_between_ray_actors(ray_actors, transport) -> None:
-    ray, source, sinks = ray_actors
-    assert len(set(ray.get([a.pid.remote() for a in [source, *sinks]]))) == 3
-    exports = ray.get(source.execute.remote(lambda host: host.worker.exports))
-    report = refit(source, sinks, transport=transport, bucket_bytes=2048)
+def test_refit_between_worker_groups(ray_groups, transport) -> None:
+    from nrl_core.cluster._host import WorkerHost
+
+    source, sinks = ray_groups
+    assert len({info.pid for group in ray_groups for info in group.infos}) == 3
+    exports = source.call(WorkerHost.execute, lambda worker: worker.exports, on=0)
+    report = refit(source.endpoint(0), _sinks(sinks), transport=transport, bucket_bytes=2048)
     assert report.transport == (transport or "shared_memory") and report.placement == "same_node"
-    expected = ray.get(source.call.remote("checksums"))
-    for sink in sinks:
-        assert ray.get(sink.call.remote("checksums")) == expected
+    assert sinks.call("checksums") == [source.call("checksums", on=0)] * 2
     assert report.bytes == 2 * manifest_bytes(RandomWeightSource(SHAPES).weight_manifest("float32"))
     # One export serves both engines: other training ranks run the same collective export once.
-    assert ray.get(source.execute.remote(lambda host: host.worker.exports)) == exports + 1
+    assert source.call(WorkerHost.execute, lambda worker: worker.exports, on=0) == exports + 1
 
 
 @pytest.mark.slow
-def test_refit_rejects_sinks_both_inside_and_outside_the_source_actor(ray_actors) -> None:
-    ray, source, sinks = ray_actors
+def test_refit_rejects_sinks_both_inside_and_outside_the_source_actor(ray_groups) -> None:
+    source, sinks = ray_groups
     with pytest.raises(ValueError, match="all live in the source's actor"):
-        refit(source, [source, sinks[0]])
+        refit(source.endpoint(0), [source.endpoint(0), sinks.endpoint(0)])
+    with pytest.raises(TypeError, match="all local objects or all worker group ranks"):
+        refit(source.endpoint(0), RecordingSink())
 
 
-def _break_export(host: Any) -> None:
+def _break_export(worker: Any) -> None:
     """Make the hosted source fail after its first bucket (the instance attribute shadows the method)."""
-    real = type(host.worker).export_weights.__get__(host.worker)
+    real = type(worker).export_weights.__get__(worker)
 
     def export_weights(bucket_bytes: int, dtype: str) -> Any:
         buckets = real(bucket_bytes, dtype)
         yield next(buckets)
         raise RuntimeError("the training side failed mid-export")
 
-    host.worker.export_weights = export_weights
+    worker.export_weights = export_weights
 
 
 @pytest.mark.slow
-def test_failed_export_between_actors_leaves_the_engines_untouched(ray_actors) -> None:
-    ray, source, sinks = ray_actors
-    checksums = [ray.get(s.call.remote("checksums")) for s in sinks]
-    versions = [ray.get(s.execute.remote(lambda host: host.worker.weight_version)) for s in sinks]
-    ray.get(source.execute.remote(_break_export))
+@pytest.mark.parametrize("transport", [None, "broadcast"])
+def test_failed_export_leaves_the_engines_untouched_and_names_the_source_rank(ray_groups, transport) -> None:
+    from nrl_core.cluster import WorkerRaisedError
+    from nrl_core.cluster._host import WorkerHost
+
+    source, sinks = ray_groups
+    checksums = sinks.call("checksums")
+    versions = sinks.call(WorkerHost.execute, lambda worker: worker.weight_version)
+    source.call(WorkerHost.execute, _break_export)
     try:
-        with pytest.raises(RuntimeError, match="the training side failed mid-export"):
-            refit(source, sinks, bucket_bytes=2048)
+        with pytest.raises(WorkerRaisedError, match=r"source\[rank 0\] pid \d+: nrl_refit_\w+\(\) raised "
+                                                    r"RuntimeError: the training side failed mid-export"):
+            refit(source.endpoint(0), _sinks(sinks), transport=transport, bucket_bytes=2048)
     finally:
-        ray.get(source.execute.remote(lambda host: delattr(host.worker, "export_weights")))
-    assert [ray.get(s.call.remote("checksums")) for s in sinks] == checksums
-    assert [ray.get(s.execute.remote(lambda host: host.worker.weight_version)) for s in sinks] == versions
-    refit(source, sinks, bucket_bytes=2048)  # and the next refit goes through
-    assert [ray.get(s.call.remote("checksums")) for s in sinks] == [ray.get(source.call.remote("checksums"))] * 2
+        source.call(WorkerHost.execute, lambda worker: delattr(worker, "export_weights"))
+    assert sinks.call("checksums") == checksums
+    assert sinks.call(WorkerHost.execute, lambda worker: worker.weight_version) == versions
+    refit(source.endpoint(0), _sinks(sinks), transport=transport, bucket_bytes=2048)  # the next refit goes through
+    assert sinks.call("checksums") == [source.call("checksums", on=0)] * 2
+
+
+@pytest.mark.slow
+def test_an_engine_that_dies_during_a_refit_is_named_in_one_line(ray_groups) -> None:
+    """The refit waits through the worker groups: a sink's death is that group's one-line error,
+    and the source's group stays usable."""
+    import ray
+
+    from nrl_core.cluster import WorkerDiedError, WorkerGroup
+    from nrl_core.cluster._host import WorkerHost
+
+    source = WorkerGroup("nrl_core.testing.refit_host:RandomWeightSource", 1, name="lone-source",
+                         init_kwargs={"shapes": SHAPES, "seed": 6}, distributed_backend="none")
+    doomed = WorkerGroup("nrl_core.testing.refit_host:RecordingSink", 1, name="doomed", distributed_backend="none")
+    try:
+        ray.kill(doomed.actors[0], no_restart=True)
+        with pytest.raises(WorkerDiedError, match=r"^doomed\[rank 0\] pid \d+ died .*during nrl_refit_import\(\)"):
+            refit(source.endpoint(0), [doomed.endpoint(0)], bucket_bytes=2048)
+        assert source.call("checksums", on=0)  # the training side is untouched and answers
+        source.call(WorkerHost.nrl_refit_release)
+    finally:
+        doomed.shutdown()
+        source.shutdown()

@@ -92,14 +92,14 @@ def test_on_demand_dump_then_a_rank_stuck_in_a_collective(worker_path: None, tmp
     with pytest.raises(HangError) as info:
         with fast(tmp_path, floor_s=3) as dog:
             with phase("training"):
-                group.run_all("all_reduce", 1.0)
+                group.call("all_reduce", 1.0)
             os.kill(os.getpid(), SIGNAL)  # what ``nrl stacks`` sends
             deadline = time.monotonic() + 20
             while not list((tmp_path / "stacks").glob("*-on_demand/status.txt")) and time.monotonic() < deadline:
                 time.sleep(0.1)
-            assert group.run_all("echo", 1) == [(0, (1,), {}), (1, (1,), {})]  # the run went on
+            assert group.call("echo", 1) == [(0, (1,), {}), (1, (1,), {})]  # the run went on
             with phase("training"):
-                group.run_all("all_reduce_unless_rank", 1)  # rank 0 waits for rank 1 forever
+                group.call("all_reduce_unless_rank", 1)  # rank 0 waits for rank 1 forever
     message = str(info.value)
     assert "\n" not in message and "phase 'training'" in message and "pair[rank 0]" in message
     assert "pair[rank 1]" not in message and "waited 3 s" in message

@@ -63,8 +63,8 @@ def assert_stacks_and_nothing_left(dump: Path, name: str, pids: list[int]) -> No
 
 def test_a_generate_that_never_returns(tmp_path: Path) -> None:
     engines = group("engine", stuck_rank=0, stuck_in="generate")
-    pids = engines.run_all("pid")
-    message, dump, seconds = hang(tmp_path, "generation", lambda: engines.run_all("generate", ["a", "b"]),
+    pids = engines.call("pid")
+    message, dump, seconds = hang(tmp_path, "generation", lambda: engines.call("generate", ["a", "b"]),
                                   floor_s=LIMIT_S)
     assert f"engine[rank 0] pid {pids[0]} in generate()" in message and "engine[rank 1]" not in message
     assert f"limit of {LIMIT_S} s" in message and seconds < LIMIT_S + 15
@@ -74,8 +74,8 @@ def test_a_generate_that_never_returns(tmp_path: Path) -> None:
 
 def test_a_stuck_offload_in_the_hand_off(tmp_path: Path) -> None:
     policy = group("policy", stuck_rank=1, stuck_in="offload")
-    pids = policy.run_all("pid")
-    message, dump, seconds = hang(tmp_path, "hand_off", lambda: policy.run_all("offload"),
+    pids = policy.call("pid")
+    message, dump, seconds = hang(tmp_path, "hand_off", lambda: policy.call("offload"),
                                   phases={"hand_off": LIMIT_S})
     assert f"policy[rank 1] pid {pids[1]} in offload()" in message and "policy[rank 0]" not in message
     assert seconds < LIMIT_S + 15

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from nrl_core.contracts import CONTRACT_VERSION
+
 from tests.e2e.test_grpo import assert_ok, finite, metrics, model, nrl_train  # noqa: F401 - model is a fixture
 from tests.plugins.test_contract_versions import FIRST, install
 
@@ -28,7 +30,7 @@ def test_two_colocated_grpo_steps_on_a_first_contract_backend(model, site, tmp_p
                      "policy.dtensor_config.enabled=false", "++policy.first_contract_cfg.enabled=true",
                      "policy.generation.colocated.enabled=true", "checkpointing.metric_name=null", env=env)
     assert_ok(proc)
-    assert "training backend 'first_contract' is written for contract 1 (this core: 4)" in proc.stderr
+    assert f"training backend 'first_contract' is written for contract 1 (this core: {CONTRACT_VERSION})" in proc.stderr
     assert "colocated generation: the training backend does not hand its memory back" in proc.stderr
     rows = [row for row in metrics(tmp_path) if "train/loss" in row]
     assert len(rows) == 2 and finite(rows)

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from nrl_core.cluster._host import WorkerHost
 from nrl_core.algorithms.loss import NLLLoss
 from nrl_core.algorithms.rollouts import rollout_batch
 from nrl_core.cluster import shutdown_ray
@@ -110,7 +111,7 @@ def test_colocated_memory_hand_off_runs_in_order(model, ray_session):
         # the engines are built while the training state is off the device (vLLM sizes itself from
         # the free memory at start-up), then sleep while it comes back
         start_up = ["offload_before_refit", "offload_after_refit", "generation.finish_generation", "prepare_for_training"]
-        for history in policy.group.host_call([0, 1], "call_history"):
+        for history in policy.group.call(WorkerHost.call_history):
             assert [name for name in history if name in HANDOFF] == start_up + refit_step + refit_step
 
         with pytest.raises(NrlError, match="prepare_for_generation first"):

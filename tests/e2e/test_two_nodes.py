@@ -15,6 +15,7 @@ from typing import Iterator
 import pytest
 import ray
 
+from nrl_core.cluster._host import WorkerHost
 from nrl_core.algorithms.loss import NLLLoss
 from nrl_core.cluster import init_ray, make_placement, shutdown_ray
 from nrl_core.errors import NrlError
@@ -105,7 +106,7 @@ def test_megatron_training_spans_both_nodes(cluster_address: str, model: Path, t
     policy = Policy(config, choose_backends(config).training, colocated_generation=False)
     try:
         assert len(set(_nodes(policy.group))) == 2
-        assert policy.group.execute_all(lambda worker: main_group_timeout().total_seconds()) == [420.0, 420.0]
+        assert policy.group.call(WorkerHost.execute, lambda worker: main_group_timeout().total_seconds()) == [420.0, 420.0]
         batch = training_batch(0)
         mask = batch.fields["token_mask"][:, 1:]
         first = float((policy.get_logprobs(batch)[:, 1:] * mask).sum())

@@ -133,7 +133,7 @@ def test_grpo_then_refit_of_trained_experts(recipe, lr, transport, aux_loss, mod
         assert ("train/moe/load_balancing_loss" in row) is aux_loss
 
         # every expert of every layer, once, in the engine's checkpoint layout, all in one bucket
-        manifest = run.policy.group.run_all("weight_manifest", "float32")[0]
+        manifest = run.policy.group.call("weight_manifest", "float32", on=0)
         cfg = AutoConfig.from_pretrained(str(model))
         experts = {s.name for s in manifest if ".mlp.experts." in s.name}
         assert experts == {f"model.layers.{i}.mlp.experts.{e}.{p}_proj.weight" for i in range(cfg.num_hidden_layers)

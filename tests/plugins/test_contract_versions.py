@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from nrl_core.contracts import CONTRACT_VERSION
+
 DISTS = Path(__file__).parent / "dists"
 FIRST = "nrl_first_contract_plugin"
 GAPS = "nrl_contract_gaps_plugin"
@@ -59,7 +61,7 @@ def test_plugins_lists_each_plugin_with_its_contract(site):
     assert plugins["first_contract"]["distribution"] == "nrl-first-contract-plugin"
     assert plugins["first_contract"]["contract"] == 1
     assert plugins["contract_gaps"]["contract"] == 3
-    assert plugins["nrl_core.builtin"]["contract"] == 4
+    assert plugins["nrl_core.builtin"]["contract"] == CONTRACT_VERSION
     text = nrl(site, "plugins")
     assert any(line.startswith("first_contract ") and " contract 1 " in line for line in text.stdout.splitlines())
 
@@ -68,7 +70,7 @@ def test_config_check_passes_the_first_contract_backend_and_says_what_it_adapts(
     proc = nrl(site, "config", "check", str(config(tmp_path, "first_contract")))
     assert proc.returncode == 0, proc.stderr
     assert "training backend: first_contract (nrl-first-contract-plugin)" in proc.stdout
-    assert ("contract: training backend 'first_contract' is written for contract 1 (this core: 4); adapted: no-op "
+    assert (f"contract: training backend 'first_contract' is written for contract 1 (this core: {CONTRACT_VERSION}); adapted: no-op "
             "offload_before_refit, no-op offload_after_refit, no-op prepare_for_training, tensor logprobs wrapped "
             "into BatchShard, checkpoints through the plugin's (deprecated) checkpoint hooks") in proc.stdout
 

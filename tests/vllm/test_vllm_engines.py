@@ -12,6 +12,7 @@ import functools
 import pytest
 
 from nrl_core.cluster import WorkerGroup
+from nrl_core.cluster._host import WorkerHost
 from nrl_core.refit import refit
 from nrl_core.testing.refit_host import perturb_weights
 from tests.vllm.helpers import generation_config, hf_greedy, hf_model
@@ -35,15 +36,15 @@ def own_ray():
         shutdown_ray()
 
 
-def _perturb(worker_or_host, seed):
-    """``execute`` target: a worker group passes its worker, a RefitTestHost itself."""
-    perturb_weights(getattr(worker_or_host, "worker", worker_or_host).model, seed)
+def _perturb(worker, seed):
+    """``WorkerHost.execute`` target: perturb the hosted HF weight source."""
+    perturb_weights(worker.model, seed)
 
 
 def _colocated(model_dir, tp: int) -> WorkerGroup:
     group = WorkerGroup(SOURCE, 2, name=f"colocated-tp{tp}", init_kwargs={"model": str(model_dir)},
                         distributed_backend="gloo")
-    group.host_call([0, 1], "nrl_colocate_generation", WORKER, generation_config(model_dir, tensor_parallel_size=tp))
+    group.call(WorkerHost.nrl_colocate_generation, WORKER, generation_config(model_dir, tensor_parallel_size=tp))
     return group
 
 
@@ -51,14 +52,14 @@ def _generate(group: WorkerGroup, prompts, engine_size: int):
     engines = group.world_size // engine_size
     size = -(-len(prompts) // engines)
     chunks = [prompts[i * size:(i + 1) * size] for i in range(engines)]
-    outs = group.host_call(list(range(group.world_size)), "nrl_generate_sharded", chunks, engine_size, greedy=True)
-    assert [o is not None for o in outs] == [r % engine_size == 0 for r in range(group.world_size)]
-    return [t for o in outs if o is not None for t in o.token_ids]
+    outs = group.call(WorkerHost.nrl_generate_sharded, chunks, engine_size, greedy=True)
+    assert len(outs) == engines  # one answer per engine, from its first rank
+    return [t for o in outs for t in o.token_ids]
 
 
 def _refit_in_place(group: WorkerGroup, seed: int) -> None:
-    group.host_call([0, 1], "execute", functools.partial(_perturb, seed=seed))
-    reports = group.host_call([0, 1], "nrl_refit_local", "in_process", BUCKET, "float32")
+    group.call(WorkerHost.execute, functools.partial(_perturb, seed=seed))
+    reports = group.call(WorkerHost.nrl_refit_local, "in_process", BUCKET, "float32")
     assert [r.version for r in reports] == [1, 1]
 
 
@@ -72,23 +73,21 @@ def test_colocated_engines_in_a_two_rank_world(model_dir, prompts, tp):
         _refit_in_place(group, seed=21)
         assert _generate(group, prompts, tp) == hf_greedy(hf_model(model_dir, perturb_seed=21), prompts)
     finally:
-        group.host_call([0, 1], "nrl_generation_call", "shutdown")
+        group.call(WorkerHost.nrl_generation_call, "shutdown")
         group.shutdown()
 
 
 def test_tensor_parallel_engine_in_its_own_group_refits_from_another_actor(model_dir, prompts):
-    from nrl_core.testing.refit_host import RefitTestHost
-
     engine = WorkerGroup(WORKER, 2, name="generation-tp2", distributed_backend="gloo",
                          init_kwargs={"config": generation_config(model_dir, tensor_parallel_size=2)})
-    source = ray.remote(RefitTestHost).remote("nrl_core.refit.hf_source:HFWeightSource", str(model_dir))
+    source = WorkerGroup(SOURCE, 1, name="source", init_kwargs={"model": str(model_dir)}, distributed_backend="none")
     try:
         assert _generate(engine, prompts, 2) == hf_greedy(hf_model(model_dir), prompts)
-        ray.get(source.execute.remote(functools.partial(_perturb, seed=22)))
-        report = refit(source, engine.actors, bucket_bytes=BUCKET)
+        source.call(WorkerHost.execute, functools.partial(_perturb, seed=22))
+        report = refit(source.endpoint(0), [engine.endpoint(0), engine.endpoint(1)], bucket_bytes=BUCKET)
         assert report.transport == "shared_memory" and report.version == 1
         assert _generate(engine, prompts, 2) == hf_greedy(hf_model(model_dir, perturb_seed=22), prompts)
     finally:
-        ray.get(source.nrl_refit_release.remote())
-        ray.kill(source)
+        source.call(WorkerHost.nrl_refit_release)
+        source.shutdown()
         engine.shutdown()

@@ -1,7 +1,7 @@
 """Refit into vLLM engines in other processes (Ray actors), colocated and not.
 
-Actor A hosts an HF weight source (the training side) *and* a vLLM worker (colocated placement);
-actor B hosts only an HF weight source, so B -> A is the non-colocated refit (shared memory on
+Group A's one rank hosts an HF weight source (the training side) *and* a vLLM worker (colocated
+placement); group B's hosts only an HF weight source, so B -> A is the non-colocated refit (shared memory on
 one node, or the broadcast group when asked). One vLLM engine in a Ray actor for the module.
 """
 
@@ -12,6 +12,7 @@ import os
 
 import pytest
 
+from nrl_core.cluster._host import WorkerHost
 from nrl_core.refit import refit
 from nrl_core.refit.hf_source import HFWeightSource
 from nrl_core.testing.refit_host import perturb_hosted_source
@@ -19,35 +20,34 @@ from tests.vllm.helpers import generation_config, hf_greedy, hf_model
 
 ray = pytest.importorskip("ray")
 WORKER = "nrl_gen_vllm.worker:VllmGenerationWorker"
-SOURCE = "nrl_core.refit.hf_source:HFWeightSource"
+SOURCE = "nrl_core.testing.refit_host:RankedHFSource"
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def actors(model_dir):
-    from nrl_core.testing.refit_host import RefitTestHost
+    from nrl_core.cluster import WorkerGroup
 
     started = not ray.is_initialized()
     if started:
         env = {k: os.environ[k] for k in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_ENABLE_V1_MULTIPROCESSING", "OMP_NUM_THREADS",
                                           "TOKENIZERS_PARALLELISM", "HF_HUB_OFFLINE") if k in os.environ}
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})
-    host = ray.remote(RefitTestHost)
-    colocated = host.remote(SOURCE, str(model_dir))
-    separate = host.remote(SOURCE, str(model_dir))
-    ray.get(colocated.nrl_colocate_generation.remote(WORKER, generation_config(model_dir)))
+    colocated, separate = (WorkerGroup(SOURCE, 1, name=name, init_kwargs={"model": str(model_dir)},
+                                       distributed_backend="none") for name in ("colocated", "separate"))
+    colocated.call(WorkerHost.nrl_colocate_generation, WORKER, generation_config(model_dir))
     yield colocated, separate
-    ray.get(colocated.nrl_generation_call.remote("shutdown"))
-    ray.get(separate.nrl_refit_release.remote())  # ray.kill skips exit handlers: free the buffers first
-    for actor in (colocated, separate):
-        ray.kill(actor)
+    colocated.call(WorkerHost.nrl_generation_call, "shutdown")
+    separate.call(WorkerHost.nrl_refit_release)  # ray.kill skips exit handlers: free the buffers first
+    colocated.shutdown()
+    separate.shutdown()
     if started:
         ray.shutdown()
 
 
-def _greedy(actor, prompts):
-    return ray.get(actor.nrl_generation_call.remote("generate", prompts, greedy=True))
+def _greedy(group, prompts):
+    return group.call(WorkerHost.nrl_generation_call, "generate", prompts, greedy=True, on=0)
 
 
 def test_two_identically_built_workers_sample_identically(actors, engine, model_dir, prompts) -> None:
@@ -56,14 +56,14 @@ def test_two_identically_built_workers_sample_identically(actors, engine, model_
     refit(HFWeightSource(model_dir), engine)  # checkpoint weights, whatever earlier tests did
     engine.load_sampling_state({"calls": 0})
     here = engine.generate(prompts * 2)
-    there = ray.get(colocated.nrl_generation_call.remote("generate", prompts * 2))
+    there = colocated.call(WorkerHost.nrl_generation_call, "generate", prompts * 2, on=0)
     assert there.token_ids == here.token_ids and there.logprobs == here.logprobs
 
 
 def test_colocated_refit_in_process(actors, model_dir, prompts) -> None:
     colocated, _ = actors
-    ray.get(colocated.execute.remote(functools.partial(perturb_hosted_source, seed=11)))
-    report = refit(colocated, colocated, bucket_bytes=256 * 1024)
+    colocated.call(WorkerHost.execute, functools.partial(perturb_hosted_source, seed=11))
+    report = refit(colocated.endpoint(0), colocated.endpoint(0), bucket_bytes=256 * 1024)
     assert (report.transport, report.placement) == ("in_process", "same_process")
     out = _greedy(colocated, prompts)
     assert out.token_ids == hf_greedy(hf_model(model_dir, perturb_seed=11), prompts)
@@ -73,9 +73,9 @@ def test_colocated_refit_in_process(actors, model_dir, prompts) -> None:
 @pytest.mark.parametrize("transport, seed", [(None, 12), ("broadcast", 13)])
 def test_non_colocated_refit_across_processes(actors, model_dir, prompts, transport, seed) -> None:
     colocated, separate = actors
-    ray.get(separate.execute.remote(functools.partial(perturb_hosted_source, seed=seed, fresh_from=str(model_dir))))
+    separate.call(WorkerHost.execute, functools.partial(perturb_hosted_source, seed=seed, fresh_from=str(model_dir)))
     before = _greedy(colocated, prompts)
-    report = refit(separate, colocated, transport=transport, bucket_bytes=256 * 1024)
+    report = refit(separate.endpoint(0), colocated.endpoint(0), transport=transport, bucket_bytes=256 * 1024)
     assert report.transport == (transport or "shared_memory") and report.placement == "same_node"
     out = _greedy(colocated, prompts)
     assert out.token_ids == hf_greedy(hf_model(model_dir, perturb_seed=seed), prompts) != before.token_ids

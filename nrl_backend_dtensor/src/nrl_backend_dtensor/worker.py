@@ -15,7 +15,6 @@ memory hand-off and the HF export are the SDK's (:class:`nrl_core.sdk.TrainingWo
 from __future__ import annotations
 
 import time
-from contextlib import nullcontext
 from typing import Any, Iterator
 
 import torch
@@ -47,6 +46,7 @@ class DTensorPolicyWorker(TrainingWorkerBase):
     """One training rank (see the module docstring and ``nrl_core.contracts.TrainingWorker``)."""
 
     backend_name = "dtensor"
+    lazy_imports = ("transformers.modeling_utils", "transformers.models.auto.modeling_auto")  # the HF model's load
 
     def __init__(self, config: dict[str, Any], rank: int | None = None, world_size: int | None = None) -> None:
         _ensure_process_group()
@@ -164,7 +164,7 @@ class DTensorPolicyWorker(TrainingWorkerBase):
                 mb, sub = self._dummy(local)
             else:
                 sub = local.select(mb.rows)
-            with self._routing(mb, sub, dummy):
+            with self.recording_routes(None if dummy else lambda: mb.token_mask(sub)):
                 logprobs = mb.to_padded(self._forward(mb), sub)
             sub = to_device(sub, logprobs.device)  # what the loss reads, where the logprobs are
             check_batch_device(sub, logprobs.device, "dtensor train")
@@ -192,12 +192,6 @@ class DTensorPolicyWorker(TrainingWorkerBase):
         if self.router_metrics is not None:
             out.update(self.router_metrics.collect(self.layout.dp_group))
         return out
-
-    def _routing(self, mb: MicroBatch, sub: TokenBatch, dummy: bool) -> Any:
-        """Count the routers' choices in a training forward (MoE models; padding micro-batches excluded)."""
-        if self.router_metrics is None or dummy:
-            return nullcontext()
-        return self.router_metrics.stats.recording(mb.token_mask(sub))
 
     # ------------------------------------------------------------------ logprobs
 

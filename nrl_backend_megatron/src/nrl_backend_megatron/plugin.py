@@ -10,7 +10,7 @@ from nrl_core.hookspecs import hookimpl
 
 from nrl_backend_megatron.schema import MEGATRON_CFG_SCHEMA
 
-NRL_CONTRACT = 4  # the plugin contract this distribution is written for (docs/plugins.md)
+NRL_CONTRACT = 5  # the plugin contract this distribution is written for (docs/plugins.md)
 
 WORKER_PATH = "nrl_backend_megatron.worker:MegatronPolicyWorker"
 
@@ -23,8 +23,6 @@ def nrl_training_backends() -> list[TrainingBackendSpec]:
         parallel_size_keys=("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"),
         config_check="nrl_backend_megatron.checks:check_config",
         capabilities=frozenset({"data_parallel", "sequence_packing"}),
-        preload=("megatron.core", "megatron.core.models.gpt.gpt_model", "megatron.core.optimizer",
-                 "transformers.modeling_utils"),  # what building the GPT model and its optimizer imports
         description="Megatron-Core: tensor/pipeline parallel training, dist_checkpointing",
     )]
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
 from typing import Any, Iterator, Mapping
@@ -64,6 +63,8 @@ class MegatronPolicyWorker(TrainingWorkerBase):
     """One rank of the Megatron-Core backend (see the module docstring)."""
 
     backend_name = "megatron"
+    lazy_imports = ("megatron.core", "megatron.core.models.gpt.gpt_model", "megatron.core.optimizer",
+                    "transformers.modeling_utils")  # what building the GPT model and its optimizer imports
 
     def __init__(self, config: Mapping[str, Any], rank: int = 0, world_size: int = 1) -> None:
         cpu_shim.install()
@@ -225,7 +226,7 @@ class MegatronPolicyWorker(TrainingWorkerBase):
 
         def forward_step(data_iterator: Iterator[MicroBatch], model: Any) -> tuple[torch.Tensor, Any]:
             mb = to_device(next(data_iterator), self.device)
-            with self._routing(mb, forward_only):
+            with self.recording_routes(None if forward_only else mb.token_mask):
                 out = model(mb.input_ids, mb.position_ids, None, packed_seq_params=mb.packed)
             return out, partial(loss_of, mb)
 
@@ -234,12 +235,6 @@ class MegatronPolicyWorker(TrainingWorkerBase):
         return get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iter(mbs), model=[self.ddp], num_microbatches=len(mbs),
             seq_length=seq, micro_batch_size=rows, forward_only=forward_only)
-
-    def _routing(self, mb: MicroBatch, forward_only: bool) -> Any:
-        """Count the routers' choices in a training forward (MoE models only)."""
-        if self.router_metrics is None or forward_only:
-            return nullcontext()
-        return self.router_metrics.stats.recording(mb.token_mask())
 
     def train(self, batch: TokenBatch, loss_fn: LossFunction) -> dict[str, float]:
         """One optimizer step on the global batch; metrics summed over micro-batches and ranks."""

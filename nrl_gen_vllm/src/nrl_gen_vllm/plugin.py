@@ -7,7 +7,7 @@ from nrl_core.hookspecs import hookimpl
 
 from nrl_gen_vllm.config import VLLM_CFG
 
-NRL_CONTRACT = 4  # the plugin contract this distribution is written for (docs/plugins.md)
+NRL_CONTRACT = 5  # the plugin contract this distribution is written for (docs/plugins.md)
 
 
 @hookimpl
@@ -21,6 +21,5 @@ def nrl_generation_backends() -> list[GenerationBackendSpec]:
         parallel_size_keys=("tensor_parallel_size",),
         config_check="nrl_gen_vllm.checks:check_config",
         capabilities=frozenset({"streaming"}),
-        preload=("vllm.entrypoints.llm",),  # vllm.LLM, imported when the engine starts
         description="vllm.LLM rollouts; refit through vLLM's layerwise reload",
     )]

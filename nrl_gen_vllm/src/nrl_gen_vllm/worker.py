@@ -104,6 +104,8 @@ class VllmGenerationWorker:
     rank of one engine must get the same prompts.
     """
 
+    lazy_imports = ("vllm.entrypoints.llm",)  # vllm.LLM, imported when the engine starts
+
     def __init__(self, config: Mapping[str, Any], rank: int = 0, world_size: int = 1) -> None:
         policy = config["policy"]
         generation = policy.get("generation") or {}

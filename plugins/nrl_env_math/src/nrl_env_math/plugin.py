@@ -10,7 +10,7 @@ from nrl_core import hookimpl
 from nrl_core.config.schema import Field, Section
 from nrl_core.contracts import EnvironmentSpec
 
-NRL_CONTRACT = 4  # the plugin contract this distribution is written for (docs/plugins.md)
+NRL_CONTRACT = 5  # the plugin contract this distribution is written for (docs/plugins.md)
 
 NUMBER = (int, float)
 

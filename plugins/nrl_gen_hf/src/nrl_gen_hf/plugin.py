@@ -7,7 +7,7 @@ from nrl_core.hookspecs import hookimpl
 
 from nrl_gen_hf.config import HF_CFG
 
-NRL_CONTRACT = 4  # the plugin contract this distribution is written for (docs/plugins.md)
+NRL_CONTRACT = 5  # the plugin contract this distribution is written for (docs/plugins.md)
 
 
 @hookimpl
@@ -19,6 +19,5 @@ def nrl_generation_backends() -> list[GenerationBackendSpec]:
         config_schema=HF_CFG,
         distribution="nrl-gen-hf",
         config_check="nrl_gen_hf.checks:check_config",
-        preload=("transformers.modeling_utils", "transformers.generation.utils"),
         description="transformers generate rollouts (no vLLM needed); refit by copying into the model",
     )]

@@ -65,6 +65,8 @@ class HFGenerationWorker:
     ``policy.generation``, engine options from ``policy.generation.hf_cfg``.
     """
 
+    lazy_imports = ("transformers.modeling_utils", "transformers.generation.utils")
+
     def __init__(self, config: Mapping[str, Any], rank: int = 0, world_size: int = 1) -> None:
         self.rank = rank
         self.world_size = world_size

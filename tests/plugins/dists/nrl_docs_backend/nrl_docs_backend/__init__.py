@@ -12,7 +12,7 @@ from nrl_core.contracts import TrainingBackendSpec
 
 WORKER_PATH = "nrl_docs_backend.worker:DocsWorker"
 
-NRL_CONTRACT = 4  # the plugin contract this module is written for (docs/plugins.md#8-contract-versions)
+NRL_CONTRACT = 5  # the plugin contract this module is written for (docs/plugins.md#8-contract-versions)
 
 SCHEMA = Section(doc="The docs backend: one process, plain PyTorch, any HF causal LM.", fields={
     "enabled": Field(type=bool, default=False),

@@ -12,7 +12,7 @@ from nrl_core.contracts import AlgorithmSpec, TrainingBackendSpec
 
 WORKER_PATH = "nrl_example_plugin.worker:ExampleWorker"
 
-NRL_CONTRACT = 4  # the plugin contract this module is written for (docs/plugins.md#8-contract-versions)
+NRL_CONTRACT = 5  # the plugin contract this module is written for (docs/plugins.md#8-contract-versions)
 
 
 @hookimpl
