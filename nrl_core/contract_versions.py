@@ -63,7 +63,7 @@ CONTRACT_HISTORY: tuple[ContractVersion, ...] = (
         "every rank",),
         changed=("the nrl_checkpoint_save/nrl_checkpoint_load hooks are deprecated: the core reaches them only "
                  "through the adapter of a contract 1-3 worker",)),
-    ContractVersion(5, "HEAD", added=(
+    ContractVersion(5, "f8774ee", added=(
         "worker classes may name modules they import lazily in lazy_imports; the core imports them early",
         "each TrainingWorker/GenerationWorker method declares how the core calls it (nrl_core.dispatch): "
         "fan-out and gather, read by WorkerGroup.call"),
