@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
     from nrl_core.config.schema import Section
 
-CONTRACT_VERSION: int = 5
+CONTRACT_VERSION: int = 6
 """The version of the plugin contract this module defines, apart from nrl-core's package version.
 A plugin states the version it was written for as ``NRL_CONTRACT = N`` in its entry-point module;
 :mod:`nrl_core.contract_versions` lists every version the core still serves and what each changed."""
@@ -219,6 +219,7 @@ class EnvironmentSpec:
     distribution: str
     description: str = ""
     reward_components: tuple[str, ...] = ()
+    multi_turn: bool = False  # its environment offers ``step`` (contract 6): episodes of many turns
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -554,6 +555,48 @@ class EnvResult:
                          components={k: v[start:stop] for k, v in self.components.items()})
 
 
+@dataclass(kw_only=True)
+class Episode:
+    """One multi-turn episode as an environment sees it at its turn (contract 6).
+
+    ``prompt`` is the prompt's text as the model saw it (chat template applied), ``messages`` what
+    followed: the model's turns (``{"role": "assistant", "content": ...}``, decoded from the tokens
+    it sampled) and the environment's observations, oldest first; ``metadata`` the episode's state
+    (the dataset's, then whatever the environment last returned); ``turn`` the model turns so far."""
+
+    prompt: str
+    messages: list[dict[str, Any]]
+    metadata: dict[str, Any]
+    turn: int
+
+    @property
+    def last_response(self) -> str:
+        """The text of the model's latest turn."""
+        return next((m["content"] for m in reversed(self.messages) if m["role"] == "assistant"), "")
+
+
+@dataclass(kw_only=True)
+class EnvStep:
+    """An environment's answer to one episode's turn (contract 6).
+
+    ``observation`` continues the conversation: text is appended as its tokens (no chat template,
+    NeMo RL's way), a list of messages (``{"role": "tool", "content": ...}``) is rendered with the
+    tokenizer's chat template, generation prompt included. Its tokens are in the context of later
+    turns and never in the loss. ``reward`` is this turn's (an episode's reward is the sum over its
+    turns), ``components`` this turn's named rewards. ``done`` ends the episode (no observation is
+    then appended); ``metadata`` replaces the episode's state (None keeps it); ``stop_strings``
+    end the model's next turn (None: the run's ``policy.generation.stop_strings``); ``metrics``
+    are averaged over the steps that report them and logged as ``env/<name>``."""
+
+    observation: str | list[dict[str, Any]] = ""
+    reward: float = 0.0
+    done: bool = False
+    metadata: dict[str, Any] | None = None
+    stop_strings: list[str] | None = None
+    components: dict[str, float] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
 # --------------------------------------------------------------------------- protocols
 
 
@@ -720,6 +763,18 @@ class GenerationWorker(Protocol):
 @runtime_checkable
 class Environment(Protocol):
     def score(self, samples: list[EnvSample]) -> EnvResult: ...
+
+    def shutdown(self) -> None: ...
+
+
+@runtime_checkable
+class MultiTurnEnvironment(Protocol):
+    """An environment that talks back (contract 6; its spec says ``multi_turn=True``): the core
+    calls ``step`` once per turn with every episode still running, and the episodes continue
+    with the observations it returns until each is done, cut at ``policy.max_total_sequence_length``
+    or out of ``grpo.max_rollout_turns``."""
+
+    def step(self, episodes: list[Episode]) -> list[EnvStep]: ...
 
     def shutdown(self) -> None: ...
 

@@ -24,6 +24,7 @@ import queue
 import threading
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
+from nrl_core.algorithms.handoff import DeviceHandOff
 from nrl_core.algorithms.policy import Policy
 from nrl_core.cluster import WorkerGroup, make_placement
 from nrl_core.cluster._host import WorkerHost
@@ -59,12 +60,11 @@ class Generation:
         self.colocated = topology.colocated
         self.engine_size = topology.engine_size
         self.num_engines = topology.num_engines
-        self.offload_weights = bool(generation["colocated"]["offload_weights"])
         self.refit_options = refit_options(config)
-        self._policy_state = "training"  # colocated: "training" -> "refit" -> "generating" -> "training"
+        self.hand_off = DeviceHandOff(policy, offload_weights=bool(generation["colocated"]["offload_weights"]))
         dropped = False
         if self.colocated:
-            self.hosts = policy.group
+            self.hosts = policy.colocated_hosts()
             self.placement = None
             self._index_ranks()
             dropped = self._build_colocated(spec, config)
@@ -93,13 +93,11 @@ class Generation:
         as it will be whenever the engine runs: vLLM sizes itself from the device's memory at
         start-up and refuses to start when less is free than ``gpu_memory_utilization`` asks. The
         engines then sleep and the training state comes back. True when they dropped their weights."""
-        self.policy.offload_before_refit()
-        if self.offload_weights:
-            self.policy.offload_after_refit()
+        self.hand_off.before_generation()
         # vLLM builds its process groups collectively: every training rank builds its engine at once
         self.hosts.call(WorkerHost.nrl_colocate_generation, spec.worker, dict(config))
         dropped = any(self._engines(GenerationWorker.finish_generation))
-        self.policy.prepare_for_training()
+        self.hand_off.before_training()
         return dropped
 
     # ------------------------------------------------------------------ generating
@@ -152,9 +150,8 @@ class Generation:
         """Before generating: refit if the policy changed since the engines last loaded weights.
         Colocated, the training state makes room first (optimizer state and gradients before the
         refit, the weights after it) and the engines wake (weights for the refit, then the KV cache)."""
-        if self.colocated and self._policy_state == "training":
-            self.policy.offload_before_refit()
-            self._policy_state = "refit"
+        if self.colocated:
+            self.hand_off.before_refit()
         report = None
         if self.stale:
             if self.colocated:
@@ -162,9 +159,7 @@ class Generation:
             report = self.update_weights()
             self.stale = False
         if self.colocated:
-            if self.offload_weights and self._policy_state == "refit":
-                self.policy.offload_after_refit()
-                self._policy_state = "generating"
+            self.hand_off.before_generation()
             self._engines(GenerationWorker.prepare_for_generation, None)
         return report
 
@@ -175,8 +170,7 @@ class Generation:
             return
         if any(self._engines(GenerationWorker.finish_generation)):
             self.stale = True
-        self.policy.prepare_for_training()
-        self._policy_state = "training"
+        self.hand_off.before_training()
 
     def load_policy_weights(self) -> RefitReport | None:
         """Refit every engine with the policy's weights now (a resumed run's), through the same
@@ -219,12 +213,11 @@ class Generation:
         else:
             drains = None
             if self.policy.world_size > 1:
-                drains = self.policy.group.call_async(WorkerHost.nrl_refit_drain, opts["bucket_bytes"], opts["dtype"],
-                                                      on=list(range(1, self.policy.world_size)))
+                drains = self.policy.drain_export(opts["bucket_bytes"], opts["dtype"])
             report = refit(self.policy.rank0, [self.hosts.endpoint(r) for r in self.ranks], transport=opts["transport"],
                            bucket_bytes=opts["bucket_bytes"], dtype=opts["dtype"], timeout_s=self.policy.timeout_s)
             if drains is not None:
-                self.policy.group.get(drains)
+                drains()
         logger.info("refit: %.1f MB in %.2fs over %s (weights v%d)", report.bytes / 1e6, report.seconds,
                     report.transport, report.version)
         return report
@@ -248,7 +241,7 @@ class Generation:
     def shutdown(self) -> None:
         if self.colocated:
             return  # the engines live in the policy's actors, which the policy stops
-        self.policy.group.call(WorkerHost.nrl_refit_release)  # the training side's shared buffers
+        self.policy.release_refit_buffers()
         self.hosts.shutdown()
         if self.placement is not None:
             self.placement.remove()

@@ -1,61 +1,34 @@
 """Group Relative Policy Optimization, with NeMo RL's configuration semantics.
 
-One step: refit the engines if stale, generate ``num_generations_per_prompt`` responses per
-prompt, score them, compute group-relative advantages, compute the policy's and the reference's
-logprobs of what was sampled, train with the clipped policy-gradient loss; the loop in
-:class:`~nrl_core.algorithms.base.AlgorithmRun` then logs, validates and checkpoints.
+One step: the rollout source hands over the step's scored groups (sampled now, or by a collector
+running ahead: :mod:`nrl_core.algorithms.rollout_sources`), then group-relative advantages, the
+policy's and the reference's logprobs of what was sampled, and the clipped policy-gradient loss;
+the loop in :class:`~nrl_core.algorithms.base.AlgorithmRun` then logs, validates and checkpoints.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import torch
 
 from nrl_core.algorithms.advantages import clip_advantages, prompt_group_ids
+from nrl_core.algorithms.async_rollouts import AsyncRollouts
 from nrl_core.algorithms.base import AlgorithmRun
 from nrl_core.algorithms.generation import Generation
-from nrl_core.algorithms.loss import GRPO_SEMANTICS_VERSION
-from nrl_core.algorithms.rollouts import repeat_prompts, rollout_batch
-from nrl_core.algorithms.setup import PhaseTimer, build_environment, load_tokenizer
 from nrl_core.algorithms.grpo_config import check_grpo, on_policy_ratio
-from nrl_core.algorithms.rewards import has_spread, scale_rewards, shape_rewards
-from nrl_core.contracts import AdvantageInputs, EnvResult, EnvSample, GenerationOutput, TokenBatch, import_object
-from nrl_core.errors import NrlError
+from nrl_core.algorithms.loss import GRPO_SEMANTICS_VERSION
+from nrl_core.algorithms.multi_turn import MultiTurnSampler
+from nrl_core.algorithms.rollout_sources import RolloutBatch, RolloutSource, Sampler, SingleTurnSampler, SyncRollouts
+from nrl_core.algorithms.rollouts import repeat_prompts, rollout_batch
+from nrl_core.algorithms.scoring import RolloutGroup, Scorer, merge_groups, merged_loss_masks, reward_components
+from nrl_core.algorithms.setup import PhaseTimer, build_environment, load_tokenizer
+from nrl_core.contracts import AdvantageInputs, GenerationOutput, TokenBatch, import_object
 from nrl_core.data import DatumSpec, LengthLimits, prepare_data
 from nrl_core.plugins import get_plugin_manager
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class RolloutGroup:
-    """One prompt's ``num_generations_per_prompt`` sampled responses and their rewards; its
-    ``output.weight_version`` is the version of the weights that sampled it."""
-
-    prompt: DatumSpec
-    output: GenerationOutput
-    rewards: list[float]
-    components: dict[str, list[float]] = field(default_factory=dict)
-    task_rewards: list[float] | None = None  # before reward shaping: what dynamic sampling filters on
-
-
-def reward_components(groups: Sequence[RolloutGroup]) -> dict[str, torch.Tensor]:
-    """Each named reward over the groups' samples, in group order; 0 where a group lacks it (a
-    batch mixing environments), as NeMo RL fills them."""
-    names = sorted({name for g in groups for name in g.components})
-    return {name: torch.tensor([r for g in groups for r in g.components.get(name, [0.0] * len(g.rewards))])
-            for name in names}
-
-
-def merge_groups(groups: Sequence[RolloutGroup]) -> GenerationOutput:
-    """The groups' samples as one output, in group order; the oldest weight version."""
-    return GenerationOutput(token_ids=[t for g in groups for t in g.output.token_ids],
-                            logprobs=[lp for g in groups for lp in g.output.logprobs],
-                            finish_reasons=[r for g in groups for r in g.output.finish_reasons],
-                            weight_version=min(g.output.weight_version for g in groups))
 
 
 class GRPO(AlgorithmRun):
@@ -84,45 +57,34 @@ class GRPO(AlgorithmRun):
                          with_generation=True)
         assert self.choice.generation is not None
         self.generation = Generation(config, self.choice.generation, self.policy)
+        self.scorer = Scorer(config, self.tokenizer, self.env)
+        self.sampler = self.make_sampler()
+        self.rollouts = self.make_rollout_source()
 
-    def step(self, prompts: Sequence[DatumSpec]) -> dict[str, float]:
-        timer = PhaseTimer()
-        groups, env_metrics = self.sample(prompts, timer)
-        if self.cfg["use_dynamic_sampling"]:
-            groups, env_metrics = self.dynamic_sampling(groups, env_metrics, timer)
-        return self.train_on(groups, env_metrics, timer)
+    def make_sampler(self) -> Sampler:
+        """Multi-turn episodes with an environment that talks back, else one response per sample."""
+        env_spec = get_plugin_manager().environments().get(self.config["data"]["env_name"], "data.env_name")
+        if env_spec.multi_turn:
+            return MultiTurnSampler(self.config, self.generation, self.scorer, self.tokenizer, self.env,
+                                    max_length=prompt_limits(self.config).prompt + 1)
+        return SingleTurnSampler(self.generation, self.scorer, self.group_size, int(self.cfg["val_batch_size"]))
 
-    def sample(self, prompts: Sequence[DatumSpec], timer: PhaseTimer) -> tuple[list[RolloutGroup], dict[str, float]]:
-        """``group_size`` responses to each prompt, scored."""
-        prompt_ids = repeat_prompts([d.prompt_ids for d in prompts], self.group_size)
-        with timer("refit"):
-            self.generation.prepare()  # refit if stale; colocated: the engines take the device
-        with timer("generation"):
-            rollouts = self.generation.generate(prompt_ids)
-        with timer("hand_off"):
-            self.generation.finish()  # colocated: the engines sleep, training takes the device back
-        with timer("reward"):
-            return self.score(prompts, rollouts)
+    def make_rollout_source(self) -> RolloutSource:
+        """Asynchronous with ``grpo.async_grpo.enabled``, else synchronous; either feeds the same loop."""
+        if self.cfg["async_grpo"]["enabled"]:
+            return AsyncRollouts(self.sampler, self.train_loader, self.generation, self.cfg, self.max_steps)
+        return SyncRollouts(self.sampler, self.train_loader, self.cfg)
 
-    def dynamic_sampling(self, groups: list[RolloutGroup], env_metrics: dict[str, float],
-                         timer: PhaseTimer) -> tuple[list[RolloutGroup], dict[str, float]]:
-        """DAPO's dynamic sampling: keep the groups whose rewards (before shaping) differ, the only
-        ones with a gradient, and sample further batches of prompts until ``num_prompts_per_step``
-        such groups are found, at most ``dynamic_sampling_max_gen_batches`` batches in all."""
-        need, limit = int(self.cfg["num_prompts_per_step"]), int(self.cfg["dynamic_sampling_max_gen_batches"])
-        kept = [g for g in groups if has_spread(g.task_rewards or g.rewards)]
-        batches, seen = 1, len(groups)
-        while len(kept) < need:
-            if batches >= limit:
-                raise NrlError(f"grpo.dynamic_sampling_max_gen_batches: {batches} generation batches gave only "
-                               f"{len(kept)} of the {need} prompts with differing rewards a step needs; raise the "
-                               "limit or grpo.batch_multiplier, or use easier data")
-            more, env_metrics = self.sample(self.train_loader.next_batch(), timer)
-            batches, seen = batches + 1, seen + len(more)
-            kept += [g for g in more if has_spread(g.task_rewards or g.rewards)]
-        return kept[:need], {**env_metrics, "dynamic_sampling/num_gen_batches": float(batches),
-                             "dynamic_sampling/kept_fraction": len(kept) / seen,
-                             "dynamic_sampling/num_discarded_valid_groups": float(len(kept) - need)}
+    def start(self) -> None:
+        self.rollouts.start(self.state.step + 1)
+
+    def step_data(self, step: int) -> RolloutBatch:
+        return self.rollouts.batch_for(step)
+
+    def step(self, batch: RolloutBatch) -> dict[str, float]:
+        metrics = self.train_on(batch.groups, batch.metrics, batch.timer)
+        metrics.update(self.rollouts.after_step(batch))
+        return metrics
 
     def train_on(self, groups: Sequence[RolloutGroup], env_metrics: Mapping[str, float],
                  timer: PhaseTimer) -> dict[str, float]:
@@ -132,7 +94,7 @@ class GRPO(AlgorithmRun):
         prompt_ids = repeat_prompts([g.prompt.prompt_ids for g in groups], self.group_size)
         rollouts = merge_groups(groups)
         rewards = torch.tensor([r for g in groups for r in g.rewards], dtype=torch.float32)
-        batch = self.training_batch(prompt_ids, rollouts)
+        batch = self.training_batch(prompt_ids, rollouts, merged_loss_masks(groups))
         with timer("logprobs"):
             if not self.on_policy_ratio or "prev_logprobs" in self.estimator_spec.needs:
                 batch.fields["prev_logprobs"] = self.policy.get_logprobs(batch)
@@ -148,30 +110,6 @@ class GRPO(AlgorithmRun):
                 "throughput/tokens_per_second": float(batch.input_lengths.sum()) / sum(timer.seconds.values())}
 
     # ------------------------------------------------------------------ pieces of a step
-
-    def score(self, prompts: Sequence[DatumSpec], rollouts: GenerationOutput) -> tuple[list[RolloutGroup],
-                                                                                        dict[str, float]]:
-        """Rewards of ``rollouts`` (``group_size`` consecutive samples per prompt) in one call to
-        the environment: the scored groups and the environment's metrics."""
-        texts = self.tokenizer.batch_decode(rollouts.token_ids, skip_special_tokens=True)
-        samples = [EnvSample(prompt=prompts[i // self.group_size].prompt_text, response=text,
-                             metadata=prompts[i // self.group_size].metadata) for i, text in enumerate(texts)]
-        result = self.env.score(samples)
-        n = self.group_size
-        groups = [self.scored_group(prompt, rollouts.slice(i * n, (i + 1) * n), result.slice(i * n, (i + 1) * n))
-                  for i, prompt in enumerate(prompts)]
-        return groups, {f"env/{k}": v for k, v in result.metrics.items()}
-
-    def scored_group(self, prompt: DatumSpec, output: GenerationOutput, result: EnvResult) -> RolloutGroup:
-        """One prompt's responses with the environment's rewards after ``grpo.reward_scaling`` and
-        ``grpo.reward_shaping`` (the named rewards are scaled too, as NeMo RL does)."""
-        scaling, shaping = self.cfg["reward_scaling"], self.cfg["reward_shaping"]
-        task = scale_rewards(result.rewards, scaling)
-        limit = shaping["max_response_length"] or self.config["policy"]["max_total_sequence_length"]
-        shaped = shape_rewards(task, [len(ids) for ids in output.token_ids],
-                               [reason == "length" for reason in output.finish_reasons], shaping, int(limit))
-        return RolloutGroup(prompt=prompt, output=output, rewards=shaped, task_rewards=task,
-                            components={k: scale_rewards(v, scaling) for k, v in result.components.items()})
 
     def log_rollouts(self, groups: Sequence[RolloutGroup]) -> None:
         """Every rollout of the step being trained to ``train_data_step<N>.jsonl`` (NeMo RL's file):
@@ -193,9 +131,11 @@ class GRPO(AlgorithmRun):
         advantages = clip_advantages(advantages, self.cfg["advantage_clip_low"], self.cfg["advantage_clip_high"])
         return advantages.to(torch.float32) * batch.fields["token_mask"]
 
-    def training_batch(self, prompt_ids: list[list[int]], rollouts: GenerationOutput) -> TokenBatch:
+    def training_batch(self, prompt_ids: list[list[int]], rollouts: GenerationOutput,
+                       loss_masks: list[list[float]] | None = None) -> TokenBatch:
         batch = rollout_batch(prompt_ids, rollouts, pad_token_id=self.tokenizer.pad_token_id,
-                              max_total_length=self.config["policy"]["max_total_sequence_length"])
+                              max_total_length=self.config["policy"]["max_total_sequence_length"],
+                              loss_masks=loss_masks)
         # Overlong filtering: a response cut at the length limit says nothing about its answer.
         truncated = batch.fields["truncated"]
         batch.fields["sample_mask"] = 1.0 - truncated if self.cfg["overlong_filtering"] else torch.ones_like(truncated)
@@ -210,27 +150,13 @@ class GRPO(AlgorithmRun):
         return {key: sum(r[key] for r in results) / len(results) for key in results[0]}
 
     def validate(self, step: int) -> dict[str, float]:
-        """Greedy answers to the validation prompts, scored by the environment; every answer is
+        """Greedy rollouts of the validation prompts, scored by the environment; every one is
         written to ``val_data_step<step>.jsonl`` in the log directory (NeMo RL's file)."""
         if not self.val_data:
             return {}
-        self.generation.prepare()
-        rewards: list[float] = []
-        samples: list[dict[str, Any]] = []
-        size = int(self.cfg["val_batch_size"])
-        for start in range(0, len(self.val_data), size):
-            chunk = self.val_data[start:start + size]
-            out = self.generation.generate([d.prompt_ids for d in chunk], greedy=True)
-            texts = self.tokenizer.batch_decode(out.token_ids, skip_special_tokens=True)
-            result = self.env.score([EnvSample(prompt=d.prompt_text, response=t, metadata=d.metadata)
-                                     for d, t in zip(chunk, texts)])
-            rewards.extend(result.rewards)
-            samples.extend({"prompt": d.prompt_text, "response": text, "reward": reward,
-                            "prompt_token_ids": list(d.prompt_ids), "response_token_ids": ids,
-                            "weight_version": out.weight_version}
-                           for d, text, reward, ids in zip(chunk, texts, result.rewards, out.token_ids))
-        self.generation.finish()
-        self.log.log_samples("val_data", step, samples)
+        with self.rollouts.engines():
+            rewards, records = self.sampler.validate(self.val_data)
+        self.log.log_samples("val_data", step, records)
         return {"val/reward": sum(rewards) / len(rewards), "val/accuracy": sum(r > 0 for r in rewards) / len(rewards)}
 
     @staticmethod
@@ -255,8 +181,14 @@ class GRPO(AlgorithmRun):
         self.generation.load_sampling_states(info.get("generation", []))
         self.generation.stale = bool(info.get("generation_stale", True))
 
+    def dataloader_state(self) -> dict[str, Any]:
+        return self.rollouts.dataloader_state(self.state.step + 1)
+
     def shutdown(self) -> None:
         try:
+            rollouts = getattr(self, "rollouts", None)
+            if rollouts is not None:
+                rollouts.stop()
             self.generation.shutdown()
             self.env.shutdown()
         finally:
@@ -304,9 +236,5 @@ def _warn_truncated_sampling(generation: Mapping[str, Any]) -> None:
 
 
 def main(config: Mapping[str, Any]) -> int:
-    """``nrl train grpo``: the synchronous loop, or the asynchronous one with ``grpo.async_grpo.enabled``."""
-    if config["grpo"]["async_grpo"]["enabled"]:
-        from nrl_core.algorithms.async_grpo import AsyncGRPO
-
-        return AsyncGRPO.main(config)
+    """``nrl train grpo``: synchronous, or asynchronous with ``grpo.async_grpo.enabled`` (the same loop)."""
     return GRPO.main(config)

@@ -18,7 +18,8 @@ GRPO_BATCH_FIELDS = ("prev_logprobs", "reference_logprobs")
 GRPO = Section(doc="GRPO algorithm settings (NeMo RL's names and meaning).", fields={
     "num_prompts_per_step": Field(type=int, default=32, minimum=1, doc="distinct prompts per step"),
     "num_generations_per_prompt": Field(type=int, default=16, minimum=1, doc="responses per prompt (the group)"),
-    "max_rollout_turns": Field(type=int, default=1, doc="turns per rollout; nrl runs single-turn", choices=(1,)),
+    "max_rollout_turns": Field(type=int, default=1, minimum=1,
+                               doc="model turns per episode with an environment that talks back (multi_turn)"),
     "max_num_epochs": Field(type=int, default=1, minimum=1),
     "max_num_steps": Field(type=int, default=1000000, minimum=1),
     "normalize_rewards": Field(type=bool, default=True, doc="divide advantages by the group's reward std"),
@@ -100,6 +101,7 @@ def check_grpo(config: Mapping[str, Any]) -> None:
                               "correction (NeMo RL requires it; async runs collapse without it)")
     _check_loss_and_estimator(config)
     _check_reward_processing(config)
+    _check_turns(config)
     rollouts = grpo["num_prompts_per_step"] * group
     if rollouts % policy["train_global_batch_size"]:
         raise ConfigError("policy.train_global_batch_size",
@@ -159,6 +161,16 @@ def _check_loss_and_estimator(config: Mapping[str, Any]) -> None:
         raise ConfigError("loss_fn.use_kl_in_reward", f"the KL penalty would go nowhere: estimator '{estimator.name}' "
                                                       "does not take it into the reward; use reinforce_plus_plus or "
                                                       "set use_kl_in_reward: false")
+
+
+def _check_turns(config: Mapping[str, Any]) -> None:
+    """Several turns need an environment that answers each one."""
+    turns = int(config["grpo"].get("max_rollout_turns", 1))
+    name = config.get("data", {}).get("env_name", "math")
+    if turns > 1 and not get_plugin_manager().environments().get(name, "data.env_name").multi_turn:
+        raise ConfigError("grpo.max_rollout_turns", f"{turns} turns need an environment that answers each turn; "
+                                                    f"data.env_name '{name}' scores single responses (set 1, or "
+                                                    "use a multi-turn environment such as sliding_puzzle_game)")
 
 
 def _check_reward_processing(config: Mapping[str, Any]) -> None:

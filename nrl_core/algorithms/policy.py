@@ -10,12 +10,14 @@ the backend, from rank 0.
 from __future__ import annotations
 
 import logging
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
 from nrl_core.algorithms.policy_launch import launch_policy, take_early_policy
 from nrl_core.cluster.placement import Placement
+from nrl_core.cluster import WorkerGroup
+from nrl_core.cluster._host import WorkerHost
 from nrl_core.cluster.worker_group import GroupRank
 from nrl_core.config.topology import cluster_topology
 from nrl_core.contract_versions import check_result
@@ -101,10 +103,29 @@ class Policy:
     def export_hf(self, path: str) -> None:
         self.group.call(TrainingWorker.export_hf, path)
 
+    # ------------------------------------------------------------------ refit (the training side)
+
     @property
     def rank0(self) -> GroupRank:
         """Rank 0: the refit source for engines in other actors."""
         return self.group.endpoint(0)
+
+    def colocated_hosts(self) -> WorkerGroup:
+        """The training actors, for engines built inside them (colocated generation)."""
+        return self.group
+
+    def drain_export(self, bucket_bytes: int, dtype: str | None) -> Callable[[], None] | None:
+        """Start the weight export on every rank but 0, which exports for the engines: gathering
+        full tensors is collective for a sharded backend. Returns what waits for it (None: one rank)."""
+        if self.world_size == 1:
+            return None
+        futures = self.group.call_async(WorkerHost.nrl_refit_drain, bucket_bytes, dtype,
+                                        on=list(range(1, self.world_size)))
+        return lambda: self.group.get(futures)
+
+    def release_refit_buffers(self) -> None:
+        """Free the shared-memory buffers rank 0 keeps for refits into engines in other actors."""
+        self.group.call(WorkerHost.nrl_refit_release)
 
     def shutdown(self) -> None:
         self.group.shutdown()

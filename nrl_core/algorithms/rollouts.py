@@ -15,20 +15,24 @@ def repeat_prompts(prompts: Sequence[Sequence[int]], times: int) -> list[list[in
 
 
 def rollout_batch(prompts: Sequence[Sequence[int]], generation: GenerationOutput, *, pad_token_id: int,
-                  max_total_length: int | None = None) -> TokenBatch:
+                  max_total_length: int | None = None,
+                  loss_masks: Sequence[Sequence[float]] | None = None) -> TokenBatch:
     """Concatenate each prompt with its response into one right-padded row.
 
-    Fields: ``token_mask`` (1 on response tokens, the ones a loss counts), ``generation_logprobs``
+    Fields: ``token_mask`` (1 on the response tokens a loss counts: every one, or where
+    ``loss_masks`` says so; a multi-turn episode's environment tokens are 0), ``generation_logprobs``
     (the engine's logprob of each response token, aligned with ``input_ids``), and per sequence
     ``truncated`` (1 when the response hit the length limit: the overlong filter's input) and
     ``response_lengths``. Sequences longer than ``max_total_length`` are cut from the end.
     """
     rows = []
-    for prompt, response, logprobs in zip(prompts, generation.token_ids, generation.logprobs):
-        if len(response) != len(logprobs):
-            raise ValueError(f"generation returned {len(response)} tokens but {len(logprobs)} logprobs")
+    masks = loss_masks if loss_masks is not None else [[1.0] * len(r) for r in generation.token_ids]
+    for prompt, response, logprobs, loss_mask in zip(prompts, generation.token_ids, generation.logprobs, masks):
+        if not len(response) == len(logprobs) == len(loss_mask):
+            raise ValueError(f"a rollout has {len(response)} tokens, {len(logprobs)} logprobs and a loss mask of "
+                             f"{len(loss_mask)}")
         tokens = list(prompt) + list(response)
-        mask = [0.0] * len(prompt) + [1.0] * len(response)
+        mask = [0.0] * len(prompt) + [float(m) for m in loss_mask]
         lps = [0.0] * len(prompt) + list(logprobs)
         if max_total_length is not None:
             tokens, mask, lps = tokens[:max_total_length], mask[:max_total_length], lps[:max_total_length]

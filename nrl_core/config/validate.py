@@ -138,6 +138,7 @@ def validate_config(raw: Mapping[str, Any], pm: PluginManager | None = None, *,
     training, generation = _selected_backends(config, pm)
     algorithms = [algorithm] if algorithm is not None else [name for key, name in sections.items() if key in raw]
     _resolve_seed(config, algorithms)
+    _resolve_episode_environment(raw, config, pm)
     check_config(config, pm, algorithms=algorithms, training=training, generation=generation,
                  backends=backend_checks)
     return config
@@ -196,6 +197,23 @@ def _check_environments(raw: Mapping[str, Any], pm: PluginManager) -> None:
     for name in envs:
         if name not in registry:
             raise ConfigError(f"env.{name}", registry.missing_message(str(name)))
+
+
+def _resolve_episode_environment(raw: Mapping[str, Any], config: dict[str, Any], pm: PluginManager) -> None:
+    """With several turns (``grpo.max_rollout_turns``) and a ``data.env_name`` that scores single
+    responses, the environment is the one multi-turn environment the config's ``env`` section
+    names: NeMo RL's sliding-puzzle recipe names its game only there."""
+    turns = int((config.get("grpo") or {}).get("max_rollout_turns") or 1)
+    data = config.get("data")
+    envs = raw.get("env")
+    if turns == 1 or not isinstance(data, dict) or not isinstance(envs, Mapping):
+        return
+    registry = pm.environments()
+    if data.get("env_name") in registry and registry.get(data["env_name"], "data.env_name").multi_turn:
+        return
+    named = [name for name in envs if name in registry and registry.get(name, "env").multi_turn]
+    if len(named) == 1:
+        data["env_name"] = named[0]
 
 
 def _check_uninstalled_sections(config: dict[str, Any], pm: PluginManager) -> None:

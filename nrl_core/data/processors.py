@@ -43,6 +43,7 @@ class DatumSpec:
     metadata: dict[str, Any] = field(default_factory=dict)
     response_text: str = ""
     response_ids: list[int] = field(default_factory=list)
+    response_mask: list[int] | None = None  # per response token; None: all 1 (0: e.g. a tool's result)
 
     @property
     def input_ids(self) -> list[int]:
@@ -50,8 +51,13 @@ class DatumSpec:
 
     @property
     def token_mask(self) -> list[int]:
-        """1 on response tokens (the ones an SFT loss counts), 0 on prompt tokens."""
-        return [0] * len(self.prompt_ids) + [1] * len(self.response_ids)
+        """1 on response tokens the SFT loss counts (all of them, or where ``response_mask``
+        says), 0 on prompt tokens."""
+        mask = self.response_mask if self.response_mask is not None else [1] * len(self.response_ids)
+        if len(mask) != len(self.response_ids):
+            raise ValueError(f"datum {self.idx}: response_mask has {len(mask)} entries for "
+                             f"{len(self.response_ids)} response tokens")
+        return [0] * len(self.prompt_ids) + list(mask)
 
     @property
     def length(self) -> int:
@@ -220,7 +226,10 @@ def process_records(records: Sequence[Mapping[str, Any]], tokenizer: Any, cfg: P
             dropped.setdefault(reason, []).append(f"{location} ({len(datum.prompt_ids)} prompt tokens)")
             continue
         if limits.total is not None and datum.length > limits.total:
-            datum.response_ids = datum.response_ids[: limits.total - len(datum.prompt_ids)]
+            keep = limits.total - len(datum.prompt_ids)
+            datum.response_ids = datum.response_ids[:keep]
+            if datum.response_mask is not None:
+                datum.response_mask = datum.response_mask[:keep]
         out.append(datum)
     for reason, places in dropped.items():
         more = f" and {len(places) - _SHOWN} more" if len(places) > _SHOWN else ""

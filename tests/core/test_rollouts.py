@@ -28,6 +28,39 @@ def test_rollout_batch_layout():
     assert batch.fields["response_lengths"].tolist() == [2.0, 1.0]
 
 
+def test_a_multi_turn_loss_mask_keeps_environment_tokens_out_of_the_loss():
+    """Response tokens 8 and 9 came from the environment: in the context, never in the loss."""
+    out = GenerationOutput(token_ids=[[7, 8, 9, 6], [5]], logprobs=[[-0.5, 0.0, 0.0, -0.25], [-1.0]],
+                           finish_reasons=["stop", "stop"], weight_version=1)
+    batch = rollout_batch([[1, 2], [3]], out, pad_token_id=0, loss_masks=[[1, 0, 0, 1], [1]])
+    assert batch.input_ids.tolist() == [[1, 2, 7, 8, 9, 6], [3, 5, 0, 0, 0, 0]]
+    assert batch.fields["token_mask"].tolist() == [[0, 0, 1, 0, 0, 1], [0, 1, 0, 0, 0, 0]]
+    assert batch.fields["response_lengths"].tolist() == [2.0, 1.0]
+    assert batch.loss_counts() == (3.0, 2.0)
+    with pytest.raises(ValueError, match="a rollout has 4 tokens, 4 logprobs and a loss mask of 3"):
+        rollout_batch([[1, 2], [3]], out, pad_token_id=0, loss_masks=[[1, 0, 0], [1]])
+
+
+def test_the_colocated_hand_off_moves_each_thing_once_in_order():
+    from nrl_core.algorithms.handoff import DeviceHandOff, Holder
+
+    class Calls(list):
+        def __getattr__(self, name):
+            return lambda: self.append(name)
+
+    for offload_weights, expected in [(True, ["offload_before_refit", "offload_after_refit", "prepare_for_training"]),
+                                      (False, ["offload_before_refit", "prepare_for_training"])]:
+        calls = Calls()
+        hand_off = DeviceHandOff(calls, offload_weights=offload_weights)
+        hand_off.before_refit()
+        hand_off.before_refit()  # asked twice (a refit, then validation's prepare): moved once
+        hand_off.before_generation()
+        hand_off.before_generation()
+        assert hand_off.holder is (Holder.GENERATION if offload_weights else Holder.REFIT)
+        hand_off.before_training()
+        assert calls == expected and hand_off.holder is Holder.TRAINING
+
+
 def test_rollout_batch_pads_and_truncates():
     out = GenerationOutput(token_ids=[[7, 8, 9], [6]], logprobs=[[-1.0] * 3, [-2.0]],
                            finish_reasons=["length", "stop"], weight_version=0)

@@ -50,6 +50,8 @@ EXPECTED: dict[str, str | None] = {
     # GDPO (multi-reward estimator and environment), DAPO (dynamic sampling, reward scaling and
     # shaping, env.dapo, the DAPO verifier) and CISPO pass or stop at a feature nrl lacks elsewhere.
     "gdpo_math_1B.yaml": None,
+    # Multi-turn: the sliding puzzle (nrl-env-sliding-puzzle), 50 turns.
+    "grpo_sliding_puzzle.yaml": None,
     "grpo_math_qwen30ba3b_megatron.yaml": None,
     "recipes/llm/dapo-qwen2.5-7b.v2.yaml":
         "error: policy.dtensor_config.context_parallel_size: context parallelism is not supported by the dtensor backend",

@@ -1,4 +1,4 @@
-"""Async GRPO: generation runs ahead of training, with bounded staleness (``grpo.async_grpo``).
+"""Async GRPO's rollouts: generation runs ahead of training, with bounded staleness (``grpo.async_grpo``).
 
 NeMo RL's semantics. A trajectory collector, in a thread of the driver, keeps the engines busy: it
 draws the prompts of step ``t`` from the dataloader, streams them to the engines, scores each
@@ -27,18 +27,16 @@ therefore not bit-identical to an uninterrupted async run.
 from __future__ import annotations
 
 import contextlib
-import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Mapping
 
-from nrl_core.algorithms.grpo import GRPO, RolloutGroup
+from nrl_core.algorithms.rollout_sources import RolloutBatch, Sampler, env_metrics
+from nrl_core.algorithms.scoring import RolloutGroup
 from nrl_core.algorithms.setup import PhaseTimer
-from nrl_core.contracts import EnvResult, EnvSample
+from nrl_core.contracts import EnvResult
 from nrl_core.errors import NrlError
-
-logger = logging.getLogger(__name__)
 
 POLL_S = 0.5
 
@@ -71,7 +69,7 @@ class ReplayBuffer:
             self._by_step.setdefault(trajectory.step, []).append(trajectory)
             self._changed.notify_all()
 
-    def take(self, step: int, count: int, failure: "Any") -> list[Trajectory]:
+    def take(self, step: int, count: int, failure: Callable[[], BaseException | None]) -> list[Trajectory]:
         """Wait until ``count`` groups for ``step`` are in and take them; ``failure()`` returning an
         exception ends the wait with it (the collector died)."""
         with self._changed:
@@ -91,9 +89,13 @@ class TrajectoryCollector:
     """The thread that keeps generating (see the module docstring). ``version`` is the weight
     version the engines hold; the trainer moves it with :meth:`refit`."""
 
-    def __init__(self, run: "AsyncGRPO", first_step: int, version: int) -> None:
-        self.run = run
-        self.max_age = int(run.cfg["async_grpo"]["max_trajectory_age_steps"])
+    def __init__(self, sampler: Sampler, loader: Any, generation: Any, *, first_step: int, last_step: int,
+                 version: int, max_age: int) -> None:
+        self.sampler = sampler
+        self.loader = loader
+        self.generation = generation
+        self.last_step = last_step
+        self.max_age = max_age
         self.buffer = ReplayBuffer()
         self.version = version
         self.next_step = first_step
@@ -121,14 +123,15 @@ class TrajectoryCollector:
 
     def _collect(self) -> None:
         try:
-            while not self._stop.is_set() and self.next_step <= self.run.max_steps:
+            while not self._stop.is_set() and self.next_step <= self.last_step:
                 step = self.next_step
                 if not self._wait_for_weights(step):
                     return
-                self.loader_states[step] = self.run.train_loader.state_dict()
-                prompts = self.run.train_loader.next_batch()
+                self.loader_states[step] = self.loader.state_dict()
+                prompts = self.loader.next_batch()
                 with self._engines:
-                    self._generate(step, prompts)
+                    for index, group, result in self.sampler.stream(prompts):
+                        self.buffer.put(Trajectory(group=group, step=step, position=index, env_result=result))
                 self.next_step += 1
         except BaseException as exc:  # handed to the trainer, which raises it
             self.error = exc
@@ -142,16 +145,6 @@ class TrajectoryCollector:
         self.idle_seconds += time.monotonic() - start
         return not self._stop.is_set()
 
-    def _generate(self, step: int, prompts: Sequence[Any]) -> None:
-        run = self.run
-        for index, output in run.generation.generate_groups([d.prompt_ids for d in prompts], run.group_size):
-            prompt = prompts[index]
-            texts = run.tokenizer.batch_decode(output.token_ids, skip_special_tokens=True)
-            result = run.env.score([EnvSample(prompt=prompt.prompt_text, response=text, metadata=prompt.metadata)
-                                    for text in texts])
-            group = run.scored_group(prompt, output, result)
-            self.buffer.put(Trajectory(group=group, step=step, position=index, env_result=result))
-
     # ------------------------------------------------------------------ called by the trainer
 
     @contextlib.contextmanager
@@ -163,63 +156,75 @@ class TrajectoryCollector:
     def refit(self) -> None:
         """Load the trainer's new weights once the step streaming now is done."""
         with self._engines:
-            report = self.run.generation.prepare()
+            report = self.generation.prepare()
         if report is not None:
             with self._versions:
                 self.version = report.version
                 self._versions.notify_all()
 
 
-class AsyncGRPO(GRPO):
-    """GRPO whose rollouts come from :class:`TrajectoryCollector` (``grpo.async_grpo.enabled``)."""
+class AsyncRollouts:
+    """Each step's rollouts from a :class:`TrajectoryCollector` (``grpo.async_grpo.enabled``)."""
 
-    def start(self) -> None:
+    def __init__(self, sampler: Sampler, loader: Any, generation: Any, grpo: Mapping[str, Any], last_step: int) -> None:
+        self.sampler = sampler
+        self.loader = loader
+        self.generation = generation
+        self.prompts_per_step = int(grpo["num_prompts_per_step"])
+        self.max_age = int(grpo["async_grpo"]["max_trajectory_age_steps"])
+        self.last_step = last_step
+        self.collector: TrajectoryCollector | None = None
+
+    def start(self, first_step: int) -> None:
         """Start collecting once the run's state is restored (the engines' weight version and the
         dataloader position are the resumed ones)."""
         version = min(self.generation.weight_versions())
         if version < 0:  # engines built with placeholder weights load the policy's first
             version = self.generation.prepare().version
-        self.collector = TrajectoryCollector(self, first_step=self.state.step + 1, version=version)
+        self.collector = TrajectoryCollector(self.sampler, self.loader, self.generation, first_step=first_step,
+                                             last_step=self.last_step, version=version, max_age=self.max_age)
         self.collector.start()
 
-    def step_data(self, step: int) -> tuple[int, list[Trajectory], float]:
+    def batch_for(self, step: int) -> RolloutBatch:
+        collector = self._running()
         start = time.monotonic()
-        taken = self.collector.buffer.take(step, int(self.cfg["num_prompts_per_step"]), self.collector.failure)
-        return step, taken, time.monotonic() - start
-
-    def step(self, data: tuple[int, list[Trajectory], float]) -> dict[str, float]:
-        step, trajectories, waited = data
-        trainer_version = step - 1
-        ages = [trainer_version - t.weight_version for t in trajectories]
-        if max(ages) > self.collector.max_age:
+        trajectories = collector.buffer.take(step, self.prompts_per_step, collector.failure)
+        waited = time.monotonic() - start
+        ages = [(step - 1) - t.weight_version for t in trajectories]
+        if max(ages) > self.max_age:
             raise NrlError(f"step {step}: a rollout of weight version {min(t.weight_version for t in trajectories)} "
                            f"is {max(ages)} steps old, over grpo.async_grpo.max_trajectory_age_steps="
-                           f"{self.collector.max_age} (a bug in the collector)")
-        # the order the prompts were drawn in, whatever order the groups finished in
-        trajectories.sort(key=lambda t: t.position)
+                           f"{self.max_age} (a bug in the collector)")
+        trajectories.sort(key=lambda t: t.position)  # the order the prompts were drawn in
         timer = PhaseTimer()
         timer.seconds["waiting"] = waited
-        env = EnvResult.combine([t.env_result for t in trajectories])
-        metrics = self.train_on([t.group for t in trajectories], {f"env/{k}": v for k, v in env.metrics.items()}, timer)
-        with timer("refit"):
-            self.collector.refit()
-        idle, self.collector.idle_seconds = self.collector.idle_seconds, 0.0
-        metrics.update({"async/trajectory_age_mean": sum(ages) / len(ages), "async/trajectory_age_max": float(max(ages)),
-                        "async/buffer_size": float(len(self.collector.buffer)),
-                        "async/generation_idle_seconds": idle, "async/trainer_idle_seconds": waited,
-                        **timer.metrics()})
-        return metrics
+        metrics = {**env_metrics(EnvResult.combine([t.env_result for t in trajectories])),
+                   "async/trajectory_age_mean": sum(ages) / len(ages), "async/trajectory_age_max": float(max(ages)),
+                   "async/trainer_idle_seconds": waited}
+        return RolloutBatch(step=step, groups=[t.group for t in trajectories], metrics=metrics, timer=timer)
 
-    def validate(self, step: int) -> dict[str, float]:
-        with self.collector.engines():
-            return super().validate(step)
+    def after_step(self, batch: RolloutBatch) -> dict[str, float]:
+        """Refit the engines with the trained weights (between two of the collector's steps)."""
+        collector = self._running()
+        with batch.timer("refit"):
+            collector.refit()
+        idle, collector.idle_seconds = collector.idle_seconds, 0.0
+        return {"async/buffer_size": float(len(collector.buffer)), "async/generation_idle_seconds": idle,
+                **batch.timer.metrics()}
 
-    def dataloader_state(self) -> dict[str, Any]:
+    def engines(self) -> contextlib.AbstractContextManager[None]:
+        return self._running().engines()
+
+    def dataloader_state(self, next_step: int) -> dict[str, Any]:
         """The position of the next step's prompts: what the collector drew beyond it is regenerated."""
-        return self.collector.loader_states.get(self.state.step + 1, self.train_loader.state_dict())
+        states = self.collector.loader_states if self.collector is not None else {}
+        return states.get(next_step, self.loader.state_dict())
 
-    def shutdown(self) -> None:
-        collector = getattr(self, "collector", None)
-        if collector is not None:
-            collector.stop()
-        super().shutdown()
+    def stop(self) -> None:
+        if self.collector is not None:
+            self.collector.stop()
+
+    def _running(self) -> TrajectoryCollector:
+        if self.collector is None:
+            raise RuntimeError("async rollouts: start() was not called")
+        return self.collector

@@ -1,0 +1,50 @@
+"""Puzzles as data: the ``sliding_puzzle`` generator (``data.dataset_name``) and processor
+(``data.processor``), drawn as NeMo RL's recipe draws them: a size from 2 to ``size`` and an odd
+number of shuffle moves from 1 to ``shuffle_moves`` (so no board starts solved)."""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any, Mapping
+
+from nrl_core.data import DatumSpec
+from nrl_core.data.processors import PromptConfig, build_prompt
+from nrl_env_sliding_puzzle.game import Board, first_move, shuffled
+
+INSTRUCTIONS = ("Arrange the grid by sliding tiles into the empty space: tiles 1 to {last} in order, row by row, "
+                "the empty space last.\nActions: 'up', 'down', 'left', 'right' (the tile that moves into the "
+                "empty space), or 'slide row col'. Answer with one action as <action>your_action</action>; "
+                "<action>view</action> shows the board.")
+
+
+def puzzle_prompt(board: Board) -> str:
+    return f"{INSTRUCTIONS.format(last=board.size * board.size - 1)}\nBoard:{board.render()}\n"
+
+
+def puzzle_record(rng: random.Random, size: int, shuffle_moves: int) -> dict[str, Any]:
+    """One puzzle: the prompt, a first move of a shortest solution (an SFT target) and the board."""
+    moves = rng.randint(1, shuffle_moves)
+    moves += moves % 2 == 0  # an odd number of moves never leaves the board solved
+    board = shuffled(rng.randint(2, size), moves, rng)
+    while board.solved():
+        board = shuffled(board.size, moves, rng)
+    return {"problem": puzzle_prompt(board), "expected_answer": f"<action>{first_move(board)}</action>",
+            "game_state": json.dumps(board.state())}
+
+
+def puzzle_splits(num_train: int = 512, num_val: int = 64, size: int = 2, shuffle_moves: int = 1,
+                  seed: int = 0) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """``data.generate`` keywords: how many puzzles, the largest size and shuffle count, the seed."""
+    if size < 2 or shuffle_moves < 1:
+        raise TypeError("size must be at least 2 and shuffle_moves at least 1")
+    rng = random.Random(seed)
+    records = [puzzle_record(rng, size, shuffle_moves) for _ in range(num_train + num_val)]
+    return records[:num_train], records[num_train:]
+
+
+def puzzle_processor(record: Mapping[str, Any], idx: int, tokenizer: Any, cfg: PromptConfig) -> DatumSpec:
+    """The puzzle's prompt; the board goes to the episode's metadata."""
+    text, ids = build_prompt(str(record["problem"]), tokenizer, cfg)
+    return DatumSpec(idx=idx, prompt_text=text, prompt_ids=ids,
+                     metadata={"game_state": json.loads(record["game_state"]), "num_moves": 0})
