@@ -70,7 +70,7 @@ CONTRACT_HISTORY: tuple[ContractVersion, ...] = (
         removed=("AlgorithmSpec.early_policy_start (nrl train starts every algorithm's policy early) and the "
                  "preload field of TrainingBackendSpec/GenerationBackendSpec: both still accepted with a "
                  "deprecation warning, preload still honoured",)),
-    ContractVersion(6, "HEAD", added=(
+    ContractVersion(6, "c15c81d", added=(
         "environments that talk back: MultiTurnEnvironment.step(episodes) -> EnvStep per episode, with "
         "Episode and EnvStep; EnvironmentSpec.multi_turn",)),
 )
