@@ -134,10 +134,14 @@ class MultiTurnSampler:
         return self.groups(prompts, episodes)
 
     def stream(self, prompts: Sequence[DatumSpec]) -> Iterator[tuple[int, RolloutGroup, EnvResult]]:
-        """The groups once the whole batch of episodes is played (turns are batched across episodes)."""
-        groups, _ = self.groups(prompts, self.play([p for p in prompts for _ in range(self.group_size)]))
+        """The groups once the whole batch of episodes is played (turns are batched across
+        episodes), each with its own episodes' turn metrics (averaged over groups when combined)."""
+        episodes = self.play([p for p in prompts for _ in range(self.group_size)])
+        groups, _ = self.groups(prompts, episodes)
+        n = self.group_size
         for index, group in enumerate(groups):
-            yield index, group, self._result(group)
+            yield index, group, EnvResult(rewards=list(group.task_rewards or group.rewards),
+                                          metrics=turn_metrics(episodes[index * n:(index + 1) * n]))
 
     def validate(self, prompts: Sequence[DatumSpec]) -> tuple[list[float], list[dict[str, Any]]]:
         self.generation.prepare()
@@ -209,6 +213,9 @@ class MultiTurnSampler:
             return
         if episode.ended_by is not None:  # the response filled the context: nothing more fits
             return
+        if episode.turns >= self.max_turns:  # no turn left to read an observation in
+            episode.ended_by = "turns"
+            return
         tokens = self.observation_tokens(step.observation)
         room = self.max_length - episode.context_length
         if len(tokens) >= room:
@@ -238,9 +245,6 @@ class MultiTurnSampler:
             groups.append(self.scorer.group(prompt, output, result, loss_masks=[e.loss_mask for e in mine],
                                             turns=[e.turns for e in mine]))
         return groups, EnvResult(rewards=[e.reward for e in episodes], metrics=turn_metrics(episodes))
-
-    def _result(self, group: RolloutGroup) -> EnvResult:
-        return EnvResult(rewards=list(group.task_rewards or group.rewards))
 
 
 def turn_metrics(episodes: Sequence[EpisodeRun]) -> dict[str, float]:

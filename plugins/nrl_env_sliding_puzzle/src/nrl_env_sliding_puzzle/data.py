@@ -12,10 +12,8 @@ from nrl_core.data import DatumSpec
 from nrl_core.data.processors import PromptConfig, build_prompt
 from nrl_env_sliding_puzzle.game import Board, first_move, shuffled
 
-INSTRUCTIONS = ("Arrange the grid by sliding tiles into the empty space: tiles 1 to {last} in order, row by row, "
-                "the empty space last.\nActions: 'up', 'down', 'left', 'right' (the tile that moves into the "
-                "empty space), or 'slide row col'. Answer with one action as <action>your_action</action>; "
-                "<action>view</action> shows the board.")
+INSTRUCTIONS = ("Slide tiles into the empty space until 1 to {last} are in order, empty last. One action per "
+                "turn: <action>up</action>, down, left, right (the tile that moves), slide row col, or view.")
 
 
 def puzzle_prompt(board: Board) -> str:

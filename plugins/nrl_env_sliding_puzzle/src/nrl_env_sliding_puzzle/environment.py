@@ -36,7 +36,7 @@ class SlidingPuzzleEnvironment:
         metadata = {**episode.metadata, "game_state": board.state(), "num_moves": moves + 1}
         if board.solved():
             return EnvStep(reward=1.0, done=True, metadata=metadata, metrics={"invalid_format": 0.0})
-        return EnvStep(observation=f"<environment>\n{message}\n{board.render()}\n</environment>\n",
+        return EnvStep(observation=f"<environment>\n{message}\n</environment>\n",
                        metadata=metadata, stop_strings=STOP, metrics={"invalid_format": 0.0})
 
     @staticmethod

@@ -1,0 +1,113 @@
+"""Compare runs by their logs: validation accuracy before and after, with standard errors, the
+tool-call rate of validation episodes, and one plot of the validation curves.
+
+``python -m nrl_core.logging.compare LOG_DIR... --labels A B --out comparison.png`` prints one
+line per run and, for two runs, how many standard errors apart their final accuracies are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """One validation: its step, accuracy (reward > 0) over ``n`` episodes, and how many called a tool."""
+
+    step: int
+    accuracy: float
+    n: int
+    tool_calls: int
+
+    @property
+    def stderr(self) -> float:
+        return math.sqrt(self.accuracy * (1.0 - self.accuracy) / self.n) if self.n else 0.0
+
+    @property
+    def tool_call_rate(self) -> float:
+        return self.tool_calls / self.n if self.n else 0.0
+
+
+def evaluations(log_dir: Path) -> list[Evaluation]:
+    """Every validation a run logged (``val_data_step<N>.jsonl``), by step."""
+    found = []
+    for path in log_dir.glob("val_data_step*.jsonl"):
+        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        step = int(path.stem.removeprefix("val_data_step"))
+        correct = sum(float(r["reward"]) > 0 for r in records)
+        tools = sum(any(m.get("role") == "tool" for m in r.get("messages", [])) for r in records)
+        found.append(Evaluation(step=step, accuracy=correct / len(records) if records else 0.0, n=len(records),
+                                tool_calls=tools))
+    return sorted(found, key=lambda e: e.step)
+
+
+def separation(a: Evaluation, b: Evaluation) -> float:
+    """How many standard errors of the difference ``a``'s accuracy is above ``b``'s."""
+    spread = math.sqrt(a.stderr ** 2 + b.stderr ** 2)
+    gap = a.accuracy - b.accuracy
+    if spread == 0:
+        return 0.0 if gap == 0 else math.copysign(math.inf, gap)
+    return gap / spread
+
+
+def plot(runs: dict[str, list[Evaluation]], out: Path) -> Path | None:
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (acc, tools) = plt.subplots(1, 2, figsize=(10, 4))
+    for label, evals in runs.items():
+        steps = [e.step for e in evals]
+        acc.errorbar(steps, [e.accuracy for e in evals], yerr=[e.stderr for e in evals], marker="o", capsize=3,
+                     label=label)
+        tools.plot(steps, [e.tool_call_rate for e in evals], marker="o", label=label)
+    acc.set(title="validation accuracy (greedy; ±1 standard error)", xlabel="GRPO step", ylim=(-0.02, 1.02))
+    tools.set(title="validation episodes that called a tool", xlabel="GRPO step", ylim=(-0.02, 1.02))
+    for ax in (acc, tools):
+        ax.legend()
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("log_dirs", nargs="+", type=Path)
+    parser.add_argument("--labels", nargs="+")
+    parser.add_argument("--out", type=Path, default=None, help="where to write the plot")
+    args = parser.parse_args(argv)
+    labels = args.labels or [str(d) for d in args.log_dirs]
+    if len(labels) != len(args.log_dirs):
+        parser.error("give one label per log directory")
+    runs = {label: evaluations(d) for label, d in zip(labels, args.log_dirs)}
+    for label, evals in runs.items():
+        if not evals:
+            print(f"{label}: no validation logged")
+            continue
+        first, last = evals[0], evals[-1]
+        print(f"{label}: validation accuracy {first.accuracy:.3f} ± {first.stderr:.3f} (step {first.step}) -> "
+              f"{last.accuracy:.3f} ± {last.stderr:.3f} (step {last.step}, {last.n} episodes); "
+              f"tool-call rate {first.tool_call_rate:.3f} -> {last.tool_call_rate:.3f}")
+    if len(runs) == 2 and all(runs.values()):
+        (a, ea), (b, eb) = runs.items()
+        print(f"{a} vs {b} at the end: {ea[-1].accuracy - eb[-1].accuracy:+.3f}, "
+              f"{separation(ea[-1], eb[-1]):.1f} standard errors apart")
+    if args.out is not None:
+        written = plot(runs, args.out)
+        print(f"plot: {written}" if written else "plot: matplotlib is not installed")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
