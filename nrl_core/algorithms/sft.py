@@ -10,6 +10,7 @@ from nrl_core.algorithms.loss import NLLLoss
 from nrl_core.algorithms.setup import PhaseTimer, load_tokenizer
 from nrl_core.contracts import logprob_temperature
 from nrl_core.data import DatumSpec, LengthLimits, prepare_data, sft_batch
+from nrl_core.errors import NrlError
 
 logger = logging.getLogger(__name__)
 
@@ -24,8 +25,11 @@ class SFT(AlgorithmRun):
                            "does, so SFT fits softmax(logits / T); set policy.generation: null to fit the model itself",
                            config["policy"]["generation"]["temperature"])
         self.tokenizer = load_tokenizer(config)
-        data = prepare_data(config["data"], self.tokenizer, processor="sft",
+        data = prepare_data(config["data"], self.tokenizer, processor=sft_processor_name(config["data"]),
                             limits=LengthLimits(total=config["policy"]["max_total_sequence_length"]))
+        if not any(d.response_ids for d in data.train):
+            raise NrlError(f"data.processor: '{config['data']['processor']}' gives no responses to learn; use a "
+                           "processor that writes them (sft, or a plugin's such as kv_lookup_sft)")
         self.val_data: list[DatumSpec] = data.val or []
         self.loss_fn = NLLLoss()
         super().__init__(config, batch_size=int(config["policy"]["train_global_batch_size"]), train_data=data.train)
@@ -53,3 +57,9 @@ class SFT(AlgorithmRun):
 
 
 main = SFT.main
+
+
+def sft_processor_name(data: Mapping[str, Any]) -> str:
+    """``data.processor``, except its default (``math``, a prompt without a response): SFT's is ``sft``."""
+    name = data.get("processor") or "sft"
+    return "sft" if name == "math" else name

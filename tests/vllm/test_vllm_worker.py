@@ -139,6 +139,18 @@ def test_seeded_sampling_is_reproducible(engine, prompts) -> None:
     assert first.token_ids[0] != first.token_ids[len(prompts)]  # same prompt, different request seed
 
 
+def test_a_batch_longer_than_one_scheduling_step_samples_seeded_and_reproducibly(engine, prompts) -> None:
+    """More prompt tokens than vLLM's default per-step budget (2048): a prompt prefilled in chunks
+    would have its seeded generator rewound, which CPU generators cannot do (the worker turns
+    chunked prefill off on the CPU); multi-turn rollouts make such batches."""
+    long = [(p * 8)[:48] for p in prompts] * 16
+    assert sum(map(len, long)) > 2048
+    state = engine.sampling_state()
+    first = engine.generate(long)
+    engine.load_sampling_state(state)
+    assert engine.generate(long).token_ids == first.token_ids
+
+
 class _Records(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.DEBUG)

@@ -141,6 +141,10 @@ class VllmGenerationWorker:
         engine_kwargs: dict[str, Any] = {}
         if _is_cpu():
             use_eager_rank_count()
+            # A prompt prefilled in chunks has its sampled token discarded and its seeded generator
+            # rewound, which CPU generators cannot do: whole prompts only (vLLM does the same for MLA).
+            engine_kwargs["enable_chunked_prefill"] = False
+            engine_kwargs["max_num_batched_tokens"] = max(self.max_model_len, 8192)
         if _is_cpu() and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
             self.kv_cache = kv_cache_space(config, max_model_len=self.max_model_len, tensor_parallel_size=self.tp,
                                            engines=max(1, world_size // self.tp), dtype=self.dtype)
