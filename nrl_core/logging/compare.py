@@ -14,10 +14,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from nrl_core.tools import OPEN
+
 
 @dataclass(frozen=True)
 class Evaluation:
-    """One validation: its step, accuracy (reward > 0) over ``n`` episodes, and how many called a tool."""
+    """One validation: its step, accuracy (reward > 0) over ``n`` episodes, and in how many the
+    model wrote a tool call (``<tool_call>``), answered or not."""
 
     step: int
     accuracy: float
@@ -40,7 +43,8 @@ def evaluations(log_dir: Path) -> list[Evaluation]:
         records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         step = int(path.stem.removeprefix("val_data_step"))
         correct = sum(float(r["reward"]) > 0 for r in records)
-        tools = sum(any(m.get("role") == "tool" for m in r.get("messages", [])) for r in records)
+        tools = sum(any(m.get("role") == "assistant" and OPEN in str(m.get("content", "")) for m in r.get("messages", []))
+                    for r in records)
         found.append(Evaluation(step=step, accuracy=correct / len(records) if records else 0.0, n=len(records),
                                 tool_calls=tools))
     return sorted(found, key=lambda e: e.step)
@@ -70,7 +74,7 @@ def plot(runs: dict[str, list[Evaluation]], out: Path) -> Path | None:
                      label=label)
         tools.plot(steps, [e.tool_call_rate for e in evals], marker="o", label=label)
     acc.set(title="validation accuracy (greedy; ±1 standard error)", xlabel="GRPO step", ylim=(-0.02, 1.02))
-    tools.set(title="validation episodes that called a tool", xlabel="GRPO step", ylim=(-0.02, 1.02))
+    tools.set(title="validation episodes with a tool call", xlabel="GRPO step", ylim=(-0.02, 1.02))
     for ax in (acc, tools):
         ax.legend()
         ax.grid(alpha=0.3)

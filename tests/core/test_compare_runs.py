@@ -13,8 +13,8 @@ from nrl_core.logging.compare import evaluations, main, separation
 
 def write(log_dir, step, rewards, tools):
     log_dir.mkdir(parents=True, exist_ok=True)
-    rows = [{"reward": r, "messages": [{"role": "assistant"}] + ([{"role": "tool"}] if t else [])}
-            for r, t in zip(rewards, tools)]
+    rows = [{"reward": r, "messages": [{"role": "assistant", "content": '<tool_call>{"name": "f"}</tool_call>' if t
+                                        else "The answer is 3"}]} for r, t in zip(rewards, tools)]
     (log_dir / f"val_data_step{step}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
