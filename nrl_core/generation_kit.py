@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from nrl_core.errors import NrlError
 
@@ -163,3 +163,20 @@ class SleepState:
         if asleep:
             raise NrlError(f"{self.engine}: {what} while its {', '.join(asleep)} sleep; "
                            "call prepare_for_generation first")
+
+
+def stop_string_end(tokens: Sequence[int], stop_strings: Sequence[str],
+                    decode: Callable[[list[int]], str]) -> int | None:
+    """The fewest leading tokens whose text contains a stop string, or None (for engines that check
+    stop strings after sampling, and for multi-turn stop strings). Containment only grows
+    with the prefix, so a binary search needs a handful of decodes per row."""
+    if not stop_strings or not any(s in decode(list(tokens)) for s in stop_strings):
+        return None
+    low, high = 1, len(tokens)
+    while low < high:
+        middle = (low + high) // 2
+        if any(s in decode(list(tokens[:middle])) for s in stop_strings):
+            high = middle
+        else:
+            low = middle + 1
+    return low

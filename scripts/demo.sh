@@ -3,10 +3,7 @@
 # build a tiny Llama and tokenizer locally, SFT warm start on arithmetic, then GRPO with the math
 # environment (DTensor training, vLLM generation colocated). Outputs go to results/demo/.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-scripts/install.sh .venv
-export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" TOKENIZERS_PARALLELISM=false VLLM_LOGGING_LEVEL=WARNING
-NRL=.venv/bin/nrl
+source "$(dirname "$0")/demo_env.sh"
 rm -rf results/demo
 $NRL tiny-model results/demo/base --family llama --size small --seed 0
 $NRL train sft --config examples/configs/sft_tiny_cpu.yaml "$@"

@@ -5,10 +5,7 @@
 # GRPO with one turn per episode (no turn to read the tool's result in) as the baseline.
 # Outputs go to results/demo_multi_turn/. Extra arguments go to every `nrl train`.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-scripts/install.sh .venv
-export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" TOKENIZERS_PARALLELISM=false VLLM_LOGGING_LEVEL=WARNING
-NRL=.venv/bin/nrl
+source "$(dirname "$0")/demo_env.sh"
 OUT=results/demo_multi_turn
 rm -rf "$OUT"
 $NRL tiny-model "$OUT/base" --family llama --size small --seed 0

@@ -3,10 +3,7 @@
 # boards, then multi-turn GRPO with the sliding-puzzle environment (nrl-env-sliding-puzzle).
 # Outputs go to results/sliding_puzzle/. Extra arguments go to every `nrl train`.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-scripts/install.sh .venv
-export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" TOKENIZERS_PARALLELISM=false VLLM_LOGGING_LEVEL=WARNING
-NRL=.venv/bin/nrl
+source "$(dirname "$0")/demo_env.sh"
 rm -rf results/sliding_puzzle
 $NRL tiny-model results/sliding_puzzle/base --family llama --size small --seed 0
 $NRL train sft --config examples/configs/sliding_puzzle_sft_tiny_cpu.yaml "$@"

@@ -78,7 +78,6 @@ class Generation:
                                      distributed_backend="auto" if topology.engine_size > 1 else "none",
                                      collective_timeout_s=policy.timeout_s)
             self._index_ranks()
-            self.hosts.dp_leads = tuple(self.leads)
         # engines built with placeholder weights (version -1) get the policy's before they generate;
         # that first load makes them version 0, the checkpoint's weights, as if they had read it
         self.stale = dropped or min(self.weight_versions()) < 0

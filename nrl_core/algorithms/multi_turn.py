@@ -22,6 +22,7 @@ from nrl_core.algorithms.setup import PhaseTimer
 from nrl_core.contracts import Episode, EnvResult, EnvStep, GenerationOutput, MultiTurnEnvironment
 from nrl_core.data import DatumSpec
 from nrl_core.errors import NrlError
+from nrl_core.generation_kit import stop_string_end
 
 _ANCHOR = [{"role": "user", "content": "-"}, {"role": "assistant", "content": "-"}]
 
@@ -89,15 +90,10 @@ def cut_at_stop(tokenizer: Any, tokens: list[int], logprobs: list[float],
                 stop_strings: Sequence[str] | None) -> tuple[list[int], list[float], bool]:
     """The shortest prefix of ``tokens`` whose text contains a stop string (the stop string kept,
     as vLLM's ``include_stop_str_in_output``), or all of them; True when one was found."""
-    if not stop_strings:
+    end = stop_string_end(tokens, stop_strings or (), lambda ids: tokenizer.decode(ids, skip_special_tokens=False))
+    if end is None:
         return tokens, logprobs, False
-    if not any(s in tokenizer.decode(tokens, skip_special_tokens=False) for s in stop_strings):
-        return tokens, logprobs, False
-    for end in range(1, len(tokens) + 1):
-        text = tokenizer.decode(tokens[:end], skip_special_tokens=False)
-        if any(s in text for s in stop_strings):
-            return tokens[:end], logprobs[:end], True
-    return tokens, logprobs, False
+    return tokens[:end], logprobs[:end], True
 
 
 class MultiTurnSampler:

@@ -142,9 +142,7 @@ def _gather(calls: list[tuple[Any, Any]]) -> list[Any]:
     """Wait for every group's call, then surface the first failure: every engine must be done
     with the buffers before an error reaches a caller who might refit again at once (the next
     export rewrites them)."""
-    import ray
-
-    ray.wait([ref for _, futures in calls for ref in futures.refs], num_returns=sum(len(f.refs) for _, f in calls))
+    _gather_quietly(calls)
     return [value for group, futures in calls for value in group.get(futures)]
 
 

@@ -10,21 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
-
-def stop_string_end(tokens: Sequence[int], stop_strings: Sequence[str],
-                    decode: Callable[[list[int]], str]) -> int | None:
-    """The fewest leading tokens whose text contains a stop string, or None. Containment only grows
-    with the prefix, so a binary search needs a handful of decodes per row."""
-    if not stop_strings or not any(s in decode(list(tokens)) for s in stop_strings):
-        return None
-    low, high = 1, len(tokens)
-    while low < high:
-        middle = (low + high) // 2
-        if any(s in decode(list(tokens[:middle])) for s in stop_strings):
-            high = middle
-        else:
-            low = middle + 1
-    return low
+from nrl_core.generation_kit import stop_string_end
 
 
 def cut(tokens: Sequence[int], stop_ids: frozenset[int], stop_strings: Sequence[str],
