@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The CPU twin of NeMo RL's grpo_sliding_puzzle.yaml: a tiny Llama, SFT on first moves of 2x2
-# boards, then multi-turn GRPO with the sliding-puzzle environment (nrl-env-sliding-puzzle).
+# The CPU twin of NeMo RL's grpo_sliding_puzzle.yaml: a tiny Llama, a short SFT on first moves of
+# 2x2 boards, then 20 multi-turn GRPO steps with the sliding-puzzle environment
+# (nrl-env-sliding-puzzle), and the training reward of the first and last five steps.
 # Outputs go to results/sliding_puzzle/. Extra arguments go to every `nrl train`.
 set -euo pipefail
 source "$(dirname "$0")/demo_env.sh"

@@ -1,5 +1,6 @@
 """Compare runs by their logs: validation accuracy before and after, with standard errors, the
-tool-call rate of validation episodes, and one plot of the validation curves.
+tool-call rate of validation episodes, the sampled training reward of the first and last steps,
+and one plot of the validation curves.
 
 ``python -m nrl_core.logging.compare LOG_DIR... --labels A B --out comparison.png`` prints one
 line per run and, for two runs, how many standard errors apart their final accuracies are.
@@ -50,6 +51,36 @@ def evaluations(log_dir: Path) -> list[Evaluation]:
     return sorted(found, key=lambda e: e.step)
 
 
+@dataclass(frozen=True)
+class RewardWindow:
+    """The mean training reward of every rollout in steps ``first``..``last`` and its standard error
+    (rollouts taken as independent draws; the rewards of one prompt's group are correlated, so it
+    is a lower bound)."""
+
+    first: int
+    last: int
+    mean: float
+    stderr: float
+
+
+def reward_windows(log_dir: Path, window: int) -> tuple[RewardWindow, RewardWindow] | None:
+    """The first and the last ``window`` training steps' rewards (``train_data_step<N>.jsonl``);
+    None when the run logged fewer than two windows' worth of steps."""
+    by_step = {int(p.stem.removeprefix("train_data_step")): p for p in log_dir.glob("train_data_step*.jsonl")}
+    steps = sorted(by_step)
+    if window < 1 or len(steps) < 2 * window:
+        return None
+
+    def summary(chosen: list[int]) -> RewardWindow:
+        rewards = [float(json.loads(line)["reward"]) for s in chosen
+                   for line in by_step[s].read_text().splitlines() if line.strip()]
+        mean = sum(rewards) / len(rewards)
+        var = sum((r - mean) ** 2 for r in rewards) / max(len(rewards) - 1, 1)
+        return RewardWindow(first=chosen[0], last=chosen[-1], mean=mean, stderr=math.sqrt(var / len(rewards)))
+
+    return summary(steps[:window]), summary(steps[-window:])
+
+
 def separation(a: Evaluation, b: Evaluation) -> float:
     """How many standard errors of the difference ``a``'s accuracy is above ``b``'s."""
     spread = math.sqrt(a.stderr ** 2 + b.stderr ** 2)
@@ -90,6 +121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("log_dirs", nargs="+", type=Path)
     parser.add_argument("--labels", nargs="+")
     parser.add_argument("--out", type=Path, default=None, help="where to write the plot")
+    parser.add_argument("--window", type=int, default=5, help="training steps averaged at the start and the end")
     args = parser.parse_args(argv)
     labels = args.labels or [str(d) for d in args.log_dirs]
     if len(labels) != len(args.log_dirs):
@@ -103,6 +135,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{label}: validation accuracy {first.accuracy:.3f} ± {first.stderr:.3f} (step {first.step}) -> "
               f"{last.accuracy:.3f} ± {last.stderr:.3f} (step {last.step}, {last.n} episodes); "
               f"tool-call rate {first.tool_call_rate:.3f} -> {last.tool_call_rate:.3f}")
+    for label, log_dir in zip(labels, args.log_dirs):
+        windows = reward_windows(log_dir, args.window)
+        if windows is not None:
+            start, end = windows
+            print(f"{label}: training reward {start.mean:.3f} ± {start.stderr:.3f} (steps {start.first}-{start.last}) -> "
+                  f"{end.mean:.3f} ± {end.stderr:.3f} (steps {end.first}-{end.last})")
     if len(runs) == 2 and all(runs.values()):
         (a, ea), (b, eb) = runs.items()
         print(f"{a} vs {b} at the end: {ea[-1].accuracy - eb[-1].accuracy:+.3f}, "

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from nrl_core.logging.compare import evaluations, main, separation
+from nrl_core.logging.compare import evaluations, main, reward_windows, separation
 
 
 def write(log_dir, step, rewards, tools):
@@ -32,3 +32,15 @@ def test_accuracy_standard_error_and_tool_calls_per_validation(tmp_path, capsys)
     out = capsys.readouterr().out
     assert "multi: validation accuracy 0.250 ± 0.217 (step 0) -> 0.750 ± 0.217 (step 10, 4 episodes)" in out
     assert "tool-call rate 0.500 -> 1.000" in out and "multi vs single at the end: +0.750, 3.5 standard errors" in out
+
+
+def test_training_reward_of_the_first_and_last_steps(tmp_path, capsys):
+    for step, rewards in {1: [0, 0], 2: [0, 1], 3: [1, 0], 4: [1, 1], 5: [1, 1]}.items():
+        (tmp_path / f"train_data_step{step}.jsonl").write_text("".join(json.dumps({"reward": r}) + "\n" for r in rewards))
+    start, end = reward_windows(tmp_path, 2)
+    assert (start.first, start.last, start.mean, end.first, end.last, end.mean) == (1, 2, 0.25, 4, 5, 1.0)
+    assert start.stderr == pytest.approx(math.sqrt(0.25 / 4)) and end.stderr == 0.0  # sample variance 1/4 over 4
+    assert reward_windows(tmp_path, 3) is None  # five steps hold no two windows of three
+    write(tmp_path, 0, [1], [0])
+    assert main([str(tmp_path), "--labels", "run", "--window", "2"]) == 0
+    assert "run: training reward 0.250 ± 0.250 (steps 1-2) -> 1.000 ± 0.000 (steps 4-5)" in capsys.readouterr().out
