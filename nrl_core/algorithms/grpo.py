@@ -20,7 +20,8 @@ from nrl_core.algorithms.generation import Generation
 from nrl_core.algorithms.grpo_config import check_grpo, on_policy_ratio
 from nrl_core.algorithms.loss import GRPO_SEMANTICS_VERSION
 from nrl_core.algorithms.multi_turn import MultiTurnSampler
-from nrl_core.algorithms.rollout_sources import RolloutBatch, RolloutSource, Sampler, SingleTurnSampler, SyncRollouts
+from nrl_core.algorithms.rollout_sources import (RolloutBatch, RolloutSource, Sampler, SingleTurnSampler, SyncRollouts,
+                                                validates_greedily)
 from nrl_core.algorithms.rollouts import repeat_prompts, rollout_batch
 from nrl_core.algorithms.scoring import RolloutGroup, Scorer, merge_groups, merged_loss_masks, reward_components
 from nrl_core.algorithms.setup import PhaseTimer, build_environment, load_tokenizer
@@ -67,7 +68,8 @@ class GRPO(AlgorithmRun):
         if env_spec.multi_turn:
             return MultiTurnSampler(self.config, self.generation, self.scorer, self.tokenizer, self.env,
                                     max_length=prompt_limits(self.config).prompt + 1)
-        return SingleTurnSampler(self.generation, self.scorer, self.group_size, int(self.cfg["val_batch_size"]))
+        return SingleTurnSampler(self.generation, self.scorer, self.group_size, int(self.cfg["val_batch_size"]),
+                                 val_greedy=validates_greedily(self.config["policy"]["generation"]))
 
     def make_rollout_source(self) -> RolloutSource:
         """Asynchronous with ``grpo.async_grpo.enabled``, else synchronous; either feeds the same loop."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Sequence
 
+from nrl_core.algorithms.rollout_sources import validates_greedily
 from nrl_core.algorithms.scoring import RolloutGroup, Scorer
 from nrl_core.algorithms.setup import PhaseTimer
 from nrl_core.contracts import Episode, EnvResult, EnvStep, GenerationOutput, MultiTurnEnvironment
@@ -116,6 +117,7 @@ class MultiTurnSampler:
         self.max_length = int(max_length)
         self.stop_strings = list(policy["generation"].get("stop_strings") or [])
         self.val_batch_size = int(grpo["val_batch_size"])
+        self.val_greedy = validates_greedily(policy["generation"])
         self.observation_tokens = ObservationTokens(tokenizer)
 
     # ------------------------------------------------------------------ the sampler protocol
@@ -144,7 +146,7 @@ class MultiTurnSampler:
         rewards: list[float] = []
         records: list[dict[str, Any]] = []
         for start in range(0, len(prompts), self.val_batch_size):
-            for episode in self.play(prompts[start:start + self.val_batch_size], greedy=True):
+            for episode in self.play(prompts[start:start + self.val_batch_size], greedy=self.val_greedy):
                 rewards.append(episode.reward)
                 records.append({"prompt": episode.prompt.prompt_text, "messages": episode.messages,
                                 "reward": episode.reward, "turns": episode.turns, "ended_by": episode.ended_by,

@@ -72,14 +72,22 @@ def env_metrics(result: EnvResult) -> dict[str, float]:
     return {f"env/{k}": v for k, v in result.metrics.items()}
 
 
+def validates_greedily(generation: Mapping[str, Any]) -> bool:
+    """``policy.generation.val_temperature`` 0: validation decodes greedily. Otherwise it samples as
+    training does, as NeMo RL validates (its ``val_temperature`` defaults to the training one)."""
+    return generation.get("val_temperature") == 0
+
+
 class SingleTurnSampler:
     """One response per sample: generate ``group_size`` responses to each prompt, score them once."""
 
-    def __init__(self, generation: Any, scorer: Scorer, group_size: int, val_batch_size: int) -> None:
+    def __init__(self, generation: Any, scorer: Scorer, group_size: int, val_batch_size: int,
+                 val_greedy: bool = False) -> None:
         self.generation = generation
         self.scorer = scorer
         self.group_size = group_size
         self.val_batch_size = val_batch_size
+        self.val_greedy = val_greedy
 
     def sample(self, prompts: Sequence[DatumSpec], timer: PhaseTimer) -> tuple[list[RolloutGroup], EnvResult]:
         with timer("refit"):
@@ -103,7 +111,7 @@ class SingleTurnSampler:
         records: list[dict[str, Any]] = []
         for start in range(0, len(prompts), self.val_batch_size):
             chunk = prompts[start:start + self.val_batch_size]
-            out = self.generation.generate([d.prompt_ids for d in chunk], greedy=True)
+            out = self.generation.generate([d.prompt_ids for d in chunk], greedy=self.val_greedy)
             result, texts = self.scorer.rewards(chunk, out.token_ids)
             rewards.extend(result.rewards)
             records.extend({"prompt": d.prompt_text, "response": text, "reward": reward,

@@ -123,6 +123,11 @@ def _check_ranges(config: Mapping[str, Any]) -> None:
     generation = config["policy"]["generation"]
     if generation is not None and not 0 < generation["top_p"] <= 1:
         raise ConfigError("policy.generation.top_p", f"must be in (0, 1], got {generation['top_p']}")
+    val_temperature = None if generation is None else generation.get("val_temperature")
+    if val_temperature not in (None, 0, generation and generation["temperature"]):
+        raise ConfigError("policy.generation.val_temperature",
+                          f"nrl validates greedily (0) or at policy.generation.temperature "
+                          f"({generation['temperature']}), got {val_temperature}")
     if config["policy"]["refit"]["bucket_size_mb"] <= 0:
         raise ConfigError("policy.refit.bucket_size_mb", f"must be positive, got {config['policy']['refit']['bucket_size_mb']}")
 

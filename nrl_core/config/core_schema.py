@@ -86,6 +86,9 @@ GENERATION = Section(nullable=True, doc="Rollout generation; null for algorithms
     "temperature": Field(type=NUMBER, default=1.0, minimum=0),
     "top_p": Field(type=NUMBER, default=1.0),
     "top_k": Field(type=int, default=None, nullable=True),
+    "val_temperature": Field(type=NUMBER, default=None, nullable=True, minimum=0,
+                             doc="validation: null or the training temperature samples as training does "
+                                 "(NeMo RL); 0 is greedy"),
     "stop_token_ids": Field(type=list, default=None, nullable=True, item_type=int),
     "stop_strings": Field(type=list, default=None, nullable=True, item_type=str),
     "model_name": Field(type=str, default=None, nullable=True, inert=True),

@@ -104,7 +104,7 @@ def plot(runs: dict[str, list[Evaluation]], out: Path) -> Path | None:
         acc.errorbar(steps, [e.accuracy for e in evals], yerr=[e.stderr for e in evals], marker="o", capsize=3,
                      label=label)
         tools.plot(steps, [e.tool_call_rate for e in evals], marker="o", label=label)
-    acc.set(title="validation accuracy (greedy; ±1 standard error)", xlabel="GRPO step", ylim=(-0.02, 1.02))
+    acc.set(title="validation accuracy (±1 standard error)", xlabel="GRPO step", ylim=(-0.02, 1.02))
     tools.set(title="validation episodes with a tool call", xlabel="GRPO step", ylim=(-0.02, 1.02))
     for ax in (acc, tools):
         ax.legend()

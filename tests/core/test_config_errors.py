@@ -60,6 +60,8 @@ CASES = [
      "not a multiple"),
     ("non-positive", {"c.yaml": VALID}, ["cluster.gpus_per_node=0"], "cluster.gpus_per_node", "must be positive"),
     ("top-p-range", {"c.yaml": VALID}, ["policy.generation.top_p=1.5"], "policy.generation.top_p", "(0, 1]"),
+    ("val-temperature", {"c.yaml": VALID}, ["policy.generation.val_temperature=0.5"],
+     "policy.generation.val_temperature", "validates greedily (0) or at policy.generation.temperature"),
     ("no-backend-enabled", {"c.yaml": VALID}, ["policy.alpha_cfg.enabled=false"], "policy", "no training backend is enabled"),
     ("unknown-generation-backend", {"c.yaml": VALID}, ["policy.generation.backend=sglang"], "policy.generation.backend",
      "not available"),

@@ -13,6 +13,7 @@ import pytest
 pytest.importorskip("nrl_gen_hf")
 
 from nrl_core.algorithms.multi_turn import MultiTurnSampler, cut_at_stop  # noqa: E402
+from nrl_core.algorithms.rollout_sources import validates_greedily  # noqa: E402
 from nrl_core.algorithms.rollouts import rollout_batch  # noqa: E402
 from nrl_core.algorithms.scoring import Scorer, merge_groups, merged_loss_masks  # noqa: E402
 from nrl_core.contracts import Episode, EnvStep  # noqa: E402
@@ -47,11 +48,19 @@ class RecordingEngine:
     def __init__(self, engine: Any) -> None:
         self.engine = engine
         self.calls: list[tuple[list[list[int]], Any]] = []
+        self.greedy: list[bool] = []
 
     def generate(self, prompts: list[list[int]], greedy: bool = False) -> Any:
         out = self.engine.generate(prompts, greedy=greedy)
         self.calls.append(([list(p) for p in prompts], out))
+        self.greedy.append(greedy)
         return out
+
+    def prepare(self) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
 
 
 class TalkingEnvironment:
@@ -88,6 +97,19 @@ def sampler(setup: Any, env: Any, max_length: int = 96, **grpo: Any) -> tuple[Mu
     config = {**config, "grpo": {**config["grpo"], **grpo}}
     recording = RecordingEngine(engine)
     return MultiTurnSampler(config, recording, Scorer(config, tokenizer, env), tokenizer, env, max_length), recording
+
+
+@pytest.mark.parametrize("val_temperature, greedy", [(None, False), (1.0, False), (0.0, True)])
+def test_validation_samples_as_training_does_unless_val_temperature_is_zero(setup, val_temperature, greedy):
+    engine, tokenizer, config = setup
+    generation = {**config["policy"]["generation"], "val_temperature": val_temperature}
+    config = {**config, "policy": {**config["policy"], "generation": generation}}
+    assert validates_greedily(generation) is greedy
+    recording = RecordingEngine(engine)
+    env = TalkingEnvironment(done_at=2)
+    mt = MultiTurnSampler(config, recording, Scorer(config, tokenizer, env), tokenizer, env, 96)
+    rewards, records = mt.validate(prompts(tokenizer))
+    assert recording.greedy == [greedy, greedy] and rewards == [0.5, 0.5] and len(records) == 2
 
 
 def test_tokens_in_tokens_out_and_the_loss_mask_token_by_token(setup):

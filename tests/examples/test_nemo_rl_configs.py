@@ -107,13 +107,14 @@ def test_inert_keys_are_named_together_in_one_warning(caplog):
     with caplog.at_level(logging.WARNING):
         assert main(["config", "check", str(CONFIGS / "grpo_math_1B.yaml")]) == 0
     [warning] = [r.getMessage() for r in caplog.records if "no effect in nrl" in r.getMessage()]
-    for key in ("grpo.val_start_at", "policy.generation.val_temperature", "policy.megatron_cfg.empty_unused_memory_level",
+    for key in ("grpo.val_start_at", "policy.generation.val_top_p", "policy.megatron_cfg.empty_unused_memory_level",
                 "data_plane.impl"):
         assert key in warning
     # set to the value that switches nothing on (what nrl does), so not named
     for key in ("checkpointing.checkpoint_must_save_by", "data_plane.enabled", "reward_penalties",
                 "policy.make_sequence_length_divisible_by"):
         assert key not in warning
+    assert "policy.generation.val_temperature" not in warning  # live: validation samples at it
 
 
 def test_keys_inert_only_where_they_do_nothing_are_named(caplog):
