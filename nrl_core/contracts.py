@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
     from nrl_core.config.schema import Section
 
-CONTRACT_VERSION: int = 6
+CONTRACT_VERSION: int = 7
 """The version of the plugin contract this module defines, apart from nrl-core's package version.
 A plugin states the version it was written for as ``NRL_CONTRACT = N`` in its entry-point module;
 :mod:`nrl_core.contract_versions` lists every version the core still serves and what each changed."""
@@ -528,12 +528,17 @@ class EnvResult:
 
     A multi-reward environment also reports each named reward per sample in ``components``
     (NeMo RL's ``reward/<name>`` keys, e.g. ``{"correctness": [...], "format": [...]}``); its
-    ``rewards`` are then their sum, as NeMo RL totals them, and estimators such as GDPO read the parts."""
+    ``rewards`` are then their sum, as NeMo RL totals them, and estimators such as GDPO read the parts.
+
+    ``sample_metadata`` (contract 7), one JSON-serialisable mapping per sample, is what a user
+    needs to see why a sample scored as it did (a code environment's test results and stderr); the
+    core writes it beside each rollout in ``train_data_step<N>.jsonl`` and ``val_data_step<N>.jsonl``."""
 
     rewards: list[float]
     metrics: dict[str, float] = field(default_factory=dict)
     counts: tuple[str, ...] = ()
     components: dict[str, list[float]] = field(default_factory=dict)
+    sample_metadata: list[dict[str, Any]] | None = None
 
     @staticmethod
     def combine(results: "Sequence[EnvResult]") -> "EnvResult":
@@ -546,13 +551,16 @@ class EnvResult:
         names = list(dict.fromkeys(k for r in results for k in r.components))
         components = {name: [x for r in results for x in r.components.get(name, [0.0] * len(r.rewards))]
                       for name in names}
+        described = any(r.sample_metadata is not None for r in results)
+        sample_metadata = [m for r in results for m in (r.sample_metadata or [{}] * len(r.rewards))] if described else None
         return EnvResult(rewards=[x for r in results for x in r.rewards], metrics=metrics, counts=counts,
-                         components=components)
+                         components=components, sample_metadata=sample_metadata)
 
     def slice(self, start: int, stop: int) -> "EnvResult":
-        """Samples ``start:stop``'s rewards and components (metrics belong to the whole batch)."""
+        """Samples ``start:stop``'s rewards, components and metadata (metrics belong to the whole batch)."""
         return EnvResult(rewards=self.rewards[start:stop], counts=self.counts,
-                         components={k: v[start:stop] for k, v in self.components.items()})
+                         components={k: v[start:stop] for k, v in self.components.items()},
+                         sample_metadata=None if self.sample_metadata is None else self.sample_metadata[start:stop])
 
 
 @dataclass(kw_only=True)

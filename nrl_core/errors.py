@@ -57,3 +57,13 @@ class WorkerRaisedError(WorkerError):
     """
 
     remote_traceback: str = ""
+
+
+def first_line(exc: BaseException) -> str:
+    """``Type: message`` from the first meaningful line of an exception's text, for one-line
+    errors about a failure in another process (Ray wraps the worker's traceback in its text)."""
+    for line in str(exc).strip().splitlines():
+        line = line.strip()
+        if line and not line.startswith("Traceback") and set(line) != {"="}:
+            return f"{type(exc).__name__}: {line}"
+    return type(exc).__name__

@@ -115,12 +115,14 @@ class GRPO(AlgorithmRun):
 
     def log_rollouts(self, groups: Sequence[RolloutGroup]) -> None:
         """Every rollout of the step being trained to ``train_data_step<N>.jsonl`` (NeMo RL's file):
-        prompt, response tokens, reward and the weight version that sampled it."""
+        prompt, response tokens, reward, the weight version that sampled it and what the environment
+        said about it (``metadata``, when it says anything)."""
         step = self.state.step + 1
         self.log.log_samples("train_data", step, [
             {"prompt_idx": g.prompt.idx, "prompt_token_ids": list(g.prompt.prompt_ids), "response_token_ids": ids,
-             "reward": reward, "weight_version": g.output.weight_version}
-            for g in groups for ids, reward in zip(g.output.token_ids, g.rewards)])
+             "reward": reward, "weight_version": g.output.weight_version,
+             **({"metadata": g.metadata[i]} if g.metadata is not None else {})}
+            for g in groups for i, (ids, reward) in enumerate(zip(g.output.token_ids, g.rewards))])
 
     def advantages(self, rewards: torch.Tensor, prompt_ids: list[list[int]], batch: TokenBatch,
                    groups: Sequence[RolloutGroup]) -> torch.Tensor:

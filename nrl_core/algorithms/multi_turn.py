@@ -56,6 +56,13 @@ class EpisodeRun:
     def truncated(self) -> bool:
         return self.ended_by == "length"
 
+    @property
+    def environment_metadata(self) -> dict[str, Any]:
+        """What the environment's steps added to or changed in the prompt's metadata (for the logs:
+        the prompt's own metadata, often the whole task, is not repeated per rollout)."""
+        given = self.prompt.metadata
+        return {k: v for k, v in self.metadata.items() if k not in given or given[k] != v}
+
     def add(self, tokens: Sequence[int], logprobs: Sequence[float] | None) -> None:
         """Sampled tokens (with their logprobs) or the environment's (``logprobs`` None)."""
         self.tokens.extend(tokens)
@@ -151,7 +158,8 @@ class MultiTurnSampler:
                 records.append({"prompt": episode.prompt.prompt_text, "messages": episode.messages,
                                 "reward": episode.reward, "turns": episode.turns, "ended_by": episode.ended_by,
                                 "prompt_token_ids": list(episode.prompt.prompt_ids),
-                                "response_token_ids": episode.tokens, "weight_version": episode.weight_version})
+                                "response_token_ids": episode.tokens, "weight_version": episode.weight_version,
+                                "metadata": episode.environment_metadata})
         self.generation.finish()
         return rewards, records
 
@@ -241,7 +249,7 @@ class MultiTurnSampler:
             result = EnvResult(rewards=[e.reward for e in mine],
                                components={k: [e.components.get(k, 0.0) for e in mine] for k in names})
             groups.append(self.scorer.group(prompt, output, result, loss_masks=[e.loss_mask for e in mine],
-                                            turns=[e.turns for e in mine]))
+                                            turns=[e.turns for e in mine], metadata=[e.environment_metadata for e in mine]))
         return groups, EnvResult(rewards=[e.reward for e in episodes], metrics=turn_metrics(episodes))
 
 

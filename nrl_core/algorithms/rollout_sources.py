@@ -114,10 +114,11 @@ class SingleTurnSampler:
             out = self.generation.generate([d.prompt_ids for d in chunk], greedy=self.val_greedy)
             result, texts = self.scorer.rewards(chunk, out.token_ids)
             rewards.extend(result.rewards)
+            described = result.sample_metadata or [None] * len(chunk)
             records.extend({"prompt": d.prompt_text, "response": text, "reward": reward,
                             "prompt_token_ids": list(d.prompt_ids), "response_token_ids": ids,
-                            "weight_version": out.weight_version}
-                           for d, text, reward, ids in zip(chunk, texts, result.rewards, out.token_ids))
+                            "weight_version": out.weight_version, **({"metadata": meta} if meta is not None else {})}
+                           for d, text, reward, ids, meta in zip(chunk, texts, result.rewards, out.token_ids, described))
         self.generation.finish()
         return rewards, records
 

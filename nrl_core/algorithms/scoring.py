@@ -34,6 +34,7 @@ class RolloutGroup:
     loss_masks: list[list[float]] | None = None
     turns: list[int] | None = None  # model turns per episode (multi-turn)
     tool_calls: list[int] | None = None  # tool calls per episode (multi-turn with tools)
+    metadata: list[dict[str, Any]] | None = None  # what the environment said about each sample, for the logs
 
     @property
     def size(self) -> int:
@@ -101,6 +102,7 @@ class Scorer:
         shaped = shape_rewards(task, [len(ids) for ids in output.token_ids],
                                [reason == "length" for reason in output.finish_reasons], self.shaping,
                                self.length_limit)
+        extra.setdefault("metadata", result.sample_metadata)
         return RolloutGroup(prompt=prompt, output=output, rewards=shaped, task_rewards=task,
                             components={k: scale_rewards(v, self.scaling) for k, v in result.components.items()},
                             **extra)

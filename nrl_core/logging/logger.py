@@ -53,7 +53,7 @@ class MetricLogger:
         path = self.log_dir / f"{name}_step{step}.jsonl"
         with path.open("w") as f:
             for row in rows:
-                f.write(json.dumps(row) + "\n")
+                f.write(json.dumps(row, default=str) + "\n")  # an environment's metadata may hold any value
         return path
 
     def close(self) -> Path | None:

@@ -6,6 +6,8 @@ a turn; observations given as messages go through the chat template."""
 
 from __future__ import annotations
 
+import json
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -16,7 +18,7 @@ from nrl_core.algorithms.multi_turn import MultiTurnSampler, cut_at_stop  # noqa
 from nrl_core.algorithms.rollout_sources import validates_greedily  # noqa: E402
 from nrl_core.algorithms.rollouts import rollout_batch  # noqa: E402
 from nrl_core.algorithms.scoring import Scorer, merge_groups, merged_loss_masks  # noqa: E402
-from nrl_core.contracts import Episode, EnvStep  # noqa: E402
+from nrl_core.contracts import Episode, EnvResult, EnvSample, EnvStep, GenerationOutput  # noqa: E402
 from nrl_core.data import DatumSpec  # noqa: E402
 from nrl_core.errors import NrlError  # noqa: E402
 from nrl_core.testing.conformance import scenarios  # noqa: E402
@@ -211,3 +213,49 @@ def test_an_environment_that_answers_the_wrong_number_of_episodes_is_one_line(se
         mt.play(prompts(tokenizer))
     with pytest.raises(NrlError, match="has no step\\(episodes\\) method"):
         sampler(setup, object())
+
+
+class LogRecorder:
+    """Stands in for the run's logger: keeps the rows ``log_samples`` would write."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict[str, Any]] = []
+
+    def log_samples(self, name: str, step: int, rows: list[dict[str, Any]]) -> None:
+        self.rows.extend(json.loads(json.dumps(row, default=str)) for row in rows)
+
+
+def logged_rows(groups: list[Any]) -> list[dict[str, Any]]:
+    from nrl_core.algorithms.grpo import GRPO
+
+    log = LogRecorder()
+    GRPO.log_rollouts(SimpleNamespace(state=SimpleNamespace(step=0), log=log), groups)  # type: ignore[arg-type]
+    return log.rows
+
+
+def test_what_the_environment_says_about_each_sample_is_logged_beside_its_rollout(setup):
+    """Contract 7: single-turn ``EnvResult.sample_metadata`` and, multi-turn, what the episode's steps
+    added to the prompt's metadata reach each rollout's row (the prompt's own keys are not repeated)."""
+    _, tokenizer, _ = setup
+    mt, _ = sampler(setup, TalkingEnvironment(done_at=2))
+    data = prompts(tokenizer)
+    groups, _ = mt.groups(data, mt.play([p for p in data for _ in range(2)]))
+    assert [g.metadata for g in groups] == [[{"turns_seen": 2}] * 2] * 2
+    assert [row["metadata"] for row in logged_rows(groups)] == [{"turns_seen": 2}] * 4
+
+    class Described:
+        def score(self, samples: list[EnvSample]) -> EnvResult:
+            return EnvResult(rewards=[1.0] * len(samples),
+                             sample_metadata=[{"chars": len(s.response), "k": s.metadata["k"]} for s in samples])
+
+    _, _, config = setup
+    output = GenerationOutput(token_ids=[[5], [5, 6], [7], [7, 8]], logprobs=[[0.0], [0.0] * 2, [0.0], [0.0] * 2],
+                              finish_reasons=["stop"] * 4, weight_version=0)
+    groups, result = Scorer(config, tokenizer, Described()).score(data, output, 2)
+    expected = [{"chars": len(tokenizer.decode(ids, skip_special_tokens=True)), "k": i // 2}
+                for i, ids in enumerate(output.token_ids)]
+    assert result.sample_metadata == expected and groups[1].metadata == expected[2:]
+    assert [row["metadata"] for row in logged_rows(groups)] == expected
+    parts = [result.slice(0, 2), EnvResult(rewards=[0.0])]  # a part without metadata gets empty ones
+    assert EnvResult.combine(parts).sample_metadata == expected[:2] + [{}]
+    assert EnvResult.combine([EnvResult(rewards=[0.0])]).sample_metadata is None

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from nrl_core.contracts import EnvResult, EnvSample
-from nrl_core.errors import ConfigError, WorkerError
+from nrl_core.errors import ConfigError, WorkerError, first_line
 
 from nrl_env_math.plugin import DAPO_ENV_SCHEMA, MATH_ENV_SCHEMA, VERIFIERS
 from nrl_env_math.verify import extract_answer
@@ -101,7 +101,7 @@ class MathEnvironment:
                                   "raise env.math.startup_timeout_seconds or check the Ray cluster's free CPUs") from None
             except Exception as exc:
                 self._replace(i)
-                raise WorkerError(f"{self.section}: verifier worker {slot.name} failed to start: {_first_line(exc)}") from None
+                raise WorkerError(f"{self.section}: verifier worker {slot.name} failed to start: {first_line(exc)}") from None
             slot.pid, slot.ready = info["pid"], None
             if not info["per_sample_timeout"]:
                 logger.warning("%s cannot use alarms; only the hang limit bounds slow samples", slot.name)
@@ -168,9 +168,9 @@ class MathEnvironment:
                 try:
                     results[i] = ray.get(ref)
                 except ray.exceptions.RayActorError as exc:
-                    failures[i] = f"died while scoring {len(chunks[i])} samples ({_first_line(exc)})"
+                    failures[i] = f"died while scoring {len(chunks[i])} samples ({first_line(exc)})"
                 except Exception as exc:
-                    failures[i] = f"raised while scoring {len(chunks[i])} samples: {_first_line(exc)}"
+                    failures[i] = f"raised while scoring {len(chunks[i])} samples: {first_line(exc)}"
             now = time.monotonic()
             for ref, i in list(pending.items()):
                 if now >= deadline[i]:
@@ -207,11 +207,3 @@ class DapoMathEnvironment(MathEnvironment):
 
     section, schema = "env.dapo", DAPO_ENV_SCHEMA
 
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    for line in text.splitlines():
-        line = line.strip()
-        if line and not line.startswith("Traceback") and set(line) != {"="}:
-            return f"{type(exc).__name__}: {line}"
-    return type(exc).__name__

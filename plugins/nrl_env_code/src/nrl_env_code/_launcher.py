@@ -1,0 +1,323 @@
+"""The inside of the sandbox: run as root in a fresh interpreter, ``python -I -S -B _launcher.py STATUS_FD``.
+
+It reads one spec from stdin (the files, the command, the limits; ``marshal``-ed, since the host runs
+this same interpreter), builds the sandbox and runs the program in it. It reports on ``STATUS_FD``,
+one ``repr``-ed dict a line: ``{"init": pid}`` once the sandbox's init exists, ``{"ready": True}``
+when the program is about to start, ``{"exit": code, "signal": sig}`` when it ended, or
+``{"error": ..., "layer": ...}`` when a layer could not be set up. stdout and stderr are the
+program's; nothing else writes to them. (Not ``json`` and not ``signal``: their imports would
+double the launcher's start-up, which every run pays.)
+
+Why a separate interpreter: the steps run between ``fork`` and ``exec`` and change the process for
+good (namespaces, uid, rlimits). In a Ray worker, which has threads, ``subprocess``'s
+``preexec_fn`` is unsafe; a fresh single-threaded process may fork freely.
+
+Why ctypes and not util-linux's ``unshare``: the order of the steps is the protection. Mounts are
+made by root before the program drops to an unprivileged uid (so it can change none of them),
+its user namespace is made after that drop (so its ``RLIMIT_NPROC`` counts only its own
+processes), and the whole tree is read-only at once with ``mount_setattr(AT_RECURSIVE)``, which
+the ``mount`` binary of util-linux 2.38 cannot do. No binary offers that sequence; the libc calls
+do, and this module uses nothing but the standard library.
+
+Layout of a run (isolated)::
+
+    launcher (root, outside)       reports init's pid, waits for it; its death kills init (PR_SET_PDEATHSIG)
+      init (root, PID 1 of a new PID, mount, network, IPC and UTS namespace)
+        mounts: / read-only, nosuid, nodev; a size-capped tmpfs at the workdir; a fresh /proc;
+        empty read-only tmpfs over /run and /dev/shm; the interpreter made reachable
+        program (uid ``uid`` outside, ``inner_uid`` in its own user namespace, no capabilities,
+        no_new_privs, rlimits, empty environment, fds 0-2 only)
+
+When init exits (the program ended, or init was killed) the kernel kills every process left in
+its PID namespace, and the mount namespace (the workdir with it) goes when the last one is gone.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import marshal
+import os
+import resource
+import select
+import stat
+import sys
+
+CLONE_NEWNS = 0x00020000
+CLONE_NEWUTS = 0x04000000
+CLONE_NEWIPC = 0x08000000
+CLONE_NEWUSER = 0x10000000
+CLONE_NEWPID = 0x20000000
+CLONE_NEWNET = 0x40000000
+
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 0x1, 0x2, 0x4, 0x8
+MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 0x20, 0x1000, 0x4000, 0x40000
+
+MOUNT_ATTR_RDONLY, MOUNT_ATTR_NOSUID, MOUNT_ATTR_NODEV = 0x1, 0x2, 0x4
+AT_FDCWD, AT_RECURSIVE = -100, 0x8000
+SYS_MOUNT_SETATTR = 442  # the same number on every architecture (added after the syscall tables merged)
+
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS = 1, 4, 38
+SIGKILL = 9
+
+NAMESPACES = (
+    (CLONE_NEWNS, "mount namespace"),
+    (CLONE_NEWPID, "PID namespace"),
+    (CLONE_NEWNET, "network namespace"),
+    (CLONE_NEWIPC, "IPC namespace"),
+    (CLONE_NEWUTS, "UTS namespace"),
+)
+
+
+class LayerError(Exception):
+    """A layer could not be set up: ``layer`` names it, the message says which call failed."""
+
+    def __init__(self, layer: str, message: str) -> None:
+        super().__init__(message)
+        self.layer = layer
+
+
+class _MountAttr(ctypes.Structure):
+    _fields_ = [("attr_set", ctypes.c_uint64), ("attr_clr", ctypes.c_uint64),
+                ("propagation", ctypes.c_uint64), ("userns_fd", ctypes.c_uint64)]
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.unshare.argtypes = [ctypes.c_int]
+_libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
+_libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+_libc.syscall.restype = ctypes.c_long
+
+
+def _check(result: int, layer: str, call: str) -> None:
+    if result != 0:
+        errno = ctypes.get_errno()
+        raise LayerError(layer, f"{call} failed: {os.strerror(errno)}")
+
+
+def _bytes(value: str | None) -> bytes | None:
+    return None if value is None else os.fsencode(value)
+
+
+def _mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None, layer: str) -> None:
+    _check(_libc.mount(_bytes(source), _bytes(target), _bytes(fstype), flags, _bytes(data)), layer,
+           f"mount({source or fstype}, {target})")
+
+
+def _prctl(option: int, value: int, layer: str, call: str) -> None:
+    _check(_libc.prctl(option, value, 0, 0, 0), layer, call)
+
+
+def _write(path: str, text: str, layer: str) -> None:
+    try:
+        with open(path, "w") as f:
+            f.write(text)
+    except OSError as exc:
+        raise LayerError(layer, f"writing {path} failed: {exc.strerror}") from None
+
+
+class Reporter:
+    """One ``repr``-ed dict a line on the status pipe (the host reads them with ``ast.literal_eval``)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def send(self, **message: object) -> None:
+        os.write(self.fd, (repr(message) + "\n").encode())
+
+
+# --------------------------------------------------------------------------- init's mounts
+
+
+def _blocking_ancestor(path: str) -> str | None:
+    """The highest directory above ``path`` that others may not traverse (``/root`` is 0700)."""
+    parts = path.strip("/").split("/")
+    for i in range(1, len(parts)):
+        ancestor = "/" + "/".join(parts[:i])
+        if not os.stat(ancestor).st_mode & stat.S_IXOTH:
+            return ancestor
+    return None
+
+
+def _expose(path: str) -> None:
+    """Make ``path`` (the interpreter's prefix) reachable by an unprivileged uid: an empty tmpfs
+    hides the directory that blocks traversal, and ``path`` is bound back in at its own place."""
+    blocker = _blocking_ancestor(path)
+    if blocker is None:
+        return
+    layer = "interpreter"
+    fd = os.open(path, os.O_PATH | os.O_DIRECTORY)
+    _mount("tmpfs", blocker, "tmpfs", MS_NOSUID | MS_NODEV, "size=64k,mode=0755", layer)
+    os.makedirs(path, mode=0o755)
+    _mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC, None, layer)
+    os.close(fd)
+
+
+def _read_only_tree() -> None:
+    attr = _MountAttr(MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV, 0, 0, 0)
+    result = _libc.syscall(SYS_MOUNT_SETATTR, AT_FDCWD, b"/", AT_RECURSIVE, ctypes.byref(attr), ctypes.sizeof(attr))
+    _check(0 if result == 0 else -1, "read-only filesystem", "mount_setattr(/, AT_RECURSIVE, RDONLY)")
+
+
+def build_mounts(spec: dict) -> None:
+    """Every mount of the sandbox, in the order that keeps each one in force (see module doc)."""
+    _mount(None, "/", None, MS_REC | MS_PRIVATE, None, "mount namespace")
+    for path in spec["expose"]:
+        _expose(path)
+    for path in spec["hide"]:
+        if os.path.isdir(path) and not os.path.islink(path):
+            _mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=4k,mode=0755", "read-only filesystem")
+    _read_only_tree()
+    limits = spec["limits"]
+    options = f"size={limits['workdir_bytes']},nr_inodes=4096,mode=0700,uid={spec['uid']},gid={spec['gid']}"
+    _mount("tmpfs", spec["workdir"], "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, options, "workdir tmpfs")
+    _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None, "fresh /proc")
+
+
+def write_files(spec: dict) -> None:
+    for name, text in spec["files"].items():
+        path = os.path.join(spec["workdir"], name)
+        try:
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(text)
+        except OSError as exc:
+            raise LayerError("workdir tmpfs", f"writing the program's file {name} failed: {exc.strerror} "
+                                              "(raise sandbox.workdir_mb)") from None
+        if spec["isolate"]:
+            os.chown(path, spec["uid"], spec["gid"])
+
+
+# --------------------------------------------------------------------------- the program
+
+
+def _rlimits(limits: dict) -> None:
+    pairs = {
+        resource.RLIMIT_CPU: (limits["cpu_seconds"], limits["cpu_seconds"] + 1),
+        resource.RLIMIT_AS: (limits["memory_bytes"],) * 2,
+        resource.RLIMIT_FSIZE: (limits["file_size_bytes"],) * 2,
+        resource.RLIMIT_NOFILE: (limits["open_files"],) * 2,
+        resource.RLIMIT_NPROC: (limits["processes"],) * 2,
+        resource.RLIMIT_CORE: (0, 0),
+    }
+    for which, value in pairs.items():
+        try:
+            resource.setrlimit(which, value)
+        except (OSError, ValueError) as exc:
+            raise LayerError("rlimits", f"setrlimit({which}, {value}) failed: {exc}") from None
+
+
+def _drop_to_user(spec: dict) -> None:
+    """Become ``uid`` (no capabilities outside), then ``inner_uid`` in a user namespace of its own.
+
+    The namespace comes after the drop and the rlimits after the namespace, so the kernel counts
+    ``RLIMIT_NPROC`` for this sandbox's processes alone (ucounts are per namespace)."""
+    uid, gid, inner = spec["uid"], spec["gid"], spec["inner_uid"]
+    try:
+        os.setgroups([])
+        os.setresgid(gid, gid, gid)
+        os.setresuid(uid, uid, uid)
+    except OSError as exc:
+        raise LayerError("non-root uid", f"setresuid({uid}) failed: {exc.strerror}") from None
+    _prctl(PR_SET_DUMPABLE, 1, "user namespace", "prctl(PR_SET_DUMPABLE)")  # so it may write its own maps
+    _check(_libc.unshare(CLONE_NEWUSER), "user namespace", "unshare(CLONE_NEWUSER)")
+    _write("/proc/self/setgroups", "deny", "user namespace")
+    _write("/proc/self/uid_map", f"{inner} {uid} 1", "user namespace")
+    _write("/proc/self/gid_map", f"{inner} {gid} 1", "user namespace")
+
+
+def exec_program(spec: dict, stdin_fd: int, reporter: Reporter) -> None:
+    """In the forked child: take on every restriction, then become the program. Never returns."""
+    try:
+        if spec["isolate"]:
+            _drop_to_user(spec)
+        _rlimits(spec["limits"])
+        _prctl(PR_SET_NO_NEW_PRIVS, 1, "no_new_privs", "prctl(PR_SET_NO_NEW_PRIVS)")
+        os.dup2(stdin_fd, 0)
+        os.chdir(spec["workdir"])
+        argv = spec["argv"]
+        report = reporter.fd
+        os.closerange(3, report)
+        os.closerange(report + 1, 1 << 20)
+        os.set_inheritable(report, False)
+        os.execve(argv[0], argv, {})
+    except LayerError as exc:
+        reporter.send(error=str(exc), layer=exc.layer)
+    except OSError as exc:
+        reporter.send(error=f"exec {spec['argv'][0]} failed: {exc.strerror}", layer="interpreter")
+    except BaseException as exc:  # never let the child run on into its parent's code
+        reporter.send(error=f"{type(exc).__name__}: {exc}", layer="sandbox")
+    finally:
+        os._exit(127)
+
+
+def _stdin(data: str) -> int:
+    fd = os.memfd_create("stdin", 0)
+    os.write(fd, data.encode())
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+def run_program(spec: dict, reporter: Reporter) -> None:
+    """Write the files, start the program, report how it ended."""
+    write_files(spec)
+    stdin_fd = _stdin(spec["stdin"])
+    pid = os.fork()
+    if pid == 0:
+        exec_program(spec, stdin_fd, reporter)
+    os.close(stdin_fd)
+    reporter.send(ready=True)
+    _, status = os.waitpid(pid, 0)
+    if os.WIFSIGNALED(status):
+        reporter.send(exit=None, signal=os.WTERMSIG(status))
+    else:
+        reporter.send(exit=os.WEXITSTATUS(status), signal=None)
+
+
+# --------------------------------------------------------------------------- the two processes
+
+
+def init(spec: dict, reporter: Reporter, lifeline: int) -> None:
+    """PID 1 of the sandbox's namespaces. Dies with the launcher; the kernel then kills the rest."""
+    _prctl(PR_SET_PDEATHSIG, SIGKILL, "PID namespace", "prctl(PR_SET_PDEATHSIG)")
+    if select.select([lifeline], [], [], 0)[0]:  # the launcher died before the line above
+        os._exit(1)
+    build_mounts(spec)
+    run_program(spec, reporter)
+
+
+def isolated(spec: dict, reporter: Reporter) -> None:
+    for flag, layer in NAMESPACES:
+        _check(_libc.unshare(flag), layer, f"unshare({layer})")
+    lifeline_r, lifeline_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(lifeline_w)
+        try:
+            init(spec, reporter, lifeline_r)
+        except LayerError as exc:
+            reporter.send(error=str(exc), layer=exc.layer)
+        except Exception as exc:  # a bug here must reach the host as a report, not vanish
+            reporter.send(error=f"{type(exc).__name__}: {exc}", layer="sandbox")
+        os._exit(0)
+    os.close(lifeline_r)
+    reporter.send(init=pid)
+    os.waitpid(pid, 0)  # returns once init is reaped, which the kernel allows only when its namespace is empty
+
+
+def main() -> None:
+    reporter = Reporter(int(sys.argv[1]))
+    spec = marshal.loads(sys.stdin.buffer.read())
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    try:
+        if spec["isolate"]:
+            isolated(spec, reporter)
+        else:
+            os.makedirs(spec["workdir"], exist_ok=True)
+            run_program(spec, reporter)
+    except LayerError as exc:
+        reporter.send(error=str(exc), layer=exc.layer)
+
+
+if __name__ == "__main__":
+    main()
