@@ -73,7 +73,7 @@ CONTRACT_HISTORY: tuple[ContractVersion, ...] = (
     ContractVersion(6, "c15c81d", added=(
         "environments that talk back: MultiTurnEnvironment.step(episodes) -> EnvStep per episode, with "
         "Episode and EnvStep; EnvironmentSpec.multi_turn",)),
-    ContractVersion(7, "HEAD", added=(
+    ContractVersion(7, "7d9f829", added=(
         "EnvResult.sample_metadata: per-sample details, logged beside each rollout",)),
 )
 """Every contract version, oldest first; docs/plugins.md and docs/changelog.md repeat it."""
