@@ -1,5 +1,5 @@
 """Compare runs by their logs: validation accuracy before and after, with standard errors, the
-tool-call rate of validation episodes, the sampled training reward of the first and last steps,
+tool-call rate of validation episodes (for runs whose model calls tools), the sampled training reward of the first and last steps,
 and one plot of the validation curves.
 
 ``python -m nrl_core.logging.compare LOG_DIR... --labels A B --out comparison.png`` prints one
@@ -98,15 +98,20 @@ def plot(runs: dict[str, list[Evaluation]], out: Path) -> Path | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (acc, tools) = plt.subplots(1, 2, figsize=(10, 4))
+    with_tools = any(e.tool_calls for evals in runs.values() for e in evals)
+    fig, axes = plt.subplots(1, 2 if with_tools else 1, figsize=(10 if with_tools else 5.5, 4), squeeze=False)
+    acc = axes[0][0]
     for label, evals in runs.items():
         steps = [e.step for e in evals]
         acc.errorbar(steps, [e.accuracy for e in evals], yerr=[e.stderr for e in evals], marker="o", capsize=3,
                      label=label)
-        tools.plot(steps, [e.tool_call_rate for e in evals], marker="o", label=label)
     acc.set(title="validation accuracy (±1 standard error)", xlabel="GRPO step", ylim=(-0.02, 1.02))
-    tools.set(title="validation episodes with a tool call", xlabel="GRPO step", ylim=(-0.02, 1.02))
-    for ax in (acc, tools):
+    if with_tools:  # a panel only for runs whose model calls tools
+        tools = axes[0][1]
+        for label, evals in runs.items():
+            tools.plot([e.step for e in evals], [e.tool_call_rate for e in evals], marker="o", label=label)
+        tools.set(title="validation episodes with a tool call", xlabel="GRPO step", ylim=(-0.02, 1.02))
+    for ax in axes[0]:
         ax.legend()
         ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -132,9 +137,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{label}: no validation logged")
             continue
         first, last = evals[0], evals[-1]
+        tools = (f"; tool-call rate {first.tool_call_rate:.3f} -> {last.tool_call_rate:.3f}"
+                 if any(e.tool_calls for e in evals) else "")
         print(f"{label}: validation accuracy {first.accuracy:.3f} ± {first.stderr:.3f} (step {first.step}) -> "
-              f"{last.accuracy:.3f} ± {last.stderr:.3f} (step {last.step}, {last.n} episodes); "
-              f"tool-call rate {first.tool_call_rate:.3f} -> {last.tool_call_rate:.3f}")
+              f"{last.accuracy:.3f} ± {last.stderr:.3f} (step {last.step}, {last.n} episodes){tools}")
     for label, log_dir in zip(labels, args.log_dirs):
         windows = reward_windows(log_dir, args.window)
         if windows is not None:

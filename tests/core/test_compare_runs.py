@@ -43,4 +43,6 @@ def test_training_reward_of_the_first_and_last_steps(tmp_path, capsys):
     assert reward_windows(tmp_path, 3) is None  # five steps hold no two windows of three
     write(tmp_path, 0, [1], [0])
     assert main([str(tmp_path), "--labels", "run", "--window", "2"]) == 0
-    assert "run: training reward 0.250 ± 0.250 (steps 1-2) -> 1.000 ± 0.000 (steps 4-5)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "run: training reward 0.250 ± 0.250 (steps 1-2) -> 1.000 ± 0.000 (steps 4-5)" in out
+    assert "tool-call rate" not in out  # a run whose model never called a tool says nothing about tools
