@@ -32,8 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Sequence
 
-__all__ = ["SIGNAL", "StackTarget", "dump_flight_recorder", "dump_processes", "install_stack_dump", "process_state",
-           "stack_file"]
+__all__ = ["SIGNAL", "StackTarget", "answers_stack_signal", "dump_flight_recorder", "dump_processes", "install_stack_dump",
+           "process_start_time", "process_state", "stack_file"]
 
 SIGNAL = signal.SIGUSR1
 _installed: IO[str] | None = None
@@ -45,6 +45,30 @@ FLIGHT_RECORDER_ENTRIES = "2000"
 def stack_file(pid: int) -> Path:
     """Where process ``pid`` writes its stacks when signalled (on its own machine)."""
     return Path(tempfile.gettempdir()) / f"nrl-stacks-{os.getuid()}" / f"{pid}.txt"
+
+
+def process_start_time(pid: int) -> float | None:
+    """When process ``pid`` of this machine started (seconds since the epoch), None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: start time, clock ticks after boot
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
+
+
+def answers_stack_signal(pid: int) -> bool:
+    """Whether ``pid`` has the stack handler, so that ``SIGUSR1`` dumps its stacks instead of killing
+    it: its stack file exists and was opened after the process started. A file older than the
+    process was left by a dead process whose pid the kernel has given to another one."""
+    started = process_start_time(pid)
+    try:
+        opened = stack_file(pid).stat().st_mtime
+    except OSError:
+        return False
+    return started is not None and opened + 1.0 >= started  # btime has a resolution of one second
 
 
 def install_stack_dump() -> Path:
@@ -148,7 +172,7 @@ def dump_processes(targets: Sequence[StackTarget], dest: Path, wait_s: float = 5
         path = stack_file(target.pid)
         if not target.local:
             status[target.label] = "on another node: its stack file is there"
-        elif not path.exists():  # no handler: SIGUSR1's default action would kill it
+        elif not answers_stack_signal(target.pid):  # no handler: SIGUSR1's default action would kill it
             status[target.label] = "gone" if process_state(target.pid) is None else "no stack handler installed"
         else:
             try:

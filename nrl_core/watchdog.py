@@ -262,6 +262,8 @@ def request_stacks(log_dir: Path, timeout_s: float = 60.0) -> Path:
         raise NrlError(f"{log_dir}: no running nrl run logs here ({pid_file} is missing); pass the run's "
                        "logger.log_dir") from None
     before = set((log_dir / "stacks").glob("*-on_demand"))
+    if not stacks.answers_stack_signal(pid):  # a pid file left by a killed run: the pid may be another process's now
+        raise NrlError(f"{pid_file}: the driver (pid {pid}) is gone; the run is not running")
     try:
         os.kill(pid, stacks.SIGNAL)
     except ProcessLookupError:

@@ -125,3 +125,37 @@ def test_on_demand_dump_then_a_rank_stuck_in_a_collective(worker_path: None, tmp
         assert served[:2] == ["all_reduce", "echo"], served
     assert "all_reduce_unless_rank" in [e["name"] for e in trace if e["pid"] == pids[1]]  # rank 1 returned
     assert "all_reduce_unless_rank" not in [e["name"] for e in trace if e["pid"] == pids[0]]  # rank 0 never did
+
+
+def test_a_stack_file_left_by_a_dead_process_never_gets_its_pid_signalled(tmp_path: Path) -> None:
+    """The kernel reuses pids: a stack file older than the process with that pid was left by a dead
+    one, and SIGUSR1 would kill a process without the handler. Neither the dump nor ``nrl stacks``
+    (a driver.pid left by a killed run) signals it."""
+    import subprocess
+    import sys
+
+    from nrl_core import stacks
+    from nrl_core.errors import NrlError
+    from nrl_core.watchdog import PID_FILE, request_stacks
+
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    stale = stacks.stack_file(victim.pid)
+    try:
+        stale.parent.mkdir(parents=True, exist_ok=True)
+        stale.write_text("")
+        hour_ago = time.time() - 3600
+        os.utime(stale, (hour_ago, hour_ago))
+        assert not stacks.answers_stack_signal(victim.pid)
+        status = stacks.dump_processes([stacks.StackTarget("victim", victim.pid)], tmp_path, wait_s=0.5)
+        assert status["victim"] == "no stack handler installed"
+        (tmp_path / PID_FILE).write_text(str(victim.pid))
+        with pytest.raises(NrlError, match=f"the driver \\(pid {victim.pid}\\) is gone"):
+            request_stacks(tmp_path, timeout_s=1)
+        time.sleep(0.3)
+        assert victim.poll() is None  # never signalled
+        stale.touch()  # opened after the process started: what install_stack_dump does
+        assert stacks.answers_stack_signal(victim.pid)
+    finally:
+        victim.kill()
+        victim.wait()
+        stale.unlink(missing_ok=True)
