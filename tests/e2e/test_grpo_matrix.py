@@ -53,9 +53,10 @@ def test_grpo_shape_trains_and_refits(case, tmp_path, model):
 
 
 def check_refit_after_training(tmp: Path, model: Path, overrides: list[str], config: Path | None = None) -> None:
-    """Run GRPO for two steps with validation before and after and the step-2 HF export; the
+    """Run GRPO for two steps with greedy validation before and after and the step-2 HF export; the
     engines' greedy answers after the last refit must be HF ``generate``'s with the exported weights."""
-    tail = ["grpo.max_num_steps=2", "grpo.val_at_start=true", "grpo.val_period=2", "checkpointing.enabled=true",
+    tail = ["grpo.max_num_steps=2", "grpo.val_at_start=true", "grpo.val_period=2", "policy.generation.val_temperature=0",
+            "checkpointing.enabled=true",
             "checkpointing.save_period=2", "checkpointing.export_hf=true", "checkpointing.metric_name=null"]
     proc = nrl_train(tmp, model, *overrides, *tail) if config is None else \
         run_nrl(tmp, config, "grpo", [*overrides, *tail])
