@@ -37,17 +37,23 @@ def sandbox() -> Sandbox:
     return box
 
 
-def left_running() -> list[str]:
-    """Processes of the sandbox's uid anywhere on the machine, and children of this process."""
+def left_running(before: set[int] = frozenset()) -> list[str]:  # type: ignore[assignment]
+    """Processes of the sandbox's uid anywhere on the machine, and children of this process that
+    were not there ``before`` the run (a Ray cluster an earlier test left has children here too)."""
     mine = [f"{p.pid} {p.info['name']}" for p in psutil.process_iter(["uids", "name"])
             if p.info["uids"] is not None and UID in (p.info["uids"].real, p.info["uids"].effective)]
-    children = [f"{p.pid} {p.name()}" for p in psutil.Process().children(recursive=True)]
+    children = [f"{p.pid} {p.name()}" for p in psutil.Process().children(recursive=True) if p.pid not in before]
     return mine + children
 
 
+def children() -> set[int]:
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
 def run(box: Sandbox, code: str, timeout: float = 5.0, stdin: str = "", *args: str) -> RunResult:
+    before = children()
     result = box.run(Program(files={"main.py": code}, argv=["main.py", *args], stdin=stdin, timeout=timeout))
-    assert left_running() == [], "a sandboxed process outlived its run"
+    assert left_running(before) == [], "a sandboxed process outlived its run"
     return result
 
 
@@ -223,8 +229,9 @@ def run_under_a_parent_with_a_secret(code: str, secret: str, unsafe: bool = Fals
 
 def test_the_parent_s_environment_is_not_readable(sandbox):
     secret = f"nrl-secret-{os.getpid()}-{time.monotonic_ns()}"
+    before = children()
     result = run_under_a_parent_with_a_secret(READ_SECRETS, secret)
-    assert left_running() == []
+    assert left_running(before) == []
     seen = report(result)
     assert secret not in result.stdout + result.stderr
     assert seen["environ"] is None and set(seen["keys"]) <= {"LC_CTYPE"}  # set by Python itself (PEP 538)
@@ -285,6 +292,38 @@ subprocess.Popen(["sleep", "600"])
 print("left them running")
 """)
     assert result.ok and result.stdout == "left them running\n"
+
+
+HOST = """
+import sys
+from nrl_env_code.sandbox import Program, Sandbox, SandboxConfig
+box = Sandbox(SandboxConfig(uid=int(sys.argv[1])))
+print("running", flush=True)
+box.run(Program(files={"main.py": "import time\\nwhile True:\\n    time.sleep(1)\\n"}, argv=["main.py"], timeout=600))
+"""
+
+
+def test_a_host_killed_mid_run_takes_its_sandbox_with_it(sandbox):
+    """A sandbox worker killed while a program runs (Ray kills workers) leaves nothing running:
+    the launcher dies with its host, init with the launcher, the namespace with init."""
+    before = children()
+    host = subprocess.Popen([sys.executable, "-c", HOST, str(UID)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert host.stdout is not None and host.stdout.readline() == "running\n"
+        deadline = time.monotonic() + 30
+        while not any(UID in (p.uids().real, p.uids().effective) for p in psutil.process_iter()
+                      if p.is_running() and p.status() != psutil.STATUS_ZOMBIE):  # the program is up
+            assert time.monotonic() < deadline, "the sandboxed program never started"
+            time.sleep(0.1)
+        host.kill()
+        host.wait()
+        deadline = time.monotonic() + 10
+        while left_running(before) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert left_running(before) == [], "a sandbox outlived the process that started it"
+    finally:
+        host.kill()
+        host.wait()
 
 
 def test_the_sandbox_goes_on_running_programs_after_hostile_ones(sandbox):

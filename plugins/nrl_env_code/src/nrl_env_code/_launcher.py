@@ -1,4 +1,4 @@
-"""The inside of the sandbox: run as root in a fresh interpreter, ``python -I -S -B _launcher.py STATUS_FD``.
+"""The inside of the sandbox: run as root in a fresh interpreter, ``python -I -S -B _launcher.py STATUS_FD HOST_PID``.
 
 It reads one spec from stdin (the files, the command, the limits; ``marshal``-ed, since the host runs
 this same interpreter), builds the sandbox and runs the program in it. It reports on ``STATUS_FD``,
@@ -21,7 +21,7 @@ do, and this module uses nothing but the standard library.
 
 Layout of a run (isolated)::
 
-    launcher (root, outside)       reports init's pid, waits for it; its death kills init (PR_SET_PDEATHSIG)
+    launcher (root, outside)       dies with the host; reports init's pid, waits for it; its death kills init
       init (root, PID 1 of a new PID, mount, network, IPC and UTS namespace)
         mounts: / read-only, nosuid, nodev; a size-capped tmpfs at the workdir; a fresh /proc;
         empty read-only tmpfs over /run and /dev/shm; the interpreter made reachable
@@ -305,6 +305,11 @@ def isolated(spec: dict, reporter: Reporter) -> None:
 
 def main() -> None:
     reporter = Reporter(int(sys.argv[1]))
+    # Die with the host (a sandbox worker may be killed mid-run): the launcher's death kills init,
+    # and init's the whole sandbox, so nothing outlives the process that started it.
+    _prctl(PR_SET_PDEATHSIG, SIGKILL, "sandbox", "prctl(PR_SET_PDEATHSIG)")
+    if os.getppid() != int(sys.argv[2]):  # the host died before the line above
+        os._exit(1)
     spec = marshal.loads(sys.stdin.buffer.read())
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)

@@ -50,7 +50,7 @@ class Launch:
         self.start = time.monotonic()
         status_r, status_w = os.pipe()
         try:
-            self.proc = subprocess.Popen([sys.executable, "-I", "-S", "-B", LAUNCHER, str(status_w)],
+            self.proc = subprocess.Popen([sys.executable, "-I", "-S", "-B", LAUNCHER, str(status_w), str(os.getpid())],
                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                          pass_fds=(status_w,), close_fds=True, env={}, cwd="/",
                                          start_new_session=True)
