@@ -247,9 +247,10 @@ class MultiTurnSampler:
                                       weight_version=min(e.weight_version or 0 for e in mine))
             names = sorted({k for e in mine for k in e.components})
             result = EnvResult(rewards=[e.reward for e in mine],
-                               components={k: [e.components.get(k, 0.0) for e in mine] for k in names})
+                               components={k: [e.components.get(k, 0.0) for e in mine] for k in names},
+                               sample_metadata=[e.environment_metadata for e in mine])
             groups.append(self.scorer.group(prompt, output, result, loss_masks=[e.loss_mask for e in mine],
-                                            turns=[e.turns for e in mine], metadata=[e.environment_metadata for e in mine]))
+                                            turns=[e.turns for e in mine]))
         return groups, EnvResult(rewards=[e.reward for e in episodes], metrics=turn_metrics(episodes))
 
 

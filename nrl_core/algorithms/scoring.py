@@ -102,7 +102,6 @@ class Scorer:
         shaped = shape_rewards(task, [len(ids) for ids in output.token_ids],
                                [reason == "length" for reason in output.finish_reasons], self.shaping,
                                self.length_limit)
-        extra.setdefault("metadata", result.sample_metadata)
         return RolloutGroup(prompt=prompt, output=output, rewards=shaped, task_rewards=task,
                             components={k: scale_rewards(v, self.scaling) for k, v in result.components.items()},
-                            **extra)
+                            metadata=result.sample_metadata, **extra)
