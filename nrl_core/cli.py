@@ -20,6 +20,7 @@ from typing import Sequence
 import yaml
 
 from nrl_core.errors import NrlError, WorkerRaisedError
+from nrl_core.long_lived import freeze_at_exit, long_lived_objects
 
 EXIT_USAGE = 2
 EXIT_BUG = 1
@@ -85,10 +86,9 @@ def _cmd_config_show(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from nrl_core.algorithms.policy_launch import policy_launched_early
+    from nrl_core.algorithms.policy_launch import policy_launched_early, start_generation_early
     from nrl_core.config import check_selected_backends, choose_backends, load_and_validate
     from nrl_core.contracts import import_object
-    from nrl_core.long_lived import long_lived_objects
     from nrl_core.plugins import get_plugin_manager
     from nrl_core.timeline import mark
 
@@ -103,6 +103,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
                 logging.getLogger("nrl_core.contract_adapters").warning("%s", note)
             run = import_object(spec.entry)
         mark("config_validated")
+        start_generation_early(config)
         return int(run(config) or 0)
 
 
@@ -168,6 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    freeze_at_exit()
     parser = build_parser()
     # Overrides may follow options (``train grpo --config c.yaml a.b=1``), which argparse's
     # positional matching does not collect; take them from the leftovers.

@@ -18,7 +18,7 @@ from datetime import timedelta
 from typing import Any, Callable, Iterator
 
 from nrl_core.device import uses_nccl
-from nrl_core.long_lived import long_lived_objects
+from nrl_core.long_lived import freeze_at_exit, long_lived_objects
 from nrl_core.refit.endpoints import RefitEndpoints
 from nrl_core.stacks import install_stack_dump
 from nrl_core.timeline import WorkerSpans, mark
@@ -105,6 +105,7 @@ class WorkerHost(RefitEndpoints):
                 pass
         mark("actor_start", group=group_name, rank=rank)
         install_stack_dump()  # SIGUSR1 writes every thread's stack, even while a call is stuck
+        freeze_at_exit()
         self.group_name = group_name
         self.rank = rank
         self.world_size = world_size

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from nrl_core.net import free_port
+from nrl_core.long_lived import freeze_at_exit
 
 
 def init_local_group(rank: int = 0, world_size: int = 1, port: int | None = None) -> None:
@@ -33,6 +34,7 @@ def init_local_group(rank: int = 0, world_size: int = 1, port: int | None = None
 
 def _entry(rank: int, world_size: int, port: int, out_dir: str, threads: int, fn: Callable[..., Any],
            args: tuple[Any, ...]) -> None:
+    freeze_at_exit()
     os.environ["OMP_NUM_THREADS"] = str(threads)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     import torch

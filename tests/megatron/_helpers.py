@@ -16,9 +16,11 @@ import torch
 import torch.multiprocessing as mp
 
 from nrl_core.net import free_port
+from nrl_core.long_lived import freeze_at_exit
 
 
 def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, env: dict, queue: Any) -> None:
+    freeze_at_exit()
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                        "WORLD_SIZE": str(world_size), "OMP_NUM_THREADS": "1", **env})
     torch.set_num_threads(1)
