@@ -11,6 +11,20 @@ from typing import Any
 
 import torch
 
+from nrl_gen_vllm.cpu_sampler import use_eager_rank_count
+
+
+def _prepare_worker_process() -> None:
+    """What every process running a vLLM worker needs from nrl. vLLM imports this module in each
+    of them, the async engine's core process included, where nrl runs no other code."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        use_eager_rank_count()
+
+
+_prepare_worker_process()
+
 ROTARY_WARNING = "%s: Failed to load weights"
 
 
