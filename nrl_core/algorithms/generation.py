@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from nrl_core.algorithms.handoff import DeviceHandOff
 from nrl_core.algorithms.policy import Policy
-from nrl_core.cluster import WorkerGroup, make_placement
+from nrl_core.algorithms.policy_launch import launch_generation, take_early_generation
 from nrl_core.cluster._host import WorkerHost
 from nrl_core.cluster.worker_group import method_name
 from nrl_core.config.topology import cluster_topology
@@ -69,14 +69,13 @@ class Generation:
             self._index_ranks()
             dropped = self._build_colocated(spec, config)
         else:
-            world = topology.generation_world
-            self.placement = make_placement(config["cluster"], world, name="generation", nodes=topology.generation_nodes)
-            # engines of one rank are independent processes; only a multi-rank engine needs a group
-            self.hosts = WorkerGroup(spec.worker, world, name=f"generation-{spec.name}",
-                                     init_kwargs={"config": dict(config)}, placement=self.placement,
-                                     env_vars=dict(config["cluster"].get("env_vars") or {}),
-                                     distributed_backend="auto" if topology.engine_size > 1 else "none",
-                                     collective_timeout_s=policy.timeout_s)
+            launched = take_early_generation(spec, config) or launch_generation(config, spec, policy.spec)
+            self.placement, self.hosts = launched.placement, launched.group
+            try:
+                launched.finish_start({"config": dict(config)})
+            except BaseException:
+                self.placement.remove()
+                raise
             self._index_ranks()
         # engines built with placeholder weights (version -1) get the policy's before they generate;
         # that first load makes them version 0, the checkpoint's weights, as if they had read it

@@ -12,6 +12,12 @@ instead of launching its own; an algorithm that builds no policy leaves it to be
 end. This is the core's business, not a plugin's: no spec field asks for it (contract 5).
 ``benchmarks/bench_startup_overlap.py`` measures the overlap.
 
+Engines that are not colocated get their own actors, launched early the same way right after the
+policy's: they import vLLM while the driver checks the config, and once the checks pass they build
+their engines (:func:`start_generation_early`, on a thread of the driver) while the policy's
+workers build, instead of after them; the run's ``Generation`` takes them
+(:func:`take_early_generation`).
+
 Nothing here imports torch: the launch happens before the driver does.
 """
 
@@ -19,7 +25,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
 
 import ray
@@ -33,20 +40,52 @@ from nrl_core.timeline import mark
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LaunchedPolicy", "colocated_generation", "launch_policy", "policy_launched_early", "take_early_policy"]
+__all__ = ["LaunchedGroup", "LaunchedPolicy", "colocated_generation", "launch_generation", "launch_policy",
+           "policy_launched_early", "start_generation_early", "take_early_generation", "take_early_policy"]
 
 
 @dataclass
-class LaunchedPolicy:
-    """A policy worker group whose actors exist and import, not yet started, with its placement."""
+class LaunchedGroup:
+    """A worker group whose actors exist and import, not yet started, with its placement."""
 
     group: WorkerGroup
     placement: Placement
-    colocated_generation: bool
+    started_with: dict[str, Any] | None = field(default=None, init=False)
+    _starting: threading.Thread | None = field(default=None, init=False, repr=False)
+    _start_error: BaseException | None = field(default=None, init=False, repr=False)
+
+    def start_in_background(self, init_kwargs: dict[str, Any]) -> None:
+        """Build the workers with ``init_kwargs`` on a thread of the driver, while it does other
+        things; :meth:`finish_start` waits for them."""
+        def start() -> None:
+            try:
+                self.group.start(init_kwargs)
+            except BaseException as exc:  # noqa: BLE001 - re-raised by finish_start
+                self._start_error = exc
+
+        self.started_with = init_kwargs
+        self._starting = threading.Thread(target=start, name=f"nrl-start-{self.group.name}", daemon=True)
+        self._starting.start()
+
+    def finish_start(self, init_kwargs: dict[str, Any]) -> None:
+        """Build the workers with ``init_kwargs``, or wait for the build already under way."""
+        if self._starting is None:
+            self.group.start(init_kwargs)
+            return
+        self._starting.join()
+        if self._start_error is not None:
+            raise self._start_error
 
     def discard(self) -> None:
         self.group.shutdown()
+        if self._starting is not None:
+            self._starting.join(timeout=60)  # its calls fail once the actors are gone
         self.placement.remove()
+
+
+@dataclass
+class LaunchedPolicy(LaunchedGroup):
+    colocated_generation: bool
 
 
 def colocated_generation(config: Mapping[str, Any], *, generates: bool) -> bool:
@@ -78,6 +117,26 @@ def launch_policy(config: Mapping[str, Any], training: TrainingBackendSpec, *, c
     return LaunchedPolicy(group, placement, colocated)
 
 
+def launch_generation(config: Mapping[str, Any], generation: GenerationBackendSpec,
+                      training: TrainingBackendSpec) -> LaunchedGroup:
+    """Place the generation ranks of engines that are not colocated and create their actors, which
+    import ``generation``'s modules at once; :meth:`WorkerGroup.start` builds the engines."""
+    cluster = config["cluster"]
+    topology = cluster_topology(config)
+    placement = make_placement(cluster, topology.generation_world, name="generation", nodes=topology.generation_nodes)
+    try:
+        # engines of one rank are independent processes; only a multi-rank engine needs a group
+        group = WorkerGroup(generation.worker, topology.generation_world, name=f"generation-{generation.name}",
+                            placement=placement, env_vars=dict(cluster.get("env_vars") or {}),
+                            distributed_backend="auto" if topology.engine_size > 1 else "none",
+                            collective_timeout_s=distributed_timeout_s(config, training.config_key),
+                            preload=_imports_of(generation), start=False)
+    except BaseException:
+        placement.remove()
+        raise
+    return LaunchedGroup(group, placement)
+
+
 def _imports_of(spec: TrainingBackendSpec | GenerationBackendSpec) -> list[str]:
     """What a worker process imports early for ``spec``: its worker class (and with it the
     modules the class names in ``lazy_imports``), and what a contract 1-4 spec named in ``preload``."""
@@ -87,31 +146,61 @@ def _imports_of(spec: TrainingBackendSpec | GenerationBackendSpec) -> list[str]:
 
 
 _early: LaunchedPolicy | None = None
+_early_generation: LaunchedGroup | None = None
 
 
 @contextlib.contextmanager
 def policy_launched_early(config: Mapping[str, Any], algorithm: AlgorithmSpec, training: TrainingBackendSpec,
                           generation: GenerationBackendSpec | None) -> Iterator[None]:
-    """Within the block, the policy's worker group is launched and waiting to be taken by the
-    run's ``Policy``. On the way out a group nobody took (the config's last checks failed, or the
-    run failed before it built its policy) is shut down, and so is the Ray this started, so a
-    refused config leaves nothing running."""
-    global _early
+    """Within the block, the policy's worker group (and the generation group of engines that are
+    not colocated) is launched and waiting to be taken by the run. On the way out a group nobody
+    took (the config's last checks failed, or the run failed before it built it) is shut down, and
+    so is the Ray this started when the policy was never taken, so a refused config leaves nothing
+    running."""
+    global _early, _early_generation
     started_ray = not ray.is_initialized()
     init_ray(config["cluster"])
     launched = False
+    colocated = colocated_generation(config, generates=algorithm.generates)
     try:
-        _early = launch_policy(config, training, generation=generation,
-                               colocated=colocated_generation(config, generates=algorithm.generates))
+        _early = launch_policy(config, training, generation=generation, colocated=colocated)
         launched = True
         mark("policy_launched")
+        if algorithm.generates and generation is not None and not colocated:
+            _early_generation = launch_generation(config, generation, training)
         yield
     finally:
         left, _early = _early, None
-        if left is not None:
-            left.discard()
+        left_generation, _early_generation = _early_generation, None
+        for group in (left_generation, left):
+            if group is not None:
+                group.discard()
         if started_ray and (left is not None or not launched):
             shutdown_ray()
+
+
+def start_generation_early(config: Mapping[str, Any]) -> None:
+    """Build the engines launched early with the run's ``config`` (its checks passed) in the
+    background, while the run builds its policy: engines that are not colocated need nothing from
+    it until the first refit."""
+    if _early_generation is not None:
+        _early_generation.start_in_background({"config": dict(config)})
+
+
+def take_early_generation(generation: GenerationBackendSpec, config: Mapping[str, Any]) -> LaunchedGroup | None:
+    """The generation group :func:`policy_launched_early` launched, if it is for ``generation``
+    (and, when its engines are already building, with ``config``); one launched for something
+    else is shut down (the run then launches its own)."""
+    global _early_generation
+    launched, _early_generation = _early_generation, None
+    if launched is None:
+        return None
+    if launched.group.worker_cls == generation.worker and launched.started_with in (None, {"config": dict(config)}):
+        return launched
+    logger.warning("the generation workers started early do not match the run's (%s); starting new ones",
+                   generation.worker)
+    launched.discard()
+    return None
 
 
 def take_early_policy(training: TrainingBackendSpec, *, colocated: bool) -> LaunchedPolicy | None:

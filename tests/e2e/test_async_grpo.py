@@ -47,7 +47,9 @@ def rollouts(tmp: Path, step: int) -> list[dict]:
 
 
 def test_no_trajectory_is_older_than_the_bound_before_and_after_a_resume(tmp_path, model):
-    assert_ok(run_nrl(tmp_path, CONFIG, "grpo", small(model, "grpo.max_num_steps=2")))
+    timeline = tmp_path / "timeline.jsonl"
+    assert_ok(run_nrl(tmp_path, CONFIG, "grpo", small(model, "grpo.max_num_steps=2"), env={"NRL_TIMELINE": str(timeline)}))
+    check_the_engine_imported_while_the_driver_checked_the_config(timeline)
     assert_ok(run_nrl(tmp_path, CONFIG, "grpo", small(model, "grpo.max_num_steps=3")))  # resumes after step 2
     ages = {step: [(step - 1) - row["weight_version"] for row in rollouts(tmp_path, step)] for step in range(1, 4)}
     assert all(len(a) == 16 for a in ages.values())
@@ -56,6 +58,18 @@ def test_no_trajectory_is_older_than_the_bound_before_and_after_a_resume(tmp_pat
     assert set(ages[3]) == {0}  # after the resume: regenerated with the restored weights
     rows = [r for r in metrics(tmp_path) if "async/trajectory_age_max" in r]
     assert [r["step"] for r in rows][-3:] == [1, 2, 3] and all(r["async/trajectory_age_max"] <= 1 for r in rows)
+
+
+def check_the_engine_imported_while_the_driver_checked_the_config(timeline: Path) -> None:
+    """An engine that is not colocated has its own actor, launched right after the policy's: it
+    imports vLLM while the driver checks the config, and the engine is built on that same actor."""
+    events = [json.loads(line) for line in timeline.read_text().splitlines()]
+    preloads = [e for e in events if e["event"] == "preload_start" and e["group"].startswith("generation-")]
+    validated = next(e for e in events if e["event"] == "config_validated")
+    assert preloads and preloads[0]["t"] < validated["t"]
+    engine_actors = {e["pid"] for e in events if e["event"] == "actor_start" and e["group"].startswith("generation-")}
+    built = {e["pid"] for e in events if e["event"] == "worker_built" and "nrl_gen_vllm" in e["worker"]}
+    assert engine_actors == built and len(built) == 1
 
 
 def test_max_age_zero_is_the_synchronous_loop(tmp_path, model):
