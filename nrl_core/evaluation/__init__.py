@@ -1,0 +1,1 @@
+"""``nrl eval``: scoring a model on a dataset (docs/evaluation.md)."""
