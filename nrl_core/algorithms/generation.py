@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
 
 from nrl_core.algorithms.handoff import DeviceHandOff
 from nrl_core.algorithms.policy import Policy
@@ -37,6 +37,9 @@ from nrl_core.refit.orchestrator import choose_transport, refit, refit_options
 from nrl_core.refit.report import RefitReport, combine_reports
 from nrl_core.timeline import mark
 
+if TYPE_CHECKING:
+    from nrl_core.cluster import WorkerGroup
+
 logger = logging.getLogger(__name__)
 
 
@@ -49,6 +52,22 @@ def split_evenly(items: Sequence[Any], parts: int) -> list[list[Any]]:
         chunks.append(list(items[start:end]))
         start = end
     return chunks
+
+
+def generate_on_engines(hosts: "WorkerGroup", prompts: Sequence[Sequence[int]], num_engines: int, engine_size: int, *,
+                        greedy: bool = False) -> GenerationOutput:
+    """Complete ``prompts`` on the ``num_engines`` engines of ``engine_size`` ranks each that the
+    worker group ``hosts`` holds, a contiguous chunk each; outputs in input order."""
+    chunks = split_evenly(list(prompts), num_engines)
+    mark("generate_start")
+    outputs = hosts.call(WorkerHost.nrl_generate_sharded, chunks, engine_size, greedy=greedy)
+    mark("generate_end")
+    return GenerationOutput(
+        token_ids=[t for o in outputs for t in o.token_ids],
+        logprobs=[lp for o in outputs for lp in o.logprobs],
+        finish_reasons=[r for o in outputs for r in o.finish_reasons],
+        weight_version=min(o.weight_version for o in outputs),
+    )
 
 
 class Generation:
@@ -102,16 +121,7 @@ class Generation:
 
     def generate(self, prompts: Sequence[Sequence[int]], *, greedy: bool = False) -> GenerationOutput:
         """Complete ``prompts`` on every engine (a contiguous chunk each); outputs in input order."""
-        chunks = split_evenly(list(prompts), self.num_engines)
-        mark("generate_start")
-        outputs = self.hosts.call(WorkerHost.nrl_generate_sharded, chunks, self.engine_size, greedy=greedy)
-        mark("generate_end")
-        return GenerationOutput(
-            token_ids=[t for o in outputs for t in o.token_ids],
-            logprobs=[lp for o in outputs for lp in o.logprobs],
-            finish_reasons=[r for o in outputs for r in o.finish_reasons],
-            weight_version=min(o.weight_version for o in outputs),
-        )
+        return generate_on_engines(self.hosts, prompts, self.num_engines, self.engine_size, greedy=greedy)
 
     def generate_groups(self, prompts: Sequence[Sequence[int]], group_size: int) -> Iterator[tuple[int, GenerationOutput]]:
         """``group_size`` samples of every prompt, yielded as ``(prompt index, output)`` the moment

@@ -120,7 +120,8 @@ class MathEnvironment:
 
     def score(self, samples: list[EnvSample]) -> EnvResult:
         """Rewards in the order of ``samples``; metrics ``accuracy``, ``reward_mean``, ``timeouts``,
-        ``errors`` (verifier exceptions), ``no_answer`` (responses with no answer to extract)."""
+        ``errors`` (verifier exceptions), ``no_answer`` (responses with no answer to extract); each
+        sample's extracted answer (or None) as its ``sample_metadata`` ``answer``."""
         if not samples:
             return EnvResult(rewards=[], metrics={"accuracy": 0.0, "reward_mean": 0.0, "timeouts": 0.0,
                                                   "errors": 0.0, "no_answer": 0.0, "num_samples": 0.0}, counts=COUNTS)
@@ -132,15 +133,18 @@ class MathEnvironment:
         correct, incorrect = float(self.config["reward_correct"]), float(self.config["reward_incorrect"])
         rewards = [correct if st == "correct" else incorrect for st in statuses]
         n = float(len(samples))
+        answers = [extract_answer(response) for response, _ in pairs]
         metrics = {
             "accuracy": statuses.count("correct") / n,
             "reward_mean": sum(rewards) / n,
             "timeouts": float(statuses.count("timeout")),
             "errors": float(statuses.count("error")),
-            "no_answer": float(sum(extract_answer(r) is None for r, _ in pairs)),
+            "no_answer": float(sum(answer is None for answer in answers)),
             "num_samples": n,
         }
-        return EnvResult(rewards=rewards, metrics=metrics, counts=COUNTS)
+        # the answer each response states: logged beside it, and what a majority vote counts
+        return EnvResult(rewards=rewards, metrics=metrics, counts=COUNTS,
+                         sample_metadata=[{"answer": answer} for answer in answers])
 
     def _run(self, pairs: list[tuple[str, str]]) -> list[str]:
         """Split ``pairs`` over the workers (round-robin) and wait for all of them.
