@@ -107,6 +107,27 @@ def _cmd_train(args: argparse.Namespace) -> int:
         return int(run(config) or 0)
 
 
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from nrl_core.evaluation.config import load_eval_config
+    from nrl_core.evaluation.run import evaluate, format_report
+
+    config, eval_cfg = load_eval_config(args.config, args.overrides)
+    report = evaluate(config, eval_cfg)
+    print(format_report(report))
+    if eval_cfg["save_path"]:
+        print(f"results: {eval_cfg['save_path']}/results.json, samples: {eval_cfg['save_path']}/samples.jsonl")
+    return 0
+
+
+def _cmd_convert_checkpoint(args: argparse.Namespace) -> int:
+    from nrl_core.checkpoint.to_hf import checkpoint_to_hf
+
+    report = checkpoint_to_hf(args.checkpoint, args.out, args.overrides)
+    print(f"wrote {report.output} from {report.source} (step {report.step}); its logprobs are within "
+          f"{report.max_logprob_error:.2g} of the checkpoint's (tolerance {report.tolerance:g})")
+    return 0
+
+
 def _cmd_stacks(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -159,6 +180,21 @@ def build_parser() -> argparse.ArgumentParser:
     stacks.add_argument("log_dir", help="the run's logger.log_dir")
     stacks.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the dump")
     stacks.set_defaults(func=_cmd_stacks)
+
+    evaluation = sub.add_parser("eval", help="score a model on a dataset: pass@k and majority vote (docs/evaluation.md)")
+    evaluation.add_argument("--config", required=True,
+                            help="an nrl config (its validation data) or NeMo RL's eval layout, with an eval section")
+    evaluation.add_argument("overrides", nargs="*", help="key.path=value, +key.path=value, ~key.path")
+    evaluation.set_defaults(func=_cmd_eval)
+
+    convert = sub.add_parser("convert", help="convert checkpoints")
+    convert_sub = convert.add_subparsers(dest="convert_command", required=True)
+    to_hf = convert_sub.add_parser("checkpoint", help="an nrl training checkpoint (either backend) to a Hugging "
+                                                       "Face model, checked against the checkpoint's logprobs")
+    to_hf.add_argument("checkpoint", help="a step directory, or a run's checkpoint directory (its latest step)")
+    to_hf.add_argument("--out", required=True, help="the Hugging Face model directory to write (new or empty)")
+    to_hf.add_argument("overrides", nargs="*", help="changes to the saved config, e.g. policy.model_name=PATH")
+    to_hf.set_defaults(func=_cmd_convert_checkpoint)
 
     train = sub.add_parser("train", help="run an algorithm")
     train.add_argument("algorithm", help="algorithm name (grpo, sft, ...)")

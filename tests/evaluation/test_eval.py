@@ -1,0 +1,130 @@
+"""``nrl eval`` as a user runs it: on a GRPO run's checkpoint with the run's config it reproduces the
+run's last validation answer for answer; NeMo RL's eval layout gives the same answers; sampled
+evaluation reports pass@k and majority vote; bad input is one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nrl_core.testing.tiny_models import cached_tiny_model
+from tests.e2e.test_grpo import CONFIG, assert_ok, metrics, nrl_train
+
+pytestmark = pytest.mark.slow
+
+NEMO_RL_LAYOUT = Path(__file__).with_name("nemo_rl_layout.yaml")
+VAL = ["data.generate.num_val=12", "grpo.max_val_samples=12", "grpo.val_batch_size=12"]
+
+
+@pytest.fixture(scope="module")
+def model() -> Path:
+    return cached_tiny_model("llama", size="small")
+
+
+@pytest.fixture(scope="module")
+def trained(model, tmp_path_factory) -> Path:
+    """Two GRPO steps that change the greedy answers, validated greedily at the end and exported."""
+    tmp = tmp_path_factory.mktemp("trained")
+    assert_ok(nrl_train(tmp, model, *VAL, "grpo.max_num_steps=2", "policy.optimizer.kwargs.lr=0.05",
+                        "policy.optimizer.kwargs.weight_decay=2.0", "checkpointing.export_hf=true",
+                        "checkpointing.metric_name=null"))
+    return tmp
+
+
+def nrl_eval(cwd: Path, config: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "NRL_STRICT_PLUGINS": "1"}
+    return subprocess.run([sys.executable, "-m", "nrl_core.cli", "eval", "--config", str(config), *overrides],
+                          capture_output=True, text=True, env=env, cwd=cwd, timeout=600)
+
+
+def table(proc: subprocess.CompletedProcess[str]) -> list[str]:
+    """The score lines ``nrl eval`` prints after its ``model ...`` line (workers log to stdout too)."""
+    lines = proc.stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("model "))
+    return [line for line in lines[start + 1:] if line.startswith("  ")]
+
+
+def samples(save_path: Path) -> list[dict]:
+    return [json.loads(line) for line in (save_path / "samples.jsonl").read_text().splitlines()]
+
+
+def run_config(*extra: str) -> list[str]:
+    """The run's own overrides (tests/e2e/test_grpo.py's nrl_train) that shape its data."""
+    return ["data.generate.num_train=64", *VAL, *extra]
+
+
+def test_eval_of_a_checkpoint_reproduces_the_runs_last_validation(trained, tmp_path):
+    proc = nrl_eval(tmp_path, CONFIG, f"policy.model_name={trained / 'ckpt'}", *run_config(),
+                    f"++eval.save_path={tmp_path / 'out'}")
+    assert_ok(proc)
+    result = json.loads((tmp_path / "out" / "results.json").read_text())
+    last = metrics(trained)[-1]
+    assert result["scores"]["accuracy"]["value"] == last["val/accuracy"]
+    assert result["scores"]["pass@1"]["value"] == last["val/accuracy"] and result["temperature"] == 0.0
+    logged = [json.loads(line) for line in (trained / "logs" / "val_data_step2.jsonl").read_text().splitlines()]
+    evaluated = samples(tmp_path / "out")
+    assert [s["prompt_token_ids"] for s in evaluated] == [s["prompt_token_ids"] for s in logged]
+    assert [s["response_token_ids"] for s in evaluated] == [s["response_token_ids"] for s in logged]
+    assert [s["reward"] for s in evaluated] == [s["reward"] for s in logged]
+    assert table(proc)[0].split()[0] == "pass@1"  # the table, headline first
+
+
+def test_nemo_rl_layout_evaluates_the_same_answers(trained, tmp_path, model):
+    from nrl_core.data.arithmetic import arithmetic_splits
+
+    _, val = arithmetic_splits(num_train=64, num_val=12, min_operand=0, max_operand=19, ops=["+", "-"], seed=0)
+    data = tmp_path / "problems.jsonl"
+    data.write_text("".join(json.dumps({"question": r["problem"], "answer": r["expected_answer"]}) + "\n" for r in val))
+    hf = trained / "ckpt" / "hf_export"
+    proc = nrl_eval(tmp_path, NEMO_RL_LAYOUT, f"generation.model_name={hf}", f"data.dataset_name={data}",
+                    f"eval.save_path={tmp_path / 'out'}")
+    assert_ok(proc)
+    ours = nrl_eval(tmp_path, CONFIG, f"policy.model_name={hf}", *run_config(), f"++eval.save_path={tmp_path / 'ours'}")
+    assert_ok(ours)
+    assert [s["response_token_ids"] for s in samples(tmp_path / "out")] == \
+        [s["response_token_ids"] for s in samples(tmp_path / "ours")]
+
+
+def test_sampled_eval_reports_pass_at_k_and_majority_vote(trained, tmp_path):
+    proc = nrl_eval(tmp_path, CONFIG, f"policy.model_name={trained / 'ckpt' / 'hf_export'}", *run_config(),
+                    "policy.generation.val_temperature=null", "++eval.num_tests_per_prompt=4", "++eval.k_value=2",
+                    "++eval.metric=cons@k", f"++eval.save_path={tmp_path / 'out'}")
+    assert_ok(proc)
+    result = json.loads((tmp_path / "out" / "results.json").read_text())
+    scores = {name: s["value"] for name, s in result["scores"].items()}
+    assert set(scores) == {"accuracy", "reward", "pass@1", "pass@2", "pass@4", "maj@2", "maj@4"}
+    assert result["temperature"] == 1.0 and result["samples_per_problem"] == 4
+    assert scores["pass@1"] == pytest.approx(scores["accuracy"]) and scores["pass@1"] <= scores["pass@2"] <= scores["pass@4"]
+    rows = samples(tmp_path / "out")
+    assert len(rows) == 12 * 4 and all(r["answer"] is None or isinstance(r["answer"], str) for r in rows)
+    per_problem = [[tuple(r["response_token_ids"]) for r in rows if r["problem"] == i] for i in range(12)]
+    assert any(len(set(group)) > 1 for group in per_problem)  # sampled: a problem's samples differ
+    assert table(proc)[0].split()[0] == "maj@2"  # the headline: cons@k at k_value
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["policy.model_name={tmp}"], "holds no Hugging Face model (config.json) and no hf_export"),
+    (["++eval.num_tests_per_prompt=2", "++eval.k_value=3"], "eval.k_value: 3 is more than the 2 samples per problem"),
+    (["++eval.metric=best@k"], "eval.metric"),
+])
+def test_bad_input_is_one_line(overrides, expected, tmp_path, model):
+    proc = nrl_eval(tmp_path, CONFIG, f"policy.model_name={model}", *[o.format(tmp=tmp_path) for o in overrides])
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and expected in errors[0], proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["data.dataset_name=AIME2024"], "data.dataset_name: 'AIME2024' is not a local file; nrl reads no hub datasets"),
+    (["data.repeat=4"], "data.repeat: is not supported; sample each problem several times with eval.num_tests_per_prompt"),
+])
+def test_nemo_rl_layout_refusals_are_one_line(overrides, expected, tmp_path, model):
+    proc = nrl_eval(tmp_path, NEMO_RL_LAYOUT, f"generation.model_name={model}", *overrides)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and expected in errors[0], proc.stderr[-2000:]
