@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 
 INFO_FILE = "training_info.json"
 HF_EXPORT = "hf_export"
-_STEP_DIR = re.compile(r"^step_(\d+)$")
+STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
 @dataclass
@@ -169,7 +169,7 @@ class CheckpointManager:
             return []
         found = []
         for path in self.root.iterdir():
-            match = _STEP_DIR.match(path.name)
+            match = STEP_DIR.match(path.name)
             if match and (path / INFO_FILE).is_file():
                 found.append((int(match.group(1)), path))
         return [path for _, path in sorted(found)]

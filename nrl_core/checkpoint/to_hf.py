@@ -1,0 +1,161 @@
+"""An nrl training checkpoint as a Hugging Face model, checked against the checkpoint's own logits.
+
+The checkpoint's ``training_info.json`` holds the run's config, so the training backend that wrote
+it builds its workers again (its layout, its parallelism), loads the policy's state through the
+same ``load_checkpoint`` a resume uses, and writes the model with its ``export_hf``. Before the
+export is published the backend's logprobs of a few texts are compared with those of the exported
+model loaded by ``transformers``: a conversion that does not reproduce the trained model never
+reaches the output directory, which appears in one rename (never half-written).
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+from nrl_core.contracts import logprob_temperature
+from nrl_core.errors import NrlError
+
+__all__ = ["PROBE_TEXTS", "ConversionReport", "checkpoint_to_hf", "logprob_tolerance", "step_directory"]
+
+logger = logging.getLogger(__name__)
+
+PROBE_TEXTS = (
+    "Q: What is 12 + 7?\nA: 19",
+    "The quick brown fox jumps over the lazy dog.",
+    "def add(a, b):\n    return a + b",
+)
+"""What both sides score: arithmetic, prose and code, so every embedding row that matters is used."""
+
+
+@dataclass(frozen=True)
+class ConversionReport:
+    source: str
+    output: str
+    step: int
+    max_logprob_error: float
+    tolerance: float
+
+
+def logprob_tolerance(precision: str | None) -> float:
+    """The largest difference of a token's logprob the check accepts: the backend computes in the
+    run's precision, ``transformers`` in float32."""
+    return 1e-3 if precision in (None, "float32") else 5e-2
+
+
+def step_directory(checkpoint: Path) -> Path:
+    """``checkpoint`` when it is a step directory, else the latest complete step of a run's
+    checkpoint directory; anything else is one line."""
+    from nrl_core.checkpoint.manager import INFO_FILE, STEP_DIR
+
+    if (checkpoint / INFO_FILE).is_file():
+        return checkpoint
+    if checkpoint.is_dir():  # read only: a CheckpointManager would tidy the directory up
+        steps = sorted((int(match.group(1)), path) for path in checkpoint.iterdir()
+                       if (match := STEP_DIR.match(path.name)) and (path / INFO_FILE).is_file())
+        if steps:
+            return steps[-1][1]
+    raise NrlError(f"{checkpoint}: not an nrl checkpoint (no {INFO_FILE}, no step_N directories); "
+                   "pass a run's checkpoint directory or one of its step directories")
+
+
+def checkpoint_to_hf(checkpoint: str, output: str, overrides: Iterable[str] = ()) -> ConversionReport:
+    """Write the policy of ``checkpoint`` (a step directory, or a run's checkpoint directory for its
+    latest step) as a Hugging Face model at ``output``; ``overrides`` change the saved config (the
+    base model's path when it moved: ``policy.model_name=...``)."""
+    from nrl_core.checkpoint.checksums import verify_tree
+    from nrl_core.checkpoint.manager import CheckpointManager
+    from nrl_core.config.loader import apply_overrides
+    from nrl_core.config.validate import choose_backends, validate_config
+
+    out = Path(output).expanduser()
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise NrlError(f"{out}: exists and is not empty; choose another output directory or remove it")
+    step = step_directory(Path(checkpoint).expanduser())
+    info = CheckpointManager.load_info(step)
+    if "files" in info:
+        verify_tree(step, info["files"], info.get("checksum", "xxh3_64"))
+    raw = dict(info["config"])
+    apply_overrides(raw, overrides)
+    config = validate_config(raw)
+    training = choose_backends(config, generation=False).training
+    tmp = out.parent / f".tmp_{out.name}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        trained, batch = _export_and_score(config, training, step, tmp)
+        error = _max_logprob_error(tmp, batch, trained, logprob_temperature(config))
+        tolerance = logprob_tolerance(config["policy"].get("precision"))
+        if error > tolerance:
+            raise NrlError(f"{step}: the exported model's logprobs differ from the checkpoint's by up to {error:.3g} "
+                           f"(tolerance {tolerance:g}); the export is wrong, nothing was written to {out}")
+        if out.exists():
+            out.rmdir()
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    report = ConversionReport(source=str(step), output=str(out), step=int(info["step"]),
+                              max_logprob_error=error, tolerance=tolerance)
+    logger.info("converted %s to %s: logprobs within %.2g of the checkpoint's", step, out, error)
+    return report
+
+
+def _export_and_score(config: Mapping[str, Any], training: Any, step: Path, tmp: Path) -> tuple[Any, Any]:
+    """Build the training workers, load ``step``'s policy, export it to ``tmp`` and score the probe
+    texts with the loaded weights."""
+    import ray
+
+    from nrl_core.algorithms.policy import Policy
+    from nrl_core.algorithms.setup import load_tokenizer
+    from nrl_core.cluster import init_ray, shutdown_ray
+
+    batch = probe_batch(load_tokenizer(config))
+    started_ray = not ray.is_initialized()
+    init_ray(config["cluster"])
+    policy = None
+    try:
+        policy = Policy(config, training, colocated_generation=False)
+        policy.load_checkpoint(str(step / "policy"))
+        policy.export_hf(str(tmp))
+        return policy.get_logprobs(batch), batch
+    finally:
+        if policy is not None:
+            policy.shutdown()
+        if started_ray:
+            shutdown_ray()
+
+
+def probe_batch(tokenizer: Any) -> Any:
+    """:data:`PROBE_TEXTS` as a right-padded :class:`~nrl_core.contracts.TokenBatch`, every token
+    after the first counted."""
+    import torch
+
+    from nrl_core.contracts import TokenBatch
+
+    rows = [tokenizer(text, add_special_tokens=True)["input_ids"] for text in PROBE_TEXTS]
+    width = max(len(r) for r in rows)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    ids = torch.full((len(rows), width), int(pad), dtype=torch.long)
+    mask = torch.zeros(len(rows), width)
+    for i, row in enumerate(rows):
+        ids[i, :len(row)] = torch.tensor(row)
+        mask[i, 1:len(row)] = 1.0
+    return TokenBatch(input_ids=ids, input_lengths=torch.tensor([len(r) for r in rows]), fields={"token_mask": mask})
+
+
+def _max_logprob_error(model_dir: Path, batch: Any, trained: Any, temperature: float) -> float:
+    """The largest difference between ``trained`` (the backend's logprobs, which divide the logits
+    by the sampling temperature) and the exported model's."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(batch.input_ids).logits
+    lp = torch.log_softmax(logits[:, :-1].float() / temperature, -1).gather(-1, batch.input_ids[:, 1:, None])[..., 0]
+    exported = torch.cat([torch.zeros(lp.shape[0], 1), lp], 1)
+    mask = batch.fields["token_mask"] > 0
+    return float((exported - trained.float()).abs()[mask].max())
