@@ -135,4 +135,5 @@ def resolve_model_dir(model: Any) -> str:
         raise ConfigError("policy.model_name", f"'{model}' does not exist; pass a Hugging Face model directory "
                                                "or an nrl checkpoint directory")
     raise ConfigError("policy.model_name", f"'{model}' holds no Hugging Face model (config.json) and no hf_export; "
-                                           "train with checkpointing.export_hf: true or pass an exported model")
+                                           "convert a checkpoint with `nrl convert checkpoint CKPT --out DIR` and "
+                                           "pass DIR")
