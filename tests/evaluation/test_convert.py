@@ -12,28 +12,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from nrl_core.testing.tiny_models import cached_tiny_model
-from tests.e2e.test_grpo import assert_ok, nrl_train
-from tests.e2e.test_grpo_matrix import MEGATRON
+from tests.e2e.test_grpo import assert_ok
 
 pytestmark = pytest.mark.slow
 
-SHORT = ["grpo.max_num_steps=2", "grpo.val_period=0", "grpo.val_at_end=false", "checkpointing.export_hf=true",
-         "checkpointing.metric_name=null"]
 
-
-@pytest.fixture(scope="module")
-def model() -> Path:
-    return cached_tiny_model("llama", size="small")
-
-
-@pytest.fixture(scope="module", params=["dtensor", "megatron"])
-def run(request, model, tmp_path_factory) -> Path:
-    """Two GRPO steps of either backend, checkpointed, and the last step's HF export."""
-    tmp = tmp_path_factory.mktemp(request.param)
-    backend = MEGATRON if request.param == "megatron" else ["policy.optimizer.kwargs.lr=0.05"]
-    assert_ok(nrl_train(tmp, model, *backend, *SHORT))
-    return tmp
+@pytest.fixture(params=["dtensor", "megatron"])
+def run(request) -> Path:
+    """Either backend's two GRPO steps, checkpointed, and the last step's HF export (conftest)."""
+    return request.getfixturevalue(f"{request.param}_run")
 
 
 def nrl_convert(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:

@@ -1,6 +1,6 @@
 """``nrl eval`` as a user runs it: on a GRPO run's checkpoint with the run's config it reproduces the
-run's last validation answer for answer; NeMo RL's eval layout gives the same answers; sampled
-evaluation reports pass@k and majority vote; bad input is one line."""
+run's last validation answer for answer, and so does NeMo RL's eval layout on the same problems;
+sampled evaluation reports pass@k and majority vote; bad input is one line."""
 
 from __future__ import annotations
 
@@ -12,28 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from nrl_core.testing.tiny_models import cached_tiny_model
-from tests.e2e.test_grpo import CONFIG, assert_ok, metrics, nrl_train
+from tests.e2e.test_grpo import CONFIG, assert_ok, metrics
+from tests.evaluation.conftest import VAL
 
 pytestmark = pytest.mark.slow
 
 NEMO_RL_LAYOUT = Path(__file__).with_name("nemo_rl_layout.yaml")
-VAL = ["data.generate.num_val=12", "grpo.max_val_samples=12", "grpo.val_batch_size=12"]
-
-
-@pytest.fixture(scope="module")
-def model() -> Path:
-    return cached_tiny_model("llama", size="small")
-
-
-@pytest.fixture(scope="module")
-def trained(model, tmp_path_factory) -> Path:
-    """Two GRPO steps that change the greedy answers, validated greedily at the end and exported."""
-    tmp = tmp_path_factory.mktemp("trained")
-    assert_ok(nrl_train(tmp, model, *VAL, "grpo.max_num_steps=2", "policy.optimizer.kwargs.lr=0.05",
-                        "policy.optimizer.kwargs.weight_decay=2.0", "checkpointing.export_hf=true",
-                        "checkpointing.metric_name=null"))
-    return tmp
 
 
 def nrl_eval(cwd: Path, config: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
@@ -58,15 +42,15 @@ def run_config(*extra: str) -> list[str]:
     return ["data.generate.num_train=64", *VAL, *extra]
 
 
-def test_eval_of_a_checkpoint_reproduces_the_runs_last_validation(trained, tmp_path):
-    proc = nrl_eval(tmp_path, CONFIG, f"policy.model_name={trained / 'ckpt'}", *run_config(),
+def test_eval_of_a_checkpoint_reproduces_the_runs_last_validation(dtensor_run, tmp_path):
+    proc = nrl_eval(tmp_path, CONFIG, f"policy.model_name={dtensor_run / 'ckpt'}", *run_config(),
                     f"++eval.save_path={tmp_path / 'out'}")
     assert_ok(proc)
     result = json.loads((tmp_path / "out" / "results.json").read_text())
-    last = metrics(trained)[-1]
+    last = metrics(dtensor_run)[-1]
     assert result["scores"]["accuracy"]["value"] == last["val/accuracy"]
     assert result["scores"]["pass@1"]["value"] == last["val/accuracy"] and result["temperature"] == 0.0
-    logged = [json.loads(line) for line in (trained / "logs" / "val_data_step2.jsonl").read_text().splitlines()]
+    logged = [json.loads(line) for line in (dtensor_run / "logs" / "val_data_step2.jsonl").read_text().splitlines()]
     evaluated = samples(tmp_path / "out")
     assert [s["prompt_token_ids"] for s in evaluated] == [s["prompt_token_ids"] for s in logged]
     assert [s["response_token_ids"] for s in evaluated] == [s["response_token_ids"] for s in logged]
@@ -74,24 +58,24 @@ def test_eval_of_a_checkpoint_reproduces_the_runs_last_validation(trained, tmp_p
     assert table(proc)[0].split()[0] == "pass@1"  # the table, headline first
 
 
-def test_nemo_rl_layout_evaluates_the_same_answers(trained, tmp_path, model):
+def test_nemo_rl_layout_evaluates_the_same_answers(dtensor_run, tmp_path):
     from nrl_core.data.arithmetic import arithmetic_splits
 
     _, val = arithmetic_splits(num_train=64, num_val=12, min_operand=0, max_operand=19, ops=["+", "-"], seed=0)
     data = tmp_path / "problems.jsonl"
     data.write_text("".join(json.dumps({"question": r["problem"], "answer": r["expected_answer"]}) + "\n" for r in val))
-    hf = trained / "ckpt" / "hf_export"
+    hf = dtensor_run / "ckpt" / "hf_export"
     proc = nrl_eval(tmp_path, NEMO_RL_LAYOUT, f"generation.model_name={hf}", f"data.dataset_name={data}",
                     f"eval.save_path={tmp_path / 'out'}")
     assert_ok(proc)
-    ours = nrl_eval(tmp_path, CONFIG, f"policy.model_name={hf}", *run_config(), f"++eval.save_path={tmp_path / 'ours'}")
-    assert_ok(ours)
-    assert [s["response_token_ids"] for s in samples(tmp_path / "out")] == \
-        [s["response_token_ids"] for s in samples(tmp_path / "ours")]
+    logged = [json.loads(line) for line in (dtensor_run / "logs" / "val_data_step2.jsonl").read_text().splitlines()]
+    evaluated = samples(tmp_path / "out")
+    assert [s["prompt_token_ids"] for s in evaluated] == [s["prompt_token_ids"] for s in logged]
+    assert [s["response_token_ids"] for s in evaluated] == [s["response_token_ids"] for s in logged]
 
 
-def test_sampled_eval_reports_pass_at_k_and_majority_vote(trained, tmp_path):
-    proc = nrl_eval(tmp_path, CONFIG, f"policy.model_name={trained / 'ckpt' / 'hf_export'}", *run_config(),
+def test_sampled_eval_reports_pass_at_k_and_majority_vote(dtensor_run, tmp_path):
+    proc = nrl_eval(tmp_path, CONFIG, f"policy.model_name={dtensor_run / 'ckpt' / 'hf_export'}", *run_config(),
                     "policy.generation.val_temperature=null", "++eval.num_tests_per_prompt=4", "++eval.k_value=2",
                     "++eval.metric=cons@k", f"++eval.save_path={tmp_path / 'out'}")
     assert_ok(proc)
