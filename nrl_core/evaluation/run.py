@@ -130,9 +130,9 @@ def evaluate(config: Mapping[str, Any], eval_cfg: Mapping[str, Any]) -> EvalRepo
         env.shutdown()
         if started_ray:
             shutdown_ray()
-    metadata = result.sample_metadata
-    answers = [m.get("answer") if m else None for m in metadata] if metadata and all(
-        m is not None and "answer" in m for m in metadata) else None
+    metadata = result.sample_metadata or []
+    stated = len(metadata) == len(result.rewards) and all(m is not None and "answer" in m for m in metadata)
+    answers = [m["answer"] for m in metadata] if stated else None
     results = [ProblemResult(prompt=d.prompt_text, rewards=result.rewards[i * n:(i + 1) * n],
                              responses=texts[i * n:(i + 1) * n],
                              answers=answers[i * n:(i + 1) * n] if answers is not None else None)
