@@ -40,7 +40,8 @@ from nrl_core.timeline import mark
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LaunchedGroup", "LaunchedPolicy", "colocated_generation", "launch_generation", "launch_policy",
+__all__ = ["LaunchedGroup", "LaunchedPolicy", "colocated_generation", "launch_engines", "launch_generation",
+           "launch_policy",
            "policy_launched_early", "start_generation_early", "take_early_generation", "take_early_policy"]
 
 
@@ -119,18 +120,26 @@ def launch_policy(config: Mapping[str, Any], training: TrainingBackendSpec, *, c
 
 def launch_generation(config: Mapping[str, Any], generation: GenerationBackendSpec,
                       training: TrainingBackendSpec) -> LaunchedGroup:
-    """Place the generation ranks of engines that are not colocated and create their actors, which
-    import ``generation``'s modules at once; :meth:`WorkerGroup.start` builds the engines."""
-    cluster = config["cluster"]
+    """The engines of the cluster's topology that are not colocated (:func:`launch_engines`)."""
     topology = cluster_topology(config)
-    placement = make_placement(cluster, topology.generation_world, name="generation", nodes=topology.generation_nodes)
+    return launch_engines(config, generation, topology.generation_world, nodes=topology.generation_nodes,
+                          collective_timeout_s=distributed_timeout_s(config, training.config_key))
+
+
+def launch_engines(config: Mapping[str, Any], generation: GenerationBackendSpec, world: int, *,
+                   collective_timeout_s: float, nodes: int | None = None, name: str = "generation") -> LaunchedGroup:
+    """Place ``world`` ranks of ``generation``'s engines in actors of their own and create them;
+    they import ``generation``'s modules at once, and :meth:`LaunchedGroup.finish_start` builds
+    the engines."""
+    cluster = config["cluster"]
+    engine_size = generation.engine_size(config["policy"]["generation"].get(generation.config_key) or {})
+    placement = make_placement(cluster, world, name=name, nodes=nodes)
     try:
         # engines of one rank are independent processes; only a multi-rank engine needs a group
-        group = WorkerGroup(generation.worker, topology.generation_world, name=f"generation-{generation.name}",
+        group = WorkerGroup(generation.worker, world, name=f"{name}-{generation.name}",
                             placement=placement, env_vars=dict(cluster.get("env_vars") or {}),
-                            distributed_backend="auto" if topology.engine_size > 1 else "none",
-                            collective_timeout_s=distributed_timeout_s(config, training.config_key),
-                            preload=_imports_of(generation), start=False)
+                            distributed_backend="auto" if engine_size > 1 else "none",
+                            collective_timeout_s=collective_timeout_s, preload=_imports_of(generation), start=False)
     except BaseException:
         placement.remove()
         raise

@@ -149,13 +149,8 @@ def probe_batch(tokenizer: Any) -> Any:
 def _max_logprob_error(model_dir: Path, batch: Any, trained: Any, temperature: float) -> float:
     """The largest difference between ``trained`` (the backend's logprobs, which divide the logits
     by the sampling temperature) and the exported model's."""
-    import torch
-    from transformers import AutoModelForCausalLM
+    from nrl_core.testing.conformance.scenarios import hf_logprobs, hf_model
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    with torch.no_grad():
-        logits = model(batch.input_ids).logits
-    lp = torch.log_softmax(logits[:, :-1].float() / temperature, -1).gather(-1, batch.input_ids[:, 1:, None])[..., 0]
-    exported = torch.cat([torch.zeros(lp.shape[0], 1), lp], 1)
+    exported = hf_logprobs(hf_model(model_dir), batch, temperature)
     mask = batch.fields["token_mask"] > 0
     return float((exported - trained.float()).abs()[mask].max())

@@ -18,6 +18,7 @@ import re
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+from nrl_core.checkpoint.manager import HF_EXPORT
 from nrl_core.config.schema import Field, Section
 from nrl_core.errors import ConfigError
 
@@ -128,7 +129,7 @@ def resolve_model_dir(model: Any) -> str:
         return str(model)  # a hub id, for machines that reach the hub
     if (path / "config.json").is_file():
         return str(path)
-    for candidate in (path / "hf_export", path.parent / "hf_export"):
+    for candidate in (path / HF_EXPORT, path.parent / HF_EXPORT):
         if (candidate / "config.json").is_file():
             return str(candidate)
     if not path.exists():

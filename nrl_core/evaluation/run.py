@@ -147,11 +147,12 @@ class EvalEngines:
     """The generation backend's engines on every device of the cluster, each reading the model."""
 
     def __init__(self, config: Mapping[str, Any]) -> None:
-        from nrl_core.cluster import WorkerGroup, make_placement
+        from nrl_core.algorithms.policy_launch import launch_engines
         from nrl_core.config import choose_backends
         from nrl_core.process_groups import distributed_timeout_s
 
-        spec = choose_backends(config, generation=True, warn=False).generation
+        choice = choose_backends(config, generation=True, warn=False)
+        spec = choice.generation
         assert spec is not None
         cluster = config["cluster"]
         world = int(cluster["gpus_per_node"]) * int(cluster["num_nodes"])
@@ -160,24 +161,20 @@ class EvalEngines:
             raise ConfigError("cluster.gpus_per_node", f"{world} devices do not hold whole engines of "
                                                        f"{self.engine_size}; use a multiple of it")
         self.num_engines = world // self.engine_size
-        self.placement = make_placement(cluster, world, name="eval-generation")
+        self.launched = launch_engines(config, spec, world, name="eval",
+                                       collective_timeout_s=distributed_timeout_s(config, choice.training.config_key))
+        self.hosts = self.launched.group
         try:
-            self.hosts = WorkerGroup(spec.worker, world, name=f"eval-{spec.name}", init_kwargs={"config": dict(config)},
-                                     placement=self.placement, env_vars=dict(cluster.get("env_vars") or {}),
-                                     distributed_backend="auto" if self.engine_size > 1 else "none",
-                                     collective_timeout_s=distributed_timeout_s(config, "generation"))
+            self.launched.finish_start({"config": dict(config)})
         except BaseException:
-            self.placement.remove()
+            self.launched.discard()
             raise
 
     def __enter__(self) -> "EvalEngines":
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        try:
-            self.hosts.shutdown()
-        finally:
-            self.placement.remove()
+        self.launched.discard()
 
 
 def _split(data: Any, split: str) -> list[Any]:
@@ -194,20 +191,14 @@ def _save(directory: Path, report: EvalReport, results: Sequence[ProblemResult],
           token_ids: Sequence[Sequence[int]], n: int) -> None:
     """``results.json`` (the report) and ``samples.jsonl`` (one line per sample), each written to a
     temporary name first and renamed, so an interrupted write never leaves a partial file."""
+    from nrl_core.data.datasets import write_jsonl
+
     directory.mkdir(parents=True, exist_ok=True)
-    _write_atomically(directory / "results.json", json.dumps(asdict(report), indent=2) + "\n")
-    lines = []
-    for i, (problem, datum) in enumerate(zip(results, problems)):
-        for j in range(n):
-            lines.append(json.dumps({"problem": i, "sample": j, "prompt": problem.prompt,
-                                     "response": problem.responses[j], "reward": problem.rewards[j],
-                                     "answer": problem.answers[j] if problem.answers is not None else None,
-                                     "prompt_token_ids": list(datum.prompt_ids),
-                                     "response_token_ids": list(token_ids[i * n + j])}))
-    _write_atomically(directory / "samples.jsonl", "\n".join(lines) + "\n")
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    temporary = path.with_name(f".{path.name}.tmp")
-    temporary.write_text(text, encoding="utf-8")
-    temporary.replace(path)
+    temporary = directory / ".results.json.tmp"
+    temporary.write_text(json.dumps(asdict(report), indent=2) + "\n", encoding="utf-8")
+    temporary.replace(directory / "results.json")
+    write_jsonl([{"problem": i, "sample": j, "prompt": problem.prompt, "response": problem.responses[j],
+                  "reward": problem.rewards[j], "answer": problem.answers[j] if problem.answers is not None else None,
+                  "prompt_token_ids": list(datum.prompt_ids), "response_token_ids": list(token_ids[i * n + j])}
+                 for i, (problem, datum) in enumerate(zip(results, problems)) for j in range(n)],
+                directory / "samples.jsonl")
