@@ -42,10 +42,14 @@ def run_config(*extra: str) -> list[str]:
     return ["data.generate.num_train=64", *VAL, *extra]
 
 
-def test_eval_of_a_checkpoint_reproduces_the_runs_last_validation(dtensor_run, tmp_path):
+@pytest.mark.parametrize("engines", [1, 2])
+def test_eval_of_a_checkpoint_reproduces_the_runs_last_validation(dtensor_run, tmp_path, engines):
+    """With one engine, and with the problems split over two."""
     proc = nrl_eval(tmp_path, CONFIG, f"policy.model_name={dtensor_run / 'ckpt'}", *run_config(),
-                    f"++eval.save_path={tmp_path / 'out'}")
+                    f"cluster.gpus_per_node={engines}", f"++eval.save_path={tmp_path / 'out'}")
     assert_ok(proc)
+    [engine_group] = [line for line in proc.stderr.splitlines() if "eval-vllm: rank 0 pid" in line]
+    assert engine_group.count(" pid ") == engines
     result = json.loads((tmp_path / "out" / "results.json").read_text())
     last = metrics(dtensor_run)[-1]
     assert result["scores"]["accuracy"]["value"] == last["val/accuracy"]
