@@ -145,6 +145,42 @@ def _cmd_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_plugin_commands(groups: dict[str, argparse._SubParsersAction]) -> None:
+    """The subcommands installed plugins add (``nrl_commands``): each one's arguments now, its
+    code when it runs. A command that names an unknown group, or a name already taken, is skipped
+    with a warning: one plugin's mistake never breaks ``nrl``."""
+    from nrl_core.contracts import import_object
+    from nrl_core.plugins import get_plugin_manager
+
+    registry = get_plugin_manager().commands()
+    for spec in registry:
+        where = f"command '{spec.name}' of {spec.distribution}"
+        group = groups.get(spec.group)
+        if group is None or spec.name in group.choices or spec.name in registry.clashes:
+            why = (f"its group '{spec.group}' is not one of {', '.join(sorted(groups))}" if group is None
+                   else registry.clashes.get(spec.name, f"nrl {spec.group} {spec.name} exists already"))
+            logging.getLogger(__name__).warning("%s is not added: %s", where, why)
+            continue
+        parser = group.add_parser(spec.name, help=spec.help)
+        try:
+            import_object(spec.arguments)(parser)
+        except Exception as exc:  # noqa: BLE001 - a broken plugin must not take nrl down
+            group.choices.pop(spec.name, None)
+            logging.getLogger(__name__).warning("%s is not added: its arguments (%s) failed: %s: %s", where,
+                                                spec.arguments, type(exc).__name__, exc)
+            continue
+        parser.set_defaults(func=_plugin_command(spec.entry))
+
+
+def _plugin_command(entry: str):  # noqa: ANN202 - an argparse handler
+    def run(args: argparse.Namespace) -> int:
+        from nrl_core.contracts import import_object
+
+        return int(import_object(entry)(args) or 0)
+
+    return run
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nrl", description="Reinforcement-learning post-training for language models.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -195,6 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     to_hf.add_argument("--out", required=True, help="the Hugging Face model directory to write (new or empty)")
     to_hf.add_argument("overrides", nargs="*", help="changes to the saved config, e.g. policy.model_name=PATH")
     to_hf.set_defaults(func=_cmd_convert_checkpoint)
+    _add_plugin_commands({"convert": convert_sub})
 
     train = sub.add_parser("train", help="run an algorithm")
     train.add_argument("algorithm", help="algorithm name (grpo, sft, ...)")

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
     from nrl_core.config.schema import Section
 
-CONTRACT_VERSION: int = 7
+CONTRACT_VERSION: int = 8
 """The version of the plugin contract this module defines, apart from nrl-core's package version.
 A plugin states the version it was written for as ``NRL_CONTRACT = N`` in its entry-point module;
 :mod:`nrl_core.contract_versions` lists every version the core still serves and what each changed."""
@@ -256,6 +256,27 @@ class MetricSinkSpec:
     sink: str
     distribution: str
     description: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommandSpec:
+    """A subcommand a plugin adds to ``nrl``, returned by ``nrl_commands``: ``nrl <group> <name>``.
+
+    Only ``group`` ``"convert"`` is offered, so conversions that belong to one engine (Megatron's
+    checkpoint layouts) live in that engine's distribution. ``arguments`` is the import path of a
+    function that adds the command's arguments to an ``argparse.ArgumentParser``; it is imported
+    when ``nrl`` builds its parser, so its module must import nothing heavy. ``entry`` is the
+    import path of a function taking the parsed ``argparse.Namespace`` and returning an exit code;
+    it is imported only when the command runs. An :class:`~nrl_core.errors.NrlError` it raises is
+    printed as one line, as for every ``nrl`` command.
+    """
+
+    name: str
+    group: str
+    arguments: str
+    entry: str
+    distribution: str
+    help: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
         AdvantageEstimatorSpec,
         AlgorithmSpec,
         CheckpointOptions,
+        CommandSpec,
         DataProcessorSpec,
         DatasetGeneratorSpec,
         EnvironmentSpec,
@@ -137,6 +138,13 @@ def nrl_loss_functions() -> "list[LossFunctionSpec] | None":
     per run by the algorithm, which ships the built loss to the workers with every train call.
     Collecting. The core's ``clipped_pg`` (NeMo RL's ``ClippedPGLossFn``) registers here too.
     """
+
+
+@hookspec
+def nrl_commands() -> "list[CommandSpec] | None":
+    """Subcommands this plugin adds to ``nrl`` (``nrl convert <name>``), each a
+    :class:`~nrl_core.contracts.CommandSpec`. Called once when ``nrl`` builds its parser; the
+    command's code is imported only when it runs. Since contract 8."""
 
 
 @hookspec(firstresult=True)

@@ -41,6 +41,7 @@ from nrl_core.contracts import (
     CONTRACT_VERSION,
     AdvantageEstimatorSpec,
     AlgorithmSpec,
+    CommandSpec,
     DataProcessorSpec,
     DatasetGeneratorSpec,
     EnvironmentSpec,
@@ -335,6 +336,9 @@ class PluginManager:
 
     def loss_functions(self) -> Registry[LossFunctionSpec]:
         return self._registry("loss function", self._pm.hook.nrl_loss_functions)
+
+    def commands(self) -> Registry[CommandSpec]:
+        return self._registry("command", self._pm.hook.nrl_commands)
 
     # ------------------------------------------------------------------ dispatch hooks
 

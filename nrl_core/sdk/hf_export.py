@@ -36,7 +36,8 @@ def _shards(state: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, to
     return shards
 
 
-def _copy_tokenizer(source: str, out: Path) -> None:
+def copy_tokenizer(source: str, out: Path) -> None:
+    """The tokenizer of ``source`` (a directory's files, else whatever ``transformers`` loads) into ``out``."""
     copied = [name for name in TOKENIZER_FILES if (Path(source) / name).is_file()]
     for name in copied:
         shutil.copy2(Path(source) / name, out / name)
@@ -75,7 +76,7 @@ def write_hf_export(buckets: Iterable[list[tuple[str, torch.Tensor]]], hf_config
         config = copy.deepcopy(hf_config)
         config.dtype = getattr(torch, dtype)  # what the files hold: HF loads "auto" from it
         config.save_pretrained(str(out))
-        _copy_tokenizer(tokenizer_source, out)
+        copy_tokenizer(tokenizer_source, out)
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():

@@ -36,6 +36,8 @@ def check_config(config: Mapping[str, Any]) -> None:
         check_moe_section(section, hf_config, on_gpu=True)
         family_of(hf_config)
         hf_inv_freq(hf_config)  # refuses RoPE variants the backend cannot reproduce
+    if section.get("pretrained_checkpoint"):
+        check_pretrained(section["pretrained_checkpoint"], hf_config, str(policy["model_name"]))
     logging_level(section["logging_level"])
     check_optimizer_section(section)
     dp = world // (layout.tp * layout.pp * layout.cp)
@@ -46,6 +48,22 @@ def check_config(config: Mapping[str, Any]) -> None:
                               f"{mbs} does not divide the {local} sequences of each of the {dp} data-parallel ranks "
                               f"(policy.train_global_batch_size / data-parallel size); Megatron's pipeline needs "
                               f"equal micro-batches")
+
+
+def check_pretrained(path: str, hf_config: Any, model_name: str) -> None:
+    """The Megatron checkpoint to start from, as far as the driver can tell: its layout, the
+    architecture it records against the HF config, and its shard files (the tensors' shapes are
+    checked by the workers, which build the model)."""
+    from nrl_backend_megatron.convert.megatron_checkpoint import MegatronCheckpointError, check_architecture, \
+        check_files, locate
+
+    try:
+        checkpoint = locate(path)
+        if hf_config is not None:
+            check_architecture(checkpoint, hf_config, model_name)
+        check_files(checkpoint)
+    except MegatronCheckpointError as exc:
+        raise ConfigError(f"{KEY}.pretrained_checkpoint", str(exc)) from None
 
 
 def layout_of(section: Mapping[str, Any]) -> Any:

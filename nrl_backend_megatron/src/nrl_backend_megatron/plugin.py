@@ -5,12 +5,13 @@ Imports nothing heavy: the worker module (torch, megatron) is only named by its 
 
 from __future__ import annotations
 
-from nrl_core.contracts import TrainingBackendSpec
+from nrl_core.contracts import CommandSpec, TrainingBackendSpec
 from nrl_core.hookspecs import hookimpl
 
+from nrl_backend_megatron import commands
 from nrl_backend_megatron.schema import MEGATRON_CFG_SCHEMA
 
-NRL_CONTRACT = 5  # the plugin contract this distribution is written for (docs/plugins.md)
+NRL_CONTRACT = 8  # the plugin contract this distribution is written for (docs/plugins.md)
 
 WORKER_PATH = "nrl_backend_megatron.worker:MegatronPolicyWorker"
 
@@ -26,3 +27,7 @@ def nrl_training_backends() -> list[TrainingBackendSpec]:
         description="Megatron-Core: tensor/pipeline parallel training, dist_checkpointing",
     )]
 
+
+@hookimpl
+def nrl_commands() -> list[CommandSpec]:
+    return commands.specs("nrl-backend-megatron")

@@ -106,6 +106,12 @@ MEGATRON_CFG_SCHEMA: Section = MegatronCfgSection(doc="Megatron-Core training ba
                                            "worker does not, so a non-zero level is named in the inert-keys warning"),
     "converter_type": _inert(None),
     "force_reconvert_from_hf": Field(type=bool, default=False),
+    "pretrained_checkpoint": Field(type=str, default=None, nullable=True,
+                                   doc="start from this Megatron-Core checkpoint instead of converting "
+                                       "policy.model_name: Megatron-LM's or Megatron-Bridge's directory (its "
+                                       "latest iteration), one iteration, or a bare dist_checkpointing directory; "
+                                       "policy.model_name still gives the architecture, tokenizer and vLLM's model "
+                                       "(docs/megatron_checkpoints.md)"),
     "convert_on_each_node": Field(type=bool, default=False,
                                   doc="the conversion directory is not shared: the first rank of every node "
                                       "converts its own copy (see docs/cluster.md)"),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from functools import partial
 from pathlib import Path
 from typing import Any, Iterator, Mapping
@@ -31,6 +32,8 @@ from nrl_backend_megatron.checkpoint_dir import CheckpointDirError, Conversion, 
     identity, require_converted
 from nrl_backend_megatron.checks import layout_of, logging_level
 from nrl_backend_megatron.convert import canonical_shapes, family_of, megatron_to_hf_items
+from nrl_backend_megatron.convert.megatron_checkpoint import MegatronCheckpointError, check_architecture, \
+    check_files, check_tensors, locate
 from nrl_backend_megatron.convert.sharded import convert_in_subprocess, load_shard
 from nrl_backend_megatron.model import DTYPES, build_gpt_model, te_available, transformer_config
 from nrl_backend_megatron.moe import RouterMetrics, check_moe_section, freeze_router, is_moe, mark_experts_parallel
@@ -124,6 +127,8 @@ class MegatronPolicyWorker(TrainingWorkerBase):
         ``convert_on_each_node`` (a directory that is not shared, by choice) does the first rank of
         every node (``LOCAL_RANK`` 0) convert its node's own copy.
         """
+        if self.cfg.get("pretrained_checkpoint"):
+            return self._pretrained()
         target = converted_dir(self.model_name, self.overrides)
         expected = {**identity(self.model_name, self.hf_config.to_dict(), self.overrides),
                     "transformer_engine": te_available()}  # TE and local layers store different keys
@@ -140,12 +145,23 @@ class MegatronPolicyWorker(TrainingWorkerBase):
             except CheckpointDirError as exc:
                 problem = str(exc)
         # Every rank learns of a rank that cannot see it, so none waits in the load's collectives.
-        problems: list[str | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(problems, problem)
-        first = next((p for p in problems if p), None)
-        if first is not None:
-            raise CheckpointDirError(first)
+        _raise_first_problem(problem, CheckpointDirError)
         return result
+
+    def _pretrained(self) -> Conversion:
+        """The Megatron checkpoint ``pretrained_checkpoint`` names, checked on every rank (each must
+        see it) against the HF config before any rank reads a tensor; no conversion."""
+        problem, path = None, None
+        try:
+            checkpoint = locate(self.cfg["pretrained_checkpoint"])
+            check_architecture(checkpoint, self.hf_config, self.model_name)
+            check_files(checkpoint)
+            path = checkpoint.path
+        except MegatronCheckpointError as exc:
+            problem = f"rank {dist.get_rank()} on {socket.gethostname()}: {exc}" if dist.get_rank() else str(exc)
+        _raise_first_problem(problem, MegatronCheckpointError)
+        logger.info("starting from the %s checkpoint %s", checkpoint.layout, path)
+        return Conversion(path, converted=False)
 
     def _write_conversion(self, out: Path) -> None:
         convert_in_subprocess(self.model_path, out, self.cfg, self.overrides,
@@ -166,7 +182,15 @@ class MegatronPolicyWorker(TrainingWorkerBase):
         self.hf_config_dropout()
         model = build_gpt_model(self.hf_config, self.tconfig, pre_process=self.is_first_stage,
                                 post_process=self.is_last_stage).to(self.device)
-        load_shard(model, self.conversion.path)  # this rank's part only
+        sharded = model.sharded_state_dict()
+        if self.cfg.get("pretrained_checkpoint"):
+            problem = None
+            try:
+                check_tensors(self.conversion.path, sharded, self.model_name)
+            except MegatronCheckpointError as exc:
+                problem = str(exc)
+            _raise_first_problem(problem, MegatronCheckpointError)
+        load_shard(model, self.conversion.path, sharded)  # this rank's part only
         self.model = model
         self.router_metrics = None
         if is_moe(self.hf_config):
@@ -444,3 +468,13 @@ class MegatronPolicyWorker(TrainingWorkerBase):
         """Wait for an asynchronous save to be written and finalized (also runs at exit)."""
         if getattr(self, "ckpt", None) is not None and dist.is_initialized():
             self.ckpt.finalize()
+
+
+def _raise_first_problem(problem: str | None, error: type[Exception]) -> None:
+    """Collective: every rank raises the first rank's problem, so none is left waiting in a
+    collective the others never reach."""
+    problems: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(problems, problem)
+    first = next((p for p in problems if p), None)
+    if first is not None:
+        raise error(first)

@@ -35,7 +35,7 @@ __all__ = ["CHUNKS_PER_AXIS", "convert_in_subprocess", "fine_grained", "load_hf_
 
 CHUNKS_PER_AXIS = 8
 # torchrun-style variables of the rank that spawns the converter; the converter is its own world
-_RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
+RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
               "TORCHELASTIC_RUN_ID")
 
 
@@ -125,7 +125,7 @@ def convert_in_subprocess(model_path: str, out_dir: Path, megatron_cfg: Mapping[
     spec = out_dir.parent / f".{out_dir.name}.request.json"
     spec.write_text(json.dumps({"model_path": model_path, "out_dir": str(out_dir), "megatron_cfg": dict(megatron_cfg),
                                 "overrides": dict(overrides), "trust_remote_code": trust_remote_code}, default=str))
-    env = {k: v for k, v in os.environ.items() if k not in _RANK_VARS}
+    env = {k: v for k, v in os.environ.items() if k not in RANK_VARS}
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
@@ -139,11 +139,30 @@ def convert_in_subprocess(model_path: str, out_dir: Path, megatron_cfg: Mapping[
         raise NrlError(f"converting {model_path} into {out_dir} failed: {lines[-1].strip()}")
 
 
-def load_shard(model: Any, path: Path) -> None:
-    """Load ``model``'s part of the conversion at ``path`` (collective over the run's ranks)."""
+def load_shard(model: Any, path: Path, sharded: Any = None) -> None:
+    """Load ``model``'s part of the dist_checkpointing directory at ``path`` (collective over the
+    run's ranks): an HF conversion, or a Megatron-LM or Megatron-Bridge iteration. Only the model's
+    tensors are read: a training checkpoint's ``common.pt`` (Megatron-LM's pickled ``args``) is
+    never unpickled here, see :func:`~nrl_backend_megatron.convert.megatron_checkpoint.read_args`."""
     from megatron.core import dist_checkpointing
 
-    model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), str(path)))
+    state = dist_checkpointing.load({"model": sharded if sharded is not None else model.sharded_state_dict()},
+                                    str(path), common_strategy=_ModelTensorsOnly())
+    model.load_state_dict(state["model"])
+
+
+def _model_tensors_only() -> type:
+    from megatron.core.dist_checkpointing.strategies.common import TorchCommonLoadStrategy
+
+    class ModelTensorsOnly(TorchCommonLoadStrategy):
+        def load_common(self, checkpoint_dir: Any) -> dict[str, Any]:
+            return {}
+
+    return ModelTensorsOnly
+
+
+def _ModelTensorsOnly() -> Any:  # noqa: N802 - reads as the class it builds
+    return _model_tensors_only()()
 
 
 def _main(argv: list[str]) -> None:
