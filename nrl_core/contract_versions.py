@@ -75,7 +75,7 @@ CONTRACT_HISTORY: tuple[ContractVersion, ...] = (
         "Episode and EnvStep; EnvironmentSpec.multi_turn",)),
     ContractVersion(7, "7d9f829", added=(
         "EnvResult.sample_metadata: per-sample details, logged beside each rollout",)),
-    ContractVersion(8, "HEAD", added=(
+    ContractVersion(8, "16f5e12", added=(
         "hook nrl_commands with CommandSpec: a plugin's subcommands of nrl (nrl convert NAME)",)),
 )
 """Every contract version, oldest first; docs/plugins.md and docs/changelog.md repeat it."""
