@@ -142,7 +142,7 @@ def nrl_loss_functions() -> "list[LossFunctionSpec] | None":
 
 @hookspec
 def nrl_commands() -> "list[CommandSpec] | None":
-    """Subcommands this plugin adds to ``nrl`` (``nrl convert <name>``), each a
+    """Collecting: subcommands this plugin adds to ``nrl`` (``nrl convert <name>``), each a
     :class:`~nrl_core.contracts.CommandSpec`. Called once when ``nrl`` builds its parser; the
     command's code is imported only when it runs. Since contract 8."""
 
