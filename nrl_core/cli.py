@@ -241,8 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    freeze_at_exit()
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = build_parser()
     # Overrides may follow options (``train grpo --config c.yaml a.b=1``), which argparse's
     # positional matching does not collect; take them from the leftovers.
@@ -252,9 +251,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if extra:
         args.overrides = [*args.overrides, *extra]
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    freeze_at_exit()
     try:
+        args = _parse(argv)  # loads the plugins, whose subcommands join the parser
+        logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                            format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
         return args.func(args)
     except WorkerRaisedError as exc:
         if os.environ.get("NRL_DEBUG"):

@@ -34,7 +34,7 @@ from nrl_backend_megatron.checks import layout_of, logging_level
 from nrl_backend_megatron.convert import canonical_shapes, family_of, megatron_to_hf_items
 from nrl_backend_megatron.convert.megatron_checkpoint import MegatronCheckpointError, check_architecture, \
     check_files, check_tensors, locate
-from nrl_backend_megatron.convert.sharded import convert_in_subprocess, load_shard
+from nrl_backend_megatron.convert.sharded import convert_in_subprocess, load_shard, save_conversion
 from nrl_backend_megatron.model import DTYPES, build_gpt_model, te_available, transformer_config
 from nrl_backend_megatron.moe import RouterMetrics, check_moe_section, freeze_router, is_moe, mark_experts_parallel
 from nrl_backend_megatron.optim import build_optimizer, main_params, optimizer_step
@@ -164,8 +164,11 @@ class MegatronPolicyWorker(TrainingWorkerBase):
         return Conversion(path, converted=False)
 
     def _write_conversion(self, out: Path) -> None:
-        convert_in_subprocess(self.model_path, out, self.cfg, self.overrides,
-                              bool(self.policy.get("trust_remote_code", False)))
+        trust = bool(self.policy.get("trust_remote_code", False))
+        if dist.get_world_size() == 1:  # Megatron's state is at TP=PP=EP=1 already: no child needed
+            save_conversion(self.model_path, str(out), self.cfg, self.overrides, trust)
+        else:
+            convert_in_subprocess(self.model_path, out, self.cfg, self.overrides, trust)
 
     def _build(self) -> None:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, \

@@ -2,7 +2,9 @@
 
 Rank 0 converts once: a child process (a world of one, so that Megatron's collective save has a
 world to itself while the run's ranks wait) reads the HF safetensors, builds the whole model at
-tensor/pipeline/expert parallel 1, and saves it with ``megatron.core.dist_checkpointing``. Every
+tensor/pipeline/expert parallel 1, and saves it with ``megatron.core.dist_checkpointing``. A run
+that is itself a world of one converts in its own process (:func:`save_conversion`), sparing the
+child's imports. Every
 rank of every layout (TP, PP, EP) then loads from it with its own model's
 ``sharded_state_dict()``: Megatron maps each local parameter to its slice of the global tensor,
 and the reader fetches only the stored chunks that overlap it.
@@ -31,7 +33,7 @@ import torch
 from nrl_core.errors import NrlError
 
 __all__ = ["CHUNKS_PER_AXIS", "convert_in_subprocess", "fine_grained", "load_hf_state", "load_shard",
-           "write_sharded"]
+           "save_conversion", "write_sharded"]
 
 CHUNKS_PER_AXIS = 8
 # torchrun-style variables of the rank that spawns the converter; the converter is its own world
@@ -89,19 +91,36 @@ def write_sharded(model_path: str, out_dir: str, megatron_cfg: Mapping[str, Any]
                   trust_remote_code: bool) -> None:
     """Convert in this process, which must be a world of one (the child :func:`convert_in_subprocess` starts)."""
     import torch.distributed as dist
-    from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
-    from transformers import AutoConfig
+    from megatron.core import parallel_state, tensor_parallel
 
     from nrl_backend_megatron import cpu_shim
-    from nrl_backend_megatron.convert.mapping import hf_to_megatron
-    from nrl_backend_megatron.model import ParallelLayout, build_gpt_model, transformer_config
-    from nrl_backend_megatron.weights import load_full_state
 
     cpu_shim.install()
     dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo", rank=0, world_size=1)
     try:
         parallel_state.initialize_model_parallel()
         tensor_parallel.model_parallel_cuda_manual_seed(0)
+        save_conversion(model_path, out_dir, megatron_cfg, overrides, trust_remote_code)
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def save_conversion(model_path: str, out_dir: str, megatron_cfg: Mapping[str, Any], overrides: Mapping[str, Any],
+                    trust_remote_code: bool) -> None:
+    """Build the whole model from the HF checkpoint and save it, fine-grained, with
+    dist_checkpointing; needs Megatron's parallel state at TP=PP=EP=1 in a world of one. The
+    random states are put back afterwards: building the model draws from them."""
+    from megatron.core import dist_checkpointing, tensor_parallel
+    from transformers import AutoConfig
+
+    from nrl_backend_megatron.convert.mapping import hf_to_megatron
+    from nrl_backend_megatron.model import ParallelLayout, build_gpt_model, transformer_config
+    from nrl_backend_megatron.weights import load_full_state
+
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    saved_tracker, saved_cpu = tracker.get_states(), torch.get_rng_state()
+    try:
         hf_config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
         for key, value in overrides.items():
             setattr(hf_config, key, value)
@@ -115,8 +134,8 @@ def write_sharded(model_path: str, out_dir: str, megatron_cfg: Mapping[str, Any]
         del state
         dist_checkpointing.save(fine_grained(model.sharded_state_dict()), out_dir)
     finally:
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
+        tracker.set_states(saved_tracker)
+        torch.set_rng_state(saved_cpu)
 
 
 def convert_in_subprocess(model_path: str, out_dir: Path, megatron_cfg: Mapping[str, Any],
