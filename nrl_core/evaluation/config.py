@@ -20,6 +20,7 @@ from typing import Any, Iterable, Mapping
 
 from nrl_core.checkpoint.manager import HF_EXPORT
 from nrl_core.config.schema import Field, Section
+from nrl_core.evaluation.adapters import is_adapter, merged_model_dir
 from nrl_core.errors import ConfigError
 
 __all__ = ["EVAL", "load_eval_config", "from_nemo_rl_layout", "resolve_model_dir"]
@@ -120,18 +121,19 @@ def from_nemo_rl_layout(raw: Mapping[str, Any]) -> dict[str, Any]:
 
 def resolve_model_dir(model: Any) -> str:
     """A Hugging Face model directory for ``model``: itself, or the ``hf_export`` of an nrl run's
-    checkpoint directory. Anything else is one line saying what to pass."""
+    checkpoint directory; a LoRA adapter (either of those) is merged into its base first. Anything
+    else is one line saying what to pass."""
     if not model:
         raise ConfigError("policy.model_name", "no model to evaluate; set it (generation.model_name in NeMo RL's "
                                                "layout) to a Hugging Face directory or an nrl checkpoint directory")
     path = Path(str(model)).expanduser()
     if not path.exists() and _HUB_ID.fullmatch(str(model)):
         return str(model)  # a hub id, for machines that reach the hub
-    if (path / "config.json").is_file():
-        return str(path)
-    for candidate in (path / HF_EXPORT, path.parent / HF_EXPORT):
+    for candidate in (path, path / HF_EXPORT, path.parent / HF_EXPORT):
         if (candidate / "config.json").is_file():
             return str(candidate)
+        if is_adapter(candidate):  # a LoRA run's export: the engines load its base with the adapter merged in
+            return str(merged_model_dir(candidate))
     if not path.exists():
         raise ConfigError("policy.model_name", f"'{model}' does not exist; pass a Hugging Face model directory "
                                                "or an nrl checkpoint directory")

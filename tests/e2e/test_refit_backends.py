@@ -3,7 +3,8 @@ GRPO uses: after training changes the weights, vLLM's greedy output equals HF ``
 policy's exported weights, token for token; a refit that changes nothing changes no output; and
 vLLM's logprobs of tokens it sampled at temperature 0.7 agree with the policy's. Megatron runs
 tensor-parallel 2 (two Ray workers) into a vLLM engine of tensor-parallel 1, which needs
-resharding into full HF tensors."""
+resharding into full HF tensors. With LoRA adapters the engine gets the merged weights, and its
+greedy output equals that of the merged model the policy exports."""
 
 from __future__ import annotations
 
@@ -26,6 +27,13 @@ SAMPLING = ["policy.generation.temperature=0.7"]  # the policy's logprobs must f
 CASES = {
     "dtensor-colocated": ["policy.generation.colocated.enabled=true", *SAMPLING],
     "megatron-tp2-noncolocated": [*SAMPLING, *megatron_noncolocated("tensor_model_parallel_size", 5e-3)],
+    # the engine receives the base weights with the adapters merged in; the HF model is the merged export
+    "dtensor-lora-colocated": ["policy.generation.colocated.enabled=true", *SAMPLING,
+                               "++policy.dtensor_config.lora_cfg.enabled=true", "++policy.dtensor_config.lora_cfg.export=merged",
+                               "policy.optimizer.kwargs.lr=2e-2"],
+    "megatron-lora-tp2-noncolocated": [*SAMPLING, *megatron_noncolocated("tensor_model_parallel_size", 2e-2),
+                                       "++policy.megatron_cfg.peft.enabled=true",
+                                       "++policy.megatron_cfg.peft.export=merged"],
 }
 
 

@@ -57,6 +57,8 @@ class TrainState:
     architecture: dict[str, Any]
     param_shapes: dict[str, list[int]]
     async_group: dist.ProcessGroup | None = None
+    frozen_in_checkpoints: bool = True  # False with LoRA: only the adapters (and their optimizer state) are saved
+    base_model: dict[str, Any] | None = None  # with LoRA: the base the adapters belong to (nrl_core.sdk.base_model_identity)
 
 
 @dataclass
@@ -96,6 +98,12 @@ class CheckpointIO:
 
     # ------------------------------------------------------------------ save
 
+    def _options(self, **kwargs: Any) -> StateDictOptions:
+        """Torch's state-dict options, leaving out frozen parameters (a LoRA run's base weights,
+        which a load then leaves as they are)."""
+        frozen = self.state.frozen_in_checkpoints
+        return StateDictOptions(ignore_frozen_params=not frozen, strict=frozen, **kwargs)
+
     def save(self, path: str, options: CheckpointOptions) -> None:
         """Save everything under ``path`` (collective). With ``async_save`` return once the write
         is scheduled; it completes at the next save, load or :meth:`finalize`."""
@@ -104,7 +112,7 @@ class CheckpointIO:
         os.makedirs(os.path.join(path, "rng"), exist_ok=True)
         pending = _Pending(path=path)
         if options.fully_parallel_save:
-            msd, osd = get_state_dict(self.state.model, self.state.optimizer)
+            msd, osd = get_state_dict(self.state.model, self.state.optimizer, options=self._options())
             target = {"model": msd, "optim": osd}
             if options.async_save:
                 pending.futures.append(dcp.async_save(target, checkpoint_id=os.path.join(path, SHARDED_DIR),
@@ -113,7 +121,7 @@ class CheckpointIO:
                 dcp.save(target, checkpoint_id=os.path.join(path, SHARDED_DIR))
             fmt = "sharded"
         else:
-            full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            full = self._options(full_state_dict=True, cpu_offload=True)
             msd, osd = get_state_dict(self.state.model, self.state.optimizer, options=full)
             if rank == 0:
                 write = lambda: torch.save({"model": msd, "optim": osd}, os.path.join(path, CONSOLIDATED))  # noqa: E731
@@ -125,7 +133,7 @@ class CheckpointIO:
                        os.path.join(path, TRAINER_STATE))
         pending.marker = {"format": fmt, "format_version": FORMAT_VERSION, "step": self.state.get_step(),
                           "world_size": dist.get_world_size(), "architecture": self.state.architecture,
-                          "param_shapes": self.state.param_shapes}
+                          "param_shapes": self.state.param_shapes, "base_model": self.state.base_model}
         self._pending = pending
         if not options.async_save:
             self.finalize()
@@ -169,6 +177,15 @@ class CheckpointIO:
             if os.path.getsize(full) != size:
                 raise NrlError(f"checkpoint '{path}' is truncated: file '{rel}' has {os.path.getsize(full)} bytes, "
                                f"{size} were written")
+        saved_base, base = marker.get("base_model"), self.state.base_model
+        if saved_base != base:
+            if base is None or saved_base is None:
+                raise NrlError(f"checkpoint '{path}' is {'a LoRA' if saved_base else 'a full-weight'} checkpoint and this "
+                               f"run {'trains LoRA adapters' if base else 'trains full weights'}; set "
+                               "policy.dtensor_config.lora_cfg.enabled as the run that saved it did")
+            raise NrlError(f"checkpoint '{path}' holds LoRA adapters of another base model ({saved_base.get('model')}, "
+                           f"weights {saved_base.get('checksum')}) than policy.model_name ({base.get('model')}, weights "
+                           f"{base.get('checksum')}); resume on the base it was trained from")
         theirs, ours = marker.get("param_shapes", {}), self.state.param_shapes
         arch = marker.get("architecture", {}).get("model_type")
         if theirs != ours:
@@ -210,10 +227,10 @@ class CheckpointIO:
 
     def _read_every_rank(self, path: str, fmt: str) -> tuple[Any, Any, StateDictOptions]:
         if fmt == "sharded":
-            msd, osd = get_state_dict(self.state.model, self.state.optimizer)
+            msd, osd = get_state_dict(self.state.model, self.state.optimizer, options=self._options())
             staged = {"model": _clone(msd), "optim": _clone(osd)}
             dcp_load(staged, os.path.join(path, SHARDED_DIR))
-            return staged["model"], staged["optim"], StateDictOptions()
+            return staged["model"], staged["optim"], self._options()
         full = load_file(os.path.join(path, CONSOLIDATED), map_location="cpu")
         return self._shard_like_live(full["model"], full["optim"])
 
@@ -223,8 +240,8 @@ class CheckpointIO:
         Why not ``set_state_dict(full_state_dict=True)``: it assigns new parameter objects, which
         leaves the optimizer pointing at the old ones; a sharded load copies in place.
         """
-        live_m, live_o = get_state_dict(self.state.model, self.state.optimizer)
-        return _shard_like(model_sd, live_m), _shard_like(optim_sd, live_o), StateDictOptions()
+        live_m, live_o = get_state_dict(self.state.model, self.state.optimizer, options=self._options())
+        return _shard_like(model_sd, live_m), _shard_like(optim_sd, live_o), self._options()
 
     def _read_rank0_broadcast(self, path: str, fmt: str) -> tuple[Any, Any, StateDictOptions]:
         rank0 = dist.get_rank() == 0
@@ -234,7 +251,7 @@ class CheckpointIO:
         if fmt == "sharded":
             # rank 0 reads the shards of every rank into full-size tensors, without collectives
             msd, osd = get_state_dict(self.state.model, self.state.optimizer,
-                                      options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+                                      options=self._options(full_state_dict=True, cpu_offload=True))
         if rank0:
             try:
                 if fmt == "sharded":

@@ -29,6 +29,10 @@ def check_config(config: Mapping[str, Any]) -> None:
         check_heads(int(section["tensor_parallel_size"]), hf_config)
     if section["custom_parallel_plan"]:
         resolve_parallel_plan(section["custom_parallel_plan"])
+    if section["lora_cfg"]["enabled"]:
+        from nrl_backend_dtensor.lora import check_section
+
+        check_section(section["lora_cfg"], int(section["tensor_parallel_size"]))
     check_optimizer(policy)
 
 

@@ -8,7 +8,7 @@ than transformers' fused in-memory ``gate_up_proj``/``down_proj``.
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -30,23 +30,33 @@ def _hf_model(model: nn.Module) -> nn.Module:
     return getattr(model, "hf", model)
 
 
-def manifest(model: nn.Module, dtype: str) -> list[WeightSpec]:
-    """Every exported tensor's HF name and full (global) shape, in export order. Local: no collective."""
+def manifest(model: nn.Module, dtype: str,
+             shapes: Iterable[tuple[str, torch.Size]] | None = None) -> list[WeightSpec]:
+    """Every exported tensor's HF name and full (global) shape, in export order. Local: no
+    collective. ``shapes``: the module names and shapes to export, when not the parameters'
+    (LoRA's merged weights)."""
     _dtype(dtype)
     hf = _hf_model(model)
-    return [WeightSpec(name=n, shape=tuple(t.shape), dtype=dtype) for name, p in model.named_parameters()
-            for n, t in checkpoint_layout(hf, {hf_name(name): torch.empty(p.shape, device="meta")})]
+    named = shapes if shapes is not None else ((name, p.shape) for name, p in model.named_parameters())
+    return [WeightSpec(name=n, shape=tuple(t.shape), dtype=dtype) for name, shape in named
+            for n, t in checkpoint_layout(hf, {hf_name(name): torch.empty(shape, device="meta")})]
 
 
-def export_buckets(model: nn.Module, bucket_bytes: int, dtype: str) -> Iterator[list[tuple[str, torch.Tensor]]]:
+def export_buckets(model: nn.Module, bucket_bytes: int, dtype: str,
+                   tensors: Iterable[tuple[str, torch.Tensor]] | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Full tensors cast to ``dtype`` in buckets of at most ``bucket_bytes`` (a larger tensor goes
-    alone). Each DTensor is gathered with ``full_tensor()``, a collective: every rank iterates."""
+    alone). Each DTensor is gathered with ``full_tensor()``, a collective: every rank iterates.
+    ``tensors``: full tensors by module name to export instead of the parameters (LoRA's merged
+    weights)."""
     target = _dtype(dtype)
     hf = _hf_model(model)
 
-    def named() -> Iterator[tuple[str, torch.Tensor]]:
+    def parameters() -> Iterator[tuple[str, torch.Tensor]]:
         for name, param in model.named_parameters():
-            full = param.full_tensor() if isinstance(param, DTensor) else param
+            yield name, param.full_tensor() if isinstance(param, DTensor) else param
+
+    def named() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, full in (tensors if tensors is not None else parameters()):
             yield from checkpoint_layout(hf, {hf_name(name): full.detach().to(target)})
 
     return iter_buckets(named(), bucket_bytes)

@@ -25,8 +25,9 @@ from nrl_core.device import all_reduce, all_reduce_values, check_batch_device, m
 from nrl_core.errors import ConfigError, NrlError
 from nrl_core.nonfinite import check_finite, guard_enabled
 from nrl_core.process_groups import main_group_timeout
-from nrl_core.sdk import ReferenceWeights, TrainingWorkerBase, training_precision
+from nrl_core.sdk import ReferenceWeights, TrainingWorkerBase, base_model_identity, training_precision
 from nrl_core.timeline import mark
+from nrl_backend_dtensor import lora
 from nrl_backend_dtensor import weights as weights_io
 from nrl_backend_dtensor.checkpoint import CheckpointIO, TrainState
 from nrl_backend_dtensor.microbatch import MicroBatch, plan_micro_batches
@@ -75,6 +76,10 @@ class DTensorPolicyWorker(TrainingWorkerBase):
         self.hf_config = load_hf_config(model_name, trust_remote_code=trust,
                                         overrides=self.policy.get("hf_config_overrides"))
         hf_model = load_hf_model(model_name, self.hf_config, trust_remote_code=trust)
+        self.lora = dict(self.dcfg.get("lora_cfg") or {}) if lora.enabled(self.dcfg.get("lora_cfg")) else None
+        if self.lora is not None:
+            lora.check_section(self.lora, self.layout.tp_size)
+            lora.inject(hf_model, self.lora, self.seed)
         mark("model_loaded", rank=self.rank)
         self.pad_id = int(getattr(self.hf_config, "pad_token_id", None) or 0)
         if not self.dcfg.get("cpu_offload"):
@@ -89,11 +94,13 @@ class DTensorPolicyWorker(TrainingWorkerBase):
         self.fsdp = apply_fsdp(self.model, hf_model.model.layers, self.layout, param_dtype=getattr(torch, precision),
                                cpu_offload=bool(self.dcfg.get("cpu_offload")))
 
-        self.optimizer = build_optimizer(self.model.parameters(), self.policy.get("optimizer") or {})
+        trainable = [p for p in self.model.parameters() if p.requires_grad]  # with LoRA: the adapters only
+        self.optimizer = build_optimizer(trainable, self.policy.get("optimizer") or {})
         self.scheduler = build_scheduler(self.optimizer, self.policy.get("scheduler"))
         mark("optimizer_built", rank=self.rank)
         self.train_step_count = 0
-        self.reference = ReferenceWeights(self.model.parameters())
+        # with LoRA the reference policy is the base model: the adapters switched off, no copy
+        self.reference = ReferenceWeights(self.model.parameters()) if self.lora is None else None
         # DCP async saves talk on their own group, with the main group's timeout (not torch's default)
         async_group = dist.new_group(backend="gloo", timeout=main_group_timeout())
         self.checkpoint_io = CheckpointIO(TrainState(
@@ -101,8 +108,10 @@ class DTensorPolicyWorker(TrainingWorkerBase):
             get_step=lambda: self.train_step_count, set_step=self._set_step,
             architecture={"model_type": self.hf_config.model_type,
                           "architectures": list(getattr(self.hf_config, "architectures", None) or [])},
-            param_shapes={s.name: list(s.shape) for s in self.weight_manifest("float32")},
-            async_group=async_group))
+            param_shapes={**{s.name: list(s.shape) for s in self.weight_manifest("float32")},
+                          **(lora.adapter_shapes(self.model) if self.lora else {})},
+            async_group=async_group, frozen_in_checkpoints=self.lora is None,
+            base_model=base_model_identity(model_name) if self.lora is not None else None))
 
     # ------------------------------------------------------------------ helpers
 
@@ -219,9 +228,10 @@ class DTensorPolicyWorker(TrainingWorkerBase):
 
     @torch.no_grad()
     def get_reference_logprobs(self, batch: TokenBatch) -> BatchShard | None:
-        """Logprobs under the initial weights (swapped in from the host copy, then swapped back)."""
+        """Logprobs under the initial weights (swapped in from the host copy, then swapped back;
+        with LoRA, the base model's: the adapters switched off)."""
         self._reshard()
-        with self.reference.swapped_in():
+        with self.reference.swapped_in() if self.reference is not None else lora.adapters_disabled(self.model):
             return self.get_logprobs(batch)
 
     # ------------------------------------------------------------------ memory hand-off (colocated)
@@ -235,11 +245,22 @@ class DTensorPolicyWorker(TrainingWorkerBase):
 
     def weight_manifest(self, dtype: str) -> list[WeightSpec]:
         self._reshard()
-        return weights_io.manifest(self.model, dtype)
+        return weights_io.manifest(self.model, dtype, lora.merged_shapes(self.model) if self.lora else None)
 
     def export_weights(self, bucket_bytes: int, dtype: str) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """HF-named full weights; with LoRA each adapter is merged into its base weight."""
         self._reshard()
-        return weights_io.export_buckets(self.model, bucket_bytes, dtype)
+        merged = lora.merged_named_tensors(self.model) if self.lora else None
+        return weights_io.export_buckets(self.model, bucket_bytes, dtype, merged)
+
+    def export_hf(self, path: str) -> None:
+        """A Hugging Face directory: the model, or with LoRA the PEFT adapter (``lora_cfg.export:
+        merged`` writes the base with the adapters merged in instead). Collective."""
+        if self.lora is None or self.lora["export"] == "merged":
+            return super().export_hf(path)
+        self._reshard()
+        lora.write_adapter(self.model, self.lora, str(self.policy["model_name"]), path,
+                           tokenizer_source=self.tokenizer_source(), writer=dist.get_rank() == 0)
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -36,6 +36,11 @@ def check_config(config: Mapping[str, Any]) -> None:
         check_moe_section(section, hf_config, on_gpu=True)
         family_of(hf_config)
         hf_inv_freq(hf_config)  # refuses RoPE variants the backend cannot reproduce
+    if (section.get("peft") or {}).get("enabled"):
+        from nrl_backend_megatron.lora import check_section
+
+        # Transformer Engine's layers are only known where the workers run; they check again
+        check_section(section["peft"], sequence_parallel=bool(section["sequence_parallel"]), transformer_engine=False)
     if section.get("pretrained_checkpoint"):
         check_pretrained(section["pretrained_checkpoint"], hf_config, str(policy["model_name"]))
     logging_level(section["logging_level"])

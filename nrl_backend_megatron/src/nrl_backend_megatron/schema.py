@@ -152,6 +152,23 @@ MEGATRON_CFG_SCHEMA: Section = MegatronCfgSection(doc="Megatron-Core training ba
     "moe_enable_deepep": Field(type=bool, default=False, doc="DeepEP dispatch (CUDA, flex dispatcher)"),
     "moe_shared_expert_overlap": Field(type=bool, default=False, doc="overlap the shared expert (alltoall only)"),
     "moe_per_layer_logging": Field(type=bool, default=False, doc="also log the aux losses of every layer"),
+    "peft": Section(doc="LoRA adapters (NeMo RL's keys; nrl_backend_megatron.lora, docs/lora.md).", fields={
+        "enabled": Field(type=bool, default=False, doc="train LoRA adapters instead of the full weights"),
+        "target_modules": Field(type=list, default=[], doc="linear_qkv, linear_proj, linear_fc1, linear_fc2 or globs "
+                                                          "over module paths; empty: all four"),
+        "exclude_modules": Field(type=list, default=[], doc="the same forms, never given an adapter"),
+        "dim": Field(type=int, default=8, minimum=1, doc="the rank r"),
+        "alpha": Field(type=(int, float), default=32, doc="scale: the adapter adds alpha/dim * B @ A"),
+        "dropout": Field(type=float, default=0.0, minimum=0, doc="adapter dropout while training"),
+        "dropout_position": Field(type=str, default="post", choices=("pre", "post"),
+                                  doc="on the adapter's input (pre) or its output (post)"),
+        "lora_A_init_method": Field(type=str, default="xavier", choices=("xavier", "uniform")),
+        "lora_B_init_method": Field(type=str, default="zero", choices=("zero",)),
+        "a2a_experimental": _inert(False),
+        "lora_dtype": Field(type=str, default=None, nullable=True, doc="only null: the model's dtype"),
+        "export": Field(type=str, default="adapter", choices=("adapter", "merged"),
+                        doc="nrl's: the HF export is a PEFT adapter on HF module names, or the merged model"),
+    }),
     # NeMo RL keys accepted without effect.
     "num_layers_in_first_pipeline_stage": _inert(None),
     "num_layers_in_last_pipeline_stage": _inert(None),

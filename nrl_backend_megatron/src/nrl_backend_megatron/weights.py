@@ -17,7 +17,7 @@ stacked into one message) rather than one transfer per expert.
 from __future__ import annotations
 
 import re
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -99,8 +99,11 @@ def load_full_state(model: Any, full: dict[str, torch.Tensor], tp_rank: int, tp_
 @torch.no_grad()
 def iter_full_tensors(model: Any, shapes: dict[str, tuple[int, ...]], *, tp_group: Any, tp_size: int,
                       pp_group: Any, pp_size: int, pp_rank: int, dtype: torch.dtype, ep_group: Any = None,
-                      ep_size: int = 1) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield every canonical tensor in full on every rank, in the order of ``shapes``. Collective."""
+                      ep_size: int = 1,
+                      local_values: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield every canonical tensor in full on every rank, in the order of ``shapes``. Collective.
+    ``local_values(canonical, local slice)`` replaces a slice before it is gathered (LoRA's merge)."""
     local = canonical_param_names(model)
     device = next(model.parameters()).device  # stages that do not own a tensor receive it here
     owners = _stage_owners(model, shapes, pp_group, pp_size, pp_rank)
@@ -113,7 +116,8 @@ def iter_full_tensors(model: Any, shapes: dict[str, tuple[int, ...]], *, tp_grou
             full = experts.pop(canon)
         elif owner == pp_rank:
             name, param = local[canon]
-            full = unshard(param.data, param, canon, tp_group, tp_size)
+            data = param.data if local_values is None else local_values(canon, param.data)
+            full = unshard(data, param, canon, tp_group, tp_size)
             # never hand out a live parameter: the consumer may keep it while training goes on
             full = full.to(dtype=dtype, copy=full.data_ptr() == param.data.data_ptr())
         else:

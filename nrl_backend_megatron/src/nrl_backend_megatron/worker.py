@@ -24,9 +24,9 @@ from nrl_core.contracts import BatchShard, CheckpointOptions, LossFunction, Toke
 from nrl_core.device import (all_reduce, broadcast, check_batch_device, host_copy, model_device, move_optimizer_state,
                              move_tensors, to_device)
 from nrl_core.nonfinite import KEY as NAN_KEY, NonFiniteError, check_finite, guard_enabled
-from nrl_core.sdk import ReferenceWeights, TrainingWorkerBase, training_precision
+from nrl_core.sdk import ReferenceWeights, TrainingWorkerBase, base_model_identity, training_precision
 
-from nrl_backend_megatron import cpu_shim
+from nrl_backend_megatron import cpu_shim, lora
 from nrl_backend_megatron.batching import MicroBatch, packed_micro_batches, padded_micro_batches, token_logprobs
 from nrl_backend_megatron.checkpoint_dir import CheckpointDirError, Conversion, converted_dir, ensure_converted, \
     identity, require_converted
@@ -195,6 +195,11 @@ class MegatronPolicyWorker(TrainingWorkerBase):
             _raise_first_problem(problem, MegatronCheckpointError)
         load_shard(model, self.conversion.path, sharded)  # this rank's part only
         self.model = model
+        self.adapters = None
+        if lora.enabled(self.cfg.get("peft")):
+            lora.check_section(self.cfg["peft"], sequence_parallel=self.layout.sequence_parallel,
+                               transformer_engine=te_available())
+            self.adapters = lora.attach(model, self.cfg["peft"], int(self.policy["seed"]), self.tp_rank, self.layout.tp)
         self.router_metrics = None
         if is_moe(self.hf_config):
             mark_experts_parallel(model)
@@ -219,12 +224,15 @@ class MegatronPolicyWorker(TrainingWorkerBase):
             self.tconfig.grad_scale_func = self.opt.optimizer.scale_loss
         # host: not a second model on the device; copied in and out, since the parameters are
         # views into the DDP buffers
-        self.reference = ReferenceWeights(model.parameters(), by_storage=False)
+        # with LoRA the reference policy is the base model: the adapters switched off, no copy
+        self.reference = ReferenceWeights(model.parameters(), by_storage=False) if self.adapters is None else None
         from nrl_backend_megatron.ckpt_io import CheckpointIO, register_exit_finalizer
 
         self.ckpt = CheckpointIO({"model_name": self.model_name, "tp": self.layout.tp, "pp": self.layout.pp,
                                   "config_sha": identity(self.model_name, self.hf_config.to_dict(),
-                                                         self.overrides)["config_sha"]})
+                                                         self.overrides)["config_sha"],
+                                  **({"lora_base": base_model_identity(self.model_path),
+                                      "lora_adapters": lora.adapter_shapes(self.adapters)} if self.adapters else {})})
         register_exit_finalizer(self.finalize_checkpoint)
 
     def hf_config_dropout(self) -> None:
@@ -353,7 +361,7 @@ class MegatronPolicyWorker(TrainingWorkerBase):
     def get_reference_logprobs(self, batch: TokenBatch) -> BatchShard | None:
         """Logprobs under the initial weights: swap them in, compute, swap back."""
         self._sync_params()  # else the pending gather would overwrite the swapped-in weights
-        with self.reference.swapped_in():
+        with self.reference.swapped_in() if self.reference is not None else lora.disabled(self.adapters):
             return self.get_logprobs(batch)
 
     # ------------------------------------------------------------------ memory hand-off (colocated)
@@ -402,7 +410,8 @@ class MegatronPolicyWorker(TrainingWorkerBase):
         self._sync_params()
         return iter_full_tensors(self.model, canonical_shapes(self.hf_config), tp_group=self.tp_group,
                                  tp_size=self.layout.tp, pp_group=self.pp_group, pp_size=self.layout.pp,
-                                 pp_rank=self.pp_rank, dtype=dtype, ep_group=self.ep_group, ep_size=self.layout.ep)
+                                 pp_rank=self.pp_rank, dtype=dtype, ep_group=self.ep_group, ep_size=self.layout.ep,
+                                 local_values=partial(lora.merged_local, self.adapters) if self.adapters else None)
 
     def weight_manifest(self, dtype: str) -> list[WeightSpec]:
         """Every HF-named weight ``export_weights`` yields, full shapes, in order."""
@@ -424,11 +433,24 @@ class MegatronPolicyWorker(TrainingWorkerBase):
     def tokenizer_source(self) -> str:
         return self.model_path
 
+    def export_hf(self, path: str) -> None:
+        """A Hugging Face directory: the model, or with LoRA a PEFT adapter on HF module names
+        (``peft.export: merged`` writes the base with the adapters merged in). Collective."""
+        if self.adapters is None or self.cfg["peft"]["export"] == "merged":
+            return super().export_hf(path)
+        full = lora.full_adapters(self.adapters, self.tp_group, self.layout.tp, self.pp_group, self.layout.pp)
+        if dist.get_rank() == 0:
+            lora.write_peft_adapter(self.adapters, full, self.cfg["peft"], self.hf_config, self.model_path,
+                                    self.tokenizer_source(), path)
+        dist.barrier()
+
     # ------------------------------------------------------------------ checkpoints
     def _sharded_state(self, is_loading: bool) -> dict[str, Any]:
         from nrl_backend_megatron.ckpt_io import rng_sharded_object, rng_state
 
         model_sd = self.model.sharded_state_dict()
+        if self.adapters is not None:  # the adapters only: the frozen base is the model the run started from
+            model_sd = {k: v for k, v in model_sd.items() if k.startswith("lora.")}
         return {"model": model_sd,
                 "optimizer": self.opt.optimizer.sharded_state_dict(model_sd, is_loading=is_loading),
                 "rng_state": rng_sharded_object("rng_state", rng_state())}
@@ -460,7 +482,7 @@ class MegatronPolicyWorker(TrainingWorkerBase):
                     tensor.copy_(saved)
             raise
         del backup
-        self.model.load_state_dict(state["model"])
+        self.model.load_state_dict(state["model"], strict=self.adapters is None)
         self.opt.optimizer.load_state_dict(state["optimizer"])
         self.opt.scheduler.load_state_dict(state["scheduler"])
         self.step = int(state["step"])
