@@ -96,6 +96,11 @@ ONE_STEP = {
                                            "+grpo.num_generations_per_prompt=16", "+grpo.val_period=0",
                                            "+policy.generation.vllm_cfg.enforce_eager=true",
                                            "+policy.generation.max_new_tokens=8", "+env.math.num_workers=1"],
+    # LoRA adapters through a whole GRPO step: merged refit, adapter-only optimizer, base reference
+    "grpo_tiny_cpu_lora.yaml": ["grpo.max_num_steps=1", "grpo.num_prompts_per_step=4",
+                                "grpo.num_generations_per_prompt=8", "grpo.val_at_start=false", "grpo.val_at_end=false",
+                                "policy.train_global_batch_size=32", "policy.train_micro_batch_size=16",
+                                "policy.logprob_batch_size=32", "loss_fn.reference_policy_kl_penalty=0.01"],
 }
 
 
