@@ -332,3 +332,29 @@ def test_every_parameter_is_built_in_the_training_dtype(family: str) -> None:
     from nrl_core.testing.distributed import run_distributed
 
     assert run_distributed(_built_parameter_dtypes, 1, family) == [{}]
+
+
+def test_the_cpu_shim_keeps_the_meta_device_context_and_transformers_loads_intact(tmp_path) -> None:
+    """In a fresh process with the shim installed first: ``with torch.device("meta")`` still puts
+    torch's factory functions on "meta", and a transformers model loaded afterwards has the RoPE
+    frequencies it computes (they were left uninitialised when the shim's wrappers stood in for
+    torch's functions in the meta context's set)."""
+    import subprocess
+    import sys
+
+    from nrl_core.testing.tiny_models import cached_tiny_model
+
+    code = (
+        "import sys, torch\n"
+        "from nrl_backend_megatron import cpu_shim\n"
+        "cpu_shim.install()\n"
+        "with torch.device('meta'):\n"
+        "    assert torch.empty(2).device.type == 'meta' and torch.tensor([]).device.type == 'meta'\n"
+        "from transformers import AutoModelForCausalLM, LlamaConfig\n"
+        "from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding\n"
+        "model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32)\n"
+        "expected = LlamaRotaryEmbedding(model.config).inv_freq\n"
+        "assert torch.equal(model.model.rotary_emb.inv_freq, expected), model.model.rotary_emb.inv_freq\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code, str(cached_tiny_model("llama"))], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]

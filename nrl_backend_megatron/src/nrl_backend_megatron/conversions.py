@@ -106,9 +106,8 @@ def megatron_to_hf(checkpoint: str, out: str, *, hf_config: str | None = None,
 
 
 def _in_child(request: dict[str, Any]) -> dict[str, Any]:
-    """Run one conversion in a child process, a world of one with Megatron's CPU shim, and return
-    the logprobs it scored. The check runs here, in a process without the shim: a ``transformers``
-    model loaded where the shim's factory wrappers are installed has uninitialised RoPE buffers."""
+    """Run one conversion in a child process (a world of one, with Megatron and its CPU shim) and
+    return the logprobs it scored; the check against ``transformers`` runs here, apart from it."""
     with tempfile.TemporaryDirectory(prefix="nrl-convert-") as scratch:
         spec, answer = Path(scratch) / "request.json", Path(scratch) / "result.pt"
         spec.write_text(json.dumps({**request, "result": str(answer)}))

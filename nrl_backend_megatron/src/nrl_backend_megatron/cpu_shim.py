@@ -79,6 +79,13 @@ def install() -> bool:
     torch.cuda.manual_seed = lambda seed: torch.manual_seed(seed)  # type: ignore[assignment]
     torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[assignment]
     torch.nn.Module.cuda = lambda self, *a, **k: self  # type: ignore[assignment]
+    # ``with torch.device("meta")`` recognises factory functions by identity, from a set it builds
+    # once; built after the wrapping, it would hold the wrappers and stop redirecting torch's own
+    # functions (transformers then initialises models it builds on "meta" on the CPU, and the
+    # loaded model's RoPE buffers are left uninitialised).
+    from torch.utils._device import _device_constructors
+
+    _device_constructors()
     for name in _FACTORIES:
         setattr(torch, name, _redirect_device_kwarg(getattr(torch, name)))
 
