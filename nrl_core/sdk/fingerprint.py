@@ -1,6 +1,6 @@
 """A fingerprint of a model's weight files, for adapters that must be resumed on their own base.
 
-Each ``*.safetensors`` file's name and size and 1 MiB of its bytes at the start, middle and end
+Each weight file's name and size and 1 MiB of its bytes at the start, middle and end
 are hashed: a different fine-tune of the same architecture differs there, and hashing whole files
 would read the whole model on every rank at every start.
 """
@@ -18,14 +18,16 @@ __all__ = ["base_model_identity", "weights_fingerprint"]
 
 
 def weights_fingerprint(model_dir: str) -> str | None:
-    """The fingerprint of ``model_dir``'s safetensors files (``None`` without any: a hub id)."""
-    files = sorted(Path(model_dir).glob("*.safetensors")) if os.path.isdir(model_dir) else []
+    """The fingerprint of ``model_dir``'s weight files: its safetensors, else the shards of a
+    dist_checkpointing directory below it (``None`` without either: a hub id)."""
+    root = Path(model_dir)
+    files = sorted(root.glob("*.safetensors")) or sorted(root.rglob("*.distcp")) if root.is_dir() else []
     if not files:
         return None
     digest = hashlib.sha256()
     for path in files:
         size = path.stat().st_size
-        digest.update(f"{path.name}:{size}".encode())
+        digest.update(f"{path.relative_to(root)}:{size}".encode())
         with path.open("rb") as f:
             for offset in sorted({0, max(size // 2 - SAMPLE_BYTES // 2, 0), max(size - SAMPLE_BYTES, 0)}):
                 f.seek(offset)

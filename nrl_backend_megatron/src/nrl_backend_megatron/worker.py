@@ -231,7 +231,8 @@ class MegatronPolicyWorker(TrainingWorkerBase):
         self.ckpt = CheckpointIO({"model_name": self.model_name, "tp": self.layout.tp, "pp": self.layout.pp,
                                   "config_sha": identity(self.model_name, self.hf_config.to_dict(),
                                                          self.overrides)["config_sha"],
-                                  **({"lora_base": base_model_identity(self.model_path),
+                                  **({"lora_base": base_model_identity(self.cfg.get("pretrained_checkpoint")
+                                                                       or self.model_path),
                                       "lora_adapters": lora.adapter_shapes(self.adapters)} if self.adapters else {})})
         register_exit_finalizer(self.finalize_checkpoint)
 
@@ -469,7 +470,7 @@ class MegatronPolicyWorker(TrainingWorkerBase):
         options = options or CheckpointOptions.from_section(self.cfg)
         # dist_checkpointing reads into the live parameters and optimizer state, so a file that
         # fails halfway would leave a mix of old and new weights: keep a copy to put back.
-        live = [p.data for p in self.model.parameters()]
+        live = [p.data for p in self.model.parameters() if self.adapters is None or p.requires_grad]  # LoRA: adapters
         for inner in getattr(self.opt.optimizer, "chained_optimizers", None) or [self.opt.optimizer]:
             torch_optimizer = getattr(inner, "optimizer", inner)
             live += [v for st in torch_optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
