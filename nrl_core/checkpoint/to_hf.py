@@ -19,7 +19,8 @@ from typing import Any, Iterable, Mapping
 from nrl_core.contracts import logprob_temperature
 from nrl_core.errors import NrlError
 
-__all__ = ["PROBE_TEXTS", "ConversionReport", "checkpoint_to_hf", "logprob_tolerance", "step_directory"]
+__all__ = ["PROBE_TEXTS", "ConversionReport", "checkpoint_to_hf", "logprob_tolerance", "max_logprob_error",
+           "new_output_dir", "probe_batch", "publish_dir", "staging_dir", "step_directory"]
 
 logger = logging.getLogger(__name__)
 
@@ -71,9 +72,7 @@ def checkpoint_to_hf(checkpoint: str, output: str, overrides: Iterable[str] = ()
     from nrl_core.config.loader import apply_overrides
     from nrl_core.config.validate import choose_backends, validate_config
 
-    out = Path(output).expanduser()
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise NrlError(f"{out}: exists and is not empty; choose another output directory or remove it")
+    out = new_output_dir(output)
     step = step_directory(Path(checkpoint).expanduser())
     info = CheckpointManager.load_info(step)
     if "files" in info:
@@ -82,9 +81,7 @@ def checkpoint_to_hf(checkpoint: str, output: str, overrides: Iterable[str] = ()
     apply_overrides(raw, overrides)
     config = validate_config(raw)
     training = choose_backends(config, generation=False).training
-    tmp = out.parent / f".tmp_{out.name}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = staging_dir(out)
     try:
         trained, batch = _export_and_score(config, training, step, tmp)
         error = _max_logprob_error(tmp, batch, trained, logprob_temperature(config))
@@ -92,9 +89,7 @@ def checkpoint_to_hf(checkpoint: str, output: str, overrides: Iterable[str] = ()
         if error > tolerance:
             raise NrlError(f"{step}: the exported model's logprobs differ from the checkpoint's by up to {error:.3g} "
                            f"(tolerance {tolerance:g}); the export is wrong, nothing was written to {out}")
-        if out.exists():
-            out.rmdir()
-        tmp.rename(out)
+        publish_dir(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     report = ConversionReport(source=str(step), output=str(out), step=int(info["step"]),
@@ -151,6 +146,34 @@ def _max_logprob_error(model_dir: Path, batch: Any, trained: Any, temperature: f
     by the sampling temperature) and the exported model's."""
     from nrl_core.testing.conformance.scenarios import hf_logprobs, hf_model
 
-    exported = hf_logprobs(hf_model(model_dir), batch, temperature)
+    return max_logprob_error(hf_logprobs(hf_model(model_dir), batch, temperature), trained, batch)
+
+
+def max_logprob_error(ours: Any, theirs: Any, batch: Any) -> float:
+    """The largest difference of two ``[B, T]`` logprob tensors over the tokens ``batch`` counts."""
     mask = batch.fields["token_mask"] > 0
-    return float((exported - trained.float()).abs()[mask].max())
+    return float((ours.float() - theirs.float()).abs()[mask].max())
+
+
+def new_output_dir(output: str) -> Path:
+    """``output`` as a path, refused in one line unless it is new or an empty directory."""
+    out = Path(output).expanduser()
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise NrlError(f"{out}: exists and is not empty; choose another output directory or remove it")
+    return out
+
+
+def staging_dir(out: Path) -> Path:
+    """Where an output is written before :func:`publish_dir` renames it into place: beside it,
+    emptied of what an interrupted run left."""
+    tmp = out.parent / f".tmp_{out.name}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return tmp
+
+
+def publish_dir(tmp: Path, out: Path) -> None:
+    """The finished output appears at ``out`` in one rename (an empty ``out`` makes way)."""
+    if out.exists():
+        out.rmdir()
+    tmp.rename(out)

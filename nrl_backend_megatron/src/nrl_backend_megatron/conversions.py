@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from nrl_core.checkpoint.to_hf import logprob_tolerance, max_logprob_error, new_output_dir, publish_dir, \
+    staging_dir
 from nrl_core.errors import NrlError
 
 from nrl_backend_megatron.convert.megatron_checkpoint import TRACKER, architecture_of_hf, locate
@@ -57,52 +59,52 @@ def hf_to_megatron(model: str, out: str | None = None, *, force: bool = False) -
     source = Path(model).expanduser().resolve()
     if not (source / "config.json").is_file():
         raise NrlError(f"{source} is not a Hugging Face model directory (no config.json)")
-    target = _empty_output(out) if out else None
-    tmp = _tmp_beside(target) if target else None
+    target = new_output_dir(out) if out else None
+    tmp = staging_dir(target) if target else None
     try:
         result = _in_child({"op": "hf_to_megatron", "model": str(source), "out": str(tmp) if tmp else None,
                             "force": force})
         batch = _probe_batch(source)
         reference = _hf_logprobs(source, batch)
-        error = max(_max_error(lp, reference, batch) for lp in result["logprobs"])
-        if error > _tolerance("float32"):
+        error = max(max_logprob_error(lp, reference, batch) for lp in result["logprobs"])
+        if error > logprob_tolerance("float32"):
             if result["converted"]:
                 shutil.rmtree(result["cache"], ignore_errors=True)
             raise NrlError(f"converting {source} gives logprobs {error:.3g} away from the HF model's; the conversion is "
                            f"wrong: it was removed and nothing was written to {target or result['cache']}")
         if target is None:
-            return ConversionReport(str(source), result["cache"], error, _tolerance("float32"))
-        _publish(tmp, target)
+            return ConversionReport(str(source), result["cache"], error, logprob_tolerance("float32"))
+        publish_dir(tmp, target)
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
-    return ConversionReport(str(source), str(target), error, _tolerance("float32"))
+    return ConversionReport(str(source), str(target), error, logprob_tolerance("float32"))
 
 
 def megatron_to_hf(checkpoint: str, out: str, *, hf_config: str | None = None,
                    dtype: str = "float32") -> ConversionReport:
     """Write the Megatron checkpoint ``checkpoint`` (any layout :func:`locate` reads) as a Hugging
     Face model at ``out``, described by the HF directory ``hf_config`` (or the one it carries)."""
-    target = _empty_output(out)
+    target = new_output_dir(out)
     found = locate(checkpoint)
     described_by = Path(hf_config).expanduser() if hf_config else _carried_hf_config(Path(checkpoint).expanduser(),
                                                                                       found)
     if not (described_by / "config.json").is_file():
         raise NrlError(f"{described_by} has no config.json; --hf-config names the Hugging Face directory that "
                        "describes the checkpoint's model")
-    tmp = _tmp_beside(target)
+    tmp = staging_dir(target)
     try:
         result = _in_child({"op": "megatron_to_hf", "model": str(described_by.resolve()), "checkpoint": str(found.path),
                             "out": str(tmp), "dtype": dtype})
         batch = _probe_batch(described_by)
-        error = _max_error(result["logprobs"][0], _hf_logprobs(tmp, batch), batch)
-        if error > _tolerance(dtype):
+        error = max_logprob_error(result["logprobs"][0], _hf_logprobs(tmp, batch), batch)
+        if error > logprob_tolerance(dtype):
             raise NrlError(f"the exported model's logprobs differ from the checkpoint's by up to {error:.3g} "
-                           f"(tolerance {_tolerance(dtype):g}); nothing was written to {target}")
-        _publish(tmp, target)
+                           f"(tolerance {logprob_tolerance(dtype):g}); nothing was written to {target}")
+        publish_dir(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return ConversionReport(str(found.path), str(target), error, _tolerance(dtype))
+    return ConversionReport(str(found.path), str(target), error, logprob_tolerance(dtype))
 
 
 def _in_child(request: dict[str, Any]) -> dict[str, Any]:
@@ -235,37 +237,6 @@ def _hf_logprobs(model_dir: Path, batch: Any) -> torch.Tensor:
     from nrl_core.testing.conformance.scenarios import hf_logprobs, hf_model
 
     return hf_logprobs(hf_model(model_dir), batch, 1.0)
-
-
-def _max_error(a: torch.Tensor, b: torch.Tensor, batch: Any) -> float:
-    mask = batch.fields["token_mask"] > 0
-    return float((a - b).abs()[mask].max())
-
-
-def _tolerance(dtype: str) -> float:
-    from nrl_core.checkpoint.to_hf import logprob_tolerance
-
-    return logprob_tolerance(dtype)
-
-
-def _empty_output(out: str) -> Path:
-    target = Path(out).expanduser()
-    if target.exists() and (not target.is_dir() or any(target.iterdir())):
-        raise NrlError(f"{target}: exists and is not empty; choose another output directory or remove it")
-    return target
-
-
-def _tmp_beside(target: Path) -> Path:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.parent / f".tmp_{target.name}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    return tmp
-
-
-def _publish(tmp: Path, target: Path) -> None:
-    if target.exists():
-        target.rmdir()
-    tmp.rename(target)
 
 
 def _main(argv: list[str]) -> int:
