@@ -59,14 +59,10 @@ def check_pretrained(path: str, hf_config: Any, model_name: str) -> None:
     """The Megatron checkpoint to start from, as far as the driver can tell: its layout, the
     architecture it records against the HF config, and its shard files (the tensors' shapes are
     checked by the workers, which build the model)."""
-    from nrl_backend_megatron.convert.megatron_checkpoint import MegatronCheckpointError, check_architecture, \
-        check_files, locate
+    from nrl_backend_megatron.convert.megatron_checkpoint import MegatronCheckpointError, locate_checked
 
     try:
-        checkpoint = locate(path)
-        if hf_config is not None:
-            check_architecture(checkpoint, hf_config, model_name)
-        check_files(checkpoint)
+        locate_checked(path, hf_config, model_name)
     except MegatronCheckpointError as exc:
         raise ConfigError(f"{KEY}.pretrained_checkpoint", str(exc)) from None
 

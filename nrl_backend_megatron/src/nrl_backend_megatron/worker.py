@@ -32,8 +32,7 @@ from nrl_backend_megatron.checkpoint_dir import CheckpointDirError, Conversion, 
     identity, require_converted
 from nrl_backend_megatron.checks import layout_of, logging_level
 from nrl_backend_megatron.convert import canonical_shapes, family_of, megatron_to_hf_items
-from nrl_backend_megatron.convert.megatron_checkpoint import MegatronCheckpointError, check_architecture, \
-    check_files, check_tensors, locate
+from nrl_backend_megatron.convert.megatron_checkpoint import MegatronCheckpointError, check_tensors, locate_checked
 from nrl_backend_megatron.convert.sharded import convert_in_subprocess, load_shard, save_conversion
 from nrl_backend_megatron.model import DTYPES, build_gpt_model, te_available, transformer_config
 from nrl_backend_megatron.moe import RouterMetrics, check_moe_section, freeze_router, is_moe, mark_experts_parallel
@@ -151,17 +150,14 @@ class MegatronPolicyWorker(TrainingWorkerBase):
     def _pretrained(self) -> Conversion:
         """The Megatron checkpoint ``pretrained_checkpoint`` names, checked on every rank (each must
         see it) against the HF config before any rank reads a tensor; no conversion."""
-        problem, path = None, None
+        problem = None
         try:
-            checkpoint = locate(self.cfg["pretrained_checkpoint"])
-            check_architecture(checkpoint, self.hf_config, self.model_name)
-            check_files(checkpoint)
-            path = checkpoint.path
+            checkpoint = locate_checked(self.cfg["pretrained_checkpoint"], self.hf_config, self.model_name)
         except MegatronCheckpointError as exc:
             problem = f"rank {dist.get_rank()} on {socket.gethostname()}: {exc}" if dist.get_rank() else str(exc)
         _raise_first_problem(problem, MegatronCheckpointError)
-        logger.info("starting from the %s checkpoint %s", checkpoint.layout, path)
-        return Conversion(path, converted=False)
+        logger.info("starting from the %s checkpoint %s", checkpoint.layout, checkpoint.path)
+        return Conversion(checkpoint.path, converted=False)
 
     def _write_conversion(self, out: Path) -> None:
         trust = bool(self.policy.get("trust_remote_code", False))

@@ -29,7 +29,7 @@ from typing import Any, Mapping
 from nrl_core.errors import NrlError
 
 __all__ = ["MegatronCheckpoint", "MegatronCheckpointError", "architecture_of_hf", "check_architecture",
-           "check_files", "check_tensors", "locate", "read_args"]
+           "check_files", "check_tensors", "locate", "locate_checked", "read_args"]
 
 TRACKER = "latest_checkpointed_iteration.txt"
 RUN_CONFIG = "run_config.yaml"
@@ -80,6 +80,16 @@ def locate(given: str | Path) -> MegatronCheckpoint:
             return MegatronCheckpoint(iteration_dir, "megatron-lm", iteration, megatron_lm_architecture(args),
                                       f"{COMMON} args")
     return MegatronCheckpoint(iteration_dir, "dist_checkpointing", iteration)
+
+
+def locate_checked(given: str | Path, hf_config: Any, model_name: str) -> MegatronCheckpoint:
+    """:func:`locate`, then the recorded architecture against ``hf_config`` (when known) and the
+    shard files: everything that can be checked before a model exists."""
+    checkpoint = locate(given)
+    if hf_config is not None:
+        check_architecture(checkpoint, hf_config, model_name)
+    check_files(checkpoint)
+    return checkpoint
 
 
 def _iteration_dir(root: Path) -> Path:

@@ -166,22 +166,19 @@ def load_shard(model: Any, path: Path, sharded: Any = None) -> None:
     from megatron.core import dist_checkpointing
 
     state = dist_checkpointing.load({"model": sharded if sharded is not None else model.sharded_state_dict()},
-                                    str(path), common_strategy=_ModelTensorsOnly())
+                                    str(path), common_strategy=_model_tensors_only())
     model.load_state_dict(state["model"])
 
 
-def _model_tensors_only() -> type:
+def _model_tensors_only() -> Any:
+    """A load strategy that skips the checkpoint's common (pickled, non-tensor) state."""
     from megatron.core.dist_checkpointing.strategies.common import TorchCommonLoadStrategy
 
     class ModelTensorsOnly(TorchCommonLoadStrategy):
         def load_common(self, checkpoint_dir: Any) -> dict[str, Any]:
             return {}
 
-    return ModelTensorsOnly
-
-
-def _ModelTensorsOnly() -> Any:  # noqa: N802 - reads as the class it builds
-    return _model_tensors_only()()
+    return ModelTensorsOnly()
 
 
 def _main(argv: list[str]) -> None:
