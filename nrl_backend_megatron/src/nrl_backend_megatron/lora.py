@@ -25,7 +25,6 @@ import contextlib
 import fnmatch
 import hashlib
 import math
-import re
 from typing import Any, Iterator, Mapping
 
 import torch
@@ -33,10 +32,11 @@ from torch import nn
 
 from nrl_core.errors import ConfigError
 
+from nrl_backend_megatron.weights import canonical_name
+
 KEY = "policy.megatron_cfg.peft"
 TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 ROW_PARALLEL = ("linear_proj", "linear_fc2")
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 
 
 def enabled(section: Mapping[str, Any] | None) -> bool:
@@ -128,7 +128,6 @@ class Adapters(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.by_name = nn.ModuleDict()
-        self.hooks: list[Any] = []
 
     @staticmethod
     def key(canonical: str) -> str:
@@ -159,14 +158,10 @@ def attach(model: nn.Module, section: Mapping[str, Any], seed: int, tp_rank: int
     for path, module in list(model.named_modules()):
         if not _wanted(path, section) or not hasattr(module, "weight"):
             continue
-        match = _LAYER.match(path)
-        canonical = path
-        if match:
-            number = model.decoder.layers[int(match.group(1))].layer_number - 1
-            canonical = f"decoder.layers.{number}.{match.group(2)}"
+        canonical = canonical_name(model, path)
         adapter = Adapter(module, canonical, section, seed, tp_rank, tp_size)
         adapters.by_name[Adapters.key(canonical)] = adapter
-        adapters.hooks.append(module.register_forward_hook(_hook(adapter)))
+        module.register_forward_hook(_hook(adapter))
     if not adapters.by_name:
         raise ConfigError(f"{KEY}.target_modules", f"matches no layer of the model ({section.get('target_modules')} "
                                                    f"excluding {section.get('exclude_modules')})")

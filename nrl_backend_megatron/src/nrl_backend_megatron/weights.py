@@ -30,21 +30,23 @@ _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 _EXPERT = re.compile(r"^(.*\.mlp\.experts\.local_experts\.)(\d+)\.(.*)$")
 
 
+def canonical_name(model: Any, name: str) -> str:
+    """A parameter's or module's name on this rank with the global layer and expert index."""
+    m = _LAYER.match(name)
+    if not m:
+        return name
+    layer = model.decoder.layers[int(m.group(1))]
+    canon = f"decoder.layers.{layer.layer_number - 1}.{m.group(2)}"
+    expert = _EXPERT.match(canon)
+    if expert:
+        index = layer.mlp.local_expert_indices[int(expert.group(2))]
+        canon = f"{expert.group(1)}{index}.{expert.group(3)}"
+    return canon
+
+
 def canonical_param_names(model: Any) -> dict[str, tuple[str, torch.nn.Parameter]]:
     """Canonical (global layer and expert index, local-spec) name → (local name, parameter) on this rank."""
-    out: dict[str, tuple[str, torch.nn.Parameter]] = {}
-    for name, param in model.named_parameters():
-        m = _LAYER.match(name)
-        canon = name
-        if m:
-            layer = model.decoder.layers[int(m.group(1))]
-            canon = f"decoder.layers.{layer.layer_number - 1}.{m.group(2)}"
-            expert = _EXPERT.match(canon)
-            if expert:
-                index = layer.mlp.local_expert_indices[int(expert.group(2))]
-                canon = f"{expert.group(1)}{index}.{expert.group(3)}"
-        out[local_name(canon)] = (name, param)
-    return out
+    return {local_name(canonical_name(model, name)): (name, param) for name, param in model.named_parameters()}
 
 
 def is_expert(canonical: str) -> bool:
