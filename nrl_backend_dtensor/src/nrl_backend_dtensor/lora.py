@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from nrl_core.errors import ConfigError
+from nrl_backend_dtensor.weights import full_tensor
 
 KEY = "policy.dtensor_config.lora_cfg"
 ADAPTER = "default"  # PEFT's name for the one adapter
@@ -29,6 +30,11 @@ ADAPTER = "default"  # PEFT's name for the one adapter
 
 def enabled(section: Mapping[str, Any] | None) -> bool:
     return bool((section or {}).get("enabled"))
+
+
+def is_adapter_name(name: str) -> bool:
+    """Whether a parameter name is an adapter's (PEFT names them ``...lora_A.default.weight``)."""
+    return ".lora_A." in name or ".lora_B." in name
 
 
 def check_section(section: Mapping[str, Any], tensor_parallel_size: int) -> None:
@@ -63,8 +69,8 @@ def lora_config(section: Mapping[str, Any]) -> Any:
                       init_lora_weights=True)
 
 
-def inject(model: nn.Module, section: Mapping[str, Any], seed: int) -> int:
-    """Add the adapters to ``model`` in place and freeze the rest; returns the adapter layer count.
+def inject(model: nn.Module, section: Mapping[str, Any], seed: int) -> None:
+    """Add the adapters to ``model`` in place and freeze the rest.
     ``lora_A_init: xavier`` re-draws A with Xavier-uniform (PEFT's own is Kaiming-uniform, NeMo
     RL's ``uniform``); B starts at zero either way, so the model starts as the base model."""
     from peft import inject_adapter_in_model
@@ -84,8 +90,7 @@ def inject(model: nn.Module, section: Mapping[str, Any], seed: int) -> int:
         raise ConfigError(f"{KEY}.target_modules", f"matches no linear layer of the model ({section['target_modules']}"
                                                    f" excluding {section['exclude_modules']})")
     for name, param in model.named_parameters():
-        param.requires_grad_(".lora_A." in name or ".lora_B." in name)
-    return len(layers)
+        param.requires_grad_(is_adapter_name(name))
 
 
 def lora_layers(model: nn.Module) -> Iterator[Any]:
@@ -107,12 +112,6 @@ def adapters_disabled(model: nn.Module) -> Iterator[None]:
             layer._disable_adapters = False
 
 
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-
-
 def merged_named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, full tensor)`` for every base weight, the adapter merged in where there is one, in
     the order of ``named_parameters`` and named as without adapters. Collective under FSDP (each
@@ -120,13 +119,13 @@ def merged_named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]
     layers = set(lora_layers(model))
     owners = {f"{name}.base_layer.weight": layer for name, layer in model.named_modules() if layer in layers}
     for name, param in model.named_parameters():
-        if ".lora_A." in name or ".lora_B." in name:
+        if is_adapter_name(name):
             continue
-        full = _full(param).detach()
+        full = full_tensor(param).detach()
         layer = owners.get(name)
         if layer is not None:
-            a = _full(layer.lora_A[ADAPTER].weight).detach().float()
-            b = _full(layer.lora_B[ADAPTER].weight).detach().float()
+            a = full_tensor(layer.lora_A[ADAPTER].weight).detach().float()
+            b = full_tensor(layer.lora_B[ADAPTER].weight).detach().float()
             full = (full.float() + layer.scaling[ADAPTER] * (b @ a)).to(full.dtype)
         yield name.replace(".base_layer", ""), full
 
@@ -134,14 +133,14 @@ def merged_named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]
 def merged_shapes(model: nn.Module) -> Iterator[tuple[str, torch.Size]]:
     """The names and global shapes :func:`merged_named_tensors` yields, without a collective."""
     for name, param in model.named_parameters():
-        if ".lora_A." in name or ".lora_B." in name:
+        if is_adapter_name(name):
             continue
         yield name.replace(".base_layer", ""), param.shape
 
 
 def adapter_shapes(model: nn.Module) -> dict[str, list[int]]:
     """The adapters' names and global shapes (a checkpoint of another rank or targets differs here)."""
-    return {name: list(p.shape) for name, p in model.named_parameters() if ".lora_A." in name or ".lora_B." in name}
+    return {name: list(p.shape) for name, p in model.named_parameters() if is_adapter_name(name)}
 
 
 def write_adapter(model: nn.Module, section: Mapping[str, Any], base_model: str, path: str, *,
@@ -157,9 +156,9 @@ def write_adapter(model: nn.Module, section: Mapping[str, Any], base_model: str,
 
     state = {}
     for name, param in model.named_parameters():
-        if ".lora_A." in name or ".lora_B." in name:
+        if is_adapter_name(name):
             hf = name.removeprefix("hf.").replace(f".{ADAPTER}.", ".")
-            state[f"base_model.model.{hf}"] = _full(param).detach().cpu().contiguous()
+            state[f"base_model.model.{hf}"] = full_tensor(param).detach().cpu().contiguous()
     if writer:
         out = Path(path)
         out.mkdir(parents=True, exist_ok=True)

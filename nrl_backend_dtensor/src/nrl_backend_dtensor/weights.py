@@ -26,6 +26,11 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor behind a (possibly sharded) parameter: a collective for a DTensor."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
 def _hf_model(model: nn.Module) -> nn.Module:
     return getattr(model, "hf", model)
 
@@ -53,7 +58,7 @@ def export_buckets(model: nn.Module, bucket_bytes: int, dtype: str,
 
     def parameters() -> Iterator[tuple[str, torch.Tensor]]:
         for name, param in model.named_parameters():
-            yield name, param.full_tensor() if isinstance(param, DTensor) else param
+            yield name, full_tensor(param)
 
     def named() -> Iterator[tuple[str, torch.Tensor]]:
         for name, full in (tensors if tensors is not None else parameters()):
