@@ -106,3 +106,26 @@ def loss_variants(rank: int, world_size: int, packing: bool) -> dict[str, Any]:
         batch = rl_batch(logprobs)
         out[name] = {"logprobs": logprobs, "batch": batch, "metrics": worker.train(batch, ClippedPGLoss(**keys))}
     return out
+
+
+def lora_config() -> dict[str, Any]:
+    from nrl_backend_dtensor.schema import LORA_SCHEMA
+
+    return make_config(dtensor_config={"lora_cfg": LORA_SCHEMA.validate({"enabled": True, "dim": 4, "alpha": 8},
+                                                                       "policy.dtensor_config.lora_cfg")})
+
+
+def lora_data_parallel(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """LoRA with FSDP at dp=2: the training trajectory, and an adapter-only checkpoint saved at
+    dp=2 (sharded and consolidated) loaded by a fresh worker."""
+    batch = make_batch()
+    w = DTensorPolicyWorker(lora_config(), rank, world_size)
+    out: dict[str, Any] = {"losses": [w.train(batch, NLLLoss())["loss"] for _ in range(2)],
+                           "logprobs_after": gather_shards(w.get_logprobs(batch), batch),
+                           "reference": gather_shards(w.get_reference_logprobs(batch), batch)}
+    for name, options in (("sharded", CheckpointOptions()), ("consolidated", CheckpointOptions(fully_parallel_save=False))):
+        w.save_checkpoint(os.path.join(root, name), options)
+        fresh = DTensorPolicyWorker(lora_config(), rank, world_size)
+        fresh.load_checkpoint(os.path.join(root, name), CheckpointOptions())
+        out[f"loaded/{name}"] = gather_shards(fresh.get_logprobs(batch), batch)
+    return out

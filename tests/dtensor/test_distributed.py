@@ -58,3 +58,18 @@ def test_tensor_parallel_2_matches_1(single):
             assert abs(r[f"sp={sp}/loss"] - single["losses"][0]) < 1e-5, sp
             assert close(r[f"sp={sp}/logprobs_after"], ranks[0]["sp=False/logprobs_after"])
         assert close(r["qwen3/logprobs"], single["qwen3/logprobs"])
+
+
+def test_lora_at_data_parallel_2_matches_one_rank_and_its_checkpoints_load(tmp_path):
+    """LoRA adapters under FSDP at dp=2 train as at one rank (the adapters' gradients are reduced
+    like any parameter's) and their adapter-only checkpoints load at dp=2, sharded or consolidated."""
+    batch = make_batch()
+    w = DTensorPolicyWorker(scenarios.lora_config(), 0, 1)
+    reference = gather_shards(w.get_logprobs(batch), batch)
+    losses = [w.train(batch, NLLLoss())["loss"] for _ in range(2)]
+    after = gather_shards(w.get_logprobs(batch), batch)
+    for r in run_distributed(scenarios.lora_data_parallel, 2, str(tmp_path)):
+        assert all(abs(a - b) < 1e-5 for a, b in zip(r["losses"], losses))
+        assert close(r["logprobs_after"], after) and close(r["reference"], reference)
+        assert not close(after, reference)
+        assert close(r["loaded/sharded"], r["logprobs_after"]) and close(r["loaded/consolidated"], r["logprobs_after"])
