@@ -25,25 +25,3 @@ def pytest_unconfigure(config):
         import shutil
 
         shutil.rmtree(_CONVERSIONS, ignore_errors=True)
-
-
-# Packages whose session-scoped fixtures are costly runs (evaluation) or engines: their tests share
-# one pytest worker under ``-n``, so each fixture is built once. Every other file is its own group,
-# so module-scoped fixtures are never rebuilt in a second worker.
-_SHARED_SESSION = ("evaluation", "moe", "vllm")
-
-
-def pytest_collection_modifyitems(config, items):
-    """Group the tests for ``--dist loadgroup``; with workers, the groups holding slow tests go
-    first, so that the last groups to be handed out are short ones and both workers end together."""
-    import pytest
-
-    groups = {}
-    for item in items:
-        parts = item.nodeid.split("::")[0].split("/")
-        group = parts[1] if len(parts) > 2 and parts[1] in _SHARED_SESSION else item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group(group))
-        groups[id(item)] = group
-    if getattr(config.option, "numprocesses", None):
-        slow = {groups[id(item)] for item in items if item.get_closest_marker("slow")}
-        items.sort(key=lambda item: groups[id(item)] not in slow)
