@@ -34,7 +34,7 @@ def prompts(model_dir: Path) -> list[list[int]]:
     return [tok(t).input_ids for t in texts]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")  # gone before another package builds its own vLLM engine in this process
 def engine(model_dir: Path):
     from nrl_gen_vllm.worker import VllmGenerationWorker
 
