@@ -1,6 +1,6 @@
 """LoRA on the Megatron worker: only the adapters train and hold optimizer state; the reference
-policy is the base model; the adapters start the same at any layout, so TP=2 and PP=2 train as
-TP=1 does; the exported weights are the base with ``alpha/r * B @ A`` merged in, which a plain HF
+policy is the base model; the adapters start the same at any layout, so TP=2, PP=2 and DP=2 train
+as one rank does; the exported weights are the base with ``alpha/r * B @ A`` merged in, which a plain HF
 model of them reproduces; checkpoints hold the adapters only and resume exactly."""
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def trained(rank: int, world: int, path: str, ckpt: str, layouts: list[str]) -> 
     from nrl_backend_megatron.worker import MegatronPolicyWorker
 
     batch, out = make_batch(), {}
-    shapes = {"tp1": {}, "tp2": {"tensor_model_parallel_size": 2}, "pp2": {"pipeline_model_parallel_size": 2}}
+    shapes = {"tp1": {}, "dp2": {}, "tp2": {"tensor_model_parallel_size": 2}, "pp2": {"pipeline_model_parallel_size": 2}}
     for layout in layouts:
         w = MegatronPolicyWorker(config(path, **shapes[layout]), rank, world)
         base = {n: p.detach().clone() for n, p in w.model.named_parameters() if not n.startswith("lora.")}
@@ -47,14 +47,15 @@ def trained(rank: int, world: int, path: str, ckpt: str, layouts: list[str]) -> 
         w.export_hf(str(Path(ckpt).parent / f"adapter-{layout}"))
         out[f"{layout}/optimizer_tensors"] = sum(1 for leaf in [w.opt.optimizer] for g in leaf.param_groups
                                                  for _ in g["params"])
-        if layout == layouts[-1]:
+        if layout != "pp2":
+            saved = str(Path(ckpt) / layout)
             options = CheckpointOptions(fully_parallel_save=True, fully_parallel_load=True, async_save=False,
                                         load_rng=True)
-            w.save_checkpoint(ckpt, options)
+            w.save_checkpoint(saved, options)
             expected = [w.train(batch, NLLLoss())["loss"] for _ in range(2)]
             again = MegatronPolicyWorker(config(path, **shapes[layout]), rank, world)
-            again.load_checkpoint(ckpt, options)
-            out["resumed"] = ([again.train(batch, NLLLoss())["loss"] for _ in range(2)], expected)
+            again.load_checkpoint(saved, options)
+            out[f"{layout}/resumed"] = ([again.train(batch, NLLLoss())["loss"] for _ in range(2)], expected)
         del w
     return out
 
@@ -64,14 +65,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], list
     path = str(cached_tiny_model("llama"))
     root = tmp_path_factory.mktemp("megatron-lora")
     (one,) = run_world(trained, 1, path, str(root / "one"), ["tp1"])
-    two = run_world(trained, 2, path, str(root / "two"), ["pp2", "tp2"])
+    two = run_world(trained, 2, path, str(root / "two"), ["pp2", "tp2", "dp2"])
     return one, two, root
 
 
 @pytest.mark.slow
 def test_only_the_adapters_train_and_the_reference_is_the_base(runs) -> None:
     one, two, _ = runs
-    for result, layouts in ((one, ["tp1"]), *((rank, ["tp2", "pp2"]) for rank in two)):
+    for result, layouts in ((one, ["tp1"]), *((rank, ["tp2", "pp2", "dp2"]) for rank in two)):
         for layout in layouts:
             trainable = result[f"{layout}/trainable"]
             assert trainable and all(n.startswith("lora.") for n in trainable)
@@ -82,8 +83,8 @@ def test_only_the_adapters_train_and_the_reference_is_the_base(runs) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["tp2", "pp2"])
-def test_lora_trains_the_same_at_tp2_and_pp2_as_at_tp1(runs, layout: str) -> None:
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2"])
+def test_lora_trains_the_same_at_tp2_pp2_and_dp2_as_at_tp1(runs, layout: str) -> None:
     one, two, _ = runs
     for rank in two:
         assert max(abs(a - b) for a, b in zip(rank[f"{layout}/losses"], one["tp1/losses"])) < 1e-5
@@ -117,12 +118,13 @@ def test_the_export_is_the_merged_model(runs) -> None:
 @pytest.mark.slow
 def test_checkpoints_hold_the_adapters_only_and_resume_exactly(runs) -> None:
     one, two, root = runs
-    for result in (one, *two):
-        resumed, expected = result["resumed"]
-        assert resumed == expected
+    for result, layouts in ((one, ["tp1"]), *((rank, ["tp2", "dp2"]) for rank in two)):
+        for layout in layouts:
+            resumed, expected = result[f"{layout}/resumed"]
+            assert resumed == expected, layout
     from torch.distributed.checkpoint import FileSystemReader
 
-    for saved in ("one", "two"):
+    for saved in ("one/tp1", "two/tp2", "two/dp2"):
         keys = list(FileSystemReader(str(root / saved)).read_metadata().state_dict_metadata)
         model_keys = [k for k in keys if not k.startswith(("optimizer", "rng"))]
         assert model_keys and all(k.startswith("lora.") for k in model_keys), model_keys[:5]
@@ -143,7 +145,7 @@ def test_bad_peft_sections_are_one_line() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["tp1", "tp2", "pp2"])
+@pytest.mark.parametrize("layout", ["tp1", "tp2", "pp2", "dp2"])
 def test_the_exported_peft_adapter_gives_the_trained_models_logprobs(runs, layout: str) -> None:
     """The fused qkv and gate/up adapters, written as PEFT adapters on q/k/v and gate/up, load with
     PEFT onto the base and reproduce the trained worker."""
