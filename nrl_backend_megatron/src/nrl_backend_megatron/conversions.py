@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from nrl_core.checkpoint.to_hf import logprob_tolerance, max_logprob_error, new_output_dir, publish_dir, \
-    staging_dir
+from nrl_core.checkpoint.to_hf import logprob_tolerance, max_logprob_error, new_output_dir, probe_batch, \
+    publish_dir, staging_dir
 from nrl_core.errors import NrlError
 
 from nrl_backend_megatron.convert.megatron_checkpoint import TRACKER, architecture_of_hf, locate
@@ -221,7 +221,6 @@ def _worker(model: str, *, precision: str, pretrained: str | None = None, force:
 
 
 def _probe_batch(model_dir: Path) -> Any:
-    from nrl_core.checkpoint.to_hf import probe_batch
     from transformers import AutoTokenizer
 
     return probe_batch(AutoTokenizer.from_pretrained(str(model_dir)))
