@@ -225,11 +225,12 @@ def host_copy(tensor: "torch.Tensor") -> "torch.Tensor":
 
 
 def move_optimizer_state(optimizer: Any, device: "torch.device") -> None:
-    """Move an optimizer's per-parameter state (``optimizer.state``: torch's, or Megatron's
-    wrappers that expose it) to ``device``: pinned host memory on the way out."""
+    """Move an optimizer's per-parameter state (``optimizer.state``: torch's dict, or the
+    ``ProxyDict`` over its leaves that Megatron's chained optimizer exposes, which has ``items``
+    but no ``values``) to ``device``: pinned host memory on the way out."""
     import torch
 
-    for state in optimizer.state.values():
+    for _, state in optimizer.state.items():
         for key, value in state.items():
             if isinstance(value, torch.Tensor) and value.device.type != device.type:
                 state[key] = to_host(value) if device.type == "cpu" else to_device(value, device)

@@ -10,6 +10,7 @@ out: torch puts their tensors on the group's device itself.
 from __future__ import annotations
 
 import ast
+import types
 from pathlib import Path
 
 import pytest
@@ -217,6 +218,21 @@ def test_optimizer_state_moves_with_the_optimizer() -> None:
     optimizer.step()
     device.move_optimizer_state(optimizer, torch.device("meta"))
     assert {v.device.type for s in optimizer.state.values() for v in s.values() if v.dim()} == {"meta"}
+
+
+def test_optimizer_state_moves_through_megatrons_chained_proxy() -> None:
+    """Where the Megatron GPU run failed at offload: a chained optimizer's ``state`` is Megatron's
+    ``ProxyDict`` over its leaves' dicts, which has ``items`` but no ``values``."""
+    ProxyDict = pytest.importorskip("megatron.core.optimizer.optimizer").ProxyDict
+    leaves = []
+    for _ in range(2):
+        param = torch.nn.Parameter(torch.ones(3))
+        leaves.append(torch.optim.Adam([param]))
+        param.grad = torch.ones(3)
+        leaves[-1].step()
+    chained = types.SimpleNamespace(state=ProxyDict([leaf.state for leaf in leaves]))
+    device.move_optimizer_state(chained, torch.device("meta"))
+    assert {v.device.type for leaf in leaves for s in leaf.state.values() for v in s.values() if v.dim()} == {"meta"}
 
 
 def _dtensor_to_cuda(rank: int, world: int) -> dict:
