@@ -53,6 +53,15 @@ def world1(rank: int, world: int, path: str, ckpt: str) -> dict[str, Any]:
         out["misplaced"] = None
     except NrlError as exc:
         out["misplaced"] = str(exc)
+
+    import gc
+    import weakref
+
+    # a dropped worker must free its device memory: nothing global (the exit finalizer) may hold it
+    refs = [weakref.ref(w), weakref.ref(next(w.model.parameters()))]
+    del w
+    gc.collect()
+    out["alive_after_drop"] = [r() is not None for r in refs]
     return out
 
 
@@ -69,6 +78,12 @@ def test_a_batch_on_another_device_than_the_logprobs_fails_in_check_mode(w1: dic
     assert w1["loss"] == w1["loss"]
     assert w1["misplaced"] is not None and "\n" not in w1["misplaced"]
     assert w1["misplaced"].startswith("megatron train: batch.input_ids is on meta but the logprobs are on cpu")
+
+
+@pytest.mark.slow
+def test_a_dropped_worker_is_collected_with_its_parameters(w1: dict[str, Any]) -> None:
+    """On a GPU a closed worker kept its memory allocated: the exit finalizer held the worker."""
+    assert w1["alive_after_drop"] == [False, False]
 
 
 @pytest.mark.slow

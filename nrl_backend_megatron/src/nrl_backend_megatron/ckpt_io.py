@@ -153,7 +153,17 @@ def rng_sharded_object(key: str, state: Any) -> Any:
     return ShardedObject(key, state, shape, offset, replica_id=0)
 
 
-def register_exit_finalizer(fn: Callable[[], None]) -> None:
+def register_exit_finalizer(method: Callable[[], None]) -> None:
+    """Run a worker's bound ``method`` at exit if the worker is still alive then. Held weakly: the
+    exit registry must not keep a dropped worker, and the device memory it holds, alive."""
     import atexit
+    import weakref
 
-    atexit.register(fn)
+    ref = weakref.WeakMethod(method)  # type: ignore[arg-type]
+
+    def finalize() -> None:
+        bound = ref()
+        if bound is not None:
+            bound()
+
+    atexit.register(finalize)

@@ -367,6 +367,9 @@ class MegatronPolicyWorker(TrainingWorkerBase):
         mixed precision to host memory. A pending asynchronous save still references the device
         tensors, so it is finished first."""
         self.finalize_checkpoint()
+        # the fp32 main parameters' gradients are the step's copies of the (bf16) gradient buffers:
+        # the buffers' offload does not free them, and the next step rebuilds them
+        self.opt.optimizer.zero_grad(set_to_none=True)
         for buffer in self._grad_buffers():
             buffer.offload_to_cpu(move_params=False, move_grads=True)
         move_tensors(main_params(self.opt.optimizer), torch.device("cpu"))
@@ -382,15 +385,25 @@ class MegatronPolicyWorker(TrainingWorkerBase):
             move_optimizer_state(self.opt.optimizer, self.device)
 
     def offload_weights(self) -> None:
-        """The parameter buffers (where Megatron keeps them contiguous: the distributed optimizer's)."""
+        """The parameter buffers where Megatron keeps them contiguous (the distributed optimizer's);
+        without it the parameters are standalone tensors, moved one by one."""
         if torch.cuda.is_available():
             for buffer in self._grad_buffers():
-                buffer.offload_to_cpu(move_params=True, move_grads=False)
+                if buffer.param_data is not None:
+                    buffer.offload_to_cpu(move_params=True, move_grads=False)
+            move_tensors(self._unbuffered_params(), torch.device("cpu"))
 
     def reload_weights(self) -> None:
         if torch.cuda.is_available():
             for buffer in self._grad_buffers():
-                buffer.reload_from_cpu(move_params=True, move_grads=False)
+                if buffer.param_data is not None:
+                    buffer.reload_from_cpu(move_params=True, move_grads=False)
+            move_tensors(self._unbuffered_params(), self.device)
+
+    def _unbuffered_params(self) -> list[torch.Tensor]:
+        """Every parameter no contiguous buffer holds (frozen LoRA base weights included)."""
+        buffered = {id(p) for buffer in self._grad_buffers() if buffer.param_data is not None for p in buffer.params}
+        return [p for p in self.model.parameters() if id(p) not in buffered]
 
     def _grad_buffers(self) -> list[Any]:
         return [*self.ddp.buffers, *getattr(self.ddp, "expert_parallel_buffers", [])]
