@@ -274,6 +274,8 @@ def check_backend(backend: str, model: str, settings: dict[str, Any], rank: int,
     worker.offload_after_refit()
     _sync(cuda)
     memory["free_after_offload_after_refit"] = _free(cuda)
+    if cuda:
+        result["live_after_offload"] = _census()
     worker.prepare_for_training()
     result["loss_after_offload"] = float(worker.train(rl, loss)["loss"])
     memory["free_after_prepare"] = _free(cuda)
@@ -294,9 +296,12 @@ def check_backend(backend: str, model: str, settings: dict[str, Any], rank: int,
         "offload_gives_back": not cuda or given_back >= GIVEN_BACK * held,
     }
     result["ok"] = all(result["checks"].values())
-    _close(worker, cuda)
-    if cuda:  # what a closed worker leaves behind: torch's own tensors, and the device's free memory
-        result.update(allocated_after_close=int(torch.cuda.memory_allocated()), free_after_close=_free(cuda))
+    _shutdown(worker)
+    del worker  # the last reference: what stays after it is what a closed worker leaves behind
+    _release(cuda)
+    if cuda:
+        result.update(allocated_after_close=int(torch.cuda.memory_allocated()), free_after_close=_free(cuda),
+                      live_after_close=_census())
     return result
 
 
@@ -321,18 +326,41 @@ def check_moe(backend: str, model: str, settings: dict[str, Any], rank: int, wor
     result["tolerance"] = {"max": max(bound_max, MOE_SLACK * own_max), "mean": max(bound_mean, MOE_SLACK * own_mean)}
     result["checks"] = {"logprobs_match_hf": _logprobs_within(result), "finite_loss": math.isfinite(result["loss"])}
     result["ok"] = all(result["checks"].values())
-    _close(worker, cuda)
+    _shutdown(worker)
+    del worker
+    _release(cuda)
     return result
 
 
-def _close(worker: Any, cuda: bool) -> None:
+def _shutdown(worker: Any) -> None:
     shutdown = getattr(worker, "shutdown", None)
     if callable(shutdown):
         shutdown()
-    del worker
+
+
+def _release(cuda: bool) -> None:
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
+
+
+def _census(top: int = 12) -> dict[str, Any]:
+    """The device tensors still reachable, largest groups first: what an offload or a close left."""
+    groups: dict[str, list[int]] = {}
+    gc.collect()
+    for obj in gc.get_objects():
+        try:
+            if not (torch.is_tensor(obj) and obj.is_cuda):
+                continue
+            key = f"{type(obj).__name__} {tuple(obj.shape)} {str(obj.dtype).removeprefix('torch.')}"
+            count_bytes = groups.setdefault(key, [0, 0])
+            count_bytes[0] += 1
+            count_bytes[1] += obj.untyped_storage().nbytes()
+        except Exception:  # noqa: BLE001 - a census skips what it cannot read
+            continue
+    largest = sorted(groups.items(), key=lambda kv: -kv[1][1])[:top]
+    return {"allocated": int(torch.cuda.memory_allocated()), "reserved": int(torch.cuda.memory_reserved()),
+            "tensors": {k: {"count": c, "storage_bytes": b} for k, (c, b) in largest}}
 
 
 def _guarded(name: str, fn: Any, *args: Any) -> dict[str, Any]:
