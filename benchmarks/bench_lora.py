@@ -5,7 +5,7 @@ weights, one trains rank-``--rank`` adapters on every linear layer. For each it 
 trainable parameters, the optimizer's state (bytes of every tensor it holds), the median time of a
 training step on the same batch (the two take turns, so both see the same machine), and the bytes
 a refit sends (the exported weights; LoRA sends the base with the adapters merged in, so the same
-bytes) next to the bytes of the adapters alone (what an adapter-only refit would send).
+bytes) next to the bytes an adapter-only refit sends (``policy.refit.adapters``: ``export_adapter``).
 
     python benchmarks/bench_lora.py [--rank 8] [--steps 6] [--batch 16] [--seq 128]
 
@@ -80,8 +80,8 @@ def main() -> None:
         params = sum(p.numel() for p in worker.model.parameters() if p.requires_grad)
         refit = sum(t.numel() * t.element_size() for bucket in worker.export_weights(1 << 26, "float32")
                     for _, t in bucket)
-        adapters = sum(p.numel() * p.element_size() for n, p in worker.model.named_parameters()
-                       if ".lora_A." in n or ".lora_B." in n)
+        adapters = 0 if worker.lora is None else sum(  # what policy.refit.adapters sends
+            t.numel() * t.element_size() for bucket in worker.export_adapter(1 << 26, "float32") for _, t in bucket)
         rows[name] = {"trainable_params": params, "optimizer_state_bytes": optimizer_bytes(worker),
                       "step_seconds_median": statistics.median(times[name]), "refit_bytes": refit,
                       "adapter_bytes": adapters}

@@ -191,7 +191,7 @@ def check_spec(spec: Any, role: str) -> list[str]:
         pm = get_plugin_manager()
         registry = pm.training_backends() if role == "training" else pm.generation_backends()
         plugin = registry.owner(spec.name) if spec.name in registry else spec.distribution
-    gaps = worker_gaps(cls, role, version, plugin)
+    gaps = worker_gaps(cls, role, version, plugin, capabilities=getattr(spec, "capabilities", frozenset()))
     if gaps:
         raise PluginError("; ".join(gaps))
     notes = adapted_methods(cls, role, version) if adapted_role else []

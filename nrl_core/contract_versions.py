@@ -77,6 +77,10 @@ CONTRACT_HISTORY: tuple[ContractVersion, ...] = (
         "EnvResult.sample_metadata: per-sample details, logged beside each rollout",)),
     ContractVersion(8, "16f5e12", added=(
         "hook nrl_commands with CommandSpec: a plugin's subcommands of nrl (nrl convert NAME)",)),
+    ContractVersion(9, "HEAD", added=(
+        "adapter-only refit: capabilities adapter_export (training: AdapterExporter.adapter_config, "
+        "adapter_manifest, export_adapter) and adapter_refit (generation: AdapterServer.import_adapter), "
+        "chosen by policy.refit.adapters",)),
 )
 """Every contract version, oldest first; docs/plugins.md and docs/changelog.md repeat it."""
 
@@ -129,6 +133,13 @@ GENERATION_METHODS: tuple[Method, ...] = (
     Method("load_sampling_state", ("state",), since=2, adaptable=True),
     Method("shutdown", since=2, adaptable=True),
 )
+
+CAPABILITY_METHODS: dict[str, tuple[Method, ...]] = {
+    "adapter_export": (Method("adapter_config", since=9), Method("adapter_manifest", ("dtype",), since=9),
+                       Method("export_adapter", ("bucket_bytes", "dtype"), since=9)),
+    "adapter_refit": (Method("import_adapter", ("buckets", "manifest", "adapter_config"), since=9),),
+}
+"""The methods a worker must have when its backend's spec declares the capability."""
 
 ROLES: dict[str, tuple[str, tuple[Method, ...], str]] = {
     "training": ("TrainingWorker", TRAINING_METHODS, WORKER_DOCS),
@@ -199,13 +210,20 @@ def _signature_gap(cls: type, method: Method) -> str | None:
     return None
 
 
-def worker_gaps(cls: type, role: str, version: int, plugin: str) -> list[str]:
-    """One line per method of contract ``version`` that ``cls`` lacks, cannot be called as the
-    core calls it, or is annotated to return the wrong type. Methods a later contract added are
-    not gaps: :mod:`nrl_core.contract_adapters` fills them in."""
+def worker_gaps(cls: type, role: str, version: int, plugin: str,
+                capabilities: frozenset[str] | set[str] = frozenset()) -> list[str]:
+    """One line per method of contract ``version`` (and of the ``capabilities`` its spec declares)
+    that ``cls`` lacks, cannot be called as the core calls it, or is annotated to return the wrong
+    type. Methods a later contract added are not gaps: :mod:`nrl_core.contract_adapters` fills them in."""
     protocol, _, docs = ROLES[role]
     where = f"plugin '{plugin}', {cls.__module__}.{cls.__qualname__}"
     lines = []
+    for capability in sorted(set(capabilities) & set(CAPABILITY_METHODS)):
+        for method in CAPABILITY_METHODS[capability]:
+            if not hasattr(cls, method.name):
+                lines.append(f"{where}: declares '{capability}' but {method.call()} is missing ({docs})")
+            elif gap := _signature_gap(cls, method):
+                lines.append(f"{where}: {method.name} {gap}; '{capability}' requires {method.call()} ({docs})")
     for method in methods_of(role, version):
         if not hasattr(cls, method.name):
             lines.append(f"{where}: {protocol}.{method.call()} is missing; contract {method.since} requires it "

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
     from nrl_core.config.schema import Section
 
-CONTRACT_VERSION: int = 8
+CONTRACT_VERSION: int = 9
 """The version of the plugin contract this module defines, apart from nrl-core's package version.
 A plugin states the version it was written for as ``NRL_CONTRACT = N`` in its entry-point module;
 :mod:`nrl_core.contract_versions` lists every version the core still serves and what each changed."""
@@ -103,12 +103,14 @@ TRAINING_CAPABILITIES: Mapping[str, str] = {
     "data_parallel": "more than one data-parallel group (training workers / model-parallel size > 1)",
     "sequence_packing": "policy.sequence_packing.enabled: true",
     "dynamic_batching": "policy.dynamic_batching.enabled: true",
+    "adapter_export": "policy.refit.adapters: true (the worker is an AdapterExporter: LoRA adapters leave alone)",
 }
 """What a training backend may declare it supports beyond one rank training padded micro-batches;
 a config that asks for something the selected backend does not declare fails validation."""
 
 GENERATION_CAPABILITIES: Mapping[str, str] = {
     "streaming": "grpo.async_grpo.enabled: true (generate_groups yields each group as it finishes)",
+    "adapter_refit": "policy.refit.adapters: true (the worker is an AdapterServer: it applies LoRA adapters itself)",
 }
 """The same for generation backends."""
 
@@ -787,6 +789,35 @@ class GenerationWorker(Protocol):
 
     def shutdown(self) -> None:
         """Stop the engine and free its memory (safe to call twice)."""
+
+
+class AdapterExporter(Protocol):
+    """What a training worker adds to declare ``adapter_export`` (contract 9): a LoRA run whose
+    generation engine applies the adapters itself (``policy.refit.adapters: true``) sends only
+    these tensors at each refit, through the same transports and manifest check as weights."""
+
+    def adapter_config(self) -> dict[str, Any]:
+        """PEFT's ``adapter_config.json`` for the tensors :meth:`export_adapter` yields (``r``,
+        ``lora_alpha``, ``target_modules``, ...). Fixed for a run; the core asks rank 0 once."""
+
+    def adapter_manifest(self, dtype: str) -> list[WeightSpec]:
+        """Every tensor :meth:`export_adapter` will yield: PEFT names
+        (``base_model.model.<module>.lora_A.weight``), full shapes."""
+
+    def export_adapter(self, bucket_bytes: int, dtype: str) -> Iterator[list[tuple[str, "torch.Tensor"]]]:
+        """The adapters as :meth:`TrainingWorker.export_weights` yields weights: full tensors cast
+        to ``dtype``, in buckets. Collective: every rank must iterate."""
+
+
+class AdapterServer(Protocol):
+    """What a generation worker adds to declare ``adapter_refit`` (contract 9): its engine holds the
+    base model (read from ``policy.model_name``) and applies the policy's LoRA adapters itself."""
+
+    def import_adapter(self, buckets: Iterable[list[tuple[str, "torch.Tensor"]]], manifest: list[WeightSpec],
+                       adapter_config: Mapping[str, Any]) -> int:
+        """Load the adapter atomically against ``manifest`` (PEFT names, ``adapter_config`` as
+        :meth:`AdapterExporter.adapter_config` gave it); generation uses it from now on. Returns
+        the new weight version, counted with :meth:`GenerationWorker.import_weights`'."""
 
 
 @runtime_checkable

@@ -96,6 +96,12 @@ class Generation:
                 self.placement.remove()
                 raise
             self._index_ranks()
+        self.adapters = bool(config["policy"]["refit"]["adapters"])
+        if self.adapters:  # LoRA: the engines hold the base model; every refit sends the adapters alone
+            adapter_config = self.policy.group.call(WorkerHost.nrl_adapter_config)
+            self.policy.group.call(WorkerHost.nrl_refit_adapters, adapter_config)
+            if not self.colocated:
+                self.hosts.call(WorkerHost.nrl_refit_adapters, adapter_config)
         # engines built with placeholder weights (version -1) get the policy's before they generate;
         # that first load makes them version 0, the checkpoint's weights, as if they had read it
         self.stale = dropped or min(self.weight_versions()) < 0

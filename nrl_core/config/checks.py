@@ -99,6 +99,13 @@ def _check_capabilities(config: Mapping[str, Any], training: TrainingBackendSpec
                 what = f"{dp} data-parallel groups" if capability == "data_parallel" else capability.replace("_", " ")
                 raise ConfigError(key, f"the {training.name} training backend ({training.distribution}) does not "
                                        f"support {what}; change the value or use a backend that declares it")
+    if policy["refit"]["adapters"] and policy["generation"] is not None:
+        for spec, capability in ((training, "adapter_export"), (generation, "adapter_refit")):
+            if spec is not None and capability not in spec.capabilities:
+                role = "training" if capability == "adapter_export" else "generation"
+                raise ConfigError("policy.refit.adapters", f"the {spec.name} {role} backend ({spec.distribution}) "
+                                                           f"does not declare {capability}, which adapter-only "
+                                                           "refit needs; set it to false (merged weights)")
     wants_streaming = "grpo" in algorithms or not algorithms
     if (generation is not None and policy["generation"] is not None and wants_streaming
             and (config.get("grpo") or {}).get("async_grpo", {}).get("enabled")

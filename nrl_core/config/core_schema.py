@@ -105,6 +105,9 @@ REFIT = Section(doc="Moving trained weights into the generation engine.", fields
     "transport": Field(type=str, default=None, nullable=True, doc="null: chosen by placement"),
     "bucket_size_mb": Field(type=NUMBER, default=256.0),
     "verify": Field(type=bool, default=True, doc="check every weight against the manifest"),
+    "adapters": Field(type=bool, default=False,
+                      doc="LoRA: send the adapters alone, the engine applies them to its base model (false: "
+                          "merged weights); both backends must declare it (adapter_export, adapter_refit)"),
 })
 
 POLICY = Section(required=True, doc="The model being trained and how.", aliases={}, fields={

@@ -23,6 +23,7 @@ from typing import Any, Iterable, Iterator
 from nrl_core.dispatch import Fanout, Gather, dispatch
 from nrl_core.contracts import WeightSpec, import_object
 from nrl_core.long_lived import long_lived_objects
+from nrl_core.refit.adapters import AdapterSink, AdapterSource
 from nrl_core.refit.buckets import manifest_bytes, refit_dtype
 from nrl_core.refit.report import RefitReport
 from nrl_core.refit.transports import RefitSession, RefitTransport
@@ -105,6 +106,7 @@ class RefitEndpoints:
 
     worker: Any = None
     generation_worker: Any = None
+    adapter_refit: dict[str, Any] | None = None  # the adapter config while refits send adapters alone
 
     def record_call(self, what: str) -> None:
         """Called with the name of every worker method this actor runs; hosts that keep a call
@@ -115,6 +117,25 @@ class RefitEndpoints:
 
     def nrl_refit_sink(self) -> Any:
         return self.generation_worker if self.generation_worker is not None else self.worker
+
+    def _refit_from(self) -> Any:
+        source = self.nrl_refit_source()
+        return source if self.adapter_refit is None else AdapterSource(source)
+
+    def _refit_into(self) -> Any:
+        sink = self.nrl_refit_sink()
+        return sink if self.adapter_refit is None else AdapterSink(sink, self.adapter_refit)
+
+    @dispatch(Fanout.RANK0)
+    def nrl_adapter_config(self) -> dict[str, Any]:
+        """The training worker's PEFT adapter config (``AdapterExporter.adapter_config``)."""
+        return dict(self.nrl_refit_source().adapter_config())
+
+    @dispatch(Fanout.ALL, Gather.NONE)
+    def nrl_refit_adapters(self, adapter_config: dict[str, Any] | None) -> None:
+        """From now on this actor's refits move LoRA adapters (``adapter_config``: what the
+        training side's ``adapter_config`` returned) instead of weights; None: weights again."""
+        self.adapter_refit = None if adapter_config is None else dict(adapter_config)
 
     @dispatch(Fanout.ALL, Gather.NONE)
     def nrl_colocate_generation(self, worker_cls: str, config: dict[str, Any], rank: int | None = None,
@@ -172,8 +193,8 @@ class RefitEndpoints:
         transport = get_transport(transport_name)
         session = transport.prepare(RefitSession())
         try:
-            manifest = list(self.nrl_refit_source().weight_manifest(dtype))
-            handles = list(send_handles(self.nrl_refit_source(), transport_name, session, bucket_bytes, dtype))
+            manifest = list(self._refit_from().weight_manifest(dtype))
+            handles = list(send_handles(self._refit_from(), transport_name, session, bucket_bytes, dtype))
         except BaseException:
             transport.cleanup(session)
             raise
@@ -183,7 +204,7 @@ class RefitEndpoints:
     def nrl_refit_import(self, exported: ExportedWeights) -> int:
         """Load an export of another actor into this actor's generation worker; the new version."""
         self.record_call("refit")
-        return receive_into(self.nrl_refit_sink(), exported.transport, exported.session, exported.handles,
+        return receive_into(self._refit_into(), exported.transport, exported.session, exported.handles,
                             exported.manifest)
 
     @dispatch(Fanout.RANK0, Gather.NONE)
@@ -202,7 +223,7 @@ class RefitEndpoints:
 
     @dispatch(Fanout.RANK0)
     def nrl_refit_manifest(self, dtype: str | None) -> list[WeightSpec]:
-        return list(self.nrl_refit_source().weight_manifest(refit_dtype(dtype)))
+        return list(self._refit_from().weight_manifest(refit_dtype(dtype)))
 
     @dispatch(Fanout.RANK0)
     def nrl_refit_prepare(self, transport_name: str, session: RefitSession) -> RefitSession:
@@ -213,19 +234,19 @@ class RefitEndpoints:
                        dtype: str | None) -> Iterator[Any]:
         """The sending half of a collective transport: a generator, call with
         ``.options(num_returns="streaming")``."""
-        yield from send_handles(self.nrl_refit_source(), transport_name, session, bucket_bytes, refit_dtype(dtype))
+        yield from send_handles(self._refit_from(), transport_name, session, bucket_bytes, refit_dtype(dtype))
 
     @dispatch(Fanout.DP)
     def nrl_refit_receive(self, transport_name: str, session: RefitSession, manifest: list[WeightSpec]) -> int:
         """The receiving half of a collective transport (the bytes arrive out of band); the new
         weight version."""
-        return receive_into(self.nrl_refit_sink(), transport_name, session, (), manifest)
+        return receive_into(self._refit_into(), transport_name, session, (), manifest)
 
     @dispatch(Fanout.ALL, Gather.NONE)
     def nrl_refit_drain(self, bucket_bytes: int, dtype: str | None) -> None:
         """Run the source's export and drop the buckets: what ranks other than 0 of a sharded
         training backend do during a refit, since gathering full tensors is collective."""
-        for _ in self.nrl_refit_source().export_weights(bucket_bytes, refit_dtype(dtype)):
+        for _ in self._refit_from().export_weights(bucket_bytes, refit_dtype(dtype)):
             pass
 
     @dispatch(Fanout.RANK0, Gather.NONE)
@@ -238,6 +259,6 @@ class RefitEndpoints:
     @dispatch(Fanout.ALL)
     def nrl_refit_local(self, transport_name: str, bucket_bytes: int, dtype: str | None) -> RefitReport:
         self.record_call("refit")
-        return refit_local(self.nrl_refit_source(), self.nrl_refit_sink(), transport_name, bucket_bytes,
+        return refit_local(self._refit_from(), self._refit_into(), transport_name, bucket_bytes,
                            refit_dtype(dtype))
 

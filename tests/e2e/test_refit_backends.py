@@ -4,7 +4,8 @@ policy's exported weights, token for token; a refit that changes nothing changes
 vLLM's logprobs of tokens it sampled at temperature 0.7 agree with the policy's. Megatron runs
 tensor-parallel 2 (two Ray workers) into a vLLM engine of tensor-parallel 1, which needs
 resharding into full HF tensors. With LoRA adapters the engine gets the merged weights, and its
-greedy output equals that of the merged model the policy exports."""
+greedy output equals that of the merged model the policy exports; with ``policy.refit.adapters``
+the engine applies the adapters itself (vLLM's LoRA support), and its greedy output is the same."""
 
 from __future__ import annotations
 
@@ -31,9 +32,17 @@ CASES = {
     "dtensor-lora-colocated": ["policy.generation.colocated.enabled=true", *SAMPLING,
                                "++policy.dtensor_config.lora_cfg.enabled=true", "++policy.dtensor_config.lora_cfg.export=merged",
                                "policy.optimizer.kwargs.lr=2e-2"],
+    # adapter-only refit: the engine reads the base model and gets the adapters alone (vLLM's LoRA)
+    "dtensor-lora-adapters-colocated": ["policy.generation.colocated.enabled=true", *SAMPLING,
+                                        "++policy.dtensor_config.lora_cfg.enabled=true",
+                                        "++policy.dtensor_config.lora_cfg.export=merged",
+                                        "policy.optimizer.kwargs.lr=2e-2", "policy.refit.adapters=true"],
     "megatron-lora-tp2-noncolocated": [*SAMPLING, *megatron_noncolocated("tensor_model_parallel_size", 2e-2),
                                        "++policy.megatron_cfg.peft.enabled=true",
                                        "++policy.megatron_cfg.peft.export=merged"],
+    "megatron-lora-adapters-tp2-noncolocated": [*SAMPLING, *megatron_noncolocated("tensor_model_parallel_size", 2e-2),
+                                                "++policy.megatron_cfg.peft.enabled=true",
+                                                "++policy.megatron_cfg.peft.export=merged", "policy.refit.adapters=true"],
 }
 
 
@@ -73,6 +82,8 @@ def test_refit_from_backend_matches_hf_generate(case, model, tmp_path, ray_sessi
         assert after.token_ids == expected
         assert after.token_ids != before.token_ids, "training should have changed the greedy answers"
         assert report.version == after.weight_version == 1
+        if "policy.refit.adapters=true" in CASES[case]:  # the adapters alone crossed: no weight of the base
+            assert 0 < report.bytes < 0.1 * _weight_bytes(tmp_path / "trained")
 
         generation.load_policy_weights()  # nothing trained since: same weights, same answers
         assert greedy().token_ids == after.token_ids
@@ -88,6 +99,10 @@ def test_refit_from_backend_matches_hf_generate(case, model, tmp_path, ray_sessi
                   f"at temperature 0.7: mean {float(gaps.mean()):.2e} max {float(gaps.max()):.2e} over "
                   f"{gaps.numel()} sampled tokens")
         assert float(gaps.max()) < LOGPROB_TOLERANCE
+
+
+def _weight_bytes(model_dir: Path) -> int:
+    return sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
 
 
 HANDOFF = {"offload_before_refit", "offload_after_refit", "prepare_for_training", "refit", "get_logprobs", "train",

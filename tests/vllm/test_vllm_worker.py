@@ -11,6 +11,7 @@ import torch
 
 from nrl_core.plugins import get_plugin_manager
 from nrl_core.refit import RefitError, refit
+from nrl_core.refit.buckets import manifest_of
 from nrl_core.refit.hf_source import HFWeightSource
 from tests.vllm.helpers import hf_greedy, hf_model, hf_token_logprobs
 
@@ -237,3 +238,11 @@ def test_load_format_defaults_to_dummy_and_refuses_other_loaders() -> None:
     assert schema.validate({}, "policy.generation.vllm_cfg")["load_format"] == "dummy"
     with pytest.raises(ConfigError, match=r"policy\.generation\.vllm_cfg\.load_format.*must be one of 'dummy', 'auto'"):
         schema.validate({"load_format": "pt"}, "policy.generation.vllm_cfg")
+
+
+def test_an_engine_built_without_lora_refuses_an_adapter(engine) -> None:
+    import torch
+
+    tensors = [("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight", torch.zeros(8, 64))]
+    with pytest.raises(RefitError, match="built without LoRA; set policy.refit.adapters: true"):
+        engine.import_adapter([tensors], manifest_of(tensors), {"r": 8})

@@ -33,6 +33,9 @@ def check_config(config: Mapping[str, Any]) -> None:
         from nrl_backend_dtensor.lora import check_section
 
         check_section(section["lora_cfg"], int(section["tensor_parallel_size"]))
+    elif policy["refit"]["adapters"]:
+        raise ConfigError("policy.refit.adapters", "adapter-only refit sends LoRA adapters, and this run trains "
+                                                   "full weights; enable policy.dtensor_config.lora_cfg or set it false")
     check_optimizer(policy)
 
 

@@ -143,6 +143,34 @@ def adapter_shapes(model: nn.Module) -> dict[str, list[int]]:
     return {name: list(p.shape) for name, p in model.named_parameters() if is_adapter_name(name)}
 
 
+def _peft_name(name: str) -> str:
+    return "base_model.model." + name.removeprefix("hf.").replace(f".{ADAPTER}.", ".")
+
+
+def peft_named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every adapter, whole, under the name PEFT's ``adapter_model.safetensors`` gives it
+    (``base_model.model.<module>.lora_A.weight``). Collective under FSDP: every rank iterates."""
+    for name, param in model.named_parameters():
+        if is_adapter_name(name):
+            yield _peft_name(name), full_tensor(param)
+
+
+def peft_shapes(model: nn.Module) -> Iterator[tuple[str, torch.Size]]:
+    """The names and global shapes :func:`peft_named_tensors` yields, without a collective."""
+    for name, param in model.named_parameters():
+        if is_adapter_name(name):
+            yield _peft_name(name), param.shape
+
+
+def peft_config(section: Mapping[str, Any], base_model: str) -> dict[str, Any]:
+    """PEFT's ``adapter_config.json`` of these adapters, as plain JSON values."""
+    from nrl_core.refit.adapters import plain_config
+
+    config = lora_config(section)
+    config.base_model_name_or_path = base_model
+    return plain_config(config.to_dict())
+
+
 def write_adapter(model: nn.Module, section: Mapping[str, Any], base_model: str, path: str, *,
                   tokenizer_source: str, writer: bool) -> None:
     """The adapters as a PEFT adapter directory that ``PeftModel.from_pretrained(base, path)``
@@ -154,11 +182,7 @@ def write_adapter(model: nn.Module, section: Mapping[str, Any], base_model: str,
 
     from nrl_core.sdk.hf_export import copy_tokenizer
 
-    state = {}
-    for name, param in model.named_parameters():
-        if is_adapter_name(name):
-            hf = name.removeprefix("hf.").replace(f".{ADAPTER}.", ".")
-            state[f"base_model.model.{hf}"] = full_tensor(param).detach().cpu().contiguous()
+    state = {name: tensor.detach().cpu().contiguous() for name, tensor in peft_named_tensors(model)}
     if writer:
         out = Path(path)
         out.mkdir(parents=True, exist_ok=True)

@@ -26,6 +26,7 @@ from nrl_core.errors import ConfigError, NrlError
 from nrl_core.nonfinite import check_finite, guard_enabled
 from nrl_core.process_groups import main_group_timeout
 from nrl_core.sdk import ReferenceWeights, TrainingWorkerBase, base_model_identity, training_precision
+from nrl_core.refit.buckets import dtype_name, iter_buckets, parse_dtype
 from nrl_core.timeline import mark
 from nrl_backend_dtensor import lora
 from nrl_backend_dtensor import weights as weights_io
@@ -252,6 +253,28 @@ class DTensorPolicyWorker(TrainingWorkerBase):
         self._reshard()
         merged = lora.merged_named_tensors(self.model) if self.lora else None
         return weights_io.export_buckets(self.model, bucket_bytes, dtype, merged)
+
+    # adapter-only refit (contract 9, policy.refit.adapters): the engine applies them to its base
+    def adapter_config(self) -> dict[str, Any]:
+        return lora.peft_config(self._lora_section("adapter_config"), str(self.policy["model_name"]))
+
+    def adapter_manifest(self, dtype: str) -> list[WeightSpec]:
+        self._lora_section("adapter_manifest")
+        return [WeightSpec(name=name, shape=tuple(shape), dtype=dtype_name(parse_dtype(dtype)))
+                for name, shape in lora.peft_shapes(self.model)]
+
+    def export_adapter(self, bucket_bytes: int, dtype: str) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """The adapters, whole, cast to ``dtype``. Collective under FSDP."""
+        self._lora_section("export_adapter")
+        self._reshard()
+        target = parse_dtype(dtype)
+        return iter_buckets(((n, t.detach().to(target)) for n, t in lora.peft_named_tensors(self.model)), bucket_bytes)
+
+    def _lora_section(self, method: str) -> dict[str, Any]:
+        if self.lora is None:
+            raise NrlError(f"dtensor {method}: this worker trains full weights; adapter-only refit needs LoRA "
+                           f"({lora.KEY}.enabled: true), or set policy.refit.adapters: false")
+        return self.lora
 
     def export_hf(self, path: str) -> None:
         """A Hugging Face directory: the model, or with LoRA the PEFT adapter (``lora_cfg.export:

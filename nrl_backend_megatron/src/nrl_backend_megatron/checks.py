@@ -41,6 +41,9 @@ def check_config(config: Mapping[str, Any]) -> None:
 
         # Transformer Engine's layers are only known where the workers run; they check again
         check_section(section["peft"], sequence_parallel=bool(section["sequence_parallel"]), transformer_engine=False)
+    elif policy["refit"]["adapters"]:
+        raise ConfigError("policy.refit.adapters", "adapter-only refit sends LoRA adapters, and this run trains "
+                                                   "full weights; enable policy.megatron_cfg.peft or set it false")
     if section.get("pretrained_checkpoint"):
         check_pretrained(section["pretrained_checkpoint"], hf_config, str(policy["model_name"]))
     logging_level(section["logging_level"])

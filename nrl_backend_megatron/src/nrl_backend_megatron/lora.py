@@ -25,7 +25,7 @@ import contextlib
 import fnmatch
 import hashlib
 import math
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -235,31 +235,62 @@ def full_adapters(adapters: Adapters, tp_group: Any, tp_size: int, pp_group: Any
     return {name: pair for stage in stages for name, pair in stage.items()}
 
 
+def global_shapes(adapters: Adapters, tp_size: int, pp_group: Any, pp_size: int) -> dict[str, tuple[list[int], list[int]]]:
+    """Every adapter's full A and B shapes (canonical name → shapes), in the order
+    :func:`full_adapters` returns them, on every rank. Collective over pipeline stages."""
+    import torch.distributed as dist
+
+    mine = {}
+    for adapter in adapters.by_name.values():
+        a, b = list(adapter.A.shape), list(adapter.B.shape)
+        if adapter.row:
+            a[1] *= tp_size
+        else:
+            b[0] *= tp_size
+        mine[adapter.canonical] = (a, b)
+    if pp_size == 1:
+        return mine
+    stages: list[Any] = [None] * pp_size
+    dist.all_gather_object(stages, mine, group=pp_group)
+    return {name: shapes for stage in stages for name, shapes in stage.items()}
+
+
+def peft_items(canonical: str, a: torch.Tensor, b: torch.Tensor, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """One adapter under PEFT's names on HF modules: a fused ``linear_qkv`` adapter becomes
+    ``q_proj``, ``k_proj`` and ``v_proj`` adapters sharing A (each takes its rows of B), and
+    ``linear_fc1``'s becomes ``gate_proj`` and ``up_proj``'s: the same ``B @ A`` per HF weight."""
+    from nrl_backend_megatron.convert.mapping import megatron_to_hf_items
+
+    for hf_name, b_part in megatron_to_hf_items(f"{canonical}.weight", b, hf_config):
+        module = hf_name.removesuffix(".weight")
+        yield f"base_model.model.{module}.lora_A.weight", a
+        yield f"base_model.model.{module}.lora_B.weight", b_part
+
+
+def peft_config(section: Mapping[str, Any], names: Iterable[str], base_model: str) -> Any:
+    """PEFT's ``LoraConfig`` for adapters of these PEFT tensor names."""
+    from peft import LoraConfig
+
+    targets = sorted({name.rsplit(".", 3)[1] for name in names})  # ...<module>.lora_A.weight
+    config = LoraConfig(r=int(section["dim"]), lora_alpha=float(section["alpha"]), target_modules=targets,
+                        lora_dropout=float(section.get("dropout") or 0.0), bias="none", task_type="CAUSAL_LM")
+    config.base_model_name_or_path = base_model
+    return config
+
+
 def write_peft_adapter(adapters: Adapters, full: Mapping[str, Any], section: Mapping[str, Any], hf_config: Any,
                        base_model: str, tokenizer_source: str, path: str) -> None:
-    """The adapters as PEFT's adapter directory on HF module names: a fused ``linear_qkv`` adapter
-    becomes ``q_proj``, ``k_proj`` and ``v_proj`` adapters sharing A (each takes its rows of B), and
-    ``linear_fc1``'s becomes ``gate_proj`` and ``up_proj``'s: the same ``B @ A`` per HF weight."""
+    """The adapters as PEFT's adapter directory on HF module names (see :func:`peft_items`)."""
     from pathlib import Path
 
-    from peft import LoraConfig
     from safetensors.torch import save_file
 
-    from nrl_backend_megatron.convert.mapping import megatron_to_hf_items
     from nrl_core.sdk.hf_export import copy_tokenizer
 
-    state, targets = {}, set()
-    for canonical, (a, b) in full.items():
-        for hf_name, b_part in megatron_to_hf_items(f"{canonical}.weight", b, hf_config):
-            module = hf_name.removesuffix(".weight")
-            state[f"base_model.model.{module}.lora_A.weight"] = a.clone()  # shared by q, k, v: one copy each
-            state[f"base_model.model.{module}.lora_B.weight"] = b_part.contiguous()
-            targets.add(module.rsplit(".", 1)[-1])
+    state = {name: t.clone().contiguous() for canonical, (a, b) in full.items()  # A shared by q, k, v: a copy each
+             for name, t in peft_items(canonical, a, b, hf_config)}
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     save_file(state, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
-    config = LoraConfig(r=int(section["dim"]), lora_alpha=float(section["alpha"]), target_modules=sorted(targets),
-                        lora_dropout=float(section.get("dropout") or 0.0), bias="none", task_type="CAUSAL_LM")
-    config.base_model_name_or_path = base_model
-    config.save_pretrained(str(out))
+    peft_config(section, state, base_model).save_pretrained(str(out))
     copy_tokenizer(tokenizer_source, out)

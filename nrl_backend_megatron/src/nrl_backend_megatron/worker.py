@@ -23,6 +23,7 @@ import torch.distributed as dist
 from nrl_core.contracts import BatchShard, CheckpointOptions, LossFunction, TokenBatch, WeightSpec, logprob_temperature
 from nrl_core.device import (all_reduce, broadcast, check_batch_device, host_copy, model_device, move_optimizer_state,
                              move_tensors, to_device)
+from nrl_core.errors import NrlError
 from nrl_core.nonfinite import KEY as NAN_KEY, NonFiniteError, check_finite, guard_enabled
 from nrl_core.sdk import ReferenceWeights, TrainingWorkerBase, base_model_identity, training_precision
 
@@ -196,6 +197,7 @@ class MegatronPolicyWorker(TrainingWorkerBase):
             lora.check_section(self.cfg["peft"], sequence_parallel=self.layout.sequence_parallel,
                                transformer_engine=te_available())
             self.adapters = lora.attach(model, self.cfg["peft"], int(self.policy["seed"]), self.tp_rank, self.layout.tp)
+            self._adapter_shapes = lora.global_shapes(self.adapters, self.layout.tp, self.pp_group, self.layout.pp)
         self.router_metrics = None
         if is_moe(self.hf_config):
             mark_experts_parallel(model)
@@ -442,6 +444,38 @@ class MegatronPolicyWorker(TrainingWorkerBase):
 
     def tokenizer_source(self) -> str:
         return self.model_path
+
+    # adapter-only refit (contract 9, policy.refit.adapters): the engine applies them to its base
+    def adapter_config(self) -> dict[str, Any]:
+        from nrl_core.refit.adapters import plain_config
+
+        config = lora.peft_config(self._peft_section("adapter_config"),
+                                  [spec.name for spec in self.adapter_manifest("float32")], self.model_path)
+        return plain_config(config.to_dict())
+
+    def adapter_manifest(self, dtype: str) -> list[WeightSpec]:
+        """PEFT-named adapters on HF modules, full shapes, in :meth:`export_adapter`'s order."""
+        self._peft_section("adapter_manifest")
+        return [WeightSpec(name=name, shape=tuple(t.shape), dtype=dtype)
+                for canonical, (a, b) in self._adapter_shapes.items()
+                for name, t in lora.peft_items(canonical, torch.empty(a, device="meta"),
+                                               torch.empty(b, device="meta"), self.hf_config)]
+
+    def export_adapter(self, bucket_bytes: int, dtype: str) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """The adapters, whole (gathered over TP, exchanged between stages). Collective."""
+        from nrl_core.refit.buckets import iter_buckets
+
+        self._peft_section("export_adapter")
+        full = lora.full_adapters(self.adapters, self.tp_group, self.layout.tp, self.pp_group, self.layout.pp)
+        target = getattr(torch, dtype)
+        yield from iter_buckets(((name, t.to(target)) for canonical, (a, b) in full.items()
+                                 for name, t in lora.peft_items(canonical, a, b, self.hf_config)), bucket_bytes)
+
+    def _peft_section(self, method: str) -> dict[str, Any]:
+        if self.adapters is None:
+            raise NrlError(f"megatron {method}: this worker trains full weights; adapter-only refit needs LoRA "
+                           f"({lora.KEY}.enabled: true), or set policy.refit.adapters: false")
+        return self.cfg["peft"]
 
     def export_hf(self, path: str) -> None:
         """A Hugging Face directory: the model, or with LoRA a PEFT adapter on HF module names

@@ -58,6 +58,8 @@ def check_config(config: Mapping[str, Any]) -> None:
     if vcfg["async_engine"] and tp != 1:
         raise ConfigError(f"{KEY}.async_engine", f"vLLM's async engine runs alone in its process; use it with "
                                                  f"tensor_parallel_size 1 (got {tp})")
+    if policy["refit"]["adapters"]:
+        check_adapter_serving(vcfg, colocated=bool((generation.get("colocated") or {}).get("enabled")))
     hf_config = local_model_config(config)
     if hf_config is None:
         return
@@ -72,6 +74,22 @@ def check_config(config: Mapping[str, Any]) -> None:
     if limit is not None and max_len > limit and not os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN"):
         raise ConfigError(length_key(config), f"{max_len} exceeds the model's maximum length {limit} (from its "
                                               f"config.json); vLLM refuses it, set at most {limit}")
+
+
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The ``max_lora_rank`` values vLLM accepts."""
+
+
+def check_adapter_serving(vcfg: Mapping[str, Any], *, colocated: bool) -> None:
+    """``policy.refit.adapters``: the engine keeps the base model and applies the adapters, so it
+    must never drop its weights (sleep level 2 discards them, and a refit would only bring the
+    adapters back)."""
+    if vcfg["max_lora_rank"] not in LORA_RANKS:
+        raise ConfigError(f"{KEY}.max_lora_rank", f"vLLM accepts one of {', '.join(map(str, LORA_RANKS))}, "
+                                                  f"got {vcfg['max_lora_rank']}")
+    if colocated and int(vcfg.get("sleep_level") or 1) == 2:
+        raise ConfigError(f"{KEY}.sleep_level", "2 drops the engine's base weights, which adapter-only refit "
+                                                "never sends again (policy.refit.adapters); use 1")
 
 
 def model_length_limit(hf_config: Any, tokenizer_dir: str) -> int | None:

@@ -31,6 +31,9 @@ VLLM_CFG = Section(doc="vLLM engine options (the vllm generation backend).", fie
                          doc="dummy: the engine starts with placeholder weights and the first refit loads the "
                              "policy's (NeMo RL's choice for training: the checkpoint is read once, by the policy); "
                              "auto: the engine reads policy.model_name itself"),
+    "max_lora_rank": Field(type=int, default=64,
+                           doc="with policy.refit.adapters: the largest LoRA rank the engine serves (vLLM's "
+                               "values: 1, 8, 16, 32, 64, ...)"),
     "seed": Field(type=int, default=None, nullable=True,
                   doc="base sampling seed; null: policy.seed, else the algorithm's seed"),
     # NeMo RL keys accepted so copied configs validate; they change nothing here.

@@ -19,13 +19,20 @@ from typing import Any, Iterator, Sequence
 
 
 class SyncEngine:
+    lora_request: Any = None  # the LoRA adapter every request runs with (adapter-only refit), if any
+
     def __init__(self, **engine_kwargs: Any) -> None:
         from vllm import LLM
 
         self.llm = LLM(**engine_kwargs)
 
     def generate(self, requests: Sequence[Any], params: Sequence[Any]) -> list[Any]:
-        return self.llm.generate(list(requests), list(params), use_tqdm=False) if requests else []
+        if not requests:
+            return []
+        return self.llm.generate(list(requests), list(params), use_tqdm=False, lora_request=self.lora_request)
+
+    def add_lora(self, request: Any) -> None:
+        self.llm.llm_engine.add_lora(request)
 
     def stream(self, requests: Sequence[Any], params: Sequence[Any], group_size: int) -> Iterator[tuple[int, list[Any]]]:
         """Every group at once, when the whole batch is done (this engine returns batches whole)."""
@@ -56,6 +63,8 @@ class SyncEngine:
 
 
 class AsyncEngine:
+    lora_request: Any = None
+
     def __init__(self, **engine_kwargs: Any) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="nrl-vllm-async", daemon=True)
@@ -82,7 +91,8 @@ class AsyncEngine:
 
     async def _one(self, request: Any, params: Any, request_id: str) -> Any:
         final = None
-        async for output in self.engine.generate(request, params, request_id=request_id):
+        async for output in self.engine.generate(request, params, request_id=request_id,
+                                                 lora_request=self.lora_request):
             final = output
         return final
 
@@ -120,6 +130,9 @@ class AsyncEngine:
 
     def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
         return self._run(self.engine.collective_rpc(method, args=args))
+
+    def add_lora(self, request: Any) -> None:
+        self._run(self.engine.add_lora(request))
 
     def load_weights(self, named: list[tuple[str, Any]]) -> None:
         """The engine runs in another process, and vLLM's RPC encoding does not carry tensors in a

@@ -35,6 +35,7 @@ from nrl_gen_vllm.threads import keep_process_threads
 logger = logging.getLogger(__name__)
 
 EXTENSION = "nrl_gen_vllm.extension.NrlWorkerExtension"
+ADAPTER_NAME, ADAPTER_ID = "nrl-policy", 1  # the one LoRA adapter an adapter-serving engine holds
 _FINISH = {"stop": "stop", "length": "length"}
 
 
@@ -124,6 +125,12 @@ class VllmGenerationWorker:
         if self.load_format not in ("auto", "dummy"):
             raise ConfigError("policy.generation.vllm_cfg.load_format",
                               f"must be 'dummy' or 'auto', got {self.load_format!r}")
+        # adapter-only refit: the engine reads the base model itself and applies the adapters it gets
+        self.serves_adapters = bool((policy.get("refit") or {}).get("adapters"))
+        self.max_lora_rank = int(vcfg.get("max_lora_rank") or 64)
+        self._adapter_dir: str | None = None
+        if self.serves_adapters:
+            self.load_format = "auto"
         self._state = SamplingState(seed=base_seed(config), weight_version=-1 if self.load_format == "dummy" else 0)
         self._sleep = SleepState(f"vLLM engine {self.engine_index}")
         self.model_dir = str(policy["model_name"])
@@ -158,6 +165,8 @@ class VllmGenerationWorker:
             engine_kwargs["distributed_executor_backend"] = "external_launcher"
             if _is_cpu():
                 cpu_shm.use_unique_names()
+        if self.serves_adapters:
+            engine_kwargs.update(enable_lora=True, max_lora_rank=self.max_lora_rank, max_loras=1)
         colocated = bool((generation.get("colocated") or {}).get("enabled"))
         # Sleep mode frees the engine's memory for training between generations (colocated only);
         # vLLM offers it on GPUs, where it also needs its own allocator.
@@ -290,6 +299,48 @@ class VllmGenerationWorker:
         self._state.weight_version += 1
         return self._state.weight_version
 
+    def import_adapter(self, buckets: Iterable[Bucket], manifest: list[WeightSpec],
+                       adapter_config: Mapping[str, Any]) -> int:
+        """Adapter-only refit (contract 9): stage the LoRA tensors, prove they match ``manifest``,
+        write them as a PEFT adapter directory and load it in place of the previous one
+        (``LoRARequest(load_inplace=True)``); every later request runs with it. The engine's base
+        weights stay as read from ``policy.model_name``. Returns the new weight version."""
+        import json
+        import shutil
+        import tempfile
+
+        from safetensors.torch import save_file
+        from vllm.lora.request import LoRARequest
+
+        if not self.serves_adapters:
+            raise RefitError(f"vLLM engine {self.engine_index}: import_adapter on an engine built without LoRA; "
+                             "set policy.refit.adapters: true")
+        self._sleep.require_awake("import_adapter", ("weights",))
+        rank = int(adapter_config.get("r") or 0)
+        if rank > self.max_lora_rank:
+            raise RefitError(f"vLLM engine {self.engine_index}: the adapter's rank {rank} exceeds "
+                             f"policy.generation.vllm_cfg.max_lora_rank={self.max_lora_rank}; raise it")
+        staged: list[tuple[str, Any]] = [item for bucket in buckets for item in bucket]
+        verify([spec_of(name, tensor) for name, tensor in staged], manifest)
+        directory = tempfile.mkdtemp(prefix="nrl-lora-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        try:
+            save_file({name: tensor.detach().contiguous().cpu() for name, tensor in staged},
+                      os.path.join(directory, "adapter_model.safetensors"), metadata={"format": "pt"})
+            with open(os.path.join(directory, "adapter_config.json"), "w") as f:
+                json.dump(dict(adapter_config), f)
+            self._engine.add_lora(LoRARequest(ADAPTER_NAME, ADAPTER_ID, directory, load_inplace=True))
+        except BaseException:
+            shutil.rmtree(directory, ignore_errors=True)
+            raise
+        del staged
+        self._engine.lora_request = LoRARequest(ADAPTER_NAME, ADAPTER_ID, directory)
+        previous, self._adapter_dir = self._adapter_dir, directory
+        if previous:
+            shutil.rmtree(previous, ignore_errors=True)
+        self._engine.reset_prefix_cache()  # cached KV was computed with the old adapter
+        self._state.weight_version += 1
+        return self._state.weight_version
+
     # ------------------------------------------------------------------ memory hand-off (colocated)
 
     def finish_generation(self) -> bool:
@@ -319,6 +370,11 @@ class VllmGenerationWorker:
         engine = getattr(self, "_engine", None)
         if engine is None:
             return
+        if getattr(self, "_adapter_dir", None):
+            import shutil
+
+            shutil.rmtree(self._adapter_dir, ignore_errors=True)
+            self._adapter_dir = None
         self._engine = None
         try:
             engine.shutdown()
