@@ -77,7 +77,7 @@ CONTRACT_HISTORY: tuple[ContractVersion, ...] = (
         "EnvResult.sample_metadata: per-sample details, logged beside each rollout",)),
     ContractVersion(8, "16f5e12", added=(
         "hook nrl_commands with CommandSpec: a plugin's subcommands of nrl (nrl convert NAME)",)),
-    ContractVersion(9, "HEAD", added=(
+    ContractVersion(9, "b81cd43", added=(
         "adapter-only refit: capabilities adapter_export (training: AdapterExporter.adapter_config, "
         "adapter_manifest, export_adapter) and adapter_refit (generation: AdapterServer.import_adapter), "
         "chosen by policy.refit.adapters",)),
