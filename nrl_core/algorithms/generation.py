@@ -32,7 +32,6 @@ from nrl_core.cluster.worker_group import method_name
 from nrl_core.config.topology import cluster_topology
 from nrl_core.contracts import GenerationBackendSpec, GenerationOutput, GenerationWorker
 from nrl_core.dispatch import Fanout, dispatch_of
-from nrl_core.errors import NrlError
 from nrl_core.refit.orchestrator import choose_transport, refit, refit_options
 from nrl_core.refit.report import RefitReport, combine_reports
 from nrl_core.timeline import mark
@@ -133,25 +132,26 @@ class Generation:
         """``group_size`` samples of every prompt, yielded as ``(prompt index, output)`` the moment
         a group is complete, from whichever engine finished it (each engine streams its contiguous
         chunk of prompts; async GRPO scores groups as they arrive). An engine that dies or raises
-        ends the iteration with its one-line error."""
-        if self.engine_size != 1:
-            raise NrlError("streaming generation needs engines of one rank each (generation tensor parallel 1)")
+        ends the iteration with its one-line error. Every rank of an engine streams its chunk; only
+        the engine's first rank yields."""
         chunks = split_evenly(list(range(len(prompts))), self.num_engines)
         arrived: queue.Queue[Any] = queue.Queue()
 
         def consume(rank: int, indices: list[int]) -> None:
             try:
                 for local, output in self.hosts.stream(WorkerHost.nrl_generate_groups,
-                                                       [list(prompts[i]) for i in indices], group_size, on=rank):
+                                                       [list(prompts[i]) for i in indices], group_size,
+                                                       engine_size=self.engine_size, on=rank):
                     arrived.put((indices[local], output))
                 arrived.put(None)
             except BaseException as exc:  # re-raised in the consuming thread
                 arrived.put(exc)
 
-        for rank, indices in zip(self.leads, chunks):
+        for rank in self.ranks:
+            indices = chunks[rank // self.engine_size]
             threading.Thread(target=consume, args=(rank, indices), name=f"nrl-stream-{rank}", daemon=True).start()
         finished = 0
-        while finished < len(chunks):
+        while finished < len(self.ranks):
             item = arrived.get()
             if item is None:
                 finished += 1

@@ -172,11 +172,16 @@ class RefitEndpoints:
         return output if rank % engine_size == 0 else None
 
     @dispatch(Fanout.STREAM)
-    def nrl_generate_groups(self, prompts: list[list[int]], group_size: int, greedy: bool = False) -> Iterator[Any]:
+    def nrl_generate_groups(self, prompts: list[list[int]], group_size: int, greedy: bool = False,
+                            engine_size: int = 1) -> Iterator[Any]:
         """``(prompt index, output)`` for each prompt's group of samples as it completes: a
-        generator, call with ``.options(num_returns="streaming")``."""
+        generator, call with ``.options(num_returns="streaming")``. Every rank of an engine of
+        ``engine_size`` ranks runs it (an engine may need all its ranks); only its first yields."""
         self.record_call("generation.generate_groups")
-        yield from self.nrl_refit_sink().generate_groups(prompts, group_size, greedy=greedy)
+        lead = getattr(self, "rank", 0) % engine_size == 0
+        for item in self.nrl_refit_sink().generate_groups(prompts, group_size, greedy=greedy):
+            if lead:
+                yield item
 
     @dispatch(Fanout.ALL)
     def nrl_refit_node_id(self) -> str:

@@ -60,6 +60,26 @@ def test_no_trajectory_is_older_than_the_bound_before_and_after_a_resume(tmp_pat
     assert [r["step"] for r in rows][-3:] == [1, 2, 3] and all(r["async/trajectory_age_max"] <= 1 for r in rows)
 
 
+def test_an_async_engine_of_two_tensor_parallel_ranks_samples_with_the_policys_weights(tmp_path, model):
+    """The async engine at tensor parallel 2 (NeMo RL's async recipes): vLLM's own executor runs
+    both workers from the engine's first rank, the second rank holds its place, and every refit
+    reaches both workers. With a trajectory age of 0 every step samples from the policy it trains,
+    so the engine's logprobs of its samples equal the policy's at each step, after each refit."""
+    tp2 = ["cluster.gpus_per_node=3", "policy.generation.colocated.resources.gpus_per_node=2",
+           "policy.generation.vllm_cfg.tensor_parallel_size=2", "grpo.async_grpo.max_trajectory_age_steps=0"]
+    timeline = tmp_path / "timeline.jsonl"
+    assert_ok(run_nrl(tmp_path, CONFIG, "grpo", small(model, "grpo.max_num_steps=2", *tp2),
+                      env={"NRL_TIMELINE": str(timeline)}))
+    ready = sorted((e["rank"], e["tensor_parallel"], e["follower"]) for e in map(json.loads, timeline.read_text().splitlines())
+                   if e["event"] == "vllm_engine_ready")
+    assert ready == [(0, 2, False), (1, 2, True)]
+    assert [row["weight_version"] for step in (1, 2) for row in rollouts(tmp_path, step)] == [0] * 16 + [1] * 16
+    rows = [r for r in metrics(tmp_path) if "train/token_mult_prob_error" in r]
+    assert [r["step"] for r in rows] == [1, 2]
+    for row in rows:  # exp(mean |log p_engine - log p_policy|): 1 when the engine has the policy's weights
+        assert row["train/token_mult_prob_error"] == pytest.approx(1.0, abs=1e-3)
+
+
 def check_the_engine_imported_while_the_driver_checked_the_config(timeline: Path) -> None:
     """An engine that is not colocated has its own actor, launched right after the policy's: it
     imports vLLM while the driver checks the config, and the engine is built on that same actor."""

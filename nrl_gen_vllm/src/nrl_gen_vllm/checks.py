@@ -55,9 +55,10 @@ def check_config(config: Mapping[str, Any]) -> None:
     if (config.get("grpo") or {}).get("async_grpo", {}).get("enabled") and not vcfg["async_engine"]:
         raise ConfigError(f"{KEY}.async_engine", "must be true with grpo.async_grpo.enabled: the collector needs "
                                                  "requests that finish independently (vLLM's AsyncLLM)")
-    if vcfg["async_engine"] and tp != 1:
-        raise ConfigError(f"{KEY}.async_engine", f"vLLM's async engine runs alone in its process; use it with "
-                                                 f"tensor_parallel_size 1 (got {tp})")
+    if vcfg["async_engine"] and tp != 1 and (generation.get("colocated") or {}).get("enabled"):
+        from nrl_gen_vllm.worker import ASYNC_COLOCATED
+
+        raise ConfigError(f"{KEY}.async_engine", ASYNC_COLOCATED)
     if policy["refit"]["adapters"]:
         check_adapter_serving(vcfg, colocated=bool((generation.get("colocated") or {}).get("enabled")))
     hf_config = local_model_config(config)

@@ -6,8 +6,10 @@
   child process, driven here from synchronous code through an event loop in a daemon thread.
   Requests stream and finish independently, so :meth:`AsyncEngine.stream` hands back each group of
   samples as soon as its last sample is done (async GRPO scores rollouts as they complete). Refit
-  tensors are copied to the engine process; vLLM offers it in a single process only, so an async
-  engine is one rank (tensor parallel 1).
+  tensors are copied to the engine process. At tensor parallel above 1 the engine core runs its
+  workers with vLLM's own multiprocessing executor, all started from the engine's first rank.
+* :class:`FollowerEngine`: the other ranks of such an engine. They hold its devices in the
+  cluster's placement and answer every call with nothing; the first rank's engine does the work.
 """
 
 from __future__ import annotations
@@ -181,3 +183,30 @@ class AsyncEngine:
     def _stop_loop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
+
+
+class FollowerEngine:
+    lora_request: Any = None
+
+    def generate(self, requests: Sequence[Any], params: Sequence[Any]) -> list[Any]:
+        return []
+
+    def stream(self, requests: Sequence[Any], params: Sequence[Any], group_size: int) -> Iterator[tuple[int, list[Any]]]:
+        return iter(())
+
+    def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
+        return []
+
+    def load_weights(self, named: list[tuple[str, Any]]) -> None:
+        """The first rank's engine loads them into every worker."""
+
+    def add_lora(self, request: Any) -> None:
+        """Likewise."""
+
+    def reset_prefix_cache(self) -> None: ...
+
+    def sleep(self, level: int) -> None: ...
+
+    def wake_up(self, tags: list[str]) -> None: ...
+
+    def shutdown(self) -> None: ...

@@ -24,7 +24,7 @@ from nrl_core.refit.manifest import RefitError, verify
 from nrl_core.timeline import mark
 
 from nrl_gen_vllm import cpu_shm
-from nrl_gen_vllm.engines import AsyncEngine, SyncEngine
+from nrl_gen_vllm.engines import AsyncEngine, FollowerEngine, SyncEngine
 from nrl_gen_vllm.checkpoint import check_against_checkpoint, checkpoint_shapes
 from nrl_gen_vllm.checks import engine_start_error
 from nrl_gen_vllm.cpu_sampler import use_eager_rank_count
@@ -64,6 +64,51 @@ def _distributed_engine(tp: int, rank: int, world_size: int) -> bool:
         raise ConfigError("policy.generation.vllm_cfg.tensor_parallel_size",
                           f"{tp} does not divide the {world_size} ranks that host the engines")
     return True
+
+
+ASYNC_COLOCATED = ("vLLM's async engine at tensor_parallel_size above 1 runs its workers in processes of its own, "
+                   "which a colocated training rank cannot host; set policy.generation.colocated.enabled: false, "
+                   "or tensor_parallel_size 1")
+
+_GROUP_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _engine_spawn_env(rank: int, tp: int) -> dict[str, str]:
+    """What the processes an async engine spawns must see, from its first rank: this generation
+    group's own ``torch.distributed`` variables removed (vLLM's executor forms the engine's group),
+    the engine's devices (each Ray actor sees only its own GPU: gathered over the group), and on the
+    CPU no thread binding (vLLM's automatic binding wants a NUMA node per worker). Collective."""
+    import torch
+    import torch.distributed as dist
+
+    env = {name: "" for name in _GROUP_VARIABLES}
+    if torch.cuda.is_available():
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, os.environ.get("CUDA_VISIBLE_DEVICES", str(torch.cuda.current_device())))
+        first = rank - rank % tp
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(every[first:first + tp])
+    elif "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+    return env
+
+
+@contextlib.contextmanager
+def _environment(changes: Mapping[str, str]) -> Iterator[None]:
+    """``changes`` in ``os.environ`` within the block (an empty value removes the variable)."""
+    saved = {name: os.environ.get(name) for name in changes}
+    for name, value in changes.items():
+        if value:
+            os.environ[name] = value
+        else:
+            os.environ.pop(name, None)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 @contextlib.contextmanager
@@ -157,17 +202,23 @@ class VllmGenerationWorker:
                                            engines=max(1, world_size // self.tp), dtype=self.dtype)
             logger.info("vLLM engine %d: KV cache %s", self.engine_index, self.kv_cache.describe())
             engine_kwargs["kv_cache_memory_bytes"] = self.kv_cache.nbytes
-        if _distributed_engine(self.tp, rank, world_size):
-            if self.async_engine:
-                raise ConfigError("policy.generation.vllm_cfg.async_engine",
-                                  "vLLM's async engine runs alone in its process: use it with tensor_parallel_size 1 "
-                                  "and generation not colocated, or set async_engine: false")
+        colocated = bool((generation.get("colocated") or {}).get("enabled"))
+        spawn_env: dict[str, str] = {}
+        self.follower = False
+        if self.async_engine and self.tp > 1:
+            if colocated:
+                raise ConfigError("policy.generation.vllm_cfg.async_engine", ASYNC_COLOCATED)
+            # vLLM's own executor starts the engine's tp workers from its first rank; the other
+            # ranks hold the engine's devices in the placement and follow
+            engine_kwargs["distributed_executor_backend"] = "mp"
+            spawn_env = _engine_spawn_env(rank, self.tp)
+            self.follower = rank % self.tp != 0
+        elif _distributed_engine(self.tp, rank, world_size):
             engine_kwargs["distributed_executor_backend"] = "external_launcher"
             if _is_cpu():
                 cpu_shm.use_unique_names()
         if self.serves_adapters:
             engine_kwargs.update(enable_lora=True, max_lora_rank=self.max_lora_rank, max_loras=1)
-        colocated = bool((generation.get("colocated") or {}).get("enabled"))
         # Sleep mode frees the engine's memory for training between generations (colocated only);
         # vLLM offers it on GPUs, where it also needs its own allocator.
         self.sleep_mode = colocated and current_platform.is_sleep_mode_available()
@@ -175,8 +226,8 @@ class VllmGenerationWorker:
         start = time.perf_counter()
         mark("vllm_engine_start", rank=rank)
         try:
-            with _engine_local_rank(), keep_process_threads():
-                self._engine = (AsyncEngine if self.async_engine else SyncEngine)(
+            with _engine_local_rank(), keep_process_threads(), _environment(spawn_env):
+                self._engine = FollowerEngine() if self.follower else (AsyncEngine if self.async_engine else SyncEngine)(
                     model=self.model_dir,
                     tokenizer=tokenizer,
                     dtype=self.dtype,
@@ -199,9 +250,14 @@ class VllmGenerationWorker:
             if refused is None:
                 raise
             raise refused from None
-        mark("vllm_engine_ready", rank=rank)
-        logger.info("vLLM %sengine %d (rank %d of %d) for %s ready in %.1f s", "async " if self.async_engine else "",
-                    self.engine_index, rank, world_size, self.model_dir, time.perf_counter() - start)
+        mark("vllm_engine_ready", rank=rank, tensor_parallel=self.tp, follower=self.follower)
+        if self.follower:
+            logger.info("vLLM async engine %d: rank %d holds its place (the engine's first rank runs its %d workers)",
+                        self.engine_index, rank, self.tp)
+        else:
+            logger.info("vLLM %sengine %d (rank %d of %d, tensor parallel %d) for %s ready in %.1f s",
+                        "async " if self.async_engine else "", self.engine_index, rank, world_size, self.tp,
+                        self.model_dir, time.perf_counter() - start)
 
     # ------------------------------------------------------------------ generation
 
