@@ -28,6 +28,7 @@ from ray._private import ray_constants, services
 from ray._private.node import Node
 from ray._private.state import GlobalState
 
+from nrl_core.env_vars import environment
 from nrl_core.cluster.gcs_watch import cluster_failure, kill_ray_processes, stop_watching, watch_gcs
 from nrl_core.errors import NrlError
 from nrl_core.timeline import mark
@@ -227,7 +228,7 @@ def init_ray(cluster_cfg: Mapping[str, Any] | None = None) -> None:
             return
         num_cpus = int(cfg.get("num_cpus") or os.cpu_count() or 1)
         num_gpus = cfg.get("num_gpus")
-        with _private_head(), _environment(env_vars):
+        with _private_head(), environment(env_vars):
             ray.init(
                 address="local",  # never attach to someone else's `ray start` by accident
                 _node_ip_address="127.0.0.1",
@@ -263,21 +264,6 @@ def actor_runtime_env(env_vars: Mapping[str, str]) -> dict[str, Any] | None:
     if private_local_ray() and dict(env_vars) == _inherited_env:
         return None
     return {"env_vars": dict(env_vars)}
-
-
-@contextlib.contextmanager
-def _environment(env_vars: Mapping[str, str]) -> Iterator[None]:
-    """``os.environ`` with ``env_vars`` set while the block runs: what Ray's processes inherit."""
-    saved = {name: os.environ.get(name) for name in env_vars}
-    os.environ.update(env_vars)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def private_local_ray() -> bool:

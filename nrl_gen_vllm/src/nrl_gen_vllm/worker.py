@@ -17,6 +17,7 @@ from typing import Any, Iterable, Iterator, Mapping
 
 from nrl_core.contracts import GenerationOutput, WeightSpec
 from nrl_core.device import resolve_precision
+from nrl_core.env_vars import environment
 from nrl_core.errors import ConfigError, NrlError
 from nrl_core.generation_kit import SamplingState, SleepState
 from nrl_core.refit.buckets import Bucket, dtype_name, parse_dtype, spec_of
@@ -90,25 +91,6 @@ def _engine_spawn_env(rank: int, tp: int) -> dict[str, str]:
     elif "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
         env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
     return env
-
-
-@contextlib.contextmanager
-def _environment(changes: Mapping[str, str]) -> Iterator[None]:
-    """``changes`` in ``os.environ`` within the block (an empty value removes the variable)."""
-    saved = {name: os.environ.get(name) for name in changes}
-    for name, value in changes.items():
-        if value:
-            os.environ[name] = value
-        else:
-            os.environ.pop(name, None)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 @contextlib.contextmanager
@@ -226,7 +208,7 @@ class VllmGenerationWorker:
         start = time.perf_counter()
         mark("vllm_engine_start", rank=rank)
         try:
-            with _engine_local_rank(), keep_process_threads(), _environment(spawn_env):
+            with _engine_local_rank(), keep_process_threads(), environment(spawn_env):
                 self._engine = FollowerEngine() if self.follower else (AsyncEngine if self.async_engine else SyncEngine)(
                     model=self.model_dir,
                     tokenizer=tokenizer,
