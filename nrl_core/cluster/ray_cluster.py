@@ -28,8 +28,8 @@ from ray._private import ray_constants, services
 from ray._private.node import Node
 from ray._private.state import GlobalState
 
-from nrl_core.env_vars import environment
 from nrl_core.cluster.gcs_watch import cluster_failure, kill_ray_processes, stop_watching, watch_gcs
+from nrl_core.env_vars import environment
 from nrl_core.errors import NrlError
 from nrl_core.timeline import mark
 

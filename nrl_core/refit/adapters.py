@@ -33,10 +33,6 @@ class AdapterSink:
         self.worker = worker
         self.adapter_config = dict(adapter_config)
 
-    @property
-    def weight_version(self) -> int:
-        return int(self.worker.weight_version)
-
     def import_weights(self, buckets: Iterable[list[tuple[str, Any]]], manifest: list[WeightSpec]) -> int:
         return int(self.worker.import_adapter(buckets, manifest, self.adapter_config))
 

@@ -197,9 +197,10 @@ class RefitEndpoints:
         dtype = refit_dtype(dtype)
         transport = get_transport(transport_name)
         session = transport.prepare(RefitSession())
+        source = self._refit_from()
         try:
-            manifest = list(self._refit_from().weight_manifest(dtype))
-            handles = list(send_handles(self._refit_from(), transport_name, session, bucket_bytes, dtype))
+            manifest = list(source.weight_manifest(dtype))
+            handles = list(send_handles(source, transport_name, session, bucket_bytes, dtype))
         except BaseException:
             transport.cleanup(session)
             raise

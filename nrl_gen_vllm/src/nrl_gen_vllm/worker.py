@@ -360,6 +360,9 @@ class VllmGenerationWorker:
                              f"policy.generation.vllm_cfg.max_lora_rank={self.max_lora_rank}; raise it")
         staged: list[tuple[str, Any]] = [item for bucket in buckets for item in bucket]
         verify([spec_of(name, tensor) for name, tensor in staged], manifest)
+        if self.follower:  # the engine's first rank loads it into every worker
+            self._state.weight_version += 1
+            return self._state.weight_version
         directory = tempfile.mkdtemp(prefix="nrl-lora-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
         try:
             save_file({name: tensor.detach().contiguous().cpu() for name, tensor in staged},
