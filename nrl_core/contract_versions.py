@@ -81,6 +81,12 @@ CONTRACT_HISTORY: tuple[ContractVersion, ...] = (
         "adapter-only refit: capabilities adapter_export (training: AdapterExporter.adapter_config, "
         "adapter_manifest, export_adapter) and adapter_refit (generation: AdapterServer.import_adapter), "
         "chosen by policy.refit.adapters",)),
+    ContractVersion(10, "HEAD", added=(
+        "models beside the policy: AlgorithmSpec.model_sections (a teacher's policy-shaped section, validated "
+        "with the policy schema; its workers share the policy's devices) and AlgorithmSpec.shared_keys (keys in "
+        "shared sections such as loss_fn)",
+        "capability topk_logprobs (training: TopkScorer.get_topk_logprobs -> TopkShard, get_gathered_logprobs "
+        "-> BatchShard [n, T, k]); a loss with gather_ids_field gets [b, t, k] logprobs at those ids",)),
 )
 """Every contract version, oldest first; docs/plugins.md and docs/changelog.md repeat it."""
 
@@ -138,6 +144,8 @@ CAPABILITY_METHODS: dict[str, tuple[Method, ...]] = {
     "adapter_export": (Method("adapter_config", since=9), Method("adapter_manifest", ("dtype",), since=9),
                        Method("export_adapter", ("bucket_bytes", "dtype"), since=9)),
     "adapter_refit": (Method("import_adapter", ("buckets", "manifest", "adapter_config"), since=9),),
+    "topk_logprobs": (Method("get_topk_logprobs", ("batch", "k"), since=10),
+                      Method("get_gathered_logprobs", ("batch", "ids_field"), since=10)),
 }
 """The methods a worker must have when its backend's spec declares the capability."""
 

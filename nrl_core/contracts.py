@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
     from nrl_core.config.schema import Section
 
-CONTRACT_VERSION: int = 9
+CONTRACT_VERSION: int = 10
 """The version of the plugin contract this module defines, apart from nrl-core's package version.
 A plugin states the version it was written for as ``NRL_CONTRACT = N`` in its entry-point module;
 :mod:`nrl_core.contract_versions` lists every version the core still serves and what each changed."""
@@ -104,6 +104,7 @@ TRAINING_CAPABILITIES: Mapping[str, str] = {
     "sequence_packing": "policy.sequence_packing.enabled: true",
     "dynamic_batching": "policy.dynamic_batching.enabled: true",
     "adapter_export": "policy.refit.adapters: true (the worker is an AdapterExporter: LoRA adapters leave alone)",
+    "topk_logprobs": "next-token top-k and logprobs at given ids (the worker is a TopkScorer: distillation)",
 }
 """What a training backend may declare it supports beyond one rank training padded micro-batches;
 a config that asks for something the selected backend does not declare fails validation."""
@@ -318,6 +319,14 @@ class AlgorithmSpec:
     samples from ``policy.generation``, so a config without an installed generation backend is
     refused at check time, not at run time.
 
+    ``model_sections`` (contract 10) are top-level sections that configure another model the
+    algorithm runs beside the policy (distillation's ``teacher``): each is validated with the
+    ``policy`` schema and the selected backend's checks, and its workers share the policy's devices
+    (:func:`~nrl_core.config.models.model_config`, ``Policy(..., colocate_with=)``).
+    ``shared_keys`` (contract 10) adds keys to sections the algorithm shares with others, by path:
+    NeMo RL's distillation reads ``loss_fn.kl_type``. Two algorithms declaring one key differently
+    is an error naming both.
+
     ``nrl train`` launches the policy's training workers before it checks the model and the run
     loads its data, for every algorithm, so their imports overlap; a run that builds no
     :class:`~nrl_core.algorithms.policy.Policy` leaves them untaken and they stop with it
@@ -333,6 +342,8 @@ class AlgorithmSpec:
     config_schema: Section | None = None
     config_check: str | None = None
     generates: bool = False
+    model_sections: tuple[str, ...] = ()
+    shared_keys: Mapping[str, Section] = field(default_factory=dict)
     early_policy_start: InitVar[bool | None] = None
 
     def __post_init__(self, early_policy_start: bool | None) -> None:
@@ -481,11 +492,13 @@ class BatchShard:
 
     @staticmethod
     def assemble(shards: "Sequence[BatchShard | None]", size: int, width: int) -> "torch.Tensor":
-        """The ``[size, width]`` result the shards make up together (zeros past each row's values)."""
+        """The ``[size, width, ...]`` result the shards make up together (zeros past each row's
+        values); trailing dimensions of the values are kept."""
         import torch
 
         present = [s for s in shards if s is not None]
-        out = torch.zeros((size, width), dtype=present[0].values.dtype if present else torch.float32)
+        trailing = tuple(present[0].values.shape[2:]) if present else ()
+        out = torch.zeros((size, width, *trailing), dtype=present[0].values.dtype if present else torch.float32)
         seen = torch.zeros(size, dtype=torch.long)
         for shard in present:
             index = torch.as_tensor(shard.rows, dtype=torch.long)
@@ -497,6 +510,24 @@ class BatchShard:
             raise ValueError(f"data-parallel shards do not cover the batch of {size} rows once each "
                              f"(missing rows {missing}, repeated rows {repeated}): a backend's shard reporting is wrong")
         return out
+
+
+@dataclass
+class TopkShard:
+    """One data-parallel group's part of a top-k result (contract 10): ``logprobs`` float32 and
+    ``ids`` int64, both ``[len(rows), width, k]``, row ``i`` being row ``rows[i]`` of the batch."""
+
+    rows: list[int]
+    logprobs: "torch.Tensor"
+    ids: "torch.Tensor"
+
+    @staticmethod
+    def assemble(shards: "Sequence[TopkShard | None]", size: int, width: int) -> tuple["torch.Tensor", "torch.Tensor"]:
+        """``([size, width, k] logprobs, [size, width, k] ids)``, each row covered once."""
+        present = [s for s in shards if s is not None]
+        logprobs = BatchShard.assemble([BatchShard(rows=s.rows, values=s.logprobs) for s in present], size, width)
+        ids = BatchShard.assemble([BatchShard(rows=s.rows, values=s.ids) for s in present], size, width)
+        return logprobs, ids
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -651,7 +682,9 @@ class LossFunction(Protocol):
     """A loss the core owns and a backend calls once per micro-batch.
 
     ``logprobs`` is ``[b, t]`` float32, aligned as in :class:`TokenBatch` and computed with
-    gradients by the backend. ``global_valid_tokens`` and ``global_valid_seqs`` are totals over the
+    gradients by the backend. A loss with a ``gather_ids_field`` attribute (contract 10; the
+    backend must declare ``topk_logprobs``) gets ``[b, t, k]`` instead: the full-vocabulary logprobs
+    of the token ids in that ``[B, T, k]`` batch field, as :meth:`TopkScorer.get_gathered_logprobs`. ``global_valid_tokens`` and ``global_valid_seqs`` are totals over the
     whole global batch on every data-parallel rank, so the sum of micro-batch losses equals the
     global-batch loss whatever the split. Returns the scalar loss and float metrics.
     """
@@ -807,6 +840,24 @@ class AdapterExporter(Protocol):
     def export_adapter(self, bucket_bytes: int, dtype: str) -> Iterator[list[tuple[str, "torch.Tensor"]]]:
         """The adapters as :meth:`TrainingWorker.export_weights` yields weights: full tensors cast
         to ``dtype``, in buckets. Collective: every rank must iterate."""
+
+
+class TopkScorer(Protocol):
+    """What a training worker adds to declare ``topk_logprobs`` (contract 10): the next-token
+    distribution beyond the sampled token, for distillation. Under tensor parallelism neither
+    method gathers the full vocabulary on a rank (:mod:`nrl_core.sdk.vocab`). Both use
+    :func:`logprob_temperature`, as :meth:`TrainingWorker.get_logprobs` does."""
+
+    @dispatch(Fanout.ALL, Gather.SHARDS)
+    def get_topk_logprobs(self, batch: TokenBatch, k: int) -> "TopkShard | None":
+        """The ``k`` likeliest tokens at every position of this rank's data-parallel shard
+        (aligned as in :class:`TokenBatch`), their full-vocabulary logprobs descending; one rank
+        per data-parallel group returns its shard, the others ``None``."""
+
+    @dispatch(Fanout.ALL, Gather.SHARDS)
+    def get_gathered_logprobs(self, batch: TokenBatch, ids_field: str) -> "BatchShard | None":
+        """Full-vocabulary logprobs ``[n, T, k]`` of the ids in ``batch.fields[ids_field]``
+        (``[B, T, k]``, aligned) under the current weights; returned as :meth:`get_logprobs`."""
 
 
 class AdapterServer(Protocol):

@@ -28,6 +28,7 @@ class AlgorithmRun:
 
     section: str  # the algorithm's config section ("grpo", "sft")
     summary_prefixes: tuple[str, ...] = ("val/",)  # metrics the final log line reports
+    model_sections: tuple[str, ...] = ()  # models beside the policy (the spec's model_sections): they share its devices
     val_data: Sequence[DatumSpec] = ()
 
     def __init__(self, config: Mapping[str, Any], *, batch_size: int, train_data: Sequence[DatumSpec],
@@ -42,7 +43,8 @@ class AlgorithmRun:
         self.resume_from, self.state = resume_point(self.checkpoints)
         init_ray(config["cluster"])
         self.policy = Policy(self.worker_config(config), self.choice.training, generation=self.choice.generation,
-                             colocated_generation=colocated_generation(config, generates=with_generation))
+                             colocated_generation=colocated_generation(config, generates=with_generation),
+                             models_beside=len(self.model_sections))
         mark("policy_built")
         self.max_steps = min(int(self.cfg["max_num_steps"]), int(self.cfg["max_num_epochs"]) * len(self.train_loader))
         self.log = MetricLogger(config["logger"], total_steps=self.max_steps,

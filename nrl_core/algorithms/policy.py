@@ -14,7 +14,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from nrl_core.algorithms.policy_launch import launch_policy, take_early_policy
+from nrl_core.algorithms.policy_launch import launch_beside, launch_policy, take_early_policy
 from nrl_core.cluster.placement import Placement
 from nrl_core.cluster import WorkerGroup
 from nrl_core.cluster._host import WorkerHost
@@ -25,6 +25,8 @@ from nrl_core.process_groups import distributed_timeout_s
 from nrl_core.contracts import (
     BatchShard,
     CheckpointOptions,
+    TopkScorer,
+    TopkShard,
     GenerationBackendSpec,
     LossFunction,
     TokenBatch,
@@ -41,16 +43,24 @@ class Policy:
     (:func:`~nrl_core.config.validate.cluster_topology`)."""
 
     def __init__(self, config: Mapping[str, Any], spec: TrainingBackendSpec, *, colocated_generation: bool,
-                 generation: GenerationBackendSpec | None = None) -> None:
+                 generation: GenerationBackendSpec | None = None, models_beside: int = 0,
+                 beside: "Policy | None" = None, name: str = "policy") -> None:
         """Takes the group ``nrl train`` launched early when there is one, else launches it
         (:mod:`nrl_core.algorithms.policy_launch`), then builds the workers with ``config``.
-        ``generation`` is the engine's spec, whose modules colocated workers preload."""
+        ``generation`` is the engine's spec, whose modules colocated workers preload.
+        ``models_beside`` is how many models will share this policy's devices; such a model
+        (:mod:`nrl_core.config.models`) is built with ``beside=`` that policy and its own ``name``."""
         self.spec = spec
+        self.name = name
         self.world_size = cluster_topology(config).train_world
         self.checkpoint_options = CheckpointOptions.from_section(config["policy"][spec.config_key])
         self.timeout_s = distributed_timeout_s(config, spec.config_key)  # every group of this run
-        launched = (take_early_policy(spec, colocated=colocated_generation)
-                    or launch_policy(config, spec, colocated=colocated_generation, generation=generation))
+        if beside is not None:
+            launched = launch_beside(config, spec, beside.placement, name)
+        else:
+            launched = (take_early_policy(spec, colocated=colocated_generation, models_beside=models_beside)
+                        or launch_policy(config, spec, colocated=colocated_generation, generation=generation,
+                                         models_beside=models_beside))
         self.placement: Placement = launched.placement
         self.group = launched.group
         try:
@@ -73,6 +83,18 @@ class Policy:
     def get_reference_logprobs(self, batch: TokenBatch) -> torch.Tensor:
         shards = [check_result("get_reference_logprobs", s)
                   for s in self.group.call(TrainingWorker.get_reference_logprobs, batch)]
+        return BatchShard.assemble(shards, batch.size, int(batch.input_ids.shape[1]))
+
+    def get_topk_logprobs(self, batch: TokenBatch, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[B, T, k]`` logprobs and ids of the ``k`` likeliest next tokens at every position
+        (capability ``topk_logprobs``), put together from every data-parallel group's shard."""
+        shards = [_checked_topk(s) for s in self.group.call(TopkScorer.get_topk_logprobs, batch, k)]
+        return TopkShard.assemble(shards, batch.size, int(batch.input_ids.shape[1]))
+
+    def get_gathered_logprobs(self, batch: TokenBatch, ids_field: str) -> torch.Tensor:
+        """``[B, T, k]`` logprobs of the ids in ``batch.fields[ids_field]`` (capability ``topk_logprobs``)."""
+        shards = [check_result("get_gathered_logprobs", s)
+                  for s in self.group.call(TopkScorer.get_gathered_logprobs, batch, ids_field)]
         return BatchShard.assemble(shards, batch.size, int(batch.input_ids.shape[1]))
 
     # ------------------------------------------------------------------ memory hand-off (colocated generation)
@@ -130,3 +152,12 @@ class Policy:
     def shutdown(self) -> None:
         self.group.shutdown()
         self.placement.remove()
+
+
+def _checked_topk(value: Any) -> TopkShard | None:
+    if value is None or isinstance(value, TopkShard):
+        return value
+    from nrl_core.errors import PluginError
+
+    raise PluginError(f"get_topk_logprobs returned {type(value).__qualname__}; contract 10 requires a TopkShard or "
+                      "None (nrl_core.contracts.TopkShard(rows=..., logprobs=..., ids=...))")

@@ -40,7 +40,8 @@ from nrl_core.timeline import mark
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LaunchedGroup", "LaunchedPolicy", "colocated_generation", "launch_engines", "launch_generation",
+__all__ = ["LaunchedGroup", "LaunchedPolicy", "colocated_generation", "launch_beside", "launch_engines",
+           "launch_generation",
            "launch_policy",
            "policy_launched_early", "start_generation_early", "take_early_generation", "take_early_policy"]
 
@@ -87,6 +88,7 @@ class LaunchedGroup:
 @dataclass
 class LaunchedPolicy(LaunchedGroup):
     colocated_generation: bool
+    models_beside: int = 0
 
 
 def colocated_generation(config: Mapping[str, Any], *, generates: bool) -> bool:
@@ -96,14 +98,15 @@ def colocated_generation(config: Mapping[str, Any], *, generates: bool) -> bool:
 
 
 def launch_policy(config: Mapping[str, Any], training: TrainingBackendSpec, *, colocated: bool,
-                  generation: GenerationBackendSpec | None = None) -> LaunchedPolicy:
+                  generation: GenerationBackendSpec | None = None, models_beside: int = 0) -> LaunchedPolicy:
     """Place the training ranks of the cluster's topology and create their actors, which import
     ``training``'s modules (and, ``colocated``, ``generation``'s) at once; :meth:`WorkerGroup.start`
-    builds the workers."""
+    builds the workers. ``models_beside`` groups (an algorithm's ``model_sections``) will share
+    the placement: each actor takes its share of a bundle accordingly."""
     cluster = config["cluster"]
     topology = cluster_topology(config)
     placement = make_placement(cluster, topology.train_world, name="policy",
-                               max_colocated_groups=2 if colocated else 1, nodes=topology.train_nodes)
+                               max_colocated_groups=(2 if colocated else 1) + models_beside, nodes=topology.train_nodes)
     preload = _imports_of(training)
     if colocated and generation is not None:
         preload += _imports_of(generation)
@@ -115,7 +118,20 @@ def launch_policy(config: Mapping[str, Any], training: TrainingBackendSpec, *, c
     except BaseException:
         placement.remove()
         raise
-    return LaunchedPolicy(group, placement, colocated)
+    return LaunchedPolicy(group, placement, colocated, models_beside)
+
+
+def launch_beside(config: Mapping[str, Any], training: TrainingBackendSpec, policy: Placement,
+                  name: str) -> LaunchedPolicy:
+    """The workers of a model beside the policy (:mod:`nrl_core.config.models`; ``config`` is its
+    :func:`~nrl_core.config.models.model_config`) on ``policy``'s bundles, one rank per bundle."""
+    topology = cluster_topology(config)
+    placement = policy.colocated(topology.train_world)
+    group = WorkerGroup(training.worker, topology.train_world, name=f"{name}-{training.name}", placement=placement,
+                        env_vars=dict(config["cluster"].get("env_vars") or {}),
+                        collective_timeout_s=distributed_timeout_s(config, training.config_key),
+                        preload=_imports_of(training), start=False)
+    return LaunchedPolicy(group, placement, False)
 
 
 def launch_generation(config: Mapping[str, Any], generation: GenerationBackendSpec,
@@ -172,7 +188,8 @@ def policy_launched_early(config: Mapping[str, Any], algorithm: AlgorithmSpec, t
     launched = False
     colocated = colocated_generation(config, generates=algorithm.generates)
     try:
-        _early = launch_policy(config, training, generation=generation, colocated=colocated)
+        _early = launch_policy(config, training, generation=generation, colocated=colocated,
+                               models_beside=len(algorithm.model_sections))
         launched = True
         mark("policy_launched")
         if algorithm.generates and generation is not None and not colocated:
@@ -212,14 +229,15 @@ def take_early_generation(generation: GenerationBackendSpec, config: Mapping[str
     return None
 
 
-def take_early_policy(training: TrainingBackendSpec, *, colocated: bool) -> LaunchedPolicy | None:
+def take_early_policy(training: TrainingBackendSpec, *, colocated: bool, models_beside: int = 0) -> LaunchedPolicy | None:
     """The group :func:`policy_launched_early` launched, if it is for ``training`` with the same
     colocation; one launched for something else is shut down (the run then launches its own)."""
     global _early
     launched, _early = _early, None
     if launched is None:
         return None
-    if launched.group.worker_cls == training.worker and launched.colocated_generation == colocated:
+    if (launched.group.worker_cls == training.worker and launched.colocated_generation == colocated
+            and launched.models_beside == models_beside):
         return launched
     logger.warning("the policy workers started early do not match the run's (%s); starting new ones",
                    training.worker)

@@ -58,6 +58,12 @@ def check_config(config: Mapping[str, Any], pm: PluginManager, *, algorithms: Co
         check_backends(config, pm, algorithms=algorithms, training=training, generation=generation)
 
 
+def check_model(model: Mapping[str, Any], training: TrainingBackendSpec) -> None:
+    """What a model beside the policy (:mod:`nrl_core.config.models`) asks of its training backend,
+    checked as the policy's is; ``model`` is :func:`~nrl_core.config.models.model_config`'s."""
+    _check_capabilities(model, training, None, data_parallel_size(model, training), ())
+
+
 def check_backends(config: Mapping[str, Any], pm: PluginManager, *, algorithms: Collection[str],
                    training: TrainingBackendSpec | None, generation: GenerationBackendSpec | None) -> None:
     """The selected backends' own checks (their spec's ``config_check``); the generation backend's

@@ -14,6 +14,7 @@ from typing import Any, Mapping, Sequence
 from nrl_core.config import checks
 from nrl_core.config.checks import check_config
 from nrl_core.config.core_schema import CORE_SCHEMA
+from nrl_core.config.models import model_config, model_section_owners, renamed_error
 from nrl_core.config.nemo_rl import refuse_missing_algorithm, with_nemo_rl_keys
 from nrl_core.config.schema import Field, Section, note_inert, warn_inert_keys_once
 from nrl_core.contracts import GenerationBackendSpec, TrainingBackendSpec
@@ -58,9 +59,17 @@ def build_schema(pm: PluginManager | None = None) -> Section:
     algorithm's at the top level), then NeMo RL's other keys as inert fields."""
     pm = pm or get_plugin_manager()
     schema = CORE_SCHEMA
+    shared: dict[tuple[str, str], tuple[str, Any]] = {}
     for algorithm in pm.algorithms():
         if algorithm.config_schema is not None:
             schema = schema.attach("", algorithm.section, algorithm.config_schema)
+        for path, section in algorithm.shared_keys.items():
+            for key, spec in section.fields.items():
+                owner, known = shared.setdefault((path, key), (algorithm.name, spec))
+                if known != spec:
+                    raise ConfigError(f"{path}.{key}", f"algorithms '{owner}' and '{algorithm.name}' declare it "
+                                                       "differently; rename it in one of them")
+                schema = schema.attach(path, key, spec)
     installed_keys: set[str] = set()
     for spec in pm.training_backends():
         schema = schema.attach("policy", spec.config_key, spec.config_schema, aliases=spec.config_aliases)
@@ -128,10 +137,15 @@ def validate_config(raw: Mapping[str, Any], pm: PluginManager | None = None, *,
     if algorithm is not None:
         pm.algorithms().get(algorithm, "algorithm")  # an unknown name is refused with the installed ones
     _check_environments(raw, pm)
+    owned = [key for key in model_section_owners(pm) if key in raw]
+    models = {key: raw[key] for key in owned if raw[key] is not None}
     with warn_inert_keys_once():
-        config = build_schema(pm).validate(dict(raw))
+        schema = build_schema(pm)
+        config = schema.validate({k: v for k, v in raw.items() if k not in owned})
         assert config is not None
         _note_situational_inert_keys(config)
+        for key in owned:
+            config[key] = None if raw[key] is None else schema.fields["policy"].validate(raw[key], key)
     _check_uninstalled_sections(config, pm)
     _enable_default_backend(raw, config, pm)
     _expand_short_forms(config, pm)
@@ -139,9 +153,44 @@ def validate_config(raw: Mapping[str, Any], pm: PluginManager | None = None, *,
     algorithms = [algorithm] if algorithm is not None else [name for key, name in sections.items() if key in raw]
     _resolve_seed(config, algorithms)
     _resolve_episode_environment(raw, config, pm)
+    for key in models:
+        config[key] = _completed_model(raw, config, key, pm)
     check_config(config, pm, algorithms=algorithms, training=training, generation=generation,
                  backends=backend_checks)
+    if backend_checks:
+        check_model_sections(config, pm)
     return config
+
+
+def _completed_model(raw: Mapping[str, Any], config: dict[str, Any], key: str, pm: PluginManager) -> dict[str, Any]:
+    """A model section (:mod:`nrl_core.config.models`) with its backend enabled and short forms
+    expanded as the policy's, and the core's checks of it; errors name ``<key>.``."""
+    model = model_config(config, key)
+    try:
+        _check_uninstalled_sections(model, pm)
+        _enable_default_backend({"policy": raw[key]}, model, pm)
+        _expand_short_forms(model, pm)
+        checks.check_model(model, choose_backends(model, pm, generation=False, warn=False).training)
+    except ConfigError as exc:
+        raise renamed_error(exc, key) from None
+    return model["policy"]
+
+
+def _run_model_check(path: str | None, model: Mapping[str, Any]) -> None:
+    if path is not None:
+        checks.import_object(path)(model)
+
+
+def check_model_sections(config: Mapping[str, Any], pm: PluginManager | None = None) -> None:
+    """The model sections' backend checks that ``validate_config(..., backend_checks=False)`` left out."""
+    pm = pm or get_plugin_manager()
+    for key in model_section_owners(pm):
+        if config.get(key) is not None:
+            model = model_config(config, key)
+            try:
+                _run_model_check(choose_backends(model, pm, generation=False, warn=False).training.config_check, model)
+            except ConfigError as exc:
+                raise renamed_error(exc, key) from None
 
 
 def check_selected_backends(config: Mapping[str, Any], pm: PluginManager | None = None, *,
@@ -151,6 +200,7 @@ def check_selected_backends(config: Mapping[str, Any], pm: PluginManager | None 
     pm = pm or get_plugin_manager()
     training, generation = _selected_backends(config, pm)
     checks.check_backends(config, pm, algorithms=[algorithm], training=training, generation=generation)
+    check_model_sections(config, pm)
 
 
 def _resolve_seed(config: dict[str, Any], algorithms: Sequence[str]) -> None:

@@ -134,15 +134,15 @@ class PackedRows:
         return sum(seg[2] for seg in self.segments)
 
     def unpack(self, values: torch.Tensor, batch_size: int, width: int) -> torch.Tensor:
-        """Per-token ``values`` ``[R, W]`` back to the padded layout ``[batch_size, width]``, zeros
-        past each length. Differentiable (gradients flow back into ``values``)."""
+        """Per-token ``values`` ``[R, W, ...]`` back to the padded layout ``[batch_size, width, ...]``,
+        zeros past each length. Differentiable (gradients flow back into ``values``)."""
         rows, cols, dest_rows, dest_cols = [], [], [], []
         for row, start, length, index in self.segments:
             rows.extend([row] * length)
             cols.extend(range(start, start + length))
             dest_rows.extend([index] * length)
             dest_cols.extend(range(length))
-        out = values.new_zeros((batch_size, width))
+        out = values.new_zeros((batch_size, width, *values.shape[2:]))
         if not rows:
             return out
         picked = values[torch.tensor(rows), torch.tensor(cols)]

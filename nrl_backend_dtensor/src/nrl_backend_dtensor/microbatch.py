@@ -41,15 +41,29 @@ class MicroBatch:
         return mask
 
     def to_padded(self, logprobs: torch.Tensor, sub: TokenBatch) -> torch.Tensor:
-        """The model's ``[r, w]`` logprobs as ``[len(rows), sub width]``, zeros past each length."""
+        """The model's ``[r, w, ...]`` logprobs as ``[len(rows), sub width, ...]``, zeros past each length."""
         width = int(sub.input_ids.shape[1])
+        trailing = (None,) * (logprobs.dim() - 2)
         if self.packed is not None:
             # a segment's first position was "predicted" from the previous segment's last token
             # in the packed row; aligned logprobs are 0 at every sequence's position 0
-            not_first = (torch.arange(width, device=logprobs.device) > 0)[None, :]
+            not_first = (torch.arange(width, device=logprobs.device) > 0)[(None, slice(None), *trailing)]
             return self.packed.unpack(logprobs, len(self.rows), width) * not_first
         valid = torch.arange(width, device=logprobs.device)[None, :] < sub.input_lengths[:, None].to(logprobs.device)
-        return logprobs[:, :width] * valid
+        return logprobs[:, :width] * valid[(slice(None), slice(None), *trailing)]
+
+    def to_model_layout(self, values: torch.Tensor) -> torch.Tensor:
+        """A per-token field of the rows (``[len(rows), T, ...]``, aligned) laid out as the model
+        input (``[r, w, ...]``), zeros where the input is padding: the inverse of :meth:`to_padded`."""
+        rows, width = self.input_ids.shape
+        out = values.new_zeros((rows, width, *values.shape[2:]))
+        if self.packed is None:
+            keep = min(width, int(values.shape[1]))
+            out[:, :keep] = values[:, :keep]
+            return out
+        for row, start, length, index in self.packed.segments:
+            out[row, start:start + length] = values[index, :length]
+        return out
 
 
 def _padded(sub: TokenBatch, rows: list[int], pad_id: int, multiple: int) -> MicroBatch:

@@ -19,6 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 from nrl_core.config.model_config import read_model_config
 from nrl_core.errors import NrlError
+from nrl_core.sdk.vocab import next_token_logprobs_at, next_token_topk
 
 HF_PREFIX = "hf."
 
@@ -105,9 +106,18 @@ class LogprobModel(nn.Module):
         self.chunk_size = chunk_size
         self.temperature = temperature
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, gather_ids: torch.Tensor | None = None,
+                topk: int = 0) -> Any:
+        """Token logprobs ``[b, S]``; with ``gather_ids`` (``[b, S, k]``) the logprobs of those ids
+        instead, with ``topk`` the top-k logprobs and ids (:mod:`nrl_core.sdk.vocab`). Those two
+        read the whole sequence's logits at once: no chunking."""
         # attention_mask stays None: right padding never precedes a real token under a causal
         # mask, and packed rows get their block-diagonal mask from the position resets.
         out = self.hf.model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
-        return token_logprobs(out.last_hidden_state, self.hf.get_output_embeddings(), input_ids, self.chunk_size,
-                              self.temperature)
+        head = self.hf.get_output_embeddings()
+        if gather_ids is None and not topk:
+            return token_logprobs(out.last_hidden_state, head, input_ids, self.chunk_size, self.temperature)
+        logits = head(out.last_hidden_state)
+        if topk:
+            return next_token_topk(logits, topk, temperature=self.temperature)
+        return next_token_logprobs_at(logits, gather_ids, temperature=self.temperature)

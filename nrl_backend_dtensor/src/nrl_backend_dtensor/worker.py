@@ -20,7 +20,8 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from nrl_core.contracts import BatchShard, CheckpointOptions, LossFunction, TokenBatch, WeightSpec, logprob_temperature
+from nrl_core.contracts import (BatchShard, CheckpointOptions, LossFunction, TokenBatch, TopkShard, WeightSpec,
+                                logprob_temperature)
 from nrl_core.device import all_reduce, all_reduce_values, check_batch_device, model_device, to_device
 from nrl_core.errors import ConfigError, NrlError
 from nrl_core.nonfinite import check_finite, guard_enabled
@@ -139,8 +140,13 @@ class DTensorPolicyWorker(TrainingWorkerBase):
         count = all_reduce(torch.tensor([len(plan)], dtype=torch.long), op=dist.ReduceOp.MAX)
         return plan + [None] * (int(count) - len(plan))  # type: ignore[list-item]
 
-    def _forward(self, mb: MicroBatch) -> torch.Tensor:
-        return self.model(to_device(mb.input_ids, self.device), to_device(mb.position_ids, self.device))
+    def _forward(self, mb: MicroBatch, sub: TokenBatch | None = None, ids_field: str | None = None,
+                 topk: int = 0) -> Any:
+        """The model on ``mb``: token logprobs, or those of ``sub.fields[ids_field]``, or the top-k."""
+        extra: dict[str, Any] = {"topk": topk} if topk else {}
+        if ids_field is not None and sub is not None:
+            extra["gather_ids"] = to_device(mb.to_model_layout(sub.fields[ids_field]), self.device)
+        return self.model(to_device(mb.input_ids, self.device), to_device(mb.position_ids, self.device), **extra)
 
     def _dummy(self, local: TokenBatch) -> tuple[MicroBatch, TokenBatch]:
         sub = local.select([0])
@@ -175,7 +181,7 @@ class DTensorPolicyWorker(TrainingWorkerBase):
             else:
                 sub = local.select(mb.rows)
             with self.recording_routes(None if dummy else lambda: mb.token_mask(sub)):
-                logprobs = mb.to_padded(self._forward(mb), sub)
+                logprobs = mb.to_padded(self._forward(mb, sub, getattr(loss_fn, "gather_ids_field", None)), sub)
             sub = to_device(sub, logprobs.device)  # what the loss reads, where the logprobs are
             check_batch_device(sub, logprobs.device, "dtensor train")
             loss, metrics = loss_fn(logprobs, sub, global_valid_tokens=global_tokens, global_valid_seqs=global_seqs)
@@ -210,22 +216,48 @@ class DTensorPolicyWorker(TrainingWorkerBase):
         """Float32 logprobs of this data-parallel group's shard under the current weights; the
         group's tensor-parallel rank 0 returns them, the other ranks ``None``."""
         self.require_on_device("get_logprobs")
+        out = self._per_token(batch, lambda mb, sub: (self._forward(mb, sub),))
+        return None if out is None else BatchShard(rows=out[0], values=out[1].float())
+
+    @torch.no_grad()
+    def get_gathered_logprobs(self, batch: TokenBatch, ids_field: str) -> BatchShard | None:
+        """Logprobs ``[n, T, k]`` of the ids in ``batch.fields[ids_field]`` (``TopkScorer``)."""
+        self.require_on_device("get_gathered_logprobs")
+        out = self._per_token(batch, lambda mb, sub: (self._forward(mb, sub, ids_field),))
+        return None if out is None else BatchShard(rows=out[0], values=out[1].float())
+
+    @torch.no_grad()
+    def get_topk_logprobs(self, batch: TokenBatch, k: int) -> TopkShard | None:
+        """The ``k`` likeliest next tokens at every position, logprobs and ids (``TopkScorer``)."""
+        self.require_on_device("get_topk_logprobs")
+        out = self._per_token(batch, lambda mb, sub: self._forward(mb, topk=k))
+        return None if out is None else TopkShard(rows=out[0], logprobs=out[1].float(), ids=out[2].long())
+
+    def _per_token(self, batch: TokenBatch, run: Any) -> tuple[list[int], ...] | None:
+        """``run(mb, sub)``'s per-token outputs over this rank's shard, in the padded layout; on the
+        group's tensor-parallel rank 0 ``(rows, *outputs)``, elsewhere ``None``."""
         self.model.eval()
         local = self._local_batch(batch)
         width = int(batch.input_ids.shape[1])
-        out = torch.zeros((local.size, width), dtype=torch.float32)
+        outs: list[torch.Tensor] | None = None
         for mb in self._plan(local, train=False):
             if mb is None:
-                mb, _ = self._dummy(local)
-                self._forward(mb)
+                mb, sub = self._dummy(local)
+                run(mb, sub)
                 continue
             sub = local.select(mb.rows)
-            lp = mb.to_padded(self._forward(mb), sub).float().cpu()
-            out[mb.rows, :lp.shape[1]] = lp
+            parts = [mb.to_padded(part, sub).cpu() for part in run(mb, sub)]
+            if outs is None:
+                outs = [torch.zeros((local.size, width, *p.shape[2:]), dtype=p.dtype) for p in parts]
+            for out, part in zip(outs, parts):
+                out[mb.rows, :part.shape[1]] = part
         self._reshard()
         if self.layout.mesh.get_local_rank("tp") != 0:
             return None
-        return BatchShard(rows=batch.shard_rows(self.layout.dp_rank, self.layout.dp_size), values=out)
+        rows = batch.shard_rows(self.layout.dp_rank, self.layout.dp_size)
+        if outs is None:  # no rows on this rank
+            outs = [torch.zeros((0, width))]
+        return (rows, *outs)
 
     @torch.no_grad()
     def get_reference_logprobs(self, batch: TokenBatch) -> BatchShard | None:

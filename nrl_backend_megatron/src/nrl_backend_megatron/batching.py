@@ -44,21 +44,34 @@ class MicroBatch:
         return mask
 
     def row_logprobs(self, token_logprobs: torch.Tensor) -> torch.Tensor:
-        """``[b, S]`` per-position logprobs of the model inputs → ``[n, T]`` aligned with ``rows``."""
+        """``[b, S, ...]`` per-position values of the model inputs → ``[n, T, ...]`` aligned with ``rows``."""
         width = self.rows.input_ids.shape[1]
+        trailing = tuple(token_logprobs.shape[2:])
         if self.offsets is None:  # zero past each row's length, as the packed path does
             lengths = self.rows.input_lengths.to(token_logprobs.device)
             valid = torch.arange(width, device=token_logprobs.device)[None, :] < lengths[:, None]
-            return token_logprobs[:, :width] * valid
+            return token_logprobs[:, :width] * valid[(slice(None), slice(None), *(None,) * len(trailing))]
         flat = token_logprobs[0]
         out = []
         for start, length in zip(self.offsets, self.rows.input_lengths.tolist()):
-            seg = flat[start:start + length]
-            seg = torch.cat([seg.new_zeros(1), seg[1:]])  # no logprob for a sequence's first token
-            out.append(torch.nn.functional.pad(seg, (0, width - length)))
+            seg = flat[start + 1:start + length]  # no logprob for a sequence's first token
+            out.append(torch.cat([seg.new_zeros((1, *trailing)), seg, seg.new_zeros((width - length, *trailing))]))
         if not out:
-            return flat[:0].reshape(0, 1).expand(0, width)
+            return flat.new_zeros((0, width, *trailing))
         return torch.stack(out)
+
+    def to_model_layout(self, values: torch.Tensor) -> torch.Tensor:
+        """A per-token field of ``rows`` (``[n, T, ...]``, aligned) laid out as the model input
+        (``[b, S, ...]``): the inverse of :meth:`row_logprobs`."""
+        rows, width = self.input_ids.shape
+        out = values.new_zeros((rows, width, *values.shape[2:]))
+        if self.offsets is None:
+            keep = min(width, int(values.shape[1]))
+            out[:, :keep] = values[:, :keep]
+            return out
+        for row, (start, length) in enumerate(zip(self.offsets, self.rows.input_lengths.tolist())):
+            out[0, start:start + length] = values[row, :length]
+        return out
 
 
 def token_logprobs(vocab_parallel_logits: torch.Tensor, input_ids: torch.Tensor,

@@ -20,12 +20,14 @@ from typing import Any, Iterator, Mapping
 import torch
 import torch.distributed as dist
 
-from nrl_core.contracts import BatchShard, CheckpointOptions, LossFunction, TokenBatch, WeightSpec, logprob_temperature
+from nrl_core.contracts import (BatchShard, CheckpointOptions, LossFunction, TokenBatch, TopkShard, WeightSpec,
+                                logprob_temperature)
 from nrl_core.device import (all_reduce, broadcast, check_batch_device, host_copy, model_device, move_optimizer_state,
                              move_tensors, to_device)
 from nrl_core.errors import NrlError
 from nrl_core.nonfinite import KEY as NAN_KEY, NonFiniteError, check_finite, guard_enabled
 from nrl_core.sdk import ReferenceWeights, TrainingWorkerBase, base_model_identity, training_precision
+from nrl_core.sdk.vocab import next_token_logprobs_at, next_token_topk
 
 from nrl_backend_megatron import cpu_shim, lora
 from nrl_backend_megatron.batching import MicroBatch, packed_micro_batches, padded_micro_batches, token_logprobs
@@ -277,9 +279,11 @@ class MegatronPolicyWorker(TrainingWorkerBase):
         mbs = self._micro_batches(batch, train=True)
         scale = float(len(mbs) * self.dp_size)  # undo Megatron's 1/num_microbatches and DDP's 1/dp
 
+        ids_field = getattr(loss_fn, "gather_ids_field", None)
+
         def loss_of(mb: MicroBatch, output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             check_batch_device(mb.rows, output.device, "megatron train")
-            logprobs = mb.row_logprobs(token_logprobs(output, mb.input_ids, self.temperature))
+            logprobs = mb.row_logprobs(self._token_values(mb, output, ids_field))
             loss, metrics = loss_fn(logprobs, mb.rows, global_valid_tokens=global_tokens,
                                     global_valid_seqs=global_seqs)
             return loss * scale, {k: torch.tensor(float(v)) for k, v in metrics.items()}
@@ -331,16 +335,47 @@ class MegatronPolicyWorker(TrainingWorkerBase):
             all_reduce(values, group=self.dp_group)
         return {k: float(v) for k, v in zip(names, values.tolist())}
 
+    def _token_values(self, mb: MicroBatch, output: torch.Tensor, ids_field: str | None) -> torch.Tensor:
+        """Token logprobs ``[b, S]`` from the vocabulary-parallel logits, or with ``ids_field`` the
+        logprobs of those ids ``[b, S, k]`` (:mod:`nrl_core.sdk.vocab`: no full-vocabulary gather)."""
+        if ids_field is None:
+            return token_logprobs(output, mb.input_ids, self.temperature)
+        ids = mb.to_model_layout(mb.rows.fields[ids_field]).to(output.device)
+        return next_token_logprobs_at(output, ids, temperature=self.temperature, tp_group=self.tp_group)
+
     @torch.no_grad()
     def get_logprobs(self, batch: TokenBatch) -> BatchShard | None:
         """Float32 logprobs of this data-parallel group's shard; returned by the group's
         tensor-parallel rank 0 on the last pipeline stage (the rank that has them), else ``None``."""
         self.require_on_device("get_logprobs")
+        out = self._per_token(batch, lambda mb, output: (self._token_values(mb, output, None),))
+        return None if out is None else BatchShard(rows=out[0], values=out[1].float())
+
+    @torch.no_grad()
+    def get_gathered_logprobs(self, batch: TokenBatch, ids_field: str) -> BatchShard | None:
+        """Logprobs ``[n, T, k]`` of the ids in ``batch.fields[ids_field]`` (``TopkScorer``)."""
+        self.require_on_device("get_gathered_logprobs")
+        out = self._per_token(batch, lambda mb, output: (self._token_values(mb, output, ids_field),))
+        return None if out is None else BatchShard(rows=out[0], values=out[1].float())
+
+    @torch.no_grad()
+    def get_topk_logprobs(self, batch: TokenBatch, k: int) -> TopkShard | None:
+        """The ``k`` likeliest next tokens at every position (``TopkScorer``): each tensor-parallel
+        rank takes the top-k of its vocabulary shard and only those candidates cross ranks."""
+        self.require_on_device("get_topk_logprobs")
+        out = self._per_token(batch, lambda mb, output: next_token_topk(
+            output, k, temperature=self.temperature, tp_group=self.tp_group, vocab_size=self.hf_config.vocab_size))
+        return None if out is None else TopkShard(rows=out[0], logprobs=out[1].float(), ids=out[2].long())
+
+    def _per_token(self, batch: TokenBatch, values_of: Any) -> tuple[Any, ...] | None:
+        """``values_of(mb, logits)``'s per-token outputs over this data-parallel group's shard, as
+        ``(rows, *outputs)`` on the group's tensor-parallel rank 0 of the last pipeline stage (the
+        rank that has them), else ``None``."""
         mbs = self._micro_batches(batch, train=False)
-        collected: list[torch.Tensor] = []
+        collected: list[list[torch.Tensor]] = []
 
         def loss_of(mb: MicroBatch, output: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
-            collected.append(mb.row_logprobs(token_logprobs(output, mb.input_ids, self.temperature)).float().cpu())
+            collected.append([mb.row_logprobs(part).cpu() for part in values_of(mb, output)])
             return output.new_zeros(()), {}
 
         self.ddp.eval()
@@ -348,10 +383,13 @@ class MegatronPolicyWorker(TrainingWorkerBase):
         self.ddp.train()
         if not self.is_last_stage or self.tp_rank != 0:
             return None
-        local = torch.zeros(batch.size // self.dp_size, int(batch.input_ids.shape[1]))
-        for mb, rows in zip(mbs, collected):
-            local[self._row_ids(mb), : rows.shape[1]] = rows
-        return BatchShard(rows=batch.shard_rows(self.dp_rank, self.dp_size), values=local)
+        width, size = int(batch.input_ids.shape[1]), batch.size // self.dp_size
+        outs = [torch.zeros((size, width, *p.shape[2:]), dtype=p.dtype) for p in collected[0]] if collected \
+            else [torch.zeros((size, width))]
+        for mb, parts in zip(mbs, collected):
+            for out, part in zip(outs, parts):
+                out[self._row_ids(mb), : part.shape[1]] = part
+        return (batch.shard_rows(self.dp_rank, self.dp_size), *outs)
 
     @staticmethod
     def _row_ids(mb: MicroBatch) -> list[int]:
