@@ -81,7 +81,7 @@ CONTRACT_HISTORY: tuple[ContractVersion, ...] = (
         "adapter-only refit: capabilities adapter_export (training: AdapterExporter.adapter_config, "
         "adapter_manifest, export_adapter) and adapter_refit (generation: AdapterServer.import_adapter), "
         "chosen by policy.refit.adapters",)),
-    ContractVersion(10, "HEAD", added=(
+    ContractVersion(10, "9a68f3e", added=(
         "models beside the policy: AlgorithmSpec.model_sections (a teacher's policy-shaped section, validated "
         "with the policy schema; its workers share the policy's devices) and AlgorithmSpec.shared_keys (keys in "
         "shared sections such as loss_fn)",
