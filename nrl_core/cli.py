@@ -140,7 +140,8 @@ def _cmd_stacks(args: argparse.Namespace) -> int:
 def _cmd_tiny_model(args: argparse.Namespace) -> int:
     from nrl_core.testing.tiny_models import build_tiny_model
 
-    path = build_tiny_model(args.out, family=args.family, size=args.size, seed=args.seed)
+    layers = {} if args.layers is None else {"num_hidden_layers": args.layers}
+    path = build_tiny_model(args.out, family=args.family, size=args.size, seed=args.seed, **layers)
     print(f"wrote a random-init {args.family} ({args.size}) model and its tokenizer to {path}")
     return 0
 
@@ -210,6 +211,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="llama: tiny 0.14M parameters (16-wide heads: vLLM on CPU refuses it), "
                            "small 0.92M, bench 25.7M")
     tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--layers", type=int, default=None,
+                      help="decoder layers instead of the size's (a shallower student for distillation)")
     tiny.set_defaults(func=_cmd_tiny_model)
 
     stacks = sub.add_parser("stacks", help="write every stack of a running run into its log directory")

@@ -65,3 +65,18 @@ def test_cli_writes_a_moe_model(tmp_path, capsys):
     assert "qwen2_moe" in capsys.readouterr().out
     config = json.loads((tmp_path / "m" / "config.json").read_text())
     assert config["model_type"] == "qwen2_moe" and config["num_experts"] == 8 and config["num_experts_per_tok"] == 2
+
+
+def test_the_cli_writes_a_shallower_model_with_the_same_tokenizer(tmp_path):
+    """``--layers``: a distillation student of the demo model's width and tokenizer, fewer layers."""
+    import json
+
+    from nrl_core.cli import main
+
+    assert main(["tiny-model", str(tmp_path / "full"), "--size", "small"]) == 0
+    assert main(["tiny-model", str(tmp_path / "half"), "--size", "small", "--seed", "1", "--layers", "2"]) == 0
+    full = json.loads((tmp_path / "full" / "config.json").read_text())
+    half = json.loads((tmp_path / "half" / "config.json").read_text())
+    assert half["num_hidden_layers"] == 2 < full["num_hidden_layers"]
+    assert half["hidden_size"] == full["hidden_size"] and half["vocab_size"] == full["vocab_size"]
+    assert (tmp_path / "half" / "tokenizer.json").read_text() == (tmp_path / "full" / "tokenizer.json").read_text()
