@@ -322,7 +322,7 @@ class AlgorithmSpec:
     ``model_sections`` (contract 10) are top-level sections that configure another model the
     algorithm runs beside the policy (distillation's ``teacher``): each is validated with the
     ``policy`` schema and the selected backend's checks, and its workers share the policy's devices
-    (:func:`~nrl_core.config.models.model_config`, ``Policy(..., colocate_with=)``).
+    (:func:`~nrl_core.config.models.model_config`, ``Policy(..., beside=policy)``).
     ``shared_keys`` (contract 10) adds keys to sections the algorithm shares with others, by path:
     NeMo RL's distillation reads ``loss_fn.kl_type``. Two algorithms declaring one key differently
     is an error naming both.
@@ -844,9 +844,10 @@ class AdapterExporter(Protocol):
 
 class TopkScorer(Protocol):
     """What a training worker adds to declare ``topk_logprobs`` (contract 10): the next-token
-    distribution beyond the sampled token, for distillation. Under tensor parallelism neither
-    method gathers the full vocabulary on a rank (:mod:`nrl_core.sdk.vocab`). Both use
-    :func:`logprob_temperature`, as :meth:`TrainingWorker.get_logprobs` does."""
+    distribution beyond the sampled token, for distillation. Where a backend splits its logits over
+    the vocabulary (Megatron's tensor parallelism), neither method gathers them on a rank
+    (:mod:`nrl_core.sdk.vocab`). Both use :func:`logprob_temperature`, as
+    :meth:`TrainingWorker.get_logprobs` does."""
 
     @dispatch(Fanout.ALL, Gather.SHARDS)
     def get_topk_logprobs(self, batch: TokenBatch, k: int) -> "TopkShard | None":

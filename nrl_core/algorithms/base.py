@@ -28,7 +28,6 @@ class AlgorithmRun:
 
     section: str  # the algorithm's config section ("grpo", "sft")
     summary_prefixes: tuple[str, ...] = ("val/",)  # metrics the final log line reports
-    model_sections: tuple[str, ...] = ()  # models beside the policy (the spec's model_sections): they share its devices
     val_data: Sequence[DatumSpec] = ()
 
     def __init__(self, config: Mapping[str, Any], *, batch_size: int, train_data: Sequence[DatumSpec],
@@ -42,9 +41,10 @@ class AlgorithmRun:
         self.checkpoints = CheckpointManager(config["checkpointing"], on_publish=self.checkpoint_published)
         self.resume_from, self.state = resume_point(self.checkpoints)
         init_ray(config["cluster"])
+        spec = self.algorithm_spec()
         self.policy = Policy(self.worker_config(config), self.choice.training, generation=self.choice.generation,
                              colocated_generation=colocated_generation(config, generates=with_generation),
-                             models_beside=len(self.model_sections))
+                             models_beside=len(spec.model_sections) if spec is not None else 0)
         mark("policy_built")
         self.max_steps = min(int(self.cfg["max_num_steps"]), int(self.cfg["max_num_epochs"]) * len(self.train_loader))
         self.log = MetricLogger(config["logger"], total_steps=self.max_steps,
@@ -55,6 +55,11 @@ class AlgorithmRun:
                             checkpoint_dir=str(self.checkpoints.root) if self.checkpoints.enabled else None)
         self.stop_reason: str | None = None
         self.last_metrics: dict[str, float] = {}
+
+    @classmethod
+    def algorithm_spec(cls) -> Any:
+        """The installed ``AlgorithmSpec`` of this run's section (None for a run built in code only)."""
+        return next((spec for spec in get_plugin_manager().algorithms() if spec.section == cls.section), None)
 
     def worker_config(self, config: Mapping[str, Any]) -> Mapping[str, Any]:
         """The config the training workers get (DPO counts its batches in pairs, workers in sequences)."""

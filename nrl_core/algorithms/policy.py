@@ -72,6 +72,11 @@ class Policy:
     # ------------------------------------------------------------------ compute
 
     def train(self, batch: TokenBatch, loss_fn: LossFunction) -> dict[str, float]:
+        if getattr(loss_fn, "gather_ids_field", None) and "topk_logprobs" not in self.spec.capabilities:
+            from nrl_core.errors import PluginError
+
+            raise PluginError(f"the {self.spec.name} training backend ({self.spec.distribution}) does not declare "
+                              f"topk_logprobs, which the loss {type(loss_fn).__name__} needs (gather_ids_field)")
         return self.group.call(TrainingWorker.train, batch, loss_fn)
 
     def get_logprobs(self, batch: TokenBatch) -> torch.Tensor:

@@ -62,6 +62,7 @@ def check_model(model: Mapping[str, Any], training: TrainingBackendSpec) -> None
     """What a model beside the policy (:mod:`nrl_core.config.models`) asks of its training backend,
     checked as the policy's is; ``model`` is :func:`~nrl_core.config.models.model_config`'s."""
     _check_capabilities(model, training, None, data_parallel_size(model, training), ())
+    _check_lengths(model)
 
 
 def check_backends(config: Mapping[str, Any], pm: PluginManager, *, algorithms: Collection[str],

@@ -155,3 +155,26 @@ def test_a_teacher_with_another_tokenizer_is_refused(models, tmp_path):
 ])
 def test_what_the_loss_cannot_compute_is_one_line(models, overrides, start):
     assert refusal(models, *overrides).startswith(start)
+
+
+def test_a_gathering_loss_on_a_backend_without_topk_logprobs_is_refused_before_any_worker_runs():
+    """A backend that does not declare the capability would hand the loss ``[b, t]`` logprobs,
+    which broadcast silently against the teacher's ``[b, t, k]``: the driver refuses in one line."""
+    from nrl_core.algorithms.policy import Policy
+    from nrl_core.config.schema import Section
+    from nrl_core.contracts import TrainingBackendSpec
+    from nrl_core.errors import PluginError
+
+    policy = Policy.__new__(Policy)  # no workers: the refusal comes first
+    policy.spec = TrainingBackendSpec(name="plain", config_key="plain_cfg", priority=0, worker="x:Y",
+                                      config_schema=Section(), distribution="nrl-backend-plain",
+                                      capabilities=frozenset({"data_parallel"}))
+    _, data = batch()
+    with pytest.raises(PluginError, match=r"^the plain training backend \(nrl-backend-plain\) does not declare "
+                                          r"topk_logprobs, which the loss TopkDistillationLoss needs"):
+        policy.train(data, TopkDistillationLoss())
+
+
+def test_responses_that_do_not_split_into_optimizer_batches_are_one_line(models):
+    assert refusal(models, "policy.train_global_batch_size=48", "policy.train_micro_batch_size=16").startswith(
+        "policy.train_global_batch_size: 48 does not divide the 64 responses of a step")

@@ -56,8 +56,8 @@ class MicroBatch:
         for start, length in zip(self.offsets, self.rows.input_lengths.tolist()):
             seg = flat[start + 1:start + length]  # no logprob for a sequence's first token
             out.append(torch.cat([seg.new_zeros((1, *trailing)), seg, seg.new_zeros((width - length, *trailing))]))
-        if not out:
-            return flat.new_zeros((0, width, *trailing))
+        if not out:  # an empty bin: a view of the output, so its (zero) loss stays in the graph
+            return flat[:0].reshape(0, 1, *trailing).expand(0, width, *trailing)
         return torch.stack(out)
 
     def to_model_layout(self, values: torch.Tensor) -> torch.Tensor:

@@ -36,7 +36,6 @@ from nrl_algo_distillation.loss import TEACHER_IDS, TEACHER_LOGPROBS, TopkDistil
 class Distillation(AlgorithmRun):
     section = "distillation"
     summary_prefixes = ("val/", "train/loss")
-    model_sections = ("teacher",)
 
     def __init__(self, config: Mapping[str, Any]) -> None:
         check_distillation(config)
@@ -54,7 +53,8 @@ class Distillation(AlgorithmRun):
         teacher_backend = choose_backends(teacher_config, generation=False).training
         self.teacher = Policy(teacher_config, teacher_backend, colocated_generation=False, beside=self.policy,
                               name="teacher")
-        self.teacher.offload_after_refit()  # inference only: its weights leave the device between uses
+        self.teacher.offload_before_refit()  # inference only: no optimizer state or gradients in use,
+        self.teacher.offload_after_refit()  # and its weights leave the devices between its passes
         # a pass over a batch needs whole micro-batches on every data-parallel rank (Megatron's pipeline)
         self.teacher_rows = rows_per_pass(teacher_config, data_parallel_size(teacher_config, teacher_backend))
         self.student_rows = rows_per_pass(config, data_parallel_size(config, self.choice.training))
@@ -92,10 +92,14 @@ class Distillation(AlgorithmRun):
         return batch
 
     def add_teacher_topk(self, batch: TokenBatch) -> None:
-        """The teacher's top-k logprobs and ids at every position, as the loss reads them."""
+        """The teacher's top-k logprobs and ids at every position, as the loss reads them. The two
+        models take turns on the devices: the student's optimizer state and gradients leave them
+        while the teacher's weights are back (as NeMo RL does before its teacher's pass)."""
+        self.policy.offload_before_refit()
         self.teacher.prepare_for_training()
         logprobs, ids = self.teacher.get_topk_logprobs(padded(batch, self.teacher_rows), self.k)
         self.teacher.offload_after_refit()
+        self.policy.prepare_for_training()
         batch.fields[TEACHER_LOGPROBS], batch.fields[TEACHER_IDS] = logprobs[:batch.size], ids[:batch.size]
 
     def train(self, batch: TokenBatch) -> dict[str, float]:

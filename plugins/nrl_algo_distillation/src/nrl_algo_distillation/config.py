@@ -58,6 +58,12 @@ def check_distillation(config: Mapping[str, Any]) -> None:
     cfg, loss = config["distillation"], config["loss_fn"]
     if int(cfg["max_rollout_turns"]) != 1:
         raise ConfigError("distillation.max_rollout_turns", "nrl distils single responses; set it to 1")
+    responses = int(cfg["num_prompts_per_step"]) * int(cfg["num_generations_per_prompt"])
+    size = int(config["policy"]["train_global_batch_size"])
+    if responses % size:
+        raise ConfigError("policy.train_global_batch_size", f"{size} does not divide the {responses} responses of a "
+                                                            "step (distillation.num_prompts_per_step x "
+                                                            "num_generations_per_prompt); make it a divisor")
     weight = float(loss["mixed_kl_weight"])
     if not 0.0 <= weight <= 1.0:
         raise ConfigError("loss_fn.mixed_kl_weight", f"must be within [0, 1], got {weight}")
@@ -98,8 +104,9 @@ def _vocab_size(path: str) -> int | None:
 
 
 def _check_same_tokenizer(config: Mapping[str, Any]) -> None:
-    """The teacher's top-k ids index the student's vocabulary, so both must be one tokenizer.
-    Checked where both are local directories (a hub name is checked when the run loads it)."""
+    """The teacher's top-k ids index the student's vocabulary, so both must be one tokenizer and one
+    vocabulary size (as NeMo RL asserts). Checked where both are local directories; hub names are
+    not compared."""
     student, teacher = config["policy"]["tokenizer"]["name"], config["teacher"]["tokenizer"]["name"]
     if student == teacher or not (Path(student).is_dir() and Path(teacher).is_dir()):
         return
