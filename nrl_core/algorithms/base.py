@@ -133,8 +133,10 @@ class AlgorithmRun:
     def save_checkpoint(self, step: int, metrics: Mapping[str, float]) -> None:
         tmp = self.checkpoints.prepare(step)
         self.policy.save_checkpoint(str(tmp / "policy"))
+        spec = self.algorithm_spec()
         info = {
             "metrics": {key.replace("/", "_"): value for key, value in metrics.items()},  # val/reward -> val_reward
+            "algorithm": spec.name if spec is not None else self.section,  # whose checks the saved config passed
             "dataloader": self.dataloader_state(),
             "config": dict(self.config),
             "plugins": get_plugin_manager().versions(),

@@ -79,7 +79,9 @@ def checkpoint_to_hf(checkpoint: str, output: str, overrides: Iterable[str] = ()
         verify_tree(step, info["files"], info.get("checksum", "xxh3_64"))
     raw = dict(info["config"])
     apply_overrides(raw, overrides)
-    config = validate_config(raw)
+    # a saved config holds every installed algorithm's section, defaults filled: check it as the
+    # algorithm that wrote it (older checkpoints name none; their configs hold only their own)
+    config = validate_config(raw, algorithm=info.get("algorithm"))
     training = choose_backends(config, generation=False).training
     tmp = staging_dir(out)
     try:

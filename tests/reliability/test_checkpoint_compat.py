@@ -25,5 +25,8 @@ def test_a_checkpoint_from_before_resumes_exactly(backend: str, tmp_path: Path,
         meta = json.loads(marker.read_text())
         marker.write_text(json.dumps({**meta, "model_name": str(cached_tiny_model("llama", size="tiny"))}))
     (result,) = run_distributed(resume, 1, backend, str(checkpoint))
-    assert result["logprob_gap"] == 0.0  # the same weights, the same kernels
+    # The same weights: exactly equal on the CPU that wrote the fixture; another CPU's float32
+    # kernels round differently (an AVX2-only AMD EPYC: 9.5e-7 on DTensor, 4.8e-7 on Megatron),
+    # while a wrong restore moves logprobs by far more.
+    assert result["logprob_gap"] <= 1e-5
     assert result["next_loss"] == pytest.approx(result["expected_next_loss"], rel=1e-6, abs=1e-7)  # optimizer, step
