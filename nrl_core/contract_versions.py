@@ -249,13 +249,18 @@ def worker_gaps(cls: type, role: str, version: int, plugin: str,
     return lines
 
 
-def check_result(method: str, value: Any) -> Any:
-    """``value`` when it is what ``method`` must return from contract 2 on (a ``BatchShard`` or
-    None), else a one-line :class:`PluginError` naming the method and the type expected."""
-    from nrl_core.contracts import BatchShard
+def check_result(method: str, value: Any, expected: str = "BatchShard", since: int = 2) -> Any:
+    """``value`` when it is what ``method`` must return from contract ``since`` on (the
+    :mod:`nrl_core.contracts` dataclass ``expected``, or None), else a one-line
+    :class:`PluginError` naming the method and the type expected."""
+    import dataclasses
 
-    if value is None or isinstance(value, BatchShard):
+    from nrl_core import contracts
+
+    cls = getattr(contracts, expected)
+    if value is None or isinstance(value, cls):
         return value
     kind = f"{type(value).__module__}.{type(value).__qualname__}".removeprefix("builtins.")
-    raise PluginError(f"{method} returned {kind}; contract 2 and later require a BatchShard or None "
-                      f"(nrl_core.contracts.BatchShard(rows=..., values=...); {WORKER_DOCS})")
+    fields = ", ".join(f"{f.name}=..." for f in dataclasses.fields(cls))
+    raise PluginError(f"{method} returned {kind}; contract {since} and later require a {expected} or None "
+                      f"(nrl_core.contracts.{expected}({fields}); {WORKER_DOCS})")

@@ -42,6 +42,7 @@ class AlgorithmRun:
         self.resume_from, self.state = resume_point(self.checkpoints)
         init_ray(config["cluster"])
         spec = self.algorithm_spec()
+        self.algorithm_name = spec.name if spec is not None else self.section  # whose checks the config passed
         self.policy = Policy(self.worker_config(config), self.choice.training, generation=self.choice.generation,
                              colocated_generation=colocated_generation(config, generates=with_generation),
                              models_beside=len(spec.model_sections) if spec is not None else 0)
@@ -133,10 +134,9 @@ class AlgorithmRun:
     def save_checkpoint(self, step: int, metrics: Mapping[str, float]) -> None:
         tmp = self.checkpoints.prepare(step)
         self.policy.save_checkpoint(str(tmp / "policy"))
-        spec = self.algorithm_spec()
         info = {
             "metrics": {key.replace("/", "_"): value for key, value in metrics.items()},  # val/reward -> val_reward
-            "algorithm": spec.name if spec is not None else self.section,  # whose checks the saved config passed
+            "algorithm": self.algorithm_name,
             "dataloader": self.dataloader_state(),
             "config": dict(self.config),
             "plugins": get_plugin_manager().versions(),

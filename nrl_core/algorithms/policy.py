@@ -25,11 +25,11 @@ from nrl_core.process_groups import distributed_timeout_s
 from nrl_core.contracts import (
     BatchShard,
     CheckpointOptions,
-    TopkScorer,
-    TopkShard,
     GenerationBackendSpec,
     LossFunction,
     TokenBatch,
+    TopkScorer,
+    TopkShard,
     TrainingBackendSpec,
     TrainingWorker,
 )
@@ -93,7 +93,8 @@ class Policy:
     def get_topk_logprobs(self, batch: TokenBatch, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``[B, T, k]`` logprobs and ids of the ``k`` likeliest next tokens at every position
         (capability ``topk_logprobs``), put together from every data-parallel group's shard."""
-        shards = [_checked_topk(s) for s in self.group.call(TopkScorer.get_topk_logprobs, batch, k)]
+        shards = [check_result("get_topk_logprobs", s, "TopkShard", since=10)
+                  for s in self.group.call(TopkScorer.get_topk_logprobs, batch, k)]
         return TopkShard.assemble(shards, batch.size, int(batch.input_ids.shape[1]))
 
     def get_gathered_logprobs(self, batch: TokenBatch, ids_field: str) -> torch.Tensor:
@@ -157,12 +158,3 @@ class Policy:
     def shutdown(self) -> None:
         self.group.shutdown()
         self.placement.remove()
-
-
-def _checked_topk(value: Any) -> TopkShard | None:
-    if value is None or isinstance(value, TopkShard):
-        return value
-    from nrl_core.errors import PluginError
-
-    raise PluginError(f"get_topk_logprobs returned {type(value).__qualname__}; contract 10 requires a TopkShard or "
-                      "None (nrl_core.contracts.TopkShard(rows=..., logprobs=..., ids=...))")

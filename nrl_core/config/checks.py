@@ -53,7 +53,7 @@ def check_config(config: Mapping[str, Any], pm: PluginManager, *, algorithms: Co
     _check_lengths(config)
     _check_directories(config)
     for spec in specs:
-        _run_backend_check(spec.config_check, config)
+        run_backend_check(spec.config_check, config)
     if backends:
         check_backends(config, pm, algorithms=algorithms, training=training, generation=generation)
 
@@ -70,11 +70,11 @@ def check_backends(config: Mapping[str, Any], pm: PluginManager, *, algorithms: 
     """The selected backends' own checks (their spec's ``config_check``); the generation backend's
     only when one of ``algorithms`` generates (or none is named)."""
     if training is not None:
-        _run_backend_check(training.config_check, config)
+        run_backend_check(training.config_check, config)
     specs = [pm.algorithms().get(name, "algorithm") for name in algorithms]
     uses_generation = not specs or any(spec.generates for spec in specs)
     if generation is not None and config["policy"]["generation"] is not None and uses_generation:
-        _run_backend_check(generation.config_check, config)
+        run_backend_check(generation.config_check, config)
 
 
 def _check_algorithm_needs(config: Mapping[str, Any], pm: PluginManager, spec: AlgorithmSpec,
@@ -122,7 +122,8 @@ def _check_capabilities(config: Mapping[str, Any], training: TrainingBackendSpec
                                                      "GRPO needs; set it to false or use a backend that can")
 
 
-def _run_backend_check(path: str | None, config: Mapping[str, Any]) -> None:
+def run_backend_check(path: str | None, config: Mapping[str, Any]) -> None:
+    """The :data:`~nrl_core.contracts.ConfigCheck` at ``path`` (a spec's ``config_check``) on ``config``."""
     if path is None:
         return
     check: ConfigCheck = import_object(path)

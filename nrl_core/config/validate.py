@@ -176,11 +176,6 @@ def _completed_model(raw: Mapping[str, Any], config: dict[str, Any], key: str, p
     return model["policy"]
 
 
-def _run_model_check(path: str | None, model: Mapping[str, Any]) -> None:
-    if path is not None:
-        checks.import_object(path)(model)
-
-
 def check_model_sections(config: Mapping[str, Any], pm: PluginManager | None = None) -> None:
     """The model sections' backend checks that ``validate_config(..., backend_checks=False)`` left out."""
     pm = pm or get_plugin_manager()
@@ -188,7 +183,8 @@ def check_model_sections(config: Mapping[str, Any], pm: PluginManager | None = N
         if config.get(key) is not None:
             model = model_config(config, key)
             try:
-                _run_model_check(choose_backends(model, pm, generation=False, warn=False).training.config_check, model)
+                checks.run_backend_check(choose_backends(model, pm, generation=False, warn=False).training.config_check,
+                                         model)
             except ConfigError as exc:
                 raise renamed_error(exc, key) from None
 

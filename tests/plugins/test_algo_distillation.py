@@ -178,3 +178,13 @@ def test_a_gathering_loss_on_a_backend_without_topk_logprobs_is_refused_before_a
 def test_responses_that_do_not_split_into_optimizer_batches_are_one_line(models):
     assert refusal(models, "policy.train_global_batch_size=48", "policy.train_micro_batch_size=16").startswith(
         "policy.train_global_batch_size: 48 does not divide the 64 responses of a step")
+
+
+def test_a_worker_returning_the_wrong_top_k_type_is_one_line():
+    from nrl_core.contract_versions import check_result
+    from nrl_core.errors import PluginError
+
+    with pytest.raises(PluginError, match=r"^get_topk_logprobs returned torch\.Tensor; contract 10 and later require a "
+                                          r"TopkShard or None \(nrl_core\.contracts\.TopkShard\(rows=\.\.\., "
+                                          r"logprobs=\.\.\., ids=\.\.\.\)"):
+        check_result("get_topk_logprobs", torch.zeros(1), "TopkShard", since=10)

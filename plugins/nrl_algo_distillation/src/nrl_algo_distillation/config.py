@@ -91,8 +91,8 @@ def _tokenizer_files(path: str) -> dict[str, Any] | None:
     root = Path(path)
     tokenizer = root / "tokenizer.json"
     if tokenizer.is_file():
-        model = json.loads(tokenizer.read_text()).get("model") or {}
-        added = json.loads(tokenizer.read_text()).get("added_tokens") or []
+        content = json.loads(tokenizer.read_text())
+        model, added = content.get("model") or {}, content.get("added_tokens") or []
         return {"vocab": model.get("vocab"), "added": sorted((t["id"], t["content"]) for t in added)}
     vocab = root / "vocab.json"
     return {"vocab": json.loads(vocab.read_text()), "added": []} if vocab.is_file() else None
