@@ -87,6 +87,10 @@ CONTRACT_HISTORY: tuple[ContractVersion, ...] = (
         "shared sections such as loss_fn)",
         "capability topk_logprobs (training: TopkScorer.get_topk_logprobs -> TopkShard, get_gathered_logprobs "
         "-> BatchShard [n, T, k]); a loss with gather_ids_field gets [b, t, k] logprobs at those ids",)),
+    ContractVersion(11, "HEAD", added=(
+        "capability value_head (training: ValueScorer.get_values -> BatchShard [n, T]), chosen by "
+        "policy.reward_model_cfg.enabled; a loss with reads_values gets the head's [b, t] values",
+        "AlgorithmSpec.value_sections: the policy-shaped sections whose model has a value head",)),
 )
 """Every contract version, oldest first; docs/plugins.md and docs/changelog.md repeat it."""
 
@@ -146,6 +150,7 @@ CAPABILITY_METHODS: dict[str, tuple[Method, ...]] = {
     "adapter_refit": (Method("import_adapter", ("buckets", "manifest", "adapter_config"), since=9),),
     "topk_logprobs": (Method("get_topk_logprobs", ("batch", "k"), since=10),
                       Method("get_gathered_logprobs", ("batch", "ids_field"), since=10)),
+    "value_head": (Method("get_values", ("batch",), since=11, returns="BatchShard"),),
 }
 """The methods a worker must have when its backend's spec declares the capability."""
 

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
     from nrl_core.config.schema import Section
 
-CONTRACT_VERSION: int = 10
+CONTRACT_VERSION: int = 11
 """The version of the plugin contract this module defines, apart from nrl-core's package version.
 A plugin states the version it was written for as ``NRL_CONTRACT = N`` in its entry-point module;
 :mod:`nrl_core.contract_versions` lists every version the core still serves and what each changed."""
@@ -105,6 +105,8 @@ TRAINING_CAPABILITIES: Mapping[str, str] = {
     "dynamic_batching": "policy.dynamic_batching.enabled: true",
     "adapter_export": "policy.refit.adapters: true (the worker is an AdapterExporter: LoRA adapters leave alone)",
     "topk_logprobs": "next-token top-k and logprobs at given ids (the worker is a TopkScorer: distillation)",
+    "value_head": "policy.reward_model_cfg.enabled: true (a scalar head in place of the LM head; the worker is a "
+                  "ValueScorer: reward models and critics)",
 }
 """What a training backend may declare it supports beyond one rank training padded micro-batches;
 a config that asks for something the selected backend does not declare fails validation."""
@@ -325,7 +327,10 @@ class AlgorithmSpec:
     (:func:`~nrl_core.config.models.model_config`, ``Policy(..., beside=policy)``).
     ``shared_keys`` (contract 10) adds keys to sections the algorithm shares with others, by path:
     NeMo RL's distillation reads ``loss_fn.kl_type``. Two algorithms declaring one key differently
-    is an error naming both.
+    is an error naming both. ``value_sections`` (contract 11) names the policy-shaped sections
+    (``policy`` or one of ``model_sections``) whose model the algorithm trains or reads with a value
+    head (``reward_model_cfg.enabled``, capability ``value_head``): a reward model, a critic. A value
+    head enabled anywhere else is refused at check time.
 
     ``nrl train`` launches the policy's training workers before it checks the model and the run
     loads its data, for every algorithm, so their imports overlap; a run that builds no
@@ -344,6 +349,7 @@ class AlgorithmSpec:
     generates: bool = False
     model_sections: tuple[str, ...] = ()
     shared_keys: Mapping[str, Section] = field(default_factory=dict)
+    value_sections: tuple[str, ...] = ()
     early_policy_start: InitVar[bool | None] = None
 
     def __post_init__(self, early_policy_start: bool | None) -> None:
@@ -684,7 +690,11 @@ class LossFunction(Protocol):
     ``logprobs`` is ``[b, t]`` float32, aligned as in :class:`TokenBatch` and computed with
     gradients by the backend. A loss with a ``gather_ids_field`` attribute (contract 10; the
     backend must declare ``topk_logprobs``) gets ``[b, t, k]`` instead: the full-vocabulary logprobs
-    of the token ids in that ``[B, T, k]`` batch field, as :meth:`TopkScorer.get_gathered_logprobs`. ``global_valid_tokens`` and ``global_valid_seqs`` are totals over the
+    of the token ids in that ``[B, T, k]`` batch field, as :meth:`TopkScorer.get_gathered_logprobs`.
+    A loss with ``reads_values = True`` (contract 11) is for a model with a value head
+    (``value_head``): it gets the head's ``[b, t]`` float32 outputs, as :meth:`ValueScorer.get_values`,
+    where other losses get logprobs; the driver refuses either kind of loss on the other kind of
+    model. ``global_valid_tokens`` and ``global_valid_seqs`` are totals over the
     whole global batch on every data-parallel rank, so the sum of micro-batch losses equals the
     global-batch loss whatever the split. Returns the scalar loss and float metrics.
     """
@@ -859,6 +869,21 @@ class TopkScorer(Protocol):
     def get_gathered_logprobs(self, batch: TokenBatch, ids_field: str) -> "BatchShard | None":
         """Full-vocabulary logprobs ``[n, T, k]`` of the ids in ``batch.fields[ids_field]``
         (``[B, T, k]``, aligned) under the current weights; returned as :meth:`get_logprobs`."""
+
+
+class ValueScorer(Protocol):
+    """What a training worker adds to declare ``value_head`` (contract 11). With
+    ``policy.reward_model_cfg.enabled`` it builds its model with a scalar head (Hugging Face's
+    ``score`` layer, one output) where the LM head would be, trains it with losses that read values
+    (:class:`LossFunction`) and exports it as the HF class for ``reward_model_type``:
+    ``*ForSequenceClassification`` for ``bradley_terry``, ``*ForTokenClassification`` for
+    ``regression``. Such a model has no logprobs."""
+
+    @dispatch(Fanout.ALL, Gather.SHARDS)
+    def get_values(self, batch: TokenBatch) -> "BatchShard | None":
+        """The head's output at every position of this rank's data-parallel shard, float32
+        ``[n, T]``: ``values[:, t]`` reads tokens ``0..t`` (not shifted as logprobs are; a sequence's
+        score is its value at its last token). Returned as :meth:`TrainingWorker.get_logprobs`."""
 
 
 class AdapterServer(Protocol):

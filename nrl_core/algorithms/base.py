@@ -47,7 +47,9 @@ class AlgorithmRun:
                              colocated_generation=colocated_generation(config, generates=with_generation),
                              models_beside=len(spec.model_sections) if spec is not None else 0)
         mark("policy_built")
-        self.max_steps = min(int(self.cfg["max_num_steps"]), int(self.cfg["max_num_epochs"]) * len(self.train_loader))
+        by_epochs = int(self.cfg["max_num_epochs"]) * len(self.train_loader)
+        steps = int(self.cfg["max_num_steps"])  # NeMo RL's -1: as many as the epochs allow
+        self.max_steps = by_epochs if steps < 0 else min(steps, by_epochs)
         self.log = MetricLogger(config["logger"], total_steps=self.max_steps,
                                 resume_step=self.state.step if self.resume_from is not None else None)
         self.hooks = get_plugin_manager()

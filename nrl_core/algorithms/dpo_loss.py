@@ -23,7 +23,7 @@ import torch
 
 from nrl_core.algorithms.loss import ConfiguredLoss
 from nrl_core.contracts import TokenBatch
-from nrl_core.errors import NrlError
+from nrl_core.data.preference import check_pairs
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,7 +41,7 @@ class DPOLoss(ConfiguredLoss):
         self, logprobs: torch.Tensor, batch: TokenBatch, *, global_valid_tokens: float, global_valid_seqs: float
     ) -> tuple[torch.Tensor, dict[str, float]]:
         f = batch.fields
-        _check_pairs(batch)
+        check_pairs(batch, "DPO")
         sample = f["sample_mask"].to(logprobs.dtype)
         mask = f["token_mask"].to(logprobs.dtype) * sample.unsqueeze(1)
         tokens = mask.sum(1).clamp_min(1)
@@ -70,14 +70,3 @@ class DPOLoss(ConfiguredLoss):
             }
         return loss, metrics
 
-
-def _check_pairs(batch: TokenBatch) -> None:
-    """Rows must alternate chosen and rejected of the same pair: a backend that reorders or splits
-    rows (dynamic batching, sequence packing) would otherwise pair unrelated sequences silently."""
-    chosen, pair = batch.fields["chosen"], batch.fields["pair"]
-    whole = batch.size % 2 == 0 and bool((chosen[0::2] == 1).all()) and bool((chosen[1::2] == 0).all()) \
-        and bool((pair[0::2] == pair[1::2]).all())
-    if not whole:
-        raise NrlError(f"DPO got a micro-batch of {batch.size} sequences that are not (chosen, rejected) pairs "
-                       f"(pairs {pair.tolist()[:8]}); the training backend split or reordered them: DPO needs "
-                       "fixed micro-batches (policy.dynamic_batching and policy.sequence_packing disabled)")

@@ -32,8 +32,10 @@ from nrl_core.contracts import (
     TopkShard,
     TrainingBackendSpec,
     TrainingWorker,
+    ValueScorer,
 )
 from nrl_core.plugins import get_plugin_manager
+from nrl_core.sdk.value_head import value_head_type
 
 logger = logging.getLogger(__name__)
 
@@ -44,19 +46,24 @@ class Policy:
 
     def __init__(self, config: Mapping[str, Any], spec: TrainingBackendSpec, *, colocated_generation: bool,
                  generation: GenerationBackendSpec | None = None, models_beside: int = 0,
-                 beside: "Policy | None" = None, name: str = "policy") -> None:
+                 beside: "Policy | None" = None, name: str = "policy", standalone: bool = False) -> None:
         """Takes the group ``nrl train`` launched early when there is one, else launches it
         (:mod:`nrl_core.algorithms.policy_launch`), then builds the workers with ``config``.
         ``generation`` is the engine's spec, whose modules colocated workers preload.
         ``models_beside`` is how many models will share this policy's devices; such a model
-        (:mod:`nrl_core.config.models`) is built with ``beside=`` that policy and its own ``name``."""
+        (:mod:`nrl_core.config.models`) is built with ``beside=`` that policy and its own ``name``.
+        A ``standalone`` group (a model an environment scores with) gets devices of its own from
+        ``config["cluster"]`` and never takes the group ``nrl train`` launched for the policy."""
         self.spec = spec
         self.name = name
+        self.value_head = value_head_type(config["policy"]) is not None  # a scorer, not a language model
         self.world_size = cluster_topology(config).train_world
         self.checkpoint_options = CheckpointOptions.from_section(config["policy"][spec.config_key])
         self.timeout_s = distributed_timeout_s(config, spec.config_key)  # every group of this run
         if beside is not None:
             launched = launch_beside(config, spec, beside.placement, name)
+        elif standalone:
+            launched = launch_policy(config, spec, colocated=False, name=name)
         else:
             launched = (take_early_policy(spec, colocated=colocated_generation, models_beside=models_beside)
                         or launch_policy(config, spec, colocated=colocated_generation, generation=generation,
@@ -72,12 +79,22 @@ class Policy:
     # ------------------------------------------------------------------ compute
 
     def train(self, batch: TokenBatch, loss_fn: LossFunction) -> dict[str, float]:
-        if getattr(loss_fn, "gather_ids_field", None) and "topk_logprobs" not in self.spec.capabilities:
-            from nrl_core.errors import PluginError
-
-            raise PluginError(f"the {self.spec.name} training backend ({self.spec.distribution}) does not declare "
-                              f"topk_logprobs, which the loss {type(loss_fn).__name__} needs (gather_ids_field)")
+        self._check_loss(loss_fn)
         return self.group.call(TrainingWorker.train, batch, loss_fn)
+
+    def _check_loss(self, loss_fn: LossFunction) -> None:
+        """Refuse, in one line, a loss this model cannot feed: ids' logprobs from a backend without
+        top-k, values from a language model, logprobs from a model with a value head."""
+        from nrl_core.errors import PluginError
+
+        loss = type(loss_fn).__name__
+        if getattr(loss_fn, "gather_ids_field", None) and "topk_logprobs" not in self.spec.capabilities:
+            raise PluginError(f"the {self.spec.name} training backend ({self.spec.distribution}) does not declare "
+                              f"topk_logprobs, which the loss {loss} needs (gather_ids_field)")
+        if bool(getattr(loss_fn, "reads_values", False)) != self.value_head:
+            raise PluginError(f"the loss {loss} reads {'values' if not self.value_head else 'logprobs'} but "
+                              f"the {self.name} model has {'a value head' if self.value_head else 'an LM head'} "
+                              "(policy.reward_model_cfg.enabled); pair value losses with value models")
 
     def get_logprobs(self, batch: TokenBatch) -> torch.Tensor:
         """``[B, T]`` logprobs of ``batch``, put together from every data-parallel group's shard
@@ -101,6 +118,11 @@ class Policy:
         """``[B, T, k]`` logprobs of the ids in ``batch.fields[ids_field]`` (capability ``topk_logprobs``)."""
         shards = [check_result("get_gathered_logprobs", s)
                   for s in self.group.call(TopkScorer.get_gathered_logprobs, batch, ids_field)]
+        return BatchShard.assemble(shards, batch.size, int(batch.input_ids.shape[1]))
+
+    def get_values(self, batch: TokenBatch) -> torch.Tensor:
+        """``[B, T]`` outputs of the value head at every position (capability ``value_head``)."""
+        shards = [check_result("get_values", s, since=11) for s in self.group.call(ValueScorer.get_values, batch)]
         return BatchShard.assemble(shards, batch.size, int(batch.input_ids.shape[1]))
 
     # ------------------------------------------------------------------ memory hand-off (colocated generation)

@@ -98,20 +98,21 @@ def colocated_generation(config: Mapping[str, Any], *, generates: bool) -> bool:
 
 
 def launch_policy(config: Mapping[str, Any], training: TrainingBackendSpec, *, colocated: bool,
-                  generation: GenerationBackendSpec | None = None, models_beside: int = 0) -> LaunchedPolicy:
+                  generation: GenerationBackendSpec | None = None, models_beside: int = 0,
+                  name: str = "policy") -> LaunchedPolicy:
     """Place the training ranks of the cluster's topology and create their actors, which import
     ``training``'s modules (and, ``colocated``, ``generation``'s) at once; :meth:`WorkerGroup.start`
     builds the workers. ``models_beside`` groups (an algorithm's ``model_sections``) will share
     the placement: each actor takes its share of a bundle accordingly."""
     cluster = config["cluster"]
     topology = cluster_topology(config)
-    placement = make_placement(cluster, topology.train_world, name="policy",
+    placement = make_placement(cluster, topology.train_world, name=name,
                                max_colocated_groups=(2 if colocated else 1) + models_beside, nodes=topology.train_nodes)
     preload = _imports_of(training)
     if colocated and generation is not None:
         preload += _imports_of(generation)
     try:
-        group = WorkerGroup(training.worker, topology.train_world, name=f"policy-{training.name}",
+        group = WorkerGroup(training.worker, topology.train_world, name=f"{name}-{training.name}",
                             placement=placement, env_vars=dict(cluster.get("env_vars") or {}),
                             collective_timeout_s=distributed_timeout_s(config, training.config_key),
                             preload=preload, start=False)

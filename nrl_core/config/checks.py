@@ -45,6 +45,7 @@ def check_config(config: Mapping[str, Any], pm: PluginManager, *, algorithms: Co
     specs = [pm.algorithms().get(name, "algorithm") for name in algorithms]
     for spec in specs:
         _check_algorithm_needs(config, pm, spec, generation)
+        _check_value_sections(config, spec)
     _check_ranges(config)
     cluster_topology(config, pm)
     dp = data_parallel_size(config, training)
@@ -90,6 +91,17 @@ def _check_algorithm_needs(config: Mapping[str, Any], pm: PluginManager, spec: A
         pm.generation_backends().get(section["backend"], "policy.generation.backend")  # raises: not installed
 
 
+def _check_value_sections(config: Mapping[str, Any], spec: AlgorithmSpec) -> None:
+    """A value head (``reward_model_cfg.enabled``) only where the algorithm's spec says it reads
+    one (``value_sections``): any other algorithm would train a scoring model as a language model."""
+    for key in ("policy", *spec.model_sections):
+        section = config.get(key)
+        if section and (section.get("reward_model_cfg") or {}).get("enabled") and key not in spec.value_sections:
+            raise ConfigError(f"{key}.reward_model_cfg.enabled",
+                              f"{spec.name} does not train or read a value head (reward model) in {key}; set it "
+                              "to false, or run an algorithm that does (nrl train rm)")
+
+
 def _check_capabilities(config: Mapping[str, Any], training: TrainingBackendSpec | None,
                         generation: GenerationBackendSpec | None, dp: int, algorithms: Collection[str]) -> None:
     """Refuse what the selected backends do not declare they can do (their spec's ``capabilities``),
@@ -106,6 +118,10 @@ def _check_capabilities(config: Mapping[str, Any], training: TrainingBackendSpec
                 what = f"{dp} data-parallel groups" if capability == "data_parallel" else capability.replace("_", " ")
                 raise ConfigError(key, f"the {training.name} training backend ({training.distribution}) does not "
                                        f"support {what}; change the value or use a backend that declares it")
+    if training is not None and policy["reward_model_cfg"]["enabled"] and "value_head" not in training.capabilities:
+        raise ConfigError("policy.reward_model_cfg.enabled",
+                          f"the {training.name} training backend ({training.distribution}) does not declare "
+                          "value_head, which a reward model needs; use a backend that does")
     if policy["refit"]["adapters"] and policy["generation"] is not None:
         for spec, capability in ((training, "adapter_export"), (generation, "adapter_refit")):
             if spec is not None and capability not in spec.capabilities:

@@ -110,6 +110,15 @@ REFIT = Section(doc="Moving trained weights into the generation engine.", fields
                           "merged weights); both backends must declare it (adapter_export, adapter_refit)"),
 })
 
+REWARD_MODEL = Section(doc="A scalar head in place of the LM head (NeMo RL's names): the model scores instead of "
+                           "generating. For algorithms that train or read one (rm's policy, a critic); the training "
+                           "backend must declare value_head.", fields={
+    "enabled": Field(type=bool, default=False),
+    "reward_model_type": Field(type=str, default="bradley_terry", choices=("bradley_terry", "regression"),
+                               doc="bradley_terry: one score per sequence (HF *ForSequenceClassification); "
+                                   "regression: a value per token (HF *ForTokenClassification)"),
+})
+
 POLICY = Section(required=True, doc="The model being trained and how.", aliases={}, fields={
     "model_name": Field(type=str, doc="Hugging Face checkpoint directory (or hub id where a hub is reachable)"),
     "tokenizer": Section(fields={
@@ -141,6 +150,7 @@ POLICY = Section(required=True, doc="The model being trained and how.", aliases=
     "generation": GENERATION,
     "refit": REFIT,
     "refit_buffer_size_gb": Field(type=NUMBER, default=None, nullable=True, doc="NeMo RL spelling of refit.bucket_size_mb"),
+    "reward_model_cfg": REWARD_MODEL,
 })
 
 def _refuse_dataset_lists(data: dict[str, Any], path: str) -> dict[str, Any]:

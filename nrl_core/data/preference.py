@@ -200,6 +200,29 @@ def preference_batch(pairs: Sequence[PreferencePair], pad_token_id: int, data_pa
     return batch
 
 
+def pair_order(batch: TokenBatch) -> list[int]:
+    """The rows of a :func:`preference_batch` as (chosen, rejected) of pair 0, then pair 1, ...:
+    the order a loss computed over the whole batch on the driver reads (the batch itself is laid
+    out for its data-parallel shards)."""
+    pair, chosen = batch.fields["pair"].tolist(), batch.fields["chosen"].tolist()
+    return sorted(range(batch.size), key=lambda row: (pair[row], -chosen[row]))
+
+
+def check_pairs(batch: TokenBatch, who: str) -> None:
+    """Refuse, in one line, a micro-batch whose rows are not (chosen, rejected) pairs of
+    :func:`preference_batch`: a backend that reorders or splits rows (dynamic batching, sequence
+    packing) would otherwise pair unrelated sequences silently. ``who`` names the loss."""
+    from nrl_core.errors import NrlError
+
+    chosen, pair = batch.fields["chosen"], batch.fields["pair"]
+    whole = batch.size % 2 == 0 and bool((chosen[0::2] == 1).all()) and bool((chosen[1::2] == 0).all()) \
+        and bool((pair[0::2] == pair[1::2]).all())
+    if not whole:
+        raise NrlError(f"{who} got a micro-batch of {batch.size} sequences that are not (chosen, rejected) pairs "
+                       f"(pairs {pair.tolist()[:8]}); the training backend split or reordered them: {who} needs "
+                       "fixed micro-batches (policy.dynamic_batching and policy.sequence_packing disabled)")
+
+
 # --------------------------------------------------------------------------- generator
 
 

@@ -41,6 +41,7 @@ class TrainingWorkerBase:
     export_dtype = "float32"  # the dtype of the HF export's tensors
     lazy_imports: tuple[str, ...] = ()  # modules the worker imports only once built: the core imports them early
     router_metrics: Any = None  # MoE models: the routers' choice counts (nrl_core.moe.RouterStats as .stats)
+    value_head: str | None = None  # reward_model_type when the model has a value head (nrl_core.sdk.value_head)
     device: torch.device
     rank: int
     model: Any
@@ -94,6 +95,18 @@ class TrainingWorkerBase:
         if self.offloaded:
             raise NrlError(f"{self.backend_name} worker rank {self.rank}: {what} while its "
                            f"{', '.join(sorted(self.offloaded))} are offloaded; call prepare_for_training first")
+
+    def require_lm_head(self, what: str) -> None:
+        """Refuse ``what`` (logprobs) in one line on a model with a value head."""
+        if self.value_head:
+            raise NrlError(f"{self.backend_name} worker rank {self.rank}: {what} needs a language model, but this "
+                           f"one has a value head (policy.reward_model_cfg.enabled); call get_values instead")
+
+    def require_value_head(self, what: str) -> None:
+        """Refuse ``what`` (values) in one line on a language model."""
+        if not self.value_head:
+            raise NrlError(f"{self.backend_name} worker rank {self.rank}: {what} needs a value head; enable "
+                           "policy.reward_model_cfg for this model")
 
     def offload_training_state(self) -> None:
         """Default: free the gradients, move the optimizer state to (pinned) host memory."""

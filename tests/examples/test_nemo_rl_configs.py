@@ -25,7 +25,9 @@ EXPECTED: dict[str, str | None] = {
     "grpo_math_1B_sglang.yaml": "error: policy.generation.backend: generation backend 'sglang' is not available",
     "sft.yaml": None,
     "dpo.yaml": None,
-    "rm.yaml": _lacks("rm", "reward-model training"),
+    # Reward models (nrl-reward-model): Bradley-Terry training, and GRPO scored by one.
+    "rm.yaml": None,
+    "grpo_rm_1B.yaml": None,
     # On-policy distillation (nrl-algo-distillation) stops at context parallelism, as GRPO does;
     # past it the student and the teacher (its own section, its own backend checks) pass.
     "distillation_math.yaml":

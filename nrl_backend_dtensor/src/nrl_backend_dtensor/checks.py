@@ -32,6 +32,9 @@ def check_config(config: Mapping[str, Any]) -> None:
     if section["lora_cfg"]["enabled"]:
         from nrl_backend_dtensor.lora import check_section
 
+        if policy["reward_model_cfg"]["enabled"]:
+            raise ConfigError(f"{KEY}.lora_cfg.enabled", "LoRA on a model with a value head (policy.reward_model_cfg) "
+                                                        "is not supported; train its full weights")
         check_section(section["lora_cfg"], int(section["tensor_parallel_size"]))
     elif policy["refit"]["adapters"]:
         raise ConfigError("policy.refit.adapters", "adapter-only refit sends LoRA adapters, and this run trains "

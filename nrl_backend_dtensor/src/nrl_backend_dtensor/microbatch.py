@@ -40,10 +40,13 @@ class MicroBatch:
             mask[row, start:start + length] = True
         return mask
 
-    def to_padded(self, logprobs: torch.Tensor, sub: TokenBatch) -> torch.Tensor:
-        """The model's ``[r, w, ...]`` logprobs as ``[len(rows), sub width, ...]``, zeros past each length."""
+    def to_padded(self, logprobs: torch.Tensor, sub: TokenBatch, shifted: bool = True) -> torch.Tensor:
+        """The model's ``[r, w, ...]`` logprobs as ``[len(rows), sub width, ...]``, zeros past each
+        length. ``shifted=False`` for outputs that read their own position (a value head's)."""
         width = int(sub.input_ids.shape[1])
         trailing = (None,) * (logprobs.dim() - 2)
+        if self.packed is not None and not shifted:
+            return self.packed.unpack(logprobs, len(self.rows), width)
         if self.packed is not None:
             # a segment's first position was "predicted" from the previous segment's last token
             # in the packed row; aligned logprobs are 0 at every sequence's position 0

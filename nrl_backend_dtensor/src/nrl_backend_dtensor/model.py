@@ -19,6 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 from nrl_core.config.model_config import read_model_config
 from nrl_core.errors import NrlError
+from nrl_core.sdk.value_head import LM_HEAD_SUFFIXES, value_model_config
 from nrl_core.sdk.vocab import next_token_logprobs_at, next_token_topk
 
 HF_PREFIX = "hf."
@@ -30,9 +31,10 @@ def hf_name(name: str) -> str:
 
 
 def load_hf_config(model_name: str, *, trust_remote_code: bool = False,
-                   overrides: Mapping[str, Any] | None = None) -> Any:
-    """The model's config (``overrides`` applied), checked to be a causal LM; one-line
-    :class:`NrlError` otherwise."""
+                   overrides: Mapping[str, Any] | None = None, value_head: str | None = None) -> Any:
+    """The model's config (``overrides`` applied), checked to be a causal LM (or, for a value head
+    of type ``value_head``, a causal LM or an HF classifier, returned as the value model's config);
+    one-line :class:`NrlError` otherwise."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     if not os.path.isdir(model_name):
@@ -42,23 +44,30 @@ def load_hf_config(model_name: str, *, trust_remote_code: bool = False,
     # a checkpoint names its head in `architectures` (BertForMaskedLM is a bert model_type that
     # the causal-LM auto mapping also lists); fall back to the mapping when it is absent
     architectures = list(getattr(config, "architectures", None) or [])
-    is_causal = (any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in architectures) if architectures
+    suffixes = LM_HEAD_SUFFIXES if value_head else ("ForCausalLM", "LMHeadModel")
+    is_causal = (any(a.endswith(suffixes) for a in architectures) if architectures
                  else config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) or (
         trust_remote_code and "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {}))
     if not is_causal:
         raise NrlError(f"policy.model_name: '{model_name}' is a '{config.model_type}' model, not a causal "
                        f"language model; use a decoder-only checkpoint (Llama, Qwen2, Qwen3, ...)")
+    if value_head:
+        return value_model_config(config, value_head, int(getattr(config, "pad_token_id", None) or 0))
     return config
 
 
-def load_hf_model(model_name: str, config: Any, *, trust_remote_code: bool = False) -> nn.Module:
-    """The HF causal LM in float32 on the CPU (FSDP2 casts and moves it later)."""
-    from transformers import AutoModelForCausalLM
+def load_hf_model(model_name: str, config: Any, *, trust_remote_code: bool = False,
+                  value_head: str | None = None) -> nn.Module:
+    """The HF causal LM in float32 on the CPU (FSDP2 casts and moves it later); with a value head,
+    HF's classifier of one label (a causal LM's checkpoint gets a freshly initialised ``score``)."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoModelForTokenClassification
 
     from nrl_backend_dtensor.packed_attention import register
 
+    auto = {None: AutoModelForCausalLM, "bradley_terry": AutoModelForSequenceClassification,
+            "regression": AutoModelForTokenClassification}[value_head]
     try:
-        return AutoModelForCausalLM.from_pretrained(model_name, config=config, dtype=torch.float32,
+        return auto.from_pretrained(model_name, config=config, dtype=torch.float32,
                                                     trust_remote_code=trust_remote_code,
                                                     attn_implementation=register())
     except Exception as exc:  # noqa: BLE001
@@ -98,13 +107,16 @@ def token_logprobs(hidden: torch.Tensor, head: nn.Module, input_ids: torch.Tenso
 
 
 class LogprobModel(nn.Module):
-    """An HF causal LM whose forward returns per-token logprobs of its own input (see module doc)."""
+    """An HF causal LM whose forward returns per-token logprobs of its own input (see module doc);
+    an HF classifier (a value head) whose forward returns its score at every position."""
 
-    def __init__(self, hf_model: nn.Module, chunk_size: int | None = None, temperature: float = 1.0) -> None:
+    def __init__(self, hf_model: nn.Module, chunk_size: int | None = None, temperature: float = 1.0,
+                 value_head: bool = False) -> None:
         super().__init__()
         self.hf = hf_model
         self.chunk_size = chunk_size
         self.temperature = temperature
+        self.value_head = value_head
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, gather_ids: torch.Tensor | None = None,
                 topk: int = 0) -> Any:
@@ -114,6 +126,8 @@ class LogprobModel(nn.Module):
         # attention_mask stays None: right padding never precedes a real token under a causal
         # mask, and packed rows get their block-diagonal mask from the position resets.
         out = self.hf.model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+        if self.value_head:  # HF's token classifier puts dropout before its head: left out, values are exact
+            return self.hf.score(out.last_hidden_state).squeeze(-1).float()
         head = self.hf.get_output_embeddings()
         if gather_ids is None and not topk:
             return token_logprobs(out.last_hidden_state, head, input_ids, self.chunk_size, self.temperature)

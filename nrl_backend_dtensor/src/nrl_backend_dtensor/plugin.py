@@ -10,7 +10,7 @@ from nrl_core.contracts import TrainingBackendSpec
 from nrl_core.hookspecs import hookimpl
 from nrl_backend_dtensor.schema import DTENSOR_CONFIG_SCHEMA
 
-NRL_CONTRACT = 10  # the plugin contract this distribution is written for (docs/plugins.md)
+NRL_CONTRACT = 11  # the plugin contract this distribution is written for (docs/plugins.md)
 
 WORKER_PATH = "nrl_backend_dtensor.worker:DTensorPolicyWorker"
 
@@ -27,7 +27,8 @@ def nrl_training_backends() -> list[TrainingBackendSpec]:
         distribution="nrl-backend-dtensor",
         parallel_size_keys=("tensor_parallel_size", "context_parallel_size"),
         config_check="nrl_backend_dtensor.checks:check_config",
-        capabilities=frozenset({"data_parallel", "sequence_packing", "dynamic_batching", "adapter_export", "topk_logprobs"}),
+        capabilities=frozenset({"data_parallel", "sequence_packing", "dynamic_batching", "adapter_export", "topk_logprobs",
+                                "value_head"}),
         description="PyTorch FSDP2 (fully_shard) with optional DTensor tensor parallelism",
     )]
 

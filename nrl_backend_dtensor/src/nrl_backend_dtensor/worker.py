@@ -27,6 +27,7 @@ from nrl_core.errors import ConfigError, NrlError
 from nrl_core.nonfinite import check_finite, guard_enabled
 from nrl_core.process_groups import main_group_timeout
 from nrl_core.sdk import ReferenceWeights, TrainingWorkerBase, base_model_identity, training_precision
+from nrl_core.sdk.value_head import value_head_type
 from nrl_core.refit.buckets import dtype_name, iter_buckets, parse_dtype
 from nrl_core.timeline import mark
 from nrl_backend_dtensor import lora
@@ -75,9 +76,10 @@ class DTensorPolicyWorker(TrainingWorkerBase):
 
         model_name = self.policy["model_name"]
         trust = bool(self.policy.get("trust_remote_code", False))
+        self.value_head = value_head_type(self.policy)  # reward model or critic: a score head, no logprobs
         self.hf_config = load_hf_config(model_name, trust_remote_code=trust,
-                                        overrides=self.policy.get("hf_config_overrides"))
-        hf_model = load_hf_model(model_name, self.hf_config, trust_remote_code=trust)
+                                        overrides=self.policy.get("hf_config_overrides"), value_head=self.value_head)
+        hf_model = load_hf_model(model_name, self.hf_config, trust_remote_code=trust, value_head=self.value_head)
         self.lora = dict(self.dcfg.get("lora_cfg") or {}) if lora.enabled(self.dcfg.get("lora_cfg")) else None
         if self.lora is not None:
             lora.check_section(self.lora, self.layout.tp_size)
@@ -92,7 +94,8 @@ class DTensorPolicyWorker(TrainingWorkerBase):
                               custom_plan=self.dcfg.get("custom_parallel_plan"))
         if self.dcfg.get("activation_checkpointing"):
             hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.model = LogprobModel(hf_model, self.policy.get("logprob_chunk_size"), logprob_temperature(config))
+        self.model = LogprobModel(hf_model, self.policy.get("logprob_chunk_size"), logprob_temperature(config),
+                                  value_head=self.value_head is not None)
         self.fsdp = apply_fsdp(self.model, hf_model.model.layers, self.layout, param_dtype=getattr(torch, precision),
                                cpu_offload=bool(self.dcfg.get("cpu_offload")))
 
@@ -101,8 +104,10 @@ class DTensorPolicyWorker(TrainingWorkerBase):
         self.scheduler = build_scheduler(self.optimizer, self.policy.get("scheduler"))
         mark("optimizer_built", rank=self.rank)
         self.train_step_count = 0
-        # with LoRA the reference policy is the base model: the adapters switched off, no copy
-        self.reference = ReferenceWeights(self.model.parameters()) if self.lora is None else None
+        # with LoRA the reference policy is the base model: the adapters switched off, no copy; a
+        # value model has no reference policy
+        self.reference = ReferenceWeights(self.model.parameters()) if self.lora is None and not self.value_head \
+            else None
         # DCP async saves talk on their own group, with the main group's timeout (not torch's default)
         async_group = dist.new_group(backend="gloo", timeout=main_group_timeout())
         self.checkpoint_io = CheckpointIO(TrainState(
@@ -181,7 +186,8 @@ class DTensorPolicyWorker(TrainingWorkerBase):
             else:
                 sub = local.select(mb.rows)
             with self.recording_routes(None if dummy else lambda: mb.token_mask(sub)):
-                logprobs = mb.to_padded(self._forward(mb, sub, getattr(loss_fn, "gather_ids_field", None)), sub)
+                logprobs = mb.to_padded(self._forward(mb, sub, getattr(loss_fn, "gather_ids_field", None)), sub,
+                                        shifted=not self.value_head)
             sub = to_device(sub, logprobs.device)  # what the loss reads, where the logprobs are
             check_batch_device(sub, logprobs.device, "dtensor train")
             loss, metrics = loss_fn(logprobs, sub, global_valid_tokens=global_tokens, global_valid_seqs=global_seqs)
@@ -215,6 +221,7 @@ class DTensorPolicyWorker(TrainingWorkerBase):
     def get_logprobs(self, batch: TokenBatch) -> BatchShard | None:
         """Float32 logprobs of this data-parallel group's shard under the current weights; the
         group's tensor-parallel rank 0 returns them, the other ranks ``None``."""
+        self.require_lm_head("get_logprobs")
         self.require_on_device("get_logprobs")
         out = self._per_token(batch, lambda mb, sub: (self._forward(mb, sub),))
         return None if out is None else BatchShard(rows=out[0], values=out[1].float())
@@ -222,6 +229,7 @@ class DTensorPolicyWorker(TrainingWorkerBase):
     @torch.no_grad()
     def get_gathered_logprobs(self, batch: TokenBatch, ids_field: str) -> BatchShard | None:
         """Logprobs ``[n, T, k]`` of the ids in ``batch.fields[ids_field]`` (``TopkScorer``)."""
+        self.require_lm_head("get_gathered_logprobs")
         self.require_on_device("get_gathered_logprobs")
         out = self._per_token(batch, lambda mb, sub: (self._forward(mb, sub, ids_field),))
         return None if out is None else BatchShard(rows=out[0], values=out[1].float())
@@ -229,9 +237,18 @@ class DTensorPolicyWorker(TrainingWorkerBase):
     @torch.no_grad()
     def get_topk_logprobs(self, batch: TokenBatch, k: int) -> TopkShard | None:
         """The ``k`` likeliest next tokens at every position, logprobs and ids (``TopkScorer``)."""
+        self.require_lm_head("get_topk_logprobs")
         self.require_on_device("get_topk_logprobs")
         out = self._per_token(batch, lambda mb, sub: self._forward(mb, topk=k))
         return None if out is None else TopkShard(rows=out[0], logprobs=out[1].float(), ids=out[2].long())
+
+    @torch.no_grad()
+    def get_values(self, batch: TokenBatch) -> BatchShard | None:
+        """The value head at every position, ``[n, T]`` (``ValueScorer``), returned as logprobs are."""
+        self.require_value_head("get_values")
+        self.require_on_device("get_values")
+        out = self._per_token(batch, lambda mb, sub: (self._forward(mb, sub),))
+        return None if out is None else BatchShard(rows=out[0], values=out[1].float())
 
     def _per_token(self, batch: TokenBatch, run: Any) -> tuple[list[int], ...] | None:
         """``run(mb, sub)``'s per-token outputs over this rank's shard, in the padded layout; on the
@@ -246,7 +263,7 @@ class DTensorPolicyWorker(TrainingWorkerBase):
                 run(mb, sub)
                 continue
             sub = local.select(mb.rows)
-            parts = [mb.to_padded(part, sub).cpu() for part in run(mb, sub)]
+            parts = [mb.to_padded(part, sub, shifted=not self.value_head).cpu() for part in run(mb, sub)]
             if outs is None:
                 outs = [torch.zeros((local.size, width, *p.shape[2:]), dtype=p.dtype) for p in parts]
             for out, part in zip(outs, parts):
@@ -263,6 +280,7 @@ class DTensorPolicyWorker(TrainingWorkerBase):
     def get_reference_logprobs(self, batch: TokenBatch) -> BatchShard | None:
         """Logprobs under the initial weights (swapped in from the host copy, then swapped back;
         with LoRA, the base model's: the adapters switched off)."""
+        self.require_lm_head("get_reference_logprobs")
         self._reshard()
         with self.reference.swapped_in() if self.reference is not None else lora.adapters_disabled(self.model):
             return self.get_logprobs(batch)

@@ -45,17 +45,28 @@ class MicroBatch:
 
     def row_logprobs(self, token_logprobs: torch.Tensor) -> torch.Tensor:
         """``[b, S, ...]`` per-position values of the model inputs → ``[n, T, ...]`` aligned with ``rows``."""
+        return self._rows(token_logprobs, shifted=True)
+
+    def row_values(self, values: torch.Tensor) -> torch.Tensor:
+        """A value head's ``[b, S]`` outputs → ``[n, T]`` aligned with ``rows``; unlike logprobs,
+        a packed sequence's first position has a value of its own (it reads only its own token)."""
+        return self._rows(values, shifted=False)
+
+    def _rows(self, per_position: torch.Tensor, *, shifted: bool) -> torch.Tensor:
+        """``shifted``: position 0 of each packed sequence is 0 (a logprob there would read the
+        previous sequence's last token); zeros past each row's length in both layouts."""
         width = self.rows.input_ids.shape[1]
-        trailing = tuple(token_logprobs.shape[2:])
+        trailing = tuple(per_position.shape[2:])
         if self.offsets is None:  # zero past each row's length, as the packed path does
-            lengths = self.rows.input_lengths.to(token_logprobs.device)
-            valid = torch.arange(width, device=token_logprobs.device)[None, :] < lengths[:, None]
-            return token_logprobs[:, :width] * valid[(slice(None), slice(None), *(None,) * len(trailing))]
-        flat = token_logprobs[0]
+            lengths = self.rows.input_lengths.to(per_position.device)
+            valid = torch.arange(width, device=per_position.device)[None, :] < lengths[:, None]
+            return per_position[:, :width] * valid[(slice(None), slice(None), *(None,) * len(trailing))]
+        flat = per_position[0]
         out = []
+        first = 1 if shifted else 0
         for start, length in zip(self.offsets, self.rows.input_lengths.tolist()):
-            seg = flat[start + 1:start + length]  # no logprob for a sequence's first token
-            out.append(torch.cat([seg.new_zeros((1, *trailing)), seg, seg.new_zeros((width - length, *trailing))]))
+            seg = flat[start + first:start + length]
+            out.append(torch.cat([seg.new_zeros((first, *trailing)), seg, seg.new_zeros((width - length, *trailing))]))
         if not out:  # an empty bin: a view of the output, so its (zero) loss stays in the graph
             return flat[:0].reshape(0, 1, *trailing).expand(0, width, *trailing)
         return torch.stack(out)

@@ -36,6 +36,7 @@ def check_config(config: Mapping[str, Any]) -> None:
         check_moe_section(section, hf_config, on_gpu=True)
         family_of(hf_config)
         hf_inv_freq(hf_config)  # refuses RoPE variants the backend cannot reproduce
+    check_value_head(policy, section, hf_config)
     if (section.get("peft") or {}).get("enabled"):
         from nrl_backend_megatron.lora import check_section
 
@@ -56,6 +57,36 @@ def check_config(config: Mapping[str, Any]) -> None:
                               f"{mbs} does not divide the {local} sequences of each of the {dp} data-parallel ranks "
                               f"(policy.train_global_batch_size / data-parallel size); Megatron's pipeline needs "
                               f"equal micro-batches")
+
+
+def check_value_head(policy: Mapping[str, Any], section: Mapping[str, Any], hf_config: Any) -> None:
+    """A value head (``policy.reward_model_cfg``) where the backend builds one as tested, one line
+    otherwise: not with LoRA (adapters are not placed on the head), sequence parallelism (it needs
+    Transformer Engine, which the CPU tests lack), a mixture-of-experts model or a Megatron
+    checkpoint to start from (untested); and the checkpoint's own head (``hf_config``, None when
+    the model is not local) of the kind asked for."""
+    from nrl_core.sdk.value_head import value_head_type
+
+    from nrl_backend_megatron.value_head import check_source
+
+    kind = value_head_type(policy)
+    if hf_config is not None:
+        check_source(hf_config, kind, str(policy["model_name"]))
+    if kind is None:
+        return
+    why = "with a value head (policy.reward_model_cfg.enabled) is not supported by the Megatron backend"
+    if (section.get("peft") or {}).get("enabled"):
+        raise ConfigError(f"{KEY}.peft.enabled", f"LoRA {why}; train the full weights")
+    if section.get("sequence_parallel"):
+        raise ConfigError(f"{KEY}.sequence_parallel", f"sequence parallelism {why}; set it false")
+    if section.get("pretrained_checkpoint"):
+        raise ConfigError(f"{KEY}.pretrained_checkpoint", f"starting from a Megatron checkpoint {why}; start from "
+                                                          "the Hugging Face model (policy.model_name)")
+    if hf_config is not None:
+        from nrl_backend_megatron.moe import is_moe
+
+        if is_moe(hf_config):
+            raise ConfigError("policy.model_name", f"a mixture-of-experts model {why}; use the DTensor backend")
 
 
 def check_pretrained(path: str, hf_config: Any, model_name: str) -> None:

@@ -17,7 +17,8 @@ import torch
 
 from nrl_core.errors import ConfigError
 
-from nrl_backend_megatron.convert.families import family_of, head_dim, num_experts
+from nrl_backend_megatron.convert.families import family_of, head_dim, head_kind, num_experts
+from nrl_backend_megatron.convert.mapping import tied_embeddings
 from nrl_backend_megatron.moe import moe_config_kwargs
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -135,15 +136,22 @@ def _use_packed_attention(spec: Any) -> Any:
 
 
 def build_gpt_model(hf_config: Any, config: Any, *, pre_process: bool, post_process: bool) -> Any:
-    """The (possibly pipeline-stage) ``GPTModel`` with HF-exact RoPE frequencies."""
+    """The (possibly pipeline-stage) ``GPTModel`` with HF-exact RoPE frequencies; for an HF
+    classifier config (a value model, :func:`~nrl_backend_megatron.convert.families.head_kind`) its
+    last stage has a :class:`~nrl_backend_megatron.value_head.ValueHead` where the output layer was."""
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     model = GPTModel(
         config=config, transformer_layer_spec=layer_spec(hf_config, config), vocab_size=hf_config.vocab_size,
         max_sequence_length=hf_config.max_position_embeddings, pre_process=pre_process, post_process=post_process,
-        parallel_output=True, share_embeddings_and_output_weights=bool(hf_config.tie_word_embeddings),
+        parallel_output=True, share_embeddings_and_output_weights=tied_embeddings(hf_config),
         position_embedding_type="rope", rotary_base=int(rope_theta(hf_config)),
     )
+    kind = head_kind(hf_config)
+    if kind is not None and post_process:
+        from nrl_backend_megatron import value_head
+
+        value_head.attach(model, kind, hf_config.hidden_size, config.params_dtype)
     if getattr(model, "rotary_pos_emb", None) is not None:
         model.rotary_pos_emb.inv_freq = hf_inv_freq(hf_config).to(model.rotary_pos_emb.inv_freq.device)
     # The local spec's torch norms ignore params_dtype. Megatron's mixed-precision optimizer maps its

@@ -11,7 +11,7 @@ from nrl_core.hookspecs import hookimpl
 from nrl_backend_megatron import commands
 from nrl_backend_megatron.schema import MEGATRON_CFG_SCHEMA
 
-NRL_CONTRACT = 10  # the plugin contract this distribution is written for (docs/plugins.md)
+NRL_CONTRACT = 11  # the plugin contract this distribution is written for (docs/plugins.md)
 
 WORKER_PATH = "nrl_backend_megatron.worker:MegatronPolicyWorker"
 
@@ -23,7 +23,7 @@ def nrl_training_backends() -> list[TrainingBackendSpec]:
         config_schema=MEGATRON_CFG_SCHEMA, distribution="nrl-backend-megatron",
         parallel_size_keys=("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"),
         config_check="nrl_backend_megatron.checks:check_config",
-        capabilities=frozenset({"data_parallel", "sequence_packing", "adapter_export", "topk_logprobs"}),
+        capabilities=frozenset({"data_parallel", "sequence_packing", "adapter_export", "topk_logprobs", "value_head"}),
         description="Megatron-Core: tensor/pipeline parallel training, dist_checkpointing",
     )]
 

@@ -6,6 +6,10 @@ Megatron's parallel groups, converts the HF checkpoint once (see ``checkpoint_di
 ``GPTModel`` stage of this rank, wraps it in Megatron's DDP and builds Megatron's optimizer and
 scheduler. The driver hands every rank the *full* global batch; each rank takes its
 data-parallel shard and all ranks of a pipeline run the same micro-batches.
+
+With ``policy.reward_model_cfg.enabled`` (capability ``value_head``) the last stage has a scalar
+head in place of the output layer (:mod:`nrl_backend_megatron.value_head`): the worker gives values
+(``get_values``, and to losses with ``reads_values``) instead of logprobs and exports HF's classifier.
 """
 
 from __future__ import annotations
@@ -27,14 +31,16 @@ from nrl_core.device import (all_reduce, broadcast, check_batch_device, host_cop
 from nrl_core.errors import NrlError
 from nrl_core.nonfinite import KEY as NAN_KEY, NonFiniteError, check_finite, guard_enabled
 from nrl_core.sdk import ReferenceWeights, TrainingWorkerBase, base_model_identity, training_precision
+from nrl_core.sdk.value_head import value_head_type
 from nrl_core.sdk.vocab import next_token_logprobs_at, next_token_topk
 
-from nrl_backend_megatron import cpu_shim, lora
+from nrl_backend_megatron import cpu_shim, lora, value_head as heads
 from nrl_backend_megatron.batching import MicroBatch, packed_micro_batches, padded_micro_batches, token_logprobs
 from nrl_backend_megatron.checkpoint_dir import CheckpointDirError, Conversion, converted_dir, ensure_converted, \
     identity, require_converted
-from nrl_backend_megatron.checks import layout_of, logging_level
+from nrl_backend_megatron.checks import check_value_head, layout_of, logging_level
 from nrl_backend_megatron.convert import canonical_shapes, family_of, megatron_to_hf_items
+from nrl_backend_megatron.convert.families import head_kind
 from nrl_backend_megatron.convert.megatron_checkpoint import MegatronCheckpointError, check_tensors, locate_checked
 from nrl_backend_megatron.convert.sharded import convert_in_subprocess, load_shard, save_conversion
 from nrl_backend_megatron.model import DTYPES, build_gpt_model, te_available, transformer_config
@@ -93,7 +99,10 @@ class MegatronPolicyWorker(TrainingWorkerBase):
         for key, value in self.overrides.items():
             setattr(hf_config, key, value)
         family_of(hf_config)
-        self.hf_config = hf_config
+        self.value_head = value_head_type(policy)  # reward model or critic: a score head, no logprobs
+        check_value_head(policy, self.cfg, hf_config)
+        self.source_config = hf_config  # what the checkpoint holds: the conversion's model
+        self.hf_config = heads.model_config(hf_config, self.value_head)  # the model trained and exported
         self.layout = layout_of(self.cfg)
         self.device = model_device()
         check_moe_section(self.cfg, hf_config, te_available())
@@ -132,7 +141,7 @@ class MegatronPolicyWorker(TrainingWorkerBase):
         if self.cfg.get("pretrained_checkpoint"):
             return self._pretrained()
         target = converted_dir(self.model_name, self.overrides)
-        expected = {**identity(self.model_name, self.hf_config.to_dict(), self.overrides),
+        expected = {**identity(self.model_name, self.source_config.to_dict(), self.overrides),
                     "transformer_engine": te_available()}  # TE and local layers store different keys
         per_node = bool(self.cfg.get("convert_on_each_node")) and int(os.environ.get("LOCAL_RANK", "-1")) == 0
         result = None
@@ -192,7 +201,11 @@ class MegatronPolicyWorker(TrainingWorkerBase):
             except MegatronCheckpointError as exc:
                 problem = str(exc)
             _raise_first_problem(problem, MegatronCheckpointError)
-        load_shard(model, self.conversion.path, sharded)  # this rank's part only
+        fresh = self._fresh_head(sharded)
+        load_shard(model, self.conversion.path, sharded, fresh)  # this rank's part only
+        if fresh:
+            heads.initialise(model, float(getattr(self.hf_config, "initializer_range", 0.02)),
+                                  int(self.policy["seed"]))
         self.model = model
         self.adapters = None
         if lora.enabled(self.cfg.get("peft")):
@@ -224,17 +237,27 @@ class MegatronPolicyWorker(TrainingWorkerBase):
             self.tconfig.grad_scale_func = self.opt.optimizer.scale_loss
         # host: not a second model on the device; copied in and out, since the parameters are
         # views into the DDP buffers
-        # with LoRA the reference policy is the base model: the adapters switched off, no copy
-        self.reference = ReferenceWeights(model.parameters(), by_storage=False) if self.adapters is None else None
+        # with LoRA the reference policy is the base model: the adapters switched off, no copy; a
+        # value model has no reference policy
+        self.reference = ReferenceWeights(model.parameters(), by_storage=False) \
+            if self.adapters is None and not self.value_head else None
         from nrl_backend_megatron.ckpt_io import CheckpointIO, register_exit_finalizer
 
         self.ckpt = CheckpointIO({"model_name": self.model_name, "tp": self.layout.tp, "pp": self.layout.pp,
                                   "config_sha": identity(self.model_name, self.hf_config.to_dict(),
                                                          self.overrides)["config_sha"],
+                                  **({"value_head": self.value_head} if self.value_head else {}),
                                   **({"lora_base": base_model_identity(self.cfg.get("pretrained_checkpoint")
                                                                        or self.model_path),
                                       "lora_adapters": lora.adapter_shapes(self.adapters)} if self.adapters else {})})
         register_exit_finalizer(self.finalize_checkpoint)
+
+    def _fresh_head(self, sharded: Mapping[str, Any]) -> tuple[str, ...]:
+        """The value head's keys when the checkpoint is a causal LM's (its ``lm_head`` is no use to
+        a value model): initialised here rather than loaded. A classifier checkpoint's head loads."""
+        if not self.value_head or head_kind(self.source_config) is not None:
+            return ()
+        return tuple(k for k in sharded if k.startswith("output_layer."))
 
     def hf_config_dropout(self) -> None:
         """HF's ``attention_dropout`` is Megatron's ``attention_dropout`` (0 for released models)."""
@@ -275,6 +298,7 @@ class MegatronPolicyWorker(TrainingWorkerBase):
     def train(self, batch: TokenBatch, loss_fn: LossFunction) -> dict[str, float]:
         """One optimizer step on the global batch; metrics summed over micro-batches and ranks."""
         self.require_on_device("train")
+        self._check_loss(loss_fn)
         global_tokens, global_seqs = batch.loss_counts()  # every rank holds the global batch
         mbs = self._micro_batches(batch, train=True)
         scale = float(len(mbs) * self.dp_size)  # undo Megatron's 1/num_microbatches and DDP's 1/dp
@@ -283,8 +307,9 @@ class MegatronPolicyWorker(TrainingWorkerBase):
 
         def loss_of(mb: MicroBatch, output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             check_batch_device(mb.rows, output.device, "megatron train")
-            logprobs = mb.row_logprobs(self._token_values(mb, output, ids_field))
-            loss, metrics = loss_fn(logprobs, mb.rows, global_valid_tokens=global_tokens,
+            per_token = mb.row_values(self._head_values(output)) if self.value_head \
+                else mb.row_logprobs(self._token_values(mb, output, ids_field))
+            loss, metrics = loss_fn(per_token, mb.rows, global_valid_tokens=global_tokens,
                                     global_valid_seqs=global_seqs)
             return loss * scale, {k: torch.tensor(float(v)) for k, v in metrics.items()}
 
@@ -335,6 +360,19 @@ class MegatronPolicyWorker(TrainingWorkerBase):
             all_reduce(values, group=self.dp_group)
         return {k: float(v) for k, v in zip(names, values.tolist())}
 
+    def _check_loss(self, loss_fn: LossFunction) -> None:
+        """A loss reads what this model has: values from a value head (``reads_values``), else logprobs."""
+        what = f"train with {type(loss_fn).__name__}"
+        if getattr(loss_fn, "reads_values", False):
+            self.require_value_head(what)
+        else:
+            self.require_lm_head(what)
+
+    @staticmethod
+    def _head_values(output: torch.Tensor) -> torch.Tensor:
+        """The value head's ``[b, S, 1]`` output (GPTModel's layout) as ``[b, S]`` float32."""
+        return output.squeeze(-1).float()
+
     def _token_values(self, mb: MicroBatch, output: torch.Tensor, ids_field: str | None) -> torch.Tensor:
         """Token logprobs ``[b, S]`` from the vocabulary-parallel logits, or with ``ids_field`` the
         logprobs of those ids ``[b, S, k]`` (:mod:`nrl_core.sdk.vocab`: no full-vocabulary gather)."""
@@ -347,6 +385,7 @@ class MegatronPolicyWorker(TrainingWorkerBase):
     def get_logprobs(self, batch: TokenBatch) -> BatchShard | None:
         """Float32 logprobs of this data-parallel group's shard; returned by the group's
         tensor-parallel rank 0 on the last pipeline stage (the rank that has them), else ``None``."""
+        self.require_lm_head("get_logprobs")
         self.require_on_device("get_logprobs")
         out = self._per_token(batch, lambda mb, output: (self._token_values(mb, output, None),))
         return None if out is None else BatchShard(rows=out[0], values=out[1].float())
@@ -354,6 +393,7 @@ class MegatronPolicyWorker(TrainingWorkerBase):
     @torch.no_grad()
     def get_gathered_logprobs(self, batch: TokenBatch, ids_field: str) -> BatchShard | None:
         """Logprobs ``[n, T, k]`` of the ids in ``batch.fields[ids_field]`` (``TopkScorer``)."""
+        self.require_lm_head("get_gathered_logprobs")
         self.require_on_device("get_gathered_logprobs")
         out = self._per_token(batch, lambda mb, output: (self._token_values(mb, output, ids_field),))
         return None if out is None else BatchShard(rows=out[0], values=out[1].float())
@@ -362,20 +402,32 @@ class MegatronPolicyWorker(TrainingWorkerBase):
     def get_topk_logprobs(self, batch: TokenBatch, k: int) -> TopkShard | None:
         """The ``k`` likeliest next tokens at every position (``TopkScorer``): each tensor-parallel
         rank takes the top-k of its vocabulary shard and only those candidates cross ranks."""
+        self.require_lm_head("get_topk_logprobs")
         self.require_on_device("get_topk_logprobs")
         out = self._per_token(batch, lambda mb, output: next_token_topk(
             output, k, temperature=self.temperature, tp_group=self.tp_group, vocab_size=self.hf_config.vocab_size))
         return None if out is None else TopkShard(rows=out[0], logprobs=out[1].float(), ids=out[2].long())
 
-    def _per_token(self, batch: TokenBatch, values_of: Any) -> tuple[Any, ...] | None:
+    @torch.no_grad()
+    def get_values(self, batch: TokenBatch) -> BatchShard | None:
+        """The value head at every position, ``[n, T]`` float32 (``ValueScorer``: unshifted, zero
+        past each row's length), returned as :meth:`get_logprobs` returns logprobs."""
+        self.require_value_head("get_values")
+        self.require_on_device("get_values")
+        out = self._per_token(batch, lambda mb, output: (self._head_values(output),), shifted=False)
+        return None if out is None else BatchShard(rows=out[0], values=out[1].float())
+
+    def _per_token(self, batch: TokenBatch, values_of: Any, *, shifted: bool = True) -> tuple[Any, ...] | None:
         """``values_of(mb, logits)``'s per-token outputs over this data-parallel group's shard, as
         ``(rows, *outputs)`` on the group's tensor-parallel rank 0 of the last pipeline stage (the
-        rank that has them), else ``None``."""
+        rank that has them), else ``None``. ``shifted``: logprobs (see ``MicroBatch.row_logprobs``),
+        else values (``row_values``)."""
         mbs = self._micro_batches(batch, train=False)
         collected: list[list[torch.Tensor]] = []
 
         def loss_of(mb: MicroBatch, output: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
-            collected.append([mb.row_logprobs(part).cpu() for part in values_of(mb, output)])
+            rows = mb.row_logprobs if shifted else mb.row_values
+            collected.append([rows(part).cpu() for part in values_of(mb, output)])
             return output.new_zeros(()), {}
 
         self.ddp.eval()
@@ -397,6 +449,7 @@ class MegatronPolicyWorker(TrainingWorkerBase):
 
     def get_reference_logprobs(self, batch: TokenBatch) -> BatchShard | None:
         """Logprobs under the initial weights: swap them in, compute, swap back."""
+        self.require_lm_head("get_reference_logprobs")
         self._sync_params()  # else the pending gather would overwrite the swapped-in weights
         with self.reference.swapped_in() if self.reference is not None else lora.disabled(self.adapters):
             return self.get_logprobs(batch)

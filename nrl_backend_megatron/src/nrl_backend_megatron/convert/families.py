@@ -36,12 +36,35 @@ FAMILIES: dict[str, Family] = {
 }
 
 
+HEAD_SUFFIXES = {"ForSequenceClassification": "bradley_terry", "ForTokenClassification": "regression"}
+"""HF's classifier classes of one label: a value head (``nrl_core.sdk.value_head``) of each type."""
+
+
+def head_kind(hf_config: Any) -> str | None:
+    """The value head an HF config's architecture names (``LlamaForSequenceClassification``:
+    ``bradley_terry``), or None for a causal LM: what the checkpoint holds in place of ``lm_head``."""
+    for arch in getattr(hf_config, "architectures", None) or []:
+        for suffix, kind in HEAD_SUFFIXES.items():
+            if arch.endswith(suffix):
+                return kind
+    return None
+
+
+def _causal_name(arch: str) -> str:
+    """``LlamaForSequenceClassification`` -> ``LlamaForCausalLM``: a classifier has its LM's body."""
+    for suffix in HEAD_SUFFIXES:
+        if arch.endswith(suffix):
+            return arch[: -len(suffix)] + "ForCausalLM"
+    return arch
+
+
 def family_of(hf_config: Any, key_path: str = "policy.model_name") -> Family:
-    """The family of an HF config; an unsupported architecture is a one-line error."""
+    """The family of an HF config (a classifier's is its causal LM's); an unsupported architecture
+    is a one-line error."""
     archs = list(getattr(hf_config, "architectures", None) or [])
     for arch in archs:
-        if arch in FAMILIES:
-            return FAMILIES[arch]
+        if _causal_name(arch) in FAMILIES:
+            return FAMILIES[_causal_name(arch)]
     got = ", ".join(archs) or getattr(hf_config, "model_type", "unknown")
     raise ConfigError(key_path, f"architecture {got} is not supported by the Megatron backend; "
                                 f"supported: {', '.join(sorted(FAMILIES))}")

@@ -14,6 +14,10 @@ spec. Two layouts are fused on the Megatron side:
 The MoE router (``mlp.router``) and the shared expert's sigmoid gate (``mlp.shared_experts.
 gate_weight``) are plain copies. One table, :func:`layer_rules`, drives both directions and the
 shapes; both directions only slice and concatenate, so HF → Megatron → HF is bit-identical.
+
+A value model (an HF classifier's config, see :func:`~nrl_backend_megatron.convert.families.head_kind`)
+has HF's ``score`` where a causal LM has ``lm_head``: Megatron's ``output_layer.weight`` (and
+``output_layer.bias``) are ``score.weight`` (``score.bias``), of one row.
 """
 
 from __future__ import annotations
@@ -23,7 +27,9 @@ from typing import Any, Iterator, Mapping
 
 import torch
 
-from nrl_backend_megatron.convert.families import family_of, head_dim, moe_layers
+from nrl_core.sdk.value_head import head_has_bias
+
+from nrl_backend_megatron.convert.families import family_of, head_dim, head_kind, moe_layers
 
 _TE_RENAMES = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
                "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
@@ -138,12 +144,28 @@ def _split(rule: Rule, tensor: torch.Tensor, cfg: Any) -> tuple[torch.Tensor, ..
     return (tensor,)
 
 
+def tied_embeddings(cfg: Any) -> bool:
+    """Whether the output layer is the embedding's transpose: never for a value head, which
+    replaces it (a classifier's config may still carry its LM's ``tie_word_embeddings``)."""
+    return bool(cfg.tie_word_embeddings) and head_kind(cfg) is None
+
+
+def head_names(cfg: Any) -> dict[str, str]:
+    """Megatron's output-layer tensors → their HF names: ``lm_head`` of a causal LM (none when
+    tied), ``score`` of a value model (with its bias for ``regression``)."""
+    kind = head_kind(cfg)
+    if kind is not None:
+        return {"output_layer.weight": "score.weight",
+                **({"output_layer.bias": "score.bias"} if head_has_bias(kind) else {})}
+    return {} if tied_embeddings(cfg) else {"output_layer.weight": "lm_head.weight"}
+
+
 def hf_to_megatron(hf: Mapping[str, torch.Tensor], cfg: Any) -> dict[str, torch.Tensor]:
     """A full HF state dict → the canonical full Megatron state dict (local-spec names)."""
     out: dict[str, torch.Tensor] = {"embedding.word_embeddings.weight": hf["model.embed_tokens.weight"],
                                     "decoder.final_layernorm.weight": hf["model.norm.weight"]}
-    if not cfg.tie_word_embeddings:
-        out["output_layer.weight"] = hf["lm_head.weight"]
+    for megatron, hf_name in head_names(cfg).items():
+        out[megatron] = hf[hf_name]
     for i in range(cfg.num_hidden_layers):
         h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
         for rule in layer_rules(cfg, i):
@@ -159,8 +181,9 @@ def megatron_to_hf_items(name: str, tensor: torch.Tensor, cfg: Any) -> Iterator[
     if name == "decoder.final_layernorm.weight":
         yield "model.norm.weight", tensor
         return
-    if name == "output_layer.weight":
-        yield "lm_head.weight", tensor
+    heads = head_names(cfg) if head_kind(cfg) else {"output_layer.weight": "lm_head.weight"}  # tied: still named
+    if name in heads:
+        yield heads[name], tensor
         return
     prefix, _, rest = name.partition(".layers.")
     index, _, suffix = rest.partition(".")
@@ -190,6 +213,7 @@ def canonical_shapes(cfg: Any) -> dict[str, tuple[int, ...]]:
         for rule in layer_rules(cfg, i):
             shapes[f"decoder.layers.{i}.{rule.megatron}"] = rule.shape
     shapes["decoder.final_layernorm.weight"] = (hidden,)
-    if not cfg.tie_word_embeddings:
-        shapes["output_layer.weight"] = (vocab, hidden)
+    rows = 1 if head_kind(cfg) else vocab
+    for name in head_names(cfg):
+        shapes[name] = (rows, hidden) if name.endswith(".weight") else (rows,)
     return shapes

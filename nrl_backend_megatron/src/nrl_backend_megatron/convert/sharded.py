@@ -114,7 +114,7 @@ def save_conversion(model_path: str, out_dir: str, megatron_cfg: Mapping[str, An
     from megatron.core import dist_checkpointing, tensor_parallel
     from transformers import AutoConfig
 
-    from nrl_backend_megatron.convert.mapping import hf_to_megatron
+    from nrl_backend_megatron.convert.mapping import hf_to_megatron, tied_embeddings
     from nrl_backend_megatron.model import ParallelLayout, build_gpt_model, transformer_config
     from nrl_backend_megatron.weights import load_full_state
 
@@ -130,7 +130,7 @@ def save_conversion(model_path: str, out_dir: str, megatron_cfg: Mapping[str, An
                                     fp16=dtype == torch.float16, moe=megatron_cfg)
         model = build_gpt_model(hf_config, config, pre_process=True, post_process=True)
         with torch.no_grad():
-            load_full_state(model, state, 0, 1, bool(hf_config.tie_word_embeddings))
+            load_full_state(model, state, 0, 1, tied_embeddings(hf_config))
         del state
         dist_checkpointing.save(fine_grained(model.sharded_state_dict()), out_dir)
     finally:
@@ -158,16 +158,23 @@ def convert_in_subprocess(model_path: str, out_dir: Path, megatron_cfg: Mapping[
         raise NrlError(f"converting {model_path} into {out_dir} failed: {lines[-1].strip()}")
 
 
-def load_shard(model: Any, path: Path, sharded: Any = None) -> None:
+def load_shard(model: Any, path: Path, sharded: Any = None, fresh: tuple[str, ...] = ()) -> None:
     """Load ``model``'s part of the dist_checkpointing directory at ``path`` (collective over the
     run's ranks): an HF conversion, or a Megatron-LM or Megatron-Bridge iteration. Only the model's
     tensors are read: a training checkpoint's ``common.pt`` (Megatron-LM's pickled ``args``) is
-    never unpickled here, see :func:`~nrl_backend_megatron.convert.megatron_checkpoint.read_args`."""
+    never unpickled here, see :func:`~nrl_backend_megatron.convert.megatron_checkpoint.read_args`.
+    ``fresh`` names the parameters the directory does not hold (a value head on a causal LM's
+    conversion): left out of ``sharded`` and left as they are; every other one must be loaded."""
     from megatron.core import dist_checkpointing
 
-    state = dist_checkpointing.load({"model": sharded if sharded is not None else model.sharded_state_dict()},
+    sharded = sharded if sharded is not None else model.sharded_state_dict()
+    state = dist_checkpointing.load({"model": {k: v for k, v in sharded.items() if k not in fresh}},
                                     str(path), common_strategy=_model_tensors_only())
-    model.load_state_dict(state["model"])
+    result = model.load_state_dict(state["model"], strict=not fresh)
+    missing = sorted(set(result.missing_keys) - set(fresh)) if fresh else []
+    if missing or (fresh and result.unexpected_keys):
+        raise NrlError(f"{path} does not match the model: missing {missing[:4]}, unexpected "
+                       f"{sorted(result.unexpected_keys)[:4]}")
 
 
 def _model_tensors_only() -> Any:

@@ -1,0 +1,28 @@
+"""Registers ``nrl train rm`` and the ``reward_model`` environment through the ``nrl`` entry-point
+group. Free of torch: listing plugins and checking a config stay fast."""
+
+from __future__ import annotations
+
+from nrl_core import hookimpl
+from nrl_core.contracts import AlgorithmSpec, EnvironmentSpec
+
+from nrl_reward_model.config import RM_SCHEMA
+from nrl_reward_model.env_config import REWARD_MODEL_ENV_SCHEMA
+
+NRL_CONTRACT = 11  # the plugin contract this distribution is written for (docs/plugins.md)
+
+
+@hookimpl
+def nrl_algorithms() -> list[AlgorithmSpec]:
+    return [AlgorithmSpec(
+        name="rm", entry="nrl_reward_model.algorithm:main", distribution="nrl-reward-model",
+        description="Bradley-Terry reward model: score the chosen response of each preference pair higher",
+        config_schema=RM_SCHEMA, config_check="nrl_reward_model.config:check_rm", value_sections=("policy",))]
+
+
+@hookimpl
+def nrl_environments() -> list[EnvironmentSpec]:
+    return [EnvironmentSpec(
+        name="reward_model", environment="nrl_reward_model.environment:RewardModelEnvironment",
+        config_schema=REWARD_MODEL_ENV_SCHEMA, distribution="nrl-reward-model",
+        description="scores each response with a trained reward model (a worker group of its own, batched)")]
