@@ -87,7 +87,7 @@ CONTRACT_HISTORY: tuple[ContractVersion, ...] = (
         "shared sections such as loss_fn)",
         "capability topk_logprobs (training: TopkScorer.get_topk_logprobs -> TopkShard, get_gathered_logprobs "
         "-> BatchShard [n, T, k]); a loss with gather_ids_field gets [b, t, k] logprobs at those ids",)),
-    ContractVersion(11, "HEAD", added=(
+    ContractVersion(11, "1e9f2da", added=(
         "capability value_head (training: ValueScorer.get_values -> BatchShard [n, T]), chosen by "
         "policy.reward_model_cfg.enabled; a loss with reads_values gets the head's [b, t] values",
         "AlgorithmSpec.value_sections: the policy-shaped sections whose model has a value head",)),
