@@ -11,7 +11,7 @@ command -v "$PYTHON" >/dev/null || PYTHON=python3
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
 "${PIP[@]}" install --quiet -r requirements/cpu.txt
 plugins=()
-for dist in nrl_backend_dtensor nrl_backend_megatron nrl_gen_vllm plugins/nrl_gen_hf plugins/nrl_env_math plugins/nrl_env_sliding_puzzle plugins/nrl_env_tool_lookup plugins/nrl_env_code plugins/nrl_algo_distillation plugins/nrl_reward_model; do
+for dist in nrl_backend_dtensor nrl_backend_megatron nrl_gen_vllm plugins/nrl_gen_hf plugins/nrl_env_math plugins/nrl_env_sliding_puzzle plugins/nrl_env_tool_lookup plugins/nrl_env_code plugins/nrl_algo_distillation plugins/nrl_reward_model plugins/nrl_algo_ppo; do
   [ -f "$dist/pyproject.toml" ] && plugins+=(-e "$dist")
 done
 # With dependencies, held to the pins: what the pins leave open (Ray's "default" extra) is resolved here.

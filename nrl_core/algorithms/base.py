@@ -15,6 +15,7 @@ from nrl_core.cluster import cluster_failure, init_ray, shutdown_ray
 from nrl_core.config import choose_backends
 from nrl_core.contracts import RunInfo
 from nrl_core.data import DatumSpec, PromptDataloader
+from nrl_core.errors import ConfigError
 from nrl_core.logging import MetricLogger
 from nrl_core.plugins import get_plugin_manager
 from nrl_core.timeline import mark
@@ -47,9 +48,11 @@ class AlgorithmRun:
                              colocated_generation=colocated_generation(config, generates=with_generation),
                              models_beside=len(spec.model_sections) if spec is not None else 0)
         mark("policy_built")
-        by_epochs = int(self.cfg["max_num_epochs"]) * len(self.train_loader)
-        steps = int(self.cfg["max_num_steps"])  # NeMo RL's -1: as many as the epochs allow
-        self.max_steps = by_epochs if steps < 0 else min(steps, by_epochs)
+        epochs, steps = int(self.cfg["max_num_epochs"]), int(self.cfg["max_num_steps"])
+        by_epochs = epochs * len(self.train_loader) if epochs > 0 else None  # NeMo RL's -1: no limit
+        if steps < 0 and by_epochs is None:
+            raise ConfigError(f"{self.section}.max_num_steps", "and max_num_epochs are both unlimited (-1); bound one")
+        self.max_steps = by_epochs if steps < 0 else steps if by_epochs is None else min(steps, by_epochs)
         self.log = MetricLogger(config["logger"], total_steps=self.max_steps,
                                 resume_step=self.state.step if self.resume_from is not None else None)
         self.hooks = get_plugin_manager()
@@ -133,9 +136,16 @@ class AlgorithmRun:
     def restore_extra_state(self, info: Mapping[str, Any]) -> None:
         """Inverse of :meth:`extra_state`."""
 
+    def trained_models(self) -> dict[str, Policy]:
+        """Every model the run trains, by the checkpoint directory it is saved in: the policy, and
+        a subclass's others (PPO's critic under ``value``), saved, restored and exported together."""
+        return {"policy": self.policy}
+
     def save_checkpoint(self, step: int, metrics: Mapping[str, float]) -> None:
         tmp = self.checkpoints.prepare(step)
-        self.policy.save_checkpoint(str(tmp / "policy"))
+        models = self.trained_models()
+        for name, model in models.items():
+            model.save_checkpoint(str(tmp / name))
         info = {
             "metrics": {key.replace("/", "_"): value for key, value in metrics.items()},  # val/reward -> val_reward
             "algorithm": self.algorithm_name,
@@ -144,14 +154,20 @@ class AlgorithmRun:
             "plugins": get_plugin_manager().versions(),
             **self.extra_state(),
         }
-        asynchronous = self.policy.checkpoint_options.async_save
-        self.checkpoints.commit(step, tmp, info, wait=self.policy.finalize_checkpoint if asynchronous else None)
+        pending = [model for model in models.values() if model.checkpoint_options.async_save]
+
+        def saved() -> None:
+            for model in pending:
+                model.finalize_checkpoint()
+
+        self.checkpoints.commit(step, tmp, info, wait=saved if pending else None)
 
     def checkpoint_published(self, step: int, path: Path, info: Mapping[str, Any]) -> None:
         self.hooks.checkpoint_saved(self.info, step, str(path), dict(info.get("metrics", {})))
 
     def restore(self, path: Path) -> None:
-        self.policy.load_checkpoint(str(path / "policy"))
+        for name, model in self.trained_models().items():
+            model.load_checkpoint(str(path / name))
         self.train_loader.load_state_dict(self.state.dataloader)
         self.restore_extra_state(self.checkpoints.load_info(path))
 
@@ -171,7 +187,8 @@ class AlgorithmRun:
         outputs: dict[str, str] = {}
         try:
             self.checkpoints.close()
-            self.policy.finalize_checkpoint()
+            for model in self.trained_models().values():
+                model.finalize_checkpoint()
             plot = self.log.close()
             outputs["metrics"] = str(self.log.metrics_path)
             if plot is not None:

@@ -99,11 +99,15 @@ class RewardKL:
                                        self.kind)
 
 
-def whiten(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``values`` shifted to mean 0 and scaled to variance 1 over the tokens in ``mask``."""
+def whiten(values: torch.Tensor, mask: torch.Tensor, *, unbiased: bool = False) -> torch.Tensor:
+    """``values`` shifted to mean 0 and scaled to variance 1 over the tokens in ``mask``. NeMo RL
+    whitens REINFORCE++'s advantages by the population variance (at least 1e-8) and GAE's by the
+    sample variance plus 1e-8 (``unbiased``)."""
     count = mask.sum().clamp_min(1)
     mean = (values * mask).sum() / count
     variance = ((values - mean).square() * mask).sum() / count
+    if unbiased:
+        return (values - mean) * (variance * count / (count - 1).clamp_min(1) + 1e-8).rsqrt()
     return (values - mean) * variance.clamp_min(1e-8).rsqrt()
 
 
@@ -147,5 +151,5 @@ class GeneralizedAdvantageEstimator:
         advantages, _ = generalized_advantages(token_rewards * mask, fields["values"].double(), mask,
                                                gamma=self.gamma, lam=self.lam)
         if self.normalize:
-            advantages = whiten(advantages, mask) * mask
+            advantages = whiten(advantages, mask, unbiased=True) * mask
         return advantages.to(inputs.rewards.dtype)

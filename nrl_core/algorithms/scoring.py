@@ -68,8 +68,10 @@ def reward_components(groups: Sequence[RolloutGroup]) -> dict[str, torch.Tensor]
 class Scorer:
     """Rewards for responses: decoded, scored by the run's environment, scaled and shaped."""
 
-    def __init__(self, config: Mapping[str, Any], tokenizer: Any, env: Environment) -> None:
-        grpo = config["grpo"]
+    def __init__(self, config: Mapping[str, Any], tokenizer: Any, env: Environment, *, section: str = "grpo") -> None:
+        """``section``: the algorithm section holding NeMo RL's ``reward_scaling`` and
+        ``reward_shaping`` (GRPO's, or another algorithm's with the same keys: PPO's)."""
+        grpo = config[section]
         self.tokenizer = tokenizer
         self.env = env
         self.scaling = grpo["reward_scaling"]

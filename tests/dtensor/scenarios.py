@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import torch
+
 from nrl_core.testing.distributed import gather_shards
 
 from common import make_batch, make_config
@@ -128,4 +130,35 @@ def lora_data_parallel(rank: int, world_size: int, root: str) -> dict[str, Any]:
         fresh = DTensorPolicyWorker(lora_config(), rank, world_size)
         fresh.load_checkpoint(os.path.join(root, name), CheckpointOptions())
         out[f"loaded/{name}"] = gather_shards(fresh.get_logprobs(batch), batch)
+    return out
+
+
+class SquaredValueLoss:
+    """The mean squared value over valid tokens: a value head's loss for these tests (``reads_values``)."""
+
+    reads_values = True
+
+    def __call__(self, values, batch, *, global_valid_tokens, global_valid_seqs):
+        mask = batch.fields["token_mask"].to(values)
+        loss = ((values[:, :mask.shape[1]] - 1.0).square() * mask).sum() / max(global_valid_tokens, 1.0)
+        return loss, {"loss": float(loss.detach())}
+
+
+def value_config(**dtensor: Any) -> dict[str, Any]:
+    return make_config(reward_model_cfg={"enabled": True, "reward_model_type": "regression"},
+                       dtensor_config=dtensor)
+
+
+def value_head(rank: int, world_size: int) -> dict[str, Any]:
+    """A regression value head at TP=2 (with and without sequence parallelism) and at DP=2: the
+    values, one training step's loss and the values after it."""
+    out: dict[str, Any] = {}
+    batch = make_batch()
+    for name, dtensor in (("tp", {"tensor_parallel_size": 2}),
+                          ("tp+sp", {"tensor_parallel_size": 2, "sequence_parallel": True}), ("dp", {})):
+        torch.manual_seed(0)
+        w = DTensorPolicyWorker(value_config(**dtensor), rank, world_size)
+        out[f"{name}/values"] = gather_shards(w.get_values(batch), batch)
+        out[f"{name}/loss"] = w.train(batch, SquaredValueLoss())["loss"]
+        out[f"{name}/values_after"] = gather_shards(w.get_values(batch), batch)
     return out

@@ -73,3 +73,19 @@ def test_lora_at_data_parallel_2_matches_one_rank_and_its_checkpoints_load(tmp_p
         assert close(r["logprobs_after"], after) and close(r["reference"], reference)
         assert not close(after, reference)
         assert close(r["loaded/sharded"], r["logprobs_after"]) and close(r["loaded/consolidated"], r["logprobs_after"])
+
+
+def test_a_value_head_at_tensor_and_data_parallel_2_matches_one_rank():
+    """Values (a regression head: one per token), a training step and the values after it, at TP=2
+    with and without sequence parallelism and at DP=2, equal one rank's."""
+    batch = make_batch()
+    torch.manual_seed(0)
+    w = DTensorPolicyWorker(scenarios.value_config(), 0, 1)
+    values = gather_shards(w.get_values(batch), batch)
+    loss = w.train(batch, scenarios.SquaredValueLoss())["loss"]
+    after = gather_shards(w.get_values(batch), batch)
+    for r in run_distributed(scenarios.value_head, 2):
+        for name in ("tp", "tp+sp", "dp"):
+            assert close(r[f"{name}/values"], values), name
+            assert abs(r[f"{name}/loss"] - loss) < 1e-5, name
+            assert close(r[f"{name}/values_after"], after), name

@@ -11,19 +11,13 @@ does (the same greedy responses; float32, other kernels: 1e-5 relative).
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 import shutil
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 
 from nrl_core.testing.tiny_models import cached_tiny_model
-from tests.e2e.test_grpo import TIMING, assert_ok, finite, metrics, run_nrl
+from tests.e2e.test_grpo import TIMING, assert_ok, cached_export, finite, metrics, run_nrl
 
 pytest.importorskip("nrl_algo_distillation")
 pytestmark = pytest.mark.slow
@@ -40,24 +34,8 @@ SMALL = ["distillation.max_val_samples=40", "distillation.val_batch_size=40", "d
 def teacher_model() -> Path:
     """The tiny Llama after a short SFT on the arithmetic task, built once per cache directory."""
     base = cached_tiny_model("llama", size="small")
-    digest = hashlib.sha256(json.dumps([str(base), SFT_STEPS, SFT.read_text()]).encode()).hexdigest()[:12]
-    root = Path(os.environ.get("NRL_TEST_CACHE") or Path(tempfile.gettempdir()) / "nrl-test-models")
-    target = root / f"sft-teacher-{digest}"
-    if (target / "model.safetensors").exists():
-        return target
-    work = Path(tempfile.mkdtemp(dir=root, prefix=".sft-teacher."))
-    proc = subprocess.run([sys.executable, "-m", "nrl_core.cli", "train", "sft", "--config", str(SFT),
-                           f"policy.model_name={base}", f"checkpointing.checkpoint_dir={work / 'ckpt'}",
-                           f"logger.log_dir={work / 'logs'}", "logger.tensorboard_enabled=false", "logger.plot=false",
-                           *SFT_STEPS], capture_output=True, text=True, cwd=work, timeout=900,
-                          env={**os.environ, "NRL_STRICT_PLUGINS": "1"})
-    assert_ok(proc)
-    try:
-        (work / "ckpt" / "hf_export").rename(target)
-    except OSError:  # another process finished first; theirs is identical
-        pass
-    shutil.rmtree(work, ignore_errors=True)
-    return target
+    return cached_export("sft-teacher", [str(base), SFT_STEPS, SFT.read_text()], lambda work: assert_ok(
+        run_nrl(work, SFT, "sft", [f"policy.model_name={base}", *SFT_STEPS])))
 
 
 @pytest.fixture(scope="module")

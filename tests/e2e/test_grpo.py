@@ -3,6 +3,7 @@ the math environment, on a tiny locally built model. Each run is a subprocess, a
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import math
@@ -10,8 +11,9 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping
 
 import pytest
 
@@ -20,7 +22,7 @@ from nrl_core.testing.tiny_models import cached_tiny_model
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "examples" / "configs" / "grpo_tiny_cpu.yaml"
-TIMING = ("timing/", "throughput/", "train/step_seconds")
+TIMING = ("timing/", "throughput/", "train/step_seconds", "train/critic/step_seconds")
 LOAD_RNG = ("policy.dtensor_config.load_rng=true",)
 
 
@@ -39,6 +41,26 @@ def nrl_train(tmp: Path, model: Path, *overrides: str, algorithm: str = "grpo",
         "grpo.val_at_start=false", "data.generate.num_train=64", "data.generate.num_val=8", *overrides,
     ]
     return run_nrl(tmp, CONFIG, algorithm, args, env=env)
+
+
+def cached_export(name: str, key: object, train: Callable[[Path], None]) -> Path:
+    """The HF export of a short run, built once per cache directory (``$NRL_TEST_CACHE``, as the
+    tiny models are) under ``<name>-<digest of key>``: ``train(work)`` runs with its checkpoints in
+    ``work/ckpt`` and ``checkpointing.export_hf`` on."""
+    digest = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:12]
+    root = Path(os.environ.get("NRL_TEST_CACHE") or Path(tempfile.gettempdir()) / "nrl-test-models")
+    target = root / f"{name}-{digest}"
+    if (target / "model.safetensors").exists():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(dir=root, prefix=f".{name}."))
+    train(work)
+    try:
+        (work / "ckpt" / "hf_export").rename(target)
+    except OSError:  # another process finished first; theirs is identical
+        pass
+    shutil.rmtree(work, ignore_errors=True)
+    return target
 
 
 def run_nrl(tmp: Path, config: Path, algorithm: str, overrides: list[str],

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from nrl_core.testing.tiny_models import cached_tiny_model
-from tests.e2e.test_grpo import TIMING, assert_ok, finite, metrics, run_nrl
+from tests.e2e.test_grpo import TIMING, assert_ok, cached_export, finite, metrics, run_nrl
 
 pytest.importorskip("nrl_reward_model")
 pytestmark = pytest.mark.slow
@@ -104,3 +104,11 @@ def test_megatron_at_two_data_parallel_ranks_scores_the_export_as_dtensor_did_an
     assert rows[0]["val/loss"] == pytest.approx(best["val/loss"], rel=1e-5)
     assert [r["step"] for r in rows if "train/loss" in r] == [1, 2, 3, 4]
     assert rows[-1]["val/loss"] < 1.0
+
+
+def reward_model_export() -> Path:
+    """The tiny recipe's reward model (30 steps), exported once per cache directory: what other
+    algorithms' tests score with (PPO's)."""
+    base = cached_tiny_model("llama", "small")
+    return cached_export("reward-model", [str(base), TRAINING, RM.read_text()],
+                         lambda work: run(work, RM, "rm", *TRAINING, "checkpointing.save_period=30"))

@@ -35,7 +35,17 @@ EXPECTED: dict[str, str | None] = {
     "distillation_math_megatron.yaml":
         "error: policy.megatron_cfg.context_parallel_size: 2 needs Transformer Engine and CUDA",
     "xtoken_off_policy_distillation.yaml": "error: teachers: cross-tokenizer distillation (NeMo RL's xtoken recipes",
-    "ppo_math_1B.yaml": _lacks("ppo", "PPO (with a value model)"),
+    # PPO with a value model (nrl-algo-ppo): the critic is the value section, with a value head.
+    "ppo_math_1B.yaml": None,
+    "ppo_math_1B_megatron.yaml": None,
+    "recipes/llm/ppo-qwen2.5-1.5b-gsm8k-1n8g-automodel-valuetp2sp.yaml": None,
+    "recipes/llm/ppo-qwen2.5-1.5b-gsm8k-1n8g-automodel-noncolocated-async.yaml":
+        "error: ppo.async_ppo.enabled: asynchronous PPO is not offered by nrl-algo-ppo",
+    "recipes/llm/ppo-qwen2.5-1.5b-gsm8k-1n8g-megatron-valuetp2sp-dynbatch.yaml":
+        "error: value.dynamic_batching.enabled: the megatron training backend (nrl-backend-megatron) does not support "
+        "dynamic batching",
+    "recipes/llm/ppo-dsr1-7b-math-8n8g-megatron.yaml":
+        "error: policy.megatron_cfg.context_parallel_size: 2 needs Transformer Engine and CUDA",
     "recipes/llm/grpo-llama3.2-1b-instruct-1n8g-fsdp2tp1.v3.yaml": None,
     "recipes/llm/grpo-llama3.2-1b-instruct-1n8g-megatron.yaml": None,
     "recipes/llm/grpo-llama3.1-8b-instruct-2n8g-fsdp2tp1-noncolocated.yaml": None,
