@@ -30,7 +30,7 @@ import contextlib
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator
 
 from nrl_core.algorithms.rollout_sources import RolloutBatch, Sampler, env_metrics
 from nrl_core.algorithms.scoring import RolloutGroup
@@ -164,14 +164,17 @@ class TrajectoryCollector:
 
 
 class AsyncRollouts:
-    """Each step's rollouts from a :class:`TrajectoryCollector` (``grpo.async_grpo.enabled``)."""
+    """Each step's rollouts from a :class:`TrajectoryCollector` (``grpo.async_grpo.enabled``; any
+    algorithm that samples with the core's samplers may use it: PPO's ``ppo.async_ppo``)."""
 
-    def __init__(self, sampler: Sampler, loader: Any, generation: Any, grpo: Mapping[str, Any], last_step: int) -> None:
+    def __init__(self, sampler: Sampler, loader: Any, generation: Any, *, prompts_per_step: int, max_age: int,
+                 last_step: int, age_key: str = "grpo.async_grpo.max_trajectory_age_steps") -> None:
         self.sampler = sampler
         self.loader = loader
         self.generation = generation
-        self.prompts_per_step = int(grpo["num_prompts_per_step"])
-        self.max_age = int(grpo["async_grpo"]["max_trajectory_age_steps"])
+        self.prompts_per_step = prompts_per_step
+        self.max_age = max_age
+        self.age_key = age_key  # named in the error a too-old rollout raises
         self.last_step = last_step
         self.collector: TrajectoryCollector | None = None
 
@@ -193,8 +196,7 @@ class AsyncRollouts:
         ages = [(step - 1) - t.weight_version for t in trajectories]
         if max(ages) > self.max_age:
             raise NrlError(f"step {step}: a rollout of weight version {min(t.weight_version for t in trajectories)} "
-                           f"is {max(ages)} steps old, over grpo.async_grpo.max_trajectory_age_steps="
-                           f"{self.max_age} (a bug in the collector)")
+                           f"is {max(ages)} steps old, over {self.age_key}={self.max_age} (a bug in the collector)")
         trajectories.sort(key=lambda t: t.position)  # the order the prompts were drawn in
         timer = PhaseTimer()
         timer.seconds["waiting"] = waited

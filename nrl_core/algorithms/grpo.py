@@ -74,7 +74,10 @@ class GRPO(AlgorithmRun):
     def make_rollout_source(self) -> RolloutSource:
         """Asynchronous with ``grpo.async_grpo.enabled``, else synchronous; either feeds the same loop."""
         if self.cfg["async_grpo"]["enabled"]:
-            return AsyncRollouts(self.sampler, self.train_loader, self.generation, self.cfg, self.max_steps)
+            return AsyncRollouts(self.sampler, self.train_loader, self.generation,
+                                 prompts_per_step=int(self.cfg["num_prompts_per_step"]),
+                                 max_age=int(self.cfg["async_grpo"]["max_trajectory_age_steps"]),
+                                 last_step=self.max_steps)
         return SyncRollouts(self.sampler, self.train_loader, self.cfg)
 
     def start(self) -> None:

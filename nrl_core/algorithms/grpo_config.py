@@ -91,14 +91,7 @@ def check_grpo(config: Mapping[str, Any]) -> None:
                           f"{group} leaves no other response to form the leave-one-out baseline; use at least 2 "
                           "(or set grpo.use_leave_one_out_baseline: false)")
     if grpo["async_grpo"]["enabled"]:
-        if policy["generation"]["colocated"]["enabled"]:
-            raise ConfigError("grpo.async_grpo.enabled", "needs generation on its own workers, which keep generating "
-                                                         "while training runs; set policy.generation.colocated.enabled: "
-                                                         "false (and colocated.resources)")
-        if not config["loss_fn"]["use_importance_sampling_correction"]:
-            raise ConfigError("loss_fn.use_importance_sampling_correction",
-                              "must be true with grpo.async_grpo.enabled: rollouts sampled by older weights need the "
-                              "correction (NeMo RL requires it; async runs collapse without it)")
+        check_async_rollouts(config, "grpo.async_grpo.enabled")
     _check_loss_and_estimator(config)
     _check_reward_processing(config)
     _check_turns(config)
@@ -161,6 +154,18 @@ def _check_loss_and_estimator(config: Mapping[str, Any]) -> None:
         raise ConfigError("loss_fn.use_kl_in_reward", f"the KL penalty would go nowhere: estimator '{estimator.name}' "
                                                       "does not take it into the reward; use reinforce_plus_plus or "
                                                       "set use_kl_in_reward: false")
+
+
+def check_async_rollouts(config: Mapping[str, Any], key: str) -> None:
+    """What rollouts of the core's trajectory collector need (``key`` enables them): engines on
+    workers of their own, and importance weights for what older weights sampled."""
+    if config["policy"]["generation"]["colocated"]["enabled"]:
+        raise ConfigError(key, "needs generation on its own workers, which keep generating while training runs; set "
+                               "policy.generation.colocated.enabled: false (and colocated.resources)")
+    if not config["loss_fn"]["use_importance_sampling_correction"]:
+        raise ConfigError("loss_fn.use_importance_sampling_correction",
+                          f"must be true with {key}: rollouts sampled by older weights need the correction (NeMo RL "
+                          "requires it; async runs collapse without it)")
 
 
 def _check_turns(config: Mapping[str, Any]) -> None:

@@ -92,3 +92,19 @@ def test_megatron_non_colocated_at_two_data_parallel_ranks_validates_as_dtensor_
     assert rows[0]["step"] == 0 and rows[0]["val/reward"] == dtensor["val/reward"]
     assert [r["step"] for r in rows if "train/loss" in r] == [2, 3]
     assert all(r["train/critic/loss"] > 0 for r in rows[1:])
+
+
+def test_asynchronous_ppo_trains_on_rollouts_within_the_age_bound(tmp_path):
+    """The engine on a worker of its own runs a step ahead (NeMo RL's async PPO on the core's
+    collector): some steps train on rollouts of the previous weights, none older, with importance
+    weights; the critic warms up first and the engine still takes a new version each step."""
+    rows = run(tmp_path, "ppo.async_ppo.enabled=true", "ppo.async_ppo.max_trajectory_age_steps=1",
+               "loss_fn.use_importance_sampling_correction=true", "policy.generation.colocated.enabled=false",
+               "cluster.gpus_per_node=2", "policy.generation.colocated.resources.gpus_per_node=1",
+               "ppo.max_num_steps=5", "ppo.val_period=5", "ppo.val_at_start=false", "checkpointing.enabled=false")
+    trained = [r for r in rows if "train/reward" in r]
+    assert [r["step"] for r in trained] == [1, 2, 3, 4, 5]
+    ages = [r["async/trajectory_age_max"] for r in trained]
+    assert max(ages) == 1 and all(age in (0, 1) for age in ages), ages
+    assert [r["step"] for r in trained if "train/loss" in r] == [3, 4, 5]
+    assert all("train/critic/loss" in r for r in trained) and "val/reward" in rows[-1]

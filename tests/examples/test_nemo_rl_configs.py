@@ -39,8 +39,7 @@ EXPECTED: dict[str, str | None] = {
     "ppo_math_1B.yaml": None,
     "ppo_math_1B_megatron.yaml": None,
     "recipes/llm/ppo-qwen2.5-1.5b-gsm8k-1n8g-automodel-valuetp2sp.yaml": None,
-    "recipes/llm/ppo-qwen2.5-1.5b-gsm8k-1n8g-automodel-noncolocated-async.yaml":
-        "error: ppo.async_ppo.enabled: asynchronous PPO is not offered by nrl-algo-ppo",
+    "recipes/llm/ppo-qwen2.5-1.5b-gsm8k-1n8g-automodel-noncolocated-async.yaml": None,
     "recipes/llm/ppo-qwen2.5-1.5b-gsm8k-1n8g-megatron-valuetp2sp-dynbatch.yaml":
         "error: value.dynamic_batching.enabled: the megatron training backend (nrl-backend-megatron) does not support "
         "dynamic batching",

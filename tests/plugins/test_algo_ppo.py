@@ -151,7 +151,7 @@ def test_the_recipe_has_a_critic_with_a_value_head(model):
 
 @pytest.mark.parametrize("override, start", [
     ("value=null", "value: PPO needs a value model"),
-    ("ppo.async_ppo.enabled=true", "ppo.async_ppo.enabled: asynchronous PPO is not offered"),
+    ("ppo.async_ppo.enabled=true", "ppo.async_ppo.enabled: needs generation on its own workers"),
     ("ppo.use_dynamic_sampling=true", "ppo.use_dynamic_sampling: NeMo RL's PPO reads this key but never applies it"),
     ("value.reward_model_cfg.reward_model_type=bradley_terry", "value.reward_model_cfg.reward_model_type: the critic"),
     ("loss_fn.reference_policy_kl_penalty=0.1", "ppo.skip_reference_policy_logprobs_calculation: the KL penalty"),
@@ -162,6 +162,12 @@ def test_the_recipe_has_a_critic_with_a_value_head(model):
 ])
 def test_what_ppo_cannot_run_is_refused_naming_the_key(model, override, start):
     assert refusal(model, override).startswith(start)
+
+
+def test_asynchronous_ppo_needs_importance_weights(model):
+    assert refusal(model, "ppo.async_ppo.enabled=true", "policy.generation.colocated.enabled=false",
+                   "cluster.gpus_per_node=2", "policy.generation.colocated.resources.gpus_per_node=1").startswith(
+        "loss_fn.use_importance_sampling_correction: must be true with ppo.async_ppo.enabled")
 
 
 def test_a_critic_with_the_head_switched_off_gets_one_anyway(model):

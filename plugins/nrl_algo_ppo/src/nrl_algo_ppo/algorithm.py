@@ -9,20 +9,27 @@ the critic's values and the policy's logprobs of what was sampled -> advantages 
 policy-gradient loss; the policy waits ``policy_training_start_step`` steps while the critic warms
 up). The critic is a second training group built from the ``value`` section on the policy's
 devices; the two take turns on them. Checkpoints hold both (``policy/`` and ``value/``).
+
+With ``ppo.async_ppo.enabled`` the rollouts come from the core's trajectory collector, as async
+GRPO's do (:mod:`nrl_core.algorithms.async_rollouts`): generation runs ahead by at most
+``max_trajectory_age_steps`` weight versions, and values and logprobs are computed when a step
+takes its rollouts, as in NeMo RL.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Mapping, Sequence
 
 import torch
 
+from nrl_core.algorithms.async_rollouts import AsyncRollouts
 from nrl_core.algorithms.base import AlgorithmRun
 from nrl_core.algorithms.estimators import RewardKL
 from nrl_core.algorithms.generation import Generation
 from nrl_core.algorithms.grpo import prompt_limits
 from nrl_core.algorithms.policy import Policy
-from nrl_core.algorithms.rollout_sources import SingleTurnSampler, env_metrics, validates_greedily
+from nrl_core.algorithms.rollout_sources import RolloutBatch, SingleTurnSampler, env_metrics, validates_greedily
 from nrl_core.algorithms.rollouts import repeat_prompts, rollout_batch
 from nrl_core.algorithms.scoring import RolloutGroup, Scorer, merge_groups
 from nrl_core.algorithms.setup import PhaseTimer, build_environment, load_tokenizer
@@ -65,15 +72,39 @@ class PPO(AlgorithmRun):
         self.sampler = SingleTurnSampler(self.generation, Scorer(config, self.tokenizer, self.env, section="ppo"),
                                          self.group_size, int(cfg["val_batch_size"]),
                                          val_greedy=validates_greedily(config["policy"]["generation"]))
+        age = cfg["async_ppo"]
+        self.rollouts = AsyncRollouts(self.sampler, self.train_loader, self.generation,
+                                      prompts_per_step=int(cfg["num_prompts_per_step"]),
+                                      max_age=int(age["max_trajectory_age_steps"]), last_step=self.max_steps,
+                                      age_key="ppo.async_ppo.max_trajectory_age_steps") if age["enabled"] else None
 
     def trained_models(self) -> dict[str, Policy]:
         return {"policy": self.policy, "value": self.critic}
 
     # ------------------------------------------------------------------ one step
 
-    def step(self, prompts: Sequence[DatumSpec]) -> dict[str, float]:
-        timer = PhaseTimer()
-        groups, result = self.sampler.sample(prompts, timer)
+    def start(self) -> None:
+        if self.rollouts is not None:
+            self.rollouts.start(self.state.step + 1)
+
+    def step_data(self, step: int) -> Any:
+        """The step's prompts, or with ``async_ppo`` its rollouts from the collector."""
+        return self.rollouts.batch_for(step) if self.rollouts is not None else super().step_data(step)
+
+    def step(self, data: Sequence[DatumSpec] | RolloutBatch) -> dict[str, float]:
+        if isinstance(data, RolloutBatch):
+            groups, timer, metrics = data.groups, data.timer, dict(data.metrics)
+        else:
+            timer = PhaseTimer()
+            groups, result = self.sampler.sample(data, timer)
+            metrics = env_metrics(result)
+        metrics.update(self.train_on(groups, timer))
+        if isinstance(data, RolloutBatch):
+            metrics.update(self.rollouts.after_step(data))  # the collector's refit
+        return {**metrics, **timer.metrics()}
+
+    def train_on(self, groups: Sequence[RolloutGroup], timer: PhaseTimer) -> dict[str, float]:
+        """Values, logprobs, advantages and the ``ppo_epochs`` passes over ``groups``."""
         rewards = torch.tensor([r for g in groups for r in g.rewards], dtype=torch.float32)
         batch = self.rollouts_batch(groups)
         with timer("values"):
@@ -93,7 +124,7 @@ class PPO(AlgorithmRun):
         return {"train/reward": float(rewards.mean()),
                 "train/response_length": float(batch.fields["response_lengths"].mean()),
                 "train/truncated_fraction": float(batch.fields["truncated"].mean()),
-                **env_metrics(result), **metrics, **timer.metrics()}
+                "train/weight_version": float(min(g.output.weight_version for g in groups)), **metrics}
 
     def rollouts_batch(self, groups: Sequence[RolloutGroup]) -> TokenBatch:
         prompt_ids = repeat_prompts([g.prompt.prompt_ids for g in groups], self.group_size)
@@ -149,7 +180,9 @@ class PPO(AlgorithmRun):
             self.critic_turn_over()
             if train_policy:
                 policy = self.optimizer_steps(self.policy, batch, self.loss_fn, "policy")
-        if train_policy:
+        if train_policy or self.rollouts is not None:
+            # asynchronous: the engines take a new weight version every step, trained or not (the
+            # collector's staleness bound counts versions), as NeMo RL's do during critic warm-up
             self.generation.mark_stale()
         return {**{f"train/critic/{k}": v for k, v in critic.items()}, **{f"train/{k}": v for k, v in policy.items()}}
 
@@ -181,7 +214,8 @@ class PPO(AlgorithmRun):
         written to ``val_data_step<step>.jsonl``)."""
         if not self.val_data:
             return {}
-        rewards, records = self.sampler.validate(self.val_data)
+        with self.rollouts.engines() if self.rollouts is not None else contextlib.nullcontext():
+            rewards, records = self.sampler.validate(self.val_data)
         self.log.log_samples("val_data", step, records)
         return {"val/reward": sum(rewards) / len(rewards), "val/accuracy": sum(r > 0 for r in rewards) / len(rewards)}
 
@@ -195,8 +229,17 @@ class PPO(AlgorithmRun):
         self.generation.load_sampling_states(info.get("generation", []))
         self.generation.stale = bool(info.get("generation_stale", True))
 
+    def dataloader_state(self) -> dict[str, Any]:
+        """Asynchronous: the position of the next step's prompts (what the collector drew beyond
+        them is regenerated after a resume, as in async GRPO)."""
+        if self.rollouts is not None:
+            return self.rollouts.dataloader_state(self.state.step + 1)
+        return super().dataloader_state()
+
     def shutdown(self) -> None:
         try:
+            if getattr(self, "rollouts", None) is not None:
+                self.rollouts.stop()
             for part in ("generation", "env", "critic"):  # a run that failed to build lacks the later ones
                 if hasattr(self, part):
                     getattr(self, part).shutdown()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from nrl_core.algorithms.grpo_config import GRPO
+from nrl_core.algorithms.grpo_config import GRPO, check_async_rollouts
 from nrl_core.algorithms.rewards import shaping_problem
 from nrl_core.config.schema import Field, Section
 from nrl_core.errors import ConfigError
@@ -25,10 +25,13 @@ ADV_ESTIMATOR = Section(doc="Generalized advantage estimation on the critic's va
                                    doc="VAPO: > 0 gives each response the policy lambda 1 - 1/(alpha x its length)"),
 })
 
-ASYNC_PPO = Section(doc="NeMo RL's asynchronous PPO: not offered by nrl-algo-ppo (enabled must stay false).", fields={
+ASYNC_PPO = Section(doc="Generation runs ahead of training with bounded staleness (NeMo RL's keys; the core's "
+                        "trajectory collector, as async GRPO's).", fields={
     "enabled": Field(type=bool, default=False),
-    "max_trajectory_age_steps": Field(type=int, default=1, minimum=1, inert=True),
-    "warmup_generation_lead_steps": Field(type=int, default=None, nullable=True, inert=True),
+    "max_trajectory_age_steps": Field(type=int, default=1, minimum=0,
+                                      doc="optimizer steps a rollout's weights may lag the ones it trains"),
+    "warmup_generation_lead_steps": Field(type=int, default=None, nullable=True, inert=True,
+                                          doc="the collector runs ahead by max_trajectory_age_steps"),
     "in_flight_weight_updates": Field(type=bool, default=False, inert=True),
     "recompute_kv_cache_after_weight_updates": Field(type=bool, default=False, inert=True),
     "drop_incomplete_targets_on_restore": Field(type=bool, default=False, inert=True),
@@ -83,8 +86,7 @@ def check_ppo(config: Mapping[str, Any]) -> None:
         raise ConfigError("value", "PPO needs a value model: add a value section shaped like policy (value.model_name "
                                    "and its backend section)")
     if ppo["async_ppo"]["enabled"]:
-        raise ConfigError("ppo.async_ppo.enabled", "asynchronous PPO is not offered by nrl-algo-ppo; set it to false "
-                                                   "(nrl's asynchronous rollouts are GRPO's: grpo.async_grpo)")
+        _check_async(config)
     if ppo["use_dynamic_sampling"]:
         raise ConfigError("ppo.use_dynamic_sampling", "NeMo RL's PPO reads this key but never applies it; set it to "
                                                       "false")
@@ -112,6 +114,19 @@ def check_ppo(config: Mapping[str, Any]) -> None:
                               f"{size} does not divide the {responses} responses of a step (ppo.num_prompts_per_step x "
                               "num_generations_per_prompt); make it a divisor")
     _check_critic_backend(config)
+
+
+def _check_async(config: Mapping[str, Any]) -> None:
+    """Asynchronous PPO as NeMo RL runs it: engines of their own that stream groups, and importance
+    weights for the rollouts older weights sampled."""
+    from nrl_core.plugins import get_plugin_manager
+
+    check_async_rollouts(config, "ppo.async_ppo.enabled")
+    generation = config["policy"]["generation"]
+    spec = get_plugin_manager().generation_backends().get(generation["backend"], "policy.generation.backend")
+    if "streaming" not in spec.capabilities:
+        raise ConfigError("ppo.async_ppo.enabled", f"the {spec.name} generation backend ({spec.distribution}) cannot "
+                                                   "stream rollouts, which asynchronous PPO needs; set it to false")
 
 
 def _check_critic_backend(config: Mapping[str, Any]) -> None:
