@@ -2,7 +2,7 @@
 
 Every micro-batch of a step has the same ``[rows, tokens]`` shape, because pipeline stages send
 activations of a fixed shape. Without packing, rows are right-padded to the shard's longest
-sequence. With packing, sequences are placed first-fit-decreasing into bins of ``mb_tokens``
+sequence (with dynamic batching, at pipeline size 1 only, each micro-batch to its own). With packing, sequences are placed first-fit-decreasing into bins of ``mb_tokens``
 tokens (each padded to ``sequence_length_round``), one packed row per micro-batch, and attention
 and RoPE restart at each sequence boundary (``PackedSeqParams`` in THD layout). The number of bins
 is made equal across data-parallel ranks with empty bins, so every rank runs the same schedule.
@@ -117,6 +117,35 @@ def padded_micro_batches(shard: TokenBatch, mbs: int, width_multiple: int = 1) -
         ids = torch.nn.functional.pad(rows.input_ids, (0, width - rows.input_ids.shape[1]))
         pos = torch.arange(width).unsqueeze(0).expand(len(idx), -1).contiguous()
         out.append(MicroBatch(rows=rows, input_ids=ids, position_ids=pos))
+    return out
+
+
+def dynamic_micro_batches(shard: TokenBatch, mb_tokens: int, round_to: int, dp_group: Any,
+                          width_multiple: int = 1) -> list[MicroBatch]:
+    """Micro-batches sized by a token budget (NeMo RL's dynamic batching, the core's grouping:
+    ``rows x padded width <= mb_tokens``), each right-padded to its own longest sequence. Shapes
+    differ between micro-batches, which only a schedule without pipeline stages accepts (checks.py
+    refuses it with pipeline parallelism). Every data-parallel rank runs the same number: the
+    ranks with fewer get empty ones (one row of padding, no rows to report)."""
+    from nrl_core.data.dynamic_batching import dynamic_micro_batches as group
+
+    lengths = [int(n) for n in shard.input_lengths.tolist()]
+    groups = group(lengths, mb_tokens, round_to) if lengths else []
+    count = torch.tensor([len(groups)], dtype=torch.long)
+    if dist.is_initialized() and dist.get_world_size(dp_group) > 1:
+        all_reduce(count, op=dist.ReduceOp.MAX, group=dp_group)
+    out = []
+    for members in groups:
+        rows = shard.select(sorted(members))
+        width = _round_up(_round_up(int(rows.input_lengths.max()), round_to), width_multiple)
+        ids = torch.nn.functional.pad(rows.input_ids, (0, width - rows.input_ids.shape[1]))
+        pos = torch.arange(width).unsqueeze(0).expand(rows.size, -1).contiguous()
+        out.append(MicroBatch(rows=rows, input_ids=ids, position_ids=pos))
+    width = _round_up(max(round_to, 1), width_multiple)
+    for _ in range(int(count) - len(groups)):
+        # the packed layout of no rows: outputs map to none, and the zero loss stays in the graph
+        out.append(MicroBatch(rows=shard.select([]), input_ids=torch.zeros((1, width), dtype=shard.input_ids.dtype),
+                              position_ids=torch.arange(width).unsqueeze(0), offsets=[]))
     return out
 
 

@@ -50,7 +50,11 @@ def check_config(config: Mapping[str, Any]) -> None:
     logging_level(section["logging_level"])
     check_optimizer_section(section)
     dp = world // (layout.tp * layout.pp * layout.cp)
-    if not policy["sequence_packing"]["enabled"]:
+    if policy["dynamic_batching"]["enabled"] and layout.pp > 1:
+        raise ConfigError("policy.dynamic_batching.enabled", f"micro-batches of different shapes cannot pass between "
+                                                              f"{layout.pp} pipeline stages; set it to false or "
+                                                              "pipeline_model_parallel_size to 1")
+    if not policy["sequence_packing"]["enabled"] and not policy["dynamic_batching"]["enabled"]:
         local, mbs = policy["train_global_batch_size"] // dp, policy["train_micro_batch_size"]
         if local % mbs:
             raise ConfigError("policy.train_micro_batch_size",
@@ -78,7 +82,9 @@ def check_value_head(policy: Mapping[str, Any], section: Mapping[str, Any], hf_c
     if (section.get("peft") or {}).get("enabled"):
         raise ConfigError(f"{KEY}.peft.enabled", f"LoRA {why}; train the full weights")
     if section.get("sequence_parallel"):
-        raise ConfigError(f"{KEY}.sequence_parallel", f"sequence parallelism {why}; set it false")
+        raise ConfigError(f"{KEY}.sequence_parallel", "sequence parallelism needs Transformer Engine and CUDA (Megatron's "
+                                                      "local layers have no sequence-parallel norms), and with a value "
+                                                      "head it is not supported by the Megatron backend yet; set it false")
     if section.get("pretrained_checkpoint"):
         raise ConfigError(f"{KEY}.pretrained_checkpoint", f"starting from a Megatron checkpoint {why}; start from "
                                                           "the Hugging Face model (policy.model_name)")

@@ -23,7 +23,8 @@ def nrl_training_backends() -> list[TrainingBackendSpec]:
         config_schema=MEGATRON_CFG_SCHEMA, distribution="nrl-backend-megatron",
         parallel_size_keys=("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"),
         config_check="nrl_backend_megatron.checks:check_config",
-        capabilities=frozenset({"data_parallel", "sequence_packing", "adapter_export", "topk_logprobs", "value_head"}),
+        capabilities=frozenset({"data_parallel", "sequence_packing", "dynamic_batching", "adapter_export", "topk_logprobs",
+                                "value_head"}),
         description="Megatron-Core: tensor/pipeline parallel training, dist_checkpointing",
     )]
 

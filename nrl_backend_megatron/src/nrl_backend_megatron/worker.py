@@ -35,7 +35,8 @@ from nrl_core.sdk.value_head import value_head_type
 from nrl_core.sdk.vocab import next_token_logprobs_at, next_token_topk
 
 from nrl_backend_megatron import cpu_shim, lora, value_head as heads
-from nrl_backend_megatron.batching import MicroBatch, packed_micro_batches, padded_micro_batches, token_logprobs
+from nrl_backend_megatron.batching import (MicroBatch, dynamic_micro_batches, packed_micro_batches,
+                                           padded_micro_batches, token_logprobs)
 from nrl_backend_megatron.checkpoint_dir import CheckpointDirError, Conversion, converted_dir, ensure_converted, \
     identity, require_converted
 from nrl_backend_megatron.checks import check_value_head, layout_of, logging_level
@@ -277,6 +278,12 @@ class MegatronPolicyWorker(TrainingWorkerBase):
             return packed_micro_batches(shard, tokens, int(packing.get("sequence_length_round") or 1),
                                         self.dp_group, algorithm=packing.get("algorithm") or
                                         "modified_first_fit_decreasing")
+        dynamic = self.policy.get("dynamic_batching") or {}
+        if dynamic.get("enabled"):
+            tokens = dynamic.get("train_mb_tokens" if train else "logprob_mb_tokens") or \
+                dynamic.get("train_mb_tokens") or self.policy["max_total_sequence_length"]
+            return dynamic_micro_batches(shard, int(tokens), int(dynamic.get("sequence_length_round") or 1),
+                                         self.dp_group, multiple)
         size = self.policy.get("train_micro_batch_size" if train else "logprob_batch_size") or 1
         return padded_micro_batches(shard, min(int(size), max(shard.size, 1)), multiple)
 
