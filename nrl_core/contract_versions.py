@@ -90,7 +90,8 @@ CONTRACT_HISTORY: tuple[ContractVersion, ...] = (
     ContractVersion(11, "1e9f2da", added=(
         "capability value_head (training: ValueScorer.get_values -> BatchShard [n, T]), chosen by "
         "policy.reward_model_cfg.enabled; a loss with reads_values gets the head's [b, t] values",
-        "AlgorithmSpec.value_sections: the policy-shaped sections whose model has a value head",)),
+        "AlgorithmSpec.value_sections: the policy-shaped sections whose model has a value head",
+        "EnvironmentSpec.resources_key: an environment's devices, taken from the cluster (a reward model)",)),
 )
 """Every contract version, oldest first; docs/plugins.md and docs/changelog.md repeat it."""
 

@@ -216,7 +216,10 @@ class GenerationBackendSpec:
 class EnvironmentSpec:
     """A reward environment, returned by ``nrl_environments``; configured under ``env.<name>``.
     ``reward_components`` names the rewards it reports per sample in ``EnvResult.components``
-    (none for a single reward), so a config whose estimator needs them is checked before it runs."""
+    (none for a single reward), so a config whose estimator needs them is checked before it runs.
+    ``resources_key`` (contract 11) names the key of its section, NeMo RL's ``resources``
+    (``gpus_per_node``, ``num_nodes``), whose devices it takes from the cluster for workers of its
+    own (a reward model): training gets the rest, as with generation that is not colocated."""
 
     name: str
     environment: str
@@ -225,6 +228,7 @@ class EnvironmentSpec:
     description: str = ""
     reward_components: tuple[str, ...] = ()
     multi_turn: bool = False  # its environment offers ``step`` (contract 6): episodes of many turns
+    resources_key: str | None = None  # contract 11: its section's key of devices it takes from the cluster
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -4,6 +4,7 @@ HF export of the best) and the metric logger. Subclasses write ``step`` and ``va
 from __future__ import annotations
 
 import logging
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -138,14 +139,21 @@ class AlgorithmRun:
 
     def trained_models(self) -> dict[str, Policy]:
         """Every model the run trains, by the checkpoint directory it is saved in: the policy, and
-        a subclass's others (PPO's critic under ``value``), saved, restored and exported together."""
+        a subclass's others (PPO's critic under ``value``), saved and restored together (the
+        policy alone is exported)."""
         return {"policy": self.policy}
+
+    def on_devices(self, name: str) -> AbstractContextManager[Any]:
+        """Where ``trained_models()[name]`` is saved or restored: on its devices (a subclass whose
+        models take turns there brings the one named onto them)."""
+        return nullcontext()
 
     def save_checkpoint(self, step: int, metrics: Mapping[str, float]) -> None:
         tmp = self.checkpoints.prepare(step)
         models = self.trained_models()
         for name, model in models.items():
-            model.save_checkpoint(str(tmp / name))
+            with self.on_devices(name):
+                model.save_checkpoint(str(tmp / name))
         info = {
             "metrics": {key.replace("/", "_"): value for key, value in metrics.items()},  # val/reward -> val_reward
             "algorithm": self.algorithm_name,
@@ -167,7 +175,8 @@ class AlgorithmRun:
 
     def restore(self, path: Path) -> None:
         for name, model in self.trained_models().items():
-            model.load_checkpoint(str(path / name))
+            with self.on_devices(name):
+                model.load_checkpoint(str(path / name))
         self.train_loader.load_state_dict(self.state.dataloader)
         self.restore_extra_state(self.checkpoints.load_info(path))
 

@@ -4,7 +4,8 @@ NeMo RL's semantics, so its configs mean the same here: ``cluster.gpus_per_node 
 the whole cluster. Colocated generation shares the training workers' devices (one engine per
 ``engine_size`` training ranks, inside their actors). Non-colocated generation takes devices from
 the cluster: on one node ``colocated.resources.gpus_per_node`` of its devices, on several nodes
-``colocated.resources.num_nodes`` whole nodes; training gets the rest.
+``colocated.resources.num_nodes`` whole nodes; training gets the rest. An environment with workers
+of its own (a reward model: ``EnvironmentSpec.resources_key``) takes its devices first, the same way.
 
 On a machine without GPUs a "GPU" is a worker process, so one config runs on both.
 """
@@ -64,10 +65,27 @@ def cluster_topology(config: Mapping[str, Any], pm: Any = None) -> Topology:
             engine_size = spec.engine_size(section)
             larger = [key for key in spec.parallel_size_keys if int(section.get(key) or 1) > 1]
             engine_key = f"policy.generation.{spec.config_key}" + (f".{larger[0]}" if len(larger) == 1 else "")
-    return topology(config, engine_size, engine_key)
+    return topology(config, engine_size, engine_key, environment=environment_devices(config, pm))
 
 
-def topology(config: Mapping[str, Any], engine_size: int = 1, engine_key: str = "policy.generation") -> Topology:
+def environment_devices(config: Mapping[str, Any], pm: Any = None) -> tuple[str, int, int] | None:
+    """``(key, gpus_per_node, num_nodes)`` the run's environment takes from the cluster
+    (``EnvironmentSpec.resources_key``, contract 11), or None."""
+    from nrl_core.plugins import get_plugin_manager
+
+    name = (config.get("data") or {}).get("env_name")
+    registry = (pm or get_plugin_manager()).environments()
+    if not name or name not in registry:
+        return None
+    key = getattr(registry.get(name, "data.env_name"), "resources_key", None)
+    resources = ((config.get("env") or {}).get(name) or {}).get(key) if key else None
+    if not resources:
+        return None
+    return f"env.{name}.{key}", int(resources.get("gpus_per_node") or 0), int(resources.get("num_nodes") or 1)
+
+
+def topology(config: Mapping[str, Any], engine_size: int = 1, engine_key: str = "policy.generation", *,
+             environment: tuple[str, int, int] | None = None) -> Topology:
     """The topology ``config`` asks for; ``engine_size`` is the ranks one generation engine spans
     (its backend's parallel sizes). A split that leaves a role without workers, or engines that do
     not tile the generation ranks, is a :class:`ConfigError` naming the key to change."""
@@ -76,6 +94,8 @@ def topology(config: Mapping[str, Any], engine_size: int = 1, engine_key: str = 
     for key, value in (("gpus_per_node", per_node), ("num_nodes", nodes)):
         if value <= 0:
             raise ConfigError(f"cluster.{key}", f"must be positive, got {value}")
+    if environment is not None:
+        per_node, nodes = _after_environment(environment, per_node, nodes)
     generation = (config.get("policy") or {}).get("generation")
     if generation is None or generation["colocated"]["enabled"]:
         result = Topology(train_nodes=nodes, train_per_node=per_node, colocated=True, engine_size=engine_size)
@@ -114,6 +134,22 @@ def topology(config: Mapping[str, Any], engine_size: int = 1, engine_key: str = 
                           generation_nodes=int(gen_nodes), generation_per_node=per_node, engine_size=engine_size)
     _check_engines(result, engine_key, f"the {result.generation_world} generation workers ({_RESOURCES})")
     return result
+
+
+def _after_environment(environment: tuple[str, int, int], per_node: int, nodes: int) -> tuple[int, int]:
+    """The cluster left once the environment took its devices: on one node ``gpus_per_node`` of
+    them, on several ``num_nodes`` whole nodes (NeMo RL's split)."""
+    key, env_per_node, env_nodes = environment
+    if nodes == 1:
+        if env_per_node >= per_node:
+            raise ConfigError(f"{key}.gpus_per_node", f"{env_per_node} leaves nothing of cluster.gpus_per_node="
+                                                      f"{per_node} for training and generation; raise "
+                                                      "cluster.gpus_per_node or give the environment fewer")
+        return per_node - env_per_node, 1
+    if env_nodes >= nodes:
+        raise ConfigError(f"{key}.num_nodes", f"{env_nodes} leaves no nodes of cluster.num_nodes={nodes} for "
+                                              "training and generation")
+    return per_node, nodes - env_nodes
 
 
 def _check_engines(result: Topology, key: str, what: str) -> None:

@@ -40,16 +40,28 @@ def head_architecture(architectures: list[str] | None, model_type: str, kind: st
     return type(AutoConfig.for_model(model_type)).__name__.removesuffix("Config") + HF_HEADS[kind]
 
 
-def value_model_config(hf_config: Any, kind: str, pad_token_id: int) -> Any:
-    """A copy of ``hf_config`` describing the value model: one label, the head's class, and a pad
-    id (HF's sequence classifier finds each row's last token by it)."""
+def value_model_config(hf_config: Any, kind: str, tokenizer_source: str) -> Any:
+    """A copy of ``hf_config`` describing the value model: one label, the head's class, and the pad
+    id nrl pads with (HF's sequence classifier scores each row's last token that is not padding,
+    so an export without it, or with another, would score padding)."""
     config = copy.deepcopy(hf_config)
     config.num_labels = 1
     config.architectures = [head_architecture(getattr(config, "architectures", None), config.model_type, kind)]
     if getattr(config, "pad_token_id", None) is None:
-        config.pad_token_id = pad_token_id
+        config.pad_token_id = padding_id(tokenizer_source)
     config.tie_word_embeddings = False  # the head is no longer the embedding's transpose
     return config
+
+
+def padding_id(tokenizer_source: str) -> int:
+    """The id nrl pads sequences with: the tokenizer's pad token, else its end-of-sequence token."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_source)
+    for token_id in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if token_id is not None:
+            return int(token_id)
+    return 0
 
 
 def last_token_values(values: torch.Tensor, input_lengths: torch.Tensor) -> torch.Tensor:

@@ -73,7 +73,8 @@ def test_the_critic_explains_more_of_the_return_as_it_trains(tmp_path):
     rows = run(tmp_path, f"policy.model_name={cached_tiny_model('llama', 'small')}",
                f"value.model_name={cached_tiny_model('llama', 'small')}", "data.env_name=reward_model", "env.math=null",
                f"env.reward_model.model_name={reward_model_export()}", "env.reward_model.dtensor_cfg.enabled=true",
-               "env.reward_model.precision=float32", "env.reward_model.max_model_len=64", "ppo.max_num_steps=30",
+               "env.reward_model.precision=float32", "env.reward_model.max_model_len=64", "cluster.gpus_per_node=2",
+               "ppo.max_num_steps=30",
                "ppo.val_at_start=false", "ppo.val_period=0", "checkpointing.enabled=false")
     explained = [r["train/critic/explained_var"] for r in rows if "train/critic/explained_var" in r]
     # near 0 at first (a fresh head); the returns' variance itself shrinks as the policy converges

@@ -39,17 +39,18 @@ def world(rank: int, world_size: int, model: str, dynamic: bool) -> dict:
               "dynamic_batching": DYNAMIC if dynamic else {"enabled": False}}
     worker = MegatronPolicyWorker(make_config(model, **policy), rank, world_size)
     batch = uneven_batch()
-    real = [mb for mb in worker._micro_batches(batch, train=True) if mb.rows.size]
+    planned = worker._micro_batches(batch, train=True)
     before = gather_shards(worker.get_logprobs(batch), batch)
     loss = worker.train(batch, NLLLoss())["loss"]
     return {"before": before, "loss": loss, "after": gather_shards(worker.get_logprobs(batch), batch),
-            "micro_batches": len(real)}
+            "micro_batches": [mb.rows.size for mb in planned]}
 
 
 def test_dynamic_batching_at_two_data_parallel_ranks_equals_padded_micro_batches():
     model = str(cached_tiny_model("llama"))
     padded, dynamic = run_world(world, 2, model, False), run_world(world, 2, model, True)
-    assert [r["micro_batches"] for r in dynamic] == [2, 1]  # rank 1 runs an empty one beside its one
+    # rank 0's three long rows take two micro-batches, rank 1's three short ones one, and an empty one
+    assert [r["micro_batches"] for r in dynamic] == [[2, 1], [3, 0]]
     for a, b in zip(dynamic, padded):
         assert torch.allclose(a["before"], b["before"], atol=1e-5)
         assert abs(a["loss"] - b["loss"]) < 1e-5

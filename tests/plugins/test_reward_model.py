@@ -44,16 +44,21 @@ def test_the_loss_is_the_mean_negative_log_sigmoid_of_score_gaps_over_valid_pair
 
 
 def test_a_batch_laid_out_for_two_ranks_reads_as_pairs_in_pair_order():
-    """Validation computes the loss over the whole batch on the driver: the rows a data-parallel
-    layout interleaves are put back in pair order, and the loss is the one-rank batch's."""
+    """Validation computes the loss over the whole batch on the driver (PreferenceRun.validate):
+    the rows, and the model's outputs for them, a data-parallel layout interleaves are put back in
+    pair order, and the metrics are the one-rank batch's."""
     from nrl_core.data.preference import pair_order
 
     one, two = preference_batch(pairs(4), PAD), preference_batch(pairs(4), PAD, data_parallel_size=2)
-    ordered = two.select(pair_order(two))
-    assert torch.equal(ordered.input_ids, one.input_ids)
-    values = torch.randn(one.size, int(one.input_ids.shape[1]))
-    assert BradleyTerryLoss()(values, ordered, global_valid_tokens=1.0, global_valid_seqs=8.0)[1] == \
-        BradleyTerryLoss()(values, one, global_valid_tokens=1.0, global_valid_seqs=8.0)[1]
+    values_one = torch.randn(one.size, int(one.input_ids.shape[1]))
+    row_of = {(int(p), int(c)): r for r, (p, c) in enumerate(zip(one.fields["pair"], one.fields["chosen"]))}
+    values_two = values_one[[row_of[(int(p), int(c))] for p, c in zip(two.fields["pair"], two.fields["chosen"])]]
+    with pytest.raises(NrlError):  # as laid out for the ranks, the rows are not pairs
+        BradleyTerryLoss()(values_two, two, global_valid_tokens=1.0, global_valid_seqs=8.0)
+    order = pair_order(two)
+    _, metrics = BradleyTerryLoss()(values_two[order], two.select(order), global_valid_tokens=1.0,
+                                    global_valid_seqs=8.0)
+    assert metrics == BradleyTerryLoss()(values_one, one, global_valid_tokens=1.0, global_valid_seqs=8.0)[1]
 
 
 def test_a_micro_batch_that_splits_a_pair_is_refused():
@@ -123,6 +128,27 @@ def test_packed_values_equal_padded_ones_at_every_position(value_worker):
     valid = torch.arange(batch.input_ids.shape[1])[None] < batch.input_lengths[:, None]
     plain, both = value_worker.get_values(batch).values, packed.get_values(batch).values
     assert torch.allclose(plain[valid], both[valid], atol=1e-5) and bool((both[:, 0] != 0).all())
+
+
+def test_an_export_of_a_model_without_a_pad_id_names_the_one_nrl_pads_with(tmp_path):
+    """A base model whose config has no pad id (Llama 3, Qwen2.5): the export's is the tokenizer's,
+    so HF's classifier scores each row's last real token of a right-padded batch, as nrl does."""
+    from transformers import AutoModelForSequenceClassification
+
+    from nrl_backend_dtensor.worker import DTensorPolicyWorker
+
+    from common import make_config
+
+    worker = DTensorPolicyWorker(make_config(model_name=str(cached_tiny_model("llama", "small", pad_token_id=None)),
+                                             reward_model_cfg={"enabled": True}), 0, 1)
+    assert worker.hf_config.pad_token_id == PAD  # the tokenizer's <pad>
+    batch = preference_batch(pairs(4, seed=5), PAD)
+    worker.export_hf(str(tmp_path / "rm"))
+    hf = AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "rm")).eval()
+    assert hf.config.pad_token_id == PAD
+    with torch.no_grad():
+        logits = hf(input_ids=batch.input_ids).logits.squeeze(-1)
+    assert torch.allclose(logits, last_token_values(worker.get_values(batch).values, batch.input_lengths), atol=1e-5)
 
 
 def test_a_value_model_has_no_logprobs(value_worker):
@@ -251,3 +277,15 @@ def test_the_reward_model_section_becomes_a_value_model_config_of_its_own():
     assert policy["reward_model_cfg"]["enabled"] and policy["generation"] is None
     assert (policy["logprob_batch_size"], policy["max_total_sequence_length"]) == (4, 48)
     assert config["cluster"]["gpus_per_node"] == 2 and policy["dtensor_config"]["enabled"]
+
+
+def test_the_reward_model_takes_its_devices_from_the_cluster(model):
+    """NeMo RL's split: env.reward_model.resources come out of cluster.gpus_per_node, training gets
+    the rest; a reward model that leaves nothing is refused in one line."""
+    from nrl_core.config.topology import cluster_topology
+
+    recipe, rm = "examples/configs/grpo_rm_tiny_cpu.yaml", f"env.reward_model.model_name={model}"
+    config = load_and_validate(recipe, [f"policy.model_name={model}", rm], algorithm="grpo")
+    assert config["cluster"]["gpus_per_node"] == 2 and cluster_topology(config).train_world == 1
+    assert refusal(recipe, "grpo", f"policy.model_name={model}", rm, "cluster.gpus_per_node=1").startswith(
+        "env.reward_model.resources.gpus_per_node: 1 leaves nothing of cluster.gpus_per_node=1")

@@ -31,10 +31,11 @@ def hf_name(name: str) -> str:
 
 
 def load_hf_config(model_name: str, *, trust_remote_code: bool = False,
-                   overrides: Mapping[str, Any] | None = None, value_head: str | None = None) -> Any:
+                   overrides: Mapping[str, Any] | None = None, value_head: str | None = None,
+                   tokenizer_source: str | None = None) -> Any:
     """The model's config (``overrides`` applied), checked to be a causal LM (or, for a value head
-    of type ``value_head``, a causal LM or an HF classifier, returned as the value model's config);
-    one-line :class:`NrlError` otherwise."""
+    of type ``value_head``, a causal LM or an HF classifier, returned as the value model's config,
+    its pad id ``tokenizer_source``'s); one-line :class:`NrlError` otherwise."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     if not os.path.isdir(model_name):
@@ -52,7 +53,7 @@ def load_hf_config(model_name: str, *, trust_remote_code: bool = False,
         raise NrlError(f"policy.model_name: '{model_name}' is a '{config.model_type}' model, not a causal "
                        f"language model; use a decoder-only checkpoint (Llama, Qwen2, Qwen3, ...)")
     if value_head:
-        return value_model_config(config, value_head, int(getattr(config, "pad_token_id", None) or 0))
+        return value_model_config(config, value_head, tokenizer_source or model_name)
     return config
 
 

@@ -78,7 +78,8 @@ class DTensorPolicyWorker(TrainingWorkerBase):
         trust = bool(self.policy.get("trust_remote_code", False))
         self.value_head = value_head_type(self.policy)  # reward model or critic: a score head, no logprobs
         self.hf_config = load_hf_config(model_name, trust_remote_code=trust,
-                                        overrides=self.policy.get("hf_config_overrides"), value_head=self.value_head)
+                                        overrides=self.policy.get("hf_config_overrides"), value_head=self.value_head,
+                                        tokenizer_source=self.tokenizer_source())
         hf_model = load_hf_model(model_name, self.hf_config, trust_remote_code=trust, value_head=self.value_head)
         self.lora = dict(self.dcfg.get("lora_cfg") or {}) if lora.enabled(self.dcfg.get("lora_cfg")) else None
         if self.lora is not None:
@@ -338,9 +339,11 @@ class DTensorPolicyWorker(TrainingWorkerBase):
     # ------------------------------------------------------------------ checkpoints
 
     def save_checkpoint(self, path: str, options: CheckpointOptions | None = None) -> None:
+        self.require_on_device("save_checkpoint")
         self.checkpoint_io.save(path, options or CheckpointOptions.from_section(self.dcfg))
 
     def load_checkpoint(self, path: str, options: CheckpointOptions | None = None) -> None:
+        self.require_on_device("load_checkpoint")
         self.checkpoint_io.load(path, options or CheckpointOptions.from_section(self.dcfg))
 
     def finalize_checkpoint(self) -> None:

@@ -61,13 +61,13 @@ def initialise(model: Any, std: float, seed: int) -> None:
         head.bias.zero_()
 
 
-def model_config(source: Any, kind: str | None) -> Any:
+def model_config(source: Any, kind: str | None, tokenizer_source: str) -> Any:
     """The HF config of the model the worker trains and exports: the checkpoint's own for a
     language model, else the classifier's (``LlamaForSequenceClassification``, one label), the
-    same the DTensor backend exports (pad id: the checkpoint's, else 0)."""
+    same the DTensor backend exports (pad id: the checkpoint's, else the tokenizer's)."""
     if kind is None:
         return source
-    return value_model_config(source, kind, int(getattr(source, "pad_token_id", None) or 0))
+    return value_model_config(source, kind, tokenizer_source)
 
 
 def check_source(source: Any, kind: str | None, model_name: str) -> None:

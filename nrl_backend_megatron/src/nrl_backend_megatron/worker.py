@@ -103,7 +103,7 @@ class MegatronPolicyWorker(TrainingWorkerBase):
         self.value_head = value_head_type(policy)  # reward model or critic: a score head, no logprobs
         check_value_head(policy, self.cfg, hf_config)
         self.source_config = hf_config  # what the checkpoint holds: the conversion's model
-        self.hf_config = heads.model_config(hf_config, self.value_head)  # the model trained and exported
+        self.hf_config = heads.model_config(hf_config, self.value_head, self.tokenizer_source())  # trained, exported
         self.layout = layout_of(self.cfg)
         self.device = model_device()
         check_moe_section(self.cfg, hf_config, te_available())
@@ -599,6 +599,7 @@ class MegatronPolicyWorker(TrainingWorkerBase):
 
     def save_checkpoint(self, path: str, options: CheckpointOptions | None = None) -> None:
         """Model, optimizer, scheduler, step and RNG via ``dist_checkpointing`` (see ckpt_io)."""
+        self.require_on_device("save_checkpoint")  # offloaded, the distributed optimizer's buffers are empty
         options = options or CheckpointOptions.from_section(self.cfg)
         self._sync_params()
         common = {"scheduler": self.opt.scheduler.state_dict(), "step": self.step}
@@ -608,6 +609,7 @@ class MegatronPolicyWorker(TrainingWorkerBase):
         """Restore what :meth:`save_checkpoint` wrote; RNG only with ``options.load_rng``."""
         from nrl_backend_megatron.ckpt_io import set_rng_state
 
+        self.require_on_device("load_checkpoint")
         options = options or CheckpointOptions.from_section(self.cfg)
         # dist_checkpointing reads into the live parameters and optimizer state, so a file that
         # fails halfway would leave a mix of old and new weights: keep a copy to put back.

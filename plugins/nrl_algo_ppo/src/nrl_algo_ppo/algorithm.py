@@ -19,7 +19,7 @@ takes its rollouts, as in NeMo RL.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
@@ -36,6 +36,7 @@ from nrl_core.algorithms.setup import PhaseTimer, build_environment, load_tokeni
 from nrl_core.config import choose_backends
 from nrl_core.contracts import TokenBatch, import_object
 from nrl_core.data import DatumSpec, prepare_data
+from nrl_core.errors import NrlError
 from nrl_core.plugins import get_plugin_manager
 
 from nrl_algo_ppo.config import check_ppo, critic_config
@@ -81,6 +82,18 @@ class PPO(AlgorithmRun):
     def trained_models(self) -> dict[str, Policy]:
         return {"policy": self.policy, "value": self.critic}
 
+    @contextlib.contextmanager
+    def on_devices(self, name: str) -> Iterator[None]:
+        """The critic is saved and restored on its devices, then leaves them to the policy again."""
+        if name != "value":
+            yield
+            return
+        self.policy_turn_over()
+        try:
+            yield
+        finally:
+            self.critic_turn_over()
+
     # ------------------------------------------------------------------ one step
 
     def start(self) -> None:
@@ -115,6 +128,9 @@ class PPO(AlgorithmRun):
                 batch.fields["reference_logprobs"] = self.policy.get_reference_logprobs(batch)
         metrics = self.mask_mismatched(batch)
         mask = batch.fields["token_mask"] * batch.fields["sample_mask"].unsqueeze(1)
+        if not bool((mask > 0).any()):
+            raise NrlError(f"PPO step {self.state.step + 1}: no response token is left to train on after "
+                           "ppo.overlong_filtering and ppo.seq_logprob_error_threshold; loosen them")
         token_rewards = terminal_rewards(rewards, mask) - self.reward_kl(batch.fields)
         advantages, returns = advantages_and_returns(token_rewards, batch.fields[OLD_VALUES], mask, self.gae)
         batch.fields["advantages"], batch.fields[RETURNS] = advantages.float(), returns.float()
@@ -148,7 +164,8 @@ class PPO(AlgorithmRun):
         mask = batch.fields["token_mask"]
         gap = (batch.fields["generation_logprobs"] - batch.fields["prev_logprobs"]).abs().exp()
         error = (gap * mask).sum(1) / mask.sum(1).clamp_min(1)
-        metrics = {"train/mean_seq_mult_prob_error": float(error.mean())}
+        counted = (batch.fields["sample_mask"] > 0) & (mask.sum(1) > 0)  # as NeMo RL: valid responses only
+        metrics = {"train/mean_seq_mult_prob_error": float(error[counted].mean()) if bool(counted.any()) else 1.0}
         threshold = self.cfg["seq_logprob_error_threshold"]
         if threshold is not None:
             keep = (error <= float(threshold)).float()

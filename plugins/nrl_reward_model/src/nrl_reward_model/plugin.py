@@ -24,5 +24,5 @@ def nrl_algorithms() -> list[AlgorithmSpec]:
 def nrl_environments() -> list[EnvironmentSpec]:
     return [EnvironmentSpec(
         name="reward_model", environment="nrl_reward_model.environment:RewardModelEnvironment",
-        config_schema=REWARD_MODEL_ENV_SCHEMA, distribution="nrl-reward-model",
+        config_schema=REWARD_MODEL_ENV_SCHEMA, distribution="nrl-reward-model", resources_key="resources",
         description="scores each response with a trained reward model (a worker group of its own, batched)")]
