@@ -251,7 +251,7 @@ def test_the_value_model_maps_score_where_a_causal_lm_maps_lm_head(classifier) -
     causal = AutoConfig.from_pretrained(str(cached_tiny_model("llama")))
     for kind, names in (("bradley_terry", {"score.weight": (1, 64)}),
                         ("regression", {"score.weight": (1, 64), "score.bias": (1,)})):
-        cfg = value_model(causal, kind)
+        cfg = value_model(causal, kind, str(cached_tiny_model("llama")))
         shapes = canonical_shapes(cfg)
         assert "output_layer.weight" in shapes and family_of(cfg).name == "llama"
         hf = megatron_to_hf({k: torch.zeros(v) for k, v in shapes.items() if k.startswith("output_layer.")}, cfg)
