@@ -151,10 +151,7 @@ class GRPO(AlgorithmRun):
     def train(self, batch: TokenBatch) -> dict[str, float]:
         """One optimizer step per ``policy.train_global_batch_size`` rollouts (NeMo RL's
         semantics: one step's rollouts may feed several optimizer steps); metrics averaged."""
-        size = int(self.config["policy"]["train_global_batch_size"])
-        results = [self.policy.train(batch.select(list(range(start, start + size))), self.loss_fn)
-                   for start in range(0, batch.size, size)]
-        return {key: sum(r[key] for r in results) / len(results) for key in results[0]}
+        return self.policy.train_steps(batch, self.loss_fn, int(self.config["policy"]["train_global_batch_size"]))
 
     def validate(self, step: int) -> dict[str, float]:
         """Greedy rollouts of the validation prompts, scored by the environment; every one is

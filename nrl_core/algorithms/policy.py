@@ -82,6 +82,13 @@ class Policy:
         self._check_loss(loss_fn)
         return self.group.call(TrainingWorker.train, batch, loss_fn)
 
+    def train_steps(self, batch: TokenBatch, loss_fn: LossFunction, global_batch_size: int) -> dict[str, float]:
+        """One optimizer step per ``global_batch_size`` rows of ``batch`` (NeMo RL's semantics: one
+        step's rollouts may feed several optimizer steps); metrics averaged over them."""
+        results = [self.train(batch.select(list(range(start, min(start + global_batch_size, batch.size)))), loss_fn)
+                   for start in range(0, batch.size, global_batch_size)]
+        return {key: sum(r[key] for r in results) / len(results) for key in results[0]}
+
     def _check_loss(self, loss_fn: LossFunction) -> None:
         """Refuse, in one line, a loss this model cannot feed: ids' logprobs from a backend without
         top-k, values from a language model, logprobs from a model with a value head."""

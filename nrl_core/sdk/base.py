@@ -108,6 +108,14 @@ class TrainingWorkerBase:
             raise NrlError(f"{self.backend_name} worker rank {self.rank}: {what} needs a value head; enable "
                            "policy.reward_model_cfg for this model")
 
+    def require_loss_fits(self, loss_fn: Any) -> None:
+        """A loss reads what this model has: values from a value head (``reads_values``), else logprobs."""
+        what = f"train with {type(loss_fn).__name__}"
+        if getattr(loss_fn, "reads_values", False):
+            self.require_value_head(what)
+        else:
+            self.require_lm_head(what)
+
     def offload_training_state(self) -> None:
         """Default: free the gradients, move the optimizer state to (pinned) host memory."""
         self.optimizer.zero_grad(set_to_none=True)

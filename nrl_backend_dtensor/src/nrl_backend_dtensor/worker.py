@@ -164,6 +164,7 @@ class DTensorPolicyWorker(TrainingWorkerBase):
     def train(self, batch: TokenBatch, loss_fn: LossFunction) -> dict[str, float]:
         """One optimizer step on the global ``batch`` (see module docstring); metrics are global."""
         self.require_on_device("train")
+        self.require_loss_fits(loss_fn)
         start = time.perf_counter()
         self.model.train()
         local = self._local_batch(batch)

@@ -305,7 +305,7 @@ class MegatronPolicyWorker(TrainingWorkerBase):
     def train(self, batch: TokenBatch, loss_fn: LossFunction) -> dict[str, float]:
         """One optimizer step on the global batch; metrics summed over micro-batches and ranks."""
         self.require_on_device("train")
-        self._check_loss(loss_fn)
+        self.require_loss_fits(loss_fn)
         global_tokens, global_seqs = batch.loss_counts()  # every rank holds the global batch
         mbs = self._micro_batches(batch, train=True)
         scale = float(len(mbs) * self.dp_size)  # undo Megatron's 1/num_microbatches and DDP's 1/dp
@@ -366,14 +366,6 @@ class MegatronPolicyWorker(TrainingWorkerBase):
         if self.dp_size > 1:
             all_reduce(values, group=self.dp_group)
         return {k: float(v) for k, v in zip(names, values.tolist())}
-
-    def _check_loss(self, loss_fn: LossFunction) -> None:
-        """A loss reads what this model has: values from a value head (``reads_values``), else logprobs."""
-        what = f"train with {type(loss_fn).__name__}"
-        if getattr(loss_fn, "reads_values", False):
-            self.require_value_head(what)
-        else:
-            self.require_lm_head(what)
 
     @staticmethod
     def _head_values(output: torch.Tensor) -> torch.Tensor:

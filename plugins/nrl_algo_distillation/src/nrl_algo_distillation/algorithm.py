@@ -104,10 +104,7 @@ class Distillation(AlgorithmRun):
 
     def train(self, batch: TokenBatch) -> dict[str, float]:
         """One optimizer step per ``policy.train_global_batch_size`` responses; metrics averaged."""
-        size = int(self.config["policy"]["train_global_batch_size"])
-        results = [self.policy.train(batch.select(list(range(start, min(start + size, batch.size)))), self.loss_fn)
-                   for start in range(0, batch.size, size)]
-        return {key: sum(r[key] for r in results) / len(results) for key in results[0]}
+        return self.policy.train_steps(batch, self.loss_fn, int(self.config["policy"]["train_global_batch_size"]))
 
     # ------------------------------------------------------------------ validation
 

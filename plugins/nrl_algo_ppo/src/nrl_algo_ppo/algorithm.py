@@ -193,22 +193,16 @@ class PPO(AlgorithmRun):
         policy: dict[str, float] = {}
         for _ in range(int(self.cfg["ppo_epochs"])):
             self.policy_turn_over()
-            critic = self.optimizer_steps(self.critic, batch, self.value_loss, "value")
+            critic = self.critic.train_steps(batch, self.value_loss, int(self.config["value"]["train_global_batch_size"]))
             self.critic_turn_over()
             if train_policy:
-                policy = self.optimizer_steps(self.policy, batch, self.loss_fn, "policy")
+                policy = self.policy.train_steps(batch, self.loss_fn,
+                                                 int(self.config["policy"]["train_global_batch_size"]))
         if train_policy or self.rollouts is not None:
             # asynchronous: the engines take a new weight version every step, trained or not (the
             # collector's staleness bound counts versions), as NeMo RL's do during critic warm-up
             self.generation.mark_stale()
         return {**{f"train/critic/{k}": v for k, v in critic.items()}, **{f"train/{k}": v for k, v in policy.items()}}
-
-    def optimizer_steps(self, model: Policy, batch: TokenBatch, loss_fn: Any, section: str) -> dict[str, float]:
-        """One optimizer step per ``<section>.train_global_batch_size`` rollouts; metrics averaged."""
-        size = int(self.config[section]["train_global_batch_size"])
-        results = [model.train(batch.select(list(range(start, start + size))), loss_fn)
-                   for start in range(0, batch.size, size)]
-        return {key: sum(r[key] for r in results) / len(results) for key in results[0]}
 
     # ------------------------------------------------------------------ the two models on one set of devices
 

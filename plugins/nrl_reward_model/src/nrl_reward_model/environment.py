@@ -17,8 +17,10 @@ import torch
 
 from nrl_core.algorithms.policy import Policy
 from nrl_core.config import choose_backends
+from nrl_core.config.models import renamed_error
 from nrl_core.config.validate import validate_config
 from nrl_core.contracts import EnvResult, EnvSample, TokenBatch
+from nrl_core.data import DatumSpec, prompt_batch
 from nrl_core.errors import ConfigError, NrlError
 from nrl_core.sdk.value_head import last_token_values
 
@@ -45,12 +47,9 @@ def scorer_config(section: Mapping[str, Any]) -> dict[str, Any]:
     try:
         return validate_config({"policy": policy, "cluster": cluster})
     except ConfigError as exc:
-        path = exc.key_path
-        if path.startswith("policy.") or path == "policy":
-            path = SECTION + path[len("policy"):]
-        elif path.startswith("cluster."):
-            path = f"{SECTION}.resources" + path[len("cluster"):]
-        raise ConfigError(path, exc.message) from None
+        if exc.key_path.startswith("cluster."):
+            raise ConfigError(f"{SECTION}.resources" + exc.key_path[len("cluster"):], exc.message) from None
+        raise renamed_error(exc, SECTION) from None
 
 
 def score_ids(tokenizer: Any, sample: EnvSample, max_length: int) -> list[int]:
@@ -68,14 +67,12 @@ def padded_batch(sequences: Sequence[list[int]], pad_id: int, rows: int) -> Toke
     micro-batches on every data-parallel rank)."""
     count = len(sequences) + (-len(sequences) % rows)
     sequences = [*sequences, *[sequences[0]] * (count - len(sequences))]
-    width = max(len(s) for s in sequences)
-    ids = torch.full((count, width), pad_id, dtype=torch.long)
-    for row, seq in enumerate(sequences):
-        ids[row, :len(seq)] = torch.tensor(seq)
-    lengths = torch.tensor([len(s) for s in sequences])
-    return TokenBatch(input_ids=ids, input_lengths=lengths,
-                      fields={"token_mask": (torch.arange(width)[None] < lengths[:, None]).float(),
-                              "sample_mask": torch.ones(count)})
+    batch = prompt_batch([DatumSpec(idx=i, prompt_text="", prompt_ids=seq) for i, seq in enumerate(sequences)],
+                         pad_id)
+    width = int(batch.input_ids.shape[1])
+    batch.fields["token_mask"] = (torch.arange(width)[None] < batch.input_lengths[:, None]).float()
+    batch.fields["sample_mask"] = torch.ones(count)
+    return batch
 
 
 class RewardModelEnvironment:
