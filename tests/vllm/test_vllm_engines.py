@@ -41,10 +41,11 @@ def _perturb(worker, seed):
     perturb_weights(worker.model, seed)
 
 
-def _colocated(model_dir, tp: int) -> WorkerGroup:
+def _colocated(model_dir, tp: int, async_engine: bool = False) -> WorkerGroup:
     group = WorkerGroup(SOURCE, 2, name=f"colocated-tp{tp}", init_kwargs={"model": str(model_dir)},
                         distributed_backend="gloo")
-    group.call(WorkerHost.nrl_colocate_generation, WORKER, generation_config(model_dir, tensor_parallel_size=tp))
+    group.call(WorkerHost.nrl_colocate_generation, WORKER,
+               generation_config(model_dir, tensor_parallel_size=tp, async_engine=async_engine))
     return group
 
 
@@ -63,11 +64,13 @@ def _refit_in_place(group: WorkerGroup, seed: int) -> None:
     assert [r.version for r in reports] == [1, 1]
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_colocated_engines_in_a_two_rank_world(model_dir, prompts, tp):
+@pytest.mark.parametrize("tp, async_engine", [(1, False), (2, False), (2, True)], ids=["tp1", "tp2", "tp2-async"])
+def test_colocated_engines_in_a_two_rank_world(model_dir, prompts, tp, async_engine):
     """tp=1: two engines, one per training rank (the DP=2 colocated shape that used to hang);
-    tp=2: one engine spanning both training ranks."""
-    group = _colocated(model_dir, tp)
+    tp=2: one engine spanning both training ranks; tp2-async: vLLM's async engine over both
+    training ranks, its two workers started by the first rank with vLLM's own executor (NeMo RL's
+    colocated ``async_engine: true`` recipes), refit in process on each rank reaching both."""
+    group = _colocated(model_dir, tp, async_engine)
     try:
         assert _generate(group, prompts, tp) == hf_greedy(hf_model(model_dir), prompts)
         _refit_in_place(group, seed=21)

@@ -56,10 +56,6 @@ def check_config(config: Mapping[str, Any]) -> None:
         raise ConfigError(f"{KEY}.async_engine", "must be true with grpo.async_grpo.enabled: the collector needs "
                                                  "requests that finish independently (vLLM's AsyncLLM)")
     colocated = bool((generation.get("colocated") or {}).get("enabled"))
-    if vcfg["async_engine"] and tp != 1 and colocated:
-        from nrl_gen_vllm.worker import ASYNC_COLOCATED
-
-        raise ConfigError(f"{KEY}.async_engine", ASYNC_COLOCATED)
     if policy["refit"]["adapters"]:
         check_adapter_serving(vcfg, colocated=colocated)
     hf_config = local_model_config(config)

@@ -67,10 +67,6 @@ def _distributed_engine(tp: int, rank: int, world_size: int) -> bool:
     return True
 
 
-ASYNC_COLOCATED = ("vLLM's async engine at tensor_parallel_size above 1 runs its workers in processes of its own, "
-                   "which a colocated training rank cannot host; set policy.generation.colocated.enabled: false, "
-                   "or tensor_parallel_size 1")
-
 _GROUP_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -188,10 +184,9 @@ class VllmGenerationWorker:
         spawn_env: dict[str, str] = {}
         self.follower = False
         if self.async_engine and self.tp > 1:
-            if colocated:
-                raise ConfigError("policy.generation.vllm_cfg.async_engine", ASYNC_COLOCATED)
-            # vLLM's own executor starts the engine's tp workers from its first rank; the other
-            # ranks hold the engine's devices in the placement and follow
+            # vLLM's own executor starts the engine's tp workers from its first rank, on the devices
+            # of the engine's ranks (colocated: the training ranks'); the other ranks hold their
+            # place and follow
             engine_kwargs["distributed_executor_backend"] = "mp"
             spawn_env = _engine_spawn_env(rank, self.tp)
             self.follower = rank % self.tp != 0
