@@ -92,6 +92,10 @@ CONTRACT_HISTORY: tuple[ContractVersion, ...] = (
         "policy.reward_model_cfg.enabled; a loss with reads_values gets the head's [b, t] values",
         "AlgorithmSpec.value_sections: the policy-shaped sections whose model has a value head",
         "EnvironmentSpec.resources_key: an environment's devices, taken from the cluster (a reward model)",)),
+    ContractVersion(12, "HEAD", added=(
+        "capability in_flight_updates (generation: import_weights while generate_groups streams, chosen by "
+        "grpo.async_grpo.in_flight_weight_updates) and GenerationOutput.token_weight_versions: each token's "
+        "weight version",)),
 )
 """Every contract version, oldest first; docs/plugins.md and docs/changelog.md repeat it."""
 
@@ -152,6 +156,7 @@ CAPABILITY_METHODS: dict[str, tuple[Method, ...]] = {
     "topk_logprobs": (Method("get_topk_logprobs", ("batch", "k"), since=10),
                       Method("get_gathered_logprobs", ("batch", "ids_field"), since=10)),
     "value_head": (Method("get_values", ("batch",), since=11, returns="BatchShard"),),
+    "in_flight_updates": (Method("configure_in_flight", ("recompute_kv_cache",), since=12),),
 }
 """The methods a worker must have when its backend's spec declares the capability."""
 

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
     from nrl_core.config.schema import Section
 
-CONTRACT_VERSION: int = 11
+CONTRACT_VERSION: int = 12
 """The version of the plugin contract this module defines, apart from nrl-core's package version.
 A plugin states the version it was written for as ``NRL_CONTRACT = N`` in its entry-point module;
 :mod:`nrl_core.contract_versions` lists every version the core still serves and what each changed."""
@@ -114,6 +114,9 @@ a config that asks for something the selected backend does not declare fails val
 GENERATION_CAPABILITIES: Mapping[str, str] = {
     "streaming": "grpo.async_grpo.enabled: true (generate_groups yields each group as it finishes)",
     "adapter_refit": "policy.refit.adapters: true (the worker is an AdapterServer: it applies LoRA adapters itself)",
+    "in_flight_updates": "grpo.async_grpo.in_flight_weight_updates: true (import_weights may run while "
+                         "generate_groups streams, in another thread: requests in flight finish with the new weights, "
+                         "and every output names each token's weight version in token_weight_versions)",
 }
 """The same for generation backends."""
 
@@ -561,17 +564,32 @@ class WeightSpec:
 
 @dataclass(kw_only=True)
 class GenerationOutput:
-    """What a generation worker returns for a batch of prompts, one entry per prompt."""
+    """What a generation worker returns for a batch of prompts, one entry per prompt.
+
+    ``weight_version`` is the oldest weight version any token was sampled with.
+    ``token_weight_versions`` (contract 12), one list per response, names each token's version: an
+    engine that declares ``in_flight_updates`` loads new weights while requests are in flight, so
+    one response may carry two versions. None means every token is ``weight_version``'s."""
 
     token_ids: list[list[int]]
     logprobs: list[list[float]]
     finish_reasons: list[str]
     weight_version: int
+    token_weight_versions: list[list[int]] | None = None
 
     def slice(self, start: int, stop: int) -> "GenerationOutput":
         """The outputs of prompts ``start:stop``."""
+        versions = None if self.token_weight_versions is None else self.token_weight_versions[start:stop]
         return GenerationOutput(token_ids=self.token_ids[start:stop], logprobs=self.logprobs[start:stop],
-                                finish_reasons=self.finish_reasons[start:stop], weight_version=self.weight_version)
+                                finish_reasons=self.finish_reasons[start:stop], weight_version=self.weight_version,
+                                token_weight_versions=versions)
+
+    def versions_of(self, index: int) -> list[int]:
+        """The weight version of each token of response ``index``: as the engine reported them,
+        or ``weight_version`` for all (an engine that never updates weights mid-generation)."""
+        if self.token_weight_versions is not None:
+            return list(self.token_weight_versions[index])
+        return [self.weight_version] * len(self.token_ids[index])
 
 
 @dataclass(kw_only=True)
@@ -888,6 +906,18 @@ class ValueScorer(Protocol):
         """The head's output at every position of this rank's data-parallel shard, float32
         ``[n, T]``: ``values[:, t]`` reads tokens ``0..t`` (not shifted as logprobs are; a sequence's
         score is its value at its last token). Returned as :meth:`TrainingWorker.get_logprobs`."""
+
+
+class InFlightUpdater(Protocol):
+    """What a generation worker adds to declare ``in_flight_updates`` (contract 12): the core may
+    call :meth:`GenerationWorker.import_weights` from another thread while ``generate_groups``
+    streams, and the requests in flight finish with the new weights. Its outputs name each token's
+    version (:attr:`GenerationOutput.token_weight_versions`)."""
+
+    def configure_in_flight(self, recompute_kv_cache: bool) -> None:
+        """Called once before the first in-flight import. ``recompute_kv_cache``: after an update
+        the requests in flight recompute their KV cache with the new weights (and cached prefixes
+        are dropped), else they keep the cache the old weights computed (NeMo RL's default)."""
 
 
 class AdapterServer(Protocol):

@@ -17,6 +17,15 @@ current weights, and the same seeds sample the same tokens. The loss corrects of
 with importance weights ``exp(prev_logprobs - generation_logprobs)``: ``generation_logprobs`` are
 what the engine that sampled each token reported, under the weights of version ``g``.
 
+In-flight weight updates (``grpo.async_grpo.in_flight_weight_updates``, off by default as in NeMo
+RL): the refit does not wait for the step streaming now. The engines import the new weights beside
+the stream (their hosts' in-flight thread) and the requests in flight finish with them, keeping the
+KV cache the old weights computed or, with ``recompute_kv_cache_after_weight_updates``, recomputing
+it. NeMo RL labels a trajectory with the version it started under; nrl records each token's version
+(the engine reports them), labels the trajectory with its oldest token's, and bounds the age by
+that one, so the bound is NeMo RL's. ``async/in_flight_mixed_fraction`` (responses that carry two
+versions or more) and ``async/token_age_mean`` say what the updates did.
+
 Checkpoints: what is in flight (groups in the buffer, prompts being generated) is not saved but
 regenerated. A checkpoint after step ``s`` stores the dataloader position of step ``s + 1``'s
 prompts, so a resumed run draws them again and samples them with the restored weights; the
@@ -90,7 +99,8 @@ class TrajectoryCollector:
     version the engines hold; the trainer moves it with :meth:`refit`."""
 
     def __init__(self, sampler: Sampler, loader: Any, generation: Any, *, first_step: int, last_step: int,
-                 version: int, max_age: int) -> None:
+                 version: int, max_age: int, in_flight: bool = False) -> None:
+        self.in_flight = in_flight
         self.sampler = sampler
         self.loader = loader
         self.generation = generation
@@ -154,9 +164,13 @@ class TrajectoryCollector:
             yield
 
     def refit(self) -> None:
-        """Load the trainer's new weights once the step streaming now is done."""
-        with self._engines:
-            report = self.generation.prepare()
+        """Load the trainer's new weights once the step streaming now is done, or at once, into
+        the requests in flight (in-flight weight updates)."""
+        if self.in_flight:
+            report = self.generation.prepare(in_flight=True)
+        else:
+            with self._engines:
+                report = self.generation.prepare()
         if report is not None:
             with self._versions:
                 self.version = report.version
@@ -168,7 +182,10 @@ class AsyncRollouts:
     algorithm that samples with the core's samplers may use it: PPO's ``ppo.async_ppo``)."""
 
     def __init__(self, sampler: Sampler, loader: Any, generation: Any, *, prompts_per_step: int, max_age: int,
-                 last_step: int, age_key: str = "grpo.async_grpo.max_trajectory_age_steps") -> None:
+                 last_step: int, age_key: str = "grpo.async_grpo.max_trajectory_age_steps", in_flight: bool = False,
+                 recompute_kv_cache: bool = False) -> None:
+        self.in_flight = in_flight
+        self.recompute_kv_cache = recompute_kv_cache
         self.sampler = sampler
         self.loader = loader
         self.generation = generation
@@ -184,8 +201,11 @@ class AsyncRollouts:
         version = min(self.generation.weight_versions())
         if version < 0:  # engines built with placeholder weights load the policy's first
             version = self.generation.prepare().version
+        if self.in_flight:
+            self.generation.configure_in_flight(self.recompute_kv_cache)
         self.collector = TrajectoryCollector(self.sampler, self.loader, self.generation, first_step=first_step,
-                                             last_step=self.last_step, version=version, max_age=self.max_age)
+                                             last_step=self.last_step, version=version, max_age=self.max_age,
+                                             in_flight=self.in_flight)
         self.collector.start()
 
     def batch_for(self, step: int) -> RolloutBatch:
@@ -203,6 +223,8 @@ class AsyncRollouts:
         metrics = {**env_metrics(EnvResult.combine([t.env_result for t in trajectories])),
                    "async/trajectory_age_mean": sum(ages) / len(ages), "async/trajectory_age_max": float(max(ages)),
                    "async/trainer_idle_seconds": waited}
+        if self.in_flight:
+            metrics.update(in_flight_metrics([t.group.output for t in trajectories], step))
         return RolloutBatch(step=step, groups=[t.group for t in trajectories], metrics=metrics, timer=timer)
 
     def after_step(self, batch: RolloutBatch) -> dict[str, float]:
@@ -230,3 +252,14 @@ class AsyncRollouts:
         if self.collector is None:
             raise RuntimeError("async rollouts: start() was not called")
         return self.collector
+
+
+def in_flight_metrics(outputs: list[Any], step: int) -> dict[str, float]:
+    """What in-flight weight updates did to ``step``'s rollouts (trained with weights ``step - 1``):
+    the fraction of responses whose tokens come from two versions or more, and the mean age of
+    their tokens."""
+    per_response = [output.versions_of(i) for output in outputs for i in range(len(output.token_ids))]
+    tokens = [v for versions in per_response for v in versions]
+    mixed = sum(len(set(versions)) > 1 for versions in per_response)
+    return {"async/in_flight_mixed_fraction": mixed / max(len(per_response), 1),
+            "async/token_age_mean": sum((step - 1) - v for v in tokens) / max(len(tokens), 1)}

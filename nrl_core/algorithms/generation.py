@@ -30,7 +30,7 @@ from nrl_core.algorithms.policy_launch import launch_generation, take_early_gene
 from nrl_core.cluster._host import WorkerHost
 from nrl_core.cluster.worker_group import method_name
 from nrl_core.config.topology import cluster_topology
-from nrl_core.contracts import GenerationBackendSpec, GenerationOutput, GenerationWorker
+from nrl_core.contracts import GenerationBackendSpec, GenerationOutput, GenerationWorker, InFlightUpdater
 from nrl_core.dispatch import Fanout, dispatch_of
 from nrl_core.refit.orchestrator import choose_transport, refit, refit_options
 from nrl_core.refit.report import RefitReport, combine_reports
@@ -66,6 +66,7 @@ def generate_on_engines(hosts: "WorkerGroup", prompts: Sequence[Sequence[int]], 
         logprobs=[lp for o in outputs for lp in o.logprobs],
         finish_reasons=[r for o in outputs for r in o.finish_reasons],
         weight_version=min(o.weight_version for o in outputs),
+        token_weight_versions=[o.versions_of(i) for o in outputs for i in range(len(o.token_ids))],
     )
 
 
@@ -160,17 +161,18 @@ class Generation:
             else:
                 yield item
 
-    def prepare(self) -> RefitReport | None:
+    def prepare(self, *, in_flight: bool = False) -> RefitReport | None:
         """Before generating: refit if the policy changed since the engines last loaded weights.
         Colocated, the training state makes room first (optimizer state and gradients before the
-        refit, the weights after it) and the engines wake (weights for the refit, then the KV cache)."""
+        refit, the weights after it) and the engines wake (weights for the refit, then the KV cache).
+        ``in_flight``: the engines may be generating; the new weights land in their requests."""
         if self.colocated:
             self.hand_off.before_refit()
         report = None
         if self.stale:
             if self.colocated:
                 self._engines(GenerationWorker.prepare_for_generation, ["weights"])
-            report = self.update_weights()
+            report = self.update_weights(in_flight=in_flight)
             self.stale = False
         if self.colocated:
             self.hand_off.before_generation()
@@ -194,6 +196,10 @@ class Generation:
         self.finish()
         return report
 
+    def configure_in_flight(self, recompute_kv_cache: bool) -> None:
+        """Let refits land while the engines generate (their backend declares ``in_flight_updates``)."""
+        self._engines(InFlightUpdater.configure_in_flight, recompute_kv_cache)
+
     def weight_versions(self) -> list[int]:
         """Each engine's weight version (negative: placeholder weights, never loaded)."""
         return self.hosts.call(WorkerHost.nrl_weight_version, on=self.leads)
@@ -213,12 +219,13 @@ class Generation:
 
     # ------------------------------------------------------------------ weights
 
-    def update_weights(self) -> RefitReport:
+    def update_weights(self, *, in_flight: bool = False) -> RefitReport:
         """Move the policy's current weights into every engine.
 
         Colocated, every training rank loads its own engine in process (exporting full tensors is
         collective for sharded backends, so all ranks export at once). Otherwise rank 0 exports
-        for the engines while the other training ranks run the same export and drop the result."""
+        for the engines while the other training ranks run the same export and drop the result;
+        ``in_flight``, the engines import beside the generation they may be streaming."""
         opts = self.refit_options
         if self.colocated:
             transport = choose_transport("same_process", opts["transport"])
@@ -229,7 +236,8 @@ class Generation:
             if self.policy.world_size > 1:
                 drains = self.policy.drain_export(opts["bucket_bytes"], opts["dtype"])
             report = refit(self.policy.rank0, [self.hosts.endpoint(r) for r in self.ranks], transport=opts["transport"],
-                           bucket_bytes=opts["bucket_bytes"], dtype=opts["dtype"], timeout_s=self.policy.timeout_s)
+                           bucket_bytes=opts["bucket_bytes"], dtype=opts["dtype"], timeout_s=self.policy.timeout_s,
+                           in_flight=in_flight)
             if drains is not None:
                 drains()
         logger.info("refit: %.1f MB in %.2fs over %s (weights v%d)", report.bytes / 1e6, report.seconds,

@@ -74,10 +74,12 @@ class GRPO(AlgorithmRun):
     def make_rollout_source(self) -> RolloutSource:
         """Asynchronous with ``grpo.async_grpo.enabled``, else synchronous; either feeds the same loop."""
         if self.cfg["async_grpo"]["enabled"]:
+            age = self.cfg["async_grpo"]
             return AsyncRollouts(self.sampler, self.train_loader, self.generation,
                                  prompts_per_step=int(self.cfg["num_prompts_per_step"]),
-                                 max_age=int(self.cfg["async_grpo"]["max_trajectory_age_steps"]),
-                                 last_step=self.max_steps)
+                                 max_age=int(age["max_trajectory_age_steps"]), last_step=self.max_steps,
+                                 in_flight=bool(age["in_flight_weight_updates"]),
+                                 recompute_kv_cache=bool(age["recompute_kv_cache_after_weight_updates"]))
         return SyncRollouts(self.sampler, self.train_loader, self.cfg)
 
     def start(self) -> None:
@@ -118,12 +120,14 @@ class GRPO(AlgorithmRun):
 
     def log_rollouts(self, groups: Sequence[RolloutGroup]) -> None:
         """Every rollout of the step being trained to ``train_data_step<N>.jsonl`` (NeMo RL's file):
-        prompt, response tokens, reward, the weight version that sampled it and what the environment
-        said about it (``metadata``, when it says anything)."""
+        prompt, response tokens, reward, the weight version that sampled it (its oldest token's),
+        each token's version when a refit reached it mid-generation (``token_weight_versions``) and
+        what the environment said about it (``metadata``, when it says anything)."""
         step = self.state.step + 1
         self.log.log_samples("train_data", step, [
             {"prompt_idx": g.prompt.idx, "prompt_token_ids": list(g.prompt.prompt_ids), "response_token_ids": ids,
              "reward": reward, "weight_version": g.output.weight_version,
+             **_mixed_versions(g.output.versions_of(i)),
              **({"metadata": g.metadata[i]} if g.metadata is not None else {})}
             for g in groups for i, (ids, reward) in enumerate(zip(g.output.token_ids, g.rewards))])
 
@@ -242,3 +246,8 @@ def _warn_truncated_sampling(generation: Mapping[str, Any]) -> None:
 def main(config: Mapping[str, Any]) -> int:
     """``nrl train grpo``: synchronous, or asynchronous with ``grpo.async_grpo.enabled`` (the same loop)."""
     return GRPO.main(config)
+
+
+def _mixed_versions(versions: list[int]) -> dict[str, list[int]]:
+    """``token_weight_versions`` for a response sampled under several weight versions; nothing otherwise."""
+    return {"token_weight_versions": versions} if len(set(versions)) > 1 else {}

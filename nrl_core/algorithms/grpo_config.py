@@ -73,8 +73,12 @@ GRPO = Section(doc="GRPO algorithm settings (NeMo RL's names and meaning).", fie
                                           doc="train on rollouts sampled at most this many optimizer steps ago; "
                                               "0 is synchronous training"),
         "max_generation_failures": Field(type=int, default=0, inert=True),
-        "in_flight_weight_updates": Field(type=bool, default=False, inert=True),
-        "recompute_kv_cache_after_weight_updates": Field(type=bool, default=False, inert=True),
+        "in_flight_weight_updates": Field(type=bool, default=False,
+                                          doc="refits land in the requests in flight instead of waiting for them "
+                                              "(a generation backend that declares in_flight_updates)"),
+        "recompute_kv_cache_after_weight_updates": Field(
+            type=bool, default=False, doc="after an in-flight refit the requests in flight recompute their KV "
+                                          "cache with the new weights; false keeps the old weights' cache"),
     }),
 })
 

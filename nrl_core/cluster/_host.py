@@ -23,7 +23,11 @@ from nrl_core.refit.endpoints import RefitEndpoints
 from nrl_core.stacks import install_stack_dump
 from nrl_core.timeline import WorkerSpans, mark
 
-__all__ = ["WorkerHost"]
+__all__ = ["WorkerHost", "IN_FLIGHT_GROUP"]
+
+IN_FLIGHT_GROUP = "nrl_in_flight"
+"""The Ray concurrency group (one thread of its own per host) where a refit's import runs while the
+host's main thread is still streaming generations: in-flight weight updates."""
 
 _CALL_HISTORY = 256
 
@@ -52,6 +56,21 @@ def _traced(method: Callable[..., Any], label: Callable[..., str] | None = None)
             self._spans.record(method.__name__ if label is None else label(*args), wall, time.perf_counter() - start)
 
     return traced
+
+
+def _in_flight(method: Callable[..., Any], name: str) -> Callable[..., Any]:
+    """``method`` as the host endpoint ``name``, run in :data:`IN_FLIGHT_GROUP`'s thread beside
+    whatever the host is running (a generation that the import lands in)."""
+    import ray
+
+    def beside(self: "WorkerHost", *args: Any, **kwargs: Any) -> Any:
+        return method(self, *args, **kwargs)
+
+    beside.__name__ = beside.__qualname__ = name
+    beside.__doc__ = method.__doc__
+    # its dispatch declaration, not __wrapped__: Ray would run the wrapped method in the default group
+    beside.__dict__.update({k: v for k, v in method.__dict__.items() if k != "__wrapped__"})
+    return ray.method(concurrency_group=IN_FLIGHT_GROUP)(beside)
 
 
 def _traced_stream(method: Callable[..., Iterator[Any]]) -> Callable[..., Iterator[Any]]:
@@ -243,6 +262,9 @@ class WorkerHost(RefitEndpoints):
     nrl_refit_receive = _traced(RefitEndpoints.nrl_refit_receive)
     nrl_refit_local = _traced(RefitEndpoints.nrl_refit_local)
     nrl_refit_send = _traced_stream(RefitEndpoints.nrl_refit_send)
+    # The same imports, beside a generation still streaming (grpo.async_grpo.in_flight_weight_updates).
+    nrl_refit_import_in_flight = _in_flight(nrl_refit_import, "nrl_refit_import_in_flight")
+    nrl_refit_receive_in_flight = _in_flight(nrl_refit_receive, "nrl_refit_receive_in_flight")
     # ... and a colocated engine's generation calls.
     nrl_generation_call = _traced(RefitEndpoints.nrl_generation_call, lambda method, *_: f"generation.{method}")
     nrl_generate_sharded = _traced(RefitEndpoints.nrl_generate_sharded)

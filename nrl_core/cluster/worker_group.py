@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar, Union
 import ray
 from ray import exceptions as rex
 
-from nrl_core.cluster._host import WorkerHost
+from nrl_core.cluster._host import IN_FLIGHT_GROUP, WorkerHost
 from nrl_core.cluster._logs import tail_lines
 from nrl_core.dispatch import Fanout, Gather, dispatch_of
 from nrl_core.cluster.placement import Placement
@@ -138,7 +138,7 @@ def live_groups() -> list["WorkerGroup"]:
 def _remote_host() -> Any:
     global _REMOTE_HOST
     if _REMOTE_HOST is None:
-        _REMOTE_HOST = ray.remote(WorkerHost)
+        _REMOTE_HOST = ray.remote(concurrency_groups={IN_FLIGHT_GROUP: 1})(WorkerHost)
     return _REMOTE_HOST
 
 

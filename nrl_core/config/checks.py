@@ -136,6 +136,24 @@ def _check_capabilities(config: Mapping[str, Any], training: TrainingBackendSpec
         raise ConfigError("grpo.async_grpo.enabled", f"the {generation.name} generation backend "
                                                      f"({generation.distribution}) cannot stream rollouts, which async "
                                                      "GRPO needs; set it to false or use a backend that can")
+    if (generation is not None and policy["generation"] is not None and wants_streaming
+            and (config.get("grpo") or {}).get("async_grpo", {}).get("enabled")):
+        check_in_flight(config["grpo"]["async_grpo"], "grpo.async_grpo", generation, policy)
+
+
+def check_in_flight(section: Mapping[str, Any], path: str, generation: Any, policy: Mapping[str, Any]) -> None:
+    """An async section's ``in_flight_weight_updates`` (at ``path``) against the generation backend
+    and the refit: the backend must declare ``in_flight_updates``, and adapter-only refits swap an
+    adapter where a weight update would pause the engine."""
+    if not section.get("in_flight_weight_updates"):
+        return
+    if "in_flight_updates" not in generation.capabilities:
+        raise ConfigError(f"{path}.in_flight_weight_updates",
+                          f"the {generation.name} generation backend ({generation.distribution}) does not declare "
+                          "in_flight_updates (loading weights while requests are in flight); set it to false")
+    if policy["refit"]["adapters"]:
+        raise ConfigError(f"{path}.in_flight_weight_updates", "in-flight updates load merged weights; with "
+                                                              "policy.refit.adapters: true set it to false")
 
 
 def run_backend_check(path: str | None, config: Mapping[str, Any]) -> None:

@@ -64,7 +64,7 @@ def refit_options(config: Mapping[str, Any]) -> dict[str, Any]:
 
 def refit(source: Any, sink: Any | Sequence[Any], transport: str | None = None,
           bucket_bytes: int = DEFAULT_BUCKET_BYTES, dtype: str | None = "float32",
-          timeout_s: float | None = None) -> RefitReport:
+          timeout_s: float | None = None, in_flight: bool = False) -> RefitReport:
     """Move ``source``'s weights into ``sink`` (several sinks for data-parallel generation).
 
     Either all are local objects (a :class:`~nrl_core.contracts.TrainingWorker`-like source with
@@ -75,6 +75,8 @@ def refit(source: Any, sink: Any | Sequence[Any], transport: str | None = None,
 
     ``dtype`` None is the source's default precision (``policy.precision`` null), resolved in the
     source's process. ``timeout_s`` bounds a collective transport's own group (``distributed_timeout_minutes``).
+    ``in_flight``: the sinks (ranks of other actors) import beside the generation they may be
+    streaming, in their hosts' in-flight thread, so the new weights land mid-generation.
 
     Raises :class:`~nrl_core.refit.manifest.RefitError` (sinks keep their old weights) when what
     arrives does not match the source's manifest.
@@ -94,7 +96,7 @@ def refit(source: Any, sink: Any | Sequence[Any], transport: str | None = None,
     if not all(ranks):
         raise TypeError("refit: source and sinks must be all local objects or all worker group ranks "
                         "(WorkerGroup.endpoint)")
-    return _refit_ranks(source, sinks, transport, bucket_bytes, dtype, timeout_s)
+    return _refit_ranks(source, sinks, transport, bucket_bytes, dtype, timeout_s, in_flight)
 
 
 def _is_group_rank(obj: Any) -> bool:
@@ -104,12 +106,14 @@ def _is_group_rank(obj: Any) -> bool:
 
 
 def _refit_ranks(source: Any, sinks: list[Any], override: str | None, bucket_bytes: int, dtype: str | None,
-                 timeout_s: float | None = None) -> RefitReport:
+                 timeout_s: float | None = None, in_flight: bool = False) -> RefitReport:
     from nrl_core.cluster._host import WorkerHost
 
     start = time.perf_counter()
     colocated = [s == source for s in sinks]
     if any(colocated):
+        if in_flight:
+            raise ValueError("refit: in-flight weight updates need engines in actors of their own (not colocated)")
         if not all(colocated):
             raise ValueError("refit: the sinks must all live in the source's actor (colocated) or all in other "
                              "actors; a sharded training backend exports once per refit")
@@ -123,9 +127,9 @@ def _refit_ranks(source: Any, sinks: list[Any], override: str | None, bucket_byt
     from nrl_core.plugins import get_plugin_manager
 
     if get_plugin_manager().refit_transports().get(name, TRANSPORT_KEY).collective:
-        nbytes, versions = _collective(source, sinks, name, bucket_bytes, dtype, timeout_s)
+        nbytes, versions = _collective(source, sinks, name, bucket_bytes, dtype, timeout_s, in_flight)
     else:
-        nbytes, versions = _export_import(source, sinks, name, bucket_bytes, dtype)
+        nbytes, versions = _export_import(source, sinks, name, bucket_bytes, dtype, in_flight)
     return RefitReport(bytes=nbytes * len(sinks), seconds=time.perf_counter() - start, version=max(versions),
                        transport=name, placement=placement)
 
@@ -146,14 +150,16 @@ def _gather(calls: list[tuple[Any, Any]]) -> list[Any]:
     return [value for group, futures in calls for value in group.get(futures)]
 
 
-def _export_import(source: Any, sinks: list[Any], name: str, bucket_bytes: int, dtype: str | None) -> tuple[int, list[int]]:
+def _export_import(source: Any, sinks: list[Any], name: str, bucket_bytes: int, dtype: str | None,
+                   in_flight: bool = False) -> tuple[int, list[int]]:
     """The source exports once; every sink imports the same handles, concurrently. The sinks'
     calls take the export's object ref, so Ray starts them when it is done."""
     from nrl_core.cluster._host import WorkerHost
 
     exported = source.call_async(WorkerHost.nrl_refit_export, name, bucket_bytes, dtype)
     try:
-        imports = [(group, group.call_async(WorkerHost.nrl_refit_import, exported.refs[0], on=ranks))
+        endpoint = WorkerHost.nrl_refit_import_in_flight if in_flight else WorkerHost.nrl_refit_import
+        imports = [(group, group.call_async(endpoint, exported.refs[0], on=ranks))
                    for group, ranks in _by_group(sinks).items()]
         try:
             weights = source.get(exported)  # an export that failed is the source's error, not the engines'
@@ -173,7 +179,7 @@ def _gather_quietly(calls: list[tuple[Any, Any]]) -> None:
 
 
 def _collective(source: Any, sinks: list[Any], name: str, bucket_bytes: int, dtype: str | None,
-                timeout_s: float | None = None) -> tuple[int, list[int]]:
+                timeout_s: float | None = None, in_flight: bool = False) -> tuple[int, list[int]]:
     """One sender, every sink receiving the same broadcast concurrently."""
     from nrl_core.cluster._host import WorkerHost
 
@@ -184,7 +190,8 @@ def _collective(source: Any, sinks: list[Any], name: str, bucket_bytes: int, dty
     session = source.call(WorkerHost.nrl_refit_prepare, name, RefitSession(options=options))
     try:
         receive_rank = {(s.group, s.rank): i + 1 for i, s in enumerate(sinks)}
-        pending = [(group, group.call_async(WorkerHost.nrl_refit_receive, on=ranks, per_rank_args=[
+        endpoint = WorkerHost.nrl_refit_receive_in_flight if in_flight else WorkerHost.nrl_refit_receive
+        pending = [(group, group.call_async(endpoint, on=ranks, per_rank_args=[
                         (name, session.with_options(rank=receive_rank[(group, r)]), manifest) for r in ranks]))
                    for group, ranks in _by_group(sinks).items()]
         try:

@@ -187,3 +187,88 @@ def ray_session():
     shutdown_ray()
     yield
     shutdown_ray()
+
+
+def test_an_in_flight_refit_lands_mid_generation_and_each_token_knows_its_version(model, ray_session):
+    """The engine samples at version 0 while the policy is already at version 1; once a first
+    group is back (a prompt with room for two tokens), the refit lands in the requests still in
+    flight (``recompute_kv_cache``: they recompute their KV cache with the new weights). Responses
+    then carry versions 0 and then 1, and every token's generation logprob is the policy's under the
+    version that token names, so the importance weight of each token is p_trainer / p_that_version."""
+    from nrl_core.algorithms.async_rollouts import in_flight_metrics
+    from nrl_core.algorithms.grpo import RolloutGroup, merge_groups
+    from nrl_core.algorithms.loss import ClippedPGLoss, NLLLoss
+    from nrl_core.algorithms.rollouts import rollout_batch
+    from tests.e2e.facades import chat_prompts, policy_and_generation, training_batch
+
+    overrides = ["policy.generation.colocated.enabled=false", "policy.generation.colocated.resources.gpus_per_node=1",
+                 "cluster.gpus_per_node=2", "policy.generation.vllm_cfg.async_engine=true",
+                 "policy.optimizer.kwargs.lr=5e-3", "policy.generation.temperature=0.7",
+                 "policy.max_total_sequence_length=256", "policy.generation.vllm_cfg.max_model_len=256",
+                 "policy.generation.max_new_tokens=160"]
+    with policy_and_generation(model, overrides) as (_, policy, generation):
+        generation.configure_in_flight(recompute_kv_cache=True)
+        policy.train(training_batch(0), NLLLoss())  # version 1; the engine holds version 0
+        generation.mark_stale()
+        prompts = chat_prompts(model) + [[5 + i % 400 for i in range(254)]]  # the last has room for 2 tokens
+        stream = generation.generate_groups(prompts, 2)
+        groups = [next(stream)]
+        assert groups[0][0] == 4  # the short one finished first: the others are in flight
+        assert generation.prepare(in_flight=True).version == 1
+        groups += list(stream)
+        groups = sorted(groups)[:4]
+        rollouts = merge_groups([RolloutGroup(prompt=None, output=o, rewards=[0.0, 0.0]) for _, o in groups])
+        versions = [rollouts.versions_of(i) for i in range(8)]
+        assert all(v == sorted(v) and set(v) <= {0, 1} for v in versions)  # 0s, then 1s
+        assert sum(len(set(v)) == 2 for v in versions) >= 1, versions  # a refit reached a response mid-way
+        assert rollouts.weight_version == 0  # a response's version is its oldest token's
+        metrics = in_flight_metrics([o for _, o in groups], step=2)
+        assert 0 < metrics["async/in_flight_mixed_fraction"] <= 1
+        assert 0 < metrics["async/token_age_mean"] < 1  # trained at step 2 with version 1: ages 0 and 1
+
+        repeated = [p for p in prompts[:4] for _ in range(2)]
+        batch = rollout_batch(repeated, rollouts, pad_token_id=3)
+        at = torch.full(batch.input_ids.shape, -1)
+        for i, (prompt, v) in enumerate(zip(repeated, versions)):
+            at[i, len(prompt):len(prompt) + len(v)] = torch.tensor(v, dtype=torch.long)
+        sampled_under = batch.fields["generation_logprobs"]
+        version0, version1 = policy.get_reference_logprobs(batch), policy.get_logprobs(batch)
+        old, new = at == 0, at == 1
+        assert old.any() and new.any()
+        assert float((sampled_under - version0).abs()[old].max()) < 1e-3
+        assert float((sampled_under - version1).abs()[new].max()) < 1e-3
+        assert float((sampled_under - version1).abs()[old].mean()) > 1e-2  # the two versions differ
+        # the loss weighs each token by p_trainer / p_sampler: 1 where the engine already had version 1
+        batch.fields.update(prev_logprobs=version1, advantages=torch.ones_like(version1) * batch.fields["token_mask"],
+                            reference_logprobs=version0)
+        counts = batch.loss_counts()
+        loss, _ = ClippedPGLoss(use_importance_sampling_correction=True)(
+            version1, batch, global_valid_tokens=counts[0], global_valid_seqs=counts[1])
+        weights = (version1 - sampled_under).exp()
+        assert float(loss) == pytest.approx(float(-(weights * batch.fields["token_mask"]).sum() / counts[0]), rel=1e-5)
+        assert float((weights - 1).abs()[new].max()) < 2e-3 and float((weights - 1).abs()[old].mean()) > 1e-2
+
+
+def test_in_flight_updates_reach_rollouts_mid_generation_and_the_bound_holds_for_every_token(tmp_path, model):
+    """``in_flight_weight_updates``: long responses, so the trainer's refit after step ``t`` lands
+    while step ``t + 1``'s rollouts are generating. Some responses then carry two weight versions
+    (``token_weight_versions`` in ``train_data_step<N>.jsonl``); a rollout's version is its oldest
+    token's, and every token of every rollout is within the age bound."""
+    long = ["policy.max_total_sequence_length=192", "policy.generation.vllm_cfg.max_model_len=192",
+            "policy.generation.max_new_tokens=128", "grpo.async_grpo.in_flight_weight_updates=true"]
+    assert_ok(run_nrl(tmp_path, CONFIG, "grpo", small(model, "grpo.max_num_steps=3", "checkpointing.enabled=false",
+                                                      *long)))
+    mixed = 0
+    for step in (1, 2, 3):
+        rows = rollouts(tmp_path, step)
+        assert len(rows) == 16
+        for row in rows:
+            versions = row.get("token_weight_versions") or [row["weight_version"]] * len(row["response_token_ids"])
+            assert len(versions) == len(row["response_token_ids"]) and versions == sorted(versions)
+            assert row["weight_version"] == min(versions)
+            assert all(0 <= (step - 1) - v <= 1 for v in versions), (step, versions)  # the bound, per token
+            mixed += len(set(versions)) > 1
+    assert mixed > 0  # a refit landed mid-generation
+    rows = [r for r in metrics(tmp_path) if "async/in_flight_mixed_fraction" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3] and max(r["async/in_flight_mixed_fraction"] for r in rows) > 0
+    assert all(r["async/trajectory_age_max"] <= 1 and 0 <= r["async/token_age_mean"] <= 1 for r in rows)

@@ -25,3 +25,33 @@ def test_a_colocated_async_engine_of_two_ranks_is_accepted() -> None:
     config = checked("cluster.gpus_per_node=2", "policy.generation.colocated.enabled=true",
                      "grpo.async_grpo.enabled=false", "policy.generation.vllm_cfg.tensor_parallel_size=2")
     assert config["policy"]["generation"]["vllm_cfg"]["async_engine"] is True
+
+
+def test_in_flight_weight_updates_are_live_on_the_vllm_backend() -> None:
+    async_grpo = checked(*TP2, "grpo.async_grpo.in_flight_weight_updates=true",
+                         "grpo.async_grpo.recompute_kv_cache_after_weight_updates=true")["grpo"]["async_grpo"]
+    assert async_grpo["in_flight_weight_updates"] and async_grpo["recompute_kv_cache_after_weight_updates"]
+
+
+def test_in_flight_updates_need_the_capability_and_merged_weights() -> None:
+    import dataclasses
+
+    import pytest
+
+    from nrl_core.config.checks import check_in_flight
+    from nrl_core.errors import ConfigError
+    from nrl_core.plugins import get_plugin_manager
+
+    vllm = get_plugin_manager().generation_backends().get("vllm", "policy.generation.backend")
+    section, merged = {"in_flight_weight_updates": True}, {"refit": {"adapters": False}}
+    check_in_flight(section, "grpo.async_grpo", vllm, merged)
+    check_in_flight({"in_flight_weight_updates": False}, "grpo.async_grpo", vllm, {"refit": {"adapters": True}})
+    cases = [(dataclasses.replace(vllm, capabilities=frozenset({"streaming"})), merged,
+              "does not declare in_flight_updates"),
+             (vllm, {"refit": {"adapters": True}}, "with policy.refit.adapters: true set it to false")]
+    for spec, policy, phrase in cases:
+        with pytest.raises(ConfigError) as caught:
+            check_in_flight(section, "grpo.async_grpo", spec, policy)
+        message = str(caught.value)
+        assert "\n" not in message and message.startswith("grpo.async_grpo.in_flight_weight_updates: ") \
+            and phrase in message, message

@@ -6,8 +6,12 @@
   child process, driven here from synchronous code through an event loop in a daemon thread.
   Requests stream and finish independently, so :meth:`AsyncEngine.stream` hands back each group of
   samples as soon as its last sample is done (async GRPO scores rollouts as they complete). Refit
-  tensors are copied to the engine process. At tensor parallel above 1 the engine core runs its
-  workers with vLLM's own multiprocessing executor, all started from the engine's first rank.
+  tensors are copied to the engine process. A weight load may come from another thread while
+  requests are in flight: the engine pauses between two of its steps, loads, labels the weights
+  with their version (vLLM records, per request, which label sampled each token) and resumes; the
+  requests in flight either keep their KV cache (computed with the old weights) or are recomputed
+  with the new ones. At tensor parallel above 1 the engine core runs its workers with vLLM's own
+  multiprocessing executor, all started from the engine's first rank.
 * :class:`FollowerEngine`: the other ranks of such an engine. They hold its devices in the
   cluster's placement and answer every call with nothing; the first rank's engine does the work.
 """
@@ -45,9 +49,17 @@ class SyncEngine:
     def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
         return self.llm.collective_rpc(method, args=args)
 
-    def load_weights(self, named: list[tuple[str, Any]]) -> None:
-        """Hand the tensors to the worker extension by reference (same process)."""
+    def load_weights(self, named: list[tuple[str, Any]], version: int, recompute_kv_cache: bool = False) -> None:
+        """Hand the tensors to the worker extension by reference (same process; nothing is in
+        flight between two calls of this engine), then drop the KV cached with the old weights."""
         self.llm.collective_rpc("nrl_load_weights", args=(named,))
+        self.llm.reset_prefix_cache()
+
+    def label(self, version: int) -> None:
+        """Every output of this engine is labelled with the version at its call."""
+
+    def token_versions(self, seq: Any, version: int) -> list[int]:
+        return [version] * len(seq.token_ids)
 
     def reset_prefix_cache(self) -> None:
         self.llm.reset_prefix_cache()
@@ -136,9 +148,15 @@ class AsyncEngine:
     def add_lora(self, request: Any) -> None:
         self._run(self.engine.add_lora(request))
 
-    def load_weights(self, named: list[tuple[str, Any]]) -> None:
+    def load_weights(self, named: list[tuple[str, Any]], version: int, recompute_kv_cache: bool = False) -> None:
         """The engine runs in another process, and vLLM's RPC encoding does not carry tensors in a
-        list of pairs: pack them into one ``/dev/shm`` file the engine's worker maps, then remove it."""
+        list of pairs: pack them into one ``/dev/shm`` file the engine's worker maps, then remove it.
+
+        The load lands between two engine steps, requests in flight or not: the scheduler pauses
+        keeping its requests, the weights load and get ``version`` as their label, and it resumes.
+        ``recompute_kv_cache`` preempts the requests in flight and resets the prefix cache, so their
+        next tokens are computed from a KV cache of the new weights; otherwise they keep the KV their
+        earlier tokens left, and the prefix cache is reset only when no request holds blocks."""
         import os
         import tempfile
 
@@ -155,10 +173,32 @@ class AsyncEngine:
             data = torch.from_file(path, shared=True, size=max(offset, 1), dtype=torch.uint8)
             for (name, tensor), (_, _, _, start, nbytes) in zip(named, layout):
                 data[start:start + nbytes].copy_(tensor.detach().contiguous().view(-1).view(torch.uint8))
-            self.collective_rpc("nrl_load_weights_from_file", args=(path, layout))
+            self._run(self._paused_load(path, layout, version, recompute_kv_cache))
         finally:
             os.close(fd)
             os.unlink(path)
+
+    async def _paused_load(self, path: str, layout: list[list[Any]], version: int, recompute_kv_cache: bool) -> None:
+        await self.engine.pause_generation(mode="keep", clear_cache=recompute_kv_cache)
+        try:
+            await self.engine.collective_rpc("nrl_load_weights_from_file", args=(path, layout))
+            if not recompute_kv_cache:
+                await self.engine.reset_prefix_cache()  # refused (False) while a request holds blocks
+            await self.engine.update_weight_version(str(version))
+        finally:
+            await self.engine.resume_generation()
+
+    def label(self, version: int) -> None:
+        """Label the weights the engine holds now (vLLM tags each sampled token with it)."""
+        self._run(self.engine.update_weight_version(str(version)))
+
+    @staticmethod
+    def token_versions(seq: Any, version: int) -> list[int]:
+        """Each token's version from vLLM's spans (set on a request's final output); ``version``
+        (the one at the request's start) for all of them when the engine reported none."""
+        spans = getattr(seq, "weight_versions", None) or []
+        versions = [int(span.version) for span in spans for _ in range(span.start, span.end)]
+        return versions if len(versions) == len(seq.token_ids) else [version] * len(seq.token_ids)
 
     def reset_prefix_cache(self) -> None:
         self._run(self.engine.reset_prefix_cache())
@@ -197,8 +237,13 @@ class FollowerEngine:
     def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
         return []
 
-    def load_weights(self, named: list[tuple[str, Any]]) -> None:
+    def load_weights(self, named: list[tuple[str, Any]], version: int, recompute_kv_cache: bool = False) -> None:
         """The first rank's engine loads them into every worker."""
+
+    def label(self, version: int) -> None: ...
+
+    def token_versions(self, seq: Any, version: int) -> list[int]:
+        return []
 
     def add_lora(self, request: Any) -> None:
         """Likewise."""

@@ -227,6 +227,8 @@ class VllmGenerationWorker:
             if refused is None:
                 raise
             raise refused from None
+        self._engine.label(self._state.weight_version)
+        self.recompute_kv_cache = False  # after an in-flight weight update (configure_in_flight)
         mark("vllm_engine_ready", rank=rank, tensor_parallel=self.tp, follower=self.follower)
         if self.follower:
             logger.info("vLLM async engine %d: rank %d holds its place (the engine's first rank runs its %d workers)",
@@ -262,6 +264,7 @@ class VllmGenerationWorker:
     def load_sampling_state(self, state: Mapping[str, int]) -> None:
         """Restore :meth:`sampling_state` so the next calls repeat the saved run's samples."""
         self._state.load(state)
+        self._engine.label(self._state.weight_version)  # the version the engine reports per token
 
     def generate(self, prompts: list[list[int]], *, greedy: bool = False) -> GenerationOutput:
         """Complete each prompt (token ids); per-request seeds make the samples reproducible."""
@@ -280,6 +283,18 @@ class VllmGenerationWorker:
         version = self._state.weight_version
         for index, outputs in self._engine.stream(requests, params, group_size):
             yield index, self._output(outputs, version)
+
+    def configure_in_flight(self, recompute_kv_cache: bool) -> None:
+        """In-flight weight updates (capability ``in_flight_updates``): :meth:`import_weights` may
+        now come from another thread while :meth:`generate_groups` streams. The load pauses the
+        async engine between two steps; ``recompute_kv_cache`` says whether the requests in flight
+        then recompute their KV cache with the new weights (NeMo RL's
+        ``recompute_kv_cache_after_weight_updates``) or keep the one the old weights left."""
+        if not self.async_engine:
+            raise ConfigError("policy.generation.vllm_cfg.async_engine",
+                              "must be true for in-flight weight updates: vLLM's synchronous engine returns a batch "
+                              "whole, so a refit can only land between batches")
+        self.recompute_kv_cache = bool(recompute_kv_cache)
 
     def _requests(self, prompts: list[list[int]], greedy: bool) -> tuple[list[Any], list[Any]]:
         from vllm.inputs import TokensPrompt
@@ -303,15 +318,21 @@ class VllmGenerationWorker:
         return requests, params
 
     def _output(self, outputs: list[Any], version: int | None = None) -> GenerationOutput:
-        token_ids, logprobs, reasons = [], [], []
+        """``version``: the weights' version when the requests started (the engine's current one if
+        None); each token's own version comes from the engine, so a response a refit reached
+        mid-generation names both."""
+        start = self._state.weight_version if version is None else version
+        token_ids, logprobs, reasons, versions = [], [], [], []
         for out in outputs:
             seq = out.outputs[0]
             ids = list(seq.token_ids)
             token_ids.append(ids)
             logprobs.append([float(seq.logprobs[t][tok].logprob) for t, tok in enumerate(ids)] if seq.logprobs else [])
             reasons.append(_FINISH.get(seq.finish_reason or "", "stop"))
+            versions.append(self._engine.token_versions(seq, start))
+        oldest = min((v for per_token in versions for v in per_token), default=start)
         return GenerationOutput(token_ids=token_ids, logprobs=logprobs, finish_reasons=reasons,
-                                weight_version=self._state.weight_version if version is None else version)
+                                weight_version=min(oldest, start), token_weight_versions=versions)
 
     # ------------------------------------------------------------------ refit
 
@@ -326,11 +347,12 @@ class VllmGenerationWorker:
         staged: list[tuple[str, Any]] = [item for bucket in buckets for item in bucket]
         verify([spec_of(name, tensor) for name, tensor in staged], manifest)
         check_against_checkpoint(manifest, self._checkpoint, self.model_dir)
-        self._engine.load_weights(staged)
+        version = self._state.weight_version + 1
+        # the engine drops the KV cached with the old weights (in flight: as configure_in_flight says)
+        self._engine.load_weights(staged, version, self.recompute_kv_cache)
         del staged
-        self._engine.reset_prefix_cache()  # cached KV was computed with the old weights
-        self._state.weight_version += 1
-        return self._state.weight_version
+        self._state.weight_version = version
+        return version
 
     def import_adapter(self, buckets: Iterable[Bucket], manifest: list[WeightSpec],
                        adapter_config: Mapping[str, Any]) -> int:
@@ -375,6 +397,7 @@ class VllmGenerationWorker:
             shutil.rmtree(previous, ignore_errors=True)
         self._engine.reset_prefix_cache()  # cached KV was computed with the old adapter
         self._state.weight_version += 1
+        self._engine.label(self._state.weight_version)
         return self._state.weight_version
 
     # ------------------------------------------------------------------ memory hand-off (colocated)

@@ -77,7 +77,10 @@ class PPO(AlgorithmRun):
         self.rollouts = AsyncRollouts(self.sampler, self.train_loader, self.generation,
                                       prompts_per_step=int(cfg["num_prompts_per_step"]),
                                       max_age=int(age["max_trajectory_age_steps"]), last_step=self.max_steps,
-                                      age_key="ppo.async_ppo.max_trajectory_age_steps") if age["enabled"] else None
+                                      age_key="ppo.async_ppo.max_trajectory_age_steps",
+                                      in_flight=bool(age["in_flight_weight_updates"]),
+                                      recompute_kv_cache=bool(age["recompute_kv_cache_after_weight_updates"]),
+                                      ) if age["enabled"] else None
 
     def trained_models(self) -> dict[str, Policy]:
         return {"policy": self.policy, "value": self.critic}

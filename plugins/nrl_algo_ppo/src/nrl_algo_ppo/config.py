@@ -7,6 +7,7 @@ from typing import Any, Mapping
 
 from nrl_core.algorithms.grpo_config import GRPO, check_async_rollouts
 from nrl_core.algorithms.rewards import shaping_problem
+from nrl_core.config.checks import check_in_flight
 from nrl_core.config.schema import Field, Section
 from nrl_core.errors import ConfigError
 
@@ -32,8 +33,11 @@ ASYNC_PPO = Section(doc="Generation runs ahead of training with bounded stalenes
                                       doc="optimizer steps a rollout's weights may lag the ones it trains"),
     "warmup_generation_lead_steps": Field(type=int, default=None, nullable=True, inert=True,
                                           doc="the collector runs ahead by max_trajectory_age_steps"),
-    "in_flight_weight_updates": Field(type=bool, default=False, inert=True),
-    "recompute_kv_cache_after_weight_updates": Field(type=bool, default=False, inert=True),
+    "in_flight_weight_updates": Field(type=bool, default=False,
+                                      doc="refits land in the requests in flight instead of waiting for them"),
+    "recompute_kv_cache_after_weight_updates": Field(type=bool, default=False,
+                                                     doc="after an in-flight refit the requests in flight recompute "
+                                                         "their KV cache with the new weights"),
     "drop_incomplete_targets_on_restore": Field(type=bool, default=False, inert=True),
 })
 
@@ -127,6 +131,7 @@ def _check_async(config: Mapping[str, Any]) -> None:
     if "streaming" not in spec.capabilities:
         raise ConfigError("ppo.async_ppo.enabled", f"the {spec.name} generation backend ({spec.distribution}) cannot "
                                                    "stream rollouts, which asynchronous PPO needs; set it to false")
+    check_in_flight(config["ppo"]["async_ppo"], "ppo.async_ppo", spec, config["policy"])
 
 
 def _check_critic_backend(config: Mapping[str, Any]) -> None:
