@@ -92,7 +92,7 @@ CONTRACT_HISTORY: tuple[ContractVersion, ...] = (
         "policy.reward_model_cfg.enabled; a loss with reads_values gets the head's [b, t] values",
         "AlgorithmSpec.value_sections: the policy-shaped sections whose model has a value head",
         "EnvironmentSpec.resources_key: an environment's devices, taken from the cluster (a reward model)",)),
-    ContractVersion(12, "HEAD", added=(
+    ContractVersion(12, "5c019e7", added=(
         "capability in_flight_updates (generation: import_weights while generate_groups streams, chosen by "
         "grpo.async_grpo.in_flight_weight_updates) and GenerationOutput.token_weight_versions: each token's "
         "weight version",)),
