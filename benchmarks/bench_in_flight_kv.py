@@ -30,7 +30,8 @@ OVERRIDES = ["policy.generation.colocated.enabled=false", "policy.generation.col
              "cluster.gpus_per_node=2", "policy.generation.vllm_cfg.async_engine=true",
              "policy.optimizer.kwargs.lr=5e-3", "policy.generation.temperature=0.7",
              "policy.max_total_sequence_length=256", "policy.generation.vllm_cfg.max_model_len=256",
-             "policy.generation.max_new_tokens=160"]
+             "policy.generation.max_new_tokens=160", "grpo.async_grpo.enabled=true",
+             "grpo.async_grpo.in_flight_weight_updates=true", "loss_fn.use_importance_sampling_correction=true"]
 
 
 def one_mode(model: Path, recompute: bool, repeats: int) -> dict[str, float]:
@@ -50,7 +51,8 @@ def one_mode(model: Path, recompute: bool, repeats: int) -> dict[str, float]:
             generation.mark_stale()
             stream = generation.generate_groups(prompts, 2)
             groups = [next(stream)]
-            in_flight_s.append(generation.prepare(in_flight=True).seconds)
+            report = generation.prepare(in_flight=True)
+            in_flight_s.append(report.seconds)
             groups += list(stream)
             groups = sorted(groups)[:4]
             rollouts = merge_groups([RolloutGroup(prompt=None, output=o, rewards=[0.0, 0.0]) for _, o in groups])
@@ -60,7 +62,7 @@ def one_mode(model: Path, recompute: bool, repeats: int) -> dict[str, float]:
             batch = rollout_batch(repeated, rollouts, pad_token_id=3)
             new = torch.zeros(batch.input_ids.shape, dtype=torch.bool)
             for i, (prompt, v) in enumerate(zip(repeated, versions)):
-                new[i, len(prompt):len(prompt) + len(v)] = torch.tensor(v) == max(v)
+                new[i, len(prompt):len(prompt) + len(v)] = torch.tensor(v) == report.version
             now = policy.get_logprobs(batch)
             gaps.append(float((batch.fields["generation_logprobs"] - now).abs()[new].mean()))
             generation.mark_stale()

@@ -580,9 +580,10 @@ class GenerationOutput:
     def slice(self, start: int, stop: int) -> "GenerationOutput":
         """The outputs of prompts ``start:stop``."""
         versions = None if self.token_weight_versions is None else self.token_weight_versions[start:stop]
+        oldest = min((v for per_token in versions or () for v in per_token), default=self.weight_version)
         return GenerationOutput(token_ids=self.token_ids[start:stop], logprobs=self.logprobs[start:stop],
-                                finish_reasons=self.finish_reasons[start:stop], weight_version=self.weight_version,
-                                token_weight_versions=versions)
+                                finish_reasons=self.finish_reasons[start:stop],
+                                weight_version=max(oldest, self.weight_version), token_weight_versions=versions)
 
     def versions_of(self, index: int) -> list[int]:
         """The weight version of each token of response ``index``: as the engine reported them,

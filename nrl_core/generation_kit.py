@@ -180,3 +180,18 @@ def stop_string_end(tokens: Sequence[int], stop_strings: Sequence[str],
         else:
             low = middle + 1
     return low
+
+
+def in_flight_section(config: Mapping[str, Any]) -> str | None:
+    """The path of the enabled asynchronous section that asks for in-flight weight updates
+    (NeMo RL's layout: ``grpo.async_grpo``, ``ppo.async_ppo``, any algorithm's ``<section>.async_*``
+    with ``enabled`` and ``in_flight_weight_updates``), or None: what a backend's config check and
+    the engines' launch read without knowing the algorithm."""
+    for name, section in config.items():
+        if not isinstance(section, Mapping):
+            continue
+        for key, sub in section.items():
+            if (key.startswith("async") and isinstance(sub, Mapping) and sub.get("enabled")
+                    and sub.get("in_flight_weight_updates")):
+                return f"{name}.{key}"
+    return None

@@ -32,6 +32,7 @@ from nrl_core.cluster.worker_group import method_name
 from nrl_core.config.topology import cluster_topology
 from nrl_core.contracts import GenerationBackendSpec, GenerationOutput, GenerationWorker, InFlightUpdater
 from nrl_core.dispatch import Fanout, dispatch_of
+from nrl_core.errors import NrlError
 from nrl_core.refit.orchestrator import choose_transport, refit, refit_options
 from nrl_core.refit.report import RefitReport, combine_reports
 from nrl_core.timeline import mark
@@ -197,7 +198,11 @@ class Generation:
         return report
 
     def configure_in_flight(self, recompute_kv_cache: bool) -> None:
-        """Let refits land while the engines generate (their backend declares ``in_flight_updates``)."""
+        """Let refits land while the engines generate (their backend declares ``in_flight_updates``;
+        their hosts were launched with a thread for it: the config asked for in-flight updates)."""
+        if self.colocated or not self.hosts.in_flight:
+            raise NrlError("in-flight weight updates need engines on workers of their own, launched for them "
+                           "(an async section's in_flight_weight_updates: true in the config)")
         self._engines(InFlightUpdater.configure_in_flight, recompute_kv_cache)
 
     def weight_versions(self) -> list[int]:

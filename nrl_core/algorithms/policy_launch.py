@@ -35,6 +35,7 @@ from nrl_core.cluster import WorkerGroup, init_ray, make_placement, shutdown_ray
 from nrl_core.cluster.placement import Placement
 from nrl_core.config.topology import cluster_topology
 from nrl_core.contracts import LEGACY_PRELOAD, AlgorithmSpec, GenerationBackendSpec, TrainingBackendSpec
+from nrl_core.generation_kit import in_flight_section
 from nrl_core.process_groups import distributed_timeout_s
 from nrl_core.timeline import mark
 
@@ -147,7 +148,8 @@ def launch_engines(config: Mapping[str, Any], generation: GenerationBackendSpec,
                    collective_timeout_s: float, nodes: int | None = None, name: str = "generation") -> LaunchedGroup:
     """Place ``world`` ranks of ``generation``'s engines in actors of their own and create them;
     they import ``generation``'s modules at once, and :meth:`LaunchedGroup.finish_start` builds
-    the engines."""
+    the engines. With in-flight weight updates their hosts get a thread for imports beside the
+    stream."""
     cluster = config["cluster"]
     engine_size = generation.engine_size(config["policy"]["generation"].get(generation.config_key) or {})
     placement = make_placement(cluster, world, name=name, nodes=nodes)
@@ -156,7 +158,8 @@ def launch_engines(config: Mapping[str, Any], generation: GenerationBackendSpec,
         group = WorkerGroup(generation.worker, world, name=f"{name}-{generation.name}",
                             placement=placement, env_vars=dict(cluster.get("env_vars") or {}),
                             distributed_backend="auto" if engine_size > 1 else "none",
-                            collective_timeout_s=collective_timeout_s, preload=_imports_of(generation), start=False)
+                            collective_timeout_s=collective_timeout_s, preload=_imports_of(generation), start=False,
+                            in_flight=in_flight_section(config) is not None)
     except BaseException:
         placement.remove()
         raise

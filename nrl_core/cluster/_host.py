@@ -23,7 +23,7 @@ from nrl_core.refit.endpoints import RefitEndpoints
 from nrl_core.stacks import install_stack_dump
 from nrl_core.timeline import WorkerSpans, mark
 
-__all__ = ["WorkerHost", "IN_FLIGHT_GROUP"]
+__all__ = ["WorkerHost", "InFlightWorkerHost", "IN_FLIGHT_GROUP"]
 
 IN_FLIGHT_GROUP = "nrl_in_flight"
 """The Ray concurrency group (one thread of its own per host) where a refit's import runs while the
@@ -61,16 +61,30 @@ def _traced(method: Callable[..., Any], label: Callable[..., str] | None = None)
 def _in_flight(method: Callable[..., Any], name: str) -> Callable[..., Any]:
     """``method`` as the host endpoint ``name``, run in :data:`IN_FLIGHT_GROUP`'s thread beside
     whatever the host is running (a generation that the import lands in)."""
-    import ray
 
     def beside(self: "WorkerHost", *args: Any, **kwargs: Any) -> Any:
+        device = getattr(self, "_cuda_device", None)
+        if device is not None:  # the current CUDA device is per thread: this one starts at device 0
+            import torch
+
+            torch.cuda.set_device(device)
         return method(self, *args, **kwargs)
 
     beside.__name__ = beside.__qualname__ = name
     beside.__doc__ = method.__doc__
-    # its dispatch declaration, not __wrapped__: Ray would run the wrapped method in the default group
+    # its dispatch declaration, not __wrapped__: Ray would take the wrapped method's (default) group
     beside.__dict__.update({k: v for k, v in method.__dict__.items() if k != "__wrapped__"})
+    import ray
+
     return ray.method(concurrency_group=IN_FLIGHT_GROUP)(beside)
+
+
+def _current_cuda_device() -> int | None:
+    """The CUDA device this thread works on, once torch has initialised CUDA here; else None."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    return int(torch.cuda.current_device())
 
 
 def _traced_stream(method: Callable[..., Iterator[Any]]) -> Callable[..., Iterator[Any]]:
@@ -240,6 +254,7 @@ class WorkerHost(RefitEndpoints):
             cls = import_object(worker_cls)
             mark("worker_build_start", worker=worker_cls, rank=self.rank)
             self.worker = cls(**init_kwargs, rank=self.rank, world_size=self.world_size)
+        self._cuda_device = _current_cuda_device()
         mark("worker_built", worker=worker_cls, rank=self.rank)
 
     def call(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -262,9 +277,6 @@ class WorkerHost(RefitEndpoints):
     nrl_refit_receive = _traced(RefitEndpoints.nrl_refit_receive)
     nrl_refit_local = _traced(RefitEndpoints.nrl_refit_local)
     nrl_refit_send = _traced_stream(RefitEndpoints.nrl_refit_send)
-    # The same imports, beside a generation still streaming (grpo.async_grpo.in_flight_weight_updates).
-    nrl_refit_import_in_flight = _in_flight(nrl_refit_import, "nrl_refit_import_in_flight")
-    nrl_refit_receive_in_flight = _in_flight(nrl_refit_receive, "nrl_refit_receive_in_flight")
     # ... and a colocated engine's generation calls.
     nrl_generation_call = _traced(RefitEndpoints.nrl_generation_call, lambda method, *_: f"generation.{method}")
     nrl_generate_sharded = _traced(RefitEndpoints.nrl_generate_sharded)
@@ -292,3 +304,12 @@ class WorkerHost(RefitEndpoints):
                 dist.destroy_process_group()
         except Exception:  # the process is killed right after; a failed goodbye changes nothing
             pass
+
+
+class InFlightWorkerHost(WorkerHost):
+    """The host of engines that take refits while they generate (in-flight weight updates): Ray
+    runs these two imports in :data:`IN_FLIGHT_GROUP`'s thread, beside the stream. A Ray actor with
+    a concurrency group runs every call off the process's main thread, so only these hosts have one."""
+
+    nrl_refit_import_in_flight = _in_flight(WorkerHost.nrl_refit_import, "nrl_refit_import_in_flight")
+    nrl_refit_receive_in_flight = _in_flight(WorkerHost.nrl_refit_receive, "nrl_refit_receive_in_flight")

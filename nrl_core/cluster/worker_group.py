@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar, Union
 import ray
 from ray import exceptions as rex
 
-from nrl_core.cluster._host import IN_FLIGHT_GROUP, WorkerHost
+from nrl_core.cluster._host import IN_FLIGHT_GROUP, InFlightWorkerHost, WorkerHost
 from nrl_core.cluster._logs import tail_lines
 from nrl_core.dispatch import Fanout, Gather, dispatch_of
 from nrl_core.cluster.placement import Placement
@@ -125,7 +125,7 @@ class GroupRank:
         return self.group.get(futures)
 
 
-_REMOTE_HOST: Any = None
+_REMOTE_HOSTS: dict[bool, Any] = {}
 _LIVE: "weakref.WeakSet[WorkerGroup]" = weakref.WeakSet()
 
 
@@ -135,11 +135,14 @@ def live_groups() -> list["WorkerGroup"]:
     return [group for group in list(_LIVE) if not group._closed]
 
 
-def _remote_host() -> Any:
-    global _REMOTE_HOST
-    if _REMOTE_HOST is None:
-        _REMOTE_HOST = ray.remote(concurrency_groups={IN_FLIGHT_GROUP: 1})(WorkerHost)
-    return _REMOTE_HOST
+def _remote_host(in_flight: bool = False) -> Any:
+    """The host actor class; ``in_flight``: with a second thread for imports that land while the
+    actor streams (a Ray actor with concurrency groups runs every call off its main thread, so
+    only the groups that need it get one)."""
+    if in_flight not in _REMOTE_HOSTS:
+        _REMOTE_HOSTS[in_flight] = (ray.remote(concurrency_groups={IN_FLIGHT_GROUP: 1})(InFlightWorkerHost)
+                                    if in_flight else ray.remote(WorkerHost))
+    return _REMOTE_HOSTS[in_flight]
 
 
 def _death_reason(exc: BaseException) -> str:
@@ -216,6 +219,7 @@ class WorkerGroup:
         error_grace_s: float = 3.0,
         preload: Sequence[str] = (),
         start: bool = True,
+        in_flight: bool = False,
     ) -> None:
         if num_workers < 1:
             raise ValueError(f"worker group '{name}' needs at least one worker, got {num_workers}")
@@ -245,6 +249,7 @@ class WorkerGroup:
         self.dp_leads: tuple[int, ...] = tuple(range(num_workers))  # where Fanout.DP calls go
         self._waiting: dict[int, tuple[str, set[int]]] = {}  # calls the driver waits on: ranks not yet done
         self._trace_dir = os.environ.get(TRACE_DIR_ENV)  # where the actors record their spans (forwarded)
+        self.in_flight = in_flight  # the hosts take imports beside a stream (WorkerHost.nrl_refit_import_in_flight)
         _LIVE.add(self)
         with self._closed_on_error():
             self._launch(env_vars or {}, num_cpus_per_worker, num_gpus_per_worker, list(preload))
@@ -276,7 +281,7 @@ class WorkerGroup:
         return opts
 
     def _launch(self, env_vars: Mapping[str, str], cpus: float, gpus: float, preload: list[str]) -> None:
-        host = _remote_host()
+        host = _remote_host(self.in_flight)
         n = self.world_size
         self._actors = [
             host.options(**self._actor_options(r, env_vars, cpus, gpus)).remote(self.name, r, n) for r in range(n)
@@ -476,7 +481,7 @@ class WorkerGroup:
     @staticmethod
     def _host_method(method: Method) -> str | None:
         """The name of ``method`` when it is one of the host actor's own endpoints."""
-        if callable(method) and getattr(WorkerHost, method.__name__, None) is method:
+        if callable(method) and method in (getattr(cls, method.__name__, None) for cls in (WorkerHost, InFlightWorkerHost)):
             return method.__name__
         return None
 
@@ -484,6 +489,8 @@ class WorkerGroup:
                    packed: Any = None) -> Callable[[Any, int], ray.ObjectRef]:
         host = self._host_method(method)
         if host is not None:  # object refs among the arguments reach the endpoint resolved
+            if not self.in_flight and not hasattr(WorkerHost, host):
+                raise ValueError(f"worker group '{self.name}': {host}() needs hosts launched with in_flight=True")
             return lambda actor, r: getattr(actor, host).options(enable_task_events=False).remote(
                 *arguments(r)[0], **arguments(r)[1])
         name = method_name(method)

@@ -154,11 +154,11 @@ def _export_import(source: Any, sinks: list[Any], name: str, bucket_bytes: int, 
                    in_flight: bool = False) -> tuple[int, list[int]]:
     """The source exports once; every sink imports the same handles, concurrently. The sinks'
     calls take the export's object ref, so Ray starts them when it is done."""
-    from nrl_core.cluster._host import WorkerHost
+    from nrl_core.cluster._host import InFlightWorkerHost, WorkerHost
 
     exported = source.call_async(WorkerHost.nrl_refit_export, name, bucket_bytes, dtype)
     try:
-        endpoint = WorkerHost.nrl_refit_import_in_flight if in_flight else WorkerHost.nrl_refit_import
+        endpoint = InFlightWorkerHost.nrl_refit_import_in_flight if in_flight else WorkerHost.nrl_refit_import
         imports = [(group, group.call_async(endpoint, exported.refs[0], on=ranks))
                    for group, ranks in _by_group(sinks).items()]
         try:
@@ -181,7 +181,7 @@ def _gather_quietly(calls: list[tuple[Any, Any]]) -> None:
 def _collective(source: Any, sinks: list[Any], name: str, bucket_bytes: int, dtype: str | None,
                 timeout_s: float | None = None, in_flight: bool = False) -> tuple[int, list[int]]:
     """One sender, every sink receiving the same broadcast concurrently."""
-    from nrl_core.cluster._host import WorkerHost
+    from nrl_core.cluster._host import InFlightWorkerHost, WorkerHost
 
     options: dict[str, Any] = {"world_size": 1 + len(sinks)}
     if timeout_s is not None:
@@ -190,7 +190,7 @@ def _collective(source: Any, sinks: list[Any], name: str, bucket_bytes: int, dty
     session = source.call(WorkerHost.nrl_refit_prepare, name, RefitSession(options=options))
     try:
         receive_rank = {(s.group, s.rank): i + 1 for i, s in enumerate(sinks)}
-        endpoint = WorkerHost.nrl_refit_receive_in_flight if in_flight else WorkerHost.nrl_refit_receive
+        endpoint = InFlightWorkerHost.nrl_refit_receive_in_flight if in_flight else WorkerHost.nrl_refit_receive
         pending = [(group, group.call_async(endpoint, on=ranks, per_rank_args=[
                         (name, session.with_options(rank=receive_rank[(group, r)]), manifest) for r in ranks]))
                    for group, ranks in _by_group(sinks).items()]

@@ -72,6 +72,8 @@ def check_the_engine_imported_while_the_driver_checked_the_config(timeline: Path
     assert engine_actors == built and len(built) == 1
 
 
+IN_FLIGHT = ["grpo.async_grpo.enabled=true", "grpo.async_grpo.in_flight_weight_updates=true",
+             "loss_fn.use_importance_sampling_correction=true"]  # launches the engines' hosts for it
 TP2 = ["cluster.gpus_per_node=3", "policy.generation.colocated.resources.gpus_per_node=2",
        "policy.generation.vllm_cfg.tensor_parallel_size=2"]
 
@@ -189,12 +191,16 @@ def ray_session():
     shutdown_ray()
 
 
-def test_an_in_flight_refit_lands_mid_generation_and_each_token_knows_its_version(model, ray_session):
+@pytest.mark.parametrize("recompute", [True, False], ids=["recompute-kv", "keep-kv"])
+def test_an_in_flight_refit_lands_mid_generation_and_each_token_knows_its_version(model, ray_session, recompute):
     """The engine samples at version 0 while the policy is already at version 1; once a first
     group is back (a prompt with room for two tokens), the refit lands in the requests still in
-    flight (``recompute_kv_cache``: they recompute their KV cache with the new weights). Responses
-    then carry versions 0 and then 1, and every token's generation logprob is the policy's under the
-    version that token names, so the importance weight of each token is p_trainer / p_that_version."""
+    flight. Responses then carry versions 0 and then 1. The tokens of version 0 have the policy's
+    version-0 logprobs. With ``recompute_kv_cache`` the requests recompute their KV cache with the
+    new weights, so every token's generation logprob is the policy's under the version that token
+    names and the importance weight of each token is p_trainer / p_that_version; keeping the cache
+    (NeMo RL's default) the tokens of version 1 read keys and values version 0 computed, which the
+    importance weights then carry."""
     from nrl_core.algorithms.async_rollouts import in_flight_metrics
     from nrl_core.algorithms.grpo import RolloutGroup, merge_groups
     from nrl_core.algorithms.loss import ClippedPGLoss, NLLLoss
@@ -205,9 +211,9 @@ def test_an_in_flight_refit_lands_mid_generation_and_each_token_knows_its_versio
                  "cluster.gpus_per_node=2", "policy.generation.vllm_cfg.async_engine=true",
                  "policy.optimizer.kwargs.lr=5e-3", "policy.generation.temperature=0.7",
                  "policy.max_total_sequence_length=256", "policy.generation.vllm_cfg.max_model_len=256",
-                 "policy.generation.max_new_tokens=160"]
+                 "policy.generation.max_new_tokens=160", *IN_FLIGHT]
     with policy_and_generation(model, overrides) as (_, policy, generation):
-        generation.configure_in_flight(recompute_kv_cache=True)
+        generation.configure_in_flight(recompute_kv_cache=recompute)
         policy.train(training_batch(0), NLLLoss())  # version 1; the engine holds version 0
         generation.mark_stale()
         prompts = chat_prompts(model) + [[5 + i % 400 for i in range(254)]]  # the last has room for 2 tokens
@@ -236,8 +242,11 @@ def test_an_in_flight_refit_lands_mid_generation_and_each_token_knows_its_versio
         old, new = at == 0, at == 1
         assert old.any() and new.any()
         assert float((sampled_under - version0).abs()[old].max()) < 1e-3
-        assert float((sampled_under - version1).abs()[new].max()) < 1e-3
         assert float((sampled_under - version1).abs()[old].mean()) > 1e-2  # the two versions differ
+        if not recompute:  # the stale cache shows in the logprobs of the later tokens
+            assert float((sampled_under - version1).abs()[new].mean()) > 1e-2
+            return
+        assert float((sampled_under - version1).abs()[new].max()) < 1e-3
         # the loss weighs each token by p_trainer / p_sampler: 1 where the engine already had version 1
         batch.fields.update(prev_logprobs=version1, advantages=torch.ones_like(version1) * batch.fields["token_mask"],
                             reference_logprobs=version0)

@@ -19,6 +19,7 @@ from typing import Any, Mapping
 
 from nrl_core.config.model_config import local_model_config
 from nrl_core.errors import ConfigError
+from nrl_core.generation_kit import in_flight_section
 
 KEY = "policy.generation.vllm_cfg"
 # config.json keys vLLM takes the model's length limit from (the smallest present wins).
@@ -55,6 +56,11 @@ def check_config(config: Mapping[str, Any]) -> None:
     if (config.get("grpo") or {}).get("async_grpo", {}).get("enabled") and not vcfg["async_engine"]:
         raise ConfigError(f"{KEY}.async_engine", "must be true with grpo.async_grpo.enabled: the collector needs "
                                                  "requests that finish independently (vLLM's AsyncLLM)")
+    in_flight = in_flight_section(config)
+    if in_flight is not None and not vcfg["async_engine"]:
+        raise ConfigError(f"{KEY}.async_engine", f"must be true with {in_flight}.in_flight_weight_updates: vLLM's "
+                                                 "synchronous engine returns a batch whole, so a refit cannot land "
+                                                 "in its requests")
     colocated = bool((generation.get("colocated") or {}).get("enabled"))
     if policy["refit"]["adapters"]:
         check_adapter_serving(vcfg, colocated=colocated)

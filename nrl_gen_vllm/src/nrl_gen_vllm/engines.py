@@ -49,7 +49,8 @@ class SyncEngine:
     def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
         return self.llm.collective_rpc(method, args=args)
 
-    def load_weights(self, named: list[tuple[str, Any]], version: int, recompute_kv_cache: bool = False) -> None:
+    def load_weights(self, named: list[tuple[str, Any]], version: int, in_flight: bool = False,
+                     recompute_kv_cache: bool = False) -> None:
         """Hand the tensors to the worker extension by reference (same process; nothing is in
         flight between two calls of this engine), then drop the KV cached with the old weights."""
         self.llm.collective_rpc("nrl_load_weights", args=(named,))
@@ -148,15 +149,18 @@ class AsyncEngine:
     def add_lora(self, request: Any) -> None:
         self._run(self.engine.add_lora(request))
 
-    def load_weights(self, named: list[tuple[str, Any]], version: int, recompute_kv_cache: bool = False) -> None:
+    def load_weights(self, named: list[tuple[str, Any]], version: int, in_flight: bool = False,
+                     recompute_kv_cache: bool = False) -> None:
         """The engine runs in another process, and vLLM's RPC encoding does not carry tensors in a
         list of pairs: pack them into one ``/dev/shm`` file the engine's worker maps, then remove it.
+        The weights get ``version`` as their label.
 
-        The load lands between two engine steps, requests in flight or not: the scheduler pauses
-        keeping its requests, the weights load and get ``version`` as their label, and it resumes.
-        ``recompute_kv_cache`` preempts the requests in flight and resets the prefix cache, so their
-        next tokens are computed from a KV cache of the new weights; otherwise they keep the KV their
-        earlier tokens left, and the prefix cache is reset only when no request holds blocks."""
+        ``in_flight``: requests may be running, so the load lands between two engine steps: the
+        scheduler pauses keeping its requests, the weights load, and it resumes.
+        ``recompute_kv_cache`` then preempts the requests in flight and resets the prefix cache, so
+        their next tokens are computed from a KV cache of the new weights; otherwise they keep the
+        KV their earlier tokens left (requests are salted with their start version, so no later
+        request reuses those blocks), and the prefix cache is reset once no request holds blocks."""
         import os
         import tempfile
 
@@ -173,20 +177,26 @@ class AsyncEngine:
             data = torch.from_file(path, shared=True, size=max(offset, 1), dtype=torch.uint8)
             for (name, tensor), (_, _, _, start, nbytes) in zip(named, layout):
                 data[start:start + nbytes].copy_(tensor.detach().contiguous().view(-1).view(torch.uint8))
-            self._run(self._paused_load(path, layout, version, recompute_kv_cache))
+            self._run(self._load(path, layout, version, in_flight, recompute_kv_cache))
         finally:
             os.close(fd)
             os.unlink(path)
 
-    async def _paused_load(self, path: str, layout: list[list[Any]], version: int, recompute_kv_cache: bool) -> None:
-        await self.engine.pause_generation(mode="keep", clear_cache=recompute_kv_cache)
+    async def _load(self, path: str, layout: list[list[Any]], version: int, in_flight: bool,
+                    recompute_kv_cache: bool) -> None:
+        if not in_flight:
+            await self.engine.collective_rpc("nrl_load_weights_from_file", args=(path, layout))
+            await self.engine.reset_prefix_cache()  # cached KV was computed with the old weights
+            await self.engine.update_weight_version(str(version))
+            return
         try:
+            await self.engine.pause_generation(mode="keep", clear_cache=recompute_kv_cache)
             await self.engine.collective_rpc("nrl_load_weights_from_file", args=(path, layout))
             if not recompute_kv_cache:
                 await self.engine.reset_prefix_cache()  # refused (False) while a request holds blocks
             await self.engine.update_weight_version(str(version))
         finally:
-            await self.engine.resume_generation()
+            await self.engine.resume_generation()  # also after a failed pause: resuming twice is harmless
 
     def label(self, version: int) -> None:
         """Label the weights the engine holds now (vLLM tags each sampled token with it)."""
@@ -198,7 +208,9 @@ class AsyncEngine:
         (the one at the request's start) for all of them when the engine reported none."""
         spans = getattr(seq, "weight_versions", None) or []
         versions = [int(span.version) for span in spans for _ in range(span.start, span.end)]
-        return versions if len(versions) == len(seq.token_ids) else [version] * len(seq.token_ids)
+        # a stop string may have cut tokens off the end after the spans were counted
+        n = len(seq.token_ids)
+        return versions[:n] if len(versions) >= n else [version] * n
 
     def reset_prefix_cache(self) -> None:
         self._run(self.engine.reset_prefix_cache())
@@ -237,7 +249,8 @@ class FollowerEngine:
     def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
         return []
 
-    def load_weights(self, named: list[tuple[str, Any]], version: int, recompute_kv_cache: bool = False) -> None:
+    def load_weights(self, named: list[tuple[str, Any]], version: int, in_flight: bool = False,
+                     recompute_kv_cache: bool = False) -> None:
         """The first rank's engine loads them into every worker."""
 
     def label(self, version: int) -> None: ...

@@ -228,7 +228,7 @@ class VllmGenerationWorker:
                 raise
             raise refused from None
         self._engine.label(self._state.weight_version)
-        self.recompute_kv_cache = False  # after an in-flight weight update (configure_in_flight)
+        self.in_flight = self.recompute_kv_cache = False  # configure_in_flight sets them
         mark("vllm_engine_ready", rank=rank, tensor_parallel=self.tp, follower=self.follower)
         if self.follower:
             logger.info("vLLM async engine %d: rank %d holds its place (the engine's first rank runs its %d workers)",
@@ -269,7 +269,8 @@ class VllmGenerationWorker:
     def generate(self, prompts: list[list[int]], *, greedy: bool = False) -> GenerationOutput:
         """Complete each prompt (token ids); per-request seeds make the samples reproducible."""
         requests, params = self._requests(prompts, greedy)
-        return self._output(self._engine.generate(requests, params))
+        version = self._state.weight_version
+        return self._output(self._engine.generate(requests, params), version)
 
     def generate_groups(self, prompts: list[list[int]], group_size: int, *,
                         greedy: bool = False) -> Iterator[tuple[int, GenerationOutput]]:
@@ -294,7 +295,7 @@ class VllmGenerationWorker:
             raise ConfigError("policy.generation.vllm_cfg.async_engine",
                               "must be true for in-flight weight updates: vLLM's synchronous engine returns a batch "
                               "whole, so a refit can only land between batches")
-        self.recompute_kv_cache = bool(recompute_kv_cache)
+        self.in_flight, self.recompute_kv_cache = True, bool(recompute_kv_cache)
 
     def _requests(self, prompts: list[list[int]], greedy: bool) -> tuple[list[Any], list[Any]]:
         from vllm.inputs import TokensPrompt
@@ -311,7 +312,10 @@ class VllmGenerationWorker:
             if room <= 0:
                 raise NrlError(f"prompt {i} has {len(prompt)} tokens, no room to generate within max_model_len "
                                f"{self.max_model_len}; raise policy.max_total_sequence_length or shorten prompts")
-            requests.append(TokensPrompt(prompt_token_ids=list(prompt)))
+            request = TokensPrompt(prompt_token_ids=list(prompt))
+            if self.in_flight:  # a prefix cached under older weights never serves a later request
+                request["cache_salt"] = f"nrl-v{self._state.weight_version}"
+            requests.append(request)
             params.append(self._sampling.params(max_tokens=min(self._sampling.max_new_tokens, room),
                                                 seed=self._state.seed_for(self.engine_index, call, i),
                                                 greedy=greedy))
@@ -349,7 +353,7 @@ class VllmGenerationWorker:
         check_against_checkpoint(manifest, self._checkpoint, self.model_dir)
         version = self._state.weight_version + 1
         # the engine drops the KV cached with the old weights (in flight: as configure_in_flight says)
-        self._engine.load_weights(staged, version, self.recompute_kv_cache)
+        self._engine.load_weights(staged, version, self.in_flight, self.recompute_kv_cache)
         del staged
         self._state.weight_version = version
         return version
