@@ -585,6 +585,16 @@ class GenerationOutput:
                                 finish_reasons=self.finish_reasons[start:stop],
                                 weight_version=max(oldest, self.weight_version), token_weight_versions=versions)
 
+    @staticmethod
+    def concatenate(outputs: "Sequence[GenerationOutput]") -> "GenerationOutput":
+        """``outputs`` one after the other (engines' chunks, a step's groups); the oldest version."""
+        return GenerationOutput(token_ids=[t for o in outputs for t in o.token_ids],
+                                logprobs=[lp for o in outputs for lp in o.logprobs],
+                                finish_reasons=[r for o in outputs for r in o.finish_reasons],
+                                weight_version=min(o.weight_version for o in outputs),
+                                token_weight_versions=[o.versions_of(i) for o in outputs
+                                                       for i in range(len(o.token_ids))])
+
     def versions_of(self, index: int) -> list[int]:
         """The weight version of each token of response ``index``: as the engine reported them,
         or ``weight_version`` for all (an engine that never updates weights mid-generation)."""

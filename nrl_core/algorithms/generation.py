@@ -62,13 +62,7 @@ def generate_on_engines(hosts: "WorkerGroup", prompts: Sequence[Sequence[int]], 
     mark("generate_start")
     outputs = hosts.call(WorkerHost.nrl_generate_sharded, chunks, engine_size, greedy=greedy)
     mark("generate_end")
-    return GenerationOutput(
-        token_ids=[t for o in outputs for t in o.token_ids],
-        logprobs=[lp for o in outputs for lp in o.logprobs],
-        finish_reasons=[r for o in outputs for r in o.finish_reasons],
-        weight_version=min(o.weight_version for o in outputs),
-        token_weight_versions=[o.versions_of(i) for o in outputs for i in range(len(o.token_ids))],
-    )
+    return GenerationOutput.concatenate(outputs)
 
 
 class Generation:

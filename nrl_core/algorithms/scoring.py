@@ -43,12 +43,7 @@ class RolloutGroup:
 
 def merge_groups(groups: Sequence[RolloutGroup]) -> GenerationOutput:
     """The groups' samples as one output, in group order; the oldest weight version."""
-    return GenerationOutput(token_ids=[t for g in groups for t in g.output.token_ids],
-                            logprobs=[lp for g in groups for lp in g.output.logprobs],
-                            finish_reasons=[r for g in groups for r in g.output.finish_reasons],
-                            weight_version=min(g.output.weight_version for g in groups),
-                            token_weight_versions=[g.output.versions_of(i) for g in groups
-                                                   for i in range(len(g.output.token_ids))])
+    return GenerationOutput.concatenate([g.output for g in groups])
 
 
 def merged_loss_masks(groups: Sequence[RolloutGroup]) -> list[list[float]] | None:

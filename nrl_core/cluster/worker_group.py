@@ -480,8 +480,9 @@ class WorkerGroup:
 
     @staticmethod
     def _host_method(method: Method) -> str | None:
-        """The name of ``method`` when it is one of the host actor's own endpoints."""
-        if callable(method) and method in (getattr(cls, method.__name__, None) for cls in (WorkerHost, InFlightWorkerHost)):
+        """The name of ``method`` when it is one of the host actor's own endpoints (the in-flight
+        host's class has them all)."""
+        if callable(method) and getattr(InFlightWorkerHost, method.__name__, None) is method:
             return method.__name__
         return None
 

@@ -321,11 +321,9 @@ class VllmGenerationWorker:
                                                 greedy=greedy))
         return requests, params
 
-    def _output(self, outputs: list[Any], version: int | None = None) -> GenerationOutput:
-        """``version``: the weights' version when the requests started (the engine's current one if
-        None); each token's own version comes from the engine, so a response a refit reached
-        mid-generation names both."""
-        start = self._state.weight_version if version is None else version
+    def _output(self, outputs: list[Any], start: int) -> GenerationOutput:
+        """``start``: the weights' version when the requests started; each token's own version
+        comes from the engine, so a response a refit reached mid-generation names both."""
         token_ids, logprobs, reasons, versions = [], [], [], []
         for out in outputs:
             seq = out.outputs[0]
