@@ -55,3 +55,29 @@ def test_in_flight_updates_need_the_capability_and_merged_weights() -> None:
         message = str(caught.value)
         assert "\n" not in message and message.startswith("grpo.async_grpo.in_flight_weight_updates: ") \
             and phrase in message, message
+
+
+def test_in_flight_updates_on_the_synchronous_engine_are_one_line() -> None:
+    """Any algorithm's async section asking for in-flight updates (PPO's here) needs vLLM's async
+    engine: the synchronous one returns batches whole."""
+    import copy
+
+    import pytest
+
+    from nrl_core.errors import ConfigError
+    from nrl_core.generation_kit import in_flight_section
+    from nrl_gen_vllm.checks import check_config
+
+    config = copy.deepcopy(checked(*TP2))
+    config["grpo"]["async_grpo"]["enabled"] = False
+    config["ppo"] = {"async_ppo": {"enabled": True, "in_flight_weight_updates": True}}
+    config["policy"]["generation"]["vllm_cfg"]["async_engine"] = False
+    assert in_flight_section(config) == "ppo.async_ppo"
+    with pytest.raises(ConfigError) as caught:
+        check_config(config)
+    message = str(caught.value)
+    assert "\n" not in message and message.startswith(
+        "policy.generation.vllm_cfg.async_engine: must be true with ppo.async_ppo.in_flight_weight_updates"), message
+    config["ppo"]["async_ppo"]["enabled"] = False
+    assert in_flight_section(config) is None
+    check_config(config)
