@@ -96,6 +96,10 @@ CONTRACT_HISTORY: tuple[ContractVersion, ...] = (
         "capability in_flight_updates (generation: import_weights while generate_groups streams, chosen by "
         "grpo.async_grpo.in_flight_weight_updates) and GenerationOutput.token_weight_versions: each token's "
         "weight version",)),
+    ContractVersion(13, "HEAD", added=(
+        "capability pipelined_import (generation: PipelinedImporter.import_weights_pipelined(buckets, manifest) "
+        "loads each bucket as it arrives; a transfer that fails part-way raises TornRefitError and the engine "
+        "refuses to generate until a refit succeeds)",)),
 )
 """Every contract version, oldest first; docs/plugins.md and docs/changelog.md repeat it."""
 
@@ -157,6 +161,7 @@ CAPABILITY_METHODS: dict[str, tuple[Method, ...]] = {
                       Method("get_gathered_logprobs", ("batch", "ids_field"), since=10)),
     "value_head": (Method("get_values", ("batch",), since=11, returns="BatchShard"),),
     "in_flight_updates": (Method("configure_in_flight", ("recompute_kv_cache",), since=12),),
+    "pipelined_import": (Method("import_weights_pipelined", ("buckets", "manifest"), since=13),),
 }
 """The methods a worker must have when its backend's spec declares the capability."""
 

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
     from nrl_core.config.schema import Section
 
-CONTRACT_VERSION: int = 12
+CONTRACT_VERSION: int = 13
 """The version of the plugin contract this module defines, apart from nrl-core's package version.
 A plugin states the version it was written for as ``NRL_CONTRACT = N`` in its entry-point module;
 :mod:`nrl_core.contract_versions` lists every version the core still serves and what each changed."""
@@ -117,6 +117,9 @@ GENERATION_CAPABILITIES: Mapping[str, str] = {
     "in_flight_updates": "grpo.async_grpo.in_flight_weight_updates: true (import_weights may run while "
                          "generate_groups streams, in another thread: requests in flight finish with the new weights, "
                          "and every output names each token's weight version in token_weight_versions)",
+    "pipelined_import": "refits between processes load each bucket while the next is exported (the worker is a "
+                        "PipelinedImporter; a transfer that fails part-way leaves it refusing to generate until a "
+                        "refit succeeds)",
 }
 """The same for generation backends."""
 
@@ -929,6 +932,22 @@ class InFlightUpdater(Protocol):
         """Called once before the first in-flight import. ``recompute_kv_cache``: after an update
         the requests in flight recompute their KV cache with the new weights (and cached prefixes
         are dropped), else they keep the cache the old weights computed (NeMo RL's default)."""
+
+
+class PipelinedImporter(Protocol):
+    """What a generation worker adds to declare ``pipelined_import`` (contract 13): the core may
+    hand a refit's buckets as they arrive, so the engine loads bucket k while the training side
+    exports bucket k+1, rather than staging the whole model first."""
+
+    def import_weights_pipelined(self, buckets: Iterable[list[tuple[str, "torch.Tensor"]]],
+                                 manifest: list[WeightSpec]) -> int:
+        """Check ``manifest`` against the engine before loading anything (a mismatch raises
+        :class:`~nrl_core.refit.manifest.RefitError` and changes nothing), then load each tensor
+        once it is proven to be the manifest's (:func:`~nrl_core.refit.manifest.verified_stream`).
+        A bucket that fails or never comes after the first load raises
+        :class:`~nrl_core.refit.manifest.TornRefitError`, and the engine refuses to generate until
+        a refit succeeds. May stage and load atomically where the engine cannot stream. Returns the
+        new weight version."""
 
 
 class AdapterServer(Protocol):

@@ -92,6 +92,8 @@ class Generation:
                 raise
             self._index_ranks()
         self.adapters = bool(config["policy"]["refit"]["adapters"])
+        # adapter-only refits go through the engine's import_adapter, which is atomic
+        self.pipelined = "pipelined_import" in spec.capabilities and not self.adapters
         if self.adapters:  # LoRA: the engines hold the base model; every refit sends the adapters alone
             adapter_config = self.policy.group.call(WorkerHost.nrl_adapter_config)
             self.policy.group.call(WorkerHost.nrl_refit_adapters, adapter_config)
@@ -236,7 +238,7 @@ class Generation:
                 drains = self.policy.drain_export(opts["bucket_bytes"], opts["dtype"])
             report = refit(self.policy.rank0, [self.hosts.endpoint(r) for r in self.ranks], transport=opts["transport"],
                            bucket_bytes=opts["bucket_bytes"], dtype=opts["dtype"], timeout_s=self.policy.timeout_s,
-                           in_flight=in_flight)
+                           in_flight=in_flight, pipelined=self.pipelined)
             if drains is not None:
                 drains()
         logger.info("refit: %.1f MB in %.2fs over %s (weights v%d)", report.bytes / 1e6, report.seconds,

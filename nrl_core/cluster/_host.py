@@ -274,6 +274,8 @@ class WorkerHost(RefitEndpoints):
     # The refit endpoints the orchestrator calls directly: each a span on this rank's row too...
     nrl_refit_export = _traced(RefitEndpoints.nrl_refit_export)
     nrl_refit_import = _traced(RefitEndpoints.nrl_refit_import)
+    nrl_refit_export_streamed = _traced(RefitEndpoints.nrl_refit_export_streamed)
+    nrl_refit_import_streamed = _traced(RefitEndpoints.nrl_refit_import_streamed)
     nrl_refit_receive = _traced(RefitEndpoints.nrl_refit_receive)
     nrl_refit_local = _traced(RefitEndpoints.nrl_refit_local)
     nrl_refit_send = _traced_stream(RefitEndpoints.nrl_refit_send)

@@ -12,6 +12,12 @@ loads anything anyway (a refit that fails its manifest check must leave the engi
 streaming buckets would overlap nothing, and one export serves any number of engines. A
 collective transport (``broadcast``) needs both halves running at once: the training actor sends
 through a Ray streaming generator while the generation actors receive.
+
+Generation workers that declare ``pipelined_import`` load as the buckets arrive instead: the
+training actor publishes each handle on a same-node channel the moment its bucket is written
+(:meth:`RefitEndpoints.nrl_refit_export_streamed`, :mod:`nrl_core.refit.channel`) and the
+generation actors, called at the same moment, load bucket k while bucket k+1 is exported
+(:meth:`RefitEndpoints.nrl_refit_import_streamed`).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from nrl_core.contracts import WeightSpec, import_object
 from nrl_core.long_lived import long_lived_objects
 from nrl_core.refit.adapters import AdapterSink, AdapterSource
 from nrl_core.refit.buckets import manifest_bytes, refit_dtype
+from nrl_core.refit.channel import ChannelAddress, ChannelReader, ChannelWriter, remove_channel
 from nrl_core.refit.report import RefitReport
 from nrl_core.refit.transports import RefitSession, RefitTransport
 from nrl_core.timeline import mark
@@ -66,14 +73,16 @@ def send_handles(source: Any, transport_name: str, session: RefitSession, bucket
 
 
 def receive_into(sink: Any, transport_name: str, session: RefitSession, handles: Iterable[Any],
-                 manifest: list[WeightSpec]) -> int:
-    """Rebuild the buckets from ``handles`` and hand them to ``sink.import_weights``; the version.
+                 manifest: list[WeightSpec], pipelined: bool = False) -> int:
+    """Rebuild the buckets from ``handles`` and hand them to ``sink.import_weights`` (``pipelined``:
+    to ``sink.import_weights_pipelined``, which loads them as they arrive); the version.
 
     Leaves the transport's cleanup to the caller: other receivers may still be reading the same
     handles."""
     receiver = get_transport(transport_name).receiver(session)
+    load = sink.import_weights_pipelined if pipelined else sink.import_weights
     try:
-        return int(sink.import_weights(receiver.buckets(handles), manifest))
+        return int(load(receiver.buckets(handles), manifest))
     finally:
         receiver.close()
 
@@ -206,12 +215,47 @@ class RefitEndpoints:
             raise
         return ExportedWeights(transport=transport_name, session=session, manifest=manifest, handles=handles)
 
+    @dispatch(Fanout.RANK0)
+    def nrl_refit_export_streamed(self, transport_name: str, channel: ChannelAddress, bucket_bytes: int,
+                                  dtype: str | None) -> int:
+        """:meth:`nrl_refit_export` for a pipelined refit: each handle is published on ``channel``
+        the moment its bucket is written, for :meth:`nrl_refit_import_streamed` calls running at
+        the same time; an error is published too. Returns the bytes exported;
+        :meth:`nrl_refit_cleanup` ends the refit."""
+        dtype = refit_dtype(dtype)
+        writer = ChannelWriter(channel)
+        try:
+            session = get_transport(transport_name).prepare(RefitSession(id=channel.session_id))
+            source = self._refit_from()
+            manifest = list(source.weight_manifest(dtype))
+            writer.header(session, manifest)
+            for handle in send_handles(source, transport_name, session, bucket_bytes, dtype):
+                writer.put(handle)
+            writer.close()
+        except BaseException as exc:
+            writer.fail(exc)
+            raise
+        return manifest_bytes(manifest)
+
     @dispatch(Fanout.DP)
     def nrl_refit_import(self, exported: ExportedWeights) -> int:
         """Load an export of another actor into this actor's generation worker; the new version."""
         self.record_call("refit")
         return receive_into(self._refit_into(), exported.transport, exported.session, exported.handles,
                             exported.manifest)
+
+    @dispatch(Fanout.DP)
+    def nrl_refit_import_streamed(self, transport_name: str, channel: ChannelAddress, export: list[Any],
+                                  timeout_s: float) -> int:
+        """Load, bucket by bucket as they are published, what :meth:`nrl_refit_export_streamed`
+        exports on ``channel`` into this actor's generation worker (``import_weights_pipelined``);
+        the new version. ``export``: ``[ref]`` to that export call, to notice a sender that died."""
+        import ray
+
+        self.record_call("refit")
+        reader = ChannelReader(channel, timeout_s, exporter_done=lambda: bool(ray.wait(export, timeout=0)[0]))
+        session, manifest = reader.header()
+        return receive_into(self._refit_into(), transport_name, session, reader.handles(), manifest, pipelined=True)
 
     @dispatch(Fanout.RANK0, Gather.NONE)
     def nrl_refit_cleanup(self, exported: list[Any]) -> None:
@@ -226,6 +270,7 @@ class RefitEndpoints:
             except Exception:  # the export failed and cleaned up after itself
                 return
         get_transport(done.transport).cleanup(done.session)
+        remove_channel(ChannelAddress(done.session.id))
 
     @dispatch(Fanout.RANK0)
     def nrl_refit_manifest(self, dtype: str | None) -> list[WeightSpec]:
@@ -243,10 +288,11 @@ class RefitEndpoints:
         yield from send_handles(self._refit_from(), transport_name, session, bucket_bytes, refit_dtype(dtype))
 
     @dispatch(Fanout.DP)
-    def nrl_refit_receive(self, transport_name: str, session: RefitSession, manifest: list[WeightSpec]) -> int:
+    def nrl_refit_receive(self, transport_name: str, session: RefitSession, manifest: list[WeightSpec],
+                          pipelined: bool = False) -> int:
         """The receiving half of a collective transport (the bytes arrive out of band); the new
-        weight version."""
-        return receive_into(self._refit_into(), transport_name, session, (), manifest)
+        weight version. ``pipelined``: loaded as they arrive (``import_weights_pipelined``)."""
+        return receive_into(self._refit_into(), transport_name, session, (), manifest, pipelined)
 
     @dispatch(Fanout.ALL, Gather.NONE)
     def nrl_refit_drain(self, bucket_bytes: int, dtype: str | None) -> None:

@@ -8,10 +8,13 @@ fails with the offending key names while the engine keeps serving its previous w
 from __future__ import annotations
 
 from collections import Counter
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable, Iterator
 
 from nrl_core.contracts import WeightSpec
 from nrl_core.errors import NrlError
+
+if TYPE_CHECKING:
+    import torch
 
 _MAX_LISTED = 8
 
@@ -69,3 +72,36 @@ def verify(received: Iterable[WeightSpec], manifest: Iterable[WeightSpec], *, wh
         f"{what} rejected, weights unchanged; " + "; ".join(parts),
         missing=missing, extra=extra, duplicate=duplicate, mismatched=[m.split(" ")[0] for m in mismatched],
     )
+
+
+class TornRefitError(RefitError):
+    """A pipelined refit failed after the engine had loaded part of the new weights: the engine
+    holds a mix of versions and refuses to generate until a refit succeeds."""
+
+
+def verified_stream(buckets: Iterable[list[tuple[str, "torch.Tensor"]]], manifest: Iterable[WeightSpec],
+                    *, what: str = "refit") -> Iterator[tuple[str, "torch.Tensor"]]:
+    """Each tensor of ``buckets`` as it arrives, once it is proven to be the manifest's: a known
+    name, not seen before, the manifest's shape and dtype; at the end, every name arrived. What a
+    pipelined import loads from (:class:`~nrl_core.contracts.PipelinedImporter`): a bad tensor
+    raises :class:`TornRefitError` before it reaches the engine, but after the ones before it did."""
+    from nrl_core.refit.buckets import spec_of
+
+    expected = {spec.name: spec for spec in manifest}
+    seen: set[str] = set()
+    for bucket in buckets:
+        for name, tensor in bucket:
+            want = expected.get(name)
+            spec = spec_of(name, tensor)
+            problem = ("unexpected" if want is None else "sent more than once" if name in seen else
+                       f"wrong shape or dtype (got {list(spec.shape)} {spec.dtype}, expected {list(want.shape)} "
+                       f"{want.dtype})" if (tuple(spec.shape), spec.dtype) != (tuple(want.shape), want.dtype) else "")
+            if problem:
+                raise TornRefitError(f"{what} failed part-way: {name}: {problem}", extra=[name] if want is None else [],
+                                     duplicate=[name] if problem.startswith("sent") else [],
+                                     mismatched=[name] if problem.startswith("wrong") else [])
+            seen.add(name)
+            yield name, tensor
+    missing = sorted(set(expected) - seen)
+    if missing:
+        raise TornRefitError(f"{what} failed part-way: missing {len(missing)}: {_listing(missing)}", missing=missing)

@@ -18,6 +18,8 @@ from nrl_core.refit.report import RefitReport, combine_reports
 from nrl_core.refit.transports import PLACEMENTS, RefitSession
 
 TRANSPORT_KEY = "policy.refit.transport"
+DEFAULT_WAIT_S = 600.0
+"""How long a pipelined refit's sinks wait for the source's next bucket when no timeout is given."""
 
 
 def choose_transport(placement: str, override: str | None = None) -> str:
@@ -64,7 +66,7 @@ def refit_options(config: Mapping[str, Any]) -> dict[str, Any]:
 
 def refit(source: Any, sink: Any | Sequence[Any], transport: str | None = None,
           bucket_bytes: int = DEFAULT_BUCKET_BYTES, dtype: str | None = "float32",
-          timeout_s: float | None = None, in_flight: bool = False) -> RefitReport:
+          timeout_s: float | None = None, in_flight: bool = False, pipelined: bool = False) -> RefitReport:
     """Move ``source``'s weights into ``sink`` (several sinks for data-parallel generation).
 
     Either all are local objects (a :class:`~nrl_core.contracts.TrainingWorker`-like source with
@@ -77,6 +79,9 @@ def refit(source: Any, sink: Any | Sequence[Any], transport: str | None = None,
     source's process. ``timeout_s`` bounds a collective transport's own group (``distributed_timeout_minutes``).
     ``in_flight``: the sinks (ranks of other actors) import beside the generation they may be
     streaming, in their hosts' in-flight thread, so the new weights land mid-generation.
+    ``pipelined``: the sinks declare ``pipelined_import``; between actors (not in flight) they load
+    each bucket while the source exports the next, and a transfer that fails part-way leaves them
+    refusing to generate until a refit succeeds (:class:`~nrl_core.refit.manifest.TornRefitError`).
 
     Raises :class:`~nrl_core.refit.manifest.RefitError` (sinks keep their old weights) when what
     arrives does not match the source's manifest.
@@ -96,7 +101,7 @@ def refit(source: Any, sink: Any | Sequence[Any], transport: str | None = None,
     if not all(ranks):
         raise TypeError("refit: source and sinks must be all local objects or all worker group ranks "
                         "(WorkerGroup.endpoint)")
-    return _refit_ranks(source, sinks, transport, bucket_bytes, dtype, timeout_s, in_flight)
+    return _refit_ranks(source, sinks, transport, bucket_bytes, dtype, timeout_s, in_flight, pipelined)
 
 
 def _is_group_rank(obj: Any) -> bool:
@@ -106,7 +111,7 @@ def _is_group_rank(obj: Any) -> bool:
 
 
 def _refit_ranks(source: Any, sinks: list[Any], override: str | None, bucket_bytes: int, dtype: str | None,
-                 timeout_s: float | None = None, in_flight: bool = False) -> RefitReport:
+                 timeout_s: float | None = None, in_flight: bool = False, pipelined: bool = False) -> RefitReport:
     from nrl_core.cluster._host import WorkerHost
 
     start = time.perf_counter()
@@ -126,8 +131,11 @@ def _refit_ranks(source: Any, sinks: list[Any], override: str | None, bucket_byt
     name = choose_transport(placement, override)
     from nrl_core.plugins import get_plugin_manager
 
+    pipelined = pipelined and not in_flight
     if get_plugin_manager().refit_transports().get(name, TRANSPORT_KEY).collective:
-        nbytes, versions = _collective(source, sinks, name, bucket_bytes, dtype, timeout_s, in_flight)
+        nbytes, versions = _collective(source, sinks, name, bucket_bytes, dtype, timeout_s, in_flight, pipelined)
+    elif pipelined and placement == "same_node":
+        nbytes, versions = _stream_import(source, sinks, name, bucket_bytes, dtype, timeout_s)
     else:
         nbytes, versions = _export_import(source, sinks, name, bucket_bytes, dtype, in_flight)
     return RefitReport(bytes=nbytes * len(sinks), seconds=time.perf_counter() - start, version=max(versions),
@@ -172,6 +180,30 @@ def _export_import(source: Any, sinks: list[Any], name: str, bucket_bytes: int, 
         _cleanup(source, [exported.refs[0]])
 
 
+def _stream_import(source: Any, sinks: list[Any], name: str, bucket_bytes: int, dtype: str | None,
+                   timeout_s: float | None) -> tuple[int, list[int]]:
+    """A pipelined refit on one node: the source publishes each bucket's handle on a channel as it
+    writes it, and every sink, called at the same moment, loads each bucket as it is published."""
+    from nrl_core.cluster._host import WorkerHost
+    from nrl_core.refit.channel import ChannelAddress
+
+    channel = ChannelAddress(RefitSession().id)
+    exported = source.call_async(WorkerHost.nrl_refit_export_streamed, name, channel, bucket_bytes, dtype)
+    try:
+        imports = [(group, group.call_async(WorkerHost.nrl_refit_import_streamed, name, channel, [exported.refs[0]],
+                                            float(timeout_s or DEFAULT_WAIT_S), on=ranks))
+                   for group, ranks in _by_group(sinks).items()]
+        try:
+            nbytes = int(source.get(exported))
+        except BaseException:
+            _gather_quietly(imports)
+            raise
+        return nbytes, [int(v) for v in _gather(imports)]
+    finally:
+        _cleanup(source, [ExportedWeights(transport=name, session=RefitSession(id=channel.session_id), manifest=[],
+                                          handles=[])])
+
+
 def _gather_quietly(calls: list[tuple[Any, Any]]) -> None:
     import ray
 
@@ -179,7 +211,8 @@ def _gather_quietly(calls: list[tuple[Any, Any]]) -> None:
 
 
 def _collective(source: Any, sinks: list[Any], name: str, bucket_bytes: int, dtype: str | None,
-                timeout_s: float | None = None, in_flight: bool = False) -> tuple[int, list[int]]:
+                timeout_s: float | None = None, in_flight: bool = False,
+                pipelined: bool = False) -> tuple[int, list[int]]:
     """One sender, every sink receiving the same broadcast concurrently."""
     from nrl_core.cluster._host import InFlightWorkerHost, WorkerHost
 
@@ -192,7 +225,8 @@ def _collective(source: Any, sinks: list[Any], name: str, bucket_bytes: int, dty
         receive_rank = {(s.group, s.rank): i + 1 for i, s in enumerate(sinks)}
         endpoint = InFlightWorkerHost.nrl_refit_receive_in_flight if in_flight else WorkerHost.nrl_refit_receive
         pending = [(group, group.call_async(endpoint, on=ranks, per_rank_args=[
-                        (name, session.with_options(rank=receive_rank[(group, r)]), manifest) for r in ranks]))
+                        (name, session.with_options(rank=receive_rank[(group, r)]), manifest, pipelined)
+                        for r in ranks]))
                    for group, ranks in _by_group(sinks).items()]
         try:
             for _ in source.group.stream(WorkerHost.nrl_refit_send, name, session, bucket_bytes, dtype, on=source.rank,

@@ -67,6 +67,36 @@ class RecordingSink:
         return {name: float(t.double().sum()) for name, t in self.received.items()}
 
 
+class PipelinedRecordingSink(RecordingSink):
+    """A :class:`RecordingSink` that declares ``pipelined_import``: each tensor is kept the moment
+    it is proven to be the manifest's, so a transfer that fails part-way leaves a mix (``torn``
+    says why) until an import succeeds. ``on_first_tensor`` (a path) is created when the first
+    tensor of an import arrives: a test's proof that loading began before the export ended."""
+
+    def __init__(self, rank: int = 0, world_size: int = 1) -> None:
+        super().__init__(rank, world_size)
+        self.torn: str | None = None
+        self.on_first_tensor: str | None = None
+        self.loaded = 0
+
+    def import_weights_pipelined(self, buckets: Any, manifest: list[Any]) -> int:
+        from nrl_core.refit.manifest import TornRefitError, verified_stream
+
+        self.loaded = 0
+        try:
+            for name, tensor in verified_stream(buckets, manifest):
+                if self.loaded == 0 and self.on_first_tensor:
+                    open(self.on_first_tensor, "w").close()
+                self.received[name] = tensor.clone()
+                self.loaded += 1
+        except BaseException as exc:
+            self.torn = f"failed after {self.loaded} tensors: {exc}"
+            raise TornRefitError(self.torn) from exc
+        self.torn = None
+        self.weight_version += 1
+        return self.weight_version
+
+
 def perturb_weights(model: Any, seed: int, scale: float = 0.05) -> None:
     """Add seeded noise to every parameter: a deterministic stand-in for training steps (the same
     seed gives the same tensors in any process)."""

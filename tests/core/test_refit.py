@@ -211,6 +211,11 @@ def test_missing_tensor_is_rejected_and_shared_memory_is_cleaned_up() -> None:
 @pytest.fixture(scope="module")
 def ray_groups():
     """A weight source and two sinks, each a worker group of one rank (the production host)."""
+    yield from ray_groups_of("nrl_core.testing.refit_host:RecordingSink")
+
+
+def ray_groups_of(sink: str) -> Any:
+    """Start Ray if needed, a weight source and two ``sink`` workers; yield them; stop them."""
     ray = pytest.importorskip("ray")
     from nrl_core.cluster import WorkerGroup
     from nrl_core.cluster._host import WorkerHost
@@ -221,7 +226,7 @@ def ray_groups():
                  runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
     source = WorkerGroup("nrl_core.testing.refit_host:RandomWeightSource", 1, name="source",
                          init_kwargs={"shapes": SHAPES, "seed": 5}, distributed_backend="none")
-    sinks = WorkerGroup("nrl_core.testing.refit_host:RecordingSink", 2, name="sinks", distributed_backend="none")
+    sinks = WorkerGroup(sink, 2, name="sinks", distributed_backend="none")
     yield source, sinks
     source.call(WorkerHost.nrl_refit_release)  # ray.kill skips exit handlers: free the buffers first
     source.shutdown()

@@ -80,3 +80,53 @@ def test_non_colocated_refit_across_processes(actors, model_dir, prompts, transp
     out = _greedy(colocated, prompts)
     assert out.token_ids == hf_greedy(hf_model(model_dir, perturb_seed=seed), prompts) != before.token_ids
     assert out.weight_version == report.version
+
+
+def _fail_after_buckets(count: int):
+    """Make the hosted source raise after ``count`` buckets (the instance attribute shadows the method)."""
+
+    def patch(worker) -> None:
+        real = type(worker).export_weights.__get__(worker)
+
+        def export_weights(bucket_bytes: int, dtype: str):
+            for k, bucket in enumerate(real(bucket_bytes, dtype)):
+                if k == count:
+                    raise RuntimeError("the training side failed mid-export")
+                yield bucket
+
+        worker.export_weights = export_weights
+
+    return patch
+
+
+def test_pipelined_refit_across_processes_and_a_torn_one(actors, model_dir, prompts) -> None:
+    """The engine loads each bucket as the source writes it: greedy output then equals HF's with
+    the new weights. A source that fails part-way leaves the engine torn (some tensors loaded):
+    it refuses to generate, in one line, until the next refit, after which it matches HF again."""
+    from nrl_core.cluster import WorkerRaisedError
+    from nrl_core.refit.manifest import TornRefitError
+
+    colocated, separate = actors
+    separate.call(WorkerHost.execute, functools.partial(perturb_hosted_source, seed=14, fresh_from=str(model_dir)))
+    report = refit(separate.endpoint(0), colocated.endpoint(0), bucket_bytes=256 * 1024, pipelined=True)
+    assert (report.transport, report.placement) == ("shared_memory", "same_node")
+    out = _greedy(colocated, prompts)
+    assert out.token_ids == hf_greedy(hf_model(model_dir, perturb_seed=14), prompts)
+    assert out.weight_version == report.version
+
+    separate.call(WorkerHost.execute, functools.partial(perturb_hosted_source, seed=15, fresh_from=str(model_dir)))
+    separate.call(WorkerHost.execute, _fail_after_buckets(2))
+    try:
+        with pytest.raises(WorkerRaisedError, match="nrl_refit_export_streamed.. raised RuntimeError: the training "
+                                                    "side failed mid-export"):
+            refit(separate.endpoint(0), colocated.endpoint(0), bucket_bytes=256 * 1024, pipelined=True)
+    finally:
+        separate.call(WorkerHost.execute, lambda worker: delattr(worker, "export_weights"))
+    with pytest.raises(TornRefitError, match=r"^vLLM engine 0: generate with torn weights: the "
+                                                r"pipelined refit to version \d+ failed after [1-9]\d* of \d+ tensors "
+                                                r"reached the engine .*the exporting side raised RuntimeError"):
+        _greedy(colocated, prompts)
+    report = refit(separate.endpoint(0), colocated.endpoint(0), bucket_bytes=256 * 1024, pipelined=True)
+    out = _greedy(colocated, prompts)
+    assert out.token_ids == hf_greedy(hf_model(model_dir, perturb_seed=15), prompts)
+    assert out.weight_version == report.version

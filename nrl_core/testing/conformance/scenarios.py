@@ -311,12 +311,51 @@ def training_world2(rank: int, world_size: int, config: dict[str, Any], root: st
     return out
 
 
+def _pipelined_imports(engine: Any, original: Any, trained: Any, prompts: list[list[int]]) -> dict[str, Any]:
+    """``import_weights_pipelined`` of the checkpoint's weights, of the trained ones, of a manifest
+    the engine's layout refuses, and of a stream that breaks after its first bucket; greedy after each."""
+    from nrl_core.contracts import WeightSpec
+
+    dtype = "float32"
+
+    def load(source: Any, manifest: Any = None) -> int:
+        return engine.import_weights_pipelined(source.export_weights(BUCKET_BYTES, dtype),
+                                               manifest if manifest is not None else source.weight_manifest(dtype))
+
+    def broken() -> Any:
+        buckets = trained.export_weights(BUCKET_BYTES, dtype)
+        yield next(buckets)
+        raise RuntimeError("the transfer broke after its first bucket")
+
+    def greedy() -> Any:
+        return _error_of(lambda: engine.generate(prompts, greedy=True)) or engine.generate(prompts, greedy=True).token_ids
+
+    out: dict[str, Any] = {}
+    out["pipelined/version_before"] = engine.weight_version
+    out["pipelined/original_version"] = load(original)
+    out["pipelined/original"] = greedy()
+    load(trained)
+    out["pipelined/trained"] = greedy()
+    version = engine.weight_version
+    reshaped = [WeightSpec(name=s.name, shape=(*s.shape[:-1], s.shape[-1] + 1), dtype=s.dtype) if s.shape else s
+                for s in trained.weight_manifest(dtype)]
+    out["pipelined/bad_layout"] = _error_of(lambda: load(trained, reshaped))
+    out["pipelined/after_bad_layout"] = greedy()
+    out["pipelined/version_after_bad_layout"] = engine.weight_version - version
+    out["pipelined/torn"] = _error_of(lambda: engine.import_weights_pipelined(broken(), trained.weight_manifest(dtype)))
+    out["pipelined/after_torn"] = greedy()
+    load(trained)
+    out["pipelined/restored"] = greedy()
+    return out
+
+
 def generation_refit(rank: int, world_size: int, config: dict[str, Any], worker_path: str,
                      training_config: dict[str, Any] | None, root: str, prompts: list[list[int]],
-                     max_new_tokens: int, env: Mapping[str, str]) -> dict[str, Any]:
+                     max_new_tokens: int, env: Mapping[str, str], pipelined: bool = False) -> dict[str, Any]:
     """A generation worker against HF: greedy before and after a refit from a training worker that
     took a few steps (or, without a training backend, from a perturbed HF model), a refit that
-    breaks the manifest, the sampling state and shutdown."""
+    breaks the manifest, the sampling state and shutdown; ``pipelined`` (the backend declares
+    ``pipelined_import``): the same refits through ``import_weights_pipelined``, and one torn."""
     from nrl_core.algorithms.loss import NLLLoss
     from nrl_core.contracts import GenerationWorker, import_object
     from nrl_core.refit import refit
@@ -369,6 +408,9 @@ def generation_refit(rank: int, world_size: int, config: dict[str, Any], worker_
     out["bad_refit"] = _error_of(lambda: refit(DroppedTensor(), engine, bucket_bytes=BUCKET_BYTES))
     out["version_after_bad_refit"] = engine.weight_version
     out["after_bad_refit"] = engine.generate(prompts, greedy=True).token_ids
+
+    if pipelined:
+        out.update(_pipelined_imports(engine, HFWeightSource(config["policy"]["model_name"]), source, prompts))
 
     state = engine.sampling_state()
     sampled = engine.generate(prompts * 2).token_ids

@@ -329,7 +329,9 @@ class _GenerationChecks:
             training_config = scenarios.conformance_config(self.training_backend, str(model_dir),
                                                            overrides=[*overrides, *self.training_overrides])
         (result,) = run_distributed(scenarios.generation_refit, 1, config, spec.worker, training_config, str(root),
-                                    prompts, self.max_new_tokens, _tmp_env(self.env, root))
+                                    prompts, self.max_new_tokens, _tmp_env(self.env, root),
+                                    "pipelined_import" in spec.capabilities)
+        result["capabilities"] = sorted(spec.capabilities)
         return result
 
     def test_worker_satisfies_the_generation_protocol(self, run) -> None:
@@ -367,6 +369,25 @@ class _GenerationChecks:
             f"a refit missing a tensor must raise nrl_core.refit.RefitError, got {run['bad_refit']!r}")
         assert run["version_after_bad_refit"] == run["version1"], "a refused refit still bumped weight_version"
         assert run["after_bad_refit"] == run["after"], "a refused refit changed the engine's output"
+
+    def test_declared_pipelined_import_loads_as_import_weights_and_tears_visibly(self, run) -> None:
+        if "pipelined_import" not in run["capabilities"]:
+            pytest.skip(f"backend '{self.backend}' does not declare 'pipelined_import'")
+        assert run["pipelined/original_version"] == run["pipelined/version_before"] + 1, (
+            "import_weights_pipelined must return the new version, one more than before")
+        assert run["pipelined/original"] == run["before"] and run["pipelined/trained"] == run["after"], (
+            "import_weights_pipelined loaded weights that generate differently from import_weights' of the same source")
+        assert (run["pipelined/bad_layout"] or "").startswith("NrlError"), (
+            f"a manifest the engine's layout cannot take must raise RefitError before loading, got "
+            f"{run['pipelined/bad_layout']!r}")
+        assert run["pipelined/after_bad_layout"] == run["after"] and run["pipelined/version_after_bad_layout"] == 0, (
+            "a manifest refused before loading changed the engine's output or version")
+        assert "the transfer broke after its first bucket" in (run["pipelined/torn"] or ""), (
+            f"a stream that fails part-way must raise TornRefitError, got {run['pipelined/torn']!r}")
+        assert str(run["pipelined/after_torn"]).startswith("NrlError"), (
+            f"after a torn import the engine must refuse to generate until a refit succeeds; it gave "
+            f"{run['pipelined/after_torn']!r}")
+        assert run["pipelined/restored"] == run["after"], "the import after a torn one did not restore the weights"
 
     def test_sampling_state_round_trip_reproduces_samples(self, run) -> None:
         assert run["resampled"] == run["sampled"], (

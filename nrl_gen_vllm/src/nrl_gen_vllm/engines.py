@@ -21,11 +21,12 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 
 class SyncEngine:
     lora_request: Any = None  # the LoRA adapter every request runs with (adapter-only refit), if any
+    streams_weights = True  # load_weights takes tensors as they arrive (the worker is in this process)
 
     def __init__(self, **engine_kwargs: Any) -> None:
         from vllm import LLM
@@ -49,10 +50,11 @@ class SyncEngine:
     def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
         return self.llm.collective_rpc(method, args=args)
 
-    def load_weights(self, named: list[tuple[str, Any]], version: int, in_flight: bool = False,
+    def load_weights(self, named: Iterable[tuple[str, Any]], version: int, in_flight: bool = False,
                      recompute_kv_cache: bool = False) -> None:
         """Hand the tensors to the worker extension by reference (same process; nothing is in
-        flight between two calls of this engine), then drop the KV cached with the old weights."""
+        flight between two calls of this engine), then drop the KV cached with the old weights.
+        ``named`` may be a stream that is still arriving: the layerwise reload takes it lazily."""
         self.llm.collective_rpc("nrl_load_weights", args=(named,))
         self.llm.reset_prefix_cache()
 
@@ -79,6 +81,7 @@ class SyncEngine:
 
 class AsyncEngine:
     lora_request: Any = None
+    streams_weights = False  # its workers run in another process: the tensors travel in one file
 
     def __init__(self, **engine_kwargs: Any) -> None:
         self._loop = asyncio.new_event_loop()
@@ -239,6 +242,7 @@ class AsyncEngine:
 
 class FollowerEngine:
     lora_request: Any = None
+    streams_weights = False
 
     def generate(self, requests: Sequence[Any], params: Sequence[Any]) -> list[Any]:
         return []

@@ -7,7 +7,7 @@ worker already defines ``update_weights`` (and may grow more): an extension must
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 
@@ -60,7 +60,7 @@ class NrlWorkerExtension:
     model_config: Any
 
     @torch.no_grad()
-    def nrl_load_weights(self, named: list[tuple[str, torch.Tensor]]) -> int:
+    def nrl_load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Load already-verified HF-named full tensors through vLLM's layerwise reload.
 
         The reload restores each layer to its checkpoint layout, buffers incoming weights until a
@@ -78,9 +78,11 @@ class NrlWorkerExtension:
         model = self.model_runner.model
         with set_current_vllm_config(self.vllm_config):
             initialize_layerwise_reload(model)
-            loaded = model.load_weights(weights=iter(named))
-            finalize_layerwise_reload(model, self.model_config)
-            prepack_cpu_experts(model)
+            try:
+                loaded = model.load_weights(weights=iter(named))
+            finally:  # a stream that failed part-way: the layers it never reached get their kernels back
+                finalize_layerwise_reload(model, self.model_config)
+                prepack_cpu_experts(model)
         return len(loaded) if loaded is not None else -1
 
     @torch.no_grad()

@@ -21,7 +21,7 @@ from nrl_core.env_vars import environment
 from nrl_core.errors import ConfigError, NrlError
 from nrl_core.generation_kit import SamplingState, SleepState
 from nrl_core.refit.buckets import Bucket, dtype_name, parse_dtype, spec_of
-from nrl_core.refit.manifest import RefitError, verify
+from nrl_core.refit.manifest import RefitError, TornRefitError, verified_stream, verify
 from nrl_core.timeline import mark
 
 from nrl_gen_vllm import cpu_shm
@@ -155,6 +155,7 @@ class VllmGenerationWorker:
         if self.serves_adapters:
             self.load_format = "auto"
         self._state = SamplingState(seed=base_seed(config), weight_version=-1 if self.load_format == "dummy" else 0)
+        self._torn: str | None = None  # why the weights are a mix of versions (a pipelined refit failed part-way)
         self._sleep = SleepState(f"vLLM engine {self.engine_index}")
         self.model_dir = str(policy["model_name"])
         precision = vcfg.get("precision") or resolve_precision(policy.get("precision"))
@@ -301,6 +302,9 @@ class VllmGenerationWorker:
         from vllm.inputs import TokensPrompt
 
         self._sleep.require_awake("generate")
+        if self._torn is not None:
+            raise TornRefitError(f"vLLM engine {self.engine_index}: generate with torn weights: {self._torn}; "
+                                 "the next refit that succeeds restores them")
         if self._state.weight_version < 0:
             raise NrlError(f"vLLM engine {self.engine_index}: generate before any weights were loaded "
                            "(vllm_cfg.load_format: dummy starts with placeholders); import_weights first, "
@@ -353,6 +357,41 @@ class VllmGenerationWorker:
         # the engine drops the KV cached with the old weights (in flight: as configure_in_flight says)
         self._engine.load_weights(staged, version, self.in_flight, self.recompute_kv_cache)
         del staged
+        self._torn = None
+        self._state.weight_version = version
+        return version
+
+    def import_weights_pipelined(self, buckets: Iterable[Bucket], manifest: list[WeightSpec]) -> int:
+        """Load each tensor as it arrives (contract 13, ``pipelined_import``), so the engine loads
+        bucket k while the training side exports bucket k+1. ``manifest`` is checked against this
+        engine's checkpoint layout before anything loads, each tensor against ``manifest`` before
+        it loads. A failure after the first load leaves the engine torn: it raises
+        :class:`TornRefitError` here and at every generate until a refit succeeds. The engines
+        whose workers live in another process (the async engine) stage and load atomically, as do
+        in-flight imports, which must not tear the requests they land in."""
+        if not self._engine.streams_weights or self.in_flight:
+            return self.import_weights(buckets, manifest)
+        self._sleep.require_awake("import_weights", ("weights",))
+        check_against_checkpoint(manifest, self._checkpoint, self.model_dir)
+        version = self._state.weight_version + 1
+        self._torn = f"a pipelined refit to version {version} is loading"
+        handed = 0
+
+        def counted() -> Iterator[tuple[str, Any]]:
+            nonlocal handed
+            for item in verified_stream(buckets, manifest):
+                handed += 1
+                yield item
+
+        try:
+            self._engine.load_weights(counted(), version)
+        except BaseException as exc:
+            self._torn = (f"the pipelined refit to version {version} failed after {handed} of {len(manifest)} "
+                          f"tensors reached the engine ({exc})")
+            if isinstance(exc, TornRefitError):
+                raise
+            raise TornRefitError(f"vLLM engine {self.engine_index}: {self._torn}") from exc
+        self._torn = None
         self._state.weight_version = version
         return version
 
