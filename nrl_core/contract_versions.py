@@ -96,7 +96,7 @@ CONTRACT_HISTORY: tuple[ContractVersion, ...] = (
         "capability in_flight_updates (generation: import_weights while generate_groups streams, chosen by "
         "grpo.async_grpo.in_flight_weight_updates) and GenerationOutput.token_weight_versions: each token's "
         "weight version",)),
-    ContractVersion(13, "HEAD", added=(
+    ContractVersion(13, "a2da46e", added=(
         "capability pipelined_import (generation: PipelinedImporter.import_weights_pipelined(buckets, manifest) "
         "loads each bucket as it arrives; a transfer that fails part-way raises TornRefitError and the engine "
         "refuses to generate until a refit succeeds)",)),
