@@ -14,14 +14,14 @@ Llama of the same bytes (0.2% apart), which moves the same data in 16x fewer, la
 * ``nrl_cross_process``: the source in one Ray actor, the vLLM worker in another, shared memory,
   against the reload inside the vLLM worker's actor: the atomic refit (the whole export, then the
   load);
-* ``nrl_pipelined``: the same, pipelined (``pipelined_import``): the engine loads each bucket of
-  ``--pipeline-bucket-mb`` while the source exports the next.
+* ``nrl_pipelined``: the same, pipelined (``pipelined_import``, the default for vLLM): the source
+  publishes each chunk of a bucket as it writes it and the engine loads it while the source writes
+  the next.
 
 Each figure is the best of ``--repeats``, nrl and its reference taken in turns, so that both see
 the same machine (a shared 2-core VM moves by 20-30% from one minute to the next).
 
     python benchmarks/bench_refit.py [--sizes small,bench-L2,bench,bench-L24] [--repeats 15] [--no-cross-process]
-                                     [--pipeline-bucket-mb 8]
 
 Prints a table and one JSON line.
 """
@@ -103,7 +103,7 @@ def _reload_in_actor(worker: Any) -> float:
     return time.perf_counter() - start
 
 
-def measure(name: str, repeats: int, cross: bool, pipeline_bucket: int) -> dict:
+def measure(name: str, repeats: int, cross: bool) -> dict:
     import torch
 
     from nrl_core.refit import refit
@@ -137,7 +137,7 @@ def measure(name: str, repeats: int, cross: bool, pipeline_bucket: int) -> dict:
                                "nrl_cross_process": _timed(lambda: refit(src.endpoint(0), sink.endpoint(0),
                                                                          bucket_bytes=BUCKET)),
                                "nrl_pipelined": _timed(lambda: refit(src.endpoint(0), sink.endpoint(0),
-                                                                     bucket_bytes=pipeline_bucket, pipelined=True))},
+                                                                     bucket_bytes=BUCKET, pipelined=True))},
                               repeats)
         row.update({key: nbytes / seconds for key, seconds in best.items()})
         sink.call("shutdown")
@@ -152,8 +152,6 @@ def main() -> None:
     parser.add_argument("--sizes", default=",".join(DEFAULT_SIZES), help=f"of {', '.join(SIZES)}")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--no-cross-process", action="store_true")
-    parser.add_argument("--pipeline-bucket-mb", type=float, default=8.0,
-                        help="bucket size of the pipelined refit (smaller: the engine starts sooner)")
     args = parser.parse_args()
     cross = not args.no_cross_process
     if cross:
@@ -166,7 +164,7 @@ def main() -> None:
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})
     results = {}
     for name in args.sizes.split(","):
-        results[name] = measure(name, args.repeats, cross, int(args.pipeline_bucket_mb * 2**20))
+        results[name] = measure(name, args.repeats, cross)
         r = results[name]
         line = (f"{name:14s} {r['bytes'] / 1e6:8.1f} MB {r['tensors']:4d} tensors  memcpy {r['memcpy'] / 1e9:6.2f} GB/s  "
                 f"vllm_reload {r['vllm_reload'] / 1e9:5.2f} GB/s  nrl_in_process {r['nrl_in_process'] / 1e9:5.2f} GB/s "

@@ -93,7 +93,8 @@ class Generation:
             self._index_ranks()
         self.adapters = bool(config["policy"]["refit"]["adapters"])
         # adapter-only refits go through the engine's import_adapter, which is atomic
-        self.pipelined = "pipelined_import" in spec.capabilities and not self.adapters
+        self.pipelined = (bool(config["policy"]["refit"]["pipelined"]) and "pipelined_import" in spec.capabilities
+                          and not self.adapters)
         if self.adapters:  # LoRA: the engines hold the base model; every refit sends the adapters alone
             adapter_config = self.policy.group.call(WorkerHost.nrl_adapter_config)
             self.policy.group.call(WorkerHost.nrl_refit_adapters, adapter_config)

@@ -20,7 +20,8 @@ from typing import Any, Callable, Iterator
 
 from nrl_core.refit.manifest import RefitError
 
-_POLL_S = 0.0002
+_FIRST_POLL_S = 0.0001
+_MAX_POLL_S = 0.002  # a wait grows to this: the next chunk is a copy away, the other core is the exporter's
 _LIVENESS_EVERY_S = 0.01
 
 
@@ -44,11 +45,7 @@ def channel_directory() -> str:
 
 
 def remove_channel(address: ChannelAddress) -> None:
-    for path in glob.glob(address.prefix + "*"):
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
+    ChannelReader(address)._remove()
 
 
 class ChannelWriter:
@@ -91,14 +88,19 @@ class ChannelReader:
         self._exporter_done = exporter_done
 
     def _read(self, name: str) -> Any:
-        with open(self._prefix + name, "rb") as f:
-            return pickle.load(f)
+        try:
+            with open(self._prefix + name, "rb") as f:
+                return pickle.load(f)
+        except FileNotFoundError:
+            raise RefitError("refit failed: its channel was removed while this side read it (the exporting side "
+                             "is gone)") from None
 
     def _wait_for(self, name: str) -> Any:
         """The value of ``name`` once published; raises the sender's error, or at its end marker
         (``None`` then), or when the sender is gone or the wait times out."""
         deadline = time.monotonic() + self._timeout_s
         next_liveness = time.monotonic() + _LIVENESS_EVERY_S
+        poll = _FIRST_POLL_S
         while True:
             if os.path.exists(self._prefix + name):
                 return self._read(name)
@@ -115,9 +117,18 @@ class ChannelReader:
             if self._exporter_done is not None and now > next_liveness:
                 next_liveness = now + _LIVENESS_EVERY_S
                 if self._exporter_done() and not any(os.path.exists(self._prefix + n) for n in (name, "end", "error")):
+                    self._remove()  # nobody else will: the exporter's cleanup goes with its process
                     raise RefitError("refit failed: the exporting side ended without finishing its weights "
                                      "(its process died or its call failed before it started)")
-            time.sleep(_POLL_S)
+            time.sleep(poll)
+            poll = min(poll * 1.5, _MAX_POLL_S)
+
+    def _remove(self) -> None:
+        for path in glob.glob(self._prefix + "*"):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
 
     def header(self) -> tuple[Any, list[Any]]:
         return self._wait_for("header")

@@ -30,7 +30,7 @@ from nrl_core.dispatch import Fanout, Gather, dispatch
 from nrl_core.contracts import WeightSpec, import_object
 from nrl_core.long_lived import long_lived_objects
 from nrl_core.refit.adapters import AdapterSink, AdapterSource
-from nrl_core.refit.buckets import manifest_bytes, refit_dtype
+from nrl_core.refit.buckets import iter_buckets, manifest_bytes, refit_dtype
 from nrl_core.refit.channel import ChannelAddress, ChannelReader, ChannelWriter, remove_channel
 from nrl_core.refit.report import RefitReport
 from nrl_core.refit.transports import RefitSession, RefitTransport
@@ -38,6 +38,22 @@ from nrl_core.timeline import mark
 
 STREAM_BACKPRESSURE = 2
 """Buckets a training actor may run ahead of the generation actors in a collective transport."""
+
+
+PIPELINE_CHUNK_BYTES = 4 * 2**20
+"""What a pipelined refit publishes at a time, whatever ``bucket_size_mb`` is (a bucket is what the
+training side gathers at once): the engine starts loading once the first chunk is written."""
+
+
+class _Chunked:
+    """A weight source whose buckets are cut into chunks of whole tensors of about ``chunk_bytes``."""
+
+    def __init__(self, source: Any, chunk_bytes: int) -> None:
+        self.source, self.chunk_bytes = source, chunk_bytes
+
+    def export_weights(self, bucket_bytes: int, dtype: str) -> Iterator[list[Any]]:
+        for bucket in self.source.export_weights(bucket_bytes, dtype):
+            yield from iter_buckets(iter(bucket), self.chunk_bytes)
 
 
 @dataclass(frozen=True)
@@ -218,8 +234,9 @@ class RefitEndpoints:
     @dispatch(Fanout.RANK0)
     def nrl_refit_export_streamed(self, transport_name: str, channel: ChannelAddress, bucket_bytes: int,
                                   dtype: str | None) -> int:
-        """:meth:`nrl_refit_export` for a pipelined refit: each handle is published on ``channel``
-        the moment its bucket is written, for :meth:`nrl_refit_import_streamed` calls running at
+        """:meth:`nrl_refit_export` for a pipelined refit: each bucket is written in chunks of
+        :data:`PIPELINE_CHUNK_BYTES`, and each chunk's handle is published on ``channel`` the moment
+        it is written, for :meth:`nrl_refit_import_streamed` calls running at
         the same time; an error is published too. Returns the bytes exported;
         :meth:`nrl_refit_cleanup` ends the refit."""
         dtype = refit_dtype(dtype)
@@ -229,7 +246,8 @@ class RefitEndpoints:
             source = self._refit_from()
             manifest = list(source.weight_manifest(dtype))
             writer.header(session, manifest)
-            for handle in send_handles(source, transport_name, session, bucket_bytes, dtype):
+            for handle in send_handles(_Chunked(source, PIPELINE_CHUNK_BYTES), transport_name, session,
+                                       bucket_bytes, dtype):
                 writer.put(handle)
             writer.close()
         except BaseException as exc:
@@ -288,11 +306,10 @@ class RefitEndpoints:
         yield from send_handles(self._refit_from(), transport_name, session, bucket_bytes, refit_dtype(dtype))
 
     @dispatch(Fanout.DP)
-    def nrl_refit_receive(self, transport_name: str, session: RefitSession, manifest: list[WeightSpec],
-                          pipelined: bool = False) -> int:
+    def nrl_refit_receive(self, transport_name: str, session: RefitSession, manifest: list[WeightSpec]) -> int:
         """The receiving half of a collective transport (the bytes arrive out of band); the new
-        weight version. ``pipelined``: loaded as they arrive (``import_weights_pipelined``)."""
-        return receive_into(self._refit_into(), transport_name, session, (), manifest, pipelined)
+        weight version."""
+        return receive_into(self._refit_into(), transport_name, session, (), manifest)
 
     @dispatch(Fanout.ALL, Gather.NONE)
     def nrl_refit_drain(self, bucket_bytes: int, dtype: str | None) -> None:

@@ -18,6 +18,9 @@ from nrl_core.refit.report import RefitReport, combine_reports
 from nrl_core.refit.transports import PLACEMENTS, RefitSession
 
 TRANSPORT_KEY = "policy.refit.transport"
+PIPELINED_TRANSPORT = "shared_memory"
+"""The transport a pipelined refit runs over: its handles are small files' names, safe to publish
+on the channel (a plugin transport's handles might be Ray references, which a file cannot carry)."""
 DEFAULT_WAIT_S = 600.0
 """How long a pipelined refit's sinks wait for the source's next bucket when no timeout is given."""
 
@@ -79,9 +82,12 @@ def refit(source: Any, sink: Any | Sequence[Any], transport: str | None = None,
     source's process. ``timeout_s`` bounds a collective transport's own group (``distributed_timeout_minutes``).
     ``in_flight``: the sinks (ranks of other actors) import beside the generation they may be
     streaming, in their hosts' in-flight thread, so the new weights land mid-generation.
-    ``pipelined``: the sinks declare ``pipelined_import``; between actors (not in flight) they load
-    each bucket while the source exports the next, and a transfer that fails part-way leaves them
-    refusing to generate until a refit succeeds (:class:`~nrl_core.refit.manifest.TornRefitError`).
+    ``pipelined``: the sinks declare ``pipelined_import``; over ``shared_memory`` (one node, not in
+    flight) they load each chunk of a bucket while the source writes the next, and a transfer that
+    fails part-way leaves them refusing to generate until a refit succeeds
+    (:class:`~nrl_core.refit.manifest.TornRefitError`). Other transports import atomically: a
+    collective one would leave the sender and the other receivers waiting in the group when one
+    receiver stops reading early.
 
     Raises :class:`~nrl_core.refit.manifest.RefitError` (sinks keep their old weights) when what
     arrives does not match the source's manifest.
@@ -131,10 +137,9 @@ def _refit_ranks(source: Any, sinks: list[Any], override: str | None, bucket_byt
     name = choose_transport(placement, override)
     from nrl_core.plugins import get_plugin_manager
 
-    pipelined = pipelined and not in_flight
     if get_plugin_manager().refit_transports().get(name, TRANSPORT_KEY).collective:
-        nbytes, versions = _collective(source, sinks, name, bucket_bytes, dtype, timeout_s, in_flight, pipelined)
-    elif pipelined and placement == "same_node":
+        nbytes, versions = _collective(source, sinks, name, bucket_bytes, dtype, timeout_s, in_flight)
+    elif pipelined and not in_flight and name == PIPELINED_TRANSPORT:
         nbytes, versions = _stream_import(source, sinks, name, bucket_bytes, dtype, timeout_s)
     else:
         nbytes, versions = _export_import(source, sinks, name, bucket_bytes, dtype, in_flight)
@@ -211,8 +216,7 @@ def _gather_quietly(calls: list[tuple[Any, Any]]) -> None:
 
 
 def _collective(source: Any, sinks: list[Any], name: str, bucket_bytes: int, dtype: str | None,
-                timeout_s: float | None = None, in_flight: bool = False,
-                pipelined: bool = False) -> tuple[int, list[int]]:
+                timeout_s: float | None = None, in_flight: bool = False) -> tuple[int, list[int]]:
     """One sender, every sink receiving the same broadcast concurrently."""
     from nrl_core.cluster._host import InFlightWorkerHost, WorkerHost
 
@@ -225,8 +229,7 @@ def _collective(source: Any, sinks: list[Any], name: str, bucket_bytes: int, dty
         receive_rank = {(s.group, s.rank): i + 1 for i, s in enumerate(sinks)}
         endpoint = InFlightWorkerHost.nrl_refit_receive_in_flight if in_flight else WorkerHost.nrl_refit_receive
         pending = [(group, group.call_async(endpoint, on=ranks, per_rank_args=[
-                        (name, session.with_options(rank=receive_rank[(group, r)]), manifest, pipelined)
-                        for r in ranks]))
+                        (name, session.with_options(rank=receive_rank[(group, r)]), manifest) for r in ranks]))
                    for group, ranks in _by_group(sinks).items()]
         try:
             for _ in source.group.stream(WorkerHost.nrl_refit_send, name, session, bucket_bytes, dtype, on=source.rank,

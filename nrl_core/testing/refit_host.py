@@ -90,6 +90,8 @@ class PipelinedRecordingSink(RecordingSink):
                 self.received[name] = tensor.clone()
                 self.loaded += 1
         except BaseException as exc:
+            if self.loaded == 0:  # nothing was kept: the sink holds what it held
+                raise
             self.torn = f"failed after {self.loaded} tensors: {exc}"
             raise TornRefitError(self.torn) from exc
         self.torn = None

@@ -14,7 +14,7 @@ import torch
 
 from nrl_core.refit import refit
 from nrl_core.refit.buckets import iter_buckets, manifest_bytes
-from nrl_core.refit.channel import ChannelAddress, ChannelReader, ChannelWriter, remove_channel
+from nrl_core.refit.channel import ChannelAddress, ChannelReader, ChannelWriter, channel_directory, remove_channel
 from nrl_core.refit.manifest import RefitError, TornRefitError, verified_stream
 from nrl_core.refit.transports import RefitSession
 from nrl_core.testing.refit_host import RandomWeightSource
@@ -22,6 +22,10 @@ from tests.core.test_refit import ray_groups_of
 
 SHAPES = {"embed.weight": (64, 32), "layers.0.w": (32, 96), "layers.0.b": (96,), "layers.1.w": (96, 32),
           "norm.weight": (32,), "scalar": ()}
+
+
+def _channel_files() -> list[str]:
+    return glob.glob(os.path.join(channel_directory(), "nrl-refit-*-chan-*"))
 
 
 def _address() -> ChannelAddress:
@@ -129,6 +133,16 @@ def test_verified_stream_stops_at_the_first_bad_tensor_after_the_good_ones(defec
     assert len(passed) == (len(named) if defect == "missing" else 1 if defect == "reshaped" else 2)
 
 
+def test_a_pipelined_export_publishes_chunks_of_whole_tensors_whatever_the_bucket_size() -> None:
+    from nrl_core.refit.endpoints import _Chunked
+
+    source = RandomWeightSource(SHAPES, seed=3)
+    chunks = list(_Chunked(source, 2048).export_weights(1 << 30, "float32"))
+    assert len(list(source.export_weights(1 << 30, "float32"))) == 1 and len(chunks) > 1
+    assert [n for c in chunks for n, _ in c] == [s.name for s in source.weight_manifest("float32")]
+    assert all(sum(t.numel() * t.element_size() for _, t in c) <= 2048 or len(c) == 1 for c in chunks)
+
+
 # --------------------------------------------------------------------------- between Ray actors
 
 PIPELINED_SINK = "nrl_core.testing.refit_host:PipelinedRecordingSink"
@@ -192,7 +206,7 @@ def test_sinks_load_the_first_bucket_before_the_export_ends_and_receive_every_te
     assert (report.transport, report.placement) == ("shared_memory", "same_node")
     assert sinks.call("checksums") == [source.call("checksums", on=0)] * 2
     assert report.bytes == 2 * manifest_bytes(RandomWeightSource(SHAPES).weight_manifest("float32"))
-    assert not glob.glob("/dev/shm/nrl-refit-*-chan-*")  # the channel went with the refit's cleanup
+    assert not _channel_files()  # the channel went with the refit's cleanup
 
 
 @pytest.mark.slow
@@ -217,7 +231,7 @@ def test_an_export_that_fails_part_way_tears_the_sinks_until_the_next_refit(ray_
     refit(source.endpoint(0), _sinks(sinks), bucket_bytes=2048, pipelined=True)  # the next refit restores them
     assert sinks.call(WorkerHost.execute, lambda worker: worker.torn) == [None, None]
     assert sinks.call("checksums") == [source.call("checksums", on=0)] * 2
-    assert not glob.glob("/dev/shm/nrl-refit-*-chan-*")
+    assert not _channel_files()
 
 
 @pytest.mark.slow
@@ -243,5 +257,18 @@ def test_a_source_that_dies_mid_export_ends_the_sinks_wait_at_once(ray_groups, t
     finally:
         sinks.call(WorkerHost.execute, _set_marker(None))
         doomed.shutdown()
-        for path in glob.glob("/dev/shm/nrl-refit-*-chan-*"):  # nobody is left to clean this refit up
-            os.unlink(path)
+    assert not _channel_files()  # the sink that saw the exporter gone removed its channel
+
+
+@pytest.mark.slow
+def test_the_broadcast_transport_imports_atomically_even_when_asked_to_pipeline(ray_groups) -> None:
+    """A receiver that stopped reading a collective early would leave the sender and the other
+    receivers waiting in the group: pipelining runs over shared memory only."""
+    from nrl_core.cluster._host import WorkerHost
+
+    source, sinks = ray_groups
+    sinks.call(WorkerHost.execute, lambda worker: setattr(worker, "loaded", 0))
+    report = refit(source.endpoint(0), _sinks(sinks), transport="broadcast", bucket_bytes=2048, pipelined=True)
+    assert report.transport == "broadcast"
+    assert sinks.call(WorkerHost.execute, lambda worker: worker.loaded) == [0, 0]  # import_weights, not pipelined
+    assert sinks.call("checksums") == [source.call("checksums", on=0)] * 2

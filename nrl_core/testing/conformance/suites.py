@@ -382,11 +382,16 @@ class _GenerationChecks:
             f"{run['pipelined/bad_layout']!r}")
         assert run["pipelined/after_bad_layout"] == run["after"] and run["pipelined/version_after_bad_layout"] == 0, (
             "a manifest refused before loading changed the engine's output or version")
-        assert "the transfer broke after its first bucket" in (run["pipelined/torn"] or ""), (
-            f"a stream that fails part-way must raise TornRefitError, got {run['pipelined/torn']!r}")
-        assert str(run["pipelined/after_torn"]).startswith("NrlError"), (
-            f"after a torn import the engine must refuse to generate until a refit succeeds; it gave "
-            f"{run['pipelined/after_torn']!r}")
+        torn = run["pipelined/torn"] or ""
+        assert "the transfer broke after its first bucket" in torn, (
+            f"a stream that fails part-way must raise (TornRefitError once loading began), got {torn!r}")
+        if torn.startswith("TornRefitError"):
+            assert str(run["pipelined/after_torn"]).startswith("NrlError"), (
+                f"after a torn import the engine must refuse to generate until a refit succeeds; it gave "
+                f"{run['pipelined/after_torn']!r}")
+        else:  # the engine staged the stream (it cannot load as tensors arrive): nothing changed
+            assert run["pipelined/after_torn"] == run["after"], (
+                f"an import that raised {torn!r}, not TornRefitError, must leave the engine's weights unchanged")
         assert run["pipelined/restored"] == run["after"], "the import after a torn one did not restore the weights"
 
     def test_sampling_state_round_trip_reproduces_samples(self, run) -> None:

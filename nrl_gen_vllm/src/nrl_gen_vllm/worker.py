@@ -365,8 +365,9 @@ class VllmGenerationWorker:
         """Load each tensor as it arrives (contract 13, ``pipelined_import``), so the engine loads
         bucket k while the training side exports bucket k+1. ``manifest`` is checked against this
         engine's checkpoint layout before anything loads, each tensor against ``manifest`` before
-        it loads. A failure after the first load leaves the engine torn: it raises
-        :class:`TornRefitError` here and at every generate until a refit succeeds. The engines
+        it loads. A failure after the first tensor reached the engine leaves it torn: it raises
+        :class:`TornRefitError` here and at every generate until a refit succeeds (each rank of a
+        tensor-parallel engine keeps its own state: a torn refit ends the run). The engines
         whose workers live in another process (the async engine) stage and load atomically, as do
         in-flight imports, which must not tear the requests they land in."""
         if not self._engine.streams_weights or self.in_flight:
@@ -374,7 +375,6 @@ class VllmGenerationWorker:
         self._sleep.require_awake("import_weights", ("weights",))
         check_against_checkpoint(manifest, self._checkpoint, self.model_dir)
         version = self._state.weight_version + 1
-        self._torn = f"a pipelined refit to version {version} is loading"
         handed = 0
 
         def counted() -> Iterator[tuple[str, Any]]:
@@ -386,9 +386,13 @@ class VllmGenerationWorker:
         try:
             self._engine.load_weights(counted(), version)
         except BaseException as exc:
+            if handed == 0:  # nothing reached the engine: it holds what it held
+                if isinstance(exc, Exception) and (not isinstance(exc, RefitError) or isinstance(exc, TornRefitError)):
+                    raise RefitError(f"vLLM engine {self.engine_index}: refit rejected, weights unchanged; {exc}") from exc
+                raise
             self._torn = (f"the pipelined refit to version {version} failed after {handed} of {len(manifest)} "
                           f"tensors reached the engine ({exc})")
-            if isinstance(exc, TornRefitError):
+            if isinstance(exc, TornRefitError) or not isinstance(exc, Exception):
                 raise
             raise TornRefitError(f"vLLM engine {self.engine_index}: {self._torn}") from exc
         self._torn = None
