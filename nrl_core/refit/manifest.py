@@ -36,6 +36,13 @@ def _listing(keys: list[str]) -> str:
     return shown + (f" (+{len(keys) - _MAX_LISTED} more)" if len(keys) > _MAX_LISTED else "")
 
 
+def _difference(got: WeightSpec, want: WeightSpec) -> str:
+    """How ``got`` differs from ``want`` in shape or dtype; empty when it does not."""
+    if tuple(got.shape) == tuple(want.shape) and got.dtype == want.dtype:
+        return ""
+    return f"got {list(got.shape)} {got.dtype}, expected {list(want.shape)} {want.dtype}"
+
+
 def verify(received: Iterable[WeightSpec], manifest: Iterable[WeightSpec], *, what: str = "refit") -> None:
     """Raise :class:`RefitError` unless ``received`` matches ``manifest`` exactly.
 
@@ -55,8 +62,9 @@ def verify(received: Iterable[WeightSpec], manifest: Iterable[WeightSpec], *, wh
         if want is None or spec.name in seen:
             continue
         seen.add(spec.name)
-        if tuple(spec.shape) != tuple(want.shape) or spec.dtype != want.dtype:
-            mismatched.append(f"{spec.name} (got {list(spec.shape)} {spec.dtype}, expected {list(want.shape)} {want.dtype})")
+        differs = _difference(spec, want)
+        if differs:
+            mismatched.append(f"{spec.name} ({differs})")
     if not (missing or extra or duplicate or mismatched):
         return
     parts = []
@@ -93,9 +101,9 @@ def verified_stream(buckets: Iterable[list[tuple[str, "torch.Tensor"]]], manifes
         for name, tensor in bucket:
             want = expected.get(name)
             spec = spec_of(name, tensor)
+            differs = "" if want is None else _difference(spec, want)
             problem = ("unexpected" if want is None else "sent more than once" if name in seen else
-                       f"wrong shape or dtype (got {list(spec.shape)} {spec.dtype}, expected {list(want.shape)} "
-                       f"{want.dtype})" if (tuple(spec.shape), spec.dtype) != (tuple(want.shape), want.dtype) else "")
+                       f"wrong shape or dtype ({differs})" if differs else "")
             if problem:
                 raise TornRefitError(f"{what} failed part-way: {name}: {problem}", extra=[name] if want is None else [],
                                      duplicate=[name] if problem.startswith("sent") else [],

@@ -328,7 +328,9 @@ def _pipelined_imports(engine: Any, original: Any, trained: Any, prompts: list[l
         raise RuntimeError("the transfer broke after its first bucket")
 
     def greedy() -> Any:
-        return _error_of(lambda: engine.generate(prompts, greedy=True)) or engine.generate(prompts, greedy=True).token_ids
+        """The greedy token ids, or the error generate raised (once: every call moves the sampling state)."""
+        out: list[Any] = []
+        return _error_of(lambda: out.append(engine.generate(prompts, greedy=True).token_ids)) or out[0]
 
     out: dict[str, Any] = {}
     out["pipelined/version_before"] = engine.weight_version
