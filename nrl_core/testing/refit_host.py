@@ -99,6 +99,25 @@ class PipelinedRecordingSink(RecordingSink):
         return self.weight_version
 
 
+def fail_export_after(count: int) -> Any:
+    """A ``WorkerHost.execute`` target that makes the hosted weight source raise after ``count``
+    buckets of each export (an instance attribute shadowing the method; delete it to undo): a
+    training side that fails mid-export."""
+
+    def patch(worker: Any) -> None:
+        real = type(worker).export_weights.__get__(worker)
+
+        def export_weights(bucket_bytes: int, dtype: str) -> Any:
+            for k, bucket in enumerate(real(bucket_bytes, dtype)):
+                if k == count:
+                    raise RuntimeError("the training side failed mid-export")
+                yield bucket
+
+        worker.export_weights = export_weights
+
+    return patch
+
+
 def perturb_weights(model: Any, seed: int, scale: float = 0.05) -> None:
     """Add seeded noise to every parameter: a deterministic stand-in for training steps (the same
     seed gives the same tensors in any process)."""

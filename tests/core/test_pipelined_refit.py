@@ -3,11 +3,12 @@ refit between Ray actors where the sinks load each bucket while the source expor
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import threading
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 import torch
@@ -190,19 +191,26 @@ def _set_marker(marker: str | None) -> Any:
     return set_it
 
 
-@pytest.mark.slow
-def test_sinks_load_the_first_bucket_before_the_export_ends_and_receive_every_tensor(ray_groups, tmp_path) -> None:
+@contextlib.contextmanager
+def _held_export(source: Any, sinks: Any, marker: str, what: str) -> Iterator[None]:
+    """The sinks mark their first tensor and the source holds after its first bucket (then
+    ``what``); both undone on the way out."""
     from nrl_core.cluster._host import WorkerHost
 
-    source, sinks = ray_groups
-    marker = str(tmp_path / "first-tensor")
     sinks.call(WorkerHost.execute, _set_marker(marker))
-    source.call(WorkerHost.execute, _hold_after_first_bucket(marker, "continue"))
+    source.call(WorkerHost.execute, _hold_after_first_bucket(marker, what))
     try:
-        report = refit(source.endpoint(0), _sinks(sinks), bucket_bytes=2048, pipelined=True)
+        yield
     finally:
         source.call(WorkerHost.execute, lambda worker: delattr(worker, "export_weights"))
         sinks.call(WorkerHost.execute, _set_marker(None))
+
+
+@pytest.mark.slow
+def test_sinks_load_the_first_bucket_before_the_export_ends_and_receive_every_tensor(ray_groups, tmp_path) -> None:
+    source, sinks = ray_groups
+    with _held_export(source, sinks, str(tmp_path / "first-tensor"), "continue"):
+        report = refit(source.endpoint(0), _sinks(sinks), bucket_bytes=2048, pipelined=True)
     assert (report.transport, report.placement) == ("shared_memory", "same_node")
     assert sinks.call("checksums") == [source.call("checksums", on=0)] * 2
     assert report.bytes == 2 * manifest_bytes(RandomWeightSource(SHAPES).weight_manifest("float32"))
@@ -215,16 +223,10 @@ def test_an_export_that_fails_part_way_tears_the_sinks_until_the_next_refit(ray_
     from nrl_core.cluster._host import WorkerHost
 
     source, sinks = ray_groups
-    marker = str(tmp_path / "first-tensor")
-    sinks.call(WorkerHost.execute, _set_marker(marker))
-    source.call(WorkerHost.execute, _hold_after_first_bucket(marker, "raise"))
-    try:
+    with _held_export(source, sinks, str(tmp_path / "first-tensor"), "raise"):
         with pytest.raises(WorkerRaisedError, match=r"source\[rank 0\] pid \d+: nrl_refit_export_streamed\(\) raised "
                                                     r"RuntimeError: the training side failed mid-export"):
             refit(source.endpoint(0), _sinks(sinks), bucket_bytes=2048, pipelined=True)
-    finally:
-        source.call(WorkerHost.execute, lambda worker: delattr(worker, "export_weights"))
-        sinks.call(WorkerHost.execute, _set_marker(None))
     torn = sinks.call(WorkerHost.execute, lambda worker: worker.torn)
     assert all(t and "the exporting side raised RuntimeError: the training side failed mid-export" in t for t in torn)
     assert all(n > 0 for n in sinks.call(WorkerHost.execute, lambda worker: worker.loaded))

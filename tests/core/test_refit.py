@@ -23,7 +23,7 @@ from nrl_core.refit.transports import (
     _remove_stale_pool_files,
     release_shared_buffers,
 )
-from nrl_core.testing.refit_host import RandomWeightSource, RecordingSink
+from nrl_core.testing.refit_host import RandomWeightSource, RecordingSink, fail_export_after
 
 SHAPES = {"embed.weight": (64, 32), "layers.0.w": (32, 96), "layers.0.b": (96,), "layers.1.w": (96, 32),
           "norm.weight": (32,), "scalar": ()}
@@ -277,18 +277,6 @@ def test_refit_rejects_sinks_both_inside_and_outside_the_source_actor(ray_groups
         refit(source.endpoint(0), RecordingSink())
 
 
-def _break_export(worker: Any) -> None:
-    """Make the hosted source fail after its first bucket (the instance attribute shadows the method)."""
-    real = type(worker).export_weights.__get__(worker)
-
-    def export_weights(bucket_bytes: int, dtype: str) -> Any:
-        buckets = real(bucket_bytes, dtype)
-        yield next(buckets)
-        raise RuntimeError("the training side failed mid-export")
-
-    worker.export_weights = export_weights
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("transport", [None, "broadcast"])
 def test_failed_export_leaves_the_engines_untouched_and_names_the_source_rank(ray_groups, transport) -> None:
@@ -298,7 +286,7 @@ def test_failed_export_leaves_the_engines_untouched_and_names_the_source_rank(ra
     source, sinks = ray_groups
     checksums = sinks.call("checksums")
     versions = sinks.call(WorkerHost.execute, lambda worker: worker.weight_version)
-    source.call(WorkerHost.execute, _break_export)
+    source.call(WorkerHost.execute, fail_export_after(1))
     try:
         with pytest.raises(WorkerRaisedError, match=r"source\[rank 0\] pid \d+: nrl_refit_\w+\(\) raised "
                                                     r"RuntimeError: the training side failed mid-export"):

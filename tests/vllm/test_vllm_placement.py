@@ -15,7 +15,7 @@ import pytest
 from nrl_core.cluster._host import WorkerHost
 from nrl_core.refit import refit
 from nrl_core.refit.hf_source import HFWeightSource
-from nrl_core.testing.refit_host import perturb_hosted_source
+from nrl_core.testing.refit_host import fail_export_after, perturb_hosted_source
 from tests.vllm.helpers import generation_config, hf_greedy, hf_model
 
 ray = pytest.importorskip("ray")
@@ -82,23 +82,6 @@ def test_non_colocated_refit_across_processes(actors, model_dir, prompts, transp
     assert out.weight_version == report.version
 
 
-def _fail_after_buckets(count: int):
-    """Make the hosted source raise after ``count`` buckets (the instance attribute shadows the method)."""
-
-    def patch(worker) -> None:
-        real = type(worker).export_weights.__get__(worker)
-
-        def export_weights(bucket_bytes: int, dtype: str):
-            for k, bucket in enumerate(real(bucket_bytes, dtype)):
-                if k == count:
-                    raise RuntimeError("the training side failed mid-export")
-                yield bucket
-
-        worker.export_weights = export_weights
-
-    return patch
-
-
 def test_pipelined_refit_across_processes_and_a_torn_one(actors, model_dir, prompts) -> None:
     """The engine loads each bucket as the source writes it: greedy output then equals HF's with
     the new weights. A source that fails part-way leaves the engine torn (some tensors loaded):
@@ -115,7 +98,7 @@ def test_pipelined_refit_across_processes_and_a_torn_one(actors, model_dir, prom
     assert out.weight_version == report.version
 
     separate.call(WorkerHost.execute, functools.partial(perturb_hosted_source, seed=15, fresh_from=str(model_dir)))
-    separate.call(WorkerHost.execute, _fail_after_buckets(2))
+    separate.call(WorkerHost.execute, fail_export_after(2))
     try:
         with pytest.raises(WorkerRaisedError, match="nrl_refit_export_streamed.. raised RuntimeError: the training "
                                                     "side failed mid-export"):
