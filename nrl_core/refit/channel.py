@@ -45,7 +45,15 @@ def channel_directory() -> str:
 
 
 def remove_channel(address: ChannelAddress) -> None:
-    ChannelReader(address)._remove()
+    _remove_files(address.prefix)
+
+
+def _remove_files(prefix: str) -> None:
+    for path in glob.glob(prefix + "*"):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
 
 
 class ChannelWriter:
@@ -117,18 +125,11 @@ class ChannelReader:
             if self._exporter_done is not None and now > next_liveness:
                 next_liveness = now + _LIVENESS_EVERY_S
                 if self._exporter_done() and not any(os.path.exists(self._prefix + n) for n in (name, "end", "error")):
-                    self._remove()  # nobody else will: the exporter's cleanup goes with its process
+                    _remove_files(self._prefix)  # nobody else will: the exporter's cleanup goes with its process
                     raise RefitError("refit failed: the exporting side ended without finishing its weights "
                                      "(its process died or its call failed before it started)")
             time.sleep(poll)
             poll = min(poll * 1.5, _MAX_POLL_S)
-
-    def _remove(self) -> None:
-        for path in glob.glob(self._prefix + "*"):
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
 
     def header(self) -> tuple[Any, list[Any]]:
         return self._wait_for("header")
