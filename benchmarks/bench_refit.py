@@ -7,7 +7,7 @@ Llama of the same bytes (0.2% apart), which moves the same data in 16x fewer, la
 * ``memcpy``: copying the state dict into preallocated tensors (the hardware's ceiling);
 * ``vllm_reload``: vLLM's own ``reload_weights`` (layerwise reload) with the same state dict,
   called directly on the engine, in the process that holds the engine: the reference (for a MoE
-  model followed by the CPU expert prepack vLLM skips, without which its output is wrong);
+  model with the CPU expert prepack vLLM skips, without which its output is wrong);
 * ``nrl_in_process``: :func:`nrl_core.refit.refit` from an HF weight source in this process
   (export, manifest check, checkpoint check, layerwise reload, prefix-cache reset), against the
   reload in this process;
@@ -80,17 +80,18 @@ def _state_dict(model_dir: str) -> list[tuple[str, Any]]:
     return [item for bucket in HFWeightSource(model_dir).export_weights(1 << 62, "float32") for item in bucket]
 
 
-def _prepack(vllm_worker: Any) -> int:
-    from nrl_gen_vllm.extension import prepack_cpu_experts
+def _vllm_reload(vllm_worker: Any, items: list[tuple[str, Any]]) -> None:
+    from nrl_gen_vllm.cpu_moe import reloading
 
-    return prepack_cpu_experts(vllm_worker.model_runner.model)
+    with reloading():
+        vllm_worker.reload_weights(weights_iterator=iter(items))
 
 
 def _reload(worker: Any, items: list[tuple[str, Any]]) -> None:
-    """vLLM's own reload, then the CPU MoE kernel's expert prepack that vLLM skips on a weight update
-    (nothing to do for a dense model): the least a reload that leaves a MoE engine correct costs."""
-    worker.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(items)})
-    worker.llm.collective_rpc(_prepack)
+    """vLLM's own reload, with the CPU MoE kernel's expert prepack that vLLM skips on a weight update
+    run during it as nrl runs it (nothing to do for a dense model): the least a reload that leaves
+    a MoE engine correct costs."""
+    worker.llm.collective_rpc(_vllm_reload, args=(items,))
 
 
 def _reload_in_actor(worker: Any) -> float:

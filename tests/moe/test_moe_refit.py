@@ -1,14 +1,15 @@
 """GRPO and refit of mixture-of-experts weights into vLLM, on the tiny Qwen3-MoE.
 
-* In process: vLLM's CPU MoE kernel keeps expert weights prepacked and vLLM's own reload forgets
-  to prepack again (nrl's extension redoes it); a refit with changed experts and router generates
-  what HF generates; a refit missing one expert is refused by name and changes nothing.
+* In process: vLLM's CPU MoE kernel keeps expert weights prepacked and vLLM's weight update skips
+  the prepack (nrl runs it during the reload, ``nrl_gen_vllm/cpu_moe.py``); a refit with changed
+  experts and router generates what HF generates; a refit missing one expert is refused by name
+  and changes nothing.
 * Each MoE recipe under examples/configs/recipes/llm runs GRPO in this process (DTensor FSDP2 with
-  a colocated engine; Megatron with expert parallel 2 and its own engine actor, refit over shared
-  memory). Then the policy trains on its own and is refit: vLLM's greedy output equals HF
-  ``generate`` with the policy's exported weights, token for token; the manifest names every
-  expert of every layer (the engine checks it against its checkpoint's one tensor per expert), and
-  the experts travel many to a bucket.
+  a colocated engine; Megatron with expert parallel 2 and an engine of its own, here two vLLM
+  ranks with expert parallelism too, refit over shared memory). Then the policy trains on its own
+  and is refit: vLLM's greedy output equals HF ``generate`` with the policy's exported weights,
+  token for token; the manifest names every expert of every layer (the engine checks it against
+  its checkpoint's one tensor per expert), and the experts travel many to a bucket.
 """
 
 from __future__ import annotations
@@ -60,8 +61,8 @@ class _DroppingSource:
 
 
 def test_refit_of_trained_experts_in_process_and_a_missing_expert_is_refused(model):
-    """vLLM's CPU MoE kernel prepacks expert weights, and its own reload forgets to prepack again
-    (nrl's extension redoes it): refit weights with changed experts and router, greedy equals HF;
+    """vLLM's CPU MoE kernel prepacks expert weights, and its weight update skips the prepack
+    (nrl runs it during the reload): refit weights with changed experts and router, greedy equals HF;
     then an expert missing from a refit is named and the engine keeps its weights."""
     from nrl_core.refit import refit
     from nrl_core.refit.hf_source import HFWeightSource
@@ -111,8 +112,12 @@ def _generate(run, prompts):
 @pytest.mark.parametrize("recipe, lr, transport, aux_loss", [
     ("grpo-qwen3moe-1n1cpu-dtensor.yaml", ["policy.optimizer.kwargs.lr=1e-2"], "in_process", False),
     ("grpo-qwen3moe-1n3cpu-megatron-ep2-noncolocated.yaml",
-     ["policy.megatron_cfg.optimizer.lr=1e-2", "policy.megatron_cfg.optimizer.min_lr=1e-2"], "shared_memory", True),
-], ids=["dtensor-colocated", "megatron-ep2-noncolocated"])
+     ["policy.megatron_cfg.optimizer.lr=1e-2", "policy.megatron_cfg.optimizer.min_lr=1e-2",
+      # the engine too splits the experts: vLLM tensor parallel 2 with expert parallelism
+      "cluster.gpus_per_node=4", "policy.generation.colocated.resources.gpus_per_node=2",
+      "policy.generation.vllm_cfg.tensor_parallel_size=2", "policy.generation.vllm_cfg.expert_parallel_size=2"],
+     "shared_memory", True),
+], ids=["dtensor-colocated", "megatron-ep2-noncolocated-vllm-ep2"])
 def test_grpo_then_refit_of_trained_experts(recipe, lr, transport, aux_loss, model, tmp_path, ray_session):
     from transformers import AutoConfig
 

@@ -4,7 +4,8 @@ engine-start refusals that are user errors.
 Before a run: the engine's ``max_model_len`` (``vllm_cfg.max_model_len``, else
 ``policy.max_total_sequence_length``) against the model's position limit as vLLM derives it, and
 against the training length (responses past it would be cut before training); tensor parallelism
-against the model's heads; memory fractions in range. At engine start vLLM may still refuse a KV
+against the model's heads; expert parallelism against the engine's tensor-parallel size and the
+model's experts; memory fractions in range. At engine start vLLM may still refuse a KV
 cache too small for one sequence, which depends on the machine: :func:`engine_start_error` turns
 that, and vLLM's own length refusal, into one line naming the key to change.
 """
@@ -61,6 +62,12 @@ def check_config(config: Mapping[str, Any]) -> None:
         raise ConfigError(f"{KEY}.async_engine", f"must be true with {in_flight}.in_flight_weight_updates: vLLM's "
                                                  "synchronous engine returns a batch whole, so a refit cannot land "
                                                  "in its requests")
+    ep = vcfg["expert_parallel_size"]
+    if ep not in (1, tp):
+        raise ConfigError(f"{KEY}.expert_parallel_size",
+                          f"{ep}: nrl runs vLLM's expert parallelism across one engine's tensor-parallel ranks, so "
+                          f"it is 1 or tensor_parallel_size ({tp}); a larger size needs vLLM's data parallelism "
+                          f"inside the engine, which nrl does not run")
     colocated = bool((generation.get("colocated") or {}).get("enabled"))
     if policy["refit"]["adapters"]:
         check_adapter_serving(vcfg, colocated=colocated)
@@ -74,6 +81,12 @@ def check_config(config: Mapping[str, Any]) -> None:
     if kv_heads and kv_heads % tp and tp % kv_heads:
         raise ConfigError(f"{KEY}.tensor_parallel_size",
                           f"{tp} neither divides nor is a multiple of the model's {kv_heads} key/value heads")
+    experts = next((getattr(hf_config, k) for k in ("num_experts", "num_local_experts", "n_routed_experts")
+                    if getattr(hf_config, k, None)), None)
+    if ep > 1 and not experts:
+        raise ConfigError(f"{KEY}.expert_parallel_size", f"{ep} on a dense model: it has no experts to split; use 1")
+    if ep > 1 and experts % ep:
+        raise ConfigError(f"{KEY}.expert_parallel_size", f"{ep} does not divide the model's {experts} experts")
     limit = model_length_limit(hf_config, policy["tokenizer"]["name"] or policy["model_name"])
     if limit is not None and max_len > limit and not os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN"):
         raise ConfigError(length_key(config), f"{max_len} exceeds the model's maximum length {limit} (from its "

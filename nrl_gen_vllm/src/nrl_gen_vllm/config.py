@@ -34,10 +34,13 @@ VLLM_CFG = Section(doc="vLLM engine options (the vllm generation backend).", fie
     "max_lora_rank": Field(type=int, default=64,
                            doc="with policy.refit.adapters: the largest LoRA rank the engine serves (vLLM's "
                                "values: 1, 8, 16, 32, 64, ...)"),
+    "expert_parallel_size": Field(type=int, default=1, minimum=1,
+                                  doc="vLLM expert parallelism across the engine's tensor-parallel ranks (1 or "
+                                      "tensor_parallel_size; MoE models): each rank holds a share of the experts, "
+                                      "attention stays tensor parallel"),
     "seed": Field(type=int, default=None, nullable=True,
                   doc="base sampling seed; null: policy.seed, else the algorithm's seed"),
     # NeMo RL keys accepted so copied configs validate; they change nothing here.
-    "expert_parallel_size": Field(type=int, default=1, inert=True),
     "use_deep_gemm": Field(type=bool, default=False, inert=True),
     "num_last_layers_in_bf16": Field(type=int, default=0, inert=True),
     "num_first_layers_in_bf16": Field(type=int, default=0, inert=True),

@@ -6,12 +6,15 @@ worker already defines ``update_weights`` (and may grow more): an extension must
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any, Iterable
 
 import torch
 
+from nrl_gen_vllm.cpu_moe import process_experts_on_reload, reloading, translate_expert_ids
 from nrl_gen_vllm.cpu_sampler import use_eager_rank_count
+from nrl_gen_vllm.refit_reads import RefitReadCounter
 
 
 def _prepare_worker_process() -> None:
@@ -21,6 +24,8 @@ def _prepare_worker_process() -> None:
 
     if current_platform.is_cpu():
         use_eager_rank_count()
+        translate_expert_ids()
+        process_experts_on_reload()
 
 
 _prepare_worker_process()
@@ -76,13 +81,15 @@ class NrlWorkerExtension:
 
         _quiet_rotary_reload_warning()
         model = self.model_runner.model
-        with set_current_vllm_config(self.vllm_config):
+        counter = RefitReadCounter() if getattr(self, "_nrl_count_reads", False) else None
+        with set_current_vllm_config(self.vllm_config), reloading(), counter or contextlib.nullcontext():
             initialize_layerwise_reload(model)
             try:
-                loaded = model.load_weights(weights=iter(named))
+                loaded = model.load_weights(weights=counter.track(named) if counter else iter(named))
             finally:  # a stream that failed part-way: the layers it never reached get their kernels back
                 finalize_layerwise_reload(model, self.model_config)
-                prepack_cpu_experts(model)
+                if counter is not None:
+                    self._nrl_refit_reads = dict(counter.bytes_read)
         return len(loaded) if loaded is not None else -1
 
     @torch.no_grad()
@@ -96,28 +103,17 @@ class NrlWorkerExtension:
                  for name, dtype, shape, offset, nbytes in layout]
         return self.nrl_load_weights(named)
 
+    def nrl_count_refit_reads(self, enabled: bool = True) -> None:
+        """From the next refit on, count the bytes this rank reads of each tensor
+        (:class:`~nrl_gen_vllm.refit_reads.RefitReadCounter`); :meth:`nrl_refit_reads` returns them."""
+        self._nrl_count_reads = enabled
+        self._nrl_refit_reads = {}
+
+    def nrl_refit_reads(self) -> dict[str, int]:
+        """Bytes of each tensor of the last counted refit (a failed one too) that this rank copied
+        into its model."""
+        return dict(getattr(self, "_nrl_refit_reads", {}))
+
     def nrl_parameter_count(self) -> int:
         return sum(1 for _ in self.model_runner.model.parameters())
 
-
-def prepack_cpu_experts(model: torch.nn.Module) -> int:
-    """Redo the CPU MoE kernel's weight prepacking after a reload; returns how many layers.
-
-    Why: vLLM's unquantized MoE method prepacks expert weights into the CPU grouped-GEMM layout
-    only on the first load; a weight update copies the new weights in checkpoint layout into the
-    prepacked tensors and skips the prepack (vLLM 0.2x), so the kernel then reads unpacked weights
-    as packed ones and every MoE layer computes garbage, even after reloading unchanged weights.
-    This runs the step vLLM skipped, the experts' own ``process_weights_after_loading``.
-    """
-    try:
-        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
-    except ImportError:  # a vLLM without the CPU MoE kernels
-        return 0
-    count = 0
-    for module in model.modules():
-        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
-        experts = getattr(kernel, "fused_experts", None)
-        if isinstance(experts, CPUUnquantizedExperts):
-            experts.process_weights_after_loading(module)
-            count += 1
-    return count

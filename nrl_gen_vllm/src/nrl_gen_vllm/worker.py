@@ -195,6 +195,8 @@ class VllmGenerationWorker:
             engine_kwargs["distributed_executor_backend"] = "external_launcher"
             if _is_cpu():
                 cpu_shm.use_unique_names()
+        if int(vcfg.get("expert_parallel_size") or 1) > 1:  # the engine's ranks split the experts
+            engine_kwargs["enable_expert_parallel"] = True
         if self.serves_adapters:
             engine_kwargs.update(enable_lora=True, max_lora_rank=self.max_lora_rank, max_loras=1)
         # Sleep mode frees the engine's memory for training between generations (colocated only);

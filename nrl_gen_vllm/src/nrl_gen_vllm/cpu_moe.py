@@ -1,0 +1,105 @@
+"""Two repairs to vLLM's CPU MoE kernel (vLLM 0.32), installed in every vLLM worker process.
+
+**Weight updates.** The kernel pads each expert's intermediate dimension to its alignment and
+prepacks the weights into its grouped-GEMM layout, but only on the first load: on a weight update
+vLLM skips that step (``UnquantizedFusedMoEMethod._setup_kernel``). During nrl's layerwise reload
+the layer is rebuilt in checkpoint layout, so the kernel would then read unpacked weights as
+packed ones (garbage), and where padding applies (an intermediate size per rank that is not a
+multiple of the kernel's alignment, 32 on x86 and Arm, e.g. under tensor parallelism) the copy
+back into the kernel's tensors fails on the shapes. nrl runs the skipped step on the rebuilt
+layer while a refit loads (:func:`reloading`), so what is copied back has the kernel's layout.
+A vLLM that processes updates itself would prepack twice: the CPU extra pins vLLM 0.32.
+
+**Expert parallelism.** With ``enable_expert_parallel`` each rank holds a slice of the experts and
+the router's choices arrive as global expert ids, which the GPU kernels translate through the
+layer's ``expert_map``. vLLM's CPU kernel (``CPUUnquantizedExperts.apply``) ignores the map and
+indexes its local experts with global ids: the first token routed past them reads out of bounds
+and the worker dies (vLLM 0.32, ``csrc/cpu/cpu_fused_moe.cpp``). nrl translates the ids before the
+kernel runs: a choice of a local expert gets its local slot, a choice of another rank's expert
+gets weight zero (that rank adds it, and the layer's all-reduce sums the ranks).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import Any, Iterator
+
+import torch
+
+_RELOADING = contextvars.ContextVar("nrl_cpu_moe_reloading", default=False)
+
+
+@contextlib.contextmanager
+def reloading() -> Iterator[None]:
+    """While a refit loads: weight updates of CPU MoE layers get the kernel's own processing."""
+    token = _RELOADING.set(True)
+    try:
+        yield
+    finally:
+        _RELOADING.reset(token)
+
+
+def process_experts_on_reload() -> bool:
+    """Run the CPU experts' ``process_weights_after_loading`` on weight updates inside
+    :func:`reloading`; False when this vLLM has no such method."""
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+        from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+    except ImportError:
+        return False
+    setup = getattr(UnquantizedFusedMoEMethod, "_setup_kernel", None)
+    if setup is None or getattr(setup, "_nrl_reload", False):
+        return setup is not None
+
+    def setup_kernel(self: Any, layer: Any, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        update = getattr(self, "moe_kernel", None) is not None
+        setup(self, layer, w13, w2)
+        experts = getattr(self.moe_kernel, "fused_experts", None)
+        if update and _RELOADING.get() and isinstance(experts, CPUUnquantizedExperts):
+            experts.process_weights_after_loading(layer)
+
+    setup_kernel._nrl_reload = True  # type: ignore[attr-defined]
+    UnquantizedFusedMoEMethod._setup_kernel = setup_kernel
+    return True
+
+
+def local_routing(topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                  expert_map: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router's global choices as this rank's local slots, other ranks' experts weighted zero
+    (the kernel still computes those choices, with local slot 0, and adds nothing of them)."""
+    valid = topk_ids >= 0
+    local = torch.where(valid, expert_map[topk_ids.clamp(min=0).long()], -1)
+    held = local >= 0
+    ids = torch.where(held, local, torch.zeros_like(local)).to(topk_ids.dtype)
+    weights = torch.where(held, topk_weights, torch.zeros_like(topk_weights))
+    return ids, weights
+
+
+def translate_expert_ids() -> bool:
+    """Make vLLM's CPU MoE experts honour ``expert_map``; False when this vLLM has no such class."""
+    try:
+        from vllm.model_executor.layers.fused_moe.experts import cpu_moe
+    except ImportError:
+        return False
+    experts = getattr(cpu_moe, "CPUUnquantizedExperts", None)
+    if experts is None or getattr(experts.apply, "_nrl_expert_map", False):
+        return experts is not None
+    apply = experts.apply
+
+    def apply_with_expert_map(self: Any, output: torch.Tensor, hidden_states: torch.Tensor, w1: torch.Tensor,
+                              w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                              activation: Any, global_num_experts: int, expert_map: torch.Tensor | None,
+                              *args: Any, **kwargs: Any) -> None:
+        if expert_map is not None:
+            if kwargs.get("apply_router_weight_on_input", args[-1] if args else False):
+                raise NotImplementedError("nrl: expert parallelism on CPU with the router weight applied to the "
+                                          "input (top-1 routing) is not supported; set "
+                                          "policy.generation.vllm_cfg.expert_parallel_size: 1")
+            topk_ids, topk_weights = local_routing(topk_ids, topk_weights, expert_map)
+        apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
+              expert_map, *args, **kwargs)
+
+    apply_with_expert_map._nrl_expert_map = True  # type: ignore[attr-defined]
+    experts.apply = apply_with_expert_map
+    return True
