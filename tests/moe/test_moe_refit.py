@@ -2,8 +2,8 @@
 
 * In process: vLLM's CPU MoE kernel keeps expert weights prepacked and vLLM's weight update skips
   the prepack (nrl runs it during the reload, ``nrl_gen_vllm/cpu_moe.py``); a refit with changed
-  experts and router generates what HF generates; a refit missing one expert is refused by name
-  and changes nothing.
+  experts and router generates what HF generates (also for experts the kernel pads); a refit
+  missing one expert is refused by name and changes nothing.
 * Each MoE recipe under examples/configs/recipes/llm runs GRPO in this process (DTensor FSDP2 with
   a colocated engine; Megatron with expert parallel 2 and an engine of its own, here two vLLM
   ranks with expert parallelism too, refit over shared memory). Then the policy trains on its own
@@ -83,6 +83,27 @@ def test_refit_of_trained_experts_in_process_and_a_missing_expert_is_refused(mod
                 refit(_DroppingSource(HFWeightSource(hf_model(model, perturb_seed=2)), lost, in_manifest), worker)
             assert "\n" not in str(err.value)
             assert worker.generate(prompts, greedy=True).token_ids == expected
+    finally:
+        worker.shutdown()
+
+
+def test_refit_of_experts_the_kernel_pads() -> None:
+    """Experts 16 wide, which vLLM's CPU kernel pads to its alignment of 32 (the tiny model at
+    tensor parallel 2 has the same width per rank): two refits load, greedy equals HF after each.
+    The prepack after the reload that nrl ran before 0.5.0 failed here on the padded shapes."""
+    from nrl_core.refit import refit
+    from nrl_core.refit.hf_source import HFWeightSource
+    from nrl_gen_vllm.worker import VllmGenerationWorker
+    from tests.vllm.helpers import generation_config
+
+    narrow = cached_tiny_model("qwen3_moe", moe_intermediate_size=16)
+    prompts = [[1, 5, 7, 9, 11], [1, 40, 41, 42]]
+    worker = VllmGenerationWorker(generation_config(narrow))
+    try:
+        for seed in (3, 4):
+            trained = hf_model(narrow, perturb_seed=seed)
+            refit(HFWeightSource(trained), worker)
+            assert worker.generate(prompts, greedy=True).token_ids == hf_greedy(trained, prompts)
     finally:
         worker.shutdown()
 
