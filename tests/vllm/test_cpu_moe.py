@@ -22,7 +22,6 @@ def test_global_expert_ids_become_local_slots_and_other_ranks_experts_weigh_noth
 
 def test_the_vllm_patches_install_once() -> None:
     from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
-
     from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
 
     assert translate_expert_ids() and process_experts_on_reload()

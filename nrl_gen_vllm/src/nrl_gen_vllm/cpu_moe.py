@@ -68,12 +68,9 @@ def local_routing(topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                   expert_map: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The router's global choices as this rank's local slots, other ranks' experts weighted zero
     (the kernel still computes those choices, with local slot 0, and adds nothing of them)."""
-    valid = topk_ids >= 0
-    local = torch.where(valid, expert_map[topk_ids.clamp(min=0).long()], -1)
-    held = local >= 0
-    ids = torch.where(held, local, torch.zeros_like(local)).to(topk_ids.dtype)
-    weights = torch.where(held, topk_weights, torch.zeros_like(topk_weights))
-    return ids, weights
+    local = torch.where(topk_ids >= 0, expert_map[topk_ids.clamp(min=0).long()], -1)
+    weights = torch.where(local >= 0, topk_weights, torch.zeros_like(topk_weights))
+    return local.clamp(min=0).to(topk_ids.dtype), weights
 
 
 def translate_expert_ids() -> bool:
