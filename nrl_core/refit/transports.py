@@ -210,9 +210,12 @@ class _SenderPool:
     """The ``/dev/shm`` files one sending process writes its buckets into, reused refit after refit.
 
     A fresh file's pages must be allocated and zeroed on first write, which costs more than the
-    copy itself (about 0.2 s per 300 MB here); a reused file is already backed. Files are named
-    by the owner's pid and bucket index; they are removed by :func:`release_shared_buffers`, at
-    interpreter exit, or, for a process that was killed, by the next pool created on the node.
+    copy itself (about 0.2 s per 300 MB here); a reused file is already backed. So is a reused
+    mapping: mapping a file again faults in every page on first write. A file and its mapping only
+    grow, so refits whose buckets differ in size (a pipelined refit's chunks, another bucket size)
+    write a prefix of what they have. Files are named by the owner's pid and bucket index; they are
+    removed by :func:`release_shared_buffers`, at interpreter exit, or, for a process that was
+    killed, by the next pool created on the node.
     """
 
     def __init__(self, directory: str) -> None:
@@ -226,9 +229,9 @@ class _SenderPool:
     def slot(self, index: int, nbytes: int) -> tuple[str, "torch.Tensor"]:
         path = os.path.join(self.directory, f"{_POOL_PREFIX}{os.getpid()}-{index:06d}")
         flat = self.maps.get(index)
-        if flat is None or flat.numel() != nbytes or not os.path.exists(path):
+        if flat is None or flat.numel() < nbytes or not os.path.exists(path):
             flat = self.maps[index] = _map_for_writing(path, nbytes)
-        return path, flat
+        return path, flat[:nbytes]
 
     def release(self) -> None:
         self.maps.clear()
@@ -292,9 +295,9 @@ class _ShmReceiver:
     def buckets(self, handles: Iterable[Any]) -> Iterator[Bucket]:
         for handle in handles:
             _check_exists(handle)
-            if handle.reused:  # the sender rewrites this file next refit: keep it mapped
+            if handle.reused:  # the sender rewrites this file next refit: keep it mapped (it only grows)
                 flat = _RECEIVER_MAPS.get(handle.path)
-                if flat is None or flat.numel() != handle.layout.nbytes:
+                if flat is None or flat.numel() < handle.layout.nbytes:
                     flat = _RECEIVER_MAPS[handle.path] = _map(handle.path, handle.layout.nbytes)
             else:  # other receivers may read the same file: the sender's cleanup removes it
                 flat = _map(handle.path, handle.layout.nbytes)

@@ -124,6 +124,25 @@ def test_shared_memory_buffers_are_reused_across_refits() -> None:
     assert glob.glob(f"/dev/shm/nrl-refit-pool-{os.getpid()}-*") == []
 
 
+def test_smaller_buckets_are_written_into_the_mappings_already_held() -> None:
+    """Refits whose buckets differ in size (a pipelined refit's chunks beside an atomic refit's
+    buckets) keep both sides' mappings: mapping a file again faults in every page it touches."""
+    from nrl_core.refit import transports
+
+    sink = RecordingSink()
+    refit(RandomWeightSource(SHAPES, seed=8), sink, transport="shared_memory", bucket_bytes=2**20)  # one bucket
+    pool = transports._SENDER_POOLS[transports._shm_dir()]
+    sent = {index: flat.data_ptr() for index, flat in pool.maps.items()}
+    read = {path: flat.data_ptr() for path, flat in transports._RECEIVER_MAPS.items() if f"-{os.getpid()}-" in path}
+    second = RandomWeightSource(SHAPES, seed=9)
+    refit(second, sink, transport="shared_memory", bucket_bytes=2048)  # several, each smaller
+    assert len(pool.maps) > len(sent) == len(read) == 1
+    assert {index: pool.maps[index].data_ptr() for index in sent} == sent
+    assert {path: transports._RECEIVER_MAPS[path].data_ptr() for path in read} == read
+    assert all(torch.equal(sink.received[name], t) for name, t in second.tensors.items())
+    release_shared_buffers()
+
+
 def test_shared_memory_without_reuse_leaves_nothing_behind() -> None:
     transport = SharedMemoryTransport()
     session = transport.prepare(RefitSession()).with_options(reuse_buffers=False)
