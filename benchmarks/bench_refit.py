@@ -22,6 +22,10 @@ Llama of the same bytes (0.2% apart), which moves the same data in 16x fewer, la
   perfectly overlapped refit, so its ratio to the reload alone is the most any pipelined refit
   can reach on this machine (the two processes share its cores).
 
+A second line per size splits the pipelined refit's time (median of ``--repeats``): ``start``
+until the engine takes the first chunk, ``stream`` until it takes the last, ``finish`` until the
+refit returns, and ``round_trip``, one empty call to each actor at once.
+
 Each figure is the best of ``--repeats``, nrl and its reference taken in turns, so that both see
 the same machine (a shared 2-core VM moves by 20-30% from one minute to the next).
 
@@ -109,14 +113,16 @@ def _reload_in_actor(worker: Any) -> float:
 
 
 def _export_only(worker: Any) -> float:
-    """Runs inside the training actor: the refit's export into shared memory and nothing else."""
+    """Runs inside the training actor: a pipelined refit's export into shared memory (the same
+    chunks, into the same buffers) and nothing else."""
+    from nrl_core.refit.endpoints import PIPELINE_CHUNK_BYTES, _Chunked
     from nrl_core.refit.transports import RefitSession, SharedMemoryTransport
 
     transport = SharedMemoryTransport()
     session = transport.prepare(RefitSession())
     start = time.perf_counter()
     sender = transport.sender(session)
-    for bucket in worker.export_weights(BUCKET, "float32"):
+    for bucket in _Chunked(worker, PIPELINE_CHUNK_BYTES).export_weights(BUCKET, "float32"):
         sender.send(bucket)
     sender.close()
     seconds = time.perf_counter() - start
@@ -133,6 +139,60 @@ def _reload_beside_export(src: Any, sink: Any) -> float:
     seconds = sink.call(WorkerHost.execute, _reload_in_actor, on=0)
     src.get(exporting)
     return seconds
+
+
+def _probe_stream(worker: Any) -> None:
+    """Runs inside the generation actor: from now on each pipelined refit records, on the worker,
+    when the engine took its first chunk and when the stream ended (``time.time``)."""
+    from nrl_core.refit.channel import ChannelReader
+
+    if getattr(ChannelReader, "_bench_probe", False):
+        return
+    handles = ChannelReader.handles
+
+    def timed(self: Any) -> Any:
+        marks = worker.bench_marks = {}
+        for handle in handles(self):
+            marks.setdefault("first", time.time())
+            yield handle
+        marks["end"] = time.time()
+
+    ChannelReader.handles = timed
+    ChannelReader._bench_probe = True
+
+
+def _stream_marks(worker: Any) -> dict:
+    return dict(getattr(worker, "bench_marks", {}))
+
+
+def _phases(src: Any, sink: Any, repeats: int) -> dict[str, float]:
+    """Where a pipelined refit's time goes, median seconds over ``repeats``: ``start`` (the call
+    until the engine takes the first chunk: Ray's calls, the source's manifest and first chunk,
+    the engine's reload set-up), ``stream`` (first chunk until the last is taken), ``finish`` (the
+    last chunk's load, the reload's end, the return), and ``round_trip``: an empty call to each
+    actor at once, the floor any refit between two actors pays."""
+    import statistics
+
+    from nrl_core.cluster._host import WorkerHost
+    from nrl_core.refit import refit
+
+    sink.call(WorkerHost.execute, _probe_stream, on=0)
+    rows: dict[str, list[float]] = {"start": [], "stream": [], "finish": [], "round_trip": []}
+    for _ in range(repeats):
+        begin = time.time()
+        refit(src.endpoint(0), sink.endpoint(0), bucket_bytes=BUCKET, pipelined=True)
+        done = time.time()
+        marks = sink.call(WorkerHost.execute, _stream_marks, on=0)
+        rows["start"].append(marks["first"] - begin)
+        rows["stream"].append(marks["end"] - marks["first"])
+        rows["finish"].append(done - marks["end"])
+        begin = time.perf_counter()
+        calls = [src.call_async(WorkerHost.execute, _stream_marks, on=0),
+                 sink.call_async(WorkerHost.execute, _stream_marks, on=0)]
+        src.get(calls[0])
+        sink.get(calls[1])
+        rows["round_trip"].append(time.perf_counter() - begin)
+    return {key: statistics.median(values) for key, values in rows.items()}
 
 
 def measure(name: str, repeats: int, cross: bool) -> dict:
@@ -173,6 +233,7 @@ def measure(name: str, repeats: int, cross: bool) -> dict:
                                                                      bucket_bytes=BUCKET, pipelined=True))},
                               repeats)
         row.update({key: nbytes / seconds for key, seconds in best.items()})
+        row["pipelined_phases_s"] = _phases(src, sink, repeats)
         sink.call("shutdown")
         src.call(WorkerHost.nrl_refit_release)
         src.shutdown()
@@ -212,6 +273,10 @@ def main() -> None:
                      f"vllm_reload_beside_export {r['vllm_reload_beside_export'] / 1e9:5.2f} GB/s "
                      f"({r['vllm_reload_beside_export'] / r['vllm_reload_in_actor']:.0%} of vLLM alone: the ceiling "
                      f"of any pipelined refit here)")
+        if cross:
+            phases = r["pipelined_phases_s"]
+            line += ("\n" + " " * 15 + "pipelined, median ms: " +
+                     ", ".join(f"{key} {seconds * 1e3:.1f}" for key, seconds in phases.items()))
         print(line, flush=True)
     print(json.dumps(results))
 
