@@ -30,8 +30,8 @@ DOC = REPO / "docs" / "configuration.md"
 MEG = ["policy.dtensor_config.enabled=false", "policy.megatron_cfg.enabled=true", "policy.optimizer=null"]
 VLLM = "policy.generation.vllm_cfg"
 
-# (id, recipe, overrides, key the error line names, phrase in it); {file}, {broken_model} and
-# {long_prompts} are replaced by paths the fixtures make.
+# (id, recipe, overrides, key the error line names, phrase in it); {file}, {broken_model},
+# {odd_experts_model} and {long_prompts} are replaced by paths the fixtures make.
 CHECK_CASES = [
     ("dtensor-negative-lr", GRPO, ["policy.optimizer.kwargs.lr=-0.1"], "policy.optimizer.kwargs",
      "Invalid learning rate: -0.1"),
@@ -83,6 +83,13 @@ CHECK_CASES = [
                                                      "policy.generation.colocated.resources.gpus_per_node=2",
                                                      f"{VLLM}.tensor_parallel_size=2", f"{VLLM}.expert_parallel_size=2"],
      f"{VLLM}.expert_parallel_size", "on a dense model: it has no experts to split"),
+    ("vllm-expert-parallel-not-dividing-the-experts", GRPO, ["policy.model_name={odd_experts_model}",
+                                                             "policy.generation.colocated.enabled=false",
+                                                             "cluster.gpus_per_node=3",
+                                                             "policy.generation.colocated.resources.gpus_per_node=2",
+                                                             f"{VLLM}.tensor_parallel_size=2",
+                                                             f"{VLLM}.expert_parallel_size=2"],
+     f"{VLLM}.expert_parallel_size", "2 does not divide the model's 7 experts"),
     ("vllm-fp8-rollouts", GRPO, [f"{VLLM}.precision=fp8"], f"{VLLM}.precision", "fp8 rollouts"),
     ("vllm-colocated-engine-larger-than-world", GRPO, [f"{VLLM}.tensor_parallel_size=2"],
      f"{VLLM}.tensor_parallel_size", "does not divide the 1 training workers that host the engines"),
@@ -179,9 +186,11 @@ def paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     (broken / "config.json").write_text("{ not json")
     weightless = root / "weightless_model"
     shutil.copytree(model, weightless, ignore=shutil.ignore_patterns("*.safetensors"))
+    odd_experts = cached_tiny_model("qwen3_moe", size="tiny", num_experts=7)
     long_prompts = write_jsonl([{"problem": "1 + " * 80 + "1", "expected_answer": "81"}] * 3, root / "long.jsonl")
     return {"model": str(model), "root": str(root), "file": str(root / "a_file"), "broken_model": str(broken),
-            "weightless_model": str(weightless), "long_prompts": str(long_prompts), "missing": str(root / "missing")}
+            "weightless_model": str(weightless), "odd_experts_model": str(odd_experts),
+            "long_prompts": str(long_prompts), "missing": str(root / "missing")}
 
 
 def _arguments(recipe: Path, overrides: list[str], paths: dict[str, str], run_dir: Path) -> list[str]:
