@@ -227,6 +227,8 @@ class _SenderPool:
         atexit.register(self.release)
 
     def slot(self, index: int, nbytes: int) -> tuple[str, "torch.Tensor"]:
+        """The file for bucket ``index`` and the first ``nbytes`` of its mapping, mapped anew only
+        when the held one is too small or its file is gone."""
         path = os.path.join(self.directory, f"{_POOL_PREFIX}{os.getpid()}-{index:06d}")
         flat = self.maps.get(index)
         if flat is None or flat.numel() < nbytes or not os.path.exists(path):
@@ -250,8 +252,18 @@ def _remove_stale_pool_files(directory: str) -> None:
             pass
 
 
+@dataclass(frozen=True)
+class _HeldMapping:
+    """A receiver's mapping of a sender's pool file, and which file it maps: a file removed and
+    made again under the same name (a sender that released its pool, a pid used again) is another
+    file, whose bytes the old mapping does not see."""
+
+    file: tuple[int, int]  # (st_dev, st_ino)
+    flat: "torch.Tensor"
+
+
 _SENDER_POOLS: dict[str, _SenderPool] = {}
-_RECEIVER_MAPS: dict[str, "torch.Tensor"] = {}
+_RECEIVER_MAPS: dict[str, _HeldMapping] = {}
 
 
 def release_shared_buffers() -> None:
@@ -294,11 +306,13 @@ class _ShmSender:
 class _ShmReceiver:
     def buckets(self, handles: Iterable[Any]) -> Iterator[Bucket]:
         for handle in handles:
-            _check_exists(handle)
-            if handle.reused:  # the sender rewrites this file next refit: keep it mapped (it only grows)
-                flat = _RECEIVER_MAPS.get(handle.path)
-                if flat is None or flat.numel() < handle.layout.nbytes:
-                    flat = _RECEIVER_MAPS[handle.path] = _map(handle.path, handle.layout.nbytes)
+            stat = _check_exists(handle)
+            if handle.reused:  # the sender rewrites this file next refit: keep all of it mapped
+                file = (stat.st_dev, stat.st_ino)
+                held = _RECEIVER_MAPS.get(handle.path)
+                if held is None or held.file != file or held.flat.numel() < handle.layout.nbytes:
+                    held = _RECEIVER_MAPS[handle.path] = _HeldMapping(file, _map(handle.path, stat.st_size))
+                flat = held.flat
             else:  # other receivers may read the same file: the sender's cleanup removes it
                 flat = _map(handle.path, handle.layout.nbytes)
             yield views_of(flat, handle.layout)
@@ -307,18 +321,21 @@ class _ShmReceiver:
         pass
 
 
-def _check_exists(handle: ShmHandle) -> None:
-    """Mapping a missing file would create an empty one and load zeros as weights: refuse instead."""
+def _check_exists(handle: ShmHandle) -> os.stat_result:
+    """The handle's file, checked: mapping a missing file would create an empty one and load
+    zeros as weights, so refuse instead."""
     try:
-        size = os.path.getsize(handle.path)
+        stat: os.stat_result | None = os.stat(handle.path)
     except OSError:
-        size = -1
-    if size < handle.layout.nbytes:
+        stat = None
+    if stat is None or stat.st_size < handle.layout.nbytes:
         from nrl_core.refit.manifest import RefitError
 
+        size = -1 if stat is None else stat.st_size
         raise RefitError(f"refit rejected, weights unchanged; the shared-memory buffer {handle.path} is gone or short "
                          f"({size} of {handle.layout.nbytes} bytes): the sending process exited or released it "
                          f"before the receiver read it")
+    return stat
 
 
 def _unlink(path: str) -> None:

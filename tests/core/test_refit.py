@@ -129,18 +129,38 @@ def test_smaller_buckets_are_written_into_the_mappings_already_held() -> None:
     buckets) keep both sides' mappings: mapping a file again faults in every page it touches."""
     from nrl_core.refit import transports
 
-    sink = RecordingSink()
-    refit(RandomWeightSource(SHAPES, seed=8), sink, transport="shared_memory", bucket_bytes=2**20)  # one bucket
-    pool = transports._SENDER_POOLS[transports._shm_dir()]
-    sent = {index: flat.data_ptr() for index, flat in pool.maps.items()}
-    read = {path: flat.data_ptr() for path, flat in transports._RECEIVER_MAPS.items() if f"-{os.getpid()}-" in path}
-    second = RandomWeightSource(SHAPES, seed=9)
-    refit(second, sink, transport="shared_memory", bucket_bytes=2048)  # several, each smaller
-    assert len(pool.maps) > len(sent) == len(read) == 1
-    assert {index: pool.maps[index].data_ptr() for index in sent} == sent
-    assert {path: transports._RECEIVER_MAPS[path].data_ptr() for path in read} == read
-    assert all(torch.equal(sink.received[name], t) for name, t in second.tensors.items())
     release_shared_buffers()
+    try:
+        sink = RecordingSink()
+        refit(RandomWeightSource(SHAPES, seed=8), sink, transport="shared_memory", bucket_bytes=2**20)  # one bucket
+        pool = transports._SENDER_POOLS[transports._shm_dir()]
+        sent = {index: flat.data_ptr() for index, flat in pool.maps.items()}
+        read = {path: held.flat.data_ptr() for path, held in transports._RECEIVER_MAPS.items()}
+        second = RandomWeightSource(SHAPES, seed=9)
+        refit(second, sink, transport="shared_memory", bucket_bytes=2048)  # several, each smaller
+        assert len(pool.maps) > len(sent) == len(read) == 1
+        assert {index: pool.maps[index].data_ptr() for index in sent} == sent
+        assert {path: transports._RECEIVER_MAPS[path].flat.data_ptr() for path in read} == read
+        assert all(torch.equal(sink.received[name], t) for name, t in second.tensors.items())
+    finally:
+        release_shared_buffers()
+
+
+def test_a_receiver_reads_a_pool_file_made_again_under_its_name_not_its_old_mapping() -> None:
+    """A sender that released its pool (or a pid used again) writes new files under the old names:
+    a receiver still holding a mapping of the old file must map the new one."""
+    from nrl_core.refit import transports
+
+    release_shared_buffers()
+    try:
+        sink = RecordingSink()
+        refit(RandomWeightSource(SHAPES, seed=10), sink, transport="shared_memory", bucket_bytes=2**20)
+        transports._SENDER_POOLS[transports._shm_dir()].release()  # the sender's side only
+        second = RandomWeightSource(SHAPES, seed=11)
+        refit(second, sink, transport="shared_memory", bucket_bytes=2**20)  # the same file names and sizes
+        assert all(torch.equal(sink.received[name], t) for name, t in second.tensors.items())
+    finally:
+        release_shared_buffers()
 
 
 def test_shared_memory_without_reuse_leaves_nothing_behind() -> None:
