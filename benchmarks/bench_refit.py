@@ -23,8 +23,8 @@ Llama of the same bytes (0.2% apart), which moves the same data in 16x fewer, la
   can reach on this machine (the two processes share its cores).
 
 A second line per size splits the pipelined refit's time (median of ``--repeats``): ``start``
-until the engine takes the first chunk, ``stream`` until it takes the last, ``finish`` until the
-refit returns, and ``round_trip``, one empty call to each actor at once.
+until the engine takes the first chunk, ``stream`` until it has loaded the last one's tensors,
+``finish`` until the refit returns, and ``round_trip``, a small call to each actor at once.
 
 Each figure is the best of ``--repeats``, nrl and its reference taken in turns, so that both see
 the same machine (a shared 2-core VM moves by 20-30% from one minute to the next).
@@ -40,7 +40,7 @@ import argparse
 import json
 import os
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -150,27 +150,28 @@ def _probe_stream(worker: Any) -> None:
         return
     handles = ChannelReader.handles
 
-    def timed(self: Any) -> Any:
+    def timed(self: Any) -> Iterator[Any]:
         marks = worker.bench_marks = {}
         for handle in handles(self):
-            marks.setdefault("first", time.time())
+            if "first" not in marks:
+                marks["first"] = time.time()
             yield handle
-        marks["end"] = time.time()
+        marks["end"] = time.time()  # the engine asked for more after the last chunk's tensors
 
     ChannelReader.handles = timed
     ChannelReader._bench_probe = True
 
 
-def _stream_marks(worker: Any) -> dict:
+def _stream_marks(worker: Any) -> dict[str, float]:
     return dict(getattr(worker, "bench_marks", {}))
 
 
 def _phases(src: Any, sink: Any, repeats: int) -> dict[str, float]:
     """Where a pipelined refit's time goes, median seconds over ``repeats``: ``start`` (the call
     until the engine takes the first chunk: Ray's calls, the source's manifest and first chunk,
-    the engine's reload set-up), ``stream`` (first chunk until the last is taken), ``finish`` (the
-    last chunk's load, the reload's end, the return), and ``round_trip``: an empty call to each
-    actor at once, the floor any refit between two actors pays."""
+    the engine's reload set-up), ``stream`` (until the engine has loaded every chunk's tensors and
+    asks for more), ``finish`` (the reload's end and Ray's return), and ``round_trip``: a small
+    call to each actor at once, about the floor any refit between two actors pays."""
     import statistics
 
     from nrl_core.cluster._host import WorkerHost
@@ -273,7 +274,6 @@ def main() -> None:
                      f"vllm_reload_beside_export {r['vllm_reload_beside_export'] / 1e9:5.2f} GB/s "
                      f"({r['vllm_reload_beside_export'] / r['vllm_reload_in_actor']:.0%} of vLLM alone: the ceiling "
                      f"of any pipelined refit here)")
-        if cross:
             phases = r["pipelined_phases_s"]
             line += ("\n" + " " * 15 + "pipelined, median ms: " +
                      ", ".join(f"{key} {seconds * 1e3:.1f}" for key, seconds in phases.items()))
