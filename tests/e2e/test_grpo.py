@@ -156,11 +156,16 @@ def test_keep_top_k_keeps_the_best_and_the_latest(separate_logprob_pass):
 
 
 def test_interrupted_save_then_resume_reproduces_step_three(tmp_path, model, three_steps):
-    """Two steps, then what a process killed while writing step 3 leaves (a half-written
-    temporary directory); the next run removes it, resumes from step 2 and computes step 3
-    exactly as the uninterrupted run did, leaving step 2's files as they were."""
-    assert_ok(nrl_train(tmp_path, model, *LOAD_RNG, "grpo.max_num_steps=2"))
+    """Two steps (the three-step run's first two checkpoints and metrics), then what a process
+    killed while writing step 3 leaves (a half-written temporary directory); the next run removes
+    it, resumes from step 2 and computes step 3 exactly as the uninterrupted run did, leaving step
+    2's files as they were."""
     ckpt = tmp_path / "ckpt"
+    for step in ("step_1", "step_2"):
+        shutil.copytree(three_steps / "ckpt" / step, ckpt / step)
+    (tmp_path / "logs").mkdir()
+    first_two = (three_steps / "logs" / "metrics.jsonl").read_text().splitlines(keepends=True)[:2]
+    (tmp_path / "logs" / "metrics.jsonl").write_text("".join(first_two))
     before = {p: p.read_bytes() for p in (ckpt / "step_2").rglob("*") if p.is_file()}
     partial = ckpt / ".tmp_step_3"
     shutil.copytree(ckpt / "step_2" / "policy", partial / "policy")

@@ -69,7 +69,7 @@ def world1(rank: int, world: int, path: str, ckpt: str) -> dict[str, Any]:
 def w1(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("mcore-gpu-paths")
     (result,) = run_world(world1, 1, str(cached_tiny_model("llama")), str(root / "ckpt"),
-                          env={"NRL_MEGATRON_CHECKPOINT_DIR": str(root / "converted"), "NRL_CHECK_DEVICES": "1"})
+                          env={"NRL_CHECK_DEVICES": "1"})  # the session's conversion
     return result
 
 
@@ -111,15 +111,16 @@ def handoff_world(rank: int, world: int, path: str, handoff: bool) -> dict[str, 
     return {"losses": losses, "weights": weights, "main_params": len(main_params(w.opt.optimizer))}
 
 
+def without_then_with_handoff(rank: int, world: int, path: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Both runs in one launch, each on a fresh worker (a launch costs more than a worker)."""
+    return handoff_world(rank, world, path, False), handoff_world(rank, world, path, True)
+
+
 @pytest.mark.slow
-def test_training_after_the_hand_off_is_bit_identical_to_training_without_it(
-        tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_training_after_the_hand_off_is_bit_identical_to_training_without_it() -> None:
     """The hand-off moves gradients, optimizer state and (mixed precision, GPU only: none here)
     the fp32 main parameters off the device and back; nothing it moves may change a bit."""
-    env = {"NRL_MEGATRON_CHECKPOINT_DIR": str(tmp_path_factory.mktemp("mcore-handoff"))}
-    path = str(cached_tiny_model("llama"))
-    (plain,) = run_world(handoff_world, 1, path, False, env=env)
-    (handed,) = run_world(handoff_world, 1, path, True, env=env)
+    ((plain, handed),) = run_world(without_then_with_handoff, 1, str(cached_tiny_model("llama")))
     assert handed["main_params"] == plain["main_params"] == 0  # fp32 on the CPU: no separate main copy
     assert handed["losses"] == plain["losses"]
     assert all(torch.equal(handed["weights"][n], t) for n, t in plain["weights"].items())

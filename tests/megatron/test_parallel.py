@@ -47,8 +47,10 @@ def world1(rank: int, world: int, paths: dict[str, str]) -> dict[str, Any]:
             out[f"{family}/logits"] = w.model(batch.input_ids, pos, None).float()
         out[f"{family}/logprobs"] = gather_shards(w.get_logprobs(batch), batch)
         out[f"{family}/converted"] = w.conversion.converted
-        if family == "llama":  # a second worker of the same model reuses the conversion
-            out["again/converted"] = MegatronPolicyWorker(make_config(path), rank, world).conversion.converted
+        if family == "llama":  # a second worker of the same model reuses the conversion; it is the baseline
+            again = MegatronPolicyWorker(make_config(path), rank, world)
+            out["again/converted"] = again.conversion.converted
+            out["baseline"] = baseline_of(again)
     return out
 
 
@@ -183,18 +185,17 @@ def w2(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def w1_baseline() -> dict[str, Any]:
-    (result,) = run_world(baseline, 1, str(cached_tiny_model("llama")))
-    return result
+def w1_baseline(w1: dict[str, Any]) -> dict[str, Any]:
+    """A fresh single-rank worker of the tiny Llama: its logprobs, then three training steps."""
+    return w1["baseline"]
 
 
-def baseline(rank: int, world: int, path: str) -> dict[str, Any]:
+def baseline_of(worker: Any) -> dict[str, Any]:
     from nrl_core.algorithms.loss import NLLLoss
-    from nrl_backend_megatron.worker import MegatronPolicyWorker
 
-    w = MegatronPolicyWorker(make_config(path), rank, world)
     batch = make_batch()
-    return {"logprobs": gather_shards(w.get_logprobs(batch), batch), "metrics": [w.train(batch, NLLLoss()) for _ in range(3)]}
+    return {"logprobs": gather_shards(worker.get_logprobs(batch), batch),
+            "metrics": [worker.train(batch, NLLLoss()) for _ in range(3)]}
 
 
 @pytest.mark.slow
