@@ -100,6 +100,11 @@ CONTRACT_HISTORY: tuple[ContractVersion, ...] = (
         "capability pipelined_import (generation: PipelinedImporter.import_weights_pipelined(buckets, manifest) "
         "loads each bucket as it arrives; a transfer that fails part-way raises TornRefitError and the engine "
         "refuses to generate until a refit succeeds)",)),
+    ContractVersion(14, "HEAD", added=(
+        "capability partial_import (generation: PartialImporter.refit_wants(manifest) names the tensors a rank "
+        "loads; its imports get only those and a manifest of only those, and the broadcast transport sends it "
+        "only those); RefitSession.options['wants'] tells a collective transport's sender what each receiver "
+        "loads",)),
 )
 """Every contract version, oldest first; docs/plugins.md and docs/changelog.md repeat it."""
 
@@ -162,6 +167,7 @@ CAPABILITY_METHODS: dict[str, tuple[Method, ...]] = {
     "value_head": (Method("get_values", ("batch",), since=11, returns="BatchShard"),),
     "in_flight_updates": (Method("configure_in_flight", ("recompute_kv_cache",), since=12),),
     "pipelined_import": (Method("import_weights_pipelined", ("buckets", "manifest"), since=13),),
+    "partial_import": (Method("refit_wants", ("manifest",), since=14),),
 }
 """The methods a worker must have when its backend's spec declares the capability."""
 

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
     from nrl_core.config.schema import Section
 
-CONTRACT_VERSION: int = 13
+CONTRACT_VERSION: int = 14
 """The version of the plugin contract this module defines, apart from nrl-core's package version.
 A plugin states the version it was written for as ``NRL_CONTRACT = N`` in its entry-point module;
 :mod:`nrl_core.contract_versions` lists every version the core still serves and what each changed."""
@@ -120,6 +120,8 @@ GENERATION_CAPABILITIES: Mapping[str, str] = {
     "pipelined_import": "refits between processes load each bucket while the next is exported (the worker is a "
                         "PipelinedImporter; a transfer that fails part-way leaves it refusing to generate until a "
                         "refit succeeds)",
+    "partial_import": "each rank names the refit's tensors it loads and receives only those (the worker is a "
+                      "PartialImporter: a rank of vLLM's expert parallelism gets only its experts)",
 }
 """The same for generation backends."""
 
@@ -948,6 +950,20 @@ class PipelinedImporter(Protocol):
         :class:`~nrl_core.refit.manifest.TornRefitError`, and the engine refuses to generate until
         a refit succeeds. May stage and load atomically where the engine cannot stream. Returns the
         new weight version."""
+
+
+class PartialImporter(Protocol):
+    """What a generation worker adds to declare ``partial_import`` (contract 14): a rank that loads
+    only part of the model (its experts under expert parallelism) says which part, and every refit
+    then hands its imports only those tensors and a manifest of only those, whatever the transport;
+    the broadcast transport sends each rank only what it names."""
+
+    def refit_wants(self, manifest: list[WeightSpec]) -> list[str]:
+        """The names in ``manifest`` (the whole model's) this rank loads; called before anything is
+        sent, so a manifest the engine cannot take may raise
+        :class:`~nrl_core.refit.manifest.RefitError` here. A name outside ``manifest`` is refused.
+        The imports that follow (``import_weights``, ``import_weights_pipelined``) get a manifest of
+        exactly these names."""
 
 
 class AdapterServer(Protocol):

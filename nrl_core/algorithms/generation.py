@@ -95,6 +95,7 @@ class Generation:
         # adapter-only refits go through the engine's import_adapter, which is atomic
         self.pipelined = (bool(config["policy"]["refit"]["pipelined"]) and "pipelined_import" in spec.capabilities
                           and not self.adapters)
+        self.partial = "partial_import" in spec.capabilities  # each engine rank gets only what it loads
         if self.adapters:  # LoRA: the engines hold the base model; every refit sends the adapters alone
             adapter_config = self.policy.group.call(WorkerHost.nrl_adapter_config)
             self.policy.group.call(WorkerHost.nrl_refit_adapters, adapter_config)
@@ -232,14 +233,14 @@ class Generation:
         if self.colocated:
             transport = choose_transport("same_process", opts["transport"])
             report = combine_reports(self.hosts.call(WorkerHost.nrl_refit_local, transport,
-                                                     opts["bucket_bytes"], opts["dtype"]))
+                                                     opts["bucket_bytes"], opts["dtype"], self.partial))
         else:
             drains = None
             if self.policy.world_size > 1:
                 drains = self.policy.drain_export(opts["bucket_bytes"], opts["dtype"])
             report = refit(self.policy.rank0, [self.hosts.endpoint(r) for r in self.ranks], transport=opts["transport"],
                            bucket_bytes=opts["bucket_bytes"], dtype=opts["dtype"], timeout_s=self.policy.timeout_s,
-                           in_flight=in_flight, pipelined=self.pipelined)
+                           in_flight=in_flight, pipelined=self.pipelined, partial=self.partial)
             if drains is not None:
                 drains()
         logger.info("refit: %.1f MB in %.2fs over %s (weights v%d)", report.bytes / 1e6, report.seconds,

@@ -88,32 +88,72 @@ def send_handles(source: Any, transport_name: str, session: RefitSession, bucket
         sender.close()
 
 
+def wanted_part(manifest: list[WeightSpec], wants: Iterable[str], who: str = "the engine") -> list[WeightSpec]:
+    """The entries of ``manifest`` named in ``wants`` (what a
+    :class:`~nrl_core.contracts.PartialImporter` rank loads); a name outside the manifest is a
+    :class:`~nrl_core.refit.manifest.RefitError` before anything is sent."""
+    from nrl_core.refit.manifest import RefitError
+
+    wanted = set(wants)
+    unknown = sorted(wanted - {spec.name for spec in manifest})
+    if unknown:
+        raise RefitError(f"refit rejected, weights unchanged; {who} asks for {len(unknown)} tensors the training "
+                         f"side does not send: {', '.join(unknown[:8])} (its refit_wants must name manifest "
+                         f"entries)", extra=unknown)
+    return [spec for spec in manifest if spec.name in wanted]
+
+
+def _without(buckets: Iterable[Any], unwanted: frozenset[str]) -> Iterator[Any]:
+    """The buckets less the tensors named in ``unwanted`` (a transport that sent them anyway); what
+    the manifest never named still passes, for the manifest check to refuse."""
+    for bucket in buckets:
+        yield [(name, tensor) for name, tensor in bucket if name not in unwanted]
+
+
 def receive_into(sink: Any, transport_name: str, session: RefitSession, handles: Iterable[Any],
-                 manifest: list[WeightSpec], pipelined: bool = False) -> int:
+                 manifest: list[WeightSpec], pipelined: bool = False, wants: Iterable[str] | None = None) -> int:
     """Rebuild the buckets from ``handles`` and hand them to ``sink.import_weights`` (``pipelined``:
     to ``sink.import_weights_pipelined``, which loads them as they arrive); the version.
 
-    Leaves the transport's cleanup to the caller: other receivers may still be reading the same
-    handles."""
+    ``wants``: the names of ``manifest`` the sink loads (``refit_wants``, partial import); the sink
+    then gets only those tensors and a manifest of only those. Leaves the transport's cleanup to the
+    caller: other receivers may still be reading the same handles."""
     receiver = get_transport(transport_name).receiver(session)
     load = sink.import_weights_pipelined if pipelined else sink.import_weights
     try:
-        return int(load(receiver.buckets(handles), manifest))
+        buckets = receiver.buckets(handles)
+        if wants is not None:
+            part = wanted_part(manifest, wants)
+            kept = {spec.name for spec in part}
+            buckets = _without(buckets, frozenset(spec.name for spec in manifest if spec.name not in kept))
+            manifest = part
+        return int(load(buckets, manifest))
     finally:
         receiver.close()
 
 
-def refit_local(source: Any, sink: Any, transport_name: str, bucket_bytes: int, dtype: str) -> RefitReport:
-    """Both halves in this process (``in_process``, or ``shared_memory`` to exercise its path)."""
+def local_wants(sink: Any, manifest: list[WeightSpec], partial: bool) -> list[str] | None:
+    """What ``sink`` loads of ``manifest`` when the refit is ``partial`` (its backend declares
+    ``partial_import``), else None: everything. Adapter-only refits send everything."""
+    if not partial or isinstance(sink, AdapterSink):
+        return None
+    return list(sink.refit_wants(list(manifest)))
+
+
+def refit_local(source: Any, sink: Any, transport_name: str, bucket_bytes: int, dtype: str,
+                partial: bool = False) -> RefitReport:
+    """Both halves in this process (``in_process``, or ``shared_memory`` to exercise its path);
+    ``partial``: the sink declares ``partial_import`` and gets only what it names."""
     if transport_name == "broadcast":
         raise ValueError("the broadcast transport needs the sender and the receiver in different processes")
     start = time.perf_counter()
     transport = get_transport(transport_name)
     session = transport.prepare(RefitSession())
     manifest = source.weight_manifest(dtype)
+    wants = local_wants(sink, manifest, partial)
     try:
         handles = send_handles(source, transport_name, session, bucket_bytes, dtype)
-        version = receive_into(sink, transport_name, session, handles, manifest)
+        version = receive_into(sink, transport_name, session, handles, manifest, wants=wants)
     finally:
         transport.cleanup(session)
     return RefitReport(bytes=manifest_bytes(manifest), seconds=time.perf_counter() - start, version=version,
@@ -256,15 +296,17 @@ class RefitEndpoints:
         return manifest_bytes(manifest)
 
     @dispatch(Fanout.DP)
-    def nrl_refit_import(self, exported: ExportedWeights) -> int:
-        """Load an export of another actor into this actor's generation worker; the new version."""
+    def nrl_refit_import(self, exported: ExportedWeights, partial: bool = False) -> int:
+        """Load an export of another actor into this actor's generation worker; the new version.
+        ``partial``: the worker declares ``partial_import`` and gets only what it names."""
         self.record_call("refit")
-        return receive_into(self._refit_into(), exported.transport, exported.session, exported.handles,
-                            exported.manifest)
+        sink = self._refit_into()
+        return receive_into(sink, exported.transport, exported.session, exported.handles, exported.manifest,
+                            wants=local_wants(sink, exported.manifest, partial))
 
     @dispatch(Fanout.DP)
     def nrl_refit_import_streamed(self, transport_name: str, channel: ChannelAddress, export: list[Any],
-                                  timeout_s: float) -> int:
+                                  timeout_s: float, partial: bool = False) -> int:
         """Load, bucket by bucket as they are published, what :meth:`nrl_refit_export_streamed`
         exports on ``channel`` into this actor's generation worker (``import_weights_pipelined``);
         the new version. ``export``: ``[ref]`` to that export call, to notice a sender that died."""
@@ -273,7 +315,15 @@ class RefitEndpoints:
         self.record_call("refit")
         reader = ChannelReader(channel, timeout_s, exporter_done=lambda: bool(ray.wait(export, timeout=0)[0]))
         session, manifest = reader.header()
-        return receive_into(self._refit_into(), transport_name, session, reader.handles(), manifest, pipelined=True)
+        sink = self._refit_into()
+        return receive_into(sink, transport_name, session, reader.handles(), manifest, pipelined=True,
+                            wants=local_wants(sink, manifest, partial))
+
+    @dispatch(Fanout.DP)
+    def nrl_refit_wants(self, manifest: list[WeightSpec]) -> list[str] | None:
+        """What this actor's generation worker loads of ``manifest`` (``refit_wants``), for a
+        collective transport's sender; None: everything (an adapter-only refit)."""
+        return local_wants(self._refit_into(), manifest, partial=True)
 
     @dispatch(Fanout.RANK0, Gather.NONE)
     def nrl_refit_cleanup(self, exported: list[Any]) -> None:
@@ -306,10 +356,11 @@ class RefitEndpoints:
         yield from send_handles(self._refit_from(), transport_name, session, bucket_bytes, refit_dtype(dtype))
 
     @dispatch(Fanout.DP)
-    def nrl_refit_receive(self, transport_name: str, session: RefitSession, manifest: list[WeightSpec]) -> int:
+    def nrl_refit_receive(self, transport_name: str, session: RefitSession, manifest: list[WeightSpec],
+                          wants: list[str] | None = None) -> int:
         """The receiving half of a collective transport (the bytes arrive out of band); the new
-        weight version."""
-        return receive_into(self._refit_into(), transport_name, session, (), manifest)
+        weight version. ``wants``: what :meth:`nrl_refit_wants` answered for this rank."""
+        return receive_into(self._refit_into(), transport_name, session, (), manifest, wants=wants)
 
     @dispatch(Fanout.ALL, Gather.NONE)
     def nrl_refit_drain(self, bucket_bytes: int, dtype: str | None) -> None:
@@ -326,8 +377,9 @@ class RefitEndpoints:
         release_shared_buffers()
 
     @dispatch(Fanout.ALL)
-    def nrl_refit_local(self, transport_name: str, bucket_bytes: int, dtype: str | None) -> RefitReport:
+    def nrl_refit_local(self, transport_name: str, bucket_bytes: int, dtype: str | None,
+                        partial: bool = False) -> RefitReport:
         self.record_call("refit")
         return refit_local(self._refit_from(), self._refit_into(), transport_name, bucket_bytes,
-                           refit_dtype(dtype))
+                           refit_dtype(dtype), partial)
 

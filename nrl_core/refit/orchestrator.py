@@ -69,7 +69,8 @@ def refit_options(config: Mapping[str, Any]) -> dict[str, Any]:
 
 def refit(source: Any, sink: Any | Sequence[Any], transport: str | None = None,
           bucket_bytes: int = DEFAULT_BUCKET_BYTES, dtype: str | None = "float32",
-          timeout_s: float | None = None, in_flight: bool = False, pipelined: bool = False) -> RefitReport:
+          timeout_s: float | None = None, in_flight: bool = False, pipelined: bool = False,
+          partial: bool = False) -> RefitReport:
     """Move ``source``'s weights into ``sink`` (several sinks for data-parallel generation).
 
     Either all are local objects (a :class:`~nrl_core.contracts.TrainingWorker`-like source with
@@ -88,6 +89,8 @@ def refit(source: Any, sink: Any | Sequence[Any], transport: str | None = None,
     (:class:`~nrl_core.refit.manifest.TornRefitError`). Other transports import atomically: a
     collective one would leave the sender and the other receivers waiting in the group when one
     receiver stops reading early.
+    ``partial``: the sinks declare ``partial_import``; each gets only the tensors its
+    ``refit_wants`` names (the broadcast transport sends it only those).
 
     Raises :class:`~nrl_core.refit.manifest.RefitError` (sinks keep their old weights) when what
     arrives does not match the source's manifest.
@@ -101,13 +104,13 @@ def refit(source: Any, sink: Any | Sequence[Any], transport: str | None = None,
     ranks = [_is_group_rank(x) for x in (source, *sinks)]
     if not any(ranks):
         local = refit_dtype(dtype)
-        reports = [refit_local(source, s, choose_transport("same_process", transport), bucket_bytes, local)
+        reports = [refit_local(source, s, choose_transport("same_process", transport), bucket_bytes, local, partial)
                    for s in sinks]
         return combine_reports(reports, concurrent=False)
     if not all(ranks):
         raise TypeError("refit: source and sinks must be all local objects or all worker group ranks "
                         "(WorkerGroup.endpoint)")
-    return _refit_ranks(source, sinks, transport, bucket_bytes, dtype, timeout_s, in_flight, pipelined)
+    return _refit_ranks(source, sinks, transport, bucket_bytes, dtype, timeout_s, in_flight, pipelined, partial)
 
 
 def _is_group_rank(obj: Any) -> bool:
@@ -117,7 +120,8 @@ def _is_group_rank(obj: Any) -> bool:
 
 
 def _refit_ranks(source: Any, sinks: list[Any], override: str | None, bucket_bytes: int, dtype: str | None,
-                 timeout_s: float | None = None, in_flight: bool = False, pipelined: bool = False) -> RefitReport:
+                 timeout_s: float | None = None, in_flight: bool = False, pipelined: bool = False,
+                 partial: bool = False) -> RefitReport:
     from nrl_core.cluster._host import WorkerHost
 
     start = time.perf_counter()
@@ -129,7 +133,7 @@ def _refit_ranks(source: Any, sinks: list[Any], override: str | None, bucket_byt
             raise ValueError("refit: the sinks must all live in the source's actor (colocated) or all in other "
                              "actors; a sharded training backend exports once per refit")
         transport = choose_transport("same_process", override)
-        reports = [source.call(WorkerHost.nrl_refit_local, transport, bucket_bytes, dtype) for _ in sinks]
+        reports = [source.call(WorkerHost.nrl_refit_local, transport, bucket_bytes, dtype, partial) for _ in sinks]
         return RefitReport(bytes=sum(r.bytes for r in reports), seconds=time.perf_counter() - start,
                            version=max(r.version for r in reports), transport=transport, placement="same_process")
     source_node = source.node_id
@@ -138,11 +142,11 @@ def _refit_ranks(source: Any, sinks: list[Any], override: str | None, bucket_byt
     from nrl_core.plugins import get_plugin_manager
 
     if get_plugin_manager().refit_transports().get(name, TRANSPORT_KEY).collective:
-        nbytes, versions = _collective(source, sinks, name, bucket_bytes, dtype, timeout_s, in_flight)
+        nbytes, versions = _collective(source, sinks, name, bucket_bytes, dtype, timeout_s, in_flight, partial)
     elif pipelined and not in_flight and name == PIPELINED_TRANSPORT:
-        nbytes, versions = _stream_import(source, sinks, name, bucket_bytes, dtype, timeout_s)
+        nbytes, versions = _stream_import(source, sinks, name, bucket_bytes, dtype, timeout_s, partial)
     else:
-        nbytes, versions = _export_import(source, sinks, name, bucket_bytes, dtype, in_flight)
+        nbytes, versions = _export_import(source, sinks, name, bucket_bytes, dtype, in_flight, partial)
     return RefitReport(bytes=nbytes * len(sinks), seconds=time.perf_counter() - start, version=max(versions),
                        transport=name, placement=placement)
 
@@ -164,7 +168,7 @@ def _gather(calls: list[tuple[Any, Any]]) -> list[Any]:
 
 
 def _export_import(source: Any, sinks: list[Any], name: str, bucket_bytes: int, dtype: str | None,
-                   in_flight: bool = False) -> tuple[int, list[int]]:
+                   in_flight: bool = False, partial: bool = False) -> tuple[int, list[int]]:
     """The source exports once; every sink imports the same handles, concurrently. The sinks'
     calls take the export's object ref, so Ray starts them when it is done."""
     from nrl_core.cluster._host import InFlightWorkerHost, WorkerHost
@@ -172,7 +176,7 @@ def _export_import(source: Any, sinks: list[Any], name: str, bucket_bytes: int, 
     exported = source.call_async(WorkerHost.nrl_refit_export, name, bucket_bytes, dtype)
     try:
         endpoint = InFlightWorkerHost.nrl_refit_import_in_flight if in_flight else WorkerHost.nrl_refit_import
-        imports = [(group, group.call_async(endpoint, exported.refs[0], on=ranks))
+        imports = [(group, group.call_async(endpoint, exported.refs[0], partial, on=ranks))
                    for group, ranks in _by_group(sinks).items()]
         try:
             weights = source.get(exported)  # an export that failed is the source's error, not the engines'
@@ -186,7 +190,7 @@ def _export_import(source: Any, sinks: list[Any], name: str, bucket_bytes: int, 
 
 
 def _stream_import(source: Any, sinks: list[Any], name: str, bucket_bytes: int, dtype: str | None,
-                   timeout_s: float | None) -> tuple[int, list[int]]:
+                   timeout_s: float | None, partial: bool = False) -> tuple[int, list[int]]:
     """A pipelined refit on one node: the source publishes each bucket's handle on a channel as it
     writes it, and every sink, called at the same moment, loads each bucket as it is published."""
     from nrl_core.cluster._host import WorkerHost
@@ -196,7 +200,7 @@ def _stream_import(source: Any, sinks: list[Any], name: str, bucket_bytes: int, 
     exported = source.call_async(WorkerHost.nrl_refit_export_streamed, name, channel, bucket_bytes, dtype)
     try:
         imports = [(group, group.call_async(WorkerHost.nrl_refit_import_streamed, name, channel, [exported.refs[0]],
-                                            float(timeout_s or DEFAULT_WAIT_S), on=ranks))
+                                            float(timeout_s or DEFAULT_WAIT_S), partial, on=ranks))
                    for group, ranks in _by_group(sinks).items()]
         try:
             nbytes = int(source.get(exported))
@@ -216,20 +220,25 @@ def _gather_quietly(calls: list[tuple[Any, Any]]) -> None:
 
 
 def _collective(source: Any, sinks: list[Any], name: str, bucket_bytes: int, dtype: str | None,
-                timeout_s: float | None = None, in_flight: bool = False) -> tuple[int, list[int]]:
-    """One sender, every sink receiving the same broadcast concurrently."""
+                timeout_s: float | None = None, in_flight: bool = False,
+                partial: bool = False) -> tuple[int, list[int]]:
+    """One sender, every sink receiving at once: what all of them load broadcast, the rest sent to
+    the sinks that load it (``partial``)."""
     from nrl_core.cluster._host import InFlightWorkerHost, WorkerHost
 
     options: dict[str, Any] = {"world_size": 1 + len(sinks)}
     if timeout_s is not None:
         options["timeout_s"] = float(timeout_s)
     manifest = source.call(WorkerHost.nrl_refit_manifest, dtype)
+    receive_rank = {(s.group, s.rank): i + 1 for i, s in enumerate(sinks)}
+    wants = _wants(sinks, manifest, in_flight) if partial else {}
+    options["wants"] = {receive_rank[sink]: names for sink, names in wants.items() if names is not None}
     session = source.call(WorkerHost.nrl_refit_prepare, name, RefitSession(options=options))
     try:
-        receive_rank = {(s.group, s.rank): i + 1 for i, s in enumerate(sinks)}
         endpoint = InFlightWorkerHost.nrl_refit_receive_in_flight if in_flight else WorkerHost.nrl_refit_receive
         pending = [(group, group.call_async(endpoint, on=ranks, per_rank_args=[
-                        (name, session.with_options(rank=receive_rank[(group, r)]), manifest) for r in ranks]))
+                        (name, session.with_options(rank=receive_rank[(group, r)]), manifest, wants.get((group, r)))
+                        for r in ranks]))
                    for group, ranks in _by_group(sinks).items()]
         try:
             for _ in source.group.stream(WorkerHost.nrl_refit_send, name, session, bucket_bytes, dtype, on=source.rank,
@@ -241,6 +250,23 @@ def _collective(source: Any, sinks: list[Any], name: str, bucket_bytes: int, dty
         return manifest_bytes(manifest), [int(v) for v in _gather(pending)]
     finally:
         _cleanup(source, [ExportedWeights(transport=name, session=session, manifest=[], handles=[])])
+
+
+def _wants(sinks: list[Any], manifest: list[Any], in_flight: bool) -> dict[tuple[Any, int], list[str] | None]:
+    """What each sink loads of ``manifest`` (its worker's ``refit_wants``), checked against it:
+    a sink naming a tensor the source does not send is refused before anything is sent."""
+    from nrl_core.cluster._host import InFlightWorkerHost, WorkerHost
+    from nrl_core.refit.endpoints import wanted_part
+
+    endpoint = InFlightWorkerHost.nrl_refit_wants_in_flight if in_flight else WorkerHost.nrl_refit_wants
+    calls = [(group, ranks, group.call_async(endpoint, manifest, on=ranks)) for group, ranks in _by_group(sinks).items()]
+    wants: dict[tuple[Any, int], list[str] | None] = {}
+    for group, ranks, futures in calls:
+        for rank, names in zip(ranks, group.get(futures)):
+            if names is not None:
+                wanted_part(manifest, names, who=f"{group.name}[rank {rank}]")
+            wants[(group, rank)] = names
+    return wants
 
 
 def _cleanup(source: Any, exported: list[Any]) -> None:

@@ -20,8 +20,10 @@ bytes. A collective transport (``broadcast``) returns no handles: its two halves
   with ``reuse_buffers=False`` every refit uses new files, removed by the refit's cleanup.
 * ``broadcast``: a private ``torch.distributed`` group of the training rank 0 (root) and the
   generation ranks, created from a ``TCPStore`` the sender hosts, NCCL between GPUs and gloo on
-  the CPU; each bucket is a header, its pickled layout, and one flat ``uint8`` buffer broadcast,
-  all on the group's device. Works across nodes.
+  the CPU; each bucket is a header, its pickled layouts, one flat ``uint8`` buffer broadcast of
+  the tensors every receiver loads, and one sent point to point to each receiver that loads some
+  of the others (``session.options["wants"]``: a rank of vLLM's expert parallelism gets its own
+  experts only), all on the group's device. Works across nodes.
 """
 
 from __future__ import annotations
@@ -418,22 +420,61 @@ class _Group:
     def broadcast(self, tensor: "torch.Tensor") -> None:
         self._pg.broadcast([tensor], self._bopts).wait()
 
+    def send(self, tensor: "torch.Tensor", rank: int) -> Any:
+        return self._pg.send([tensor], rank, 0)
+
+    def receive(self, tensor: "torch.Tensor") -> None:
+        self._pg.recv([tensor], 0, 0).wait()
+
+
+def split_by_wants(bucket: Bucket, receivers: Iterable[int],
+                   wants: dict[int, frozenset[str]]) -> tuple[Bucket, dict[int, Bucket]]:
+    """``bucket``'s tensors every receiver loads (broadcast), and for each receiver the others it
+    loads (sent to it alone); a receiver absent from ``wants`` loads everything, a tensor no
+    receiver loads is not sent."""
+    receivers = list(receivers)
+    shared: Bucket = []
+    private: dict[int, Bucket] = {}
+    for name, tensor in bucket:
+        takers = [r for r in receivers if r not in wants or name in wants[r]]
+        if len(takers) == len(receivers):
+            shared.append((name, tensor))
+        else:
+            for rank in takers:
+                private.setdefault(rank, []).append((name, tensor))
+    return shared, private
+
+
+def _packed(bucket: Bucket, layout: PackedLayout, device: "torch.device") -> "torch.Tensor":
+    import torch
+
+    flat = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
+    pack_into(flat, bucket, layout)
+    return flat
+
 
 class _BroadcastSender:
     def __init__(self, session: RefitSession) -> None:
         self._group = _Group(session, rank=0)
+        self._receivers = range(1, int(session.options["world_size"]))
+        self._wants = {int(rank): frozenset(names) for rank, names in (session.options.get("wants") or {}).items()}
 
     def send(self, bucket: Bucket) -> None:
         import torch
 
         device = self._group.device
-        layout = layout_of(bucket)
-        meta = torch.frombuffer(bytearray(pickle.dumps(layout)), dtype=torch.uint8).to(device)
+        shared, private = split_by_wants(bucket, self._receivers, self._wants)
+        layout = layout_of(shared)
+        private_layouts = {rank: layout_of(tensors) for rank, tensors in private.items()}
+        meta = torch.frombuffer(bytearray(pickle.dumps((layout, private_layouts))), dtype=torch.uint8).to(device)
         self._group.broadcast(torch.tensor([meta.numel(), layout.nbytes], dtype=torch.int64, device=device))
         self._group.broadcast(meta)
-        flat = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
-        pack_into(flat, bucket, layout)
-        self._group.broadcast(flat)
+        if shared:
+            self._group.broadcast(_packed(shared, layout, device))
+        sends = [self._group.send(_packed(tensors, private_layouts[rank], device), rank)
+                 for rank, tensors in private.items()]
+        for work in sends:
+            work.wait()
         return None
 
     def close(self) -> None:
@@ -442,9 +483,21 @@ class _BroadcastSender:
         self._group.broadcast(torch.zeros(2, dtype=torch.int64, device=self._group.device))  # end of stream
 
 
+_RECEIVED = {"bytes": 0}
+
+
+def broadcast_bytes_received() -> int:
+    """The bytes of the tensors this process received in its last broadcast refit, broadcast and
+    sent to it alone together (headers, layouts and alignment left out): what shows that a rank got
+    only its part."""
+    return _RECEIVED["bytes"]
+
+
 class _BroadcastReceiver:
     def __init__(self, session: RefitSession) -> None:
-        self._group = _Group(session, rank=int(session.options["rank"]))
+        self._rank = int(session.options["rank"])
+        self._group = _Group(session, rank=self._rank)
+        _RECEIVED["bytes"] = 0
 
     def buckets(self, handles: Iterable[Any]) -> Iterator[Bucket]:
         import torch
@@ -458,10 +511,20 @@ class _BroadcastReceiver:
                 return
             meta = torch.empty(meta_len, dtype=torch.uint8, device=device)
             self._group.broadcast(meta)
-            layout: PackedLayout = pickle.loads(meta.cpu().numpy().tobytes())
-            flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
-            self._group.broadcast(flat)
-            yield views_of(flat, layout)
+            layouts: tuple[PackedLayout, dict[int, PackedLayout]] = pickle.loads(meta.cpu().numpy().tobytes())
+            layout, private_layouts = layouts
+            bucket: Bucket = []
+            if layout.entries:
+                flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
+                self._group.broadcast(flat)
+                bucket.extend(views_of(flat, layout))
+            mine = private_layouts.get(self._rank)
+            if mine is not None:
+                own = torch.empty(mine.nbytes, dtype=torch.uint8, device=device)
+                self._group.receive(own)
+                bucket.extend(views_of(own, mine))
+            _RECEIVED["bytes"] += sum(tensor_nbytes(tensor) for _, tensor in bucket)
+            yield bucket
 
     def close(self) -> None:
         pass
@@ -473,7 +536,8 @@ class BroadcastTransport:
 
     ``session.options``: ``world_size`` (1 + generation ranks; default 2), ``rank`` on each
     receiver (1..world_size-1), ``host``/``port`` and ``backend`` (:func:`broadcast_backend`)
-    filled in by :meth:`prepare` on the sender.
+    filled in by :meth:`prepare` on the sender, and ``wants`` (``{rank: names}``, the receivers
+    that load only part of the model: :class:`~nrl_core.contracts.PartialImporter`).
     """
 
     name = "broadcast"

@@ -99,6 +99,22 @@ class PipelinedRecordingSink(RecordingSink):
         return self.weight_version
 
 
+class PartialRecordingSink(RecordingSink):
+    """A :class:`RecordingSink` that declares ``partial_import``: rank ``r`` loads the tensors whose
+    names contain one of ``parts[r]`` (all of them when it has no entry); ``asked`` counts its
+    ``refit_wants`` calls."""
+
+    def __init__(self, parts: dict[int, list[str]] | None = None, rank: int = 0, world_size: int = 1) -> None:
+        super().__init__(rank, world_size)
+        self.parts = (parts or {}).get(rank)
+        self.asked = 0
+
+    def refit_wants(self, manifest: list[Any]) -> list[str]:
+        self.asked += 1
+        return [spec.name for spec in manifest
+                if self.parts is None or any(part in spec.name for part in self.parts)]
+
+
 def fail_export_after(count: int) -> Any:
     """A ``WorkerHost.execute`` target that makes the hosted weight source raise after ``count``
     buckets of each export (an instance attribute shadowing the method; delete it to undo): a

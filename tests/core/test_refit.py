@@ -253,8 +253,9 @@ def ray_groups():
     yield from ray_groups_of("nrl_core.testing.refit_host:RecordingSink")
 
 
-def ray_groups_of(sink: str) -> Any:
-    """Start Ray if needed, a weight source and two ``sink`` workers; yield them; stop them."""
+def ray_groups_of(sink: str, shapes: dict[str, tuple[int, ...]] = SHAPES,
+                  sink_kwargs: dict[str, Any] | None = None) -> Any:
+    """Start Ray if needed, a weight source of ``shapes`` and two ``sink`` workers; yield them; stop them."""
     ray = pytest.importorskip("ray")
     from nrl_core.cluster import WorkerGroup
     from nrl_core.cluster._host import WorkerHost
@@ -264,8 +265,8 @@ def ray_groups_of(sink: str) -> Any:
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
                  runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
     source = WorkerGroup("nrl_core.testing.refit_host:RandomWeightSource", 1, name="source",
-                         init_kwargs={"shapes": SHAPES, "seed": 5}, distributed_backend="none")
-    sinks = WorkerGroup(sink, 2, name="sinks", distributed_backend="none")
+                         init_kwargs={"shapes": shapes, "seed": 5}, distributed_backend="none")
+    sinks = WorkerGroup(sink, 2, name="sinks", distributed_backend="none", init_kwargs=sink_kwargs or {})
     yield source, sinks
     source.call(WorkerHost.nrl_refit_release)  # ray.kill skips exit handlers: free the buffers first
     source.shutdown()

@@ -9,7 +9,10 @@ with the new weights, and the engine's read counter (``nrl_count_refit_reads``) 
 tensor, that each rank copied out only what it holds: under expert parallelism the whole of its
 own experts and nothing of the other rank's, under tensor parallelism half of every expert and of
 every attention, embedding and output matrix; norms, routers and (the model has one key/value
-head, which vLLM copies to every rank) the key and value projections whole on both.
+head, which vLLM copies to every rank) the key and value projections whole on both. Under expert
+parallelism each rank names the other rank's experts as not wanted (``refit_wants``, contract 14):
+they never reach its loaders, and a refit over the broadcast transport (across nodes) sends each
+rank only the tensors it wants, counted by the transport.
 """
 
 from __future__ import annotations
@@ -76,6 +79,21 @@ def _sizes(worker) -> dict[str, int]:
     return {spec.name: spec.nbytes for spec in worker.weight_manifest("float32")}
 
 
+def _received(worker) -> int:
+    from nrl_core.refit.transports import broadcast_bytes_received
+
+    return broadcast_bytes_received()
+
+
+def loads(name: str, rank: int, expert_parallel: bool, async_engine: bool) -> bool:
+    """Whether rank ``rank`` names ``name`` in ``refit_wants``: under expert parallelism all but the
+    other rank's experts; the async engine's first rank loads for both workers, the second nothing."""
+    if async_engine:
+        return rank == 0
+    expert = EXPERT.search(name)
+    return not (expert and expert_parallel) or int(expert.group(1)) // (EXPERTS // RANKS) == rank
+
+
 def expected_read(name: str, nbytes: int, rank: int, expert_parallel: bool) -> int:
     """What rank ``rank`` of a two-rank engine holds of a tensor of ``nbytes``."""
     expert = EXPERT.search(name)
@@ -104,7 +122,7 @@ def test_each_engine_rank_reads_only_what_it_holds_of_a_moe_refit(model, source,
         seed = 31 + expert_parallel + async_engine
         source.call(WorkerHost.execute, functools.partial(perturb_hosted_source, seed=seed, fresh_from=str(model)))
         report = refit(source.endpoint(0), [engine.endpoint(0), engine.endpoint(1)], bucket_bytes=256 * 1024,
-                       pipelined=True)
+                       pipelined=True, partial=True)
         assert report.transport == "shared_memory" and report.version == 1
         assert _greedy(engine) == hf_greedy(hf_model(model, perturb_seed=seed), PROMPTS)
 
@@ -115,9 +133,25 @@ def test_each_engine_rank_reads_only_what_it_holds_of_a_moe_refit(model, source,
         assert sum(1 for name in sizes if EXPERT.search(name)) == 2 * EXPERTS * 3  # two layers, three projections
         assert AutoConfig.from_pretrained(model).num_key_value_heads == 1
         for rank, read in enumerate(reads):
-            assert read == {name: expected_read(name, nbytes, rank, expert_parallel) for name, nbytes in sizes.items()}
+            assert {name: read.get(name, 0) for name in sizes} == \
+                {name: expected_read(name, nbytes, rank, expert_parallel) for name, nbytes in sizes.items()}
+            # what reached the loaders: the rank's part (the async engine's workers share one file of all)
+            assert set(read) == {name for name in sizes if async_engine or loads(name, rank, expert_parallel, False)}
         per_rank = [sum(read.values()) for read in reads]
         assert per_rank[0] == per_rank[1] < 0.53 * sum(sizes.values())  # the replicated tensors are small
+
+        # Across nodes (the broadcast transport): each rank receives only the tensors it loads.
+        source.call(WorkerHost.execute, functools.partial(perturb_hosted_source, seed=seed + 10, fresh_from=str(model)))
+        report = refit(source.endpoint(0), [engine.endpoint(0), engine.endpoint(1)], transport="broadcast",
+                       bucket_bytes=256 * 1024, partial=True)
+        assert report.transport == "broadcast" and report.version == 2
+        assert _greedy(engine) == hf_greedy(hf_model(model, perturb_seed=seed + 10), PROMPTS)
+        received = engine.call(WorkerHost.execute, _received)
+        assert received == [sum(nbytes for name, nbytes in sizes.items()
+                                if loads(name, rank, expert_parallel, async_engine)) for rank in range(RANKS)]
+        if expert_parallel and not async_engine:
+            experts = sum(nbytes for name, nbytes in sizes.items() if EXPERT.search(name))
+            assert received[0] == received[1] == sum(sizes.values()) - experts // RANKS  # half the experts each
     finally:
         engine.call(WorkerHost.nrl_generation_call, "shutdown")
         engine.shutdown()

@@ -355,13 +355,33 @@ def _pipelined_imports(engine: Any, original: Any, trained: Any, prompts: list[l
     return out
 
 
+def _partial_imports(engine: Any, original: Any, trained: Any, prompts: list[list[int]]) -> dict[str, Any]:
+    """``refit_wants`` of the trained manifest, then partial refits (only the named tensors, against
+    a manifest of only those) of the checkpoint's weights and of the trained ones; greedy after each."""
+    from nrl_core.refit import refit
+
+    out: dict[str, Any] = {}
+    names = {spec.name for spec in trained.weight_manifest("float32")}
+    wants = engine.refit_wants(trained.weight_manifest("float32"))
+    out["partial/wants_type"] = type(wants).__name__
+    out["partial/wants_outside_manifest"] = sorted(set(wants) - names)[:8]
+    version = engine.weight_version
+    out["partial/original_version"] = refit(original, engine, bucket_bytes=BUCKET_BYTES, partial=True).version - version
+    out["partial/original"] = engine.generate(prompts, greedy=True).token_ids
+    refit(trained, engine, bucket_bytes=BUCKET_BYTES, partial=True)
+    out["partial/trained"] = engine.generate(prompts, greedy=True).token_ids
+    return out
+
+
 def generation_refit(rank: int, world_size: int, config: dict[str, Any], worker_path: str,
                      training_config: dict[str, Any] | None, root: str, prompts: list[list[int]],
-                     max_new_tokens: int, env: Mapping[str, str], pipelined: bool = False) -> dict[str, Any]:
+                     max_new_tokens: int, env: Mapping[str, str], pipelined: bool = False,
+                     partial: bool = False) -> dict[str, Any]:
     """A generation worker against HF: greedy before and after a refit from a training worker that
     took a few steps (or, without a training backend, from a perturbed HF model), a refit that
     breaks the manifest, the sampling state and shutdown; ``pipelined`` (the backend declares
-    ``pipelined_import``): the same refits through ``import_weights_pipelined``, and one torn."""
+    ``pipelined_import``): the same refits through ``import_weights_pipelined``, and one torn;
+    ``partial`` (it declares ``partial_import``): the same refits of only the tensors it names."""
     from nrl_core.algorithms.loss import NLLLoss
     from nrl_core.contracts import GenerationWorker, import_object
     from nrl_core.refit import refit
@@ -417,6 +437,8 @@ def generation_refit(rank: int, world_size: int, config: dict[str, Any], worker_
 
     if pipelined:
         out.update(_pipelined_imports(engine, HFWeightSource(config["policy"]["model_name"]), source, prompts))
+    if partial:
+        out.update(_partial_imports(engine, HFWeightSource(config["policy"]["model_name"]), source, prompts))
 
     state = engine.sampling_state()
     sampled = engine.generate(prompts * 2).token_ids

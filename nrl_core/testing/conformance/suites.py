@@ -330,7 +330,7 @@ class _GenerationChecks:
                                                            overrides=[*overrides, *self.training_overrides])
         (result,) = run_distributed(scenarios.generation_refit, 1, config, spec.worker, training_config, str(root),
                                     prompts, self.max_new_tokens, _tmp_env(self.env, root),
-                                    "pipelined_import" in spec.capabilities)
+                                    "pipelined_import" in spec.capabilities, "partial_import" in spec.capabilities)
         result["capabilities"] = sorted(spec.capabilities)
         return result
 
@@ -369,6 +369,18 @@ class _GenerationChecks:
             f"a refit missing a tensor must raise nrl_core.refit.RefitError, got {run['bad_refit']!r}")
         assert run["version_after_bad_refit"] == run["version1"], "a refused refit still bumped weight_version"
         assert run["after_bad_refit"] == run["after"], "a refused refit changed the engine's output"
+
+    def test_declared_partial_import_names_manifest_entries_and_loads_as_a_whole_refit(self, run) -> None:
+        if "partial_import" not in run["capabilities"]:
+            pytest.skip(f"backend '{self.backend}' does not declare 'partial_import'")
+        assert run["partial/wants_type"] == "list", (
+            f"refit_wants must return a list of manifest names, got a {run['partial/wants_type']}")
+        assert not run["partial/wants_outside_manifest"], (
+            f"refit_wants named tensors the manifest lacks: {run['partial/wants_outside_manifest']}")
+        assert run["partial/original_version"] == 1, "a partial refit must return the new version, one more than before"
+        assert run["partial/original"] == run["before"] and run["partial/trained"] == run["after"], (
+            "after a refit of only the tensors refit_wants named, the engine generates differently from after a "
+            "refit of the whole model: it names a tensor it needs as not wanted, or mishandles a partial manifest")
 
     def test_declared_pipelined_import_loads_as_import_weights_and_tears_visibly(self, run) -> None:
         if "pipelined_import" not in run["capabilities"]:

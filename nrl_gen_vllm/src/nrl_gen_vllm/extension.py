@@ -114,6 +114,20 @@ class NrlWorkerExtension:
         into its model."""
         return dict(getattr(self, "_nrl_refit_reads", {}))
 
+    def nrl_experts_held(self) -> dict[str, list[int]]:
+        """The global ids of the experts this worker holds, by MoE layer (vLLM's ``layer_name``,
+        the checkpoint prefix of its experts), for the layers that split their experts over the
+        ranks; a layer with redundant experts (EPLB) is left out, as if it held every one."""
+        held = {}
+        for module in self.model_runner.model.modules():
+            expert_map = getattr(module, "_expert_map", None)
+            name = getattr(module, "layer_name", None)
+            if expert_map is None or not isinstance(name, str) or not getattr(module, "use_ep", False) \
+                    or getattr(module, "expert_global_to_physical", None) is not None:
+                continue
+            held[name] = [int(e) for e in torch.nonzero(expert_map >= 0).flatten().tolist()]
+        return held
+
     def nrl_parameter_count(self) -> int:
         return sum(1 for _ in self.model_runner.model.parameters())
 

@@ -7,7 +7,7 @@ from nrl_core.hookspecs import hookimpl
 
 from nrl_gen_vllm.config import VLLM_CFG
 
-NRL_CONTRACT = 13  # the plugin contract this distribution is written for (docs/plugins.md)
+NRL_CONTRACT = 14  # the plugin contract this distribution is written for (docs/plugins.md)
 
 
 @hookimpl
@@ -20,6 +20,7 @@ def nrl_generation_backends() -> list[GenerationBackendSpec]:
         distribution="nrl-gen-vllm",
         parallel_size_keys=("tensor_parallel_size",),
         config_check="nrl_gen_vllm.checks:check_config",
-        capabilities=frozenset({"streaming", "adapter_refit", "in_flight_updates", "pipelined_import"}),
+        capabilities=frozenset({"streaming", "adapter_refit", "in_flight_updates", "pipelined_import",
+                                 "partial_import"}),
         description="vllm.LLM rollouts; refit through vLLM's layerwise reload",
     )]

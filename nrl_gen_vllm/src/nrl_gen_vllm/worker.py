@@ -30,6 +30,7 @@ from nrl_gen_vllm.checkpoint import check_against_checkpoint, checkpoint_shapes
 from nrl_gen_vllm.checks import engine_start_error
 from nrl_gen_vllm.cpu_sampler import use_eager_rank_count
 from nrl_gen_vllm.kv_cache import KvCacheSize, kv_cache_space
+from nrl_gen_vllm.partial import experts_elsewhere
 from nrl_gen_vllm.sampling import VllmSampling, base_seed
 from nrl_gen_vllm.threads import keep_process_threads
 
@@ -231,6 +232,7 @@ class VllmGenerationWorker:
                 raise
             raise refused from None
         self._engine.label(self._state.weight_version)
+        self._elsewhere = self._experts_elsewhere(engine_kwargs.get("enable_expert_parallel", False))
         self.in_flight = self.recompute_kv_cache = False  # configure_in_flight sets them
         mark("vllm_engine_ready", rank=rank, tensor_parallel=self.tp, follower=self.follower)
         if self.follower:
@@ -344,6 +346,35 @@ class VllmGenerationWorker:
 
     # ------------------------------------------------------------------ refit
 
+    def _experts_elsewhere(self, expert_parallel: bool) -> frozenset[str]:
+        """The checkpoint's tensors of experts other ranks hold: what this rank never loads. The
+        async engine's first rank loads for every worker of its engine, so nothing is elsewhere."""
+        if not expert_parallel or self.async_engine or self.follower:
+            return frozenset()
+        (held,) = self._engine.collective_rpc("nrl_experts_held")
+        return experts_elsewhere(self._checkpoint, held)
+
+    def refit_wants(self, manifest: list[WeightSpec]) -> list[str]:
+        """What this rank loads of a refit (contract 14, ``partial_import``): under expert
+        parallelism all but the other ranks' experts; nothing on an async engine's other ranks,
+        whose first rank loads for the whole engine. The manifest is checked against the engine's
+        checkpoint first, so a wrong one is refused before anything is sent."""
+        check_against_checkpoint(manifest, self._checkpoint, self.model_dir)
+        if self.follower:
+            return []
+        return [spec.name for spec in manifest if spec.name not in self._elsewhere]
+
+    def _check_layout(self, manifest: list[WeightSpec]) -> None:
+        """:func:`check_against_checkpoint` against what this rank loads when ``manifest`` is its
+        part (:meth:`refit_wants`), else against the whole checkpoint."""
+        names = {spec.name for spec in manifest}
+        if self.follower and not names:
+            return
+        part = self._checkpoint
+        if self._elsewhere and not names & self._elsewhere:
+            part = {name: shape for name, shape in self._checkpoint.items() if name not in self._elsewhere}
+        check_against_checkpoint(manifest, part, self.model_dir)
+
     def import_weights(self, buckets: Iterable[Bucket], manifest: list[WeightSpec]) -> int:
         """Stage every bucket, prove it matches ``manifest`` (and this engine's checkpoint layout),
         then load it through vLLM's layerwise reload. Returns the new weight version.
@@ -354,7 +385,7 @@ class VllmGenerationWorker:
         self._sleep.require_awake("import_weights", ("weights",))
         staged: list[tuple[str, Any]] = [item for bucket in buckets for item in bucket]
         verify([spec_of(name, tensor) for name, tensor in staged], manifest)
-        check_against_checkpoint(manifest, self._checkpoint, self.model_dir)
+        self._check_layout(manifest)
         version = self._state.weight_version + 1
         # the engine drops the KV cached with the old weights (in flight: as configure_in_flight says)
         self._engine.load_weights(staged, version, self.in_flight, self.recompute_kv_cache)
@@ -375,7 +406,7 @@ class VllmGenerationWorker:
         if not self._engine.streams_weights or self.in_flight:
             return self.import_weights(buckets, manifest)
         self._sleep.require_awake("import_weights", ("weights",))
-        check_against_checkpoint(manifest, self._checkpoint, self.model_dir)
+        self._check_layout(manifest)
         version = self._state.weight_version + 1
         handed = 0
 
