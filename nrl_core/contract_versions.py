@@ -100,7 +100,7 @@ CONTRACT_HISTORY: tuple[ContractVersion, ...] = (
         "capability pipelined_import (generation: PipelinedImporter.import_weights_pipelined(buckets, manifest) "
         "loads each bucket as it arrives; a transfer that fails part-way raises TornRefitError and the engine "
         "refuses to generate until a refit succeeds)",)),
-    ContractVersion(14, "HEAD", added=(
+    ContractVersion(14, "90ef53b", added=(
         "capability partial_import (generation: PartialImporter.refit_wants(manifest) names the tensors a rank "
         "loads; its imports get only those and a manifest of only those, and the broadcast transport sends it "
         "only those); RefitSession.options['wants'] tells a collective transport's sender what each receiver "
