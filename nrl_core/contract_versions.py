@@ -102,9 +102,9 @@ CONTRACT_HISTORY: tuple[ContractVersion, ...] = (
         "refuses to generate until a refit succeeds)",)),
     ContractVersion(14, "90ef53b", added=(
         "capability partial_import (generation: PartialImporter.refit_wants(manifest) names the tensors a rank "
-        "loads; its imports get only those and a manifest of only those, and the broadcast transport sends it "
-        "only those); RefitSession.options['wants'] tells a collective transport's sender what each receiver "
-        "loads",)),
+        "loads; its imports get only those and a manifest of only those, and the broadcast transport sends a "
+        "tensor only one rank loads to that rank alone); RefitSession.options['skips'] tells a collective "
+        "transport's sender what each receiver does not load",)),
 )
 """Every contract version, oldest first; docs/plugins.md and docs/changelog.md repeat it."""
 

@@ -956,12 +956,13 @@ class PartialImporter(Protocol):
     """What a generation worker adds to declare ``partial_import`` (contract 14): a rank that loads
     only part of the model (its experts under expert parallelism) says which part, and every refit
     then hands its imports only those tensors and a manifest of only those, whatever the transport;
-    the broadcast transport sends each rank only what it names."""
+    the broadcast transport sends a tensor only one rank loads to that rank alone."""
 
     def refit_wants(self, manifest: list[WeightSpec]) -> list[str]:
-        """The names in ``manifest`` (the whole model's) this rank loads; called before anything is
-        sent, so a manifest the engine cannot take may raise
-        :class:`~nrl_core.refit.manifest.RefitError` here. A name outside ``manifest`` is refused.
+        """The names in ``manifest`` (the whole model's) this rank loads; called before the rank
+        loads anything (over a collective transport, before anything is sent), so a manifest the
+        engine cannot take may raise :class:`~nrl_core.refit.manifest.RefitError` here. A name
+        outside ``manifest`` is refused.
         The imports that follow (``import_weights``, ``import_weights_pipelined``) get a manifest of
         exactly these names."""
 

@@ -150,7 +150,12 @@ def refit_local(source: Any, sink: Any, transport_name: str, bucket_bytes: int, 
     transport = get_transport(transport_name)
     session = transport.prepare(RefitSession())
     manifest = source.weight_manifest(dtype)
-    wants = local_wants(sink, manifest, partial)
+    try:
+        wants = local_wants(sink, manifest, partial)
+    except BaseException:
+        for _ in source.export_weights(bucket_bytes, dtype):  # colocated ranks of a sharded source export together
+            pass
+        raise
     try:
         handles = send_handles(source, transport_name, session, bucket_bytes, dtype)
         version = receive_into(sink, transport_name, session, handles, manifest, wants=wants)

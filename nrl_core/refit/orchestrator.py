@@ -222,8 +222,8 @@ def _gather_quietly(calls: list[tuple[Any, Any]]) -> None:
 def _collective(source: Any, sinks: list[Any], name: str, bucket_bytes: int, dtype: str | None,
                 timeout_s: float | None = None, in_flight: bool = False,
                 partial: bool = False) -> tuple[int, list[int]]:
-    """One sender, every sink receiving at once: what all of them load broadcast, the rest sent to
-    the sinks that load it (``partial``)."""
+    """One sender, every sink receiving at once: broadcast, except (``partial``) what only one sink
+    loads, sent to it alone. A sink's refusal of the manifest comes before anything is sent."""
     from nrl_core.cluster._host import InFlightWorkerHost, WorkerHost
 
     options: dict[str, Any] = {"world_size": 1 + len(sinks)}
@@ -231,13 +231,20 @@ def _collective(source: Any, sinks: list[Any], name: str, bucket_bytes: int, dty
         options["timeout_s"] = float(timeout_s)
     manifest = source.call(WorkerHost.nrl_refit_manifest, dtype)
     receive_rank = {(s.group, s.rank): i + 1 for i, s in enumerate(sinks)}
-    wants = _wants(sinks, manifest, in_flight) if partial else {}
-    options["wants"] = {receive_rank[sink]: names for sink, names in wants.items() if names is not None}
+    try:
+        wants = _wants(sinks, manifest, in_flight) if partial else {}
+    except BaseException:
+        source.call(WorkerHost.nrl_refit_drain, bucket_bytes, dtype)  # the other training ranks' export ends
+        raise
+    names = [spec.name for spec in manifest]
+    options["skips"] = {receive_rank[sink]: sorted(set(names) - set(wanted)) for sink, wanted in wants.items()
+                        if wanted is not None}
     session = source.call(WorkerHost.nrl_refit_prepare, name, RefitSession(options=options))
     try:
         endpoint = InFlightWorkerHost.nrl_refit_receive_in_flight if in_flight else WorkerHost.nrl_refit_receive
         pending = [(group, group.call_async(endpoint, on=ranks, per_rank_args=[
-                        (name, session.with_options(rank=receive_rank[(group, r)]), manifest, wants.get((group, r)))
+                        (name, session.with_options(rank=receive_rank[(group, r)], skips={}), manifest,
+                         wants.get((group, r)))
                         for r in ranks]))
                    for group, ranks in _by_group(sinks).items()]
         try:
@@ -254,7 +261,8 @@ def _collective(source: Any, sinks: list[Any], name: str, bucket_bytes: int, dty
 
 def _wants(sinks: list[Any], manifest: list[Any], in_flight: bool) -> dict[tuple[Any, int], list[str] | None]:
     """What each sink loads of ``manifest`` (its worker's ``refit_wants``), checked against it:
-    a sink naming a tensor the source does not send is refused before anything is sent."""
+    a sink naming a tensor the source does not send is refused before anything is sent (the caller
+    then runs the source's export for the other training ranks, whose export is collective)."""
     from nrl_core.cluster._host import InFlightWorkerHost, WorkerHost
     from nrl_core.refit.endpoints import wanted_part
 

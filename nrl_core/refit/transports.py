@@ -21,9 +21,9 @@ bytes. A collective transport (``broadcast``) returns no handles: its two halves
 * ``broadcast``: a private ``torch.distributed`` group of the training rank 0 (root) and the
   generation ranks, created from a ``TCPStore`` the sender hosts, NCCL between GPUs and gloo on
   the CPU; each bucket is a header, its pickled layouts, one flat ``uint8`` buffer broadcast of
-  the tensors every receiver loads, and one sent point to point to each receiver that loads some
-  of the others (``session.options["wants"]``: a rank of vLLM's expert parallelism gets its own
-  experts only), all on the group's device. Works across nodes.
+  the tensors more than one receiver loads, and one sent point to point to each receiver with
+  tensors only it loads (``session.options["skips"]``: a rank of vLLM's expert parallelism gets
+  its own experts only), all on the group's device. Works across nodes.
 """
 
 from __future__ import annotations
@@ -427,21 +427,22 @@ class _Group:
         self._pg.recv([tensor], 0, 0).wait()
 
 
-def split_by_wants(bucket: Bucket, receivers: Iterable[int],
-                   wants: dict[int, frozenset[str]]) -> tuple[Bucket, dict[int, Bucket]]:
-    """``bucket``'s tensors every receiver loads (broadcast), and for each receiver the others it
-    loads (sent to it alone); a receiver absent from ``wants`` loads everything, a tensor no
-    receiver loads is not sent."""
+def split_by_skips(bucket: Bucket, receivers: Iterable[int],
+                   skips: dict[int, frozenset[str]]) -> tuple[Bucket, dict[int, Bucket]]:
+    """``bucket``'s tensors to broadcast, and for each receiver the tensors to send it alone: a
+    tensor only one receiver loads goes to it alone (``skips``: what each receiver does not load),
+    any other to the whole group, so the sender still sends each byte once; a tensor no receiver
+    loads is not sent. A name no receiver skips (one the manifest never named) is broadcast, for
+    every receiver's manifest check to refuse."""
     receivers = list(receivers)
     shared: Bucket = []
     private: dict[int, Bucket] = {}
     for name, tensor in bucket:
-        takers = [r for r in receivers if r not in wants or name in wants[r]]
-        if len(takers) == len(receivers):
+        takers = [r for r in receivers if name not in skips.get(r, ())]
+        if len(takers) == 1 and len(receivers) > 1:
+            private.setdefault(takers[0], []).append((name, tensor))
+        elif takers:
             shared.append((name, tensor))
-        else:
-            for rank in takers:
-                private.setdefault(rank, []).append((name, tensor))
     return shared, private
 
 
@@ -457,13 +458,13 @@ class _BroadcastSender:
     def __init__(self, session: RefitSession) -> None:
         self._group = _Group(session, rank=0)
         self._receivers = range(1, int(session.options["world_size"]))
-        self._wants = {int(rank): frozenset(names) for rank, names in (session.options.get("wants") or {}).items()}
+        self._skips = {int(rank): frozenset(names) for rank, names in (session.options.get("skips") or {}).items()}
 
     def send(self, bucket: Bucket) -> None:
         import torch
 
         device = self._group.device
-        shared, private = split_by_wants(bucket, self._receivers, self._wants)
+        shared, private = split_by_skips(bucket, self._receivers, self._skips)
         layout = layout_of(shared)
         private_layouts = {rank: layout_of(tensors) for rank, tensors in private.items()}
         meta = torch.frombuffer(bytearray(pickle.dumps((layout, private_layouts))), dtype=torch.uint8).to(device)
@@ -536,8 +537,8 @@ class BroadcastTransport:
 
     ``session.options``: ``world_size`` (1 + generation ranks; default 2), ``rank`` on each
     receiver (1..world_size-1), ``host``/``port`` and ``backend`` (:func:`broadcast_backend`)
-    filled in by :meth:`prepare` on the sender, and ``wants`` (``{rank: names}``, the receivers
-    that load only part of the model: :class:`~nrl_core.contracts.PartialImporter`).
+    filled in by :meth:`prepare` on the sender, and ``skips`` on the sender (``{rank: names}``,
+    the manifest's tensors a receiver does not load: :class:`~nrl_core.contracts.PartialImporter`).
     """
 
     name = "broadcast"

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from nrl_core.refit import RefitError, refit
-from nrl_core.refit.transports import split_by_wants
+from nrl_core.refit.transports import split_by_skips
 from nrl_core.testing.refit_host import PartialRecordingSink, RandomWeightSource
 
 SHAPES = {"embed.weight": (64, 32), "layers.0.w": (32, 96), "layers.0.b": (96,), "layers.1.w": (96, 32),
@@ -25,14 +25,18 @@ def _owned(rank: int) -> list[str]:
     return [name for name in SHAPES if any(part in name for part in PARTS[rank])]
 
 
-def test_a_bucket_splits_into_what_every_receiver_loads_and_what_some_do() -> None:
-    bucket = [(name, torch.zeros(1)) for name in ("a", "b", "c", "d")]
-    shared, private = split_by_wants(bucket, [1, 2, 3], {1: frozenset("ab"), 2: frozenset("ac")})
-    assert [name for name, _ in shared] == ["a"]  # rank 3 names nothing: it loads everything
-    assert {rank: [name for name, _ in tensors] for rank, tensors in private.items()} == \
-        {1: ["b"], 2: ["c"], 3: ["b", "c", "d"]}
-    shared, private = split_by_wants(bucket, [1, 2], {1: frozenset("a"), 2: frozenset("a")})
-    assert [name for name, _ in shared] == ["a"] and private == {}  # "b", "c", "d": nobody loads them
+def test_what_one_receiver_loads_goes_to_it_alone_and_the_rest_to_all() -> None:
+    bucket = [(name, torch.zeros(1)) for name in ("a", "b", "c", "d", "unknown")]
+    skips = {1: frozenset("cd"), 2: frozenset("bd"), 3: frozenset("bcd")}
+    shared, private = split_by_skips(bucket, [1, 2, 3], skips)
+    # "a": everyone; "b": rank 1 alone; "c": rank 2 alone; "d": nobody; "unknown" (the manifest never
+    # named it, so nobody skips it) to everyone, whose manifest check refuses it
+    assert [name for name, _ in shared] == ["a", "unknown"]
+    assert {rank: [name for name, _ in tensors] for rank, tensors in private.items()} == {1: ["b"], 2: ["c"]}
+    # two of three receivers load "b" (one rank in each of two engines): broadcast, so the sender
+    # still sends each byte once
+    shared, private = split_by_skips(bucket, [1, 2, 3], {3: frozenset("b")})
+    assert [name for name, _ in shared] == ["a", "b", "c", "d", "unknown"] and private == {}
 
 
 def test_in_one_process_a_partial_sink_gets_only_what_it_names() -> None:
@@ -85,7 +89,6 @@ def test_each_rank_gets_and_receives_only_its_part(groups, transport) -> None:
         assert received == {name: expected[name] for name in _owned(rank)}
     if transport == "broadcast":
         assert sinks.call(WorkerHost.execute, _received_bytes) == [_nbytes(_owned(0)), _nbytes(_owned(1))]
-        assert _nbytes(_owned(0)) + _nbytes(_owned(1)) < 2 * _nbytes(list(SHAPES))  # not the whole model twice
 
 
 @pytest.mark.slow
@@ -108,6 +111,35 @@ def test_a_rank_naming_an_unknown_tensor_is_refused_in_one_line_and_nothing_chan
         assert sinks.call(WorkerHost.execute, lambda worker: worker.weight_version) == [versions[0] + 1, versions[1]]
     refit(source.endpoint(0), [sinks.endpoint(0), sinks.endpoint(1)], transport=transport, bucket_bytes=8192,
           partial=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("transport", ["broadcast", None])
+def test_a_tensor_the_manifest_never_named_still_reaches_every_rank_and_is_refused(groups, transport) -> None:
+    """Partial import drops only what a rank said it does not load: a training side that sends a
+    tensor its manifest left out is refused by each rank's manifest check, as without it."""
+    from nrl_core.cluster._host import WorkerHost
+
+    source, sinks = groups
+    versions = sinks.call(WorkerHost.execute, lambda worker: worker.weight_version)
+    source.call(WorkerHost.execute, _send_an_unlisted_tensor)
+    try:
+        with pytest.raises(RefitError, match=r"refit rejected, weights unchanged; unexpected 1: layers\.9\.w"):
+            refit(source.endpoint(0), [sinks.endpoint(0), sinks.endpoint(1)], transport=transport,
+                  bucket_bytes=8192, partial=True)
+    finally:
+        source.call(WorkerHost.execute, lambda worker: delattr(worker, "export_weights"))
+    assert sinks.call(WorkerHost.execute, lambda worker: worker.weight_version) == versions
+
+
+def _send_an_unlisted_tensor(worker: Any) -> None:
+    real = type(worker).export_weights.__get__(worker)
+
+    def export_weights(bucket_bytes: int, dtype: str) -> Any:
+        yield from real(bucket_bytes, dtype)
+        yield [("layers.9.w", torch.ones(8))]
+
+    worker.export_weights = export_weights
 
 
 def _ask_for_a_missing_tensor(worker: Any) -> None:

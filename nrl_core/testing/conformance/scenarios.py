@@ -357,7 +357,9 @@ def _pipelined_imports(engine: Any, original: Any, trained: Any, prompts: list[l
 
 def _partial_imports(engine: Any, original: Any, trained: Any, prompts: list[list[int]]) -> dict[str, Any]:
     """``refit_wants`` of the trained manifest, then partial refits (only the named tensors, against
-    a manifest of only those) of the checkpoint's weights and of the trained ones; greedy after each."""
+    a manifest of only those) of the checkpoint's weights and of the trained ones; greedy after each.
+    One rank: a backend that leaves tensors out only at several ranks (expert parallelism) needs its
+    own test of that (nrl's vLLM plugin: tests/vllm/test_vllm_expert_parallel.py)."""
     from nrl_core.refit import refit
 
     out: dict[str, Any] = {}

@@ -117,13 +117,18 @@ class NrlWorkerExtension:
     def nrl_experts_held(self) -> dict[str, list[int]]:
         """The global ids of the experts this worker holds, by MoE layer (vLLM's ``layer_name``,
         the checkpoint prefix of its experts), for the layers that split their experts over the
-        ranks; a layer with redundant experts (EPLB) is left out, as if it held every one."""
+        ranks. A layer whose map is not by checkpoint expert (vLLM's load balancer places
+        redundant copies; other placements route through physical ids) is left out, as if it held
+        every expert: its rank then gets them all, as without partial import."""
         held = {}
         for module in self.model_runner.model.modules():
             expert_map = getattr(module, "_expert_map", None)
             name = getattr(module, "layer_name", None)
+            parallel = getattr(getattr(module, "moe_config", None), "moe_parallel_config", None)
             if expert_map is None or not isinstance(name, str) or not getattr(module, "use_ep", False) \
-                    or getattr(module, "expert_global_to_physical", None) is not None:
+                    or getattr(parallel, "enable_eplb", True) \
+                    or getattr(module, "expert_global_to_physical", None) is not None \
+                    or expert_map.numel() != getattr(module, "global_num_experts", -1):
                 continue
             held[name] = [int(e) for e in torch.nonzero(expert_map >= 0).flatten().tolist()]
         return held
