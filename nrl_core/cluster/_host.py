@@ -310,8 +310,9 @@ class WorkerHost(RefitEndpoints):
 
 class InFlightWorkerHost(WorkerHost):
     """The host of engines that take refits while they generate (in-flight weight updates): Ray
-    runs these imports (and the question of what a rank imports) in :data:`IN_FLIGHT_GROUP`'s thread, beside the stream. A Ray actor with
-    a concurrency group runs every call off the process's main thread, so only these hosts have one."""
+    runs these imports (and the question of what a rank imports) in :data:`IN_FLIGHT_GROUP`'s
+    thread, beside the stream. A Ray actor with a concurrency group runs every call off the
+    process's main thread, so only these hosts have one."""
 
     nrl_refit_import_in_flight = _in_flight(WorkerHost.nrl_refit_import, "nrl_refit_import_in_flight")
     nrl_refit_receive_in_flight = _in_flight(WorkerHost.nrl_refit_receive, "nrl_refit_receive_in_flight")

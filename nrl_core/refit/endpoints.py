@@ -132,6 +132,13 @@ def receive_into(sink: Any, transport_name: str, session: RefitSession, handles:
         receiver.close()
 
 
+def drain_export(source: Any, bucket_bytes: int, dtype: str) -> None:
+    """Run ``source``'s export and drop the buckets: a sharded training backend's other ranks
+    gather full tensors collectively, so every rank must take part in each export."""
+    for _ in source.export_weights(bucket_bytes, dtype):
+        pass
+
+
 def local_wants(sink: Any, manifest: list[WeightSpec], partial: bool) -> list[str] | None:
     """What ``sink`` loads of ``manifest`` when the refit is ``partial`` (its backend declares
     ``partial_import``), else None: everything. Adapter-only refits send everything."""
@@ -153,8 +160,7 @@ def refit_local(source: Any, sink: Any, transport_name: str, bucket_bytes: int, 
     try:
         wants = local_wants(sink, manifest, partial)
     except BaseException:
-        for _ in source.export_weights(bucket_bytes, dtype):  # colocated ranks of a sharded source export together
-            pass
+        drain_export(source, bucket_bytes, dtype)  # colocated ranks of a sharded source export together
         raise
     try:
         handles = send_handles(source, transport_name, session, bucket_bytes, dtype)
@@ -371,8 +377,7 @@ class RefitEndpoints:
     def nrl_refit_drain(self, bucket_bytes: int, dtype: str | None) -> None:
         """Run the source's export and drop the buckets: what ranks other than 0 of a sharded
         training backend do during a refit, since gathering full tensors is collective."""
-        for _ in self._refit_from().export_weights(bucket_bytes, refit_dtype(dtype)):
-            pass
+        drain_export(self._refit_from(), bucket_bytes, refit_dtype(dtype))
 
     @dispatch(Fanout.RANK0, Gather.NONE)
     def nrl_refit_release(self) -> None:

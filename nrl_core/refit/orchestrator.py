@@ -236,8 +236,8 @@ def _collective(source: Any, sinks: list[Any], name: str, bucket_bytes: int, dty
     except BaseException:
         source.call(WorkerHost.nrl_refit_drain, bucket_bytes, dtype)  # the other training ranks' export ends
         raise
-    names = [spec.name for spec in manifest]
-    options["skips"] = {receive_rank[sink]: sorted(set(names) - set(wanted)) for sink, wanted in wants.items()
+    names = {spec.name for spec in manifest}
+    options["skips"] = {receive_rank[sink]: sorted(names.difference(wanted)) for sink, wanted in wants.items()
                         if wanted is not None}
     session = source.call(WorkerHost.nrl_refit_prepare, name, RefitSession(options=options))
     try:

@@ -363,8 +363,9 @@ def _partial_imports(engine: Any, original: Any, trained: Any, prompts: list[lis
     from nrl_core.refit import refit
 
     out: dict[str, Any] = {}
-    names = {spec.name for spec in trained.weight_manifest("float32")}
-    wants = engine.refit_wants(trained.weight_manifest("float32"))
+    manifest = trained.weight_manifest("float32")
+    names = {spec.name for spec in manifest}
+    wants = engine.refit_wants(list(manifest))
     out["partial/wants_type"] = type(wants).__name__
     out["partial/wants_outside_manifest"] = sorted(set(wants) - names)[:8]
     version = engine.weight_version
