@@ -32,8 +32,8 @@ PHASES = ("generation", "logprobs", "training")
 def grpo_work(steps: int) -> dict[str, list[float]]:
     """``steps`` GRPO steps' engine work in this process; seconds per phase and step."""
     import torch
-
     from bench_dtensor_one_rank_fsdp import worker_config
+
     from nrl_backend_dtensor.worker import DTensorPolicyWorker
     from nrl_core.algorithms.loss import ClippedPGLoss
     from nrl_core.algorithms.rollouts import rollout_batch

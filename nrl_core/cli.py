@@ -15,7 +15,7 @@ import json
 import logging
 import os
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 import yaml
 

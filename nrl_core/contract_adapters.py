@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from nrl_core.contract_versions import HOOK_CHECKPOINT_METHODS, ROLES, VERSIONS_DOCS, adapted_methods, worker_gaps
 from nrl_core.contracts import CONTRACT_VERSION, import_object

@@ -16,8 +16,9 @@ plugins or checking a config never imports torch-heavy engine code.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import InitVar, dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from nrl_core.dispatch import Fanout, Gather, dispatch
 from nrl_core.errors import PluginError
@@ -91,7 +92,7 @@ class CheckpointOptions:
                 raise TypeError(f"CheckpointOptions.{name} must be a bool, got {getattr(self, name)!r}")
 
     @classmethod
-    def from_section(cls, section: Mapping[str, Any]) -> "CheckpointOptions":
+    def from_section(cls, section: Mapping[str, Any]) -> CheckpointOptions:
         """Read the four options from a backend's (validated) config section, defaults when absent."""
         names = ("fully_parallel_save", "fully_parallel_load", "async_save", "load_rng")
         return cls(**{n: section[n] for n in names if section.get(n) is not None})
@@ -395,7 +396,7 @@ class AdvantageEstimatorSpec:
     name: str
     estimator: str
     distribution: str
-    config_schema: "Section | None" = None
+    config_schema: Section | None = None
     needs: tuple[str, ...] = ()
     uses_kl_in_reward: bool = False
     description: str = ""
@@ -416,7 +417,7 @@ class LossFunctionSpec:
     loss: str
     distribution: str
     algorithms: tuple[str, ...] = ("grpo",)
-    config_schema: "Section | None" = None
+    config_schema: Section | None = None
     description: str = ""
 
 
@@ -446,15 +447,15 @@ class TokenBatch:
     position 0 is always 0). ``token_mask`` in ``fields`` marks the tokens a loss counts.
     """
 
-    input_ids: "torch.Tensor"
-    input_lengths: "torch.Tensor"
-    fields: dict[str, "torch.Tensor"] = field(default_factory=dict)
+    input_ids: torch.Tensor
+    input_lengths: torch.Tensor
+    fields: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def size(self) -> int:
         return int(self.input_ids.shape[0])
 
-    def select(self, index: "torch.Tensor | Sequence[int]") -> "TokenBatch":
+    def select(self, index: torch.Tensor | Sequence[int]) -> TokenBatch:
         """The sub-batch of the given row indices, trimmed to its longest sequence."""
         import torch
 
@@ -490,7 +491,7 @@ class TokenBatch:
             raise ValueError(f"batch of {self.size} sequences does not divide over {world_size} data-parallel ranks")
         return list(range(rank, self.size, world_size))
 
-    def shard(self, rank: int, world_size: int) -> "TokenBatch":
+    def shard(self, rank: int, world_size: int) -> TokenBatch:
         """The sub-batch of :meth:`shard_rows`."""
         return self.select(self.shard_rows(rank, world_size))
 
@@ -506,10 +507,10 @@ class BatchShard:
     """
 
     rows: list[int]
-    values: "torch.Tensor"
+    values: torch.Tensor
 
     @staticmethod
-    def assemble(shards: "Sequence[BatchShard | None]", size: int, width: int) -> "torch.Tensor":
+    def assemble(shards: Sequence[BatchShard | None], size: int, width: int) -> torch.Tensor:
         """The ``[size, width, ...]`` result the shards make up together (zeros past each row's
         values); trailing dimensions of the values are kept."""
         import torch
@@ -536,11 +537,11 @@ class TopkShard:
     ``ids`` int64, both ``[len(rows), width, k]``, row ``i`` being row ``rows[i]`` of the batch."""
 
     rows: list[int]
-    logprobs: "torch.Tensor"
-    ids: "torch.Tensor"
+    logprobs: torch.Tensor
+    ids: torch.Tensor
 
     @staticmethod
-    def assemble(shards: "Sequence[TopkShard | None]", size: int, width: int) -> tuple["torch.Tensor", "torch.Tensor"]:
+    def assemble(shards: Sequence[TopkShard | None], size: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``([size, width, k] logprobs, [size, width, k] ids)``, each row covered once."""
         present = [s for s in shards if s is not None]
         logprobs = BatchShard.assemble([BatchShard(rows=s.rows, values=s.logprobs) for s in present], size, width)
@@ -582,7 +583,7 @@ class GenerationOutput:
     weight_version: int
     token_weight_versions: list[list[int]] | None = None
 
-    def slice(self, start: int, stop: int) -> "GenerationOutput":
+    def slice(self, start: int, stop: int) -> GenerationOutput:
         """The outputs of prompts ``start:stop``."""
         versions = None if self.token_weight_versions is None else self.token_weight_versions[start:stop]
         oldest = min((v for per_token in versions or () for v in per_token), default=self.weight_version)
@@ -591,7 +592,7 @@ class GenerationOutput:
                                 weight_version=max(oldest, self.weight_version), token_weight_versions=versions)
 
     @staticmethod
-    def concatenate(outputs: "Sequence[GenerationOutput]") -> "GenerationOutput":
+    def concatenate(outputs: Sequence[GenerationOutput]) -> GenerationOutput:
         """``outputs`` one after the other (engines' chunks, a step's groups); the oldest version."""
         return GenerationOutput(token_ids=[t for o in outputs for t in o.token_ids],
                                 logprobs=[lp for o in outputs for lp in o.logprobs],
@@ -639,7 +640,7 @@ class EnvResult:
     sample_metadata: list[dict[str, Any]] | None = None
 
     @staticmethod
-    def combine(results: "Sequence[EnvResult]") -> "EnvResult":
+    def combine(results: Sequence[EnvResult]) -> EnvResult:
         """One result for the concatenated samples: counts add up, means are weighted by samples."""
         total = sum(len(r.rewards) for r in results)
         counts = tuple(dict.fromkeys(k for r in results for k in r.counts))
@@ -654,7 +655,7 @@ class EnvResult:
         return EnvResult(rewards=[x for r in results for x in r.rewards], metrics=metrics, counts=counts,
                          components=components, sample_metadata=sample_metadata)
 
-    def slice(self, start: int, stop: int) -> "EnvResult":
+    def slice(self, start: int, stop: int) -> EnvResult:
         """Samples ``start:stop``'s rewards, components and metadata (metrics belong to the whole batch)."""
         return EnvResult(rewards=self.rewards[start:stop], counts=self.counts,
                          components={k: v[start:stop] for k, v in self.components.items()},
@@ -710,16 +711,16 @@ class EnvStep:
 class AdvantageInputs:
     """What an :class:`AdvantageEstimator` sees of one step's rollouts, in batch order."""
 
-    rewards: "torch.Tensor"  # [b] the environment's rewards (after any reward shaping)
-    group_ids: "torch.Tensor"  # [b] long: responses to one prompt share an id
-    batch: "TokenBatch"  # token_mask, sample_mask, response_lengths and the fields the spec ``needs``
-    reward_components: "Mapping[str, torch.Tensor]" = field(default_factory=dict)  # name -> [b], when reported
+    rewards: torch.Tensor  # [b] the environment's rewards (after any reward shaping)
+    group_ids: torch.Tensor  # [b] long: responses to one prompt share an id
+    batch: TokenBatch  # token_mask, sample_mask, response_lengths and the fields the spec ``needs``
+    reward_components: Mapping[str, torch.Tensor] = field(default_factory=dict)  # name -> [b], when reported
 
 
 class AdvantageEstimator(Protocol):
     """Turns a step's rewards into advantages: ``[b]`` per response or ``[b, t]`` per token."""
 
-    def __call__(self, inputs: AdvantageInputs) -> "torch.Tensor": ...
+    def __call__(self, inputs: AdvantageInputs) -> torch.Tensor: ...
 
 
 class LossFunction(Protocol):
@@ -738,8 +739,8 @@ class LossFunction(Protocol):
     """
 
     def __call__(
-        self, logprobs: "torch.Tensor", batch: TokenBatch, *, global_valid_tokens: float, global_valid_seqs: float
-    ) -> tuple["torch.Tensor", dict[str, float]]: ...
+        self, logprobs: torch.Tensor, batch: TokenBatch, *, global_valid_tokens: float, global_valid_seqs: float
+    ) -> tuple[torch.Tensor, dict[str, float]]: ...
 
 
 def logprob_temperature(config: Mapping[str, Any]) -> float:
@@ -807,7 +808,7 @@ class TrainingWorker(Protocol):
         """Every weight ``export_weights`` will yield, HF names, full (unsharded) shapes."""
 
     @dispatch(Fanout.ALL)
-    def export_weights(self, bucket_bytes: int, dtype: str) -> Iterator[list[tuple[str, "torch.Tensor"]]]:
+    def export_weights(self, bucket_bytes: int, dtype: str) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Full HF-named tensors cast to ``dtype``, in buckets of at most ``bucket_bytes`` (a single
         larger tensor forms its own bucket). Collective: every rank must iterate."""
 
@@ -846,7 +847,7 @@ class GenerationWorker(Protocol):
     def generate(self, prompts: list[list[int]], *, greedy: bool = False) -> GenerationOutput: ...
 
     @dispatch(Fanout.DP)
-    def import_weights(self, buckets: Iterable[list[tuple[str, "torch.Tensor"]]], manifest: list[WeightSpec]) -> int:
+    def import_weights(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], manifest: list[WeightSpec]) -> int:
         """Load the buckets atomically against ``manifest``; return the new weight version."""
 
     @dispatch(Fanout.ALL, Gather.NONE)
@@ -885,7 +886,7 @@ class AdapterExporter(Protocol):
         """Every tensor :meth:`export_adapter` will yield: PEFT names
         (``base_model.model.<module>.lora_A.weight``), full shapes."""
 
-    def export_adapter(self, bucket_bytes: int, dtype: str) -> Iterator[list[tuple[str, "torch.Tensor"]]]:
+    def export_adapter(self, bucket_bytes: int, dtype: str) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """The adapters as :meth:`TrainingWorker.export_weights` yields weights: full tensors cast
         to ``dtype``, in buckets. Collective: every rank must iterate."""
 
@@ -898,13 +899,13 @@ class TopkScorer(Protocol):
     :meth:`TrainingWorker.get_logprobs` does."""
 
     @dispatch(Fanout.ALL, Gather.SHARDS)
-    def get_topk_logprobs(self, batch: TokenBatch, k: int) -> "TopkShard | None":
+    def get_topk_logprobs(self, batch: TokenBatch, k: int) -> TopkShard | None:
         """The ``k`` likeliest tokens at every position of this rank's data-parallel shard
         (aligned as in :class:`TokenBatch`), their full-vocabulary logprobs descending; one rank
         per data-parallel group returns its shard, the others ``None``."""
 
     @dispatch(Fanout.ALL, Gather.SHARDS)
-    def get_gathered_logprobs(self, batch: TokenBatch, ids_field: str) -> "BatchShard | None":
+    def get_gathered_logprobs(self, batch: TokenBatch, ids_field: str) -> BatchShard | None:
         """Full-vocabulary logprobs ``[n, T, k]`` of the ids in ``batch.fields[ids_field]``
         (``[B, T, k]``, aligned) under the current weights; returned as :meth:`get_logprobs`."""
 
@@ -918,7 +919,7 @@ class ValueScorer(Protocol):
     ``regression``. Such a model has no logprobs."""
 
     @dispatch(Fanout.ALL, Gather.SHARDS)
-    def get_values(self, batch: TokenBatch) -> "BatchShard | None":
+    def get_values(self, batch: TokenBatch) -> BatchShard | None:
         """The head's output at every position of this rank's data-parallel shard, float32
         ``[n, T]``: ``values[:, t]`` reads tokens ``0..t`` (not shifted as logprobs are; a sequence's
         score is its value at its last token). Returned as :meth:`TrainingWorker.get_logprobs`."""
@@ -941,7 +942,7 @@ class PipelinedImporter(Protocol):
     hand a refit's buckets as they arrive, so the engine loads bucket k while the training side
     exports bucket k+1, rather than staging the whole model first."""
 
-    def import_weights_pipelined(self, buckets: Iterable[list[tuple[str, "torch.Tensor"]]],
+    def import_weights_pipelined(self, buckets: Iterable[list[tuple[str, torch.Tensor]]],
                                  manifest: list[WeightSpec]) -> int:
         """Check ``manifest`` against the engine before loading anything (a mismatch raises
         :class:`~nrl_core.refit.manifest.RefitError` and changes nothing), then load each tensor
@@ -971,7 +972,7 @@ class AdapterServer(Protocol):
     """What a generation worker adds to declare ``adapter_refit`` (contract 9): its engine holds the
     base model (read from ``policy.model_name``) and applies the policy's LoRA adapters itself."""
 
-    def import_adapter(self, buckets: Iterable[list[tuple[str, "torch.Tensor"]]], manifest: list[WeightSpec],
+    def import_adapter(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], manifest: list[WeightSpec],
                        adapter_config: Mapping[str, Any]) -> int:
         """Load the adapter atomically against ``manifest`` (PEFT names, ``adapter_config`` as
         :meth:`AdapterExporter.adapter_config` gave it); generation uses it from now on. Returns

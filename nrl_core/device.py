@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import TYPE_CHECKING, Any, Mapping, Sequence, TypeVar
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from nrl_core.errors import NrlError
 
@@ -55,7 +56,7 @@ def uses_nccl(backend_config: str) -> bool:
     return backend_config.strip().lower() == "nccl" or _backends(backend_config).get("cuda") == "nccl"
 
 
-def model_device() -> "torch.device":
+def model_device() -> torch.device:
     """The device this process's model lives on: its current CUDA device, else the CPU."""
     import torch
 
@@ -72,7 +73,7 @@ def _backends(config: str) -> dict[str, str]:
     return out
 
 
-def collective_device(backend_config: str, tensor_device: "torch.device") -> "torch.device":
+def collective_device(backend_config: str, tensor_device: torch.device) -> torch.device:
     """Where a tensor on ``tensor_device`` must be for a collective on a group with
     ``backend_config`` (``torch.distributed.get_backend_config``): its own device when the group
     has that device's native backend (gloo for CPU, NCCL for CUDA), the CUDA device for an NCCL
@@ -90,7 +91,7 @@ def collective_device(backend_config: str, tensor_device: "torch.device") -> "to
     return tensor_device
 
 
-def _staged(tensor: "torch.Tensor", group: "dist.ProcessGroup | None") -> "torch.Tensor":
+def _staged(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     import torch.distributed as dist
 
     target = collective_device(dist.get_backend_config(group), tensor.device)
@@ -99,7 +100,7 @@ def _staged(tensor: "torch.Tensor", group: "dist.ProcessGroup | None") -> "torch
     return tensor.to(target).contiguous()
 
 
-def all_reduce(tensor: "torch.Tensor", op: Any = None, group: "dist.ProcessGroup | None" = None) -> "torch.Tensor":
+def all_reduce(tensor: torch.Tensor, op: Any = None, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """``torch.distributed.all_reduce`` in place on ``tensor``, wherever it lives; returns it."""
     import torch.distributed as dist
 
@@ -111,14 +112,14 @@ def all_reduce(tensor: "torch.Tensor", op: Any = None, group: "dist.ProcessGroup
 
 
 def all_reduce_values(values: Sequence[float], op: Any = None,
-                      group: "dist.ProcessGroup | None" = None) -> list[float]:
+                      group: dist.ProcessGroup | None = None) -> list[float]:
     """Reduce a few Python numbers over ``group`` in one collective (float64)."""
     import torch
 
     return all_reduce(torch.tensor(list(values), dtype=torch.float64), op, group).tolist()
 
 
-def broadcast(tensor: "torch.Tensor", src: int, group: "dist.ProcessGroup | None" = None) -> "torch.Tensor":
+def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """``torch.distributed.broadcast`` in place on ``tensor`` (``src`` a global rank); returns it."""
     import torch.distributed as dist
 
@@ -129,7 +130,7 @@ def broadcast(tensor: "torch.Tensor", src: int, group: "dist.ProcessGroup | None
     return tensor
 
 
-def all_gather(tensor: "torch.Tensor", group: "dist.ProcessGroup | None" = None) -> list["torch.Tensor"]:
+def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> list[torch.Tensor]:
     """Every rank's ``tensor`` (same shape on all ranks), in group-rank order, on ``tensor``'s device."""
     import torch
     import torch.distributed as dist
@@ -143,7 +144,7 @@ def all_gather(tensor: "torch.Tensor", group: "dist.ProcessGroup | None" = None)
 # --------------------------------------------------------------------------- batches
 
 
-def to_device(value: T, device: "torch.device | str") -> T:
+def to_device(value: T, device: torch.device | str) -> T:
     """``value`` with every tensor in it on ``device``: a tensor, or dataclasses (``TokenBatch``,
     micro-batches, Megatron's ``PackedSeqParams``), dicts, lists and tuples of them. The one place
     batches move to the model's device; host tensors are pinned first so the copy is asynchronous.
@@ -178,7 +179,7 @@ def _is_dtensor(value: Any) -> bool:
     return isinstance(value, DTensor)
 
 
-def _tensors(value: Any, path: str) -> list[tuple[str, "torch.Tensor"]]:
+def _tensors(value: Any, path: str) -> list[tuple[str, torch.Tensor]]:
     import torch
 
     if isinstance(value, torch.Tensor):
@@ -190,7 +191,7 @@ def _tensors(value: Any, path: str) -> list[tuple[str, "torch.Tensor"]]:
     return []
 
 
-def check_batch_device(batch: Any, device: "torch.device", where: str) -> None:
+def check_batch_device(batch: Any, device: torch.device, where: str) -> None:
     """With ``NRL_CHECK_DEVICES=1``: raise in one line when a tensor of ``batch`` is on another
     device type than ``device`` (the logprobs'), the mistake that fails only on a GPU. Otherwise
     a no-op, so production pays nothing."""
@@ -205,7 +206,7 @@ def check_batch_device(batch: Any, device: "torch.device", where: str) -> None:
 # --------------------------------------------------------------------------- offload
 
 
-def to_host(tensor: "torch.Tensor") -> "torch.Tensor":
+def to_host(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` in host memory (itself when it already is), pinned when CUDA is available so the
     copy back is asynchronous. DTensors move through their own ``.to`` (not pinned)."""
     if tensor.device.type == "cpu":
@@ -213,7 +214,7 @@ def to_host(tensor: "torch.Tensor") -> "torch.Tensor":
     return host_copy(tensor)
 
 
-def host_copy(tensor: "torch.Tensor") -> "torch.Tensor":
+def host_copy(tensor: torch.Tensor) -> torch.Tensor:
     """A host copy of ``tensor`` that never shares its storage (pinned when CUDA is available)."""
     import torch
     from torch.distributed.tensor import DTensor
@@ -224,7 +225,7 @@ def host_copy(tensor: "torch.Tensor") -> "torch.Tensor":
     return out.copy_(tensor.detach(), non_blocking=True)
 
 
-def move_optimizer_state(optimizer: Any, device: "torch.device") -> None:
+def move_optimizer_state(optimizer: Any, device: torch.device) -> None:
     """Move an optimizer's per-parameter state (``optimizer.state``: torch's dict, or the
     ``ProxyDict`` over its leaves that Megatron's chained optimizer exposes, which has ``items``
     but no ``values``) to ``device``: pinned host memory on the way out."""
@@ -236,7 +237,7 @@ def move_optimizer_state(optimizer: Any, device: "torch.device") -> None:
                 state[key] = to_host(value) if device.type == "cpu" else to_device(value, device)
 
 
-def move_tensors(tensors: Sequence["torch.Tensor"], device: "torch.device") -> None:
+def move_tensors(tensors: Sequence[torch.Tensor], device: torch.device) -> None:
     """Move each tensor's ``.data`` to ``device`` in place (pinned host memory on the way out), so
     whatever holds the tensor itself (an optimizer's param groups and its state keys) keeps working."""
     for tensor in tensors:
@@ -257,7 +258,7 @@ def free_device_cache() -> None:
 # --------------------------------------------------------------------------- precision
 
 
-def default_precision(device: "torch.device | None" = None) -> str:
+def default_precision(device: torch.device | None = None) -> str:
     """``bfloat16`` where the device computes in it natively (CUDA with bf16 support), else ``float32``."""
     import torch
 
@@ -267,6 +268,6 @@ def default_precision(device: "torch.device | None" = None) -> str:
     return "float32"
 
 
-def resolve_precision(value: str | None, device: "torch.device | None" = None) -> str:
+def resolve_precision(value: str | None, device: torch.device | None = None) -> str:
     """``policy.precision`` as given, or :func:`default_precision` when the config leaves it unset (null)."""
     return default_precision(device) if value is None else str(value)

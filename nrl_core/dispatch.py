@@ -12,16 +12,17 @@ Standard library only: the contracts import it, and ``nrl plugins`` imports them
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from enum import Enum
-from typing import Any, Callable, TypeVar
+from enum import StrEnum
+from typing import Any, TypeVar
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 __all__ = ["Dispatch", "Fanout", "Gather", "dispatch", "dispatch_of"]
 
 
-class Fanout(str, Enum):
+class Fanout(StrEnum):
     """Which ranks a call reaches."""
 
     ALL = "all"  # every rank (collective methods: every rank must take part)
@@ -30,7 +31,7 @@ class Fanout(str, Enum):
     STREAM = "stream"  # one rank, a generator whose items arrive as they are made
 
 
-class Gather(str, Enum):
+class Gather(StrEnum):
     """What the caller gets back from the ranks that answered."""
 
     LIST = "list"  # every answer, in rank order

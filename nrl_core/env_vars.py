@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Iterator, Mapping
+from collections.abc import Iterator, Mapping
 
 
 @contextlib.contextmanager

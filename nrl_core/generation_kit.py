@@ -14,8 +14,9 @@ plugin's config check can use the kit before its engine is importable.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 from nrl_core.errors import NrlError
 
@@ -44,7 +45,7 @@ class SamplingSettings:
     stop_strings: tuple[str, ...]
 
     @classmethod
-    def from_generation(cls, generation: Mapping[str, Any]) -> "SamplingSettings":
+    def from_generation(cls, generation: Mapping[str, Any]) -> SamplingSettings:
         """Read ``policy.generation`` (validated, or a bare mapping with defaults filled in)."""
         top_p = generation.get("top_p")
         top_k = generation.get("top_k")

@@ -48,7 +48,7 @@ hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 
 
 @hookspec
-def nrl_training_backends() -> "list[TrainingBackendSpec] | None":
+def nrl_training_backends() -> list[TrainingBackendSpec] | None:
     """Training backends this plugin provides.
 
     Called by the core when it validates a config or selects a backend (``nrl config check``,
@@ -58,7 +58,7 @@ def nrl_training_backends() -> "list[TrainingBackendSpec] | None":
 
 
 @hookspec
-def nrl_generation_backends() -> "list[GenerationBackendSpec] | None":
+def nrl_generation_backends() -> list[GenerationBackendSpec] | None:
     """Generation backends this plugin provides.
 
     Called by the core when it validates a config or builds the generation workers. Collecting.
@@ -68,7 +68,7 @@ def nrl_generation_backends() -> "list[GenerationBackendSpec] | None":
 
 
 @hookspec
-def nrl_environments() -> "list[EnvironmentSpec] | None":
+def nrl_environments() -> list[EnvironmentSpec] | None:
     """Reward environments this plugin provides.
 
     Called by the core when it validates ``env`` and when an algorithm builds its environments.
@@ -77,7 +77,7 @@ def nrl_environments() -> "list[EnvironmentSpec] | None":
 
 
 @hookspec
-def nrl_refit_transports() -> "list[RefitTransportSpec] | None":
+def nrl_refit_transports() -> list[RefitTransportSpec] | None:
     """Ways to move weight buckets from training workers into generation workers.
 
     Called by the refit orchestration when it is set up. Collecting.
@@ -85,7 +85,7 @@ def nrl_refit_transports() -> "list[RefitTransportSpec] | None":
 
 
 @hookspec
-def nrl_metric_sinks() -> "list[MetricSinkSpec] | None":
+def nrl_metric_sinks() -> list[MetricSinkSpec] | None:
     """Metric loggers beyond the console and ``metrics.jsonl``, each switched on by
     ``logger.<name>_enabled`` with its options in ``logger.<name>``.
 
@@ -95,7 +95,7 @@ def nrl_metric_sinks() -> "list[MetricSinkSpec] | None":
 
 
 @hookspec
-def nrl_data_processors() -> "list[DataProcessorSpec] | None":
+def nrl_data_processors() -> list[DataProcessorSpec] | None:
     """Prompt processors (``data.processor``): turn a data record into token ids and metadata.
 
     Called when an algorithm prepares its data. Collecting. The core's ``math`` and ``sft``
@@ -104,7 +104,7 @@ def nrl_data_processors() -> "list[DataProcessorSpec] | None":
 
 
 @hookspec
-def nrl_dataset_generators() -> "list[DatasetGeneratorSpec] | None":
+def nrl_dataset_generators() -> list[DatasetGeneratorSpec] | None:
     """Dataset generators (``data.dataset_name``), given ``data.generate`` as keyword arguments.
 
     Called when an algorithm loads its data and ``data.dataset_name`` is not a local path.
@@ -113,7 +113,7 @@ def nrl_dataset_generators() -> "list[DatasetGeneratorSpec] | None":
 
 
 @hookspec
-def nrl_algorithms() -> "list[AlgorithmSpec] | None":
+def nrl_algorithms() -> list[AlgorithmSpec] | None:
     """Algorithms runnable with ``nrl train <name>``.
 
     Called by the CLI to dispatch ``nrl train``. Collecting.
@@ -121,7 +121,7 @@ def nrl_algorithms() -> "list[AlgorithmSpec] | None":
 
 
 @hookspec
-def nrl_advantage_estimators() -> "list[AdvantageEstimatorSpec] | None":
+def nrl_advantage_estimators() -> list[AdvantageEstimatorSpec] | None:
     """Advantage estimators (``grpo.adv_estimator.name``): rewards of a step's rollouts to advantages.
 
     Called when the config schema is built (each spec's keys under ``grpo.adv_estimator.<name>``)
@@ -131,7 +131,7 @@ def nrl_advantage_estimators() -> "list[AdvantageEstimatorSpec] | None":
 
 
 @hookspec
-def nrl_loss_functions() -> "list[LossFunctionSpec] | None":
+def nrl_loss_functions() -> list[LossFunctionSpec] | None:
     """Policy losses (``loss_fn.name``) the training workers call once per micro-batch.
 
     Called when the config schema is built (each spec's keys under ``loss_fn.<name>``) and once
@@ -141,14 +141,14 @@ def nrl_loss_functions() -> "list[LossFunctionSpec] | None":
 
 
 @hookspec
-def nrl_commands() -> "list[CommandSpec] | None":
+def nrl_commands() -> list[CommandSpec] | None:
     """Collecting: subcommands this plugin adds to ``nrl`` (``nrl convert <name>``), each a
     :class:`~nrl_core.contracts.CommandSpec`. Called once when ``nrl`` builds its parser; the
     command's code is imported only when it runs. Since contract 8."""
 
 
 @hookspec(firstresult=True)
-def nrl_checkpoint_save(worker: Any, path: str, options: "CheckpointOptions") -> "bool | None":
+def nrl_checkpoint_save(worker: Any, path: str, options: CheckpointOptions) -> bool | None:
     """Save ``worker``'s full training state (model, optimizer, scheduler, step, RNG when
     ``options.load_rng``) under the directory ``path``, honouring every field of ``options``.
     ``path`` is ``<checkpoint_dir>/.tmp_step_N/policy``: fresh, not yet created (create it), and
@@ -161,7 +161,7 @@ def nrl_checkpoint_save(worker: Any, path: str, options: "CheckpointOptions") ->
 
 
 @hookspec(firstresult=True)
-def nrl_checkpoint_load(worker: Any, path: str, options: "CheckpointOptions") -> "bool | None":
+def nrl_checkpoint_load(worker: Any, path: str, options: CheckpointOptions) -> bool | None:
     """Load what :func:`nrl_checkpoint_save` wrote at ``path`` into ``worker``.
 
     Called on every rank when a run resumes. Stops at the first non-None result, as for saving.
@@ -174,7 +174,7 @@ def nrl_checkpoint_load(worker: Any, path: str, options: "CheckpointOptions") ->
 
 
 @hookspec
-def nrl_run_start(run: "RunInfo") -> None:
+def nrl_run_start(run: RunInfo) -> None:
     """A run is built and about to take its first step (``run.first_step``).
 
     Called once by the driver after the workers are up and a resumed run's state is
@@ -183,7 +183,7 @@ def nrl_run_start(run: "RunInfo") -> None:
 
 
 @hookspec
-def nrl_step_end(run: "RunInfo", step: int, metrics: "dict[str, float]") -> "str | None":
+def nrl_step_end(run: RunInfo, step: int, metrics: dict[str, float]) -> str | None:
     """Step ``step`` has trained (and validated, when due); ``metrics`` is what it will log.
 
     Called by the driver after every step, before the step's metrics are logged and before its
@@ -194,7 +194,7 @@ def nrl_step_end(run: "RunInfo", step: int, metrics: "dict[str, float]") -> "str
 
 
 @hookspec
-def nrl_checkpoint_saved(run: "RunInfo", step: int, path: str, metrics: "dict[str, float]") -> None:
+def nrl_checkpoint_saved(run: RunInfo, step: int, path: str, metrics: dict[str, float]) -> None:
     """The checkpoint of ``step`` is complete and published at ``path`` (a directory).
 
     Called by the driver once the checkpoint is renamed into place, which, with asynchronous saves,
@@ -204,8 +204,8 @@ def nrl_checkpoint_saved(run: "RunInfo", step: int, path: str, metrics: "dict[st
 
 
 @hookspec
-def nrl_run_end(run: "RunInfo", status: str, last_step: int, metrics: "dict[str, float]",
-                outputs: "dict[str, str]") -> None:
+def nrl_run_end(run: RunInfo, status: str, last_step: int, metrics: dict[str, float],
+                outputs: dict[str, str]) -> None:
     """The run is over: ``status`` is ``"completed"`` (every step ran), ``"stopped"`` (a
     ``nrl_step_end`` implementation asked for it) or ``"failed"`` (an exception is on its way to
     the user). ``metrics`` are the last step's; ``outputs`` name what was written (``metrics``,

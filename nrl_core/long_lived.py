@@ -27,7 +27,7 @@ import contextlib
 import gc
 import sys
 import types
-from typing import Iterator
+from collections.abc import Iterator
 
 __all__ = ["freeze_at_exit", "long_lived_objects"]
 

@@ -21,8 +21,9 @@ With ``c_i`` the tokens routed to expert ``i`` of a layer, ``P_i`` the router pr
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
@@ -39,14 +40,14 @@ class RouterStats:
         self.mass = torch.zeros(num_layers, num_experts, dtype=torch.float64)
         self.tokens = torch.zeros(num_layers, 1, dtype=torch.float64)
         self.active = False
-        self.valid: "torch.Tensor | None" = None
+        self.valid: torch.Tensor | None = None
 
     def reset(self) -> None:
         for t in (self.counts, self.mass, self.tokens):
             t.zero_()
 
     @contextmanager
-    def recording(self, valid: "torch.Tensor | None") -> Iterator[None]:
+    def recording(self, valid: torch.Tensor | None) -> Iterator[None]:
         """Router calls inside count; ``valid`` (the forward's ``[b, S]`` real-token mask) is there
         for the hooks to flatten in their router's token order."""
         self.active, self.valid = True, valid
@@ -55,7 +56,7 @@ class RouterStats:
         finally:
             self.active, self.valid = False, None
 
-    def add(self, layer: int, logits: "torch.Tensor", chosen: "torch.Tensor", valid: "torch.Tensor | None") -> None:
+    def add(self, layer: int, logits: torch.Tensor, chosen: torch.Tensor, valid: torch.Tensor | None) -> None:
         """One router call of layer ``layer`` (0-based): ``logits`` ``[N, E]``, ``chosen`` the
         experts each token went to (``[N, k]`` indices or an ``[N, E]`` boolean map), ``valid``
         ``[N]`` (None: every token)."""
@@ -75,14 +76,14 @@ class RouterStats:
             self.mass[layer] += probs.sum(0).cpu()
             self.tokens[layer] += float(probs.shape[0])
 
-    def totals(self) -> "torch.Tensor":
+    def totals(self) -> torch.Tensor:
         """Everything as one ``[L, 2E + 1]`` tensor, to be summed over ranks in one collective."""
         import torch
 
         return torch.cat([self.counts, self.mass, self.tokens], dim=1)
 
 
-def balance_metrics(totals: "torch.Tensor", num_experts: int, topk: int) -> dict[str, float]:
+def balance_metrics(totals: torch.Tensor, num_experts: int, topk: int) -> dict[str, float]:
     """The metrics (see the module docstring) of summed :meth:`RouterStats.totals`; layers that saw
     no token (dense layers, or none of this batch) are left out."""
     counts, mass, tokens = totals[:, :num_experts], totals[:, num_experts:2 * num_experts], totals[:, -1:]

@@ -15,7 +15,8 @@ alone trains on through divergence on either backend.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from nrl_core.errors import NrlError
 

@@ -29,8 +29,9 @@ import importlib.metadata as md
 import logging
 import os
 import sys
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Generic, Iterable, Iterator, Mapping, TypeVar
+from typing import Any, Generic, TypeVar
 
 import pluggy
 
@@ -110,7 +111,7 @@ class Registry(Generic[T]):
         self.clashes: dict[str, str] = {}
         self._failed = dict(failed or {})
         for plugin, spec in specs:
-            name = getattr(spec, "name")
+            name = spec.name
             if name not in self._specs:
                 self._specs[name], self._owners[name] = spec, plugin
                 continue

@@ -11,7 +11,8 @@ Unset, every group gets :data:`DEFAULT_TIMEOUT_S` (torch's own default for gloo 
 from __future__ import annotations
 
 import datetime
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 __all__ = ["DEFAULT_TIMEOUT_S", "TIMEOUT_KEY", "distributed_timeout_s", "main_group_timeout"]
 

@@ -28,9 +28,10 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Sequence
+from typing import IO
 
 __all__ = ["SIGNAL", "StackTarget", "answers_stack_signal", "dump_flight_recorder", "dump_processes", "install_stack_dump",
            "process_start_time", "process_state", "stack_file"]

@@ -155,7 +155,7 @@ class WorkerSpans:
         self._fd: int | None = None
 
     @classmethod
-    def from_env(cls, group: str, rank: int) -> "WorkerSpans | None":
+    def from_env(cls, group: str, rank: int) -> WorkerSpans | None:
         directory = os.environ.get(TRACE_DIR_ENV)
         return cls(directory, group, rank) if directory else None
 

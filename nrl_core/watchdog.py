@@ -22,9 +22,10 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 from nrl_core import stacks, timeline
 from nrl_core.config.core_schema import PHASES
@@ -53,7 +54,7 @@ class WatchdogSettings:
     trace: bool = True
 
     @classmethod
-    def from_section(cls, section: Mapping[str, Any] | None) -> "WatchdogSettings":
+    def from_section(cls, section: Mapping[str, Any] | None) -> WatchdogSettings:
         section = dict(section or {})
         return cls(**{k: section[k] for k in ("enabled", "floor_s", "multiple", "startup_s", "trace") if k in section},
                    phases=dict(section.get("phases") or {}))
@@ -108,10 +109,10 @@ class Watchdog:
         self._dumps = 0
 
     @classmethod
-    def for_run(cls, config: Mapping[str, Any]) -> "Watchdog":
+    def for_run(cls, config: Mapping[str, Any]) -> Watchdog:
         return cls(WatchdogSettings.from_section(config.get("watchdog")), Path(config["logger"]["log_dir"]).expanduser())
 
-    def __enter__(self) -> "Watchdog":
+    def __enter__(self) -> Watchdog:
         global _active
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._own_stacks = stacks.install_stack_dump()  # before the pid file: SIGUSR1 would end us otherwise

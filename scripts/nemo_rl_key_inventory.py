@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import argparse
 import pprint
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from nrl_core.config.loader import load_with_defaults, resolve_interpolations
 from nrl_core.config.nemo_rl import NEMO_RL_ALGORITHMS, NEMO_RL_FOREIGN_SECTIONS

@@ -1,7 +1,15 @@
 #!/usr/bin/env bash
-# Install everything (scripts/install.sh) and run the whole test suite. Extra arguments go to pytest.
+# Install everything (scripts/install.sh), lint (ruff), then the test suite; with --quick first, only
+# the quick tier (the `quick` marker: every distribution's unit tests and one short end-to-end run
+# per algorithm). Other arguments go to pytest. docs/testing.md says what each tier covers and takes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install.sh .venv
+.venv/bin/ruff check --quiet .
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" TOKENIZERS_PARALLELISM=false NRL_STRICT_PLUGINS=1
-exec .venv/bin/python -m pytest tests "$@"
+tier=()
+if [ "${1:-}" = --quick ]; then
+  shift
+  tier=(-m quick)
+fi
+exec .venv/bin/python -m pytest "${tier[@]}" "$@"

@@ -8,7 +8,8 @@ without ids, ``group_size`` consecutive responses form a group.
 
 from __future__ import annotations
 
-from typing import Literal, Sequence
+from collections.abc import Sequence
+from typing import Literal
 
 import torch
 

@@ -38,8 +38,9 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from nrl_core.algorithms.rollout_sources import RolloutBatch, Sampler, env_metrics
 from nrl_core.algorithms.scoring import RolloutGroup

@@ -4,9 +4,10 @@ HF export of the best) and the metric logger. Subclasses write ``step`` and ``va
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from nrl_core.algorithms.policy import Policy
 from nrl_core.algorithms.policy_launch import colocated_generation

@@ -10,7 +10,8 @@ PreferenceRun`). Checkpoints, resume and logging are :class:`~nrl_core.algorithm
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 

@@ -4,7 +4,8 @@ the config package can attach it without importing the algorithm."""
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from nrl_core.config.schema import Field, Section
 from nrl_core.errors import ConfigError

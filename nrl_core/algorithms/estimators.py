@@ -4,7 +4,8 @@ plugin's (NeMo RL's ``grpo.adv_estimator.name``). Each is built once per run fro
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 

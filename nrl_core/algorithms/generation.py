@@ -22,7 +22,8 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from nrl_core.algorithms.handoff import DeviceHandOff
 from nrl_core.algorithms.policy import Policy
@@ -54,7 +55,7 @@ def split_evenly(items: Sequence[Any], parts: int) -> list[list[Any]]:
     return chunks
 
 
-def generate_on_engines(hosts: "WorkerGroup", prompts: Sequence[Sequence[int]], num_engines: int, engine_size: int, *,
+def generate_on_engines(hosts: WorkerGroup, prompts: Sequence[Sequence[int]], num_engines: int, engine_size: int, *,
                         greedy: bool = False) -> GenerationOutput:
     """Complete ``prompts`` on the ``num_engines`` engines of ``engine_size`` ranks each that the
     worker group ``hosts`` holds, a contiguous chunk each; outputs in input order."""

@@ -9,7 +9,8 @@ the loop in :class:`~nrl_core.algorithms.base.AlgorithmRun` then logs, validates
 from __future__ import annotations
 
 import logging
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -20,8 +21,14 @@ from nrl_core.algorithms.generation import Generation
 from nrl_core.algorithms.grpo_config import check_grpo, on_policy_ratio
 from nrl_core.algorithms.loss import GRPO_SEMANTICS_VERSION
 from nrl_core.algorithms.multi_turn import MultiTurnSampler
-from nrl_core.algorithms.rollout_sources import (RolloutBatch, RolloutSource, Sampler, SingleTurnSampler, SyncRollouts,
-                                                validates_greedily)
+from nrl_core.algorithms.rollout_sources import (
+    RolloutBatch,
+    RolloutSource,
+    Sampler,
+    SingleTurnSampler,
+    SyncRollouts,
+    validates_greedily,
+)
 from nrl_core.algorithms.rollouts import repeat_prompts, rollout_batch
 from nrl_core.algorithms.scoring import RolloutGroup, Scorer, merge_groups, merged_loss_masks, reward_components
 from nrl_core.algorithms.setup import PhaseTimer, build_environment, load_tokenizer

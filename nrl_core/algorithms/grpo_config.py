@@ -4,7 +4,8 @@ and ``nrl plugins`` load it."""
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from nrl_core.algorithms.rewards import shaping_problem
 from nrl_core.config.core_schema import NUMBER

@@ -7,8 +7,9 @@ micro-batches and data-parallel ranks and gets the global figure whatever the sp
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, Mapping
+from typing import Any, Literal
 
 import torch
 

@@ -3,7 +3,8 @@ losses built in code. Imports nothing heavy, so config checks can use it without
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 TRUNCATION_TYPES = ("tis", "icepop", "seq-mask-tis")
 

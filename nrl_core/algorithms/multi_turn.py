@@ -14,13 +14,14 @@ The loss mask is 1 on sampled tokens and 0 on the environment's.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any
 
 from nrl_core.algorithms.rollout_sources import validates_greedily
 from nrl_core.algorithms.scoring import RolloutGroup, Scorer
 from nrl_core.algorithms.setup import PhaseTimer
-from nrl_core.contracts import Episode, EnvResult, EnvStep, GenerationOutput, MultiTurnEnvironment
+from nrl_core.contracts import EnvResult, EnvStep, Episode, GenerationOutput, MultiTurnEnvironment
 from nrl_core.data import DatumSpec
 from nrl_core.errors import NrlError
 from nrl_core.generation_kit import stop_string_end

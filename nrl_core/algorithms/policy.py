@@ -10,18 +10,18 @@ the backend, from rank 0.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
 from nrl_core.algorithms.policy_launch import launch_beside, launch_policy, take_early_policy
-from nrl_core.cluster.placement import Placement
 from nrl_core.cluster import WorkerGroup
 from nrl_core.cluster._host import WorkerHost
+from nrl_core.cluster.placement import Placement
 from nrl_core.cluster.worker_group import GroupRank
 from nrl_core.config.topology import cluster_topology
 from nrl_core.contract_versions import check_result
-from nrl_core.process_groups import distributed_timeout_s
 from nrl_core.contracts import (
     BatchShard,
     CheckpointOptions,
@@ -34,7 +34,7 @@ from nrl_core.contracts import (
     TrainingWorker,
     ValueScorer,
 )
-from nrl_core.plugins import get_plugin_manager
+from nrl_core.process_groups import distributed_timeout_s
 from nrl_core.sdk.value_head import value_head_type
 
 logger = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ class Policy:
 
     def __init__(self, config: Mapping[str, Any], spec: TrainingBackendSpec, *, colocated_generation: bool,
                  generation: GenerationBackendSpec | None = None, models_beside: int = 0,
-                 beside: "Policy | None" = None, name: str = "policy", standalone: bool = False) -> None:
+                 beside: Policy | None = None, name: str = "policy", standalone: bool = False) -> None:
         """Takes the group ``nrl train`` launched early when there is one, else launches it
         (:mod:`nrl_core.algorithms.policy_launch`), then builds the workers with ``config``.
         ``generation`` is the engine's spec, whose modules colocated workers preload.

@@ -26,8 +26,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 import ray
 

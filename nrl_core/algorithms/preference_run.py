@@ -7,7 +7,8 @@ and its metrics over held-out pairs. A subclass writes ``step`` and :meth:`held_
 from __future__ import annotations
 
 import copy
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 

@@ -4,7 +4,8 @@ scaling (``grpo.reward_scaling``), DAPO's overlong shaping or the stop-properly 
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 
 def scale_rewards(rewards: Sequence[float], cfg: Mapping[str, Any]) -> list[float]:

@@ -11,8 +11,10 @@ one response or a many-turn episode (the sampler's business: :class:`SingleTurnS
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, ContextManager, Iterator, Mapping, Protocol, Sequence
+from typing import Any, Protocol
 
 from nrl_core.algorithms.rewards import has_spread
 from nrl_core.algorithms.rollouts import repeat_prompts
@@ -59,7 +61,7 @@ class RolloutSource(Protocol):
     def after_step(self, batch: RolloutBatch) -> dict[str, float]:
         """The policy was trained on ``batch``: the source's metrics of the step."""
 
-    def engines(self) -> ContextManager[None]:
+    def engines(self) -> AbstractContextManager[None]:
         """Hold the engines for the caller (validation) between the source's own uses."""
 
     def dataloader_state(self, next_step: int) -> dict[str, Any]:
@@ -167,7 +169,7 @@ class SyncRollouts:
     def after_step(self, batch: RolloutBatch) -> dict[str, float]:
         return {}  # the engines refit lazily, before the next generation
 
-    def engines(self) -> ContextManager[None]:
+    def engines(self) -> AbstractContextManager[None]:
         return contextlib.nullcontext()
 
     def dataloader_state(self, next_step: int) -> dict[str, Any]:

@@ -7,13 +7,14 @@ Every rollout source (synchronous, asynchronous, multi-turn) and validation scor
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import torch
 
 from nrl_core.algorithms.rewards import scale_rewards, shape_rewards
-from nrl_core.contracts import EnvResult, EnvSample, Environment, GenerationOutput
+from nrl_core.contracts import Environment, EnvResult, EnvSample, GenerationOutput
 from nrl_core.data import DatumSpec
 
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from nrl_core.algorithms.base import AlgorithmRun
 from nrl_core.algorithms.loss import NLLLoss

@@ -8,7 +8,8 @@ The worker is recognised by class path, so a foreign worker never imports the ba
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from nrl_core.contracts import CheckpointOptions
 from nrl_core.hookspecs import hookimpl

@@ -27,9 +27,10 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from nrl_core.checkpoint.checksums import ChecksumError, default_algorithm, tree_digests, verify_tree
 from nrl_core.errors import NrlError

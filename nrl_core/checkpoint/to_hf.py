@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import logging
 import shutil
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 from nrl_core.contracts import logprob_temperature
 from nrl_core.errors import NrlError

@@ -7,7 +7,6 @@ reserves resources, shared by colocated groups; a ``WorkerGroup`` is N Ray actor
 (``dispatch``), whose failures arrive as ``WorkerError``s that name the rank.
 """
 
-from nrl_core.dispatch import Dispatch, Fanout, Gather, dispatch, dispatch_of
 from nrl_core.cluster.gcs_watch import cluster_failure
 from nrl_core.cluster.placement import Placement, make_placement
 from nrl_core.cluster.ray_cluster import init_ray, shutdown_ray, worker_env_vars
@@ -20,6 +19,7 @@ from nrl_core.cluster.worker_group import (
     WorkerRaisedError,
     WorkerTimeoutError,
 )
+from nrl_core.dispatch import Dispatch, Fanout, Gather, dispatch, dispatch_of
 from nrl_core.errors import WorkerError
 
 __all__ = [

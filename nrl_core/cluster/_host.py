@@ -14,8 +14,9 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Callable, Iterator
 from datetime import timedelta
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from nrl_core.device import uses_nccl
 from nrl_core.long_lived import freeze_at_exit, long_lived_objects
@@ -46,7 +47,7 @@ def _traced(method: Callable[..., Any], label: Callable[..., str] | None = None)
     after the method or ``label(*args)``."""
 
     @functools.wraps(method)
-    def traced(self: "WorkerHost", *args: Any, **kwargs: Any) -> Any:
+    def traced(self: WorkerHost, *args: Any, **kwargs: Any) -> Any:
         if self._spans is None:
             return method(self, *args, **kwargs)
         wall, start = time.time(), time.perf_counter()
@@ -62,7 +63,7 @@ def _in_flight(method: Callable[..., Any], name: str) -> Callable[..., Any]:
     """``method`` as the host endpoint ``name``, run in :data:`IN_FLIGHT_GROUP`'s thread beside
     whatever the host is running (a generation that the import lands in)."""
 
-    def beside(self: "WorkerHost", *args: Any, **kwargs: Any) -> Any:
+    def beside(self: WorkerHost, *args: Any, **kwargs: Any) -> Any:
         device = getattr(self, "_cuda_device", None)
         if device is not None:  # the current CUDA device is per thread: this one starts at device 0
             import torch
@@ -91,7 +92,7 @@ def _traced_stream(method: Callable[..., Iterator[Any]]) -> Callable[..., Iterat
     """:func:`_traced` for a generator method (a streaming Ray call): the span lasts until it ends."""
 
     @functools.wraps(method)
-    def traced(self: "WorkerHost", *args: Any, **kwargs: Any) -> Iterator[Any]:
+    def traced(self: WorkerHost, *args: Any, **kwargs: Any) -> Iterator[Any]:
         wall, start = time.time(), time.perf_counter()
         try:
             yield from method(self, *args, **kwargs)

@@ -24,7 +24,8 @@ import os
 import signal
 import subprocess
 import threading
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 __all__ = ["cluster_failure", "kill_ray_processes", "stop_watching", "watch_gcs"]
 

@@ -13,7 +13,8 @@ what the cluster has, raised before Ray would wait for nodes that will never com
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import ray
 

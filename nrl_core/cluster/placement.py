@@ -14,8 +14,9 @@ pinned, and on a small CPU-only machine a whole bundle per worker would leave gr
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Any, Mapping
+from typing import Any
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
@@ -69,7 +70,7 @@ class Placement:
             ),
         }
 
-    def colocated(self, num_workers: int | None = None, fraction: float | None = None) -> "Placement":
+    def colocated(self, num_workers: int | None = None, fraction: float | None = None) -> Placement:
         """A placement on the same bundles (the first ``num_workers`` of them) for another group."""
         n = self.num_workers if num_workers is None else num_workers
         if not 0 < n <= self.num_workers:

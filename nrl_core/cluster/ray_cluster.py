@@ -21,7 +21,8 @@ import logging
 import os
 import sys
 import time
-from typing import Any, Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import ray
 from ray._private import ray_constants, services

@@ -31,18 +31,19 @@ import shutil
 import tempfile
 import time
 import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar, Union
+from typing import Any, TypeVar
 
 import ray
 from ray import exceptions as rex
 
 from nrl_core.cluster._host import IN_FLIGHT_GROUP, InFlightWorkerHost, WorkerHost
 from nrl_core.cluster._logs import tail_lines
-from nrl_core.dispatch import Fanout, Gather, dispatch_of
 from nrl_core.cluster.placement import Placement
 from nrl_core.cluster.ray_cluster import actor_runtime_env, init_ray, private_local_ray, worker_env_vars
 from nrl_core.device import process_group_backend
+from nrl_core.dispatch import Fanout, Gather, dispatch_of
 from nrl_core.errors import NrlError, WorkerError, WorkerRaisedError
 from nrl_core.process_groups import DEFAULT_TIMEOUT_S
 from nrl_core.timeline import TRACE_DIR_ENV
@@ -108,7 +109,7 @@ class WorkerFutures:
 class GroupRank:
     """One rank of a worker group, as a caller that addresses ranks one by one (refit) names it."""
 
-    group: "WorkerGroup"
+    group: WorkerGroup
     rank: int
 
     @property
@@ -126,10 +127,10 @@ class GroupRank:
 
 
 _REMOTE_HOSTS: dict[bool, Any] = {}
-_LIVE: "weakref.WeakSet[WorkerGroup]" = weakref.WeakSet()
+_LIVE: weakref.WeakSet[WorkerGroup] = weakref.WeakSet()
 
 
-def live_groups() -> list["WorkerGroup"]:
+def live_groups() -> list[WorkerGroup]:
     """Every worker group of this driver not yet shut down: whose stacks a watchdog dumps and
     whose actors it kills."""
     return [group for group in list(_LIVE) if not group._closed]
@@ -161,7 +162,7 @@ def _death_reason(exc: BaseException) -> str:
     return reason
 
 
-Method = Union[str, Callable[..., Any]]
+Method = str | Callable[..., Any]
 """What to call on a worker or host: a function of its class or Protocol (``TrainingWorker.train``,
 ``WorkerHost.nrl_refit_local``), so a call site names a method that exists and a rename reaches it,
 or its name as a string (a backend's own extension method)."""
@@ -463,7 +464,7 @@ class WorkerGroup:
             return None
         return results
 
-    def endpoint(self, rank: int) -> "GroupRank":
+    def endpoint(self, rank: int) -> GroupRank:
         """One rank of this group as an endpoint of a weight transfer (:func:`nrl_core.refit.refit`)."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"worker group '{self.name}' has ranks 0..{self.world_size - 1}, not {rank}")
@@ -635,7 +636,7 @@ class WorkerGroup:
             shutil.rmtree(self.rendezvous_dir, ignore_errors=True)
             self.rendezvous_dir = None
 
-    def __enter__(self) -> "WorkerGroup":
+    def __enter__(self) -> WorkerGroup:
         return self
 
     def __exit__(self, *exc_info: object) -> None:

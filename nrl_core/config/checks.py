@@ -23,8 +23,9 @@ whether it generates (then an installed generation backend is required) and name
 from __future__ import annotations
 
 import os
+from collections.abc import Collection, Mapping
 from pathlib import Path
-from typing import Any, Collection, Mapping
+from typing import Any
 
 from nrl_core.algorithms.loss_rules import loss_config_problem
 from nrl_core.config.topology import cluster_topology

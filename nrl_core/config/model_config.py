@@ -8,7 +8,8 @@ a local directory. A hub id is left to the workers, which download it.
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from nrl_core.errors import ConfigError
 

@@ -11,7 +11,8 @@ training ranks (and so the model beside them) get.
 from __future__ import annotations
 
 import copy
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from nrl_core.errors import ConfigError
 

@@ -11,7 +11,8 @@ left out of the validated config (nothing reads it). A plugin that implements su
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Union
+from collections.abc import Mapping
+from typing import Any
 
 from nrl_core.config.schema import Field, Section
 from nrl_core.errors import ConfigError
@@ -89,7 +90,7 @@ def with_nemo_rl_keys(schema: Section, tree: Mapping[str, Any] | None = None) ->
 def _merge(section: Section, tree: Mapping[str, Any]) -> Section:
     if section.open:
         return section
-    added: dict[str, Union[Field, Section]] = {}
+    added: dict[str, Field | Section] = {}
     for key, sub in tree.items():
         name = section.aliases.get(key, key)
         existing = section.fields.get(name)

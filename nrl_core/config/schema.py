@@ -15,8 +15,9 @@ import contextlib
 import contextvars
 import difflib
 import logging
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterator, Mapping, Union
+from typing import Any
 
 from nrl_core.errors import ConfigError
 
@@ -53,12 +54,12 @@ class Field:
     RL keys no component reads, so a plugin that validates its own section again never meets them.
     """
 
-    type: Union[type, tuple[type, ...]]
+    type: type | tuple[type, ...]
     default: Any = REQUIRED
     doc: str = ""
     nullable: bool = False
     choices: tuple[Any, ...] | None = None
-    item_type: Union[type, tuple[type, ...], None] = None
+    item_type: type | tuple[type, ...] | None = None
     minimum: float | None = None
     inert: bool = False
     dropped: bool = False
@@ -157,7 +158,7 @@ class Section:
     ``dropped`` as for :class:`Field`.
     """
 
-    fields: Mapping[str, Union[Field, "Section"]] = field(default_factory=dict)
+    fields: Mapping[str, Field | Section] = field(default_factory=dict)
     doc: str = ""
     required: bool = False
     nullable: bool = False
@@ -166,7 +167,7 @@ class Section:
     preprocess: Callable[[dict[str, Any], str], dict[str, Any]] | None = None
     dropped: bool = False
 
-    def with_fields(self, **extra: Union[Field, "Section"]) -> "Section":
+    def with_fields(self, **extra: Field | Section) -> Section:
         """A copy with fields added or replaced: how plugin sections are attached to the core's."""
         return replace(self, fields={**self.fields, **extra})
 
@@ -244,7 +245,7 @@ class Section:
             return "unknown key; this section takes no keys"
         return f"unknown key; valid keys are: {', '.join(sorted(self.fields))}"
 
-    def subsection(self, dotted: str) -> "Section":
+    def subsection(self, dotted: str) -> Section:
         """The subsection at ``dotted`` (``policy.generation``), for attaching plugin schemas."""
         node: Section = self
         for part in dotted.split("."):
@@ -254,8 +255,8 @@ class Section:
             node = child
         return node
 
-    def attach(self, dotted: str, name: str, section: Union[Field, "Section"], *,
-               aliases: Mapping[str, str] | None = None) -> "Section":
+    def attach(self, dotted: str, name: str, section: Field | Section, *,
+               aliases: Mapping[str, str] | None = None) -> Section:
         """A copy with ``section`` (or a field) attached as ``name`` under the subsection ``dotted``
         ("" is the root)."""
         if not dotted:

@@ -12,8 +12,9 @@ On a machine without GPUs a "GPU" is a worker process, so one config runs on bot
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from nrl_core.errors import ConfigError
 

@@ -8,8 +8,9 @@ NeMo RL aliases rewritten to nrl's spelling, short forms expanded. Algorithms an
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from nrl_core.config import checks
 from nrl_core.config.checks import check_config

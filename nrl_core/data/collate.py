@@ -3,7 +3,8 @@ every backend consumes."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from nrl_core.contracts import TokenBatch
 from nrl_core.data.processors import DatumSpec
@@ -14,7 +15,7 @@ if TYPE_CHECKING:
 __all__ = ["prompt_batch", "sft_batch"]
 
 
-def _pad(rows: Sequence[Sequence[int]], pad_value: int) -> "tuple[torch.Tensor, torch.Tensor]":
+def _pad(rows: Sequence[Sequence[int]], pad_value: int) -> tuple[torch.Tensor, torch.Tensor]:
     import torch
 
     lengths = torch.tensor([len(r) for r in rows], dtype=torch.long)

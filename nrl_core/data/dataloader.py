@@ -9,7 +9,8 @@ checkpoint's training state, and nothing else needs saving.
 from __future__ import annotations
 
 import random
-from typing import Any, Generic, Iterator, Mapping, Sequence, TypeVar
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Generic, TypeVar
 
 from nrl_core.errors import NrlError
 

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 from nrl_core.contracts import import_object
 from nrl_core.errors import ConfigError, NrlError
@@ -182,7 +183,7 @@ class DataSplits:
 
     @classmethod
     def located(cls, train: list[tuple[str, Record]], val: list[tuple[str, Record]] | None,
-                source: str) -> "DataSplits":
+                source: str) -> DataSplits:
         return cls(train=[r for _, r in train], val=None if val is None else [r for _, r in val], source=source,
                    train_where=[w for w, _ in train], val_where=None if val is None else [w for w, _ in val])
 

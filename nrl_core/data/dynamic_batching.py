@@ -8,7 +8,7 @@ Pure Python over lengths, so every backend reuses it.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from nrl_core.errors import NrlError
 

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import logging
 import random
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from nrl_core.contracts import TokenBatch
 from nrl_core.data.arithmetic import ArithmeticConfig, generate_arithmetic

@@ -15,9 +15,10 @@ with SFT sees exactly the prompts GRPO will give it:
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 from nrl_core.errors import ConfigError, NrlError
 
@@ -82,7 +83,7 @@ class PromptConfig:
             raise ConfigError("data.max_input_seq_length", f"must be >= 1, got {self.max_input_seq_length}")
 
     @classmethod
-    def from_data_config(cls, data_cfg: Mapping[str, Any]) -> "PromptConfig":
+    def from_data_config(cls, data_cfg: Mapping[str, Any]) -> PromptConfig:
         """Build from the validated ``data`` section, reading ``prompt_file`` and ``system_prompt_file``."""
         return cls(
             input_key=data_cfg.get("input_key") or "problem",

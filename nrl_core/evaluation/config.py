@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import copy
 import re
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 from nrl_core.checkpoint.manager import HF_EXPORT
 from nrl_core.config.schema import Field, Section
-from nrl_core.evaluation.adapters import is_adapter, merged_model_dir
 from nrl_core.errors import ConfigError
+from nrl_core.evaluation.adapters import is_adapter, merged_model_dir
 
 __all__ = ["EVAL", "load_eval_config", "from_nemo_rl_layout", "resolve_model_dir"]
 

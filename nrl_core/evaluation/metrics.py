@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from itertools import combinations
-from typing import Hashable, Sequence
 
 __all__ = ["MAX_SUBSETS", "Score", "majority_at_k", "pass_at_k", "problem_pass_at_k", "problem_majority_at_k"]
 
@@ -32,7 +32,7 @@ class Score:
     problems: int
 
     @staticmethod
-    def of(per_problem: Sequence[float]) -> "Score":
+    def of(per_problem: Sequence[float]) -> Score:
         n = len(per_problem)
         if n == 0:
             raise ValueError("no problems to score")

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from nrl_core.errors import ConfigError
 
@@ -170,7 +171,7 @@ class EvalEngines:
             self.launched.discard()
             raise
 
-    def __enter__(self) -> "EvalEngines":
+    def __enter__(self) -> EvalEngines:
         return self
 
     def __exit__(self, *exc_info: object) -> None:

@@ -8,7 +8,8 @@ refit's code paths stay one.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
 
 from nrl_core.contracts import WeightSpec
 

@@ -7,7 +7,8 @@ bucket), and the transport moves one bucket at a time.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
 
 from nrl_core.contracts import WeightSpec
 
@@ -22,12 +23,12 @@ DEFAULT_BUCKET_BYTES = 512 * 2**20
 enough that a bucket's staging copy never dominates memory."""
 
 
-def dtype_name(dtype: "torch.dtype") -> str:
+def dtype_name(dtype: torch.dtype) -> str:
     """``torch.float32`` -> ``"float32"``: the spelling manifests use."""
     return str(dtype).removeprefix("torch.")
 
 
-def parse_dtype(name: str | None) -> "torch.dtype":
+def parse_dtype(name: str | None) -> torch.dtype:
     """``"float32"`` (or ``"torch.float32"``, ``"bf16"``, ``"fp16"``...) -> the torch dtype. ``None``
     (``policy.precision`` left null) is this process's default precision
     (:func:`nrl_core.device.resolve_precision`), so every reader of the config resolves it alike."""
@@ -52,7 +53,7 @@ def refit_dtype(dtype: str | None) -> str:
     return dtype_name(parse_dtype(dtype))
 
 
-def tensor_nbytes(tensor: "torch.Tensor") -> int:
+def tensor_nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
@@ -61,7 +62,7 @@ def bucket_bytes_from_gb(gb: float) -> int:
     return max(2**20, int(gb * 2**30))
 
 
-def iter_buckets(named: Iterable[tuple[str, "torch.Tensor"]], bucket_bytes: int) -> Iterator[Bucket]:
+def iter_buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[Bucket]:
     """Group ``named`` in order into buckets whose total size stays within ``bucket_bytes``.
 
     Order is preserved so a layer's weights tend to arrive together (vLLM's layerwise reload
@@ -82,11 +83,11 @@ def iter_buckets(named: Iterable[tuple[str, "torch.Tensor"]], bucket_bytes: int)
         yield bucket
 
 
-def spec_of(name: str, tensor: "torch.Tensor") -> WeightSpec:
+def spec_of(name: str, tensor: torch.Tensor) -> WeightSpec:
     return WeightSpec(name=name, shape=tuple(int(d) for d in tensor.shape), dtype=dtype_name(tensor.dtype))
 
 
-def manifest_of(named: Iterable[tuple[str, "torch.Tensor"]]) -> list[WeightSpec]:
+def manifest_of(named: Iterable[tuple[str, torch.Tensor]]) -> list[WeightSpec]:
     """The manifest describing ``named`` (names, shapes, dtypes)."""
     return [spec_of(name, tensor) for name, tensor in named]
 

@@ -15,8 +15,9 @@ import glob
 import os
 import pickle
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from nrl_core.refit.manifest import RefitError
 

@@ -23,11 +23,12 @@ generation actors, called at the same moment, load bucket k while bucket k+1 is 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator
+from typing import Any
 
-from nrl_core.dispatch import Fanout, Gather, dispatch
 from nrl_core.contracts import WeightSpec, import_object
+from nrl_core.dispatch import Fanout, Gather, dispatch
 from nrl_core.long_lived import long_lived_objects
 from nrl_core.refit.adapters import AdapterSink, AdapterSource
 from nrl_core.refit.buckets import iter_buckets, manifest_bytes, refit_dtype

@@ -8,7 +8,8 @@ reference for "the policy's current weights": perturb or train it, refit, and co
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, Iterator, Mapping
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
 from nrl_core.contracts import WeightSpec
 from nrl_core.refit.buckets import Bucket, dtype_name, iter_buckets, parse_dtype
@@ -17,7 +18,7 @@ if TYPE_CHECKING:
     import torch
 
 
-def checkpoint_layout(model: Any, named: "Mapping[str, torch.Tensor]") -> list[tuple[str, "torch.Tensor"]]:
+def checkpoint_layout(model: Any, named: Mapping[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
     """Parameters of an HF model (one, to stream, or a whole state dict) as the tensors its
     checkpoint files store.
 
@@ -40,14 +41,14 @@ class HFWeightSource:
     """Offers ``weight_manifest`` / ``export_weights`` (the training-worker refit contract) over
     an HF model's ``state_dict`` (HF names, full tensors). Pass a model or a local model dir."""
 
-    def __init__(self, model: "Any | str | os.PathLike[str]", dtype: str = "float32") -> None:
+    def __init__(self, model: Any | str | os.PathLike[str], dtype: str = "float32") -> None:
         if isinstance(model, (str, os.PathLike)):
             from transformers import AutoModelForCausalLM
 
             model = AutoModelForCausalLM.from_pretrained(str(model), dtype=parse_dtype(dtype))
         self.model = model
 
-    def _named(self, dtype: str) -> Iterator[tuple[str, "torch.Tensor"]]:
+    def _named(self, dtype: str) -> Iterator[tuple[str, torch.Tensor]]:
         target = parse_dtype(dtype)
         state = {name: tensor.detach().to(target) for name, tensor in self.model.state_dict().items()}
         yield from checkpoint_layout(self.model, state)

@@ -8,7 +8,8 @@ fails with the offending key names while the engine keeps serving its previous w
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
 
 from nrl_core.contracts import WeightSpec
 from nrl_core.errors import NrlError
@@ -87,8 +88,8 @@ class TornRefitError(RefitError):
     holds a mix of versions and refuses to generate until a refit succeeds."""
 
 
-def verified_stream(buckets: Iterable[list[tuple[str, "torch.Tensor"]]], manifest: Iterable[WeightSpec],
-                    *, what: str = "refit") -> Iterator[tuple[str, "torch.Tensor"]]:
+def verified_stream(buckets: Iterable[list[tuple[str, torch.Tensor]]], manifest: Iterable[WeightSpec],
+                    *, what: str = "refit") -> Iterator[tuple[str, torch.Tensor]]:
     """Each tensor of ``buckets`` as it arrives, once it is proven to be the manifest's: a known
     name, not seen before, the manifest's shape and dtype; at the end, every name arrived. What a
     pipelined import loads from (:class:`~nrl_core.contracts.PipelinedImporter`): a bad tensor

@@ -9,7 +9,8 @@ they are (same process -> ``in_process``, same node -> ``shared_memory``, otherw
 from __future__ import annotations
 
 import time
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from nrl_core.errors import ConfigError
 from nrl_core.refit.buckets import DEFAULT_BUCKET_BYTES, bucket_bytes_from_gb, manifest_bytes

@@ -34,8 +34,9 @@ import os
 import pickle
 import tempfile
 import uuid
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from nrl_core.net import free_port
 from nrl_core.refit.buckets import Bucket, dtype_name, parse_dtype, tensor_nbytes
@@ -58,7 +59,7 @@ class RefitSession:
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     options: dict[str, Any] = field(default_factory=dict)
 
-    def with_options(self, **options: Any) -> "RefitSession":
+    def with_options(self, **options: Any) -> RefitSession:
         return replace(self, options={**self.options, **options})
 
 
@@ -147,16 +148,16 @@ def layout_of(bucket: Bucket) -> PackedLayout:
     return PackedLayout(nbytes=max(offset, 1), entries=tuple(entries))
 
 
-def pack_into(flat: "torch.Tensor", bucket: Bucket, layout: PackedLayout) -> None:
+def pack_into(flat: torch.Tensor, bucket: Bucket, layout: PackedLayout) -> None:
     """Copy each tensor of ``bucket`` into its slot of the ``uint8`` buffer ``flat``."""
-    for (name, tensor), (_, _, _, offset) in zip(bucket, layout.entries):
+    for (_name, tensor), (_, _, _, offset) in zip(bucket, layout.entries):
         if tensor.numel() == 0:
             continue
         slot = flat[offset:offset + tensor_nbytes(tensor)].view(tensor.dtype).view(tensor.shape)
         slot.copy_(tensor.detach())
 
 
-def views_of(flat: "torch.Tensor", layout: PackedLayout) -> Bucket:
+def views_of(flat: torch.Tensor, layout: PackedLayout) -> Bucket:
     """The bucket as views into ``flat`` (no copy)."""
     bucket: Bucket = []
     for name, dtype_str, shape, offset in layout.entries:
@@ -182,7 +183,7 @@ class ShmHandle:
     reused: bool = False
 
 
-def _map(path: str, nbytes: int) -> "torch.Tensor":
+def _map(path: str, nbytes: int) -> torch.Tensor:
     """Map (creating if needed) ``path`` as a flat ``uint8`` tensor shared with other processes."""
     import torch
 
@@ -190,7 +191,7 @@ def _map(path: str, nbytes: int) -> "torch.Tensor":
     return torch.empty(0, dtype=torch.uint8).set_(storage)
 
 
-def _map_for_writing(path: str, nbytes: int) -> "torch.Tensor":
+def _map_for_writing(path: str, nbytes: int) -> torch.Tensor:
     """:func:`_map` for a buffer the sender is about to fill, after checking the space: ``/dev/shm``
     hands out pages on first write, and a process that writes past its free space dies of SIGBUS."""
     from nrl_core.errors import NrlError
@@ -224,11 +225,11 @@ class _SenderPool:
         import atexit
 
         self.directory = directory
-        self.maps: dict[int, "torch.Tensor"] = {}
+        self.maps: dict[int, torch.Tensor] = {}
         _remove_stale_pool_files(directory)
         atexit.register(self.release)
 
-    def slot(self, index: int, nbytes: int) -> tuple[str, "torch.Tensor"]:
+    def slot(self, index: int, nbytes: int) -> tuple[str, torch.Tensor]:
         """The file for bucket ``index`` and the first ``nbytes`` of its mapping, mapped anew only
         when the held one is too small or its file is gone."""
         path = os.path.join(self.directory, f"{_POOL_PREFIX}{os.getpid()}-{index:06d}")
@@ -261,7 +262,7 @@ class _HeldMapping:
     file, whose bytes the old mapping does not see."""
 
     file: tuple[int, int]  # (st_dev, st_ino)
-    flat: "torch.Tensor"
+    flat: torch.Tensor
 
 
 _SENDER_POOLS: dict[str, _SenderPool] = {}
@@ -417,13 +418,13 @@ class _Group:
         self._bopts = dist.BroadcastOptions()
         self._bopts.rootRank = 0
 
-    def broadcast(self, tensor: "torch.Tensor") -> None:
+    def broadcast(self, tensor: torch.Tensor) -> None:
         self._pg.broadcast([tensor], self._bopts).wait()
 
-    def send(self, tensor: "torch.Tensor", rank: int) -> Any:
+    def send(self, tensor: torch.Tensor, rank: int) -> Any:
         return self._pg.send([tensor], rank, 0)
 
-    def receive(self, tensor: "torch.Tensor") -> None:
+    def receive(self, tensor: torch.Tensor) -> None:
         self._pg.recv([tensor], 0, 0).wait()
 
 
@@ -446,7 +447,7 @@ def split_by_skips(bucket: Bucket, receivers: Iterable[int],
     return shared, private
 
 
-def _packed(bucket: Bucket, layout: PackedLayout, device: "torch.device") -> "torch.Tensor":
+def _packed(bucket: Bucket, layout: PackedLayout, device: torch.device) -> torch.Tensor:
     import torch
 
     flat = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)

@@ -12,8 +12,9 @@ and ``tokenizer_source``.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import torch
 

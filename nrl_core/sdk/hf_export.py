@@ -11,8 +11,9 @@ import copy
 import json
 import logging
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 

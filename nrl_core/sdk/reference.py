@@ -8,8 +8,8 @@ at the reference copy itself for the pass (no copy at all)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from typing import Iterable, Iterator
 
 import torch
 

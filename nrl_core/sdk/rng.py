@@ -8,7 +8,8 @@ that checkpoints written before the SDK hold."""
 from __future__ import annotations
 
 import random
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 

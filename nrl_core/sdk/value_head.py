@@ -9,7 +9,8 @@ layer, one output per position: ``bradley_terry`` models are exported as
 from __future__ import annotations
 
 import copy
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 

@@ -13,11 +13,12 @@ import os
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from nrl_core.net import free_port
 from nrl_core.long_lived import freeze_at_exit
+from nrl_core.net import free_port
 
 
 def init_local_group(rank: int = 0, world_size: int = 1, port: int | None = None) -> None:

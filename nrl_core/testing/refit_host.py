@@ -8,7 +8,6 @@ from __future__ import annotations
 from typing import Any
 
 
-
 class RandomWeightSource:
     """A weight source of seeded random tensors (``{name: shape}``), for engine-free refit tests."""
 

@@ -145,7 +145,7 @@ def build_tiny_model(out_dir: str | os.PathLike[str], family: str = "llama", siz
         # the usual 0.02, which at 24 layers keeps activations at a trained model's scale.
         std = init_std if init_std is not None else 0.02 if size == "gpu" else 0.08
         with torch.no_grad():
-            for name, param in model.named_parameters():
+            for param in model.parameters():
                 if param.dim() >= 2:
                     param.normal_(0.0, std)
     finally:

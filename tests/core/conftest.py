@@ -3,13 +3,15 @@ distribution installed (the core must stay green when every plugin is uninstalle
 
 from __future__ import annotations
 
+import os
 import textwrap
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable
 
 import pytest
 
 from nrl_core import hookimpl
+from nrl_core.cluster import shutdown_ray
 from nrl_core.config.schema import Field, Section
 from nrl_core.contracts import GenerationBackendSpec, TrainingBackendSpec
 from nrl_core.plugins import get_plugin_manager
@@ -68,3 +70,17 @@ VALID = textwrap.dedent("""\
     grpo:
       num_prompts_per_step: 4
     """)
+
+
+@pytest.fixture(scope="module")
+def worker_path() -> Iterator[None]:
+    """Actors import this directory's worker modules (``cluster_workers``, ``hang_workers``) through
+    the PYTHONPATH init_ray forwards."""
+    shutdown_ray()
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parent)] + ([saved] if saved else []))
+    try:
+        yield
+    finally:
+        shutdown_ray()
+        os.environ.pop("PYTHONPATH") if saved is None else os.environ.__setitem__("PYTHONPATH", saved)

@@ -16,13 +16,14 @@ import tempfile
 import textwrap
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import ray
 
-from nrl_core.cluster._host import WorkerHost
+from nrl_core import hookimpl
+from nrl_core.cli import main
 from nrl_core.cluster import (
     WorkerDiedError,
     WorkerError,
@@ -33,13 +34,12 @@ from nrl_core.cluster import (
     shutdown_ray,
     worker_env_vars,
 )
-from nrl_core import hookimpl
-from nrl_core.cli import main
-from nrl_core.net import free_port
-from nrl_core.process_groups import DEFAULT_TIMEOUT_S, distributed_timeout_s
+from nrl_core.cluster._host import WorkerHost
 from nrl_core.contracts import AlgorithmSpec
 from nrl_core.errors import NrlError
+from nrl_core.net import free_port
 from nrl_core.plugins import get_plugin_manager
+from nrl_core.process_groups import DEFAULT_TIMEOUT_S, distributed_timeout_s
 from nrl_core.testing.errors import example_error, nrl_error_classes
 
 from .conftest import VALID

@@ -7,9 +7,8 @@ import sys
 
 import pytest
 
-from nrl_core.errors import ConfigError
-
 from nrl_core.cli import main
+from nrl_core.errors import ConfigError
 
 from .conftest import VALID
 

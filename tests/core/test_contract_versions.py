@@ -120,7 +120,7 @@ def test_an_offload_method_missing_from_a_contract_2_worker_is_a_gap_not_adapted
 
 
 def test_a_tensor_annotation_where_a_shard_is_due_is_a_gap_from_contract_2():
-    def get_logprobs(self, batch) -> "torch.Tensor": ...
+    def get_logprobs(self, batch) -> torch.Tensor: ...
 
     cls = type("Annotated", (worker_of("training", 3),), {"get_logprobs": get_logprobs})
     (line,) = worker_gaps(cls, "training", 3, "mine")

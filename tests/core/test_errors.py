@@ -8,7 +8,7 @@ import pytest
 from ray import cloudpickle
 
 from nrl_core.errors import NrlError
-from nrl_core.testing.errors import nrl_error_classes, example_error
+from nrl_core.testing.errors import example_error, nrl_error_classes
 
 CLASSES = nrl_error_classes()
 

@@ -18,7 +18,7 @@ from nrl_core.algorithms.multi_turn import MultiTurnSampler, cut_at_stop  # noqa
 from nrl_core.algorithms.rollout_sources import validates_greedily  # noqa: E402
 from nrl_core.algorithms.rollouts import rollout_batch  # noqa: E402
 from nrl_core.algorithms.scoring import Scorer, merge_groups, merged_loss_masks  # noqa: E402
-from nrl_core.contracts import Episode, EnvResult, EnvSample, EnvStep, GenerationOutput  # noqa: E402
+from nrl_core.contracts import EnvResult, EnvSample, EnvStep, Episode, GenerationOutput  # noqa: E402
 from nrl_core.data import DatumSpec  # noqa: E402
 from nrl_core.errors import NrlError  # noqa: E402
 from nrl_core.testing.conformance import scenarios  # noqa: E402
@@ -29,8 +29,9 @@ MAX_NEW = 6
 
 @pytest.fixture(scope="module")
 def setup() -> tuple[Any, Any, dict[str, Any]]:
-    from nrl_gen_hf.worker import HFGenerationWorker
     from transformers import AutoTokenizer
+
+    from nrl_gen_hf.worker import HFGenerationWorker
 
     model = cached_tiny_model("llama", "small")
     config = scenarios.conformance_config(

@@ -4,9 +4,9 @@ transports moving tensors in one process, between processes, and between Ray act
 from __future__ import annotations
 
 import glob
-from typing import Any
-import os
 import multiprocessing as mp
+import os
+from typing import Any
 
 import pytest
 import torch
@@ -178,7 +178,7 @@ def test_shared_memory_without_reuse_leaves_nothing_behind() -> None:
         assert all(torch.equal(recorded.received[name], t) for name, t in source.tensors.items())
 
 
-def _send_from_child(session: RefitSession, queue: "mp.Queue", received: Any) -> None:
+def _send_from_child(session: RefitSession, queue: mp.Queue, received: Any) -> None:
     source = RandomWeightSource(SHAPES, seed=3)
     for handle in send_handles(source, "shared_memory", session, 2048, "float32"):
         queue.put(handle)

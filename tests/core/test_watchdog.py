@@ -8,11 +8,10 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
-from nrl_core.cluster import WorkerGroup, init_ray, shutdown_ray
+from nrl_core.cluster import WorkerGroup, init_ray
 from nrl_core.config.core_schema import WATCHDOG
 from nrl_core.errors import ConfigError
 from nrl_core.stacks import SIGNAL, process_state
@@ -21,19 +20,6 @@ from nrl_core.watchdog import HangError, PhaseLimits, Watchdog, WatchdogSettings
 HERE = Path(__file__).resolve().parent
 WORKER = "cluster_workers:CollectiveWorker"
 CLUSTER = {"num_cpus": 2, "cpus_per_worker": 0.1, "log_to_driver": False}
-
-
-@pytest.fixture(scope="module")
-def worker_path() -> Iterator[None]:
-    """Actors import ``cluster_workers`` through the PYTHONPATH init_ray forwards."""
-    shutdown_ray()
-    saved = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(HERE)] + ([saved] if saved else []))
-    try:
-        yield
-    finally:
-        shutdown_ray()
-        os.environ.pop("PYTHONPATH") if saved is None else os.environ.__setitem__("PYTHONPATH", saved)
 
 
 def fast(tmp: Path, **settings: object) -> Watchdog:
@@ -90,7 +76,7 @@ def test_on_demand_dump_then_a_rank_stuck_in_a_collective(worker_path: None, tmp
     group = WorkerGroup(WORKER, 2, name="pair")  # launched before the trace opens, as nrl train's early policy
     pids = [info.pid for info in group.infos]
     with pytest.raises(HangError) as info:
-        with fast(tmp_path, floor_s=3) as dog:
+        with fast(tmp_path, floor_s=3):
             with phase("training"):
                 group.call("all_reduce", 1.0)
             os.kill(os.getpid(), SIGNAL)  # what ``nrl stacks`` sends
@@ -103,7 +89,7 @@ def test_on_demand_dump_then_a_rank_stuck_in_a_collective(worker_path: None, tmp
     message = str(info.value)
     assert "\n" not in message and "phase 'training'" in message and "pair[rank 0]" in message
     assert "pair[rank 1]" not in message and "waited 3 s" in message
-    for reason, where in (("on_demand", "echo"), ("hang-training", "all_reduce")):
+    for reason in ("on_demand", "hang-training"):
         dump = next((tmp_path / "stacks").glob(f"*-{reason}"))
         # py-spy, where installed, adds a .native.txt per process beside each Python stack
         ranks = sorted(p.name for p in dump.glob("pair-rank*.txt") if not p.name.endswith(".native.txt"))
@@ -120,7 +106,7 @@ def test_on_demand_dump_then_a_rank_stuck_in_a_collective(worker_path: None, tmp
     assert [e["name"] for e in driver] == ["training", "training"] and all(e["ph"] == "X" for e in driver)
     rows = {e["pid"]: e["args"]["name"] for e in trace if e["name"] == "process_name"}
     assert rows == {pids[0]: "pair rank 0", pids[1]: "pair rank 1"}
-    for rank, pid in enumerate(pids):  # each rank's own spans, on its own row
+    for pid in pids:  # each rank's own spans, on its own row
         served = [e["name"] for e in trace if e["ph"] == "X" and e["pid"] == pid]
         assert served[:2] == ["all_reduce", "echo"], served
     assert "all_reduce_unless_rank" in [e["name"] for e in trace if e["pid"] == pids[1]]  # rank 1 returned

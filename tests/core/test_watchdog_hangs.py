@@ -9,8 +9,9 @@ from __future__ import annotations
 import gc
 import re
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -18,7 +19,6 @@ from nrl_core.cluster import WorkerGroup, init_ray
 from nrl_core.cluster.worker_group import live_groups
 from nrl_core.stacks import process_state
 from nrl_core.watchdog import HangError, Watchdog, WatchdogSettings, phase
-from tests.core.test_watchdog import worker_path  # noqa: F401  (puts this directory on the actors' path)
 
 WORKER = "hang_workers:HangWorker"
 LIMIT_S = 2

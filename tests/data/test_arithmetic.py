@@ -6,7 +6,13 @@ import re
 
 import pytest
 
-from nrl_core.data.arithmetic import ArithmeticConfig, generate_arithmetic, sft_response, to_sft, write_arithmetic_splits
+from nrl_core.data.arithmetic import (
+    ArithmeticConfig,
+    generate_arithmetic,
+    sft_response,
+    to_sft,
+    write_arithmetic_splits,
+)
 from nrl_core.data.datasets import load_records
 from nrl_core.errors import ConfigError
 

@@ -8,8 +8,12 @@ import json
 import pytest
 
 from nrl_core.contracts import TokenBatch
-from nrl_core.data.preference import (arithmetic_preference_splits, parse_preference, preference_batch,
-                                      prepare_preference_data)
+from nrl_core.data.preference import (
+    arithmetic_preference_splits,
+    parse_preference,
+    preference_batch,
+    prepare_preference_data,
+)
 from nrl_core.errors import ConfigError, NrlError
 
 RANKED = {"context": [{"role": "user", "content": "What is 2 + 2?"}],

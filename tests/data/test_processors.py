@@ -8,8 +8,7 @@ import pytest
 
 from nrl_core.data.collate import prompt_batch, sft_batch
 from nrl_core.data.datasets import write_jsonl
-from nrl_core.data.processors import (DatumSpec, LengthLimits, PromptConfig, get_processor, prepare_data,
-                                      process_records)
+from nrl_core.data.processors import DatumSpec, LengthLimits, PromptConfig, get_processor, prepare_data, process_records
 from nrl_core.errors import ConfigError, NrlError
 
 RECORD = {"problem": "What is 12 + 7?", "expected_answer": "19"}

@@ -6,14 +6,13 @@ import os
 from typing import Any
 
 import torch
-
-from nrl_core.testing.distributed import gather_shards
-
 from common import make_batch, make_config
+
+from nrl_backend_dtensor.worker import DTensorPolicyWorker
 from nrl_core.algorithms.loss import NLLLoss
 from nrl_core.contracts import CheckpointOptions
 from nrl_core.errors import NrlError
-from nrl_backend_dtensor.worker import DTensorPolicyWorker
+from nrl_core.testing.distributed import gather_shards
 
 
 def fsdp_and_checkpoints(rank: int, world_size: int, root: str) -> dict[str, Any]:

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import pytest
-from nrl_core.testing.distributed import gather_shards
-import torch
-
 import scenarios
+import torch
 from common import make_batch, make_config
+
+from nrl_backend_dtensor.worker import DTensorPolicyWorker
 from nrl_core.algorithms.loss import NLLLoss
 from nrl_core.contracts import CheckpointOptions
-from nrl_core.testing.distributed import run_distributed
-from nrl_backend_dtensor.worker import DTensorPolicyWorker
+from nrl_core.testing.distributed import gather_shards, run_distributed
 
 pytestmark = pytest.mark.slow
 

@@ -12,12 +12,13 @@ from torch.distributed.tensor import DTensor
 pytest.importorskip("peft")
 
 from common import make_batch, make_config
+
+from nrl_backend_dtensor.schema import LORA_SCHEMA
+from nrl_backend_dtensor.worker import DTensorPolicyWorker
 from nrl_core.algorithms.loss import NLLLoss
 from nrl_core.contracts import CheckpointOptions
 from nrl_core.errors import ConfigError, NrlError
 from nrl_core.testing.distributed import gather_shards
-from nrl_backend_dtensor.schema import LORA_SCHEMA
-from nrl_backend_dtensor.worker import DTensorPolicyWorker
 
 LORA = {"enabled": True, "dim": 4, "alpha": 8}
 
@@ -86,7 +87,7 @@ def test_the_exported_model_is_peft_merge_and_unload_of_the_trained_adapters(tmp
                 if is_adapter(n)}
     set_peft_model_state_dict(peft_model, adapters)
     merged = {}
-    for name, module in peft_model.named_modules():
+    for module in peft_model.modules():
         if hasattr(module, "merge") and hasattr(module, "base_layer"):
             module.merge()
     for name, tensor in peft_model.state_dict().items():

@@ -5,11 +5,10 @@ are the whole optimizer step's, on every rank (NeMo RL's normalisation)."""
 from __future__ import annotations
 
 import pytest
+from scenarios import LOSS_VARIANTS, loss_variants
 
 from nrl_core.algorithms.loss import ClippedPGLoss
 from nrl_core.testing.distributed import run_distributed
-
-from scenarios import LOSS_VARIANTS, loss_variants
 
 # The training forward's logprobs equal get_logprobs' within the conformance kit's 1e-5; the
 # metrics are sums over micro-batches and ranks in float32.

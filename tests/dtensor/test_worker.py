@@ -7,16 +7,16 @@ import os
 import shutil
 
 import pytest
-from nrl_core.testing.distributed import gather_shards
 import torch
+from common import make_batch, make_config
 from torch.distributed.tensor import DTensor
 
-from common import make_batch, make_config
+from nrl_backend_dtensor.worker import DTensorPolicyWorker
 from nrl_core.algorithms.loss import NLLLoss
 from nrl_core.contracts import CheckpointOptions, TrainingWorker
 from nrl_core.errors import ConfigError, NrlError
+from nrl_core.testing.distributed import gather_shards
 from nrl_core.testing.tiny_models import cached_tiny_model
-from nrl_backend_dtensor.worker import DTensorPolicyWorker
 
 
 def worker(**overrides) -> DTensorPolicyWorker:

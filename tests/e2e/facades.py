@@ -3,9 +3,10 @@ group and its generation engines built from the tiny CPU recipe, chat prompts, a
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 

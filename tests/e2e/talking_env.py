@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from nrl_core import hookimpl
 from nrl_core.config.schema import Section
-from nrl_core.contracts import Episode, EnvironmentSpec, EnvStep
+from nrl_core.contracts import EnvironmentSpec, EnvStep, Episode
 
 NRL_CONTRACT = 6
 FOLLOW_UP = "\nQ: And again?\nA:"

@@ -19,7 +19,6 @@ import pytest
 import torch
 
 from nrl_core.cluster.gcs_watch import _descendants
-from nrl_core.testing.tiny_models import cached_tiny_model
 from tests.e2e.test_grpo import assert_ok, metrics, run_nrl
 
 pytestmark = pytest.mark.slow
@@ -27,11 +26,6 @@ pytestmark = pytest.mark.slow
 CONFIG = Path(__file__).resolve().parents[2] / "examples" / "configs" / "grpo_tiny_cpu_async.yaml"
 MOVES = ["policy.optimizer.kwargs.lr=0.02", "policy.optimizer.kwargs.weight_decay=1.0",
          "loss_fn.reference_policy_kl_penalty=0.1", "policy.generation.max_new_tokens=6"]
-
-
-@pytest.fixture(scope="module")
-def model() -> Path:
-    return cached_tiny_model("llama", size="small")
 
 
 def small(model: Path, *overrides: str) -> list[str]:

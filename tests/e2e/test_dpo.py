@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 
-from nrl_core.testing.tiny_models import cached_tiny_model
 from tests.e2e.test_grpo import assert_ok, finite, metrics, run_nrl
 
 pytestmark = pytest.mark.slow
@@ -24,11 +23,6 @@ pytestmark = pytest.mark.slow
 RECIPES = Path(__file__).resolve().parents[2] / "examples" / "configs" / "recipes" / "llm"
 COMPARED = ("loss", "preference_loss", "sft_loss", "accuracy", "rewards_chosen_mean", "rewards_rejected_mean",
             "num_valid_samples")
-
-
-@pytest.fixture(scope="module")
-def model() -> Path:
-    return cached_tiny_model("llama", size="small")
 
 
 def train_dpo(tmp: Path, model: Path, backend: str, *overrides: str) -> list[dict]:

@@ -44,13 +44,6 @@ def site(tmp_path_factory) -> Path:
     return target
 
 
-@pytest.fixture(scope="module")
-def model() -> Path:
-    from nrl_core.testing.tiny_models import cached_tiny_model
-
-    return cached_tiny_model("llama", size="small")
-
-
 def weights(directory: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 

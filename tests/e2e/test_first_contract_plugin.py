@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 
 from nrl_core.contracts import CONTRACT_VERSION
-
-from tests.e2e.test_grpo import assert_ok, finite, metrics, model, nrl_train  # noqa: F401 - model is a fixture
+from tests.e2e.test_grpo import assert_ok, finite, metrics, nrl_train
 from tests.plugins.test_contract_versions import FIRST, install
 
 pytestmark = pytest.mark.slow

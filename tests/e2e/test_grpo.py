@@ -5,30 +5,24 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Callable, Mapping
 
 import pytest
 
 from nrl_core.data import write_jsonl
-from nrl_core.testing.tiny_models import cached_tiny_model
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "examples" / "configs" / "grpo_tiny_cpu.yaml"
 TIMING = ("timing/", "throughput/", "train/step_seconds", "train/critic/step_seconds")
 LOAD_RNG = ("policy.dtensor_config.load_rng=true",)
-
-
-@pytest.fixture(scope="module")
-def model() -> Path:
-    return cached_tiny_model("llama", size="small")
 
 
 def nrl_train(tmp: Path, model: Path, *overrides: str, algorithm: str = "grpo",

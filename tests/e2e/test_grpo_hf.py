@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-from nrl_core.testing.tiny_models import cached_tiny_model
 from tests.e2e import test_grpo
 from tests.e2e.test_grpo_matrix import NON_COLOCATED, check_refit_after_training
 
@@ -27,11 +26,6 @@ CASES = {
     "colocated": [],
     "noncolocated": ["cluster.gpus_per_node=2", *NON_COLOCATED],
 }
-
-
-@pytest.fixture(scope="module")
-def model() -> Path:
-    return cached_tiny_model("llama", size="small")
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pytest
 
-from nrl_core.testing.tiny_models import cached_tiny_model
 from tests.e2e.test_grpo import assert_ok, finite, metrics, nrl_train, run_nrl
 from tests.vllm.helpers import hf_greedy, hf_model
 
@@ -36,11 +35,6 @@ CASES = {
                                   "policy.megatron_cfg.pipeline_model_parallel_size=2"],
 }
 MAX_NEW_TOKENS = 8  # grpo_tiny_cpu.yaml
-
-
-@pytest.fixture(scope="module")
-def model() -> Path:
-    return cached_tiny_model("llama", size="small")
 
 
 def val_samples(tmp: Path, step: int) -> list[dict]:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_grpo import assert_ok, model, nrl_train  # noqa: F401  (model is a fixture)
+from tests.e2e.test_grpo import assert_ok, nrl_train
 
 PHASES = {"start_up", "step", "refit", "generation", "reward", "logprobs", "training", "checkpoint_save",
           "validation"}

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_grpo import assert_ok, finite, metrics, model, nrl_train  # noqa: F401 - model is a fixture
+from tests.e2e.test_grpo import assert_ok, finite, metrics, nrl_train
 
 pytestmark = pytest.mark.slow
 

@@ -14,11 +14,10 @@ from typing import Any
 
 import pytest
 
-from nrl_core.cluster._host import WorkerHost
 from nrl_core.algorithms.loss import NLLLoss
 from nrl_core.algorithms.rollouts import rollout_batch
 from nrl_core.cluster import shutdown_ray
-from nrl_core.testing.tiny_models import cached_tiny_model
+from nrl_core.cluster._host import WorkerHost
 from tests.e2e.facades import chat_prompts, megatron_noncolocated, policy_and_generation, training_batch
 from tests.vllm.helpers import hf_greedy, hf_model
 
@@ -44,11 +43,6 @@ CASES = {
                                                 "++policy.megatron_cfg.peft.enabled=true",
                                                 "++policy.megatron_cfg.peft.export=merged", "policy.refit.adapters=true"],
 }
-
-
-@pytest.fixture(scope="module")
-def model() -> Path:
-    return cached_tiny_model("llama", size="small")
 
 
 @pytest.fixture(scope="module")

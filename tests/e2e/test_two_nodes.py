@@ -9,17 +9,16 @@ nodes share one address here, so the node *ids* tell where a worker runs.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import ray
 
-from nrl_core.cluster._host import WorkerHost
 from nrl_core.algorithms.loss import NLLLoss
 from nrl_core.cluster import init_ray, make_placement, shutdown_ray
+from nrl_core.cluster._host import WorkerHost
 from nrl_core.errors import NrlError
-from nrl_core.testing.tiny_models import cached_tiny_model
 from tests.e2e.facades import CONFIG, chat_prompts, policy_and_generation, training_batch
 from tests.vllm.helpers import hf_greedy, hf_model
 
@@ -50,11 +49,6 @@ def cluster_address() -> Iterator[str]:
             os.environ.pop("RAY_AUTH_MODE", None)
         else:
             os.environ["RAY_AUTH_MODE"] = saved
-
-
-@pytest.fixture(scope="module")
-def model() -> Path:
-    return cached_tiny_model("llama", size="small")
 
 
 def _nodes(group) -> list[str]:
@@ -93,8 +87,8 @@ def test_megatron_training_spans_both_nodes(cluster_address: str, model: Path, t
     """Tensor parallel 2 with one rank per node; ``distributed_timeout_minutes`` is the main
     group's timeout on both."""
     from nrl_core.algorithms.policy import Policy
-    from nrl_core.process_groups import main_group_timeout
     from nrl_core.config import choose_backends, load_and_validate
+    from nrl_core.process_groups import main_group_timeout
 
     monkeypatch.setenv("NRL_MEGATRON_CHECKPOINT_DIR", str(tmp_path / "converted"))
     config = load_and_validate(str(CONFIG), [

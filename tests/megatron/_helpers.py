@@ -10,13 +10,14 @@ from __future__ import annotations
 import io
 import os
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.multiprocessing as mp
 
-from nrl_core.net import free_port
 from nrl_core.long_lived import freeze_at_exit
+from nrl_core.net import free_port
 
 
 def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, env: dict, queue: Any) -> None:

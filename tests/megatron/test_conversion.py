@@ -7,19 +7,20 @@ from __future__ import annotations
 
 import io
 import os
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
 pytest.importorskip("megatron.core", reason="nrl-backend-megatron's engine is not installed")
 pytest.importorskip("nrl_backend_megatron")
 
+from _helpers import make_batch, make_config, run_world
+
 from nrl_core.testing.distributed import gather_shards
 from nrl_core.testing.tiny_models import cached_tiny_model
-
-from _helpers import make_batch, make_config, run_world
 
 
 @contextmanager

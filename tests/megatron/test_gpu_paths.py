@@ -15,10 +15,10 @@ import torch
 pytest.importorskip("megatron.core", reason="nrl-backend-megatron's engine is not installed")
 pytest.importorskip("nrl_backend_megatron")
 
+from _helpers import make_batch, make_config, run_world
+
 from nrl_core.errors import ConfigError
 from nrl_core.testing.tiny_models import cached_tiny_model
-
-from _helpers import make_batch, make_config, run_world
 
 
 def world1(rank: int, world: int, path: str, ckpt: str) -> dict[str, Any]:

@@ -24,11 +24,10 @@ pytest.importorskip("megatron.core", reason="nrl-backend-megatron's engine is no
 pytest.importorskip("nrl_backend_megatron")
 
 import torch
+from _helpers import make_batch, make_config, run_world
 
 from nrl_core.errors import NrlError
 from nrl_core.testing.tiny_models import cached_tiny_model
-
-from _helpers import make_batch, make_config, run_world
 
 ITERATION = 7
 
@@ -97,8 +96,8 @@ def as_megatron_bridge(megatron_lm: Path, bridge: Path, hf_path: str, **model: A
 
 
 def first_steps(rank: int, world: int, hf_path: str, root: str, bridge: str, other_model: str) -> dict[str, Any]:
-    from nrl_core.algorithms.loss import NLLLoss
     from nrl_backend_megatron.worker import MegatronPolicyWorker
+    from nrl_core.algorithms.loss import NLLLoss
 
     write_megatron_lm(rank, world, hf_path, root)
     if rank == 0:

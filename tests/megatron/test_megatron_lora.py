@@ -14,10 +14,10 @@ import torch
 pytest.importorskip("megatron.core", reason="nrl-backend-megatron's engine is not installed")
 pytest.importorskip("nrl_backend_megatron")
 
+from _helpers import make_batch, make_config, run_world
+
 from nrl_core.testing.distributed import gather_shards
 from nrl_core.testing.tiny_models import cached_tiny_model
-
-from _helpers import make_batch, make_config, run_world
 
 PEFT = {"enabled": True, "dim": 4, "alpha": 8}
 
@@ -27,9 +27,9 @@ def config(path: str, **megatron: Any) -> dict:
 
 
 def trained(rank: int, world: int, path: str, ckpt: str, layouts: list[str]) -> dict[str, Any]:
+    from nrl_backend_megatron.worker import MegatronPolicyWorker
     from nrl_core.algorithms.loss import NLLLoss
     from nrl_core.contracts import CheckpointOptions
-    from nrl_backend_megatron.worker import MegatronPolicyWorker
 
     batch, out = make_batch(), {}
     shapes = {"tp1": {}, "dp2": {}, "tp2": {"tensor_model_parallel_size": 2}, "pp2": {"pipeline_model_parallel_size": 2}}

@@ -8,15 +8,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from nrl_core.testing.distributed import gather_shards
 import torch
+
+from nrl_core.testing.distributed import gather_shards
 
 pytest.importorskip("megatron.core", reason="nrl-backend-megatron's engine is not installed")
 pytest.importorskip("nrl_backend_megatron")
 
-from nrl_core.testing.tiny_models import cached_tiny_model
-
 from _helpers import make_batch, make_config, run_world
+
+from nrl_core.testing.tiny_models import cached_tiny_model
 
 FAMILIES = ("llama", "qwen2", "qwen3")
 
@@ -82,11 +83,11 @@ def test_conversion_happens_once_then_is_reused(w1: dict[str, Any]) -> None:
 
 # ------------------------------------------------------------------ world of 2: parallel layouts
 def world2(rank: int, world: int, path: str, ckpt: str) -> dict[str, Any]:
+    from nrl_backend_megatron import ckpt_io
+    from nrl_backend_megatron.worker import MegatronPolicyWorker
     from nrl_core.algorithms.loss import NLLLoss
     from nrl_core.contracts import CheckpointOptions
     from nrl_core.errors import NrlError
-    from nrl_backend_megatron import ckpt_io
-    from nrl_backend_megatron.worker import MegatronPolicyWorker
 
     out: dict[str, Any] = {}
     batch, loss = make_batch(), NLLLoss()

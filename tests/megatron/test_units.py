@@ -12,12 +12,11 @@ import torch
 pytest.importorskip("megatron.core", reason="nrl-backend-megatron's engine is not installed")
 pytest.importorskip("nrl_backend_megatron")
 
+from nrl_backend_megatron import checkpoint_dir as cd
+from nrl_backend_megatron.schema import MEGATRON_CFG_SCHEMA
 from nrl_core.contracts import CheckpointOptions
 from nrl_core.errors import ConfigError
 from nrl_core.testing.tiny_models import cached_tiny_model, model_config
-
-from nrl_backend_megatron import checkpoint_dir as cd
-from nrl_backend_megatron.schema import MEGATRON_CFG_SCHEMA
 
 KEY = "policy.megatron_cfg"
 
@@ -365,8 +364,8 @@ def test_an_empty_packed_bin_keeps_its_loss_in_the_autograd_graph(trailing: tupl
     """Data-parallel ranks pad their packed bins to the same count with empty ones; the (zero)
     loss of such a bin must still reach the model's output in backward, or Megatron's backward step
     and the earlier pipeline stages are left without a gradient. Also for ``[b, S, k]`` values."""
-    from nrl_core.contracts import TokenBatch
     from nrl_backend_megatron.batching import MicroBatch
+    from nrl_core.contracts import TokenBatch
 
     rows = TokenBatch(input_ids=torch.zeros(0, 5, dtype=torch.long), input_lengths=torch.zeros(0, dtype=torch.long),
                       fields={})

@@ -21,14 +21,14 @@ pytest.importorskip("megatron.core", reason="nrl-backend-megatron's engine is no
 pytest.importorskip("nrl_backend_megatron")
 pytest.importorskip("nrl_reward_model")
 
+from _helpers import make_batch, make_config, run_world  # noqa: E402
+
 from nrl_core.data.preference import PreferencePair, preference_batch  # noqa: E402
 from nrl_core.errors import ConfigError  # noqa: E402
 from nrl_core.sdk.value_head import last_token_values  # noqa: E402
 from nrl_core.testing.distributed import gather_shards  # noqa: E402
 from nrl_core.testing.preference import random_pairs  # noqa: E402
 from nrl_core.testing.tiny_models import cached_tiny_model, model_config  # noqa: E402
-
-from _helpers import make_batch, make_config, run_world  # noqa: E402
 
 PAD = 3  # the tiny models' pad id: make_batch and preference_batch pad with it
 RM = {"enabled": True, "reward_model_type": "bradley_terry"}
@@ -82,11 +82,10 @@ def hf_scores(path: str, batch: Any) -> torch.Tensor:
 
 # ------------------------------------------------------------------ world of 1
 def world1(rank: int, world: int, classifier_dir: str, causal_dir: str, export_dir: str) -> dict[str, Any]:
+    from nrl_backend_megatron.worker import MegatronPolicyWorker
     from nrl_core.algorithms.loss import NLLLoss
     from nrl_core.errors import NrlError
     from nrl_reward_model.loss import BradleyTerryLoss
-
-    from nrl_backend_megatron.worker import MegatronPolicyWorker
 
     out: dict[str, Any] = {}
     batch = make_batch()
@@ -144,9 +143,8 @@ def w1(classifier: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, A
 
 # ------------------------------------------------------------------ world of 2
 def world2(rank: int, world: int, classifier_dir: str, causal_dir: str, ckpt: str) -> dict[str, Any]:
-    from nrl_reward_model.loss import BradleyTerryLoss
-
     from nrl_backend_megatron.worker import MegatronPolicyWorker
+    from nrl_reward_model.loss import BradleyTerryLoss
 
     out: dict[str, Any] = {}
     batch = make_batch()

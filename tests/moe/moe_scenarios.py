@@ -10,10 +10,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-
 from _helpers import make_batch, make_config
-from nrl_core.testing.distributed import gather_shards
 
+from nrl_core.testing.distributed import gather_shards
 
 
 def moe_paths() -> dict[str, str]:

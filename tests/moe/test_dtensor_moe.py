@@ -7,12 +7,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import moe_scenarios
 import pytest
 import torch
-
-import moe_scenarios
 from _helpers import make_batch, run_world
 from moe_scenarios import moe_paths
+
 from nrl_core.errors import ConfigError
 
 pytestmark = pytest.mark.slow
@@ -63,8 +63,8 @@ def test_refit_export_is_the_checkpoint_layout(fsdp2: list[dict[str, Any]]) -> N
 
 
 def test_tensor_parallel_moe_is_a_one_line_error() -> None:
-    from nrl_core.testing.tiny_models import model_config
     from nrl_backend_dtensor.moe import check_tensor_parallel
+    from nrl_core.testing.tiny_models import model_config
 
     with pytest.raises(ConfigError, match="tensor_parallel_size: 2 is not supported for a mixture-of-experts") as err:
         check_tensor_parallel(model_config("qwen3_moe"), 2)

@@ -18,6 +18,7 @@ pytest.importorskip("nrl_backend_megatron")
 import moe_scenarios
 from _helpers import make_batch, run_world
 from moe_scenarios import moe_paths
+
 from nrl_core.errors import ConfigError
 from nrl_core.testing.tiny_models import cached_tiny_model, model_config
 

@@ -8,8 +8,7 @@ import torch
 
 pytest.importorskip("nrl_algo_ppo")
 
-from nrl_algo_ppo.gae import (GAEConfig, advantages_and_returns, explained_variance, terminal_rewards,  # noqa: E402
-                              token_values)
+from nrl_algo_ppo.gae import GAEConfig, advantages_and_returns, explained_variance, terminal_rewards, token_values  # noqa: E402
 from nrl_algo_ppo.loss import OLD_VALUES, RETURNS, ClippedValueLoss  # noqa: E402
 from nrl_core.algorithms.estimators import whiten  # noqa: E402
 from nrl_core.config import load_and_validate  # noqa: E402

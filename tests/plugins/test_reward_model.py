@@ -10,7 +10,6 @@ import torch
 pytest.importorskip("nrl_reward_model")
 
 from nrl_core.config import load_and_validate  # noqa: E402
-from nrl_core.contracts import TokenBatch  # noqa: E402
 from nrl_core.data.preference import PreferencePair, preference_batch  # noqa: E402
 from nrl_core.errors import ConfigError, NrlError  # noqa: E402
 from nrl_core.sdk.value_head import head_architecture, last_token_values  # noqa: E402
@@ -83,10 +82,10 @@ def test_the_exported_class_follows_the_head_type():
 
 @pytest.fixture(scope="module")
 def value_worker():
-    from nrl_backend_dtensor.worker import DTensorPolicyWorker
-
     import sys
     from pathlib import Path
+
+    from nrl_backend_dtensor.worker import DTensorPolicyWorker
 
     sys.path.insert(0, str(Path(__file__).parents[1] / "dtensor"))
     from common import make_config
@@ -116,9 +115,9 @@ def test_a_dtensor_value_model_trains_and_exports_an_hf_sequence_classifier(valu
 def test_packed_values_equal_padded_ones_at_every_position(value_worker):
     """A value reads its own position, so packing must not zero a sequence's first one (as it does
     for logprobs, which a segment's first token has none of); regression heads (critics) read them all."""
-    from nrl_backend_dtensor.worker import DTensorPolicyWorker
-
     from common import make_config
+
+    from nrl_backend_dtensor.worker import DTensorPolicyWorker
 
     packed = DTensorPolicyWorker(make_config(
         model_name=str(cached_tiny_model("llama", "small")), reward_model_cfg={"enabled": True},
@@ -133,11 +132,10 @@ def test_packed_values_equal_padded_ones_at_every_position(value_worker):
 def test_an_export_of_a_model_without_a_pad_id_names_the_one_nrl_pads_with(tmp_path):
     """A base model whose config has no pad id (Llama 3, Qwen2.5): the export's is the tokenizer's,
     so HF's classifier scores each row's last real token of a right-padded batch, as nrl does."""
+    from common import make_config
     from transformers import AutoModelForSequenceClassification
 
     from nrl_backend_dtensor.worker import DTensorPolicyWorker
-
-    from common import make_config
 
     worker = DTensorPolicyWorker(make_config(model_name=str(cached_tiny_model("llama", "small", pad_token_id=None)),
                                              reward_model_cfg={"enabled": True}), 0, 1)

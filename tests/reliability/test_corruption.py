@@ -52,10 +52,10 @@ def check_fallback(manager: CheckpointManager, shard: Path, caplog: pytest.LogCa
 
 def test_dtensor_flipped_shard_falls_back_to_the_previous_checkpoint(tmp_path, caplog):
     import torch
-
     from common import make_batch, make_config
-    from nrl_core.algorithms.loss import NLLLoss
+
     from nrl_backend_dtensor.worker import DTensorPolicyWorker
+    from nrl_core.algorithms.loss import NLLLoss
 
     worker = DTensorPolicyWorker(make_config(), 0, 1)
     manager = manager_at(tmp_path / "ckpt")
@@ -73,9 +73,10 @@ def test_dtensor_flipped_shard_falls_back_to_the_previous_checkpoint(tmp_path, c
 
 def megatron_scenario(rank: int, world: int, model: str, root: str) -> dict[str, Any]:
     from _helpers import make_batch, make_config
+
+    from nrl_backend_megatron.worker import MegatronPolicyWorker
     from nrl_core.algorithms.loss import NLLLoss
     from nrl_core.errors import NrlError
-    from nrl_backend_megatron.worker import MegatronPolicyWorker
 
     worker = MegatronPolicyWorker(make_config(model), rank, world)
     manager = manager_at(Path(root))
@@ -103,6 +104,7 @@ def megatron_scenario(rank: int, world: int, model: str, root: str) -> dict[str,
 def test_megatron_flipped_shard_falls_back_and_load_errors_are_one_line(tmp_path, caplog):
     pytest.importorskip("megatron.core")
     from _helpers import run_world
+
     from nrl_core.testing.tiny_models import cached_tiny_model
 
     root = tmp_path / "ckpt"

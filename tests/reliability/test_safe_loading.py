@@ -25,8 +25,9 @@ class Payload:
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     from common import make_batch, make_config
-    from nrl_core.algorithms.loss import NLLLoss
+
     from nrl_backend_dtensor.worker import DTensorPolicyWorker
+    from nrl_core.algorithms.loss import NLLLoss
 
     worker = DTensorPolicyWorker(make_config(), 0, 1)
     worker.train(make_batch(), NLLLoss())
@@ -37,8 +38,9 @@ def saved(tmp_path_factory):
 
 
 def test_rng_and_trainer_state_load_with_weights_only(saved):
-    import numpy as np
     import random
+
+    import numpy as np
 
     worker, root = saved
     for name in ("trainer_state.pt", "rng/rank0.pt"):
@@ -54,10 +56,10 @@ def test_rng_and_trainer_state_load_with_weights_only(saved):
                                          ("consolidated.pt", "consolidated"), ("rng/rank0.pt", "sharded")])
 @pytest.mark.parametrize("fully_parallel_load", [True, False])
 def test_a_file_that_runs_code_is_refused_naming_it(saved, tmp_path, target, fmt, fully_parallel_load):
+    import json
     import shutil
 
     from nrl_backend_dtensor.checkpoint import MARKER, _file_sizes
-    import json
 
     worker, root = saved
     copy = tmp_path / fmt

@@ -11,8 +11,14 @@ import torch
 
 from nrl_core.config.model_config import read_model_config
 from nrl_core.testing.distributed import run_distributed
-from nrl_gen_vllm.kv_cache import (BLOCK_TOKENS, MARGIN, derived_kv_cache, kv_bytes_per_token, kv_cache_space,
-                                   largest_batch)
+from nrl_gen_vllm.kv_cache import (
+    BLOCK_TOKENS,
+    MARGIN,
+    derived_kv_cache,
+    kv_bytes_per_token,
+    kv_cache_space,
+    largest_batch,
+)
 from tests.vllm.helpers import generation_config, hf_greedy, hf_model
 
 GIB = 2**30

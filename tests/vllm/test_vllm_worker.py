@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 import statistics
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch

@@ -21,9 +21,10 @@ from __future__ import annotations
 import json
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -32,11 +33,11 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from nrl_backend_dtensor.safe_load import dcp_load, load_file
 from nrl_core.contracts import CheckpointOptions
 from nrl_core.device import broadcast
 from nrl_core.errors import NrlError
 from nrl_core.sdk import first_failure, rng_state, set_rng_state
-from nrl_backend_dtensor.safe_load import dcp_load, load_file
 
 MARKER = "nrl_checkpoint.json"
 SHARDED_DIR = "model_optim"

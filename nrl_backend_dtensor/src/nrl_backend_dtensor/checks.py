@@ -9,7 +9,8 @@ one line, instead of in every worker. The workers run the same functions.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from nrl_core.config.model_config import local_model_config
 from nrl_core.contracts import import_object

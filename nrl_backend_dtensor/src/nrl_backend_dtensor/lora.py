@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
-from typing import Any, Iterator, Mapping
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import torch
 from torch import nn
 
-from nrl_core.errors import ConfigError
 from nrl_backend_dtensor.weights import full_tensor
+from nrl_core.errors import ConfigError
 
 KEY = "policy.dtensor_config.lora_cfg"
 ADAPTER = "default"  # PEFT's name for the one adapter
@@ -175,9 +176,9 @@ def write_adapter(model: nn.Module, section: Mapping[str, Any], base_model: str,
                   tokenizer_source: str, writer: bool) -> None:
     """The adapters as a PEFT adapter directory that ``PeftModel.from_pretrained(base, path)``
     loads. Collective under FSDP (each adapter is gathered): every rank calls it."""
-    import torch.distributed as dist
     from pathlib import Path
 
+    import torch.distributed as dist
     from safetensors.torch import save_file
 
     from nrl_core.sdk.hf_export import copy_tokenizer

@@ -6,9 +6,10 @@ inputs and maps the model's per-token output back to the padded layout the loss 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from math import lcm
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 

@@ -11,7 +11,8 @@ Parameter names gain the prefix ``hf.``; :data:`HF_PREFIX` is stripped wherever 
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import nn

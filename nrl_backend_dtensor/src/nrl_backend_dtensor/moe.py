@@ -56,7 +56,7 @@ class RouterMetrics:
             module.register_forward_hook(self._hook(layer))
 
     @classmethod
-    def attach(cls, hf_model: nn.Module) -> "RouterMetrics | None":
+    def attach(cls, hf_model: nn.Module) -> RouterMetrics | None:
         routers = _routers(hf_model)
         return cls(hf_model, routers) if routers else None
 

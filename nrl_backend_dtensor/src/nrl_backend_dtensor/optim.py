@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import importlib
 import math
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor

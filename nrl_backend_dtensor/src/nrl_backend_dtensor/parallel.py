@@ -19,8 +19,9 @@ tensors.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -37,9 +38,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from nrl_core.errors import ConfigError
-
 from nrl_backend_dtensor.checks import check_context_parallel, check_heads, resolve_parallel_plan
+from nrl_core.errors import ConfigError
 
 LayerPlan = dict[str, ParallelStyle]
 

@@ -8,16 +8,17 @@ than transformers' fused in-memory ``gate_up_proj``/``down_proj``.
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from nrl_backend_dtensor.model import hf_name
 from nrl_core.contracts import WeightSpec
 from nrl_core.refit.buckets import iter_buckets
 from nrl_core.refit.hf_source import checkpoint_layout
-from nrl_backend_dtensor.model import hf_name
+
 
 def _dtype(name: str) -> torch.dtype:
     dtype = getattr(torch, name, None)

@@ -14,22 +14,14 @@ memory hand-off and the HF export are the SDK's (:class:`nrl_core.sdk.TrainingWo
 
 from __future__ import annotations
 
+import functools
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from nrl_core.contracts import (BatchShard, CheckpointOptions, LossFunction, TokenBatch, TopkShard, WeightSpec,
-                                logprob_temperature)
-from nrl_core.device import all_reduce, all_reduce_values, check_batch_device, model_device, to_device
-from nrl_core.errors import ConfigError, NrlError
-from nrl_core.nonfinite import check_finite, guard_enabled
-from nrl_core.process_groups import main_group_timeout
-from nrl_core.sdk import ReferenceWeights, TrainingWorkerBase, base_model_identity, training_precision
-from nrl_core.sdk.value_head import value_head_type
-from nrl_core.refit.buckets import dtype_name, iter_buckets, parse_dtype
-from nrl_core.timeline import mark
 from nrl_backend_dtensor import lora
 from nrl_backend_dtensor import weights as weights_io
 from nrl_backend_dtensor.checkpoint import CheckpointIO, TrainState
@@ -38,6 +30,24 @@ from nrl_backend_dtensor.model import LogprobModel, hf_name, load_hf_config, loa
 from nrl_backend_dtensor.moe import RouterMetrics, check_tensor_parallel
 from nrl_backend_dtensor.optim import build_optimizer, build_scheduler, clip_grad_norm
 from nrl_backend_dtensor.parallel import apply_fsdp, apply_tensor_parallel, build_layout
+from nrl_core.contracts import (
+    BatchShard,
+    CheckpointOptions,
+    LossFunction,
+    TokenBatch,
+    TopkShard,
+    WeightSpec,
+    logprob_temperature,
+)
+from nrl_core.device import all_reduce, all_reduce_values, check_batch_device, model_device, to_device
+from nrl_core.errors import ConfigError, NrlError
+from nrl_core.nonfinite import check_finite, guard_enabled
+from nrl_core.process_groups import main_group_timeout
+from nrl_core.refit.buckets import dtype_name, iter_buckets, parse_dtype
+from nrl_core.sdk import ReferenceWeights, TrainingWorkerBase, base_model_identity, training_precision
+from nrl_core.sdk.value_head import value_head_type
+from nrl_core.timeline import mark
+
 
 def _ensure_process_group() -> None:
     if not dist.is_initialized():
@@ -187,7 +197,7 @@ class DTensorPolicyWorker(TrainingWorkerBase):
                 mb, sub = self._dummy(local)
             else:
                 sub = local.select(mb.rows)
-            with self.recording_routes(None if dummy else lambda: mb.token_mask(sub)):
+            with self.recording_routes(None if dummy else functools.partial(mb.token_mask, sub)):
                 logprobs = mb.to_padded(self._forward(mb, sub, getattr(loss_fn, "gather_ids_field", None)), sub,
                                         shifted=not self.value_head)
             sub = to_device(sub, logprobs.device)  # what the loss reads, where the logprobs are

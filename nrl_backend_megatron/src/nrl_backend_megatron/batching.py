@@ -13,7 +13,7 @@ is made equal across data-parallel ranks with empty bins, so every rank runs the
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -29,8 +29,8 @@ class MicroBatch:
     rows: TokenBatch
     input_ids: torch.Tensor  # [b, S]
     position_ids: torch.Tensor  # [b, S]
-    packed: Optional[Any] = None  # PackedSeqParams
-    offsets: Optional[list[int]] = None  # start of each row inside the packed sequence
+    packed: Any | None = None  # PackedSeqParams
+    offsets: list[int] | None = None  # start of each row inside the packed sequence
 
     def token_mask(self) -> torch.Tensor:
         """``[b, S]`` True where the model input holds a real token (not padding)."""

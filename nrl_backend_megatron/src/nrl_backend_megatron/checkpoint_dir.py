@@ -31,9 +31,10 @@ import os
 import shutil
 import socket
 import tempfile
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from nrl_core.errors import NrlError
 

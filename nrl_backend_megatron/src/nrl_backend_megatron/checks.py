@@ -10,7 +10,8 @@ runs the same functions when it starts.
 from __future__ import annotations
 
 import logging
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from nrl_core.config.model_config import local_model_config
 from nrl_core.config.topology import cluster_topology
@@ -69,9 +70,8 @@ def check_value_head(policy: Mapping[str, Any], section: Mapping[str, Any], hf_c
     Transformer Engine, which the CPU tests lack), a mixture-of-experts model or a Megatron
     checkpoint to start from (untested); and the checkpoint's own head (``hf_config``, None when
     the model is not local) of the kind asked for."""
-    from nrl_core.sdk.value_head import value_head_type
-
     from nrl_backend_megatron.value_head import check_source
+    from nrl_core.sdk.value_head import value_head_type
 
     kind = value_head_type(policy)
     if hf_config is not None:

@@ -25,12 +25,17 @@ from typing import Any
 
 import torch
 
-from nrl_core.checkpoint.to_hf import logprob_tolerance, max_logprob_error, new_output_dir, probe_batch, \
-    publish_dir, staging_dir
-from nrl_core.errors import NrlError
-
 from nrl_backend_megatron.convert.megatron_checkpoint import TRACKER, architecture_of_hf, locate
 from nrl_backend_megatron.convert.sharded import RANK_VARS
+from nrl_core.checkpoint.to_hf import (
+    logprob_tolerance,
+    max_logprob_error,
+    new_output_dir,
+    probe_batch,
+    publish_dir,
+    staging_dir,
+)
+from nrl_core.errors import NrlError
 
 __all__ = ["ConversionReport", "HF_CONFIG_DIR", "hf_to_megatron", "megatron_to_hf", "megatron_lm_args"]
 

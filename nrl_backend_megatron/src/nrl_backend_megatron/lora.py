@@ -25,14 +25,14 @@ import contextlib
 import fnmatch
 import hashlib
 import math
-from typing import Any, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
 
 import torch
 from torch import nn
 
-from nrl_core.errors import ConfigError
-
 from nrl_backend_megatron.weights import canonical_name
+from nrl_core.errors import ConfigError
 
 KEY = "policy.megatron_cfg.peft"
 TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
@@ -109,8 +109,10 @@ class Adapter(nn.Module):
         self.disabled = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region, \
-            reduce_from_tensor_model_parallel_region
+        from megatron.core.tensor_parallel.mappings import (
+            copy_to_tensor_model_parallel_region,
+            reduce_from_tensor_model_parallel_region,
+        )
 
         h = nn.functional.linear(x if self.post else self.dropout(x), self.A)
         h = reduce_from_tensor_model_parallel_region(h) if self.row else copy_to_tensor_model_parallel_region(h)

@@ -10,16 +10,16 @@ rescale cos/sin or depend on sequence length are refused in one line.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Any
 
 import torch
-
-from nrl_core.errors import ConfigError
 
 from nrl_backend_megatron.convert.families import family_of, head_dim, head_kind, num_experts
 from nrl_backend_megatron.convert.mapping import tied_embeddings
 from nrl_backend_megatron.moe import moe_config_kwargs
+from nrl_core.errors import ConfigError
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -73,8 +73,8 @@ def hf_inv_freq(hf_config: Any) -> torch.Tensor:
 
 
 def transformer_config(hf_config: Any, layout: ParallelLayout, *, params_dtype: torch.dtype,
-                       pipeline_dtype: Optional[torch.dtype] = None, activation_checkpointing: bool = False,
-                       bf16: bool = False, fp16: bool = False, moe: Optional[Mapping[str, Any]] = None) -> Any:
+                       pipeline_dtype: torch.dtype | None = None, activation_checkpointing: bool = False,
+                       bf16: bool = False, fp16: bool = False, moe: Mapping[str, Any] | None = None) -> Any:
     """Megatron ``TransformerConfig`` equivalent to the HF config; ``moe`` is the
     ``policy.megatron_cfg`` section whose ``moe_*`` keys configure a mixture-of-experts model."""
     from megatron.core.transformer.transformer_config import TransformerConfig

@@ -19,11 +19,11 @@ The experts are always Megatron's ``SequentialMLP`` (``moe_grouped_gemm`` off): 
 from __future__ import annotations
 
 import logging
-from typing import Any, Mapping
-
-from nrl_core.errors import ConfigError
+from collections.abc import Mapping
+from typing import Any
 
 from nrl_backend_megatron.convert.families import family_of, moe_layers, num_experts
+from nrl_core.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 

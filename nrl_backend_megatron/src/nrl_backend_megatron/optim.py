@@ -11,16 +11,16 @@ then Megatron's own ``step_with_ready_grads``. On a GPU it is just ``optimizer.s
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from nrl_backend_megatron.checks import KEY, check_optimizer_section
 from nrl_core.device import all_reduce
 from nrl_core.errors import ConfigError
-
-from nrl_backend_megatron.checks import KEY, check_optimizer_section
 
 
 @dataclass

@@ -12,7 +12,7 @@ thousand tokens). RoPE position resets are done by Megatron's ``Attention`` itse
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -34,8 +34,8 @@ def block_causal_mask(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
 
 class PackedDotProductAttention(DotProductAttention):
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                attention_mask: Optional[torch.Tensor], attn_mask_type: Any = None,
-                attention_bias: Optional[torch.Tensor] = None, packed_seq_params: Any = None) -> torch.Tensor:
+                attention_mask: torch.Tensor | None, attn_mask_type: Any = None,
+                attention_bias: torch.Tensor | None = None, packed_seq_params: Any = None) -> torch.Tensor:
         if packed_seq_params is None:
             return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias)
         if attention_bias is None and getattr(self, "softmax_offset", None) is None:

@@ -12,7 +12,8 @@ downstream reads only the flat spelling.
 from __future__ import annotations
 
 import logging
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from nrl_core.config.schema import Field, Section
 from nrl_core.errors import ConfigError

@@ -20,10 +20,9 @@ from typing import Any
 
 import torch
 
+from nrl_backend_megatron.convert.families import head_kind
 from nrl_core.errors import ConfigError
 from nrl_core.sdk.value_head import head_has_bias, value_model_config
-
-from nrl_backend_megatron.convert.families import head_kind
 
 
 class ValueHead(torch.nn.Module):

@@ -17,14 +17,14 @@ stacked into one message) rather than one transfer per expert.
 from __future__ import annotations
 
 import re
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from nrl_core.device import all_gather, broadcast
-
 from nrl_backend_megatron.convert.mapping import local_name
+from nrl_core.device import all_gather, broadcast
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 _EXPERT = re.compile(r"^(.*\.mlp\.experts\.local_experts\.)(\d+)\.(.*)$")
@@ -85,7 +85,7 @@ def load_full_state(model: Any, full: dict[str, torch.Tensor], tp_rank: int, tp_
                     tied: bool) -> None:
     """Copy canonical full tensors into this rank's parameters; every parameter must be covered."""
     params = canonical_param_names(model)
-    for canon, (name, param) in params.items():
+    for canon, (_name, param) in params.items():
         source = canon
         if canon == "output_layer.weight" and tied:
             source = "embedding.word_embeddings.weight"

@@ -17,28 +17,31 @@ from __future__ import annotations
 import logging
 import os
 import socket
+from collections.abc import Iterator, Mapping
 from functools import partial
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from nrl_core.contracts import (BatchShard, CheckpointOptions, LossFunction, TokenBatch, TopkShard, WeightSpec,
-                                logprob_temperature)
-from nrl_core.device import (all_reduce, broadcast, check_batch_device, host_copy, model_device, move_optimizer_state,
-                             move_tensors, to_device)
-from nrl_core.errors import NrlError
-from nrl_core.nonfinite import KEY as NAN_KEY, NonFiniteError, check_finite, guard_enabled
-from nrl_core.sdk import ReferenceWeights, TrainingWorkerBase, base_model_identity, training_precision
-from nrl_core.sdk.value_head import value_head_type
-from nrl_core.sdk.vocab import next_token_logprobs_at, next_token_topk
-
-from nrl_backend_megatron import cpu_shim, lora, value_head as heads
-from nrl_backend_megatron.batching import (MicroBatch, dynamic_micro_batches, packed_micro_batches,
-                                           padded_micro_batches, token_logprobs)
-from nrl_backend_megatron.checkpoint_dir import CheckpointDirError, Conversion, converted_dir, ensure_converted, \
-    identity, require_converted
+from nrl_backend_megatron import cpu_shim, lora
+from nrl_backend_megatron import value_head as heads
+from nrl_backend_megatron.batching import (
+    MicroBatch,
+    dynamic_micro_batches,
+    packed_micro_batches,
+    padded_micro_batches,
+    token_logprobs,
+)
+from nrl_backend_megatron.checkpoint_dir import (
+    CheckpointDirError,
+    Conversion,
+    converted_dir,
+    ensure_converted,
+    identity,
+    require_converted,
+)
 from nrl_backend_megatron.checks import check_value_head, layout_of, logging_level
 from nrl_backend_megatron.convert import canonical_shapes, family_of, megatron_to_hf_items
 from nrl_backend_megatron.convert.families import head_kind
@@ -49,6 +52,31 @@ from nrl_backend_megatron.moe import RouterMetrics, check_moe_section, freeze_ro
 from nrl_backend_megatron.optim import build_optimizer, main_params, optimizer_step
 from nrl_backend_megatron.parallel import check_layout, ensure_process_group, init_model_parallel
 from nrl_backend_megatron.weights import iter_full_tensors
+from nrl_core.contracts import (
+    BatchShard,
+    CheckpointOptions,
+    LossFunction,
+    TokenBatch,
+    TopkShard,
+    WeightSpec,
+    logprob_temperature,
+)
+from nrl_core.device import (
+    all_reduce,
+    broadcast,
+    check_batch_device,
+    host_copy,
+    model_device,
+    move_optimizer_state,
+    move_tensors,
+    to_device,
+)
+from nrl_core.errors import NrlError
+from nrl_core.nonfinite import KEY as NAN_KEY
+from nrl_core.nonfinite import NonFiniteError, check_finite, guard_enabled
+from nrl_core.sdk import ReferenceWeights, TrainingWorkerBase, base_model_identity, training_precision
+from nrl_core.sdk.value_head import value_head_type
+from nrl_core.sdk.vocab import next_token_logprobs_at, next_token_topk
 
 logger = logging.getLogger(__name__)
 
@@ -180,8 +208,11 @@ class MegatronPolicyWorker(TrainingWorkerBase):
             convert_in_subprocess(self.model_path, out, self.cfg, self.overrides, trust)
 
     def _build(self) -> None:
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, \
-            finalize_model_grads
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
 
         precision = training_precision(self.policy, self.device)
         self.precision = self.export_dtype = precision

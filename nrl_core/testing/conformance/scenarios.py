@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -31,7 +32,7 @@ BUCKET_BYTES = 16_384
 # --------------------------------------------------------------------------- inputs
 
 
-def conformance_batch(rows: int = GLOBAL_BATCH, width: int = 14, vocab: int = 512, seed: int = 0) -> "TokenBatch":
+def conformance_batch(rows: int = GLOBAL_BATCH, width: int = 14, vocab: int = 512, seed: int = 0) -> TokenBatch:
     """Right-padded sequences of different lengths (pad id 3), the loss over every token after the
     first: varied lengths are what expose padding, packing and micro-batch mistakes."""
     import torch
@@ -90,7 +91,7 @@ def build_training_worker(config: Mapping[str, Any], rank: int, world_size: int)
 # --------------------------------------------------------------------------- references
 
 
-def hf_logprobs(model: Any, batch: "TokenBatch", temperature: float) -> "torch.Tensor":
+def hf_logprobs(model: Any, batch: TokenBatch, temperature: float) -> torch.Tensor:
     """``[B, T]`` logprobs of each token under ``softmax(logits / temperature)`` from a plain HF
     forward, aligned as in :class:`~nrl_core.contracts.TokenBatch` (position 0 and padding 0)."""
     import torch
@@ -124,7 +125,7 @@ def hf_greedy(model: Any, prompts: list[list[int]], max_new_tokens: int) -> list
     return out
 
 
-def safetensors_state(path: str | os.PathLike[str]) -> dict[str, "torch.Tensor"]:
+def safetensors_state(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     state: dict[str, torch.Tensor] = {}
@@ -143,13 +144,13 @@ class TrainingForwardLogprobs:
     separate ``get_logprobs`` pass, so a backend's must equal that pass's. Needs the batch's
     per-sequence field ``row`` (its index in the global batch)."""
 
-    def __init__(self, loss: Any, batch: "TokenBatch") -> None:
+    def __init__(self, loss: Any, batch: TokenBatch) -> None:
         import torch
 
         self.loss = loss
         self.values = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
 
-    def __call__(self, logprobs: "torch.Tensor", batch: "TokenBatch", **counts: float) -> Any:
+    def __call__(self, logprobs: torch.Tensor, batch: TokenBatch, **counts: float) -> Any:
         rows = batch.fields["row"].long()
         width = min(int(logprobs.shape[1]), int(self.values.shape[1]))
         mask = batch.fields["token_mask"][:, :width].float()
@@ -157,11 +158,11 @@ class TrainingForwardLogprobs:
         return self.loss(logprobs, batch, **counts)
 
 
-def result_type_errors(worker: Any, batch: "TokenBatch") -> list[str]:
+def result_type_errors(worker: Any, batch: TokenBatch) -> list[str]:
     """One line per logprob method whose result is not a ``BatchShard`` (or ``None``), probed once
     before any check uses it: a worker returning a bare tensor is named, not a crash in assembly."""
-    from nrl_core.errors import PluginError
     from nrl_core.contract_versions import check_result
+    from nrl_core.errors import PluginError
 
     errors = []
     for method in ("get_logprobs", "get_reference_logprobs"):
@@ -172,7 +173,7 @@ def result_type_errors(worker: Any, batch: "TokenBatch") -> list[str]:
     return errors
 
 
-def _whole(worker_result: Any, batch: "TokenBatch") -> "torch.Tensor":
+def _whole(worker_result: Any, batch: TokenBatch) -> torch.Tensor:
     from nrl_core.testing.distributed import gather_shards
 
     return gather_shards(worker_result, batch)

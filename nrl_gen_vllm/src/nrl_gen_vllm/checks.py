@@ -15,8 +15,9 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from nrl_core.config.model_config import local_model_config
 from nrl_core.errors import ConfigError

@@ -21,7 +21,8 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-from typing import Any, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 
 class SyncEngine:
@@ -178,7 +179,7 @@ class AsyncEngine:
         try:
             os.ftruncate(fd, max(offset, 1))
             data = torch.from_file(path, shared=True, size=max(offset, 1), dtype=torch.uint8)
-            for (name, tensor), (_, _, _, start, nbytes) in zip(named, layout):
+            for (_name, tensor), (_, _, _, start, nbytes) in zip(named, layout):
                 data[start:start + nbytes].copy_(tensor.detach().contiguous().view(-1).view(torch.uint8))
             self._run(self._load(path, layout, version, in_flight, recompute_kv_cache))
         finally:

@@ -24,8 +24,9 @@ default, :data:`FALLBACK_GIB`.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 

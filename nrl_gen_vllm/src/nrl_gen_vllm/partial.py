@@ -9,7 +9,7 @@ weights, which each rank slices itself) is wanted whole.
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 
 def experts_elsewhere(names: Iterable[str], held: Mapping[str, Iterable[int]]) -> frozenset[str]:

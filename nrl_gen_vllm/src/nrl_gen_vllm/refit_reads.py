@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import bisect
 from collections import defaultdict
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef

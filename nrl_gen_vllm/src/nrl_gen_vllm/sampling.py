@@ -9,7 +9,8 @@ rollouts.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from nrl_core.generation_kit import SamplingSettings
 from nrl_core.generation_kit import derive_seed as request_seed

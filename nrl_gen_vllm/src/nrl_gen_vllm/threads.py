@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Iterator
+from collections.abc import Iterator
 
 __all__ = ["keep_process_threads"]
 

@@ -13,7 +13,8 @@ import gc
 import logging
 import os
 import time
-from typing import Any, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
 
 from nrl_core.contracts import GenerationOutput, WeightSpec
 from nrl_core.device import resolve_precision
@@ -23,12 +24,11 @@ from nrl_core.generation_kit import SamplingState, SleepState
 from nrl_core.refit.buckets import Bucket, dtype_name, parse_dtype, spec_of
 from nrl_core.refit.manifest import RefitError, TornRefitError, verified_stream, verify
 from nrl_core.timeline import mark
-
 from nrl_gen_vllm import cpu_shm
-from nrl_gen_vllm.engines import AsyncEngine, FollowerEngine, SyncEngine
 from nrl_gen_vllm.checkpoint import check_against_checkpoint, checkpoint_shapes
 from nrl_gen_vllm.checks import engine_start_error
 from nrl_gen_vllm.cpu_sampler import use_eager_rank_count
+from nrl_gen_vllm.engines import AsyncEngine, FollowerEngine, SyncEngine
 from nrl_gen_vllm.kv_cache import KvCacheSize, kv_cache_space
 from nrl_gen_vllm.partial import experts_elsewhere
 from nrl_gen_vllm.sampling import VllmSampling, base_seed

@@ -22,14 +22,14 @@ has HF's ``score`` where a causal LM has ``lm_head``: Megatron's ``output_layer.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 import torch
 
-from nrl_core.sdk.value_head import head_has_bias
-
 from nrl_backend_megatron.convert.families import family_of, head_dim, head_kind, moe_layers
+from nrl_core.sdk.value_head import head_has_bias
 
 _TE_RENAMES = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
                "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}

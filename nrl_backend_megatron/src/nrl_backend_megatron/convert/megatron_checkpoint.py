@@ -22,9 +22,10 @@ import argparse
 import json
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from nrl_core.errors import NrlError
 

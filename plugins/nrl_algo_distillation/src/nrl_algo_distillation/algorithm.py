@@ -11,10 +11,13 @@ Everything else (checkpoints, resume, logging) is :class:`~nrl_core.algorithms.b
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
+from nrl_algo_distillation.config import check_distillation
+from nrl_algo_distillation.loss import TEACHER_IDS, TEACHER_LOGPROBS, TopkDistillationLoss
 from nrl_core.algorithms.base import AlgorithmRun
 from nrl_core.algorithms.generation import Generation
 from nrl_core.algorithms.grpo import prompt_limits
@@ -28,9 +31,6 @@ from nrl_core.config.checks import data_parallel_size
 from nrl_core.config.models import model_config
 from nrl_core.contracts import GenerationOutput, TokenBatch
 from nrl_core.data import DatumSpec, prepare_data
-
-from nrl_algo_distillation.config import check_distillation
-from nrl_algo_distillation.loss import TEACHER_IDS, TEACHER_LOGPROBS, TopkDistillationLoss
 
 
 class Distillation(AlgorithmRun):

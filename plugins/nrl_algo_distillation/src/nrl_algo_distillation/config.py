@@ -4,8 +4,9 @@ the teacher, with NeMo RL's names and defaults (``examples/configs/distillation_
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from nrl_core.config.schema import Field, Section
 from nrl_core.errors import ConfigError

@@ -9,7 +9,8 @@ student's entropy over the whole vocabulary). The loss is a mean over the batch'
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -31,7 +32,7 @@ class TopkDistillationLoss:
         self.zero_outside_topk = bool(zero_outside_topk)
 
     @classmethod
-    def from_config(cls, loss_fn: Mapping[str, Any]) -> "TopkDistillationLoss":
+    def from_config(cls, loss_fn: Mapping[str, Any]) -> TopkDistillationLoss:
         return cls(loss_fn["kl_type"], loss_fn["mixed_kl_weight"], loss_fn["zero_outside_topk"])
 
     def per_token(self, student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:

@@ -19,10 +19,14 @@ takes its rollouts, as in NeMo RL.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 
+from nrl_algo_ppo.config import check_ppo, critic_config
+from nrl_algo_ppo.gae import GAEConfig, advantages_and_returns, explained_variance, terminal_rewards, token_values
+from nrl_algo_ppo.loss import OLD_VALUES, RETURNS, ClippedValueLoss
 from nrl_core.algorithms.async_rollouts import AsyncRollouts
 from nrl_core.algorithms.base import AlgorithmRun
 from nrl_core.algorithms.estimators import RewardKL
@@ -38,10 +42,6 @@ from nrl_core.contracts import TokenBatch, import_object
 from nrl_core.data import DatumSpec, prepare_data
 from nrl_core.errors import NrlError
 from nrl_core.plugins import get_plugin_manager
-
-from nrl_algo_ppo.config import check_ppo, critic_config
-from nrl_algo_ppo.gae import GAEConfig, advantages_and_returns, explained_variance, terminal_rewards, token_values
-from nrl_algo_ppo.loss import OLD_VALUES, RETURNS, ClippedValueLoss
 
 
 class PPO(AlgorithmRun):

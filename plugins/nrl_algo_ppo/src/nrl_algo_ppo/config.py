@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from nrl_core.algorithms.grpo_config import GRPO, check_async_rollouts
 from nrl_core.algorithms.rewards import shaping_problem

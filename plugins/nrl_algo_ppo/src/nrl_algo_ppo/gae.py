@@ -11,8 +11,9 @@ its own lambda, whitened over the step's tokens.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
@@ -45,7 +46,7 @@ class GAEConfig:
     normalize: bool = True
 
     @classmethod
-    def from_section(cls, section: Mapping[str, Any]) -> "GAEConfig":
+    def from_section(cls, section: Mapping[str, Any]) -> GAEConfig:
         return cls(gamma=float(section["gae_gamma"]), lam=float(section["gae_lambda"]),
                    lam_value=section["gae_lambda_value"], lam_policy=section["gae_lambda_policy"],
                    length_adaptive_alpha=float(section["length_adaptive_alpha"]),

@@ -11,13 +11,13 @@ Metrics are shares of the global values, so backends sum them over micro-batches
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
-from nrl_core.contracts import TokenBatch
-
 from nrl_algo_ppo.gae import token_values
+from nrl_core.contracts import TokenBatch
 
 RETURNS = "returns"
 OLD_VALUES = "values"
@@ -31,7 +31,7 @@ class ClippedValueLoss:
         self.cliprange = float(cliprange) if cliprange else None
 
     @classmethod
-    def from_config(cls, section: Mapping[str, Any]) -> "ClippedValueLoss":
+    def from_config(cls, section: Mapping[str, Any]) -> ClippedValueLoss:
         return cls(section["scale"], section["cliprange"])
 
     def __call__(self, values: torch.Tensor, batch: TokenBatch, *, global_valid_tokens: float,

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import json
 import secrets
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from nrl_core.errors import NrlError
 from nrl_env_code.sandbox import Program, RunResult

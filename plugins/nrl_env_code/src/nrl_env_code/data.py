@@ -16,8 +16,9 @@ from __future__ import annotations
 import json
 import random
 import string
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from nrl_core.data import DatumSpec
 from nrl_core.data.processors import PromptConfig, build_prompt, sft_processor

@@ -20,10 +20,11 @@ Per-test results (status, exit code, stdout and stderr excerpts, seconds) are ea
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any
 
-from nrl_core.contracts import EnvResult, EnvSample, Episode, EnvStep
+from nrl_core.contracts import EnvResult, EnvSample, EnvStep, Episode
 from nrl_core.errors import ConfigError
 from nrl_env_code.checks import TestCase, TestResult, judge, program_for, tests_of
 from nrl_env_code.extract import extract_code

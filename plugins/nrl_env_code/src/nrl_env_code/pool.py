@@ -17,8 +17,9 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from nrl_core.errors import NrlError, WorkerError, first_line
 from nrl_env_code.sandbox import Program, RunResult

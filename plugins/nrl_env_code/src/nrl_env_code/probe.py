@@ -8,7 +8,8 @@ pids in /proc, an interface besides ``lo``, a write that worked, a capability), 
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 INNER_UID = 1000
 """The program's uid inside its user namespace."""

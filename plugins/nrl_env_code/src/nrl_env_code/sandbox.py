@@ -31,9 +31,10 @@ import socket
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from nrl_core.errors import NrlError
 from nrl_env_code.launch import SETUP_SECONDS, Launch, SandboxError
@@ -97,7 +98,7 @@ class SandboxConfig:
     unsafe_no_isolation_trusted_code_only: bool = False
 
     @classmethod
-    def from_section(cls, section: Mapping[str, Any] | None) -> "SandboxConfig":
+    def from_section(cls, section: Mapping[str, Any] | None) -> SandboxConfig:
         return cls(**{k: v for k, v in (section or {}).items() if k in cls.__dataclass_fields__})
 
     @property

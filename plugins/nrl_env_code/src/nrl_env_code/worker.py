@@ -8,7 +8,8 @@ fails there, by name, before any program runs.
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from nrl_env_code.sandbox import Program, RunResult, Sandbox, SandboxConfig
 

@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from nrl_core.contracts import EnvResult, EnvSample
 from nrl_core.errors import ConfigError, WorkerError, first_line
-
 from nrl_env_math.plugin import DAPO_ENV_SCHEMA, MATH_ENV_SCHEMA, VERIFIERS
 from nrl_env_math.verify import extract_answer
 

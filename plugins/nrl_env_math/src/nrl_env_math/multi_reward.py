@@ -14,10 +14,10 @@ in the driver without verifier workers; model output is never executed.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from nrl_core.contracts import EnvResult, EnvSample
-
 from nrl_env_math.plugin import MULTI_REWARD_SCHEMA
 
 REWARD_NAMES = ("correctness", "integer", "format")

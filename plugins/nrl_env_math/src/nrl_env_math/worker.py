@@ -13,7 +13,8 @@ from __future__ import annotations
 import os
 import signal
 import threading
-from typing import Any, Callable, Literal
+from collections.abc import Callable
+from typing import Any, Literal
 
 Status = Literal["correct", "incorrect", "timeout", "error"]
 

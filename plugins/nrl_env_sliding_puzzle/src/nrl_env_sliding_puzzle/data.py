@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import json
 import random
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from nrl_core.data import DatumSpec
 from nrl_core.data.processors import PromptConfig, build_prompt

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
-from nrl_core.contracts import Episode, EnvStep
+from nrl_core.contracts import EnvStep, Episode
 from nrl_env_sliding_puzzle.game import Board, parse_action, play
 
 STOP = ["</action>"]

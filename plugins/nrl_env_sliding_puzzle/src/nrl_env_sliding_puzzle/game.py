@@ -25,11 +25,11 @@ class Board:
         return len(self.grid)
 
     @staticmethod
-    def solved_board(size: int) -> "Board":
+    def solved_board(size: int) -> Board:
         return Board([[(r * size + c + 1) % (size * size) for c in range(size)] for r in range(size)])
 
     @staticmethod
-    def from_state(state: dict[str, Any]) -> "Board":
+    def from_state(state: dict[str, Any]) -> Board:
         return Board([list(row) for row in state["grid"]])
 
     def state(self) -> dict[str, Any]:

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import json
 import random
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from nrl_core.algorithms.multi_turn import ObservationTokens
 from nrl_core.data import DatumSpec

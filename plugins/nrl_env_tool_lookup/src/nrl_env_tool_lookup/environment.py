@@ -10,9 +10,10 @@ per episode, so nothing but the tool can tell them: a model that answers at once
 from __future__ import annotations
 
 import re
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
-from nrl_core.contracts import Episode, EnvStep
+from nrl_core.contracts import EnvStep, Episode
 from nrl_core.tools import ToolCall, ToolCallError, parse_tool_calls, tool_message
 
 TOOL_NAME = "lookup"

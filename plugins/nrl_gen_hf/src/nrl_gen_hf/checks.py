@@ -3,11 +3,11 @@ values transformers would refuse only once an engine generates, and a model it c
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from nrl_core.config.model_config import local_model_config
 from nrl_core.errors import ConfigError
-
 from nrl_gen_hf.config import KEY
 
 

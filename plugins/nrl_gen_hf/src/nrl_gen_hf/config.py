@@ -7,8 +7,9 @@ running transformers' ``generate``.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from nrl_core.config.schema import Field, Section
 from nrl_core.device import resolve_precision
@@ -50,7 +51,7 @@ class EngineSettings:
     hf_config_overrides: Mapping[str, Any]
 
     @classmethod
-    def from_config(cls, config: Mapping[str, Any]) -> "EngineSettings":
+    def from_config(cls, config: Mapping[str, Any]) -> EngineSettings:
         """Read a validated config; a bare one (tests, notebooks) gets the schema's defaults."""
         policy = config["policy"]
         section = HF_CFG.validate(dict((policy.get("generation") or {}).get("hf_cfg") or {}), KEY)

@@ -11,7 +11,8 @@ than values tells where every element of a checkpoint tensor lives in the fused 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterable
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 from nrl_core.contracts import WeightSpec
 from nrl_core.refit.hf_source import checkpoint_layout
@@ -34,7 +35,7 @@ class RefitLayout:
                 self.fused[piece] = name
         self.optional = self._tied_names()
 
-    def _revert(self, name: str, tensor: "torch.Tensor") -> dict[str, "torch.Tensor"]:
+    def _revert(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
         from transformers.core_model_loading import revert_weight_conversion
 
         return dict(revert_weight_conversion(self.model, {name: tensor}))
@@ -59,7 +60,7 @@ class RefitLayout:
                     for name, shape in self.shapes.items() if name not in self.optional or name in sent]
         verify(manifest, expected, what="refit into the hf engine's model")
 
-    def load(self, named: Iterable[tuple[str, "torch.Tensor"]]) -> None:
+    def load(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checked tensors into the model (cast to its dtype and device)."""
         import torch
 

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     import torch
 
 
-def _tensors(module: Any) -> list["torch.Tensor"]:
+def _tensors(module: Any) -> list[torch.Tensor]:
     """Every parameter and buffer once (tied weights are one parameter)."""
     seen: set[int] = set()
     out = []
@@ -37,7 +37,7 @@ def park(module: Any) -> None:
     torch.cuda.empty_cache()
 
 
-def restore(module: Any, device: "torch.device") -> None:
+def restore(module: Any, device: torch.device) -> None:
     """Move parked weights back to ``device``."""
     import torch
 

@@ -12,7 +12,8 @@ step and keeps one row per sequence.
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any, Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 from nrl_core.generation_kit import SamplingSettings
 
@@ -56,10 +57,10 @@ class LogprobRecorder:
     """
 
     def __init__(self) -> None:
-        self._pending: "torch.Tensor | None" = None
-        self._resolved: list["torch.Tensor"] = []
+        self._pending: torch.Tensor | None = None
+        self._resolved: list[torch.Tensor] = []
 
-    def __call__(self, input_ids: "torch.Tensor", scores: "torch.Tensor") -> "torch.Tensor":
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         import torch
 
         if self._pending is not None:
@@ -67,12 +68,12 @@ class LogprobRecorder:
         self._pending = torch.log_softmax(scores.float(), dim=-1)
         return scores
 
-    def _resolve(self, tokens: "torch.Tensor") -> None:
+    def _resolve(self, tokens: torch.Tensor) -> None:
         assert self._pending is not None
         self._resolved.append(self._pending.gather(1, tokens.view(-1, 1).to(self._pending.device)).squeeze(1))
         self._pending = None
 
-    def finish(self, new_tokens: "torch.Tensor") -> "torch.Tensor":
+    def finish(self, new_tokens: torch.Tensor) -> torch.Tensor:
         """``[rows, steps]`` float32 logprobs of ``new_tokens`` (the generated ``[rows, steps]`` ids)."""
         import torch
 
@@ -85,7 +86,7 @@ class LogprobRecorder:
 
 
 @contextlib.contextmanager
-def seeded(seed: int, device: "torch.device") -> Iterator[None]:
+def seeded(seed: int, device: torch.device) -> Iterator[None]:
     """Run with torch's generator for ``device`` seeded by ``seed``, restoring it on exit: the
     sampler draws from the global generator, and a colocated training worker's random state (saved
     in checkpoints) must not move because the engine sampled."""

@@ -8,7 +8,8 @@ says ``"length"``.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from nrl_core.generation_kit import stop_string_end
 

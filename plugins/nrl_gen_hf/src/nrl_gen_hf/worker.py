@@ -10,14 +10,14 @@ from __future__ import annotations
 import gc
 import logging
 from collections import defaultdict
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 from nrl_core.contracts import GenerationOutput, WeightSpec
 from nrl_core.errors import NrlError
 from nrl_core.generation_kit import SamplingState, SleepState
 from nrl_core.refit.buckets import Bucket, parse_dtype, spec_of
 from nrl_core.refit.manifest import RefitError, verify
-
 from nrl_gen_hf import memory
 from nrl_gen_hf.config import EngineSettings
 from nrl_gen_hf.layout import RefitLayout

@@ -11,7 +11,8 @@ The best checkpoint is exported as a Hugging Face ``*ForSequenceClassification``
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -19,7 +20,6 @@ from nrl_core.algorithms.preference_run import PreferenceRun
 from nrl_core.algorithms.setup import PhaseTimer
 from nrl_core.contracts import TokenBatch
 from nrl_core.data.preference import PreferencePair
-
 from nrl_reward_model.config import check_rm
 from nrl_reward_model.loss import BradleyTerryLoss
 

@@ -3,7 +3,8 @@ training needs of the rest of the config. Free of torch: ``nrl config check`` st
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from nrl_core.config.schema import Field, Section
 from nrl_core.errors import ConfigError

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from nrl_core import hookimpl
 from nrl_core.contracts import AlgorithmSpec, EnvironmentSpec
-
 from nrl_reward_model.config import RM_SCHEMA
 from nrl_reward_model.env_config import REWARD_MODEL_ENV_SCHEMA
 

@@ -5,9 +5,14 @@ conformance kit must each name the gap in one line: ``lacking``'s worker has no 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from nrl_core import hookimpl
 from nrl_core.config.schema import Field, Section
 from nrl_core.contracts import TrainingBackendSpec
+
+if TYPE_CHECKING:  # the annotation below is read as text, never evaluated
+    import torch
 
 NRL_CONTRACT = 3
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-from typing import Any, Iterator, Mapping
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import torch
 

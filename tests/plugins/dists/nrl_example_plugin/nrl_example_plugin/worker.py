@@ -15,8 +15,9 @@ from __future__ import annotations
 import copy
 import os
 import threading
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 import torch
 
