@@ -5,6 +5,11 @@ CPU-only machine, without ``torchrun`` or Ray. :func:`run_distributed` spawns th
 each a process group, and returns each rank's result in rank order; a failure on any rank raises
 in the caller with that rank's traceback. Results travel through ``torch.save`` files, so tensors
 and plain Python objects both come back.
+
+Ranks start from a fork server that has already imported torch (and, where installed,
+transformers and Megatron-Core): a spawned interpreter would import them again for every rank,
+seconds each, which is most of what a small multi-rank test costs. Each rank still gets the
+caller's environment as it is at the call (:func:`rank_context`).
 """
 
 from __future__ import annotations
@@ -33,8 +38,30 @@ def init_local_group(rank: int = 0, world_size: int = 1, port: int | None = None
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
 
 
+#: What the fork server imports once, so that ranks forked from it need not (missing ones are skipped).
+PRELOAD: tuple[str, ...] = ("torch", "torch.distributed", "transformers", "megatron.core")
+
+
+def rank_context() -> Any:
+    """The multiprocessing context test ranks start from: a fork server that preloads
+    :data:`PRELOAD`. Forked ranks inherit the server's environment, not the caller's, so the entry
+    of every rank must install the caller's (:func:`adopt_environment`)."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(list(PRELOAD))  # takes effect when the server first starts
+    return context
+
+
+def adopt_environment(environ: dict[str, str]) -> None:
+    """Make this process's environment ``environ`` (the caller's, sent with the rank's arguments)."""
+    os.environ.clear()
+    os.environ.update(environ)
+
+
 def _entry(rank: int, world_size: int, port: int, out_dir: str, threads: int, fn: Callable[..., Any],
-           args: tuple[Any, ...]) -> None:
+           args: tuple[Any, ...], environ: dict[str, str]) -> None:
+    adopt_environment(environ)
     freeze_at_exit()
     os.environ["OMP_NUM_THREADS"] = str(threads)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
@@ -68,8 +95,9 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, threads
 
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="nrl-dist-") as out_dir:
-        context = mp.start_processes(_entry, args=(world_size, port, out_dir, threads, fn, args), nprocs=world_size,
-                                     join=False, start_method="spawn")
+        rank_context()  # the fork server's preload
+        context = mp.start_processes(_entry, args=(world_size, port, out_dir, threads, fn, args, dict(os.environ)),
+                                     nprocs=world_size, join=False, start_method="forkserver")
         failed: list[str] = []
         deadline = time.monotonic() + timeout
         try:

@@ -1,7 +1,8 @@
 """Shared helpers for the Megatron backend tests: configs, batches, and a multi-process runner.
 
 ``run_world`` is a small private equivalent of ``nrl_core.testing.distributed.run_distributed``
-(see its docstring for why): it spawns ``world_size`` processes on gloo with a free port, runs
+(see its docstring for why): it starts ``world_size`` processes (from the same preloaded fork
+server) on gloo with a free port, runs
 ``fn(rank, world_size, *args)`` in each and returns the per-rank results (sent as bytes).
 """
 
@@ -14,13 +15,15 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
 
 from nrl_core.long_lived import freeze_at_exit
 from nrl_core.net import free_port
+from nrl_core.testing.distributed import adopt_environment, rank_context
 
 
-def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, env: dict, queue: Any) -> None:
+def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, environ: dict, env: dict,
+           queue: Any) -> None:
+    adopt_environment(environ)
     freeze_at_exit()
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                        "WORLD_SIZE": str(world_size), "OMP_NUM_THREADS": "1", **env})
@@ -49,10 +52,10 @@ def run_world(fn: Callable[..., Any], world_size: int, *args: Any, env: dict | N
     Private rather than ``nrl_core.testing.distributed.run_distributed``: that one raced (a rank's
     result file read while incomplete) in these long multi-worker scenarios when last tried.
     """
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, env or {}, queue))
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, dict(os.environ), env or {}, queue))
              for r in range(world_size)]
     for p in procs:
         p.start()
