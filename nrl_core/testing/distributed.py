@@ -38,8 +38,9 @@ def init_local_group(rank: int = 0, world_size: int = 1, port: int | None = None
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
 
 
-#: What the fork server imports once, so that ranks forked from it need not (missing ones are skipped).
-PRELOAD: tuple[str, ...] = ("torch", "torch.distributed", "transformers", "megatron.core")
+#: What the fork server imports once, so that processes forked from it need not (missing ones are
+#: skipped): what test ranks import, and what a driver process of ``nrl`` imports (Ray).
+PRELOAD: tuple[str, ...] = ("torch", "torch.distributed", "transformers", "megatron.core", "ray")
 
 
 def rank_context() -> Any:

@@ -10,7 +10,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -18,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from nrl_core.data import write_jsonl
+from tests.launch import nrl
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "examples" / "configs" / "grpo_tiny_cpu.yaml"
@@ -66,8 +66,7 @@ def run_nrl(tmp: Path, config: Path, algorithm: str, overrides: list[str],
             f"logger.log_dir={tmp / 'logs'}", "logger.tensorboard_enabled=false", "logger.plot=false",
             "checkpointing.export_hf=false", "checkpointing.keep_top_k=null", *overrides]
     env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "NRL_STRICT_PLUGINS": "1", **(env or {})}
-    return subprocess.run([sys.executable, "-m", "nrl_core.cli", "train", algorithm, "--config", str(config), *args],
-                          capture_output=True, text=True, env=env, cwd=tmp, timeout=900)
+    return nrl(["train", algorithm, "--config", str(config), *args], env=env, cwd=tmp)
 
 
 def metrics(tmp: Path) -> list[dict]:
