@@ -1,12 +1,18 @@
-"""``nrl`` commands as the tests run them: each in a new process, as a user's shell runs it, but
-forked from the suite's fork server, which has imported the heavy libraries the command's driver
-would import again (torch, transformers, Ray: seconds of every run's start on a small machine).
+"""``nrl`` commands as the tests run them, and the Ray they share.
 
-The forked process is made to look like ``python -m nrl_core.cli ARGS`` started in ``cwd`` with
-``env``: that environment, that working directory first on ``sys.path`` followed by
-``PYTHONPATH`` and the interpreter's own paths, standard output and error to pipes the caller
-reads, and the interpreter's exit handlers run at the end (Ray's shutdown among them). Nothing of
-the pytest process comes with it: the server is a fresh interpreter that only imported libraries.
+Each command runs in a new process, as a user's shell runs it, but forked from the suite's fork
+server, which has imported the heavy libraries the command's driver would import again (torch,
+transformers, Ray: seconds of every run's start on a small machine). The forked process is made to
+look like ``python -m nrl_core.cli ARGS`` started in ``cwd`` with ``env``: that environment, that
+working directory first on ``sys.path`` followed by ``PYTHONPATH`` and the interpreter's own
+paths, standard output and error to files the caller reads, and the interpreter's exit handlers
+run at the end (Ray's shutdown among them). Nothing of the pytest process comes with it: the
+server is a fresh interpreter that only imported libraries.
+
+:func:`shared_ray` is one local Ray per pytest process that runs join as a user joins a running
+cluster (``RAY_ADDRESS``), instead of each starting and stopping a Ray of its own. Each run is its
+own Ray job: its actors are gone when its driver exits, and its workers get their environment
+from the run alone (the cluster's own processes start without any variable nrl forwards).
 """
 
 from __future__ import annotations
@@ -19,10 +25,26 @@ import subprocess
 import sys
 import tempfile
 import traceback
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from nrl_core.cluster.ray_cluster import FORWARDED_ENV_NAMES, FORWARDED_ENV_PREFIXES
 from nrl_core.testing.distributed import adopt_environment, rank_context
+
+# The shared Ray's driver. Not nrl's private local Ray: that one keeps to the loopback address, and
+# a driver asked to join 127.0.0.1 connects to the machine's address instead (Ray resolves it).
+_SHARED_HEAD = """
+import sys
+import ray
+from nrl_core.cluster.ray_cluster import LOCAL_SYSTEM_CONFIG
+ray.init(address="local", include_dashboard=False, log_to_driver=False, _system_config=dict(LOCAL_SYSTEM_CONFIG))
+print(ray.get_runtime_context().gcs_address, flush=True)
+sys.stdin.read()  # until the suite closes it
+ray.shutdown()
+"""
+_shared: subprocess.Popen[str] | None = None
+_shared_address: str | None = None
 
 
 @functools.cache
@@ -42,6 +64,9 @@ def _run_cli(args: Sequence[str], environ: dict[str, str], cwd: str, base_path: 
     python_path = [p for p in environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     sys.path[:] = [cwd, *python_path, *base_path]
     sys.argv = [str(Path(sys.executable).parent / "nrl"), *args]
+    if environ.get("PYTHONWARNINGS"):  # what the interpreter reads at its start
+        sys.warnoptions[:] = environ["PYTHONWARNINGS"].split(",")
+        warnings._processoptions(sys.warnoptions)  # type: ignore[attr-defined]
     for fd, path in ((1, out), (2, err)):
         target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         os.dup2(target, fd)
@@ -67,11 +92,15 @@ def _run_cli(args: Sequence[str], environ: dict[str, str], cwd: str, base_path: 
 
 
 def nrl(args: Sequence[str], *, env: Mapping[str, str] | None = None, cwd: str | Path | None = None,
-        timeout: float = 900.0) -> subprocess.CompletedProcess[str]:
+        timeout: float = 900.0, join_shared_ray: bool = False) -> subprocess.CompletedProcess[str]:
     """``nrl ARGS`` in a new process (see the module docstring), like ``subprocess.run(..., capture_output=True,
-    text=True)``; ``env`` replaces the environment (default: this process's). A command still running
-    after ``timeout`` seconds is killed and raises :class:`subprocess.TimeoutExpired`."""
+    text=True)``; ``env`` replaces the environment (default: this process's). With ``join_shared_ray``
+    the command joins :func:`shared_ray` unless ``env`` names a ``RAY_ADDRESS`` (empty: a Ray of its
+    own). A command still running after ``timeout`` seconds is killed and raises
+    :class:`subprocess.TimeoutExpired`."""
     environ = dict(os.environ if env is None else env)
+    if join_shared_ray and "RAY_ADDRESS" not in environ:
+        environ["RAY_ADDRESS"] = shared_ray()
     directory = str(Path(cwd or os.getcwd()).resolve())
     with tempfile.TemporaryDirectory(prefix="nrl-cli-") as tmp:
         out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
@@ -85,3 +114,34 @@ def nrl(args: Sequence[str], *, env: Mapping[str, str] | None = None, cwd: str |
             raise subprocess.TimeoutExpired(["nrl", *args], timeout, Path(out).read_text(), Path(err).read_text())
         return subprocess.CompletedProcess(["nrl", *args], process.exitcode, Path(out).read_text(errors="replace"),
                                            Path(err).read_text(errors="replace"))
+
+
+def shared_ray() -> str:
+    """The address of this pytest process's shared local Ray, started at the first call and
+    stopped when the process exits. Its own processes get none of the variables nrl forwards to
+    workers (``NRL_*``, ``VLLM_*``, ``PYTHONPATH``, ...): each run's workers get those from the run."""
+    global _shared, _shared_address
+    if _shared is not None and _shared.poll() is None:
+        assert _shared_address is not None
+        return _shared_address
+    env = {k: v for k, v in os.environ.items()
+           if not (k in FORWARDED_ENV_NAMES or k.startswith(FORWARDED_ENV_PREFIXES) or k == "RAY_ADDRESS")}
+    _shared = subprocess.Popen([sys.executable, "-c", _SHARED_HEAD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                               text=True, env=env, cwd=tempfile.gettempdir())
+    assert _shared.stdout is not None
+    address = _shared.stdout.readline().strip()
+    if not address:
+        raise RuntimeError(f"the shared Ray did not start (exit {_shared.wait()})")
+    _shared_address = address
+    atexit.register(_stop_shared_ray, _shared)
+    return address
+
+
+def _stop_shared_ray(process: subprocess.Popen[str]) -> None:
+    if process.poll() is None:
+        assert process.stdin is not None
+        process.stdin.close()
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()

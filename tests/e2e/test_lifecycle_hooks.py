@@ -7,12 +7,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from nrl_core.testing.tiny_models import cached_tiny_model
+from tests.launch import nrl
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "examples" / "configs" / "sft_tiny_cpu.yaml"
@@ -30,8 +30,7 @@ def sft(tmp: Path, *overrides: str, stop_after: int | None = None) -> subprocess
     env.pop("NRL_TEST_STOP_AFTER", None)
     if stop_after is not None:
         env["NRL_TEST_STOP_AFTER"] = str(stop_after)
-    return subprocess.run([sys.executable, "-m", "nrl_core.cli", "train", "sft", "--config", str(CONFIG), *args],
-                          capture_output=True, text=True, env=env, cwd=tmp, timeout=600)
+    return nrl(["train", "sft", "--config", str(CONFIG), *args], env=env, cwd=tmp, timeout=600, join_shared_ray=True)
 
 
 def events(tmp: Path) -> list[dict]:
@@ -67,8 +66,7 @@ def test_hooks_observe_stop_early_and_a_resume_starts_after_the_stop(tmp_path):
 
 def test_a_lifecycle_plugin_that_fails_to_import_is_named(tmp_path):
     env = {**os.environ, "NRL_PLUGINS": "no_such_lifecycle_module", "NRL_STRICT_PLUGINS": "0"}
-    proc = subprocess.run([sys.executable, "-m", "nrl_core.cli", "plugins"], capture_output=True, text=True, env=env,
-                          cwd=tmp_path, timeout=120)
+    proc = nrl(["plugins"], env=env, cwd=tmp_path, timeout=120)
     assert proc.returncode == 0
     assert ("plugin 'no_such_lifecycle_module' (named in NRL_PLUGINS) failed to load: ModuleNotFoundError"
             in proc.stderr)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.e2e.test_grpo import assert_ok
+from tests.launch import nrl
 
 pytestmark = pytest.mark.slow
 
@@ -25,8 +25,7 @@ def run(request) -> Path:
 
 def nrl_convert(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "NRL_STRICT_PLUGINS": "1"}
-    return subprocess.run([sys.executable, "-m", "nrl_core.cli", "convert", "checkpoint", *args],
-                          capture_output=True, text=True, env=env, cwd=cwd, timeout=600)
+    return nrl(["convert", "checkpoint", *args], env=env, cwd=cwd, timeout=600, join_shared_ray=True)
 
 
 def weights(directory: Path) -> dict[str, torch.Tensor]:

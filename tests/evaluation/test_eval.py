@@ -7,13 +7,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.e2e.test_grpo import CONFIG, assert_ok, metrics
 from tests.evaluation.conftest import VAL
+from tests.launch import nrl
 
 pytestmark = pytest.mark.slow
 
@@ -22,8 +22,7 @@ NEMO_RL_LAYOUT = Path(__file__).with_name("nemo_rl_layout.yaml")
 
 def nrl_eval(cwd: Path, config: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "NRL_STRICT_PLUGINS": "1"}
-    return subprocess.run([sys.executable, "-m", "nrl_core.cli", "eval", "--config", str(config), *overrides],
-                          capture_output=True, text=True, env=env, cwd=cwd, timeout=600)
+    return nrl(["eval", "--config", str(config), *overrides], env=env, cwd=cwd, timeout=600, join_shared_ray=True)
 
 
 def table(proc: subprocess.CompletedProcess[str]) -> list[str]:

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,6 +20,7 @@ import ray
 from nrl_core.cli import main
 from nrl_core.data import write_jsonl
 from nrl_core.testing.tiny_models import cached_tiny_model
+from tests.launch import nrl
 
 REPO = Path(__file__).resolve().parents[2]
 GRPO = REPO / "examples" / "configs" / "grpo_tiny_cpu.yaml"
@@ -232,9 +231,8 @@ def test_run_time_only_mistakes_fail_train_in_one_line(case, paths, tmp_path, ca
     assert main(["config", "check", *args]) == 0, capsys.readouterr().err
     env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}  # kv_cache_space_gb must count
     env.update(VLLM_LOGGING_LEVEL="WARNING", NRL_STRICT_PLUGINS="1")
-    proc = subprocess.run([sys.executable, "-m", "nrl_core.cli", "train", algorithm, "--config", *args,
-                           f"{algorithm}.max_num_steps=1"], capture_output=True, text=True, env=env, cwd=tmp_path,
-                          timeout=600)
+    proc = nrl(["train", algorithm, "--config", *args, f"{algorithm}.max_num_steps=1"], env=env, cwd=tmp_path,
+               timeout=600, join_shared_ray=True)
     lines = _error_lines(proc.stderr)
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-4000:]
     assert key in lines[0] and phrase in lines[0], lines[0]

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +13,7 @@ import yaml
 from nrl_core.cli import main
 from nrl_core.config import choose_backends, load_and_validate
 from nrl_core.testing.tiny_models import cached_tiny_model
+from tests.launch import nrl
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "examples" / "configs"
@@ -110,8 +109,8 @@ def test_tiny_cpu_recipe_runs_one_step(name, sft_model, tmp_path):
     overrides = [f"policy.model_name={sft_model}", f"++checkpointing.checkpoint_dir={tmp_path / 'ckpt'}",
                  "++checkpointing.enabled=false", f"++logger.log_dir={tmp_path / 'logs'}", *ONE_STEP[name]]
     env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "NRL_STRICT_PLUGINS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "nrl_core.cli", "train", algorithm, "--config", str(CONFIGS / name),
-                           *overrides], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    proc = nrl(["train", algorithm, "--config", str(CONFIGS / name), *overrides], env=env, cwd=tmp_path, timeout=600,
+               join_shared_ray=True)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["step"] == 1

@@ -14,7 +14,6 @@ import argparse
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +27,7 @@ from _helpers import make_batch, make_config, run_world
 
 from nrl_core.errors import NrlError
 from nrl_core.testing.tiny_models import cached_tiny_model
+from tests.launch import nrl
 
 ITERATION = 7
 
@@ -242,9 +242,8 @@ def test_a_layout_that_does_not_divide_the_model_is_one_line() -> None:
 # ---------------------------------------------------------------- nrl convert
 
 
-def nrl(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "nrl_core.cli", "convert", *args], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+def nrl_convert(*args: str) -> subprocess.CompletedProcess:
+    return nrl(["convert", *args], env={**os.environ, "PYTHONWARNINGS": "ignore"})
 
 
 def assert_same_tensors(model: Path, original: Path) -> None:
@@ -269,12 +268,12 @@ def assert_same_logits(model: Path, original: Path) -> None:
 def test_convert_round_trip_hf_to_megatron_lm_to_hf(tmp_path: Path, family: str) -> None:
     original = cached_tiny_model(family)
     megatron, back = tmp_path / "megatron", tmp_path / "hf"
-    done = nrl("hf-to-megatron", str(original), "--out", str(megatron))
+    done = nrl_convert("hf-to-megatron", str(original), "--out", str(megatron))
     assert done.returncode == 0, done.stderr[-2000:]
     assert "its logprobs are within" in done.stdout
     assert (megatron / "latest_checkpointed_iteration.txt").read_text() == "release"
     assert {p.name for p in (megatron / "release").iterdir()} >= {"metadata.json", ".metadata", "common.pt"}
-    done = nrl("megatron-to-hf", str(megatron), "--out", str(back))
+    done = nrl_convert("megatron-to-hf", str(megatron), "--out", str(back))
     assert done.returncode == 0, done.stderr[-2000:]
     assert_same_tensors(back, original)
     assert_same_logits(back, original)
@@ -285,7 +284,7 @@ def test_convert_a_tp2_megatron_lm_checkpoint_to_hf(started, tmp_path: Path) -> 
     top, _ = started
     original = cached_tiny_model("llama")
     back = tmp_path / "hf"
-    done = nrl("megatron-to-hf", str(top / "megatron_lm"), "--out", str(back), "--hf-config", str(original))
+    done = nrl_convert("megatron-to-hf", str(top / "megatron_lm"), "--out", str(back), "--hf-config", str(original))
     assert done.returncode == 0, done.stderr[-2000:]
     assert_same_tensors(back, original)
     assert (back / "tokenizer.json").is_file()

@@ -23,6 +23,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from nrl_env_code.launch import LAUNCHER
 from nrl_env_code.sandbox import Program, RunResult, Sandbox, SandboxConfig
 
 UID = 1999997  # this module's own sandbox uid: any process of it after a run was left behind
@@ -37,23 +38,23 @@ def sandbox() -> Sandbox:
     return box
 
 
-def left_running(before: set[int] = frozenset()) -> list[str]:  # type: ignore[assignment]
-    """Processes of the sandbox's uid anywhere on the machine, and children of this process that
-    were not there ``before`` the run (a Ray cluster an earlier test left has children here too)."""
-    mine = [f"{p.pid} {p.info['name']}" for p in psutil.process_iter(["uids", "name"])
-            if p.info["uids"] is not None and UID in (p.info["uids"].real, p.info["uids"].effective)]
-    children = [f"{p.pid} {p.name()}" for p in psutil.Process().children(recursive=True) if p.pid not in before]
-    return mine + children
-
-
-def children() -> set[int]:
-    return {p.pid for p in psutil.Process().children(recursive=True)}
+def left_running(*hosts: int) -> list[str]:
+    """What sandbox runs left behind: processes of the sandbox's uid anywhere on the machine, and the
+    launchers (with the init each forks) that this process or one of ``hosts`` started, alive or
+    not yet reaped. A launcher names its host in its command line, so nothing else running here
+    counts: a Ray another test left, or the sandboxes of a test on another worker."""
+    ours = {str(os.getpid()), *map(str, hosts)}
+    left = []
+    for process in psutil.process_iter(["uids", "name", "cmdline"]):
+        uids, command = process.info["uids"], process.info["cmdline"] or []
+        if (uids is not None and UID in (uids.real, uids.effective)) or (LAUNCHER in command and command[-1] in ours):
+            left.append(f"{process.pid} {process.info['name']}")
+    return left
 
 
 def run(box: Sandbox, code: str, timeout: float = 5.0, stdin: str = "", *args: str) -> RunResult:
-    before = children()
     result = box.run(Program(files={"main.py": code}, argv=["main.py", *args], stdin=stdin, timeout=timeout))
-    assert left_running(before) == [], "a sandboxed process outlived its run"
+    assert left_running() == [], "a sandboxed process outlived its run"
     return result
 
 
@@ -219,19 +220,20 @@ print(json.dumps({"environ": os.environ.get("NRL_CODE_TEST_SECRET"), "keys": sor
 
 def run_under_a_parent_with_a_secret(code: str, secret: str, unsafe: bool = False) -> RunResult:
     """``code`` run by a process started with ``NRL_CODE_TEST_SECRET`` in its environment (so its
-    /proc/<pid>/environ holds it, as a Ray worker's holds its secrets); the program gets that pid."""
+    /proc/<pid>/environ holds it, as a Ray worker's holds its secrets); the program gets that pid.
+    Nothing the run started is left running."""
     env = {**os.environ, "NRL_CODE_TEST_SECRET": secret}
-    done = subprocess.run([sys.executable, "-c", PARENT, str(UID), "unsafe" if unsafe else "isolated"], input=code,
-                          env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    return RunResult(**json.loads(done.stdout.splitlines()[-1]))
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(UID), "unsafe" if unsafe else "isolated"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+    stdout, stderr = parent.communicate(code, timeout=120)
+    assert parent.returncode == 0, stderr
+    assert left_running(parent.pid) == []
+    return RunResult(**json.loads(stdout.splitlines()[-1]))
 
 
 def test_the_parent_s_environment_is_not_readable(sandbox):
     secret = f"nrl-secret-{os.getpid()}-{time.monotonic_ns()}"
-    before = children()
     result = run_under_a_parent_with_a_secret(READ_SECRETS, secret)
-    assert left_running(before) == []
     seen = report(result)
     assert secret not in result.stdout + result.stderr
     assert seen["environ"] is None and set(seen["keys"]) <= {"LC_CTYPE"}  # set by Python itself (PEP 538)
@@ -306,7 +308,6 @@ box.run(Program(files={"main.py": "import time\\nwhile True:\\n    time.sleep(1)
 def test_a_host_killed_mid_run_takes_its_sandbox_with_it(sandbox):
     """A sandbox worker killed while a program runs (Ray kills workers) leaves nothing running:
     the launcher dies with its host, init with the launcher, the namespace with init."""
-    before = children()
     host = subprocess.Popen([sys.executable, "-c", HOST, str(UID)], stdout=subprocess.PIPE, text=True)
     try:
         assert host.stdout is not None and host.stdout.readline() == "running\n"
@@ -318,9 +319,9 @@ def test_a_host_killed_mid_run_takes_its_sandbox_with_it(sandbox):
         host.kill()
         host.wait()
         deadline = time.monotonic() + 10
-        while left_running(before) and time.monotonic() < deadline:
+        while left_running(host.pid) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert left_running(before) == [], "a sandbox outlived the process that started it"
+        assert left_running(host.pid) == [], "a sandbox outlived the process that started it"
     finally:
         host.kill()
         host.wait()
