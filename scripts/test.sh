@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install everything (scripts/install.sh), lint (ruff), then the test suite; with --quick first, only
 # the quick tier (the `quick` marker: every distribution's unit tests and one short end-to-end run
-# per algorithm). Other arguments go to pytest. docs/testing.md says what each tier covers and takes.
+# per algorithm). Tests run on NRL_TEST_WORKERS pytest-xdist workers (default 2; 0 runs them in this
+# process). Other arguments go to pytest. docs/testing.md says what each tier covers and takes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install.sh .venv
@@ -12,4 +13,8 @@ if [ "${1:-}" = --quick ]; then
   shift
   tier=(-m quick)
 fi
-exec .venv/bin/python -m pytest "${tier[@]}" "$@"
+workers=()
+if [ "${NRL_TEST_WORKERS:-2}" != 0 ]; then
+  workers=(-n "${NRL_TEST_WORKERS:-2}" --dist loadgroup)
+fi
+exec .venv/bin/python -m pytest "${workers[@]}" "${tier[@]}" "$@"
