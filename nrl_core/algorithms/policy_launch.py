@@ -199,6 +199,7 @@ def policy_launched_early(config: Mapping[str, Any], algorithm: AlgorithmSpec, t
         mark("policy_launched")
         if algorithm.generates and generation is not None and not colocated:
             _early_generation = launch_generation(config, generation, training)
+            mark("generation_launched")
         yield
     finally:
         left, _early = _early, None
