@@ -19,6 +19,13 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Every host computes as an AVX2 host does (docs/testing.md, "The float path"): torch's own kernels
+# and its float32 random fill (the tiny models' weights), MKL's and oneDNN's code paths. Set here,
+# before anything imports torch; Ray's workers and the test's ranks inherit them. vLLM's CPU
+# kernels still follow the CPU; the learning tests' margins cover what that moves.
+os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
+os.environ.setdefault("MKL_CBWR", "AVX2")
+os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")
 
 #: Each test module's seconds in a run of the whole suite (``scripts/suite_durations.py`` writes it
 #: from a JUnit report): the longest groups of tests go to xdist's workers first.

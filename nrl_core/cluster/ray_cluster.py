@@ -58,6 +58,10 @@ FORWARDED_ENV_NAMES: tuple[str, ...] = (
     "TOKENIZERS_PARALLELISM",
     "PYTORCH_CUDA_ALLOC_CONF",
     "CUDA_LAUNCH_BLOCKING",
+    # the numerical path (docs/testing.md): which of their kernels torch, MKL and oneDNN may use
+    "ATEN_CPU_CAPABILITY",
+    "MKL_CBWR",
+    "ONEDNN_MAX_CPU_ISA",
 )
 #: Ray settings of the local Ray nrl starts. Nothing reads Ray's metrics here (no dashboard, no
 #: Prometheus). The raylet connects to its own object store's socket while another thread of it

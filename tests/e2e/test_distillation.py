@@ -2,8 +2,11 @@
 
 The teacher is the tiny Llama after a short SFT (built once and cached, as the tiny models are),
 the student a fresh Llama of half its depth with the same tokenizer. On DTensor with colocated
-generation the student learns: the KL to the teacher on held-out prompts falls and the student's
-accuracy rises toward the teacher's; a run resumed from its checkpoint continues bit-exactly.
+generation the student learns: the KL to the teacher on held-out prompts falls, and the
+log-likelihood the student gives the right answers of held-out problems rises toward the
+teacher's (a quantity with a wide margin on any host's float path, where greedy accuracy at this
+size is a few answers either way: docs/testing.md); a run resumed from its checkpoint continues
+bit-exactly.
 Megatron at two data-parallel ranks, its engine on a worker of its own, with a teacher split over
 two tensor-parallel ranks (top-k over vocabulary shards), scores the untrained student as DTensor
 does (the same greedy responses; float32, other kernels: 1e-5 relative).
@@ -17,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from nrl_core.testing.tiny_models import cached_tiny_model
+from tests.e2e.likelihood import answer_log_likelihood, held_out_problems
 from tests.e2e.test_grpo import TIMING, assert_ok, cached_export, finite, metrics, run_nrl
 
 pytest.importorskip("nrl_algo_distillation")
@@ -63,7 +67,8 @@ def learning(models, tmp_path_factory) -> Path:
     checkpointed (with RNG state) at 15 and 30."""
     student, teacher = models
     tmp = tmp_path_factory.mktemp("learning")
-    distil(tmp, student, teacher, *LEARNING)
+    # The newest checkpoint (step 30) exported: no metric ranks the checkpoints.
+    distil(tmp, student, teacher, *LEARNING, "checkpointing.export_hf=true", "checkpointing.metric_name=null")
     return tmp
 
 
@@ -87,16 +92,25 @@ def test_the_teacher_distilled_into_itself_has_zero_kl(teacher_itself):
     assert teacher_itself["val/accuracy"] >= 0.05  # the SFT teacher answers some held-out problems
 
 
-def test_distillation_lowers_the_kl_and_lifts_the_students_accuracy_toward_the_teachers(learning, teacher_itself):
+def test_distillation_lowers_the_kl_and_lifts_the_students_accuracy_toward_the_teachers(learning, models,
+                                                                                         teacher_itself):
+    """The KL to the teacher on held-out prompts falls to under a quarter, the training loss falls,
+    and the student closes at least 40% of the gap between its own and the teacher's log-likelihood
+    of the right answers to held-out problems (about 60% on the AVX2 path; with the teacher's
+    logprobs replaced by the student's, nothing: docs/testing.md)."""
     rows = metrics(learning)
     val = validations(rows)
     assert [r["step"] for r in val] == [0, 15, 30]
     assert val[-1]["val/kl"] < 0.25 * val[0]["val/kl"], [r["val/kl"] for r in val]
-    accuracy = [r["val/accuracy"] for r in val]
-    target = teacher_itself["val/accuracy"]
-    assert accuracy[-1] > accuracy[0] and abs(target - accuracy[-1]) < abs(target - accuracy[0]), (accuracy, target)
     losses = [r["train/loss"] for r in rows if "train/loss" in r]
     assert sum(losses[-5:]) < sum(losses[:5]), losses
+    student, teacher = models
+    problems = held_out_problems(RECIPE, num_val=40)  # the runs' validation problems (SMALL)
+    before, after, target = (answer_log_likelihood(m, problems, RECIPE)
+                             for m in (student, learning / "ckpt" / "hf_export", teacher))
+    print(f"answer log-likelihood per token: student {before:.3f} -> {after:.3f}, teacher {target:.3f}")
+    assert target - before > 1.0, (before, target)  # the SFT teacher knows the answers far better
+    assert after - before > 0.4 * (target - before), (before, after, target)
 
 
 def test_resuming_from_a_checkpoint_reproduces_the_next_step(learning, models, tmp_path):
