@@ -15,6 +15,7 @@ caller's environment as it is at the call (:func:`rank_context`).
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 import time
 import traceback
@@ -55,9 +56,16 @@ def rank_context() -> Any:
 
 
 def adopt_environment(environ: dict[str, str]) -> None:
-    """Make this process's environment ``environ`` (the caller's, sent with the rank's arguments)."""
+    """Make this process's environment ``environ`` (the caller's, sent with the rank's arguments),
+    as a new interpreter would see it. Ray's native config reads the environment once, when Ray is
+    imported, and the fork server imported Ray with its own: without a refresh, a process forked
+    after the caller enabled Ray's token authentication (``RAY_AUTH_MODE=token``) would join a
+    cluster without its token and be refused."""
     os.environ.clear()
     os.environ.update(environ)
+    raylet = sys.modules.get("ray._raylet")
+    if raylet is not None:
+        raylet.Config.initialize("")
 
 
 def _entry(rank: int, world_size: int, port: int, out_dir: str, threads: int, fn: Callable[..., Any],
