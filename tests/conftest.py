@@ -81,10 +81,36 @@ def group_of(item: pytest.Item) -> str | None:
     return group
 
 
+#: Modules whose tests are not marked slow but together take tens of seconds (a Ray cluster, an
+#: engine or a conversion of their own): outside the quick tier, which takes their distribution's
+#: other unit tests and one short run per algorithm (tests marked ``quick`` by name).
+NOT_QUICK = frozenset({
+    "tests/core/test_cluster.py",
+    "tests/e2e/test_grpo.py",
+    "tests/e2e/test_refit_backends.py",
+    "tests/examples/test_bad_configs.py",
+    "tests/examples/test_configs.py",
+    "tests/megatron/test_value_head.py",
+    "tests/plugins/test_installed_plugins.py",
+})
+
+
+def in_quick_tier(item: pytest.Item) -> bool:
+    """The quick tier (``scripts/test.sh --quick``, ``-m quick``): the tests marked ``quick``, and
+    every test not marked ``slow`` outside :data:`NOT_QUICK`."""
+    if item.get_closest_marker("quick") is not None:
+        return True
+    return item.get_closest_marker("slow") is None and item.nodeid.split("::")[0] not in NOT_QUICK
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` selects by marker
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """In each xdist worker (``--dist loadgroup``): mark each test's group (:func:`group_of`), and
-    order the tests longest group first, each module's tests in their own order (every worker
-    orders them the same way, as xdist requires)."""
+    """Mark the quick tier (:func:`in_quick_tier`). In each xdist worker (``--dist loadgroup``):
+    mark each test's group (:func:`group_of`), and order the tests longest group first, each
+    module's tests in their own order (every worker orders them the same way, as xdist requires)."""
+    for item in items:
+        if in_quick_tier(item):
+            item.add_marker(pytest.mark.quick)
     if not hasattr(config, "workerinput"):
         return
     durations = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}

@@ -5,6 +5,8 @@ sampled tokens differ; this moves by the run's effect, with a margin."""
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
@@ -22,23 +24,35 @@ def held_out_problems(recipe: Path, num_val: int | None = None) -> list[dict[str
     return arithmetic_splits(**generate)[1]
 
 
-def answer_log_likelihood(model: Path, records: list[dict[str, str]], recipe: Path) -> float:
-    """The mean log-probability per token that ``model`` (an HF directory, in float32) gives the
-    right answer of each record after its prompt, both rendered as ``recipe``'s data section
-    renders them (the answer, then the end of the turn)."""
+@dataclass(frozen=True)
+class AnswerScores:
+    """How well a model knows the right answers: ``log_likelihood`` is the mean log-probability per
+    answer token (every problem counts by its answer's length), ``probability`` the mean over
+    problems of the probability of the whole answer and the end of the turn, which is the reward
+    expected from one sample at temperature 1 when a reward needs that exact answer."""
+
+    log_likelihood: float
+    probability: float
+
+
+def answer_scores(model: Path, records: list[dict[str, str]], recipe: Path) -> AnswerScores:
+    """``model``'s (an HF directory, in float32) :class:`AnswerScores` on ``records``, with the
+    prompt and the right answer of each rendered as ``recipe``'s data section renders them (the
+    answer, then the end of the turn)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     prompts = PromptConfig.from_data_config(yaml.safe_load(recipe.read_text())["data"])
     tokenizer = AutoTokenizer.from_pretrained(model)
     net = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
-    total, count = 0.0, 0
+    total, count, probability = 0.0, 0, 0.0
     with torch.no_grad():
         for idx, record in enumerate(records):
             datum = sft_processor(record, idx, tokenizer, prompts)
             ids = torch.tensor([datum.prompt_ids + datum.response_ids])
             logprobs = torch.log_softmax(net(ids).logits[0, :-1].double(), dim=-1)
             answer = torch.arange(len(datum.prompt_ids) - 1, ids.shape[1] - 1)
-            total += logprobs[answer, ids[0, answer + 1]].sum().item()
-            count += len(answer)
-    return total / count
+            answer_logprob = logprobs[answer, ids[0, answer + 1]].sum().item()
+            total, count = total + answer_logprob, count + len(answer)
+            probability += math.exp(answer_logprob)
+    return AnswerScores(log_likelihood=total / count, probability=probability / len(records))

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from nrl_core.testing.tiny_models import cached_tiny_model
-from tests.e2e.likelihood import answer_log_likelihood, held_out_problems
+from tests.e2e.likelihood import answer_scores, held_out_problems
 from tests.e2e.test_grpo import TIMING, assert_ok, cached_export, finite, metrics, run_nrl
 
 pytest.importorskip("nrl_algo_distillation")
@@ -86,6 +86,7 @@ def teacher_itself(models, tmp_path_factory) -> dict:
     return rows[0]
 
 
+@pytest.mark.quick  # the algorithm's run in the quick tier
 def test_the_teacher_distilled_into_itself_has_zero_kl(teacher_itself):
     """Top-k of the teacher, logprobs of the same ids under the same weights: the KL is exactly 0."""
     assert teacher_itself["val/kl"] == 0.0
@@ -96,8 +97,8 @@ def test_distillation_lowers_the_kl_and_lifts_the_students_accuracy_toward_the_t
                                                                                          teacher_itself):
     """The KL to the teacher on held-out prompts falls to under a quarter, the training loss falls,
     and the student closes at least 40% of the gap between its own and the teacher's log-likelihood
-    of the right answers to held-out problems (about 60% on the AVX2 path; with the teacher's
-    logprobs replaced by the student's, nothing: docs/testing.md)."""
+    of the right answers to held-out problems (63% to 66% at three seeds on the AVX2 path, where
+    greedy accuracy stayed at 0 for one of them: docs/testing.md)."""
     rows = metrics(learning)
     val = validations(rows)
     assert [r["step"] for r in val] == [0, 15, 30]
@@ -106,7 +107,7 @@ def test_distillation_lowers_the_kl_and_lifts_the_students_accuracy_toward_the_t
     assert sum(losses[-5:]) < sum(losses[:5]), losses
     student, teacher = models
     problems = held_out_problems(RECIPE, num_val=40)  # the runs' validation problems (SMALL)
-    before, after, target = (answer_log_likelihood(m, problems, RECIPE)
+    before, after, target = (answer_scores(m, problems, RECIPE).log_likelihood
                              for m in (student, learning / "ckpt" / "hf_export", teacher))
     print(f"answer log-likelihood per token: student {before:.3f} -> {after:.3f}, teacher {target:.3f}")
     assert target - before > 1.0, (before, target)  # the SFT teacher knows the answers far better

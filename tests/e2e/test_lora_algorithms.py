@@ -30,6 +30,7 @@ CASES = {
 }
 
 
+@pytest.mark.quick  # DPO's and SFT's runs in the quick tier, and Megatron's
 @pytest.mark.parametrize("case", list(CASES))
 def test_lora_trains_through_the_algorithm_and_exports_a_peft_adapter(case, tmp_path):
     from peft import PeftModel

@@ -45,6 +45,7 @@ def trained(tmp_path_factory) -> Path:
     return tmp
 
 
+@pytest.mark.quick  # the algorithm's run in the quick tier
 def test_the_reward_model_ranks_held_out_pairs(trained):
     val = [r for r in metrics(trained) if "val/accuracy" in r]
     assert [r["step"] for r in val] == [0, 10, 20, 30]

@@ -103,7 +103,8 @@ ONE_STEP = {
 }
 
 
-@pytest.mark.parametrize("name", list(ONE_STEP))
+@pytest.mark.parametrize("name", [pytest.param(name, marks=[pytest.mark.quick] if name.startswith("minimal/") else [])
+                                  for name in ONE_STEP])  # GRPO's run in the quick tier
 def test_tiny_cpu_recipe_runs_one_step(name, sft_model, tmp_path):
     algorithm = "sft" if name.startswith("sft") else "grpo"
     overrides = [f"policy.model_name={sft_model}", f"++checkpointing.checkpoint_dir={tmp_path / 'ckpt'}",
