@@ -137,6 +137,20 @@ def shared_ray() -> str:
     return address
 
 
+def shared_ray_pids() -> set[int]:
+    """The processes of this pytest process's shared Ray (its helper and everything under it), for
+    tests that count the processes a Ray of their own started."""
+    if _shared is None or _shared.poll() is not None:
+        return set()
+    import psutil
+
+    try:
+        helper = psutil.Process(_shared.pid)
+        return {helper.pid, *(child.pid for child in helper.children(recursive=True))}
+    except psutil.NoSuchProcess:
+        return set()
+
+
 def _stop_shared_ray(process: subprocess.Popen[str]) -> None:
     if process.poll() is None:
         assert process.stdin is not None

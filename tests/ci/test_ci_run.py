@@ -1,5 +1,5 @@
 """``.ci/run`` itself, on a one-test selection: it prints pytest's wall time, and fails in one line
-naming the slowest tests when that time passes the alarm (lowered here from 45 minutes to 1 s)."""
+naming the slowest tests when that time passes the alarm (lowered here from 65 minutes to 1 s)."""
 
 from __future__ import annotations
 
@@ -22,16 +22,17 @@ def test_the_alarm_fires_in_one_line_naming_the_slowest_tests():
     proc = ci_run("1")
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "1 passed" in proc.stdout
-    assert re.search(r"^CI: pytest took 0\.0 min for 1 tests \(budget 30 min, alarm 0\.0166667 min\)$", proc.stdout,
-                     re.MULTILINE), proc.stdout[-2000:]
+    assert re.search(r"^CI: pytest took \d+\.\d min for 1 tests \(budget 30 min, alarm 0\.0166667 min\)$",
+                     proc.stdout, re.MULTILINE), proc.stdout[-2000:]
     alarm = [line for line in proc.stderr.splitlines() if line.startswith("CI: the suite took")]
     assert len(alarm) == 1, proc.stderr[-2000:]
-    assert re.fullmatch(r"CI: the suite took 0\.0 min, over its 0\.0166667-minute alarm; the 1 slowest: "
+    assert re.fullmatch(r"CI: the suite took \d+\.\d min, over its 0\.0166667-minute alarm; the 1 slowest: "
                         r"tests\.ci\.slow_sample::test_takes_a_little_over_a_second \(1 s\)", alarm[0]), alarm[0]
 
 
 def test_under_the_alarm_the_run_passes_and_says_its_time():
     proc = ci_run("600")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert "CI: pytest took 0.0 min for 1 tests (budget 30 min, alarm 10 min)" in proc.stdout
+    assert re.search(r"^CI: pytest took \d+\.\d min for 1 tests \(budget 30 min, alarm 10 min\)$", proc.stdout,
+                     re.MULTILINE), proc.stdout[-2000:]
     assert "CI: the suite took" not in proc.stderr
