@@ -93,8 +93,7 @@ def test_the_teacher_distilled_into_itself_has_zero_kl(teacher_itself):
     assert teacher_itself["val/accuracy"] >= 0.05  # the SFT teacher answers some held-out problems
 
 
-def test_distillation_lowers_the_kl_and_lifts_the_students_accuracy_toward_the_teachers(learning, models,
-                                                                                         teacher_itself):
+def test_distillation_lowers_the_kl_and_lifts_the_students_accuracy_toward_the_teachers(learning, models):
     """The KL to the teacher on held-out prompts falls to under a quarter, the training loss falls,
     and the student closes at least 40% of the gap between its own and the teacher's log-likelihood
     of the right answers to held-out problems (63% to 66% at three seeds on the AVX2 path, where
