@@ -1,8 +1,9 @@
 """PPO with a value model through ``nrl train ppo`` as a user runs it (nrl-algo-ppo).
 
 On the demo's arithmetic task, from the demo's SFT model (cached as the distillation tests build
-it), PPO raises the log-likelihood of the right answers to held-out problems (greedy accuracy
-would move by whole answers with the host's float path: docs/testing.md), and a run resumed from its checkpoint (policy and critic)
+it), PPO raises the expected reward on held-out problems, the probability the policy gives each
+right answer (greedy accuracy would move by whole answers with the host's float path:
+docs/testing.md), and a run resumed from its checkpoint (policy and critic)
 continues bit-exactly. Scored by the tiny reward model instead (a reward the critic can learn to
 predict from the text), the critic explains more of the returns' variance as it trains. Megatron,
 policy and critic at two data-parallel ranks with the engine on a worker of its own, validates as
