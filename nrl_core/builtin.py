@@ -29,7 +29,7 @@ def nrl_algorithms() -> list[AlgorithmSpec]:
                       description="supervised fine-tuning (response-only NLL)", config_schema=SFT),
         AlgorithmSpec(name="dpo", entry="nrl_core.algorithms.dpo:main", distribution="nrl-core",
                       description="Direct Preference Optimization on (chosen, rejected) pairs", config_schema=DPO_SCHEMA,
-                      config_check="nrl_core.algorithms.dpo_schema:check_dpo"),
+                      config_check="nrl_core.algorithms.dpo_schema:check_dpo", data_kind="preference"),
     ]
 
 

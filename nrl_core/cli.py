@@ -58,7 +58,20 @@ def _cmd_config_check(args: argparse.Namespace) -> int:
         print("generation backend: none (policy.generation is null)")
     for note in notes:
         print(f"contract: {note}")
+    for line in _describe_data(config["data"]):
+        print(line)
     return 0
+
+
+def _describe_data(data: dict) -> list[str]:
+    """Where each dataset of NeMo RL's layout would load from (nothing is loaded)."""
+    from nrl_core.data.sources import describe_datasets, resolve_datasets, uses_dataset_layout
+
+    if not uses_dataset_layout(data):
+        return []
+    train, val = resolve_datasets(data, warn=False)
+    prompts = any(source.spec.kind == "prompt" for source in (*train, *val))
+    return describe_datasets(train, val, data["processor"] if prompts else None)
 
 
 def _check_contracts(config: dict, choice: object, *, first_party: bool) -> list[str]:

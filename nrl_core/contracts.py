@@ -321,6 +321,48 @@ class DatasetGeneratorSpec:
     description: str = ""
 
 
+DATASET_KINDS = ("prompt", "preference")
+"""What a named dataset's records are: ``prompt`` records carry ``problem`` and ``expected_answer``
+(the prompt and the ground truth, or the response SFT learns); ``preference`` records are NeMo
+RL's ``{"context", "completions"}`` pairs (nrl_core/data/preference.py)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DatasetSpec:
+    """A dataset selectable by name in NeMo RL's data layout (``data.train.dataset_name``), returned
+    by ``nrl_datasets``.
+
+    The core loads it (docs/data.md): from the Hugging Face hub repository ``hub`` (its
+    ``subsets``, concatenated, and ``split``; HF's offline cache serves an offline machine), or from
+    a local file or directory the config names as ``data_path``, which stands in with the same
+    columns. ``hub=None`` means the config's ``data_path`` always names the data (a local file or a
+    hub id), as for NeMo RL's ``ResponseDataset``. ``format`` is the import path of a function
+    ``(row, entry) -> record | None`` turning one source row into a record of ``kind`` (``entry``:
+    the dataset's config with ``data.default`` filled in; ``None`` skips the row). ``keys`` are the
+    entry keys the dataset reads beyond the common ones; another one set is named in a warning,
+    as NeMo RL does. ``split_validation_size`` is the share (or, at 1 or more, the count) held out
+    for validation by default; ``None``: the dataset never splits (a set size is named in that
+    warning). ``splits`` lists the splits it accepts (empty: any).
+    """
+
+    name: str
+    format: str
+    distribution: str
+    hub: str | None = None
+    subsets: tuple[str, ...] = ()
+    split: str = "train"
+    splits: tuple[str, ...] = ()
+    kind: str = "prompt"
+    keys: tuple[str, ...] = ()
+    split_validation_size: float | None = None
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in DATASET_KINDS:
+            raise PluginError(f"dataset '{self.name}' ({self.distribution}): kind {self.kind!r} is not one of "
+                              f"{', '.join(DATASET_KINDS)}")
+
+
 @dataclass(frozen=True, kw_only=True)
 class AlgorithmSpec:
     """A training algorithm runnable as ``nrl train <name>``; ``entry`` is ``"module:function"``
@@ -343,7 +385,10 @@ class AlgorithmSpec:
     is an error naming both. ``value_sections`` (contract 11) names the policy-shaped sections
     (``policy`` or one of ``model_sections``) whose model the algorithm trains or reads with a value
     head (``reward_model_cfg.enabled``, capability ``value_head``): a reward model, a critic. A value
-    head enabled anywhere else is refused at check time.
+    head enabled anywhere else is refused at check time. ``data_kind`` says which records the
+    algorithm reads from a named dataset (:data:`DATASET_KINDS`: ``preference`` for DPO and reward
+    models), so a dataset of the other kind is refused at check time; optional, in no contract
+    version.
 
     ``nrl train`` launches the policy's training workers before it checks the model and the run
     loads its data, for every algorithm, so their imports overlap; a run that builds no
@@ -363,6 +408,7 @@ class AlgorithmSpec:
     model_sections: tuple[str, ...] = ()
     shared_keys: Mapping[str, Section] = field(default_factory=dict)
     value_sections: tuple[str, ...] = ()
+    data_kind: str = "prompt"
     early_policy_start: InitVar[bool | None] = None
 
     def __post_init__(self, early_policy_start: bool | None) -> None:

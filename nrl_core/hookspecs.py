@@ -32,6 +32,7 @@ if TYPE_CHECKING:
         CommandSpec,
         DataProcessorSpec,
         DatasetGeneratorSpec,
+        DatasetSpec,
         EnvironmentSpec,
         GenerationBackendSpec,
         LossFunctionSpec,
@@ -109,6 +110,16 @@ def nrl_dataset_generators() -> list[DatasetGeneratorSpec] | None:
 
     Called when an algorithm loads its data and ``data.dataset_name`` is not a local path.
     Collecting. The core's ``arithmetic`` generator registers here too.
+    """
+
+
+@hookspec
+def nrl_datasets() -> list[DatasetSpec] | None:
+    """Named datasets of NeMo RL's data layout (``data.train.dataset_name``, ``data.validation``).
+
+    Called when a config is validated (the name must resolve: ``nrl config check`` says where each
+    dataset would load from) and when an algorithm loads its data. Collecting. An optional hook,
+    added without a contract version: a plugin written for any contract may implement it.
     """
 
 

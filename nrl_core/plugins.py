@@ -45,6 +45,7 @@ from nrl_core.contracts import (
     CommandSpec,
     DataProcessorSpec,
     DatasetGeneratorSpec,
+    DatasetSpec,
     EnvironmentSpec,
     GenerationBackendSpec,
     LossFunctionSpec,
@@ -69,8 +70,22 @@ FIRST_PARTY_DISTRIBUTIONS: dict[str, str] = {
     "vllm": "nrl-gen-vllm",
     "hf": "nrl-gen-hf",
     "math": "nrl-env-math",
+    **{name: "nrl-data-nemo-rl" for name in (  # NeMo RL's dataset and processor names
+        "OpenMathInstruct-2", "DAPOMath17K", "DAPOMathAIME2024", "AIME2024", "AIME2025", "AIME2026", "gsm8k", "GSM8K",
+        "DeepScaler", "OpenR1-Math-220k", "squad", "tulu3_sft_mixture", "Nemotron-Cascade-2-SFT-Math", "ResponseDataset", "HelpSteer3",
+        "Tulu3Preference", "PreferenceDataset", "BinaryPreferenceDataset", "math_hf_data_processor",
+        "math_data_processor", "sft_processor")},
 }
 """Where the first-party plugins come from, so a miss can say what to ``pip install``."""
+
+NEMO_RL_FEATURES_NRL_LACKS: dict[tuple[str, str], str] = {
+    ("generation backend", "megatron"): "generation with Megatron-Core's inference engine",
+    ("generation backend", "sglang"): "SGLang generation backend",
+    ("generation backend", "trtllm"): "TensorRT-LLM generation backend",
+    ("generation backend", "dynamo"): "Dynamo generation backend",
+}
+"""NeMo RL's names no nrl distribution provides, by registry kind, so a miss names the feature
+rather than a ``pip install`` (nrl-backend-megatron trains; it does not generate)."""
 
 
 def _env_flag(name: str) -> bool:
@@ -150,6 +165,9 @@ class Registry(Generic[T]):
 
     def missing_message(self, name: str) -> str:
         installed = ", ".join(self.names()) or "none"
+        lacking = NEMO_RL_FEATURES_NRL_LACKS.get((self.kind, name))
+        if lacking is not None:
+            return f"'{name}' is NeMo RL's {lacking}, which nrl lacks (installed: {installed})"
         hint = FIRST_PARTY_DISTRIBUTIONS.get(name)
         fix = f"pip install {hint}" if hint else "install the plugin that provides it"
         failed = "".join(f"; {message}" for message in self._failed.values())
@@ -328,6 +346,9 @@ class PluginManager:
 
     def dataset_generators(self) -> Registry[DatasetGeneratorSpec]:
         return self._registry("dataset generator", self._pm.hook.nrl_dataset_generators)
+
+    def datasets(self) -> Registry[DatasetSpec]:
+        return self._registry("dataset", self._pm.hook.nrl_datasets)
 
     def algorithms(self) -> Registry[AlgorithmSpec]:
         return self._registry("algorithm", self._pm.hook.nrl_algorithms)

@@ -32,6 +32,7 @@ BREAKS: dict[str, str] = {
     "nrl-algo-distillation": "nrl_algo_distillation.algorithm:Distillation.step",
     "nrl-reward-model": "nrl_reward_model.algorithm:RewardModelTraining.step",
     "nrl-algo-ppo": "nrl_algo_ppo.algorithm:PPO.step",
+    "nrl-data-nemo-rl": "nrl_data_nemo_rl.processors:math_hf_data_processor",
 }
 
 MARK = "is broken on purpose (NRL_TEST_BREAK)"

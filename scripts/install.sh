@@ -11,7 +11,7 @@ command -v "$PYTHON" >/dev/null || PYTHON=python3
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
 plugins=()
-for dist in nrl_backend_dtensor nrl_backend_megatron nrl_gen_vllm plugins/nrl_gen_hf plugins/nrl_env_math plugins/nrl_env_sliding_puzzle plugins/nrl_env_tool_lookup plugins/nrl_env_code plugins/nrl_algo_distillation plugins/nrl_reward_model plugins/nrl_algo_ppo; do
+for dist in nrl_backend_dtensor nrl_backend_megatron nrl_gen_vllm plugins/nrl_gen_hf plugins/nrl_env_math plugins/nrl_env_sliding_puzzle plugins/nrl_env_tool_lookup plugins/nrl_env_code plugins/nrl_algo_distillation plugins/nrl_reward_model plugins/nrl_algo_ppo plugins/nrl_data_nemo_rl; do
   [ -f "$dist/pyproject.toml" ] && plugins+=(-e "$dist")
 done
 # What the install depends on: this script, the pins and every distribution's metadata.

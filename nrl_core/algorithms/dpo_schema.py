@@ -17,7 +17,7 @@ DPO_SCHEMA = Section(doc="Direct Preference Optimization (NeMo RL's names and me
                      fields={
     "max_num_epochs": Field(type=int, default=1, minimum=1),
     "max_num_steps": Field(type=int, default=150, minimum=1),
-    "val_period": Field(type=int, default=25, minimum=0, doc="validate every N steps; 0 never"),
+    "val_period": Field(type=int, default=25, doc="validate every N steps; 0 or less never (NeMo RL uses -1)"),
     "val_batches": Field(type=int, default=8, minimum=0, doc="validation batches per validation; 0: the whole set"),
     "val_global_batch_size": Field(type=int, default=8, minimum=1, doc="pairs per validation batch"),
     "val_micro_batch_size": Field(type=int, default=1, minimum=1, inert=True),

@@ -12,6 +12,8 @@ and stops those workers and its Ray when a check fails):
 * lengths: prompts and responses against ``policy.max_total_sequence_length``;
 * directories: ``logger.log_dir`` and ``checkpointing.checkpoint_dir`` can be created and written
   (nothing is created here);
+* data in NeMo RL's layout: every dataset name is registered, its split exists, its local files
+  exist, and its processor is installed (nothing is loaded: :mod:`nrl_core.data.sources`);
 * the selected backends' own checks (their spec's ``config_check``): sizes against the model's
   heads and layers, optimizer and scheduler names, engine lengths.
 
@@ -56,6 +58,7 @@ def check_config(config: Mapping[str, Any], pm: PluginManager, *, algorithms: Co
     _check_directories(config)
     for spec in specs:
         run_backend_check(spec.config_check, config)
+    _check_datasets(config, pm, {spec.data_kind for spec in specs})
     if backends:
         check_backends(config, pm, algorithms=algorithms, training=training, generation=generation)
 
@@ -223,7 +226,6 @@ def _check_batches(config: Mapping[str, Any], dp: int) -> None:
 
 def _check_lengths(config: Mapping[str, Any]) -> None:
     policy = config["policy"]
-    total = policy["max_total_sequence_length"]
     packing, dynamic = policy["sequence_packing"], policy["dynamic_batching"]
     if packing["enabled"] and dynamic["enabled"]:
         raise ConfigError("policy.sequence_packing.enabled",
@@ -233,12 +235,8 @@ def _check_lengths(config: Mapping[str, Any]) -> None:
             continue
         if section["train_mb_tokens"] is None:
             raise ConfigError(f"policy.{name}.train_mb_tokens", f"is required when policy.{name}.enabled is true")
-        for key in ("train_mb_tokens", "logprob_mb_tokens"):
-            budget = section[key]
-            if budget is not None and budget < total:
-                raise ConfigError(f"policy.{name}.{key}",
-                                  f"{budget} tokens cannot hold one sequence of policy.max_total_sequence_length="
-                                  f"{total}; raise it to at least {total}")
+        # A budget below policy.max_total_sequence_length is NeMo RL's to accept: only a sequence
+        # that is longer than the budget fails, at packing time, in one line (nrl_core/data/packing.py).
 
 
 # --------------------------------------------------------------------------- directories
@@ -261,6 +259,36 @@ def directory_problem(path: str | os.PathLike[str]) -> str | None:
     if not os.access(ancestor, os.W_OK | os.X_OK):
         return f"'{p}' cannot be created: '{ancestor}' is not writable"
     return None
+
+
+def _check_datasets(config: Mapping[str, Any], pm: PluginManager, kinds: set[str]) -> None:
+    """NeMo RL's data layout, resolved without loading: names, splits, local files, the record kind
+    the algorithm reads, the processor and the prompt files (read and tried with str.format)."""
+    from nrl_core.data.sources import resolve_datasets, uses_dataset_layout
+
+    data = config["data"]
+    if not uses_dataset_layout(data):
+        return
+    kind = next(iter(kinds)) if len(kinds) == 1 else None
+    train, val = resolve_datasets(data, kind, registry=pm.datasets())
+    if not any(source.spec.kind == "prompt" for source in (*train, *val)):
+        return  # preference pairs are tokenized as they are
+    pm.data_processors().get(data["processor"], f"{train[0].key_path}.processor")
+    for key in ("prompt_file", "system_prompt_file"):
+        if not data[key]:
+            continue
+        path = Path(data[key]).expanduser()
+        if not path.is_file():
+            raise ConfigError(f"{train[0].key_path}.{key}", f"{data[key]}: no such file (a relative path is read "
+                                                            f"from the directory nrl runs in; NeMo RL's "
+                                                            f"examples/prompts/ are in its checkout)")
+        if key == "prompt_file":
+            try:
+                path.read_text(encoding="utf-8").format("")
+            except (IndexError, KeyError, ValueError, UnicodeDecodeError) as exc:
+                raise ConfigError(f"{train[0].key_path}.{key}", f"{data[key]}: not a template Python's str.format can "
+                                                                f"fill with the problem ({type(exc).__name__}: {exc}); "
+                                                                "write {} for the problem and {{ }} for a brace") from None
 
 
 def _check_directories(config: Mapping[str, Any]) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from nrl_core.config.schema import Field, Section
+from nrl_core.config.schema import Field, Section, SectionList
 from nrl_core.errors import ConfigError
 
 NUMBER = (int, float)
@@ -157,18 +157,69 @@ POLICY = Section(required=True, doc="The model being trained and how.", aliases=
     "reward_model_cfg": REWARD_MODEL,
 })
 
-def _refuse_dataset_lists(data: dict[str, Any], path: str) -> dict[str, Any]:
-    """NeMo RL's ``data.train: [...]`` mixes several datasets; nrl reads one, so say so in one line
-    instead of a type error."""
+def _text(doc: str) -> Field:
+    return Field(type=str, default=None, nullable=True, doc=doc)
+
+
+#: One dataset of NeMo RL's data layout (``data.train``, ``data.validation``, ``data.default``):
+#: the union of the keys NeMo RL's dataset classes read. Which of them a dataset reads is its
+#: spec's business (:class:`~nrl_core.contracts.DatasetSpec`); docs/data.md has the table.
+DATASET = Section(doc="One dataset: a registered name (nrl_datasets) with where it loads from and how it is prompted.",
+                  fields={
+    "dataset_name": _text("a registered dataset (`nrl plugins` lists them)"),
+    "data_path": _text("a local file or directory with the dataset's columns (stands in for the hub), or the "
+                       "file or hub id of ResponseDataset, PreferenceDataset and BinaryPreferenceDataset"),
+    "subset": _text("the hub dataset's configuration name"),
+    "split": _text("the split to read; null: the dataset's default"),
+    "input_key": _text("ResponseDataset: the prompt column (NeMo RL's default: input)"),
+    "output_key": _text("the answer column (ResponseDataset: output; OpenMathInstruct-2: expected_answer)"),
+    "prompt_key": _text("BinaryPreferenceDataset: the prompt column"),
+    "chosen_key": _text("BinaryPreferenceDataset: the chosen response's column"),
+    "rejected_key": _text("BinaryPreferenceDataset: the rejected response's column"),
+    "extract_answer": Field(type=bool, default=None, nullable=True,
+                            doc="gsm8k: the number after '####' as the answer (default), or the whole solution"),
+    "prompt_file": _text("prompt template with one {} for the problem, read with Python's str.format"),
+    "system_prompt_file": _text("system prompt"),
+    "processor": _text("prompt processor (`math_hf_data_processor` when null)"),
+    "env_name": _text("environment that scores this data (env.<env_name>)"),
+    "split_validation_size": Field(type=NUMBER, default=None, nullable=True, minimum=0,
+                                   doc="hold out this share (below 1) or number of rows for validation; "
+                                       "null: the dataset's default"),
+    "seed": Field(type=int, default=None, nullable=True, doc="seed of the held-out split (42 when null)"),
+    "repeat": Field(type=int, default=None, nullable=True, minimum=1, doc="AIME: the dataset this many times over"),
+    "max_samples": Field(type=int, default=None, nullable=True, minimum=1,
+                         doc="tulu3_sft_mixture: this many rows, drawn at random with seed"),
+    # NeMo RL's arrow_text dataset (cross-tokenizer distillation, which nrl lacks): accepted here so
+    # the refusal names the dataset, not its keys
+    "data_files": _text("arrow_text's files"),
+    "text_key": _text("arrow_text's text column"),
+    "characters_per_sample": Field(type=int, default=None, nullable=True, doc="arrow_text's sample length"),
+})
+
+
+def _fill_dataset_defaults(data: dict[str, Any], path: str) -> dict[str, Any]:
+    """NeMo RL's rule for ``data.default``: every dataset of ``train`` and ``validation`` takes each
+    key of ``default`` it does not set itself (a key set to null stays null)."""
+    default = data.get("default")
+    if not isinstance(default, dict):
+        return data
     for split in ("train", "validation"):
-        if isinstance(data.get(split), list):
-            raise ConfigError(f"{path}.{split}", "is a list of datasets (NeMo RL's multiple-dataset form), which nrl "
-                                                 "lacks; give one dataset (data.dataset_name or data.train_data_path)")
+        entries = data.get(split)
+        if isinstance(entries, dict):
+            data[split] = {**default, **entries}
+        elif isinstance(entries, list):
+            data[split] = [{**default, **e} if isinstance(e, dict) else e for e in entries]
     return data
 
 
-DATA = Section(preprocess=_refuse_dataset_lists, fields={
-    "dataset_name": Field(type=str, default=None, nullable=True, doc="a registered dataset or a local file/dir"),
+DATA = Section(preprocess=_fill_dataset_defaults, fields={
+    "train": SectionList(type=(dict, list), default=None, nullable=True, section=DATASET,
+                         doc="NeMo RL's layout: one dataset or a list of them (their records concatenated)"),
+    "validation": SectionList(type=(dict, list), default=None, nullable=True, section=DATASET,
+                              doc="NeMo RL's layout: validation datasets, beside what train datasets hold out"),
+    "default": DATASET.with_fields(),
+    "dataset_name": Field(type=str, default=None, nullable=True,
+                          doc="a dataset generator, a registered dataset or a local file/dir"),
     "train_data_path": Field(type=str, default=None, nullable=True),
     "val_data_path": Field(type=str, default=None, nullable=True),
     "input_key": Field(type=str, default="problem"),
@@ -178,13 +229,14 @@ DATA = Section(preprocess=_refuse_dataset_lists, fields={
     "prompt_file": Field(type=str, default=None, nullable=True),
     "system_prompt_file": Field(type=str, default=None, nullable=True),
     "use_chat_template": Field(type=bool, default=True),
+    "add_bos": Field(type=bool, default=True, doc="NeMo RL's sft_processor: begin with the BOS token"),
+    "add_eos": Field(type=bool, default=True, doc="NeMo RL's sft_processor: end with the EOS token"),
+    "add_generation_prompt": Field(type=bool, default=False,
+                                   doc="NeMo RL's sft_processor: the generation prompt after user turns"),
     "shuffle": Field(type=bool, default=True),
     "num_workers": Field(type=int, default=1, inert=True),
     "processor": Field(type=str, default="math", doc="prompt processor name"),
     "env_name": Field(type=str, default="math", doc="environment that scores this data"),
-    "default": Section(doc="NeMo RL's newer data layout; nrl reads env_name from it", fields={
-        "env_name": Field(type=str, default=None, nullable=True, doc="NeMo RL's spelling of data.env_name"),
-    }),
     "generate": Section(nullable=True, open=True, doc="arguments of a built-in dataset generator"),
 })
 

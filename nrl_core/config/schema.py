@@ -268,6 +268,23 @@ class Section:
         return self.with_fields(**{head: child.attach(rest, name, section, aliases=aliases)})
 
 
+@dataclass(frozen=True, kw_only=True)
+class SectionList(Field):
+    """One mapping or a list of them, each checked by ``section``; validated as a list (None when
+    null). NeMo RL's ``data.train`` is either one dataset or several."""
+
+    section: Section = field(default_factory=Section)
+
+    def validate(self, value: Any, path: str) -> Any:
+        if value is None:
+            return super().validate(value, path)
+        if isinstance(value, Mapping):
+            return [self.section.validate(value, path)]
+        if not isinstance(value, list) or not value:
+            raise ConfigError(path, f"must be a mapping or a non-empty list of mappings, got {_describe(value)}")
+        return [self.section.validate(item, f"{path}[{i}]") for i, item in enumerate(value)]
+
+
 def _join(path: str, key: Any) -> str:
     return f"{path}.{key}" if path else str(key)
 

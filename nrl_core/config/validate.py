@@ -133,6 +133,28 @@ def validate_config(raw: Mapping[str, Any], pm: PluginManager | None = None, *,
     policy's workers start.
     """
     pm = pm or get_plugin_manager()
+    try:
+        return _validate(raw, pm, algorithm, backend_checks)
+    except ConfigError as exc:
+        raise _in_the_users_spelling(exc, raw, pm) from None
+
+
+def _in_the_users_spelling(exc: ConfigError, raw: Mapping[str, Any], pm: PluginManager) -> ConfigError:
+    """``exc`` with its key path in the spelling the config used (``policy.dtensor_cfg``, NeMo RL's,
+    rather than ``policy.dtensor_config``), so the line names a key the user can find."""
+    policy = raw.get("policy")
+    if not isinstance(policy, Mapping):
+        return exc
+    for spec in pm.training_backends():
+        for old, new in spec.config_aliases.items():
+            prefix = f"policy.{new}"
+            if old in policy and (exc.key_path == prefix or exc.key_path.startswith(prefix + ".")):
+                return ConfigError(f"policy.{old}" + exc.key_path[len(prefix):], exc.message)
+    return exc
+
+
+def _validate(raw: Mapping[str, Any], pm: PluginManager, algorithm: str | None,
+              backend_checks: bool) -> dict[str, Any]:
     sections = algorithm_sections(pm)
     refuse_missing_algorithm(raw, sections)
     if algorithm is not None:
@@ -236,12 +258,20 @@ def _note_situational_inert_keys(config: Mapping[str, Any]) -> None:
                 note_inert(f"policy.generation.colocated.resources.{key}")
 
 
+#: Keys of NeMo RL's ``env`` section that switch on NeMo Gym rather than name an environment.
+NEMO_GYM_KEYS = ("should_use_nemo_gym", "nemo_gym", "should_log_nemo_gym_responses")
+
+
 def _check_environments(raw: Mapping[str, Any], pm: PluginManager) -> None:
     envs = raw.get("env")
     if not isinstance(envs, Mapping):
         return
     registry = pm.environments()
     for name in envs:
+        if name in NEMO_GYM_KEYS and name not in registry:
+            raise ConfigError(f"env.{name}", "is NeMo Gym's switch (its environments and rollout servers), a feature "
+                                             "nrl lacks; remove env.should_use_nemo_gym and env.nemo_gym to use nrl's "
+                                             "environments")
         if name not in registry:
             raise ConfigError(f"env.{name}", registry.missing_message(str(name)))
 
@@ -303,9 +333,7 @@ def _expand_short_forms(config: dict[str, Any], pm: PluginManager) -> None:
                 generation[gspec.config_key] = gspec.config_schema.validate({}, f"policy.generation.{gspec.config_key}")
     if policy["tokenizer"]["name"] is None:
         policy["tokenizer"]["name"] = policy["model_name"]
-    data = config["data"]
-    if data["default"]["env_name"] is not None:  # NeMo RL's layout names the environment there
-        data["env_name"] = data["default"]["env_name"]
+    _flatten_dataset_layout(config["data"], pm)
     algorithm = config["algorithm"]
     if algorithm["batch_size"] is not None or algorithm["gradient_accumulation_steps"] is not None:
         micro = algorithm["batch_size"] or 1
@@ -314,6 +342,58 @@ def _expand_short_forms(config: dict[str, Any], pm: PluginManager) -> None:
         policy["train_micro_batch_size"] = micro
         policy["logprob_batch_size"] = micro
         policy["train_global_batch_size"] = micro * accumulation * dp
+
+
+#: What a dataset of NeMo RL's layout says about its prompts and its environment, and the flat key
+#: nrl's processors and algorithms read it from.
+_PROMPTING_KEYS = ("prompt_file", "system_prompt_file", "processor", "env_name")
+NEMO_RL_DEFAULT_PROCESSOR = "math_hf_data_processor"  # NeMo RL's processor when a dataset names none
+
+
+def _flatten_dataset_layout(data: dict[str, Any], pm: PluginManager) -> None:
+    """NeMo RL's layout prompts and scores each dataset by its own settings; nrl prompts and scores
+    a run's data one way, so the datasets' settings, which must agree, become the flat keys."""
+    if data["train"] is None:
+        _refuse_half_a_layout(data, pm)
+        if data["default"]["env_name"] is not None:
+            data["env_name"] = data["default"]["env_name"]
+        return
+    if data["train_data_path"]:
+        raise ConfigError("data.train_data_path", "names training data beside data.train (NeMo RL's layout); keep one")
+    if data["dataset_name"]:
+        raise ConfigError("data.dataset_name", "is NeMo RL's older spelling, which NeMo RL ignores beside data.train "
+                                               f"(it would read {data['train'][0].get('dataset_name')}); move it to "
+                                               "data.train.dataset_name or remove it")
+    entries = [(f"data.{role}[{i}]", entry) for role in ("train", "validation")
+               for i, entry in enumerate(data[role] or [])]
+    first_path, first = entries[0]
+    for key in _PROMPTING_KEYS:
+        for path, entry in entries[1:]:
+            if entry.get(key) != first.get(key):
+                raise ConfigError(f"{path}.{key}", f"is {entry.get(key)!r} where {first_path}.{key} is "
+                                                   f"{first.get(key)!r}: nrl prompts and scores a run's datasets one "
+                                                   f"way (NeMo RL's per-dataset tasks, which nrl lacks); give every "
+                                                   f"dataset the same {key}")
+    data["prompt_file"], data["system_prompt_file"] = first.get("prompt_file"), first.get("system_prompt_file")
+    data["processor"] = first.get("processor") or NEMO_RL_DEFAULT_PROCESSOR
+    if first.get("env_name"):
+        data["env_name"] = first["env_name"]
+    data["input_key"], data["output_key"] = "problem", "expected_answer"  # what registered datasets' records hold
+
+
+def _refuse_half_a_layout(data: dict[str, Any], pm: PluginManager) -> None:
+    """NeMo RL's keys without ``data.train`` would do nothing: one line instead."""
+    if data["validation"] is not None:
+        raise ConfigError("data.validation", "names validation datasets but data.train names none; add data.train "
+                                             "(NeMo RL's layout) or use data.val_data_path")
+    unread = sorted(k for k, v in data["default"].items() if v is not None and k != "env_name")
+    if unread:
+        raise ConfigError(f"data.default.{unread[0]}", "applies to the datasets of data.train, and data.train names "
+                                                      "none; add data.train or set the flat data key")
+    name = data["dataset_name"]
+    if name and name in pm.datasets() and name not in pm.dataset_generators():
+        raise ConfigError("data.dataset_name", f"'{name}' is a named dataset of NeMo RL's layout; write it as "
+                                               f"data.train.dataset_name (with data.train.data_path for a local copy)")
 
 
 def data_parallel_size(config: Mapping[str, Any], pm: PluginManager | None = None) -> int:

@@ -3,7 +3,8 @@
 Why our own JSONL reader: a training run that dies on line 48,213 of a data file should say so in
 one line (file and line number), not in a traceback from inside a JSON parser. The other formats
 (``.json``, ``.parquet``, ``.arrow`` files and ``save_to_disk`` directories) go through Hugging
-Face ``datasets``, always from local paths; nothing here touches the network.
+Face ``datasets``, always from local paths; nothing here touches the network (named datasets
+that load from the hub are :mod:`nrl_core.data.sources`').
 
 A record is a plain ``dict``; every record must carry the configured ``input_key`` (the prompt)
 and ``output_key`` (the ground truth, or the response for SFT). Problems are
@@ -81,8 +82,9 @@ def write_jsonl(records: Sequence[Mapping[str, Any]], path: str | os.PathLike[st
 
 
 def _load_hf(path: Path, split: str) -> list[Record]:
-    """Read a ``save_to_disk`` directory or a json/parquet/arrow/csv file through ``datasets``."""
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    """Read a ``save_to_disk`` directory or a json/parquet/arrow/csv file through ``datasets`` (local
+    files need no hub; the process's hub setting is left alone, since a named dataset of the same
+    run may read the hub)."""
     import datasets
 
     datasets.utils.logging.disable_progress_bar()
@@ -189,16 +191,24 @@ class DataSplits:
 
 
 def load_data_splits(data_cfg: Mapping[str, Any],
-                     read: Callable[[str], list[tuple[str, Record]]] | None = None) -> DataSplits:
+                     read: Callable[[str], list[tuple[str, Record]]] | None = None, *,
+                     kind: str = "prompt") -> DataSplits:
     """Records for the validated ``data`` config section.
 
-    * ``train_data_path`` (and optionally ``val_data_path``): local files or dataset directories;
+    * ``train`` (NeMo RL's layout, with ``validation`` and ``default``): registered datasets,
+      loaded by :func:`nrl_core.data.sources.load_dataset_splits` as records of ``kind``;
+    * else ``train_data_path`` (and optionally ``val_data_path``): local files or dataset directories;
     * else ``dataset_name``: a built-in generator (``arithmetic``, arguments from ``data.generate``)
       or a local path, read like ``train_data_path``.
 
     ``read`` reads a local path (default: prompt–answer records with ``data.input_key`` and
     ``data.output_key``); preference data passes its own, since its records have another shape.
     """
+    from nrl_core.data.sources import load_dataset_splits, uses_dataset_layout
+
+    if uses_dataset_layout(data_cfg):
+        train_records, val_records, names = load_dataset_splits(data_cfg, kind)
+        return DataSplits.located(train_records, val_records, names)
     input_key = data_cfg.get("input_key") or "problem"
     output_key = data_cfg.get("output_key") or "expected_answer"
     if read is None:
@@ -229,8 +239,10 @@ def load_data_splits(data_cfg: Mapping[str, Any],
             return DataSplits.located(read(name), val(), name)
         installed = ", ".join(generators.names()) or "none"
         raise ConfigError("data.dataset_name", f"'{name}' is neither a local file nor an installed generator "
-                                               f"(generators: {installed}); set data.train_data_path to a local file")
-    raise ConfigError("data", "no training data; set data.train_data_path or data.dataset_name")
+                                               f"(generators: {installed}); set data.train_data_path to a local file, "
+                                               "or data.train.dataset_name to a named dataset")
+    raise ConfigError("data", "no training data; set data.train (NeMo RL's layout), data.train_data_path or "
+                              "data.dataset_name")
 
 
 def _generators() -> Any:

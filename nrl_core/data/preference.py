@@ -158,7 +158,8 @@ def _tokenize_all(records: Sequence[Mapping[str, Any]], where: Sequence[str] | N
 def prepare_preference_data(data_cfg: Mapping[str, Any], tokenizer: Any, *, max_length: int) -> PreparedPreferences:
     """Train (and validation) pairs for the validated ``data`` section: local files
     (``train_data_path``, ``val_data_path``) or a generator (``dataset_name``), as for SFT."""
-    splits = load_data_splits(data_cfg, read=lambda path: located_records(path, needs="a preference pair"))
+    splits = load_data_splits(data_cfg, read=lambda path: located_records(path, needs="a preference pair"),
+                              kind="preference")
     train = _tokenize_all(splits.train, splits.train_where, splits.source, tokenizer, data_cfg, max_length)
     val = (_tokenize_all(splits.val, splits.val_where, f"{splits.source} (validation)", tokenizer, data_cfg, max_length)
            if splits.val else None)

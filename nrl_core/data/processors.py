@@ -67,7 +67,12 @@ class DatumSpec:
 
 @dataclass(frozen=True, kw_only=True)
 class PromptConfig:
-    """How records become prompts: the ``data`` section's prompt settings, files already read."""
+    """How records become prompts: the ``data`` section's prompt settings, files already read.
+
+    ``template`` and ``system_prompt`` drop the files' trailing newlines; ``*_file_text`` keep the
+    files as written, for processors that reproduce another framework's prompts byte for byte.
+    ``add_bos``, ``add_eos`` and ``add_generation_prompt`` are NeMo RL's switches of its
+    ``sft_processor`` (nrl-data-nemo-rl)."""
 
     input_key: str = "problem"
     output_key: str = "expected_answer"
@@ -75,6 +80,11 @@ class PromptConfig:
     system_prompt: str | None = None
     use_chat_template: bool = True
     max_input_seq_length: int | None = None
+    template_file_text: str | None = None
+    system_prompt_file_text: str | None = None
+    add_bos: bool = True
+    add_eos: bool = True
+    add_generation_prompt: bool = False
 
     def __post_init__(self) -> None:
         if self.template is not None and "{}" not in self.template:
@@ -85,13 +95,20 @@ class PromptConfig:
     @classmethod
     def from_data_config(cls, data_cfg: Mapping[str, Any]) -> PromptConfig:
         """Build from the validated ``data`` section, reading ``prompt_file`` and ``system_prompt_file``."""
+        template = _read_text(data_cfg.get("prompt_file"), "data.prompt_file")
+        system_prompt = _read_text(data_cfg.get("system_prompt_file"), "data.system_prompt_file")
         return cls(
             input_key=data_cfg.get("input_key") or "problem",
             output_key=data_cfg.get("output_key") or "expected_answer",
-            template=_read_text(data_cfg.get("prompt_file"), "data.prompt_file"),
-            system_prompt=_read_text(data_cfg.get("system_prompt_file"), "data.system_prompt_file"),
+            template=None if template is None else template.rstrip("\n"),
+            system_prompt=None if system_prompt is None else system_prompt.rstrip("\n"),
             use_chat_template=bool(data_cfg.get("use_chat_template", True)),
             max_input_seq_length=data_cfg.get("max_input_seq_length"),
+            template_file_text=template,
+            system_prompt_file_text=system_prompt,
+            add_bos=bool(data_cfg.get("add_bos", True)),
+            add_eos=bool(data_cfg.get("add_eos", True)),
+            add_generation_prompt=bool(data_cfg.get("add_generation_prompt", False)),
         )
 
     def user_content(self, problem: str) -> str:
@@ -107,7 +124,7 @@ def _read_text(path: str | None, key_path: str) -> str | None:
         text = p.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(key_path, f"cannot read '{p}' ({exc.strerror}); fix the path or set it to null") from None
-    return text.rstrip("\n")
+    return text
 
 
 def _messages(problem: str, cfg: PromptConfig) -> list[dict[str, str]]:

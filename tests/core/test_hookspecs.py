@@ -15,7 +15,7 @@ HOOKS = sorted(name for name, fn in vars(hookspecs).items() if name.startswith("
 
 
 def test_there_are_hooks():
-    assert len(HOOKS) == 17
+    assert len(HOOKS) == 18
 
 
 @pytest.mark.parametrize("name", HOOKS)

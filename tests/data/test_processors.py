@@ -44,7 +44,7 @@ def test_prompt_config_errors(tmp_path):
     with pytest.raises(ConfigError, match=r"^data.system_prompt_file: cannot read '.*missing.txt' \(No such file"):
         PromptConfig.from_data_config({"system_prompt_file": str(tmp_path / "missing.txt")})
     with pytest.raises(ConfigError, match=r"^data.processor: data processor 'chess' is not available "
-                                          r"\(installed: [^)]*\bmath, sft\b[^)]*\); install the plugin"):
+                                          r"\(installed: [^)]*\bmath\b[^)]*\bsft\b[^)]*\); install the plugin"):
         get_processor("chess")
 
 

@@ -161,12 +161,19 @@ def test_a_checkpoint_of_adapters_for_another_base_is_refused(tmp_path) -> None:
 
 @pytest.mark.parametrize("lora, key, says", [
     ({"dropout": 0.1, "dropout_position": "post"}, "dropout_position", "'post'"),
-    ({"match_all_linear": False, "target_modules": []}, "target_modules", "no layer would get an adapter"),
 ])
 def test_bad_lora_sections_are_one_line(lora: dict, key: str, says: str) -> None:
     with pytest.raises(ConfigError) as caught:
         lora_worker(lora=lora)
     assert caught.value.key_path == f"policy.dtensor_config.lora_cfg.{key}" and says in str(caught.value)
+
+
+def test_no_target_named_adapts_every_linear_layer_but_the_excluded() -> None:
+    """NeMo RL's recipes that set match_all_linear: false with no target_modules and a list of
+    exclude_modules mean every linear layer but those, as NeMo Automodel reads them."""
+    w = lora_worker(lora={"match_all_linear": False, "target_modules": [], "exclude_modules": ["*down_proj"]})
+    adapted = {n.split(".lora_")[0].rsplit(".", 1)[-1] for n, p in w.model.named_parameters() if p.requires_grad}
+    assert adapted == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"}
 
 
 def test_targets_that_match_nothing_are_one_line() -> None:

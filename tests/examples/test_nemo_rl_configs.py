@@ -13,6 +13,13 @@ from nrl_core.cli import main
 CONFIGS = Path(__file__).parent / "nemo_rl_configs" / "configs"
 
 
+@pytest.fixture(autouse=True)
+def in_the_checkouts_root(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NeMo RL's configs name their prompt files relative to its checkout's root (examples/prompts/),
+    which ``nrl config check`` finds there as a NeMo RL user running from the checkout does."""
+    monkeypatch.chdir(CONFIGS.parent)
+
+
 def _lacks(section: str, what: str) -> str:
     return (f"error: {section}: belongs to NeMo RL's {what} algorithm, which nrl lacks: no installed plugin provides "
             f"an algorithm with a '{section}' section")
@@ -22,7 +29,7 @@ def _lacks(section: str, what: str) -> str:
 EXPECTED: dict[str, str | None] = {
     "grpo_math_1B.yaml": None,
     "grpo_math_1B_megatron.yaml": None,
-    "grpo_math_1B_sglang.yaml": "error: policy.generation.backend: generation backend 'sglang' is not available",
+    "grpo_math_1B_sglang.yaml": "error: policy.generation.backend: 'sglang' is NeMo RL's SGLang generation backend, which nrl lacks",
     "sft.yaml": None,
     "dpo.yaml": None,
     # Reward models (nrl-reward-model): Bradley-Terry training, and GRPO scored by one.
@@ -31,7 +38,7 @@ EXPECTED: dict[str, str | None] = {
     # On-policy distillation (nrl-algo-distillation) stops at context parallelism, as GRPO does;
     # past it the student and the teacher (its own section, its own backend checks) pass.
     "distillation_math.yaml":
-        "error: policy.dtensor_config.context_parallel_size: context parallelism is not supported by the dtensor backend",
+        "error: policy.dtensor_cfg.context_parallel_size: context parallelism is not supported by the dtensor backend",
     "distillation_math_megatron.yaml":
         "error: policy.megatron_cfg.context_parallel_size: 2 needs Transformer Engine and CUDA",
     "xtoken_off_policy_distillation.yaml": "error: teachers: cross-tokenizer distillation (NeMo RL's xtoken recipes",
@@ -69,7 +76,7 @@ EXPECTED: dict[str, str | None] = {
     "grpo_sliding_puzzle.yaml": None,
     "grpo_math_qwen30ba3b_megatron.yaml": None,
     "recipes/llm/dapo-qwen2.5-7b.v2.yaml":
-        "error: policy.dtensor_config.context_parallel_size: context parallelism is not supported by the dtensor backend",
+        "error: policy.dtensor_cfg.context_parallel_size: context parallelism is not supported by the dtensor backend",
     "recipes/llm/grpo-qwen3-8b-base-1n8g-fp8-kvcache-megatron.yaml":
         "error: policy.generation.vllm_cfg.precision: fp8 rollouts (NeMo RL's FP8 generation) are a feature nrl lacks",
     # vLLM's async engine at tensor parallel 4, not colocated (its workers in vLLM's own processes)
@@ -155,3 +162,29 @@ def test_grpo_without_a_generation_backend_fails_the_check(capsys):
         "error: policy.generation: GRPO generates rollouts; configure a generation backend (policy.generation.backend)")
     assert main(["config", "check", "--algorithm", "nosuch", config]) == 2
     assert "nosuch" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("config, key", [("dpo_tiny_cpu.yaml", "dpo"), ("rm_tiny_cpu.yaml", "rm"),
+                                         ("distillation_tiny_cpu.yaml", "distillation")])
+def test_a_negative_val_period_is_never_as_nemo_rl_writes_it(config, key):
+    from nrl_core.config import load_and_validate
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "configs" / config
+    assert load_and_validate(str(path), [f"{key}.val_period=-1"], algorithm=key)[key]["val_period"] == -1
+
+
+def test_a_token_budget_below_the_longest_sequence_fails_only_on_a_sequence_that_does_not_fit():
+    """NeMo RL accepts train_mb_tokens below policy.max_total_sequence_length (three of its recipes
+    set it so) and fails only when a sequence longer than the budget is packed."""
+    from nrl_core.config import load_and_validate
+    from nrl_core.data.packing import pack_bins
+    from nrl_core.errors import NrlError
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "configs" / "sft_tiny_cpu.yaml"
+    config = load_and_validate(str(path), ["policy.sequence_packing.enabled=true",
+                                           "policy.sequence_packing.train_mb_tokens=32"], algorithm="sft")
+    assert config["policy"]["sequence_packing"]["train_mb_tokens"] < config["policy"]["max_total_sequence_length"]
+    assert sorted(map(sorted, pack_bins([20, 12, 30], 32))) == [[0, 1], [2]]
+    with pytest.raises(NrlError, match=r"^a sequence of 40 tokens exceeds the packing budget of 32 tokens; raise "
+                                       r"policy.sequence_packing.\*_mb_tokens to at least 40$"):
+        pack_bins([20, 40], 32)

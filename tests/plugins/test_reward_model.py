@@ -255,9 +255,9 @@ def test_the_environment_scores_the_ids_rm_training_read():
 @pytest.mark.parametrize("overrides, start", [
     ({"model_name": None}, "env.reward_model.model_name: is required"),
     ({"dtensor_cfg": {"enabled": True, "tensor_parallel_size": 3}},
-     "env.reward_model.dtensor_config.tensor_parallel_size:"),
+     "env.reward_model.dtensor_cfg.tensor_parallel_size:"),  # the spelling the section used
     ({"resources": {"gpus_per_node": 1, "num_nodes": 1}, "dtensor_cfg": {"enabled": True, "tensor_parallel_size": 2}},
-     "env.reward_model.dtensor_config.tensor_parallel_size: one model replica needs 2 ranks"),
+     "env.reward_model.dtensor_cfg.tensor_parallel_size: one model replica needs 2 ranks"),
 ])
 def test_a_bad_reward_model_section_is_one_line_naming_its_key(overrides, start):
     from nrl_reward_model.environment import scorer_config

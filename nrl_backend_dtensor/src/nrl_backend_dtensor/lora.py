@@ -46,9 +46,6 @@ def check_section(section: Mapping[str, Any], tensor_parallel_size: int) -> None
     if section["dropout"] > 0 and section["dropout_position"] == "post":
         raise ConfigError(f"{KEY}.dropout_position", "'post' (dropout on the adapter's output) is not what PEFT's "
                                                      "LoRA does; use 'pre' (dropout on its input) or dropout: 0")
-    if not section["match_all_linear"] and not section["target_modules"]:
-        raise ConfigError(f"{KEY}.target_modules", "is empty and match_all_linear is false: no layer would get an "
-                                                   "adapter; name the modules (e.g. ['q_proj', 'v_proj'])")
 
 
 def _patterns(names: list[str]) -> Any:
@@ -63,7 +60,9 @@ def lora_config(section: Mapping[str, Any]) -> Any:
     """PEFT's ``LoraConfig`` for ``lora_cfg`` (NeMo RL's keys)."""
     from peft import LoraConfig
 
-    targets = "all-linear" if section["match_all_linear"] else _patterns(list(section["target_modules"]))
+    # no target named reads as every linear layer (but the excluded ones), as NeMo Automodel reads it
+    every_linear = section["match_all_linear"] or not section["target_modules"]
+    targets = "all-linear" if every_linear else _patterns(list(section["target_modules"]))
     excluded = _patterns(list(section["exclude_modules"])) if section["exclude_modules"] else None
     return LoraConfig(r=int(section["dim"]), lora_alpha=float(section["alpha"]), lora_dropout=float(section["dropout"]),
                       target_modules=targets, exclude_modules=excluded, bias="none", task_type="CAUSAL_LM",

@@ -21,7 +21,7 @@ DISTILLATION_SCHEMA = Section(doc="On-policy distillation (nrl-algo-distillation
     "max_num_steps": Field(type=int, default=1000, minimum=1),
     "max_num_epochs": Field(type=int, default=10, minimum=1),
     "val_batch_size": Field(type=int, default=64, minimum=1),
-    "val_period": Field(type=int, default=20, minimum=0),
+    "val_period": Field(type=int, default=20, doc="validate every N steps; 0 or less never (NeMo RL uses -1)"),
     "val_at_start": Field(type=bool, default=False),
     "val_at_end": Field(type=bool, default=False),
     "max_val_samples": Field(type=int, default=512, nullable=True, minimum=1),

@@ -15,7 +15,7 @@ RM_SCHEMA = Section(doc="Bradley-Terry reward-model training (nrl-reward-model).
     "max_num_epochs": Field(type=int, default=1, minimum=1),
     "max_num_steps": Field(type=int, default=-1, minimum=-1,
                            doc="-1: as many as max_num_epochs allow (NeMo RL's default)"),
-    "val_period": Field(type=int, default=16, minimum=0, doc="validate every N steps; 0 never"),
+    "val_period": Field(type=int, default=16, doc="validate every N steps; 0 or less never (NeMo RL uses -1)"),
     "val_batches": Field(type=int, default=-1, minimum=-1, doc="validation batches per validation; -1 or 0: all"),
     "val_global_batch_size": Field(type=int, default=32, minimum=1, doc="pairs per validation batch"),
     "val_micro_batch_size": Field(type=int, default=1, minimum=1, inert=True),

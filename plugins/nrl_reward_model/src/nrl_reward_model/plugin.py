@@ -16,7 +16,8 @@ def nrl_algorithms() -> list[AlgorithmSpec]:
     return [AlgorithmSpec(
         name="rm", entry="nrl_reward_model.algorithm:main", distribution="nrl-reward-model",
         description="Bradley-Terry reward model: score the chosen response of each preference pair higher",
-        config_schema=RM_SCHEMA, config_check="nrl_reward_model.config:check_rm", value_sections=("policy",))]
+        config_schema=RM_SCHEMA, config_check="nrl_reward_model.config:check_rm", value_sections=("policy",),
+        data_kind="preference")]
 
 
 @hookimpl
