@@ -16,6 +16,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 import yaml
 
@@ -63,7 +64,7 @@ def _cmd_config_check(args: argparse.Namespace) -> int:
     return 0
 
 
-def _describe_data(data: dict) -> list[str]:
+def _describe_data(data: dict[str, Any]) -> list[str]:
     """Where each dataset of NeMo RL's layout would load from (nothing is loaded)."""
     from nrl_core.data.sources import describe_datasets, resolve_datasets, uses_dataset_layout
 
@@ -125,6 +126,15 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from nrl_core.evaluation.run import evaluate, format_report
 
     config, eval_cfg = load_eval_config(args.config, args.overrides)
+    if args.check:
+        print(f"ok: {args.config}")
+        print(f"model: {config['policy']['model_name']}")
+        print(f"generation backend: {config['policy']['generation']['backend']}")
+        for line in _describe_data(config["data"]):
+            print(line)
+        print(f"eval: {eval_cfg['metric']} with k={eval_cfg['k_value']} of {eval_cfg['num_tests_per_prompt']} samples "
+              "per problem")
+        return 0
     report = evaluate(config, eval_cfg)
     print(format_report(report))
     if eval_cfg["save_path"]:
@@ -236,6 +246,8 @@ def build_parser() -> argparse.ArgumentParser:
     evaluation = sub.add_parser("eval", help="score a model on a dataset: pass@k and majority vote (docs/evaluation.md)")
     evaluation.add_argument("--config", required=True,
                             help="an nrl config (its validation data) or NeMo RL's eval layout, with an eval section")
+    evaluation.add_argument("--check", action="store_true",
+                            help="validate the config and say what would run, without starting anything")
     evaluation.add_argument("overrides", nargs="*", help="key.path=value, +key.path=value, ~key.path")
     evaluation.set_defaults(func=_cmd_eval)
 

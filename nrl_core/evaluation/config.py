@@ -100,24 +100,63 @@ def from_nemo_rl_layout(raw: Mapping[str, Any]) -> dict[str, Any]:
     policy["generation"] = generation
     raw["policy"] = policy
     data = dict(raw.get("data") or {})
-    if int(data.get("repeat") or 1) != 1:
-        raise ConfigError("data.repeat", "is not supported; sample each problem several times with "
+    named = data.get("dataset_name") and not Path(str(data["dataset_name"])).expanduser().exists()
+    if int(data.get("repeat") or 1) != 1 and not named:
+        raise ConfigError("data.repeat", "is not supported for a local file; sample each problem several times with "
                                          "eval.num_tests_per_prompt instead")
     for key in _DATA_DROPPED:
-        data.pop(key, None)
+        if not (named and key == "repeat"):
+            data.pop(key, None)
     for old, new in _DATA_RENAMES.items():
         if old in data:
             data[new] = data.pop(old)
-    if data.get("processor") in _PROCESSORS:
+    if data.get("processor") in _PROCESSORS and not named:
         data["processor"] = _PROCESSORS[data["processor"]]
     name = data.get("dataset_name")
     if name and not data.get("train_data_path") and not Path(str(name)).expanduser().exists():
-        raise ConfigError("data.dataset_name", f"'{name}' is not a local file; nrl reads no hub datasets: set it to a "
-                                               "local JSONL, JSON, CSV or Parquet file (with data.problem_key and "
-                                               "data.solution_key naming its fields)")
+        data = _named_eval_dataset(str(name), data)
     data.setdefault("shuffle", False)
     raw["data"] = data
     return raw
+
+
+#: NeMo RL's evaluation datasets nrl does not read, by name (or name prefix), with what they need.
+_NEMO_RL_EVAL_DATASETS = {
+    "math": "MATH test set (read from a URL)",
+    "math500": "MATH-500 test set (read from a URL)",
+    "gpqa": "GPQA, scored by its multiple-choice processor and environment",
+    "mmlu": "MMLU, scored by its multiple-choice processor and environment",
+    "TwinkStart/MMAU": "MMAU (audio)",
+    "mmau": "MMAU (audio)",
+    "daily-omni": "Daily-Omni (video)",
+}
+
+
+def _named_eval_dataset(name: str, data: dict[str, Any]) -> dict[str, Any]:
+    """A named dataset of NeMo RL's eval layout as nrl's data section: a registered dataset (the
+    AIME sets, with NeMo RL's processor and prompt files) in NeMo RL's data layout, or one line
+    naming what nrl lacks."""
+    from nrl_core.plugins import get_plugin_manager
+
+    if name in get_plugin_manager().datasets():
+        entry = {"dataset_name": name, "repeat": data.pop("repeat", None)}
+        for key in ("prompt_file", "system_prompt_file", "processor", "env_name", "data_path"):
+            if key in data:
+                entry[key] = data.pop(key)
+        data.pop("dataset_name")
+        return {**data, "train": entry}
+    family = next((what for prefix, what in _NEMO_RL_EVAL_DATASETS.items()
+                   if name == prefix or name.startswith(f"{prefix}_")), None)
+    if family is not None:
+        raise ConfigError("data.dataset_name", f"'{name}' is NeMo RL's {family}, which nrl lacks; evaluate a local "
+                                               "file of problems and answers instead (data.problem_key, "
+                                               "data.solution_key)")
+    if "://" in name:
+        raise ConfigError("data.dataset_name", f"'{name}' is a URL, and nrl reads local files: download it and set "
+                                               "data.dataset_name to the file")
+    raise ConfigError("data.dataset_name", f"'{name}' is neither a local file nor a registered dataset; set it to a "
+                                           "local JSONL, JSON, CSV or Parquet file (with data.problem_key and "
+                                           "data.solution_key naming its fields)")
 
 
 def resolve_model_dir(model: Any) -> str:

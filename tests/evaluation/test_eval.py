@@ -107,8 +107,10 @@ def test_bad_input_is_one_line(overrides, expected, tmp_path, model):
 
 
 @pytest.mark.parametrize("overrides, expected", [
-    (["data.dataset_name=AIME2024"], "data.dataset_name: 'AIME2024' is not a local file; nrl reads no hub datasets"),
-    (["data.repeat=4"], "data.repeat: is not supported; sample each problem several times with eval.num_tests_per_prompt"),
+    (["data.dataset_name=gpqa"], "data.dataset_name: 'gpqa' is NeMo RL's GPQA, scored by its multiple-choice "
+                                 "processor and environment, which nrl lacks"),
+    (["data.repeat=4"], "data.repeat: is not supported for a local file; sample each problem several times with "
+                        "eval.num_tests_per_prompt"),
 ])
 def test_nemo_rl_layout_refusals_are_one_line(overrides, expected, tmp_path, model):
     proc = nrl_eval(tmp_path, NEMO_RL_LAYOUT, f"generation.model_name={model}", *overrides)

@@ -99,7 +99,7 @@ PAST_THE_STOP: dict[str, list[str]] = {
 
 
 def test_every_copied_config_has_an_expectation():
-    copied = {str(p.relative_to(CONFIGS)) for p in CONFIGS.rglob("*.yaml")}
+    copied = {str(p.relative_to(CONFIGS)) for p in CONFIGS.rglob("*.yaml") if p.parent.name != "evals"}
     assert copied == set(EXPECTED)
     assert sum(name.startswith("recipes/llm/") for name in EXPECTED) >= 10
 
@@ -188,3 +188,37 @@ def test_a_token_budget_below_the_longest_sequence_fails_only_on_a_sequence_that
     with pytest.raises(NrlError, match=r"^a sequence of 40 tokens exceeds the packing budget of 32 tokens; raise "
                                        r"policy.sequence_packing.\*_mb_tokens to at least 40$"):
         pack_bins([20, 40], 32)
+
+
+#: NeMo RL's examples/configs/evals/ (copied unmodified): `nrl eval --check` passes or names what nrl lacks.
+EVAL_EXPECTED: dict[str, str | None] = {
+    "eval.yaml": None,  # AIME 2024, a registered dataset, with NeMo RL's math_hf_data_processor
+    "math_eval.yaml": "error: data.dataset_name: 'math' is NeMo RL's MATH test set (read from a URL), which nrl lacks",
+    "local_eval.yaml": "error: data.dataset_name: 'https://openaipublic.blob.core.windows.net/simple-evals/"
+                       "math_500_test.csv' is a URL, and nrl reads local files",
+    "gpqa_eval.yaml": "error: data.dataset_name: 'gpqa' is NeMo RL's GPQA, scored by its multiple-choice",
+    "mmlu.yaml": "error: data.dataset_name: 'mmlu' is NeMo RL's MMLU, scored by its multiple-choice",
+    "mmlu_zh_cn.yaml": "error: data.dataset_name: 'mmlu_ZH-CN' is NeMo RL's MMLU",
+    "mmlu_pro.yaml": "error: data.dataset_name: 'mmlu_pro' is NeMo RL's MMLU",
+    "mmau.yaml": "error: data.dataset_name: 'TwinkStart/MMAU' is NeMo RL's MMAU (audio), which nrl lacks",
+    "daily_omni.yaml": "error: data.dataset_name: 'daily-omni' is NeMo RL's Daily-Omni (video), which nrl lacks",
+}
+
+
+def test_every_copied_eval_config_has_an_expectation():
+    assert sorted(p.name for p in (CONFIGS / "evals").glob("*.yaml")) == sorted(EVAL_EXPECTED)
+
+
+@pytest.mark.parametrize("name", sorted(EVAL_EXPECTED))
+def test_nrl_eval_check_passes_a_nemo_rl_eval_config_or_names_what_nrl_lacks(name, capsys):
+    code = main(["eval", "--check", "--config", str(CONFIGS / "evals" / name)])
+    out, err = capsys.readouterr()
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    if EVAL_EXPECTED[name] is None:
+        assert code == 0 and not errors, err
+        assert out.splitlines()[1:] == [
+            "model: Qwen/Qwen2.5-Math-1.5B-Instruct", "generation backend: vllm",
+            "data: train AIME2024 from hub HuggingFaceH4/aime_2024 split train; processor math_hf_data_processor",
+            "eval: pass@k with k=1 of 1 samples per problem"]
+    else:
+        assert code == 2 and len(errors) == 1 and errors[0].startswith(EVAL_EXPECTED[name]), err
