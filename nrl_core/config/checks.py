@@ -181,6 +181,13 @@ def _check_ranges(config: Mapping[str, Any]) -> None:
         raise ConfigError("policy.generation.val_temperature",
                           f"nrl validates greedily (0) or at policy.generation.temperature "
                           f"({generation['temperature']}), got {val_temperature}")
+    for key, training in (("val_top_p", "top_p"), ("val_top_k", "top_k")):
+        value = None if generation is None else generation.get(key)
+        if value is not None and value != generation[training]:
+            raise ConfigError(f"policy.generation.{key}", f"{value} differs from policy.generation.{training} "
+                                                          f"({generation[training]}): validation sampling of its own "
+                                                          "is NeMo RL's NeMo Gym path, which nrl lacks; set it to "
+                                                          f"null or to {training}")
     if config["policy"]["refit"]["bucket_size_mb"] <= 0:
         raise ConfigError("policy.refit.bucket_size_mb", f"must be positive, got {config['policy']['refit']['bucket_size_mb']}")
 

@@ -89,6 +89,10 @@ GENERATION = Section(nullable=True, doc="Rollout generation; null for algorithms
     "val_temperature": Field(type=NUMBER, default=None, nullable=True, minimum=0,
                              doc="validation: null or the training temperature samples as training does "
                                  "(NeMo RL); 0 is greedy"),
+    "val_top_p": Field(type=NUMBER, default=None, nullable=True,
+                       doc="validation: null or top_p; validation samples with training's top-p, as NeMo RL's does"),
+    "val_top_k": Field(type=int, default=None, nullable=True,
+                       doc="validation: null or top_k; validation samples with training's top-k, as NeMo RL's does"),
     "stop_token_ids": Field(type=list, default=None, nullable=True, item_type=int),
     "stop_strings": Field(type=list, default=None, nullable=True, item_type=str),
     "model_name": Field(type=str, default=None, nullable=True, inert=True),

@@ -61,6 +61,8 @@ CASES = [
     ("top-p-range", {"c.yaml": VALID}, ["policy.generation.top_p=1.5"], "policy.generation.top_p", "(0, 1]"),
     ("val-temperature", {"c.yaml": VALID}, ["policy.generation.val_temperature=0.5"],
      "policy.generation.val_temperature", "validates greedily (0) or at policy.generation.temperature"),
+    ("val-top-p", {"c.yaml": VALID}, ["policy.generation.val_top_p=0.5"], "policy.generation.val_top_p",
+     "0.5 differs from policy.generation.top_p (1.0): validation sampling of its own is NeMo RL's NeMo Gym path"),
     ("no-backend-enabled", {"c.yaml": VALID}, ["policy.alpha_cfg.enabled=false"], "policy", "no training backend is enabled"),
     ("unknown-generation-backend", {"c.yaml": VALID}, ["policy.generation.backend=vllmm"], "policy.generation.backend",
      "not available"),
