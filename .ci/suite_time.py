@@ -32,4 +32,4 @@ def main(report: str, alarm_s: float) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], float(sys.argv[2]) if len(sys.argv) > 2 else 65 * 60))
+    sys.exit(main(sys.argv[1], float(sys.argv[2]) if len(sys.argv) > 2 else 70 * 60))
