@@ -83,6 +83,11 @@ NEMO_RL_FEATURES_NRL_LACKS: dict[tuple[str, str], str] = {
     ("generation backend", "sglang"): "SGLang generation backend",
     ("generation backend", "trtllm"): "TensorRT-LLM generation backend",
     ("generation backend", "dynamo"): "Dynamo generation backend",
+    **{("dataset", name): "multimodal (vision/audio/video) training data dataset" for name in (
+        "clevr-cogent", "geometry3k", "refcoco", "mmpr-tiny", "avqa", "audiomcq", "daily-omni", "intent-train",
+        "intent-bench", "general-conversation-jsonl")},
+    ("dataset", "NemoGymDataset"): "NeMo Gym environments' dataset",
+    ("dataset", "arrow_text"): "cross-tokenizer distillation dataset",
 }
 """NeMo RL's names no nrl distribution provides, by registry kind, so a miss names the feature
 rather than a ``pip install`` (nrl-backend-megatron trains; it does not generate)."""

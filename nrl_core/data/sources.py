@@ -23,7 +23,7 @@ from typing import Any
 from nrl_core.contracts import DatasetSpec, import_object
 from nrl_core.errors import ConfigError, NrlError
 
-__all__ = ["COMMON_KEYS", "DatasetSource", "NEMO_RL_DATASETS_ELSEWHERE", "describe_datasets", "load_dataset_splits",
+__all__ = ["COMMON_KEYS", "DatasetSource", "describe_datasets", "load_dataset_splits",
            "resolve_datasets", "uses_dataset_layout"]
 
 logger = logging.getLogger(__name__)
@@ -34,17 +34,6 @@ Located = list[tuple[str, Record]]
 #: Keys every dataset entry may set: they say which dataset, and how its prompts are made.
 COMMON_KEYS = ("dataset_name", "prompt_file", "system_prompt_file", "processor", "env_name")
 DEFAULT_SEED = 42  # NeMo RL's seed of the held-out split when the config sets none
-
-#: NeMo RL dataset names no installed nrl distribution provides, with the feature they belong to,
-#: so a recipe that names one is refused with what nrl lacks rather than "not available".
-NEMO_RL_DATASETS_ELSEWHERE: Mapping[str, str] = {
-    **{name: "multimodal (vision/audio/video) training data" for name in (
-        "clevr-cogent", "geometry3k", "refcoco", "mmpr-tiny", "avqa", "audiomcq", "daily-omni", "intent-train",
-        "intent-bench", "general-conversation-jsonl")},
-    "NemoGymDataset": "NeMo Gym environments",
-    "arrow_text": "cross-tokenizer distillation",
-}
-
 
 @dataclass(frozen=True)
 class DatasetSource:
@@ -122,9 +111,6 @@ def _resolve(key_path: str, entry: Mapping[str, Any], registry: Any, kind: str |
     if not name:
         raise ConfigError(f"{key_path}.dataset_name", "is required: name a registered dataset (`nrl plugins` lists "
                                                       "them), e.g. ResponseDataset with data_path for a local file")
-    if name not in registry and name in NEMO_RL_DATASETS_ELSEWHERE:
-        raise ConfigError(f"{key_path}.dataset_name", f"'{name}' is NeMo RL's {NEMO_RL_DATASETS_ELSEWHERE[name]} "
-                                                      "dataset, which nrl lacks")
     spec: DatasetSpec = registry.get(name, f"{key_path}.dataset_name")
     if kind is not None and spec.kind != kind:
         raise ConfigError(f"{key_path}.dataset_name", f"'{name}' holds {spec.kind} records, and this algorithm reads "
