@@ -72,22 +72,28 @@ def import_object(path: str) -> Any:
 
 @dataclass(frozen=True, kw_only=True)
 class CheckpointOptions:
-    """How a backend saves and loads its worker state. Every backend must honour all four.
+    """How a backend saves and loads its worker state. Every backend must honour the first four.
 
     * ``fully_parallel_save``: every rank writes its own shard (else one consolidated write).
     * ``fully_parallel_load``: every rank reads its own shard (else one rank reads and broadcasts).
     * ``async_save``: return before the files are complete; the backend finishes the write before
       its next save and at shutdown (:meth:`TrainingWorker.finalize_checkpoint`).
     * ``load_rng``: save and restore every RNG state so a resumed run is bit-identical.
+    * ``save_optimizer`` (``checkpointing.save_optimizer``): false writes no optimizer or
+      learning-rate scheduler state, and loading such a checkpoint starts both fresh (NeMo RL's
+      rule). Only a backend that declares the capability ``skip_optimizer_state`` is ever handed
+      false (the config check refuses the key for any other), so a backend that ignores the field
+      keeps saving everything, as before it existed.
     """
 
     fully_parallel_save: bool = True
     fully_parallel_load: bool = True
     async_save: bool = False
     load_rng: bool = False
+    save_optimizer: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("fully_parallel_save", "fully_parallel_load", "async_save", "load_rng"):
+        for name in ("fully_parallel_save", "fully_parallel_load", "async_save", "load_rng", "save_optimizer"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"CheckpointOptions.{name} must be a bool, got {getattr(self, name)!r}")
 
@@ -108,6 +114,8 @@ TRAINING_CAPABILITIES: Mapping[str, str] = {
     "topk_logprobs": "next-token top-k and logprobs at given ids (the worker is a TopkScorer: distillation)",
     "value_head": "policy.reward_model_cfg.enabled: true (a scalar head in place of the LM head; the worker is a "
                   "ValueScorer: reward models and critics)",
+    "skip_optimizer_state": "checkpointing.save_optimizer: false (CheckpointOptions.save_optimizer false: a checkpoint "
+                            "without optimizer and scheduler state, whose load starts both fresh)",
 }
 """What a training backend may declare it supports beyond one rank training padded micro-batches;
 a config that asks for something the selected backend does not declare fails validation."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -59,6 +60,8 @@ class Policy:
         self.value_head = value_head_type(config["policy"]) is not None  # a scorer, not a language model
         self.world_size = cluster_topology(config).train_world
         self.checkpoint_options = CheckpointOptions.from_section(config["policy"][spec.config_key])
+        if not (config.get("checkpointing") or {}).get("save_optimizer", True):  # checked against the capability
+            self.checkpoint_options = replace(self.checkpoint_options, save_optimizer=False)
         self.timeout_s = distributed_timeout_s(config, spec.config_key)  # every group of this run
         if beside is not None:
             launched = launch_beside(config, spec, beside.placement, name)

@@ -25,6 +25,7 @@ whether it generates (then an installed generation backend is required) and name
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
@@ -126,6 +127,13 @@ def _check_capabilities(config: Mapping[str, Any], training: TrainingBackendSpec
         raise ConfigError("policy.reward_model_cfg.enabled",
                           f"the {training.name} training backend ({training.distribution}) does not declare "
                           "value_head, which a reward model needs; use a backend that does")
+    saving = config.get("checkpointing") or {}
+    if (training is not None and saving.get("enabled") and saving.get("save_optimizer") is False
+            and "skip_optimizer_state" not in training.capabilities):
+        raise ConfigError("checkpointing.save_optimizer",
+                          f"the {training.name} training backend ({training.distribution}) does not declare "
+                          "skip_optimizer_state, so it would save the optimizer anyway; set it to true or use a "
+                          "backend that declares it")
     if policy["refit"]["adapters"] and policy["generation"] is not None:
         for spec, capability in ((training, "adapter_export"), (generation, "adapter_refit")):
             if spec is not None and capability not in spec.capabilities:
@@ -252,19 +260,29 @@ def _check_lengths(config: Mapping[str, Any]) -> None:
 def directory_problem(path: str | os.PathLike[str]) -> str | None:
     """Why ``path`` cannot be used as a directory to write into, or None if it can (it exists and
     is writable, or it can be created: its nearest existing ancestor is a writable directory).
-    Nothing is created."""
+    Nothing is left behind."""
     p = Path(path).expanduser().absolute()
-    if p.exists():
-        if not p.is_dir():
-            return f"'{p}' is a file, not a directory"
-        return None if os.access(p, os.W_OK | os.X_OK) else f"'{p}' is not writable"
-    ancestor = p.parent
+    if p.exists() and not p.is_dir():
+        return f"'{p}' is a file, not a directory"
+    ancestor = p
     while not ancestor.exists() and ancestor != ancestor.parent:
         ancestor = ancestor.parent
+    prefix = "" if ancestor == p else f"'{p}' cannot be created: "
     if not ancestor.is_dir():
-        return f"'{p}' cannot be created: '{ancestor}' is a file"
-    if not os.access(ancestor, os.W_OK | os.X_OK):
-        return f"'{p}' cannot be created: '{ancestor}' is not writable"
+        return f"{prefix}'{ancestor}' is a file"
+    why = _refuses_writes(ancestor)
+    return None if why is None else f"{prefix}'{ancestor}' {why}"
+
+
+def _refuses_writes(directory: Path) -> str | None:
+    """Why ``directory`` takes no new entries, or None. Tried with a probe removed at once: the
+    permission bits do not bind root, and pseudo file systems (``/proc``) refuse what they allow."""
+    if not os.access(directory, os.W_OK | os.X_OK):
+        return "is not writable"
+    try:
+        tempfile.TemporaryDirectory(dir=directory, prefix=".nrl-probe-").cleanup()
+    except OSError as exc:
+        return f"refuses new directories ({exc.strerror or exc})"
     return None
 
 

@@ -96,6 +96,9 @@ GENERATION = Section(nullable=True, doc="Rollout generation; null for algorithms
     "stop_token_ids": Field(type=list, default=None, nullable=True, item_type=int),
     "stop_strings": Field(type=list, default=None, nullable=True, item_type=str),
     "model_name": Field(type=str, default=None, nullable=True, inert=True),
+    "vllm_kwargs": Section(nullable=True, open=True,
+                           doc="vLLM's own engine arguments, passed as given (NeMo RL's key; the vllm backend reads "
+                               "it and refuses the ones nrl sets)"),
     "colocated": Section(fields={
         "enabled": Field(type=bool, default=True, doc="share the training workers' resources"),
         "offload_weights": Field(type=bool, default=True,
@@ -268,6 +271,10 @@ CHECKPOINTING = Section(fields={
                                      doc="NeMo RL saves before this wall-clock deadline; nrl does not (named in the "
                                          "inert-keys warning when set)"),
     "export_hf": Field(type=bool, default=True, doc="export the best checkpoint as a Hugging Face model"),
+    "save_optimizer": Field(type=bool, default=True,
+                            doc="false: checkpoints hold no optimizer or LR-scheduler state (smaller); a resume "
+                                "from one starts both fresh, as NeMo RL does (backends declaring "
+                                "skip_optimizer_state)"),
 })
 
 CLUSTER = Section(doc="Where workers run. On a CPU machine gpus_per_node counts training workers per node.", fields={

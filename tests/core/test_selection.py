@@ -144,6 +144,23 @@ def test_a_feature_the_backend_does_not_declare_is_refused_in_one_line(write, ex
         load_and_validate(path, algorithm="sft")
 
 
+def test_save_optimizer_false_needs_the_capability(write, example_backends, tmp_path, capsys):
+    """A backend that does not declare skip_optimizer_state would save the optimizer anyway (it
+    never reads CheckpointOptions.save_optimizer): ``nrl config check`` refuses in one line."""
+    path = write("c.yaml", f"""\
+        policy: {{model_name: /m, alpha_cfg: {{enabled: true}}, generation: null}}
+        checkpointing: {{enabled: true, checkpoint_dir: {tmp_path / 'ck'}, save_optimizer: false}}
+        """)
+    assert main(["config", "check", str(path), "--algorithm", "sft"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert errors == ["error: checkpointing.save_optimizer: the alpha training backend (nrl-alpha) does not declare "
+                      "skip_optimizer_state, so it would save the optimizer anyway; set it to true or use a backend "
+                      "that declares it"]
+    assert load_and_validate(path, ["checkpointing.save_optimizer=true"], algorithm="sft")["checkpointing"][
+        "save_optimizer"] is True
+    assert load_and_validate(path, ["checkpointing.enabled=false"], algorithm="sft")  # nothing is saved
+
+
 def test_an_unknown_capability_is_a_plugin_error():
     from nrl_core.config.schema import Section
     from nrl_core.contracts import TrainingBackendSpec

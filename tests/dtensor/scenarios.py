@@ -26,6 +26,7 @@ def fsdp_and_checkpoints(rank: int, world_size: int, root: str) -> dict[str, Any
     w.save_checkpoint(os.path.join(root, "sharded"), CheckpointOptions())
     w.save_checkpoint(os.path.join(root, "consolidated"), CheckpointOptions(fully_parallel_save=False))
     w.save_checkpoint(os.path.join(root, "async"), CheckpointOptions(async_save=True))
+    w.save_checkpoint(os.path.join(root, "lean"), CheckpointOptions(async_save=True, save_optimizer=False))
     w.finalize_checkpoint()
     try:
         w.train(make_batch(batch_size=7), NLLLoss())
@@ -37,10 +38,13 @@ def fsdp_and_checkpoints(rank: int, world_size: int, root: str) -> dict[str, Any
                           ("sharded", CheckpointOptions(fully_parallel_load=False)),
                           ("consolidated", CheckpointOptions()),
                           ("consolidated", CheckpointOptions(fully_parallel_load=False)),
-                          ("async", CheckpointOptions())]:
+                          ("async", CheckpointOptions()),
+                          ("lean", CheckpointOptions()),  # no optimizer state: the optimizer starts fresh
+                          ("lean", CheckpointOptions(fully_parallel_load=False))]:
         fresh.load_checkpoint(os.path.join(root, name), options)
         out[f"loaded/{name}/{options.fully_parallel_load}"] = gather_shards(fresh.get_logprobs(batch), batch)
         out[f"step/{name}"] = fresh.train_step_count
+        out[f"optimizer_state/{name}"] = len(fresh.optimizer.state)
     return out
 
 

@@ -158,6 +158,83 @@ def test_checkpoint_resume_is_bit_identical_with_load_rng(tmp_path):
     assert c.train(batch, NLLLoss())["loss"] != expected  # the RNG state is what made it identical
 
 
+def _optimizer_tensors(w: DTensorPolicyWorker) -> list[torch.Tensor]:
+    return [(v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+            for state in w.optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
+
+
+@pytest.mark.parametrize("layout", ["sharded", "consolidated"])
+def test_checkpoints_without_optimizer_state(tmp_path, caplog, layout):
+    """checkpointing.save_optimizer: false writes the weights and step only: no optimizer or
+    scheduler state (a smaller checkpoint), and a resume loads the weights bit for bit and starts
+    the optimizer and its schedule fresh (NeMo RL's rule). The default still saves and restores
+    both exactly; the checkpoint manager's checksums accept the lean checkpoint and still fall
+    back from a corrupted one."""
+    import json
+
+    from nrl_backend_dtensor.safe_load import SafeFileSystemReader, load_file
+    from nrl_core.checkpoint.manager import CheckpointManager
+
+    manager = CheckpointManager({"enabled": True, "checkpoint_dir": str(tmp_path / "run"), "save_period": 1,
+                                 "keep_top_k": None, "metric_name": None})
+    batch = make_batch()
+    a = fsdp_worker()
+    for _ in range(2):  # the LinearLR warm-up moves the learning rate at each step
+        a.train(batch, NLLLoss())
+    saved, moments = params(a), _optimizer_tensors(a)
+    lr, sched = a.optimizer.param_groups[0]["lr"], a.scheduler.state_dict()["last_epoch"]
+    for step, save_optimizer in ((1, True), (2, False)):
+        tmp = manager.prepare(step)
+        a.save_checkpoint(str(tmp / "policy"), CheckpointOptions(save_optimizer=save_optimizer,
+                                                                 fully_parallel_save=layout == "sharded"))
+        manager.commit(step, tmp, {})
+    full, lean = manager.root / "step_1" / "policy", manager.root / "step_2" / "policy"
+
+    def size(root):
+        return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+
+    assert size(lean) < 0.6 * size(full)  # AdamW keeps two moments per weight
+    assert json.loads((lean / "nrl_checkpoint.json").read_text())["optimizer"] is False
+    assert set(load_file(str(lean / "trainer_state.pt"))) == {"step"}
+    assert set(load_file(str(full / "trainer_state.pt"))) == {"step", "scheduler"}
+    for root, has_optim in ((full, True), (lean, False)):
+        if layout == "sharded":
+            keys = SafeFileSystemReader(str(root / "model_optim")).read_metadata().state_dict_metadata
+        else:
+            keys = load_file(str(root / "consolidated.pt"))
+        assert any(k.startswith("optim") for k in keys) is has_optim and any(k.startswith("model") for k in keys)
+    assert manager.latest_verified().name == "step_2"  # a checkpoint without optimizer files verifies
+
+    fresh = fsdp_worker()
+    for opts in (CheckpointOptions(), CheckpointOptions(fully_parallel_load=False)):
+        b = fsdp_worker()
+        b.load_checkpoint(str(lean), opts)
+        assert all(torch.equal(x, y) for x, y in zip(params(b), saved)) and b.train_step_count == 2
+        assert len(b.optimizer.state) == 0  # Adam starts without moments or step count
+        assert b.optimizer.param_groups[0]["lr"] == fresh.optimizer.param_groups[0]["lr"] != lr
+        assert b.scheduler.state_dict()["last_epoch"] == 0
+        b.train(batch, NLLLoss())
+        assert {float(s["step"]) for s in b.optimizer.state.values()} == {1.0}
+
+        c = fsdp_worker()  # the default: optimizer and schedule come back exactly
+        c.load_checkpoint(str(full), opts)
+        assert all(torch.equal(x, y) for x, y in zip(params(c), saved)) and c.train_step_count == 2
+        assert all(torch.equal(x, y) for x, y in zip(_optimizer_tensors(c), moments)) and len(moments) > 0
+        assert c.optimizer.param_groups[0]["lr"] == lr and c.scheduler.state_dict()["last_epoch"] == sched
+
+    with caplog.at_level("INFO", logger="nrl_backend_dtensor.checkpoint"):
+        a.load_checkpoint(str(lean), CheckpointOptions())  # a worker that has trained is reset too
+    assert len(a.optimizer.state) == 0 and a.optimizer.param_groups[0]["lr"] == fresh.optimizer.param_groups[0]["lr"]
+    assert "holds no optimizer state" in caplog.text and "start fresh" in caplog.text
+
+    shard = next(p for p in lean.rglob("*") if p.suffix in (".distcp", ".pt") and p.parent.name != "rng"
+                 and p.name != "trainer_state.pt")
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    assert manager.latest_verified().name == "step_1"  # a corrupted one still falls back
+
+
 def test_failed_loads_are_one_line_and_leave_the_model_untouched(tmp_path):
     a = worker()
     batch = make_batch()

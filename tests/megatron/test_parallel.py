@@ -83,6 +83,8 @@ def test_conversion_happens_once_then_is_reused(w1: dict[str, Any]) -> None:
 
 # ------------------------------------------------------------------ world of 2: parallel layouts
 def world2(rank: int, world: int, path: str, ckpt: str) -> dict[str, Any]:
+    import json
+
     from nrl_backend_megatron import ckpt_io
     from nrl_backend_megatron.worker import MegatronPolicyWorker
     from nrl_core.algorithms.loss import NLLLoss
@@ -124,6 +126,30 @@ def world2(rank: int, world: int, path: str, ckpt: str) -> dict[str, Any]:
     w.save_checkpoint(f"{ckpt}/plain", CheckpointOptions(fully_parallel_save=False))
     w.load_checkpoint(f"{ckpt}/plain", CheckpointOptions(fully_parallel_load=False))
     out["plain/wrappers"] = list(calls)
+
+    # checkpointing.save_optimizer: false: weights and step only; loading it (here into a worker that
+    # trained on) puts the weights back bit for bit and starts the optimizer and its schedule fresh
+    def optimizer_state() -> int:
+        return sum(len(getattr(leaf, "optimizer", leaf).state)
+                   for leaf in getattr(w.opt.optimizer, "chained_optimizers", None) or [w.opt.optimizer])
+
+    saved = [p.detach().clone() for p in w.model.parameters()]
+    w.save_checkpoint(f"{ckpt}/lean", CheckpointOptions(save_optimizer=False))
+    out["lean/sizes"] = [sum(f.stat().st_size for f in (Path(ckpt) / name).rglob("*") if f.is_file())
+                         for name in ("default", "lean")]
+    out["lean/marker"] = json.loads((Path(ckpt) / "lean" / ckpt_io.MARKER).read_text())["optimizer"]
+    out["lean/common"] = sorted(torch.load(Path(ckpt) / "lean" / "common.pt", weights_only=True))
+    out["default/common"] = sorted(torch.load(Path(ckpt) / "default" / "common.pt", weights_only=True))
+    w.train(batch, loss)
+    out["lean/state_before"] = optimizer_state()
+    w.load_checkpoint(f"{ckpt}/lean")
+    out["lean/weights_equal"] = all(torch.equal(a, b) for a, b in zip(saved, w.model.parameters()))
+    out["lean/state"], out["lean/scheduler_steps"], out["lean/step"] = optimizer_state(), w.opt.scheduler.num_steps, w.step
+    out["lean/next_loss"] = w.train(batch, loss)["loss"]
+    out["lean/state_after_step"] = optimizer_state()
+    w.load_checkpoint(f"{ckpt}/default")  # the default brings the optimizer and schedule back
+    out["default/state"], out["default/scheduler_steps"] = optimizer_state(), w.opt.scheduler.num_steps
+
     for bad in ("missing", "default_other"):
         try:
             if bad == "default_other":
@@ -244,6 +270,19 @@ def test_checkpoint_knobs(w2) -> None:
         assert rank["rng_true/next_loss"] == rank["async/next_loss"]  # bit-identical resume
         assert rank["rng_false/next_loss"] != rank["async/next_loss"]
     assert w2[0]["default/marker_on_return"] is True
+
+
+@pytest.mark.slow
+def test_checkpoints_without_optimizer_state(w2) -> None:
+    for rank in w2:
+        default, lean = rank["lean/sizes"]
+        assert lean < 0.6 * default  # Adam keeps two moments per weight
+        assert rank["lean/marker"] is False
+        assert "scheduler" in rank["default/common"] and "scheduler" not in rank["lean/common"]
+        assert rank["lean/state_before"] > 0 and rank["lean/weights_equal"]
+        assert (rank["lean/state"], rank["lean/scheduler_steps"], rank["lean/step"]) == (0, 0, 3)  # fresh, step kept
+        assert rank["lean/state_after_step"] == rank["lean/state_before"]  # built again at the next step
+        assert rank["default/state"] > 0 and rank["default/scheduler_steps"] == 3
 
 
 @pytest.mark.slow

@@ -14,11 +14,18 @@ size differs from the one recorded is truncated, and recorded shapes that differ
 mean another architecture. Loading checks all of that, then reads into *copies* of the state and
 only copies into the live model and optimizer once everything has been read, so a failed load
 leaves the worker untouched.
+
+With ``CheckpointOptions.save_optimizer`` false (``checkpointing.save_optimizer: false``) the shards
+and ``consolidated.pt`` hold the model only, ``trainer_state.pt`` the step only, and the marker says
+``"optimizer": false``; loading such a checkpoint restores the weights and starts the optimizer and
+its learning-rate schedule fresh, as NeMo RL does (its resume finds no optimizer directory).
 """
 
 from __future__ import annotations
 
+import copy
 import json
+import logging
 import os
 import threading
 from collections.abc import Callable
@@ -30,7 +37,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from nrl_backend_dtensor.safe_load import dcp_load, load_file
@@ -38,6 +51,8 @@ from nrl_core.contracts import CheckpointOptions
 from nrl_core.device import broadcast
 from nrl_core.errors import NrlError
 from nrl_core.sdk import first_failure, rng_state, set_rng_state
+
+logger = logging.getLogger(__name__)
 
 MARKER = "nrl_checkpoint.json"
 SHARDED_DIR = "model_optim"
@@ -96,6 +111,11 @@ class CheckpointIO:
     def __init__(self, state: TrainState) -> None:
         self.state = state
         self._pending: _Pending | None = None
+        # what a fresh optimizer and schedule look like (built before any step): a checkpoint
+        # without optimizer state puts these back
+        self._fresh_groups = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"}
+                              for g in state.optimizer.param_groups]
+        self._fresh_scheduler = copy.deepcopy(state.scheduler.state_dict())
 
     # ------------------------------------------------------------------ save
 
@@ -105,6 +125,15 @@ class CheckpointIO:
         frozen = self.state.frozen_in_checkpoints
         return StateDictOptions(ignore_frozen_params=not frozen, strict=frozen, **kwargs)
 
+    def _live(self, options: StateDictOptions, with_optim: bool) -> dict[str, Any]:
+        """``{"model": ..., "optim": ...}`` of the live objects, or ``{"model": ...}`` alone. The
+        model alone never asks torch for the optimizer's state dict, which would fill an empty
+        (fresh) optimizer's state with a dummy step."""
+        if not with_optim:
+            return {"model": get_model_state_dict(self.state.model, options=options)}
+        msd, osd = get_state_dict(self.state.model, self.state.optimizer, options=options)
+        return {"model": msd, "optim": osd}
+
     def save(self, path: str, options: CheckpointOptions) -> None:
         """Save everything under ``path`` (collective). With ``async_save`` return once the write
         is scheduled; it completes at the next save, load or :meth:`finalize`."""
@@ -112,9 +141,9 @@ class CheckpointIO:
         rank = dist.get_rank()
         os.makedirs(os.path.join(path, "rng"), exist_ok=True)
         pending = _Pending(path=path)
+        with_optim = options.save_optimizer
         if options.fully_parallel_save:
-            msd, osd = get_state_dict(self.state.model, self.state.optimizer, options=self._options())
-            target = {"model": msd, "optim": osd}
+            target = self._live(self._options(), with_optim)
             if options.async_save:
                 pending.futures.append(dcp.async_save(target, checkpoint_id=os.path.join(path, SHARDED_DIR),
                                                       process_group=self.state.async_group))
@@ -122,17 +151,19 @@ class CheckpointIO:
                 dcp.save(target, checkpoint_id=os.path.join(path, SHARDED_DIR))
             fmt = "sharded"
         else:
-            full = self._options(full_state_dict=True, cpu_offload=True)
-            msd, osd = get_state_dict(self.state.model, self.state.optimizer, options=full)
+            full = self._live(self._options(full_state_dict=True, cpu_offload=True), with_optim)
             if rank == 0:
-                write = lambda: torch.save({"model": msd, "optim": osd}, os.path.join(path, CONSOLIDATED))  # noqa: E731
+                write = lambda: torch.save(full, os.path.join(path, CONSOLIDATED))  # noqa: E731
                 pending.futures.append(_in_thread(write) if options.async_save else _done(write()))
             fmt = "consolidated"
         torch.save(rng_state(), os.path.join(path, "rng", f"rank{rank}.pt"))
         if rank == 0:
-            torch.save({"step": self.state.get_step(), "scheduler": self.state.scheduler.state_dict()},
-                       os.path.join(path, TRAINER_STATE))
+            trainer = {"step": self.state.get_step()}
+            if with_optim:  # the schedule goes with the optimizer, as in NeMo RL
+                trainer["scheduler"] = self.state.scheduler.state_dict()
+            torch.save(trainer, os.path.join(path, TRAINER_STATE))
         pending.marker = {"format": fmt, "format_version": FORMAT_VERSION, "step": self.state.get_step(),
+                          "optimizer": with_optim,
                           "world_size": dist.get_world_size(), "architecture": self.state.architecture,
                           "param_shapes": self.state.param_shapes, "base_model": self.state.base_model}
         self._pending = pending
@@ -197,17 +228,20 @@ class CheckpointIO:
         return marker
 
     def load(self, path: str, options: CheckpointOptions) -> None:
-        """Load ``path`` into the worker (collective). Raises :class:`NrlError` leaving it unchanged."""
+        """Load ``path`` into the worker (collective). Raises :class:`NrlError` leaving it unchanged.
+        A checkpoint saved without optimizer state (whatever ``options`` says now) restores the
+        weights and step and starts the optimizer and its schedule fresh."""
         self.finalize()
         marker = self.validate(path)
+        with_optim = marker.get("optimizer", True) is not False
         if options.load_rng and not os.path.exists(os.path.join(path, "rng", f"rank{dist.get_rank()}.pt")):
             raise NrlError(f"checkpoint '{path}' has no RNG state for rank {dist.get_rank()} (saved at world size "
                            f"{marker.get('world_size')}); resume at the same world size or set load_rng: false")
         try:
             if options.fully_parallel_load:
-                model_sd, optim_sd, sd_options = self._read_every_rank(path, marker["format"])
+                model_sd, optim_sd, sd_options = self._read_every_rank(path, marker["format"], with_optim)
             else:
-                model_sd, optim_sd, sd_options = self._read_rank0_broadcast(path, marker["format"])
+                model_sd, optim_sd, sd_options = self._read_rank0_broadcast(path, marker["format"], with_optim)
             trainer = load_file(os.path.join(path, TRAINER_STATE))
             rng = load_file(os.path.join(path, "rng", f"rank{dist.get_rank()}.pt")) if options.load_rng else None
         except NrlError:
@@ -219,49 +253,64 @@ class CheckpointIO:
             raise NrlError(f"checkpoint '{path}' could not be read ({type(exc).__name__}: {first[:200]}); "
                            f"it is truncated or corrupt") from None
         # Everything is read: only now touch the live objects.
-        set_state_dict(self.state.model, self.state.optimizer, model_state_dict=model_sd,
-                       optim_state_dict=optim_sd, options=sd_options)
-        self.state.scheduler.load_state_dict(trainer["scheduler"])
+        if with_optim:
+            set_state_dict(self.state.model, self.state.optimizer, model_state_dict=model_sd,
+                           optim_state_dict=optim_sd, options=sd_options)
+            self.state.scheduler.load_state_dict(trainer["scheduler"])
+        else:
+            set_model_state_dict(self.state.model, model_sd, options=sd_options)
+            self._fresh_optimizer()
+            if dist.get_rank() == 0:
+                logger.info("checkpoint %s holds no optimizer state (saved with checkpointing.save_optimizer: "
+                            "false): the optimizer and its learning-rate schedule start fresh", path)
         self.state.set_step(int(trainer["step"]))
         if rng is not None:
             set_rng_state(rng)
 
-    def _read_every_rank(self, path: str, fmt: str) -> tuple[Any, Any, StateDictOptions]:
+    def _fresh_optimizer(self) -> None:
+        """The optimizer and scheduler as the worker built them: no state (Adam's moments and step
+        come back at the next step), the first learning rate, the schedule at its start."""
+        self.state.optimizer.state.clear()
+        for group, fresh in zip(self.state.optimizer.param_groups, self._fresh_groups):
+            group.update(copy.deepcopy(fresh))
+        self.state.scheduler.load_state_dict(copy.deepcopy(self._fresh_scheduler))
+
+    def _read_every_rank(self, path: str, fmt: str, with_optim: bool = True) -> tuple[Any, Any, StateDictOptions]:
         if fmt == "sharded":
-            msd, osd = get_state_dict(self.state.model, self.state.optimizer, options=self._options())
-            staged = {"model": _clone(msd), "optim": _clone(osd)}
+            staged = _clone(self._live(self._options(), with_optim))
             dcp_load(staged, os.path.join(path, SHARDED_DIR))
-            return staged["model"], staged["optim"], self._options()
+            return staged["model"], staged.get("optim"), self._options()
         full = load_file(os.path.join(path, CONSOLIDATED), map_location="cpu")
-        return self._shard_like_live(full["model"], full["optim"])
+        return self._shard_like_live(full["model"], full["optim"] if with_optim else None)
 
     def _shard_like_live(self, model_sd: Any, optim_sd: Any) -> tuple[Any, Any, StateDictOptions]:
-        """Full tensors (present on every rank) cut into this rank's shards of the live layout.
+        """Full tensors (present on every rank) cut into this rank's shards of the live layout
+        (``optim_sd`` None: the model alone).
 
         Why not ``set_state_dict(full_state_dict=True)``: it assigns new parameter objects, which
         leaves the optimizer pointing at the old ones; a sharded load copies in place.
         """
-        live_m, live_o = get_state_dict(self.state.model, self.state.optimizer, options=self._options())
-        return _shard_like(model_sd, live_m), _shard_like(optim_sd, live_o), self._options()
+        live = self._live(self._options(), optim_sd is not None)
+        optim = _shard_like(optim_sd, live["optim"]) if optim_sd is not None else None
+        return _shard_like(model_sd, live["model"]), optim, self._options()
 
-    def _read_rank0_broadcast(self, path: str, fmt: str) -> tuple[Any, Any, StateDictOptions]:
+    def _read_rank0_broadcast(self, path: str, fmt: str, with_optim: bool = True) -> tuple[Any, Any, StateDictOptions]:
         rank0 = dist.get_rank() == 0
         error: list[Any] = [None]
         model_sd: Any = {}
         optim_sd: Any = {}
         if fmt == "sharded":
             # rank 0 reads the shards of every rank into full-size tensors, without collectives
-            msd, osd = get_state_dict(self.state.model, self.state.optimizer,
-                                      options=self._options(full_state_dict=True, cpu_offload=True))
+            skeleton = self._live(self._options(full_state_dict=True, cpu_offload=True), with_optim)
         if rank0:
             try:
                 if fmt == "sharded":
-                    staged = {"model": _clone(msd), "optim": _clone(osd)}
+                    staged = _clone(skeleton)
                     dcp_load(staged, os.path.join(path, SHARDED_DIR), no_dist=True)
-                    model_sd, optim_sd = staged["model"], staged["optim"]
+                    model_sd, optim_sd = staged["model"], staged.get("optim")
                 else:
                     full = load_file(os.path.join(path, CONSOLIDATED), map_location="cpu")
-                    model_sd, optim_sd = full["model"], full["optim"]
+                    model_sd, optim_sd = full["model"], full["optim"] if with_optim else None
             except (Exception, CheckpointException) as exc:  # noqa: BLE001 - shared with the other ranks
                 if isinstance(first_failure(exc), NrlError):
                     error[0] = first_failure(exc)

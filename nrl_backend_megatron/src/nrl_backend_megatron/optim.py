@@ -88,6 +88,21 @@ def main_params(optimizer: Any) -> list[torch.Tensor]:
     return out
 
 
+def fresh_optimizer(bundle: OptimizerBundle) -> None:
+    """Start ``bundle``'s optimizer and schedule afresh after the weights were loaded without them
+    (Megatron-LM's resume with ``load_optim`` off): no optimizer state (each leaf's torch optimizer
+    builds its moments and step again at the next step; with the precision-aware optimizer that
+    includes the main weights, taken from the loaded parameters), main weights copied from the
+    loaded parameters (``reload_model_params``), the schedule back at step 0."""
+    for leaf in _leaf_optimizers(bundle.optimizer):
+        inner = getattr(leaf, "optimizer", None)
+        if inner is not None and hasattr(inner, "state"):
+            inner.state.clear()
+    bundle.optimizer.reload_model_params()
+    bundle.scheduler.num_steps = 0
+    bundle.scheduler.step(increment=0)
+
+
 def _transformer_engine_installed() -> bool:
     import importlib.util
 

@@ -23,7 +23,7 @@ def nrl_training_backends() -> list[TrainingBackendSpec]:
         parallel_size_keys=("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"),
         config_check="nrl_backend_megatron.checks:check_config",
         capabilities=frozenset({"data_parallel", "sequence_packing", "dynamic_batching", "adapter_export", "topk_logprobs",
-                                "value_head"}),
+                                "value_head", "skip_optimizer_state"}),
         description="Megatron-Core: tensor/pipeline parallel training, dist_checkpointing",
     )]
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -210,9 +210,10 @@ def _set_env(env: Mapping[str, str]) -> None:
 
 
 def training_world1(rank: int, world_size: int, configs: dict[str, dict[str, Any]], root: str,
-                    env: Mapping[str, str]) -> dict[str, Any]:
+                    env: Mapping[str, str], capabilities: Collection[str] = ()) -> dict[str, Any]:
     """Every single-rank training check's measurements; ``configs`` maps a role (``base``,
-    ``micro1``, one per declared capability) to its validated config."""
+    ``micro1``, one per declared capability) to its validated config; ``capabilities`` are the
+    backend's (what only a declaring backend is asked)."""
     import torch
 
     from nrl_core.algorithms.loss import NLLLoss
@@ -230,6 +231,9 @@ def training_world1(rank: int, world_size: int, configs: dict[str, dict[str, Any
                                        and callable(getattr(TrainingWorker, n, None)) and not hasattr(w, n)]
     out["is_training_worker"] = isinstance(w, TrainingWorker)
     out["lp0"] = _whole(w.get_logprobs(batch), batch)
+    lean = "skip_optimizer_state" in capabilities
+    if lean:  # before any step, without optimizer state
+        w.save_checkpoint(str(ckpt / "lean"), CheckpointOptions(save_optimizer=False))
     numbered = conformance_batch()
     numbered.fields["row"] = torch.arange(numbered.size, dtype=torch.float32)
     recorder = TrainingForwardLogprobs(loss, numbered)
@@ -280,6 +284,15 @@ def training_world1(rank: int, world_size: int, configs: dict[str, dict[str, Any
     for name, options in [("async", CheckpointOptions()), ("consolidated", CheckpointOptions(fully_parallel_load=False))]:
         fresh.load_checkpoint(str(ckpt / name), options)
         out[f"{name}/lp"] = _whole(fresh.get_logprobs(batch), batch)
+    # the worker has trained: the checkpoint without optimizer state puts the initial weights back and
+    # starts optimizer and schedule fresh, so the first step is taken again exactly
+    if lean:
+        fresh.load_checkpoint(str(ckpt / "lean"), CheckpointOptions())
+        out["lean/lp0"] = _whole(fresh.get_logprobs(batch), batch)
+        fresh.train(numbered, TrainingForwardLogprobs(loss, numbered))
+        out["lean/lp1"] = _whole(fresh.get_logprobs(batch), batch)
+        out["sizes"] = {name: sum(f.stat().st_size for f in (ckpt / name).rglob("*") if f.is_file())
+                        for name in ("lean", "sync")}
     fresh = None
 
     for role, config in configs.items():

@@ -99,7 +99,8 @@ class _TrainingChecks:
             if capability in spec.capabilities:
                 configs[capability] = make(**{capability: {"enabled": True, "train_mb_tokens": 32,
                                                            "logprob_mb_tokens": 48, "sequence_length_round": 4}})
-        (result,) = run_distributed(scenarios.training_world1, 1, configs, str(root), _tmp_env(self.env, root))
+        (result,) = run_distributed(scenarios.training_world1, 1, configs, str(root), _tmp_env(self.env, root),
+                                    sorted(spec.capabilities))
         _fail_on_contract_errors(result)
         result["root"] = root
         return result
@@ -236,6 +237,18 @@ class _TrainingChecks:
         assert world1["sync/m2"]["loss"] == world1["m2"]["loss"], (
             f"the step after a resume has loss {world1['sync/m2']['loss']!r}, the uninterrupted run "
             f"{world1['m2']['loss']!r}: model, optimizer or scheduler state is not fully restored")
+
+    def test_declared_skip_optimizer_state_saves_weights_only_and_starts_fresh(self, spec, world1) -> None:
+        _skip_unless_declared(spec, "skip_optimizer_state")
+        lean, full = world1["sizes"]["lean"], world1["sizes"]["sync"]
+        assert lean < full, (f"the backend declares 'skip_optimizer_state' but a checkpoint saved with "
+                             f"save_optimizer=False has {lean} bytes, one with the optimizer {full}")
+        gap = _gap(world1["lean/lp0"], world1["lp0"])
+        assert gap == 0.0, f"a checkpoint saved with save_optimizer=False loads with logprobs {gap:.2e} off"
+        gap = _gap(world1["lean/lp1"], world1["lp1"])
+        assert gap == 0.0, (
+            f"after loading a checkpoint saved with save_optimizer=False before the first step, a trained worker's "
+            f"next step lands {gap:.2e} off the first step: optimizer or scheduler state did not start fresh")
 
     def test_bad_checkpoint_is_one_line_and_leaves_the_worker_unchanged(self, world1) -> None:
         for case, error in world1["bad_loads"].items():
