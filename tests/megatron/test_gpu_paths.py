@@ -93,6 +93,11 @@ def test_parameters_are_synced_before_export_reference_logprobs_and_save(w1: dic
     assert w1["synced/save"] == [{"force_sync": True}] * 3
 
 
+# the hand-off run also empties the (CUDA) cache at every point and recomputes attention in backward:
+# neither may change a bit either
+HANDED_MEGATRON = {"empty_unused_memory_level": 2, "activation_checkpointing": True, "recompute_granularity": "selective"}
+
+
 def handoff_world(rank: int, world: int, path: str, handoff: bool) -> dict[str, Any]:
     """Two training steps, with or without the colocated hand-off (both offloads, then prepare)
     between them: the losses and the final weights."""
@@ -100,7 +105,7 @@ def handoff_world(rank: int, world: int, path: str, handoff: bool) -> dict[str, 
     from nrl_backend_megatron.worker import MegatronPolicyWorker
     from nrl_core.algorithms.loss import NLLLoss
 
-    w = MegatronPolicyWorker(make_config(path), rank, world)
+    w = MegatronPolicyWorker(make_config(path, megatron=HANDED_MEGATRON if handoff else None), rank, world)
     losses = [w.train(make_batch(), NLLLoss())["loss"]]
     if handoff:
         w.offload_before_refit()
@@ -108,7 +113,9 @@ def handoff_world(rank: int, world: int, path: str, handoff: bool) -> dict[str, 
         w.prepare_for_training()
     losses.append(w.train(make_batch(seed=1), NLLLoss())["loss"])
     weights = {n: t.clone() for bucket in w.export_weights(1 << 30, "float32") for n, t in bucket}
-    return {"losses": losses, "weights": weights, "main_params": len(main_params(w.opt.optimizer))}
+    return {"losses": losses, "weights": weights, "main_params": len(main_params(w.opt.optimizer)),
+            "cache_empties": dict(w.cache_empties),
+            "recompute": (w.tconfig.recompute_granularity, list(w.tconfig.recompute_modules))}
 
 
 def without_then_with_handoff(rank: int, world: int, path: str) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -124,6 +131,11 @@ def test_training_after_the_hand_off_is_bit_identical_to_training_without_it() -
     assert handed["main_params"] == plain["main_params"] == 0  # fp32 on the CPU: no separate main copy
     assert handed["losses"] == plain["losses"]
     assert all(torch.equal(handed["weights"][n], t) for n, t in plain["weights"].items())
+    # empty_unused_memory_level 2 reached the worker: two steps, one prepare_for_training (level 0: none)
+    assert handed["cache_empties"] == {"after_forward_backward": 2, "after_optimizer_step": 2,
+                                       "after_prepare_for_training": 1}
+    assert plain["cache_empties"] == {}
+    assert handed["recompute"] == ("selective", ["core_attn"]) and plain["recompute"][0] is None
 
 
 def test_sequence_parallel_pads_every_micro_batch_to_the_tensor_parallel_size() -> None:

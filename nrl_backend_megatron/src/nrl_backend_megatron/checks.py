@@ -1,7 +1,8 @@
 """What ``nrl config check`` asks of the Megatron backend (its spec's ``config_check``).
 
 The parallel layout against the world and the model (heads, key/value groups, vocabulary and
-layers from the model's ``config.json``), the architecture and RoPE variant, optimizer and
+layers from the model's ``config.json``), the architecture and RoPE variant, the modules selective
+activation recompute names (:mod:`nrl_backend_megatron.memory`), optimizer and
 scheduler values Megatron-Core would refuse or misuse (a negative learning rate trains backwards
 without complaint), and micro-batches that must split each data-parallel shard evenly. The worker
 runs the same functions when it starts.
@@ -22,6 +23,7 @@ KEY = "policy.megatron_cfg"
 
 def check_config(config: Mapping[str, Any]) -> None:
     from nrl_backend_megatron.convert.families import family_of
+    from nrl_backend_megatron.memory import check_recompute, transformer_engine_installed
     from nrl_backend_megatron.model import hf_inv_freq
     from nrl_backend_megatron.moe import check_moe_section
     from nrl_backend_megatron.parallel import check_layout
@@ -38,6 +40,8 @@ def check_config(config: Mapping[str, Any]) -> None:
         family_of(hf_config)
         hf_inv_freq(hf_config)  # refuses RoPE variants the backend cannot reproduce
     check_value_head(policy, section, hf_config)
+    # Transformer Engine with CUDA is only known where the workers run (they check again); not installed, never
+    check_recompute(section, hf_config, transformer_engine=transformer_engine_installed())
     if (section.get("peft") or {}).get("enabled"):
         from nrl_backend_megatron.lora import check_section
 

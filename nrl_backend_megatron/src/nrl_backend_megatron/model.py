@@ -18,6 +18,7 @@ import torch
 
 from nrl_backend_megatron.convert.families import family_of, head_dim, head_kind, num_experts
 from nrl_backend_megatron.convert.mapping import tied_embeddings
+from nrl_backend_megatron.memory import recompute_kwargs
 from nrl_backend_megatron.moe import moe_config_kwargs
 from nrl_core.errors import ConfigError
 
@@ -73,10 +74,12 @@ def hf_inv_freq(hf_config: Any) -> torch.Tensor:
 
 
 def transformer_config(hf_config: Any, layout: ParallelLayout, *, params_dtype: torch.dtype,
-                       pipeline_dtype: torch.dtype | None = None, activation_checkpointing: bool = False,
-                       bf16: bool = False, fp16: bool = False, moe: Mapping[str, Any] | None = None) -> Any:
+                       pipeline_dtype: torch.dtype | None = None, bf16: bool = False, fp16: bool = False,
+                       moe: Mapping[str, Any] | None = None, recompute: Mapping[str, Any] | None = None) -> Any:
     """Megatron ``TransformerConfig`` equivalent to the HF config; ``moe`` is the
-    ``policy.megatron_cfg`` section whose ``moe_*`` keys configure a mixture-of-experts model."""
+    ``policy.megatron_cfg`` section whose ``moe_*`` keys configure a mixture-of-experts model,
+    ``recompute`` the one whose ``activation_checkpointing`` and ``recompute_*`` keys set activation
+    recompute (:func:`nrl_backend_megatron.memory.recompute_kwargs`; None: none)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     family = family_of(hf_config)
@@ -96,9 +99,7 @@ def transformer_config(hf_config: Any, layout: ParallelLayout, *, params_dtype: 
         bias_dropout_fusion=on_gpu, apply_rope_fusion=False, masked_softmax_fusion=on_gpu,
         persist_layer_norm=on_gpu, gradient_accumulation_fusion=False, bias_activation_fusion=False,
         attention_softmax_in_fp32=True,
-        recompute_granularity="full" if activation_checkpointing else None,
-        recompute_method="uniform" if activation_checkpointing else None,
-        recompute_num_layers=1 if activation_checkpointing else None,
+        **recompute_kwargs(recompute, hf_config, transformer_engine=on_gpu),
         expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=1,
         **moe_config_kwargs(hf_config, moe or {}, on_gpu),
     )
@@ -154,6 +155,10 @@ def build_gpt_model(hf_config: Any, config: Any, *, pre_process: bool, post_proc
         value_head.attach(model, kind, hf_config.hidden_size, config.params_dtype)
     if getattr(model, "rotary_pos_emb", None) is not None:
         model.rotary_pos_emb.inv_freq = hf_inv_freq(hf_config).to(model.rotary_pos_emb.inv_freq.device)
+    if config.recompute_granularity is not None:
+        from nrl_backend_megatron.memory import keep_gradients_through_recompute
+
+        keep_gradients_through_recompute(model)  # frozen (LoRA) base weights
     # The local spec's torch norms ignore params_dtype. Megatron's mixed-precision optimizer maps its
     # checkpoint through the bf16/fp16 parameters only, so one fp32 norm weight fails the first save
     # ("Param id N does not match any model sharded param", seen on a GPU); Float16Module, which nrl

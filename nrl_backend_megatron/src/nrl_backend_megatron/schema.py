@@ -101,10 +101,18 @@ MEGATRON_CFG_SCHEMA: Section = MegatronCfgSection(doc="Megatron-Core training ba
     "pipeline_model_parallel_size": Field(type=int, default=1, minimum=1),
     "context_parallel_size": Field(type=int, default=1, minimum=1),
     "sequence_parallel": Field(type=bool, default=False),
-    "activation_checkpointing": Field(type=bool, default=False),
-    "empty_unused_memory_level": Field(type=int, default=0, choices=(0, 1, 2), inert=True,
-                                       doc="NeMo RL empties the CUDA cache after steps at this level; the nrl "
-                                           "worker does not, so a non-zero level is named in the inert-keys warning"),
+    "activation_checkpointing": Field(type=bool, default=False,
+                                      doc="recompute activations in backward (recompute_granularity says which)"),
+    "recompute_granularity": Field(type=str, default="full", choices=("full", "selective"),
+                                   doc="with activation_checkpointing: full recomputes every transformer layer, "
+                                       "selective only recompute_modules (nrl_backend_megatron.memory)"),
+    "recompute_modules": Field(type=list, default=None, nullable=True, item_type=str,
+                               doc="what selective recompute recomputes (core_attn, mlp, moe, shared_experts; "
+                                   "layernorm with Transformer Engine); null: core_attn"),
+    "empty_unused_memory_level": Field(type=int, default=0, choices=(0, 1, 2),
+                                       doc="empty the CUDA cache where NeMo RL's worker does: 1 after each "
+                                           "forward/backward, reference swap and prepare_for_training, 2 also "
+                                           "after the optimizer step"),
     "converter_type": _inert(None),
     "force_reconvert_from_hf": Field(type=bool, default=False),
     "pretrained_checkpoint": Field(type=str, default=None, nullable=True,

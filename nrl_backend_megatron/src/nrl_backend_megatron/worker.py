@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+from collections import Counter
 from collections.abc import Iterator, Mapping
 from functools import partial
 from pathlib import Path
@@ -47,9 +48,10 @@ from nrl_backend_megatron.convert import canonical_shapes, family_of, megatron_t
 from nrl_backend_megatron.convert.families import head_kind
 from nrl_backend_megatron.convert.megatron_checkpoint import MegatronCheckpointError, check_tensors, locate_checked
 from nrl_backend_megatron.convert.sharded import convert_in_subprocess, load_shard, save_conversion
+from nrl_backend_megatron.memory import check_recompute, empty_unused_memory
 from nrl_backend_megatron.model import DTYPES, build_gpt_model, te_available, transformer_config
 from nrl_backend_megatron.moe import RouterMetrics, check_moe_section, freeze_router, is_moe, mark_experts_parallel
-from nrl_backend_megatron.optim import build_optimizer, main_params, optimizer_step
+from nrl_backend_megatron.optim import build_optimizer, fresh_optimizer, main_params, optimizer_step
 from nrl_backend_megatron.parallel import check_layout, ensure_process_group, init_model_parallel
 from nrl_backend_megatron.weights import iter_full_tensors
 from nrl_core.contracts import (
@@ -135,6 +137,9 @@ class MegatronPolicyWorker(TrainingWorkerBase):
         self.layout = layout_of(self.cfg)
         self.device = model_device()
         check_moe_section(self.cfg, hf_config, te_available())
+        check_recompute(self.cfg, hf_config, transformer_engine=te_available())
+        self.empty_unused_memory_level = int(self.cfg.get("empty_unused_memory_level") or 0)
+        self.cache_empties: Counter[str] = Counter()  # where the level emptied the CUDA cache (memory.py)
         check_layout(self.layout, world_size, hf_config)
         timeout = self.cfg.get("distributed_timeout_minutes")
         self.started_process_group = ensure_process_group(rank, world_size, timeout)
@@ -220,8 +225,7 @@ class MegatronPolicyWorker(TrainingWorkerBase):
         pipeline_dtype = DTYPES[self.cfg["pipeline_dtype"]] if self.cfg.get("pipeline_dtype") else None
         self.tconfig = transformer_config(
             self.hf_config, self.layout, params_dtype=dtype, pipeline_dtype=pipeline_dtype,
-            activation_checkpointing=bool(self.cfg["activation_checkpointing"]),
-            bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, moe=self.cfg)
+            bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, moe=self.cfg, recompute=self.cfg)
         self.hf_config_dropout()
         model = build_gpt_model(self.hf_config, self.tconfig, pre_process=self.is_first_stage,
                                 post_process=self.is_last_stage).to(self.device)
@@ -365,6 +369,7 @@ class MegatronPolicyWorker(TrainingWorkerBase):
                                      f"optimizer step (policy.megatron_cfg.check_for_nan_in_grad: false or "
                                      f"{NAN_KEY}: false trains on regardless)") from None
             raise
+        self._empty_unused_memory("after_forward_backward")
         metrics = self._reduce_metrics(reported)  # before the step: the guard needs the global loss
 
         def guard(grad_norm: float | None) -> None:
@@ -373,6 +378,7 @@ class MegatronPolicyWorker(TrainingWorkerBase):
                              backend="megatron")
 
         updated, grad_norm = optimizer_step(self.opt, guard)
+        self._empty_unused_memory("after_optimizer_step")
         if updated:
             self.opt.scheduler.step(increment=1)
         self.step += 1
@@ -482,9 +488,21 @@ class MegatronPolicyWorker(TrainingWorkerBase):
         self.require_lm_head("get_reference_logprobs")
         self._sync_params()  # else the pending gather would overwrite the swapped-in weights
         with self.reference.swapped_in() if self.reference is not None else lora.disabled(self.adapters):
-            return self.get_logprobs(batch)
+            self._empty_unused_memory("reference_swapped_in")
+            out = self.get_logprobs(batch)
+        self._empty_unused_memory("reference_swapped_out")
+        return out
+
+    def _empty_unused_memory(self, point: str) -> None:
+        """``empty_unused_memory_level``: empty the CUDA cache at ``point`` where NeMo RL's worker does."""
+        if empty_unused_memory(self.empty_unused_memory_level, point):
+            self.cache_empties[point] += 1
 
     # ------------------------------------------------------------------ memory hand-off (colocated)
+    def prepare_for_training(self) -> None:
+        super().prepare_for_training()
+        self._empty_unused_memory("after_prepare_for_training")
+
     def offload_training_state(self) -> None:
         """Free the gradient buffers and move the optimizer state and the fp32 main parameters of
         mixed precision to host memory. A pending asynchronous save still references the device
@@ -610,30 +628,37 @@ class MegatronPolicyWorker(TrainingWorkerBase):
         dist.barrier()
 
     # ------------------------------------------------------------------ checkpoints
-    def _sharded_state(self, is_loading: bool) -> dict[str, Any]:
+    def _sharded_state(self, is_loading: bool, with_optimizer: bool = True) -> dict[str, Any]:
         from nrl_backend_megatron.ckpt_io import rng_sharded_object, rng_state
 
         model_sd = self.model.sharded_state_dict()
         if self.adapters is not None:  # the adapters only: the frozen base is the model the run started from
             model_sd = {k: v for k, v in model_sd.items() if k.startswith("lora.")}
-        return {"model": model_sd,
-                "optimizer": self.opt.optimizer.sharded_state_dict(model_sd, is_loading=is_loading),
-                "rng_state": rng_sharded_object("rng_state", rng_state())}
+        state = {"model": model_sd, "rng_state": rng_sharded_object("rng_state", rng_state())}
+        if with_optimizer:
+            state["optimizer"] = self.opt.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
+        return state
 
     def save_checkpoint(self, path: str, options: CheckpointOptions | None = None) -> None:
-        """Model, optimizer, scheduler, step and RNG via ``dist_checkpointing`` (see ckpt_io)."""
+        """Model, optimizer, scheduler, step and RNG via ``dist_checkpointing`` (see ckpt_io);
+        with ``options.save_optimizer`` false, no optimizer or scheduler state."""
         self.require_on_device("save_checkpoint")  # offloaded, the distributed optimizer's buffers are empty
         options = options or CheckpointOptions.from_section(self.cfg)
         self._sync_params()
-        common = {"scheduler": self.opt.scheduler.state_dict(), "step": self.step}
-        self.ckpt.save(path, options, self._sharded_state(is_loading=False), common)
+        common: dict[str, Any] = {"step": self.step}
+        if options.save_optimizer:  # the schedule goes with the optimizer, as in NeMo RL
+            common["scheduler"] = self.opt.scheduler.state_dict()
+        self.ckpt.save(path, options, self._sharded_state(is_loading=False, with_optimizer=options.save_optimizer),
+                       common)
 
     def load_checkpoint(self, path: str, options: CheckpointOptions | None = None) -> None:
-        """Restore what :meth:`save_checkpoint` wrote; RNG only with ``options.load_rng``."""
+        """Restore what :meth:`save_checkpoint` wrote; RNG only with ``options.load_rng``. A
+        checkpoint without optimizer state starts the optimizer and its schedule fresh."""
         from nrl_backend_megatron.ckpt_io import set_rng_state
 
         self.require_on_device("load_checkpoint")
         options = options or CheckpointOptions.from_section(self.cfg)
+        with_optimizer = self.ckpt.has_optimizer(path)
         # dist_checkpointing reads into the live parameters and optimizer state, so a file that
         # fails halfway would leave a mix of old and new weights: keep a copy to put back.
         live = [p.data for p in self.model.parameters() if self.adapters is None or p.requires_grad]  # LoRA: adapters
@@ -642,7 +667,7 @@ class MegatronPolicyWorker(TrainingWorkerBase):
             live += [v for st in torch_optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
         backup = [host_copy(t) for t in live]
         try:
-            state = self.ckpt.load(path, options, self._sharded_state(is_loading=True))
+            state = self.ckpt.load(path, options, self._sharded_state(is_loading=True, with_optimizer=with_optimizer))
         except BaseException:
             with torch.no_grad():
                 for tensor, saved in zip(live, backup):
@@ -650,8 +675,15 @@ class MegatronPolicyWorker(TrainingWorkerBase):
             raise
         del backup
         self.model.load_state_dict(state["model"], strict=self.adapters is None)
-        self.opt.optimizer.load_state_dict(state["optimizer"])
-        self.opt.scheduler.load_state_dict(state["scheduler"])
+        if with_optimizer:
+            self.opt.optimizer.load_state_dict(state["optimizer"])
+            self.opt.scheduler.num_steps = 0  # Megatron's load_state_dict adds the saved steps to these
+            self.opt.scheduler.load_state_dict(state["scheduler"])
+        else:
+            fresh_optimizer(self.opt)
+            if self.rank == 0:
+                logger.info("checkpoint %s holds no optimizer state (saved with checkpointing.save_optimizer: "
+                            "false): the optimizer and its learning-rate schedule start fresh", path)
         self.step = int(state["step"])
         if options.load_rng:
             set_rng_state(state["rng_state"])
