@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from nrl_core.checkpoint.checksums import ChecksumError
 from nrl_core.checkpoint.manager import CheckpointManager
@@ -71,7 +72,7 @@ def test_dtensor_flipped_shard_falls_back_to_the_previous_checkpoint(tmp_path, c
     assert all(torch.isfinite(p.detach()).all() for p in fresh.model.parameters())  # one rank: plain tensors
 
 
-def megatron_scenario(rank: int, world: int, model: str, root: str) -> dict[str, Any]:
+def megatron_scenario(rank: int, world: int, model: str, root: str, witness: str) -> dict[str, Any]:
     from _helpers import make_batch, make_config
 
     from nrl_backend_megatron.worker import MegatronPolicyWorker
@@ -91,13 +92,56 @@ def megatron_scenario(rank: int, world: int, model: str, root: str) -> dict[str,
     shutil.copytree(step2, truncated)
     with open(truncated / shard.name, "r+b") as handle:
         handle.truncate(shard.stat().st_size // 2)
-    for tag, path in (("no_common", broken), ("truncated", truncated)):
+    planted = {"metadata": plant_metadata(step2, manager.root / "planted_metadata", witness),
+               "object": plant_sharded_object(step2, manager.root / "planted_object", witness)}
+    for tag, path in (("no_common", broken), ("truncated", truncated), *planted.items()):
         try:
             worker.load_checkpoint(str(path))
             out[tag] = "loaded"
         except NrlError as exc:
-            out[tag] = str(exc)
+            out[tag] = f"{type(exc).__name__}: {exc}"
+    out["code_ran"] = Path(witness).exists()
+    worker.load_checkpoint(str(step2))  # nrl's own checkpoint passes the safe readers
     return out
+
+
+class _Payload:
+    """Unpickling this creates ``path``: the stand-in for code a hostile checkpoint would run."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return open, (self.path, "w")
+
+
+def plant_metadata(source: Path, target: Path, witness: str) -> Path:
+    """A copy of ``source`` whose DCP ``.metadata`` runs code when unpickled (issue 62's attack)."""
+    import pickle
+
+    shutil.copytree(source, target)
+    (target / ".metadata").write_bytes(pickle.dumps(_Payload(witness)))
+    return target
+
+
+def plant_sharded_object(source: Path, target: Path, witness: str) -> Path:
+    """A copy of ``source`` whose sharded object (this rank's RNG state) is a payload: appended to
+    a new shard file and pointed at by benign metadata."""
+    import io
+    import pickle
+
+    from nrl_core.sdk.safe_dcp import SafeFileSystemReader
+
+    shutil.copytree(source, target)
+    metadata = SafeFileSystemReader(str(target)).read_metadata()
+    buffer = io.BytesIO()
+    torch.save({"payload": _Payload(witness)}, buffer)
+    (target / "__planted.distcp").write_bytes(buffer.getvalue())
+    (index,) = [i for i in metadata.storage_data if i.fqn.startswith("rng_state")]
+    info = metadata.storage_data[index]
+    metadata.storage_data[index] = type(info)("__planted.distcp", 0, len(buffer.getvalue()))
+    (target / ".metadata").write_bytes(pickle.dumps(metadata))
+    return target
 
 
 @pytest.mark.slow
@@ -108,8 +152,16 @@ def test_megatron_flipped_shard_falls_back_and_load_errors_are_one_line(tmp_path
     from nrl_core.testing.tiny_models import cached_tiny_model
 
     root = tmp_path / "ckpt"
-    (out,) = run_world(megatron_scenario, 1, str(cached_tiny_model("llama")), str(root),
+    witness = tmp_path / "code_ran"
+    (out,) = run_world(megatron_scenario, 1, str(cached_tiny_model("llama")), str(root), str(witness),
                        env={"NRL_MEGATRON_CHECKPOINT_DIR": str(tmp_path / "conv")})
+    # issue 62: a planted .metadata, or a planted sharded object, is refused naming it and never runs
+    assert out["code_ran"] is False and not witness.exists()
+    assert out["metadata"].startswith(f"UnsafeCheckpointError: checkpoint file '{root / 'planted_metadata' / '.metadata'}' "
+                                      f"cannot be loaded safely (it references io.open)"), out["metadata"]
+    assert out["object"].startswith(f"UnsafeCheckpointError: checkpoint file '{root / 'planted_object'}' cannot be "
+                                    f"loaded safely (entry 'rng_state"), out["object"]
+    assert "\n" not in out["metadata"] + out["object"]
     assert "'common.pt' is missing" in out["no_common"] and "\n" not in out["no_common"]
     assert "rank 0:" in out["truncated"] and "CheckpointException" not in out["truncated"], out["truncated"]
     assert "\n" not in out["truncated"]

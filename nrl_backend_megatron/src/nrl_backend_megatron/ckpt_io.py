@@ -9,6 +9,11 @@
   marker written) by :meth:`CheckpointIO.finalize`, called before the next save and at exit.
 * RNG states (Python, NumPy, torch, CUDA, and the tensor-parallel RNG tracker) are always saved,
   one object per rank; ``load_rng`` decides whether loading restores them.
+* ``save_optimizer`` false (``checkpointing.save_optimizer: false``) → the worker leaves the
+  optimizer's sharded state and the scheduler out of what it saves and the marker records
+  ``"optimizer": false``; loading such a checkpoint (:meth:`CheckpointIO.has_optimizer`) restores
+  the weights and starts the optimizer and its schedule fresh, as NeMo RL does (``load_optim``
+  off when its resume finds no optimizer state).
 
 A checkpoint is complete when ``nrl_megatron_checkpoint.json`` exists (written last, by rank 0);
 loading checks it and the model identity first, so a partial or foreign checkpoint is a one-line
@@ -90,7 +95,8 @@ class CheckpointIO:
     def _write_marker(self, target: Path, options: CheckpointOptions) -> None:
         if dist.get_rank() == 0:
             meta = {**self.identity, "options": {k: getattr(options, k) for k in
-                                                 ("fully_parallel_save", "async_save")}}
+                                                 ("fully_parallel_save", "async_save")},
+                    "optimizer": options.save_optimizer}
             tmp = target / (MARKER + ".tmp")
             tmp.write_text(json.dumps(meta, indent=1))
             os.replace(tmp, target / MARKER)
@@ -120,6 +126,13 @@ class CheckpointIO:
                 raise NrlError(f"checkpoint {path} is from another model or layout ({key}: {meta.get(key)!r}, "
                                f"this run: {value!r})")
 
+    def has_optimizer(self, path: str) -> bool:
+        """Whether checkpoint ``path`` holds optimizer and scheduler state (checked first; those
+        from before ``save_optimizer`` existed all do). Collective: finishes a pending save."""
+        self.finalize()
+        self.check(path)
+        return json.loads((Path(path) / MARKER).read_text()).get("optimizer", True) is not False
+
     def load(self, path: str, options: CheckpointOptions, sharded: dict[str, Any]) -> dict[str, Any]:
         from megatron.core import dist_checkpointing, parallel_state
         from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
@@ -133,11 +146,17 @@ class CheckpointIO:
                 strategy, parallel_state.get_data_parallel_group(with_context_parallel=True))
         from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
+        from nrl_backend_megatron.safe_load import refusal, safe_dist_checkpointing, start_load
+
+        safe_dist_checkpointing()
+        start_load(path)
         try:
             return dist_checkpointing.load(sharded, path, sharded_strategy=strategy)
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - surfaced as one line
             from nrl_core.sdk import describe_failure
 
+            if refusal() is not None:  # a file that would run code: named, and nothing of it ran
+                raise refusal() from None
             raise NrlError(f"cannot load checkpoint {path}: {describe_failure(exc)}; it is truncated or "
                            f"corrupt") from None
 

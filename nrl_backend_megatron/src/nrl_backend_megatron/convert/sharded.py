@@ -168,9 +168,18 @@ def load_shard(model: Any, path: Path, sharded: Any = None, fresh: tuple[str, ..
     conversion): left out of ``sharded`` and left as they are; every other one must be loaded."""
     from megatron.core import dist_checkpointing
 
+    from nrl_backend_megatron.safe_load import refusal, safe_dist_checkpointing, start_load
+
+    safe_dist_checkpointing()  # an imported Megatron-LM directory is someone else's: nothing of it runs
+    start_load(path)
     sharded = sharded if sharded is not None else model.sharded_state_dict()
-    state = dist_checkpointing.load({"model": {k: v for k, v in sharded.items() if k not in fresh}},
-                                    str(path), common_strategy=_model_tensors_only())
+    try:
+        state = dist_checkpointing.load({"model": {k: v for k, v in sharded.items() if k not in fresh}},
+                                        str(path), common_strategy=_model_tensors_only())
+    except BaseException:
+        if refusal() is not None:
+            raise refusal() from None
+        raise
     result = model.load_state_dict(state["model"], strict=not fresh)
     missing = sorted(set(result.missing_keys) - set(fresh)) if fresh else []
     if missing or (fresh and result.unexpected_keys):
