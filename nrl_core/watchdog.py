@@ -93,6 +93,7 @@ class Watchdog:
     """The run's monitor: enter it around the whole run (it becomes the one :func:`phase` uses)."""
 
     tick_s = 0.5
+    interrupt_after_s = 5.0  # a phase blocked in the driver itself gets SIGINT after its workers were killed
     merge_s = 10.0  # how often the workers' spans are merged into trace.json while the run goes on
 
     def __init__(self, settings: WatchdogSettings, log_dir: Path) -> None:
@@ -170,7 +171,8 @@ class Watchdog:
                 merged = time.monotonic()
                 timeline.merge_workers()
             now = time.monotonic()
-            late = [r for r in list(self._running) if now - r.started > r.limit]
+            running = list(self._running)
+            late = [r for r in running if now - r.started > r.limit and not _inside_a_live_phase(r, running, now)]
             if late and self.settings.enabled:
                 self._fire(late[-1], now - late[-1].started)
                 return
@@ -219,8 +221,16 @@ class Watchdog:
         logger.error("%s", self.error)
         _kill(groups)
         self._phase_ended.clear()
-        if not self._phase_ended.wait(5.0) and any(r is late for r in self._running):
+        if not self._phase_ended.wait(self.interrupt_after_s) and any(r is late for r in self._running):
             signal.pthread_kill(late.thread, signal.SIGINT)  # blocked in itself, not on a worker
+
+
+def _inside_a_live_phase(outer: _Running, running: list[_Running], now: float) -> bool:
+    """Whether a phase entered inside ``outer`` (later, on its thread) is still within its own
+    limit: the innermost phase names a hang, so an outer phase (``step``) whose limit passes first
+    waits for the inner one (``training``) to pass its own."""
+    return any(inner is not outer and inner.thread == outer.thread and inner.started >= outer.started
+               and now - inner.started <= inner.limit for inner in running)
 
 
 def _worker_targets(groups: list[Any]) -> list[stacks.StackTarget]:

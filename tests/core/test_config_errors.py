@@ -76,6 +76,10 @@ CASES = [
     ("null-for-required-value", {"c.yaml": VALID}, ["policy.max_total_sequence_length=null"],
      "policy.max_total_sequence_length", "got null"),
     ("config-file-missing", {}, [], "c.yaml", "does not exist"),
+    ("log-dir-in-proc", {"c.yaml": VALID}, ["logger.log_dir=/proc/nrl-logs"], "logger.log_dir",
+     "'/proc/nrl-logs' cannot be created: '/proc' "),  # refuses new directories (root), is not writable
+    ("checkpoint-dir-in-proc", {"c.yaml": VALID}, ["checkpointing.enabled=true", "checkpointing.checkpoint_dir=/proc/x"],
+     "checkpointing.checkpoint_dir", "'/proc/x' cannot be created: '/proc' "),
     ("dual-clip-too-small", {"c.yaml": VALID}, ["loss_fn.ratio_clip_c=0.5"], "loss_fn.ratio_clip_c", "greater than 1"),
 ]
 

@@ -24,7 +24,7 @@ CLUSTER = {"num_cpus": 2, "cpus_per_worker": 0.1, "log_to_driver": False}
 
 def fast(tmp: Path, **settings: object) -> Watchdog:
     dog = Watchdog(WatchdogSettings(**settings), tmp)  # type: ignore[arg-type]
-    dog.tick_s = 0.05
+    dog.tick_s = dog.interrupt_after_s = 0.05
     return dog
 
 
@@ -59,6 +59,30 @@ def test_a_driver_stuck_in_itself_is_interrupted_with_one_line(tmp_path: Path) -
     assert dog.error == message
     driver = next((tmp_path / "stacks").glob("*-hang-reward/driver-pid*.txt")).read_text()
     assert "test_a_driver_stuck_in_itself" in driver
+
+
+@pytest.mark.parametrize("inner", ["training", "generation"])
+def test_a_hang_inside_a_step_names_the_innermost_phase_and_its_knob(tmp_path: Path, inner: str) -> None:
+    """Issue 62: with the floor setting every limit, the outer ``step`` (entered first) passed its
+    limit first and was named, with the wrong knob. A step stuck between its phases, each of
+    which finished in time, is still named once past its own limit."""
+    for attempt in range(5):
+        with pytest.raises(HangError) as info:
+            with fast(tmp_path / f"{inner}-{attempt}", floor_s=0.3):
+                with phase("step"):
+                    time.sleep(0.05)  # the step's own work before the inner phase
+                    with phase(inner):
+                        time.sleep(60)
+        message = str(info.value)
+        assert f"phase '{inner}' did not finish" in message and message.endswith(f"raise watchdog.phases.{inner}")
+    with pytest.raises(HangError) as info:
+        with fast(tmp_path / "steps", floor_s=0.3, phases={"step": 0.5}):
+            with phase("step"):
+                for _ in range(2):
+                    with phase("training"):
+                        time.sleep(0.2)  # each in time
+                time.sleep(60)  # stuck in the step itself
+    assert "phase 'step' did not finish" in str(info.value)
 
 
 def test_bad_values_are_one_line_errors_naming_the_key() -> None:
