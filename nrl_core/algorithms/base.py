@@ -123,7 +123,8 @@ class AlgorithmRun:
     def validation_due(self, step: int) -> bool:
         period = int(self.cfg["val_period"])
         at_end = step == self.max_steps and bool(self.cfg.get("val_at_end"))
-        return bool(self.val_data) and ((period > 0 and step % period == 0) or at_end)
+        started = step >= int(self.cfg.get("val_start_at", -1))  # NeMo RL's GRPO: periodic validation from then on
+        return bool(self.val_data) and ((period > 0 and step % period == 0 and started) or at_end)
 
     # ------------------------------------------------------------------ checkpoints
 

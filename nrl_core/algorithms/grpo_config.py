@@ -61,6 +61,8 @@ GRPO = Section(doc="GRPO algorithm settings (NeMo RL's names and meaning).", fie
                                             doc="instead of the overlong penalty: truncated responses' rewards times this"),
     }),
     "val_period": Field(type=int, default=10, doc="validate every N steps; 0 or less never (NeMo RL uses -1)"),
+    "val_start_at": Field(type=int, default=-1,
+                          doc="periodic validation only at steps from this one on (NeMo RL); -1 from the start"),
     "val_at_start": Field(type=bool, default=False),
     "val_at_end": Field(type=bool, default=False),
     "overlong_filtering": Field(type=bool, default=False, doc="zero the loss of truncated responses"),

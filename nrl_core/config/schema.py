@@ -88,31 +88,35 @@ class Field:
         if self.minimum is not None and isinstance(value, (int, float)) and value < self.minimum:
             raise ConfigError(path, f"must be {_at_least(self.minimum)}, got {value!r}")
         if self.inert and value != self.default:
-            note_inert(path)
+            note_inert(path, value)
         return value
 
 
-def note_inert(path: str) -> None:
-    """Name ``path`` as set but without effect: in the one warning of :func:`warn_inert_keys_once`
-    when one is gathering, else in a warning of its own. Checks use it for keys that are inert
-    only in some configurations (``colocated.resources`` while generation is colocated)."""
+def note_inert(path: str, value: Any = None) -> None:
+    """Name ``path`` (set to ``value``) as set but without effect: in the one warning of
+    :func:`warn_inert_keys_once` when one is gathering, else in a warning of its own. Checks use it
+    for keys that are inert only in some configurations (``colocated.resources`` while generation
+    is colocated)."""
     collector = _inert_keys.get()
     if collector is None:
         logger.warning("%s is accepted for NeMo RL compatibility but has no effect in nrl", path)
     else:
-        collector.append(path)
+        collector.append((path, value))
 
 
-_inert_keys: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("nrl_inert_keys", default=None)
+_inert_keys: contextvars.ContextVar[list[tuple[str, Any]] | None] = contextvars.ContextVar("nrl_inert_keys",
+                                                                                          default=None)
 
 
 @contextlib.contextmanager
-def warn_inert_keys_once() -> Iterator[None]:
-    """Gather the inert keys a validation meets into one warning instead of one per key."""
+def warn_inert_keys_once(judge: Callable[[list[tuple[str, Any]]], list[str]] | None = None) -> Iterator[None]:
+    """Gather the inert keys a validation meets into one warning instead of one per key; ``judge``
+    (the gathered (path, value) pairs -> the keys to name) may drop some or refuse one."""
     token = _inert_keys.set([])
     try:
         yield
-        keys = _inert_keys.get() or []
+        noted = _inert_keys.get() or []
+        keys = judge(noted) if judge is not None else [path for path, _ in noted]
         if keys:
             logger.warning("accepted for NeMo RL compatibility, no effect in nrl: %s", ", ".join(keys))
     finally:

@@ -17,6 +17,7 @@ from nrl_core.config.checks import check_config
 from nrl_core.config.core_schema import CORE_SCHEMA
 from nrl_core.config.models import model_config, model_section_owners, renamed_error
 from nrl_core.config.nemo_rl import refuse_missing_algorithm, with_nemo_rl_keys
+from nrl_core.config.nemo_rl_inert import named_inert_keys
 from nrl_core.config.schema import Field, Section, note_inert, warn_inert_keys_once
 from nrl_core.contracts import GenerationBackendSpec, TrainingBackendSpec
 from nrl_core.errors import ConfigError
@@ -162,7 +163,7 @@ def _validate(raw: Mapping[str, Any], pm: PluginManager, algorithm: str | None,
     _check_environments(raw, pm)
     owned = [key for key in model_section_owners(pm) if key in raw]
     models = {key: raw[key] for key in owned if raw[key] is not None}
-    with warn_inert_keys_once():
+    with warn_inert_keys_once(lambda noted: named_inert_keys(noted, raw)):
         schema = build_schema(pm)
         config = schema.validate({k: v for k, v in raw.items() if k not in owned})
         assert config is not None
@@ -255,7 +256,7 @@ def _note_situational_inert_keys(config: Mapping[str, Any]) -> None:
     if generation is not None and generation["colocated"]["enabled"]:
         for key, value in generation["colocated"]["resources"].items():
             if value is not None:
-                note_inert(f"policy.generation.colocated.resources.{key}")
+                note_inert(f"policy.generation.colocated.resources.{key}", value)
 
 
 #: Keys of NeMo RL's ``env`` section that switch on NeMo Gym rather than name an environment.

@@ -132,13 +132,17 @@ def test_a_bad_value_in_a_disabled_section_is_a_warning_and_enabling_it_refuses_
 
 
 def test_inert_keys_are_named_together_in_one_warning(caplog):
+    """Which keys are named, and why, is tests/examples/test_nemo_rl_inert_keys.py's; here: one
+    warning, and the keys nrl reads or leaves at what nrl does are not in it."""
     with caplog.at_level(logging.WARNING):
         assert main(["config", "check", str(CONFIGS / "grpo_math_1B.yaml")]) == 0
     [warning] = [r.getMessage() for r in caplog.records if "no effect in nrl" in r.getMessage()]
-    for key in ("grpo.val_start_at", "policy.megatron_cfg.empty_unused_memory_level", "data_plane.impl"):
-        assert key in warning
-    # set to the value that switches nothing on (what nrl does), so not named
-    for key in ("checkpointing.checkpoint_must_save_by", "data_plane.enabled", "reward_penalties",
+    assert "cluster.master_port_range_low" in warning
+    # live: NeMo RL's GRPO validation delay, the Megatron worker's cache emptying
+    for key in ("grpo.val_start_at", "policy.megatron_cfg.empty_unused_memory_level"):
+        assert key not in warning
+    # set to the value that switches nothing on (what nrl does), or in a section the config leaves off
+    for key in ("checkpointing.checkpoint_must_save_by", "data_plane.enabled", "data_plane.impl", "reward_penalties",
                 "policy.make_sequence_length_divisible_by"):
         assert key not in warning
     assert "policy.generation.val_temperature" not in warning  # live: validation samples at it

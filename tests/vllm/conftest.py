@@ -38,6 +38,9 @@ def prompts(model_dir: Path) -> list[list[int]]:
 def engine(model_dir: Path):
     from nrl_gen_vllm.worker import VllmGenerationWorker
 
-    worker = VllmGenerationWorker(generation_config(model_dir))
+    config = generation_config(model_dir)
+    # the user's own engine arguments reach vLLM (test_engine_args.py reads them back)
+    config["policy"]["generation"]["vllm_kwargs"] = {"max_num_seqs": 200}
+    worker = VllmGenerationWorker(config)
     yield worker
     worker.shutdown()

@@ -22,6 +22,7 @@ from typing import Any
 from nrl_core.config.model_config import local_model_config
 from nrl_core.errors import ConfigError
 from nrl_core.generation_kit import in_flight_section
+from nrl_gen_vllm.engine_args import check_names_known, check_user_engine_kwargs
 
 KEY = "policy.generation.vllm_cfg"
 # config.json keys vLLM takes the model's length limit from (the smallest present wins).
@@ -44,6 +45,8 @@ def check_config(config: Mapping[str, Any]) -> None:
     if vcfg.get("precision") == "fp8":
         raise ConfigError(f"{KEY}.precision", "fp8 rollouts (NeMo RL's FP8 generation) are a feature nrl lacks; "
                                               "use bfloat16, or null to follow policy.precision")
+    check_user_engine_kwargs(config)
+    check_names_known(config)
     if not 0 < vcfg["gpu_memory_utilization"] <= 1:
         raise ConfigError(f"{KEY}.gpu_memory_utilization", f"must be in (0, 1], got {vcfg['gpu_memory_utilization']}")
     if vcfg["kv_cache_space_gb"] is not None and vcfg["kv_cache_space_gb"] <= 0:
@@ -141,14 +144,22 @@ def _rope_parameters(hf_config: Any) -> list[Mapping[str, Any]]:
     return [params]
 
 
+_UNKNOWN_ARGUMENT = re.compile(r"unexpected keyword argument '([^']+)'")
 _KV_NUMBERS = re.compile(r"\(([\d.]+) GiB KV cache is needed.*?memory \(([\d.]+) GiB\)")
 
 
 def engine_start_error(exc: BaseException, config: Mapping[str, Any], *, cpu: bool) -> ConfigError | None:
     """The one-line error for a vLLM engine that refused to start because of a config value (its
-    length limit, or a KV cache that cannot hold one sequence); None for any other failure."""
+    length limit, a KV cache that cannot hold one sequence, a cache dtype the host lacks kernels
+    for, an engine argument vLLM does not know); None for any other failure."""
     text = str(exc)
     length = length_key(config)
+    unknown = _UNKNOWN_ARGUMENT.search(text)
+    if isinstance(exc, TypeError) and unknown:
+        return ConfigError(f"policy.generation.vllm_kwargs.{unknown.group(1)}",
+                           "vLLM's engine has no such argument; check the spelling against the installed vLLM")
+    if "FP8 KV cache" in text:
+        return ConfigError(f"{KEY}.kv_cache_dtype", f"{text.strip()} Use auto on this host")
     if "max_model_len" in text and "greater than the derived max_model_len" in text:
         return ConfigError(length, text.split(" To allow", 1)[0].strip())
     if "KV cache is needed" in text or "No available memory for the cache blocks" in text:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from nrl_core.config.schema import Field, Section
 
+#: vLLM's cache dtypes nrl passes on (fp8 ones need a GPU, or AVX-512 or AMX on CPU).
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
+
 VLLM_CFG = Section(doc="vLLM engine options (the vllm generation backend).", fields={
     "tensor_parallel_size": Field(type=int, default=1, minimum=1,
                                   doc="ranks per engine (vLLM tensor parallel); the generation ranks hold "
@@ -40,6 +43,14 @@ VLLM_CFG = Section(doc="vLLM engine options (the vllm generation backend).", fie
                                       "attention stays tensor parallel"),
     "seed": Field(type=int, default=None, nullable=True,
                   doc="base sampling seed; null: policy.seed, else the algorithm's seed"),
+    "kv_cache_dtype": Field(type=str, default="auto", choices=KV_CACHE_DTYPES,
+                            doc="the KV cache's element type, vLLM's kv_cache_dtype (auto: the model's dtype); fp8 "
+                                "halves the cache of a bfloat16 model and changes what attention reads"),
+    "logprobs_mode": Field(type=str, default="processed_logprobs", choices=("processed_logprobs",),
+                           doc="the engine reports each token's logprob under the distribution it was sampled from "
+                               "(after temperature, top-k, top-p), which the policy's logprobs reproduce; vLLM's "
+                               "raw modes would make the importance ratio compare two different distributions"),
+    "use_tqdm": Field(type=bool, default=False, doc="vLLM's progress bar for each synchronous generation"),
     # NeMo RL keys accepted so copied configs validate; they change nothing here.
     "use_deep_gemm": Field(type=bool, default=False, inert=True),
     "num_last_layers_in_bf16": Field(type=int, default=0, inert=True),

@@ -27,6 +27,7 @@ from typing import Any
 
 class SyncEngine:
     lora_request: Any = None  # the LoRA adapter every request runs with (adapter-only refit), if any
+    use_tqdm = False  # vLLM's progress bar per batch (vllm_cfg.use_tqdm)
     streams_weights = True  # load_weights takes tensors as they arrive (the worker is in this process)
 
     def __init__(self, **engine_kwargs: Any) -> None:
@@ -37,7 +38,7 @@ class SyncEngine:
     def generate(self, requests: Sequence[Any], params: Sequence[Any]) -> list[Any]:
         if not requests:
             return []
-        return self.llm.generate(list(requests), list(params), use_tqdm=False, lora_request=self.lora_request)
+        return self.llm.generate(list(requests), list(params), use_tqdm=self.use_tqdm, lora_request=self.lora_request)
 
     def add_lora(self, request: Any) -> None:
         self.llm.llm_engine.add_lora(request)

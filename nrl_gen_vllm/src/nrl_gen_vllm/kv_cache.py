@@ -107,9 +107,10 @@ def derived_kv_cache(config: Mapping[str, Any], hf_config: Any, *, max_model_len
 
 
 def kv_cache_space(config: Mapping[str, Any], *, max_model_len: int, tensor_parallel_size: int, engines: int,
-                   dtype: str) -> KvCacheSize:
+                   dtype: str, cache_dtype: str = "auto") -> KvCacheSize:
     """The user's ``vllm_cfg.kv_cache_space_gb`` when set, else :func:`derived_kv_cache` for the
-    model ``config`` names (``dtype``: the engine's, ``auto`` for the checkpoint's)."""
+    model ``config`` names (``dtype``: the engine's, ``auto`` for the checkpoint's; ``cache_dtype``:
+    ``vllm_cfg.kv_cache_dtype``, one byte per element for the fp8 kinds)."""
     from nrl_core.config.model_config import local_model_config
     from nrl_core.refit.buckets import parse_dtype
 
@@ -119,5 +120,9 @@ def kv_cache_space(config: Mapping[str, Any], *, max_model_len: int, tensor_para
     hf_config = local_model_config(config)
     if dtype == "auto":
         dtype = str(getattr(hf_config, "torch_dtype", None) or "float32")
+    if cache_dtype.startswith("fp8"):
+        dtype = "float8_e4m3fn"
+    elif cache_dtype != "auto":
+        dtype = cache_dtype
     return derived_kv_cache(config, hf_config, max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size,
                             engines=engines, dtype=parse_dtype(dtype))

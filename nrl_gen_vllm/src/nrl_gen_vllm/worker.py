@@ -28,6 +28,7 @@ from nrl_gen_vllm import cpu_shm
 from nrl_gen_vllm.checkpoint import check_against_checkpoint, checkpoint_shapes
 from nrl_gen_vllm.checks import engine_start_error
 from nrl_gen_vllm.cpu_sampler import use_eager_rank_count
+from nrl_gen_vllm.engine_args import user_engine_kwargs
 from nrl_gen_vllm.engines import AsyncEngine, FollowerEngine, SyncEngine
 from nrl_gen_vllm.kv_cache import KvCacheSize, kv_cache_space
 from nrl_gen_vllm.partial import experts_elsewhere
@@ -179,7 +180,8 @@ class VllmGenerationWorker:
             engine_kwargs["max_num_batched_tokens"] = max(self.max_model_len, 8192)
         if _is_cpu() and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
             self.kv_cache = kv_cache_space(config, max_model_len=self.max_model_len, tensor_parallel_size=self.tp,
-                                           engines=max(1, world_size // self.tp), dtype=self.dtype)
+                                           engines=max(1, world_size // self.tp), dtype=self.dtype,
+                                           cache_dtype=str(vcfg.get("kv_cache_dtype") or "auto"))
             logger.info("vLLM engine %d: KV cache %s", self.engine_index, self.kv_cache.describe())
             engine_kwargs["kv_cache_memory_bytes"] = self.kv_cache.nbytes
         colocated = bool((generation.get("colocated") or {}).get("enabled"))
@@ -200,6 +202,8 @@ class VllmGenerationWorker:
             engine_kwargs["enable_expert_parallel"] = True
         if self.serves_adapters:
             engine_kwargs.update(enable_lora=True, max_lora_rank=self.max_lora_rank, max_loras=1)
+        engine_kwargs.update(user_engine_kwargs(config, engine_kwargs, cpu=_is_cpu()))
+        self.use_tqdm = bool(vcfg.get("use_tqdm"))
         # Sleep mode frees the engine's memory for training between generations (colocated only);
         # vLLM offers it on GPUs, where it also needs its own allocator.
         self.sleep_mode = colocated and current_platform.is_sleep_mode_available()
@@ -224,6 +228,7 @@ class VllmGenerationWorker:
                     # distribution it was drawn from, which the policy's logprobs reproduce (temperature)
                     logprobs_mode="processed_logprobs",
                     load_format=self.load_format,
+                    kv_cache_dtype=str(vcfg.get("kv_cache_dtype") or "auto"),
                     **engine_kwargs,
                 )
         except Exception as exc:  # vLLM refuses some config values only when the engine starts
@@ -232,6 +237,7 @@ class VllmGenerationWorker:
                 raise
             raise refused from None
         self._engine.label(self._state.weight_version)
+        self._engine.use_tqdm = self.use_tqdm
         self._elsewhere = self._experts_elsewhere(engine_kwargs.get("enable_expert_parallel", False))
         self.in_flight = self.recompute_kv_cache = False  # configure_in_flight sets them
         mark("vllm_engine_ready", rank=rank, tensor_parallel=self.tp, follower=self.follower)
