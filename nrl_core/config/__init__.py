@@ -12,6 +12,7 @@ from typing import Any
 _EXPORTS = {
     "REQUIRED": "schema", "Field": "schema", "Section": "schema",
     "apply_overrides": "loader", "deep_merge": "loader", "load_config": "loader", "resolve_interpolations": "loader",
+    "value_at": "loader",
     "BackendChoice": "validate", "build_schema": "validate", "check_selected_backends": "validate",
     "choose_backends": "validate",
     "data_parallel_size": "validate", "select_training_backend": "validate", "validate_config": "validate",

@@ -140,6 +140,17 @@ def deep_merge(base: Mapping[str, Any], update: Mapping[str, Any]) -> dict[str, 
     return out
 
 
+def value_at(config: Mapping[str, Any], dotted: str) -> Any:
+    """The value at ``dotted`` (``policy.generation.backend``) in a plain nested mapping; None where
+    a key on the way is missing or not a mapping."""
+    node: Any = config
+    for part in dotted.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
 # --------------------------------------------------------------------------- overrides
 
 _KEY_PATH = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]*(\.[A-Za-z_][A-Za-z0-9_\-]*)*$")

@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from nrl_core.config.loader import value_at
 from nrl_core.errors import ConfigError
 
 
@@ -56,47 +57,47 @@ REASONS: Mapping[str, str] = {
         "written are the same",
 }
 
-#: Inert keys under a switch: named only when ``on(raw config)`` is true (else the feature is off).
-GATES: Mapping[str, Callable[[Mapping[str, Any]], bool]] = {
-    "policy.generation.mcore_generation_config.":
-        lambda raw: _get(raw, "policy.generation.backend") == "megatron",  # refused by the backend check
-    "policy.generation.refit_cfg.nixl.":
-        lambda raw: _get(raw, "policy.generation.refit_transport") == "nixl",
-    "policy.generation.real_quant_export_cpu_offload":
-        lambda raw: bool(_get(raw, "policy.generation.real_quant")),
-    "policy.megatron_cfg.fused_linear_logprobs_chunk_size":
-        lambda raw: bool(_get(raw, "policy.megatron_cfg.use_fused_linear_logprobs")),
-    "policy.megatron_cfg.cuda_graph_warmup_steps":
-        lambda raw: _get(raw, "policy.megatron_cfg.cuda_graph_impl") not in (None, "none"),
-    "policy.megatron_cfg.cuda_graph_modules":
-        lambda raw: _get(raw, "policy.megatron_cfg.cuda_graph_impl") not in (None, "none"),
-    # NeMo RL collects vLLM's gauges from its async engine only
-    "policy.generation.vllm_cfg.enable_vllm_metrics_logger":
-        lambda raw: bool(_get(raw, "policy.generation.vllm_cfg.async_engine")),
-    "policy.generation.vllm_cfg.vllm_metrics_logger_interval":
-        lambda raw: bool(_get(raw, "policy.generation.vllm_cfg.async_engine")),
-    # NeMo RL's GPU monitor writes to W&B, TensorBoard, MLflow or SwanLab only
-    "logger.monitor_gpus": lambda raw: any(_get(raw, f"logger.{sink}_enabled") for sink in _NEMO_RL_SINKS),
-    "logger.gpu_monitoring.": lambda raw: any(_get(raw, f"logger.{sink}_enabled") for sink in _NEMO_RL_SINKS),
-}
-
 _NEMO_RL_SINKS = ("wandb", "tensorboard", "mlflow", "swanlab")
 
 
-def _get(raw: Mapping[str, Any], path: str) -> Any:
-    node: Any = raw
-    for part in path.split("."):
-        if not isinstance(node, Mapping) or part not in node:
-            return None
-        node = node[part]
-    return node
+def _async_engine(raw: Mapping[str, Any]) -> bool:
+    return bool(value_at(raw, "policy.generation.vllm_cfg.async_engine"))
+
+
+def _nemo_rl_logger_on(raw: Mapping[str, Any]) -> bool:
+    return any(value_at(raw, f"logger.{sink}_enabled") for sink in _NEMO_RL_SINKS)
+
+
+def _cuda_graphs(raw: Mapping[str, Any]) -> bool:
+    return value_at(raw, "policy.megatron_cfg.cuda_graph_impl") not in (None, "none")
+
+
+#: Inert keys under a switch: named only when ``on(raw config)`` is true (else the feature is off).
+GATES: Mapping[str, Callable[[Mapping[str, Any]], bool]] = {
+    "policy.generation.mcore_generation_config.":
+        lambda raw: value_at(raw, "policy.generation.backend") == "megatron",  # refused by the backend check
+    "policy.generation.refit_cfg.nixl.":
+        lambda raw: value_at(raw, "policy.generation.refit_transport") == "nixl",
+    "policy.generation.real_quant_export_cpu_offload":
+        lambda raw: bool(value_at(raw, "policy.generation.real_quant")),
+    "policy.megatron_cfg.fused_linear_logprobs_chunk_size":
+        lambda raw: bool(value_at(raw, "policy.megatron_cfg.use_fused_linear_logprobs")),
+    "policy.megatron_cfg.cuda_graph_warmup_steps": _cuda_graphs,
+    "policy.megatron_cfg.cuda_graph_modules": _cuda_graphs,
+    # NeMo RL collects vLLM's gauges from its async engine only
+    "policy.generation.vllm_cfg.enable_vllm_metrics_logger": _async_engine,
+    "policy.generation.vllm_cfg.vllm_metrics_logger_interval": _async_engine,
+    # NeMo RL's GPU monitor writes to W&B, TensorBoard, MLflow or SwanLab only
+    "logger.monitor_gpus": _nemo_rl_logger_on,
+    "logger.gpu_monitoring.": _nemo_rl_logger_on,
+}
 
 
 def _feature_off(raw: Mapping[str, Any], path: str) -> bool:
     """True when a section above ``path`` says ``enabled: false``, or a gate of :data:`GATES` is off."""
     parts = path.split(".")
     for depth in range(1, len(parts)):
-        section = _get(raw, ".".join(parts[:depth]))
+        section = value_at(raw, ".".join(parts[:depth]))
         if isinstance(section, Mapping) and section.get("enabled") is False:
             return True
     return any(path.startswith(prefix) and not on(raw) for prefix, on in GATES.items())

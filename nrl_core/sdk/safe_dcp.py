@@ -59,13 +59,21 @@ def load_file(path: str, **kwargs: Any) -> Any:
         raise unsafe_file(path, first[:200]) from None
 
 
-def load_bytes_item(value: io.BytesIO, checkpoint_dir: str, fqn: str) -> Any:
-    """A DCP non-tensor item, read with ``weights_only=True``; refused naming the directory and entry."""
+def load_bytes_item(planner: Any, read_item: Any, value: io.BytesIO, checkpoint_dir: str) -> None:
+    """What a ``DefaultLoadPlanner.load_bytes`` does, with ``weights_only=True``: the non-tensor
+    item read into the planner's state dict, or refused naming the directory and the entry."""
+    from torch.distributed.checkpoint._traverse import set_element
+
+    fqn = read_item.dest_index.fqn
     try:
-        return torch.load(value, weights_only=True)
+        obj = torch.load(value, weights_only=True)
     except pickle.UnpicklingError as exc:
         first = (str(exc).strip().splitlines() or ["refused"])[0]
         raise unsafe_file(checkpoint_dir, f"entry '{fqn}': {first[:160]}") from None
+    if planner.flatten_state_dict:
+        set_element(planner.original_state_dict, planner.mappings[fqn], obj)
+    else:
+        planner.state_dict[fqn] = obj
 
 
 class _MetadataUnpickler(pickle.Unpickler):

@@ -64,6 +64,20 @@ def test_an_argument_nrl_sets_is_refused_naming_where_to_set_it() -> None:
         "tokenizer": str(model)}
 
 
+def test_an_argument_nrl_sets_on_this_engine_only_is_refused_there() -> None:
+    """On CPU the worker prefills whole prompts (seeded sampling needs it); elsewhere the user's
+    value goes through."""
+    from nrl_gen_vllm.engine_args import user_engine_kwargs
+
+    config = generation_config("m")
+    config["policy"]["generation"]["vllm_kwargs"] = {"enable_chunked_prefill": True, "max_num_seqs": 8}
+    with pytest.raises(ConfigError) as caught:
+        user_engine_kwargs(config, {"enable_chunked_prefill": False, "max_num_batched_tokens": 8192})
+    assert str(caught.value) == ("policy.generation.vllm_kwargs.enable_chunked_prefill: nrl sets this vLLM argument "
+                                 "itself on this engine (to False); remove it")
+    assert user_engine_kwargs(config, {}) == {"enable_chunked_prefill": True, "max_num_seqs": 8}
+
+
 def test_an_argument_vllm_lacks_is_refused_at_check_and_at_engine_start() -> None:
     assert refusal("+policy.generation.vllm_kwargs.max_num_seqz=8").startswith(
         "policy.generation.vllm_kwargs.max_num_seqz: vLLM's engine has no such argument")

@@ -14,7 +14,6 @@ import io
 from typing import Any
 
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import ReadItem
@@ -33,16 +32,11 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         self.refused: UnsafeCheckpointError | None = None
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        fqn = read_item.dest_index.fqn
         try:
-            obj = load_bytes_item(value, self.checkpoint_dir, fqn)
+            load_bytes_item(self, read_item, value, self.checkpoint_dir)
         except UnsafeCheckpointError as exc:
             self.refused = exc
             raise
-        if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[fqn], obj)
-        else:
-            self.state_dict[fqn] = obj
 
 
 def dcp_load(state_dict: dict[str, Any], checkpoint_dir: str, *, no_dist: bool = False) -> None:

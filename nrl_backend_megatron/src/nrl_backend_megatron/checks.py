@@ -23,8 +23,8 @@ KEY = "policy.megatron_cfg"
 
 def check_config(config: Mapping[str, Any]) -> None:
     from nrl_backend_megatron.convert.families import family_of
-    from nrl_backend_megatron.memory import check_recompute, transformer_engine_installed
-    from nrl_backend_megatron.model import hf_inv_freq
+    from nrl_backend_megatron.memory import check_recompute
+    from nrl_backend_megatron.model import hf_inv_freq, transformer_engine_installed
     from nrl_backend_megatron.moe import check_moe_section
     from nrl_backend_megatron.parallel import check_layout
 

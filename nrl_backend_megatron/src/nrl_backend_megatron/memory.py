@@ -15,7 +15,6 @@ are refused in one line (:func:`check_recompute`) instead of inside a worker.
 from __future__ import annotations
 
 import gc
-import importlib.util
 from collections.abc import Mapping
 from typing import Any
 
@@ -100,11 +99,6 @@ def check_recompute(section: Mapping[str, Any], hf_config: Any = None, *, transf
         raise ConfigError(f"{KEY}.recompute_modules", "'shared_experts' cannot be recomputed with "
                                                       "moe_shared_expert_overlap (Megatron-Core refuses it); set one "
                                                       "of them off")
-
-
-def transformer_engine_installed() -> bool:
-    """Whether Transformer Engine can be imported here at all (not imported: that needs CUDA)."""
-    return importlib.util.find_spec("transformer_engine") is not None
 
 
 def keep_gradients_through_recompute(model: Any) -> Any:

@@ -9,6 +9,7 @@ rescale cos/sin or depend on sequence length are refused in one line.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -24,6 +25,12 @@ from nrl_core.errors import ConfigError
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def transformer_engine_installed() -> bool:
+    """Whether Transformer Engine can be imported here at all (not imported: that needs CUDA);
+    :func:`te_available` says whether the layers use it."""
+    return importlib.util.find_spec("transformer_engine") is not None
 
 
 def te_available() -> bool:

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from nrl_backend_megatron.checks import KEY, check_optimizer_section
+from nrl_backend_megatron.model import transformer_engine_installed
 from nrl_core.device import all_reduce
 from nrl_core.errors import ConfigError
 
@@ -50,7 +51,7 @@ def build_optimizer(models: list[Any], section: Mapping[str, Any], precision: st
         raise ConfigError(f"{KEY}.optimizer.use_distributed_optimizer",
                           "Megatron's distributed optimizer needs CUDA (its buffers must be CUDA tensors); set it to "
                           "false on a machine without GPUs (and distributed_data_parallel_config.overlap_param_gather)")
-    if opt["use_precision_aware_optimizer"] and not _transformer_engine_installed():
+    if opt["use_precision_aware_optimizer"] and not transformer_engine_installed():
         raise ConfigError(f"{KEY}.optimizer.use_precision_aware_optimizer",
                           "needs Transformer Engine's FusedAdam, which is not installed (it needs CUDA); set it to false")
     config = OptimizerConfig(
@@ -101,12 +102,6 @@ def fresh_optimizer(bundle: OptimizerBundle) -> None:
     bundle.optimizer.reload_model_params()
     bundle.scheduler.num_steps = 0
     bundle.scheduler.step(increment=0)
-
-
-def _transformer_engine_installed() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("transformer_engine") is not None
 
 
 def _leaf_optimizers(optimizer: Any) -> list[Any]:

@@ -52,18 +52,11 @@ def safe_dist_checkpointing() -> None:
             return _SafeCachedReader(checkpoint_dir) if cache_metadata else SafeFileSystemReader(checkpoint_dir)
 
         def load_bytes(self: Any, read_item: Any, value: io.BytesIO) -> None:
-            fqn = read_item.dest_index.fqn
             try:
-                obj = load_bytes_item(value, _loading[0], fqn)
+                load_bytes_item(self, read_item, value, _loading[0])
             except UnsafeCheckpointError as exc:
                 _refusals.append(exc)
                 raise
-            from torch.distributed.checkpoint._traverse import set_element
-
-            if self.flatten_state_dict:
-                set_element(self.original_state_dict, self.mappings[fqn], obj)
-            else:
-                self.state_dict[fqn] = obj
 
         mcore_torch._get_filesystem_reader = reader
         mcore_torch.MCoreLoadPlanner.load_bytes = load_bytes

@@ -2,8 +2,8 @@
 
 They go to ``vllm.LLM`` / ``AsyncEngineArgs`` as given, as in NeMo RL, except the arguments nrl sets
 itself: NeMo RL passes both and Python refuses the duplicate, so nrl refuses it in one line naming
-the key that sets it instead (a repeat of nrl's own value passes). Names vLLM does not know are refused at ``nrl config check`` when
-vLLM is importable there, and at engine start otherwise.
+the key that sets it instead (a repeat of nrl's own value passes). Names vLLM does not know are
+refused at ``nrl config check`` when vLLM is importable there, and at engine start otherwise.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from nrl_core.config.loader import value_at
 from nrl_core.errors import ConfigError
 
 KEY = "policy.generation.vllm_kwargs"
@@ -39,17 +40,11 @@ SET_BY_NRL: Mapping[str, str | None] = {
     "enable_sleep_mode": None,  # follows colocation
     "distributed_executor_backend": None,  # follows the engine's placement
 }
-#: Set by nrl on CPU only: whole-prompt prefill, which seeded sampling on CPU needs.
-SET_BY_NRL_ON_CPU = ("enable_chunked_prefill", "max_num_batched_tokens")
-
-
 def _nrl_value(config: Mapping[str, Any], path: str) -> Any:
-    node: Any = config
-    for part in path.split("."):
-        node = node.get(part) if isinstance(node, Mapping) else None
-    if path == "policy.tokenizer.name" and node is None:
+    value = value_at(config, path)
+    if path == "policy.tokenizer.name" and value is None:
         return config["policy"]["model_name"]
-    return node
+    return value
 
 
 def check_user_engine_kwargs(config: Mapping[str, Any]) -> None:
@@ -82,14 +77,14 @@ def check_names_known(config: Mapping[str, Any]) -> None:
                                                "check the spelling against the installed vLLM")
 
 
-def user_engine_kwargs(config: Mapping[str, Any], nrl_kwargs: Mapping[str, Any], *, cpu: bool) -> dict[str, Any]:
+def user_engine_kwargs(config: Mapping[str, Any], nrl_kwargs: Mapping[str, Any]) -> dict[str, Any]:
     """The user's arguments to add to the engine's, refused in one line where they would replace
-    one nrl sets (``nrl_kwargs``: what nrl passes besides the fixed ones); those that repeat nrl's
-    value are left to nrl."""
+    one nrl sets (``nrl_kwargs``: what nrl passes besides the fixed ones, such as whole-prompt
+    prefill on CPU, which seeded sampling needs); those that repeat nrl's value are left to nrl."""
     check_user_engine_kwargs(config)
     given = {k: v for k, v in (config["policy"]["generation"].get("vllm_kwargs") or {}).items() if k not in SET_BY_NRL}
     for name in given:
-        if name in nrl_kwargs or (cpu and name in SET_BY_NRL_ON_CPU):
-            raise ConfigError(f"{KEY}.{name}", "nrl sets this vLLM argument itself on this engine (on CPU it "
-                                               "prefills whole prompts, which seeded sampling needs); remove it")
+        if name in nrl_kwargs:
+            raise ConfigError(f"{KEY}.{name}", f"nrl sets this vLLM argument itself on this engine (to "
+                                               f"{nrl_kwargs[name]!r}); remove it")
     return given

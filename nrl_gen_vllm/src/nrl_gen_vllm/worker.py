@@ -172,6 +172,7 @@ class VllmGenerationWorker:
         from vllm.platforms import current_platform
 
         engine_kwargs: dict[str, Any] = {}
+        cache_dtype = str(vcfg.get("kv_cache_dtype") or "auto")
         if _is_cpu():
             use_eager_rank_count()
             # A prompt prefilled in chunks has its sampled token discarded and its seeded generator
@@ -181,7 +182,7 @@ class VllmGenerationWorker:
         if _is_cpu() and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
             self.kv_cache = kv_cache_space(config, max_model_len=self.max_model_len, tensor_parallel_size=self.tp,
                                            engines=max(1, world_size // self.tp), dtype=self.dtype,
-                                           cache_dtype=str(vcfg.get("kv_cache_dtype") or "auto"))
+                                           cache_dtype=cache_dtype)
             logger.info("vLLM engine %d: KV cache %s", self.engine_index, self.kv_cache.describe())
             engine_kwargs["kv_cache_memory_bytes"] = self.kv_cache.nbytes
         colocated = bool((generation.get("colocated") or {}).get("enabled"))
@@ -202,8 +203,7 @@ class VllmGenerationWorker:
             engine_kwargs["enable_expert_parallel"] = True
         if self.serves_adapters:
             engine_kwargs.update(enable_lora=True, max_lora_rank=self.max_lora_rank, max_loras=1)
-        engine_kwargs.update(user_engine_kwargs(config, engine_kwargs, cpu=_is_cpu()))
-        self.use_tqdm = bool(vcfg.get("use_tqdm"))
+        engine_kwargs.update(user_engine_kwargs(config, engine_kwargs))
         # Sleep mode frees the engine's memory for training between generations (colocated only);
         # vLLM offers it on GPUs, where it also needs its own allocator.
         self.sleep_mode = colocated and current_platform.is_sleep_mode_available()
@@ -228,7 +228,7 @@ class VllmGenerationWorker:
                     # distribution it was drawn from, which the policy's logprobs reproduce (temperature)
                     logprobs_mode="processed_logprobs",
                     load_format=self.load_format,
-                    kv_cache_dtype=str(vcfg.get("kv_cache_dtype") or "auto"),
+                    kv_cache_dtype=cache_dtype,
                     **engine_kwargs,
                 )
         except Exception as exc:  # vLLM refuses some config values only when the engine starts
@@ -237,7 +237,7 @@ class VllmGenerationWorker:
                 raise
             raise refused from None
         self._engine.label(self._state.weight_version)
-        self._engine.use_tqdm = self.use_tqdm
+        self._engine.use_tqdm = bool(vcfg.get("use_tqdm"))
         self._elsewhere = self._experts_elsewhere(engine_kwargs.get("enable_expert_parallel", False))
         self.in_flight = self.recompute_kv_cache = False  # configure_in_flight sets them
         mark("vllm_engine_ready", rank=rank, tensor_parallel=self.tp, follower=self.follower)
