@@ -12,7 +12,10 @@ server is a fresh interpreter that only imported libraries.
 :func:`shared_ray` is one local Ray per pytest process that runs join as a user joins a running
 cluster (``RAY_ADDRESS``), instead of each starting and stopping a Ray of its own. Each run is its
 own Ray job: its actors are gone when its driver exits, and its workers get their environment
-from the run alone (the cluster's own processes start without any variable nrl forwards).
+from the run alone (the cluster's own processes start without any variable nrl forwards). Its
+workers, and the processes they spawn, are forked from a zygote that has imported torch,
+transformers, vLLM, Megatron-Core and nrl's distributions once (tests/zygote.py), so a run's
+actors start in a fraction of a second instead of importing for seconds each.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import atexit
 import functools
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -31,13 +35,20 @@ from pathlib import Path
 
 from nrl_core.cluster.ray_cluster import FORWARDED_ENV_NAMES, FORWARDED_ENV_PREFIXES
 from nrl_core.testing.distributed import adopt_environment, rank_context
+from tests.ray_worker_launcher import SOCKET as ZYGOTE_SOCKET
 
 # The shared Ray's driver. Not nrl's private local Ray: that one keeps to the loopback address, and
 # a driver asked to join 127.0.0.1 connects to the machine's address instead (Ray resolves it).
 _SHARED_HEAD = """
 import sys
 import ray
+import ray._private.parameter
 from nrl_core.cluster.ray_cluster import LOCAL_SYSTEM_CONFIG
+_params = ray._private.parameter.RayParams.__init__
+def _through_zygote(self, *args, **kwargs):  # workers start through the zygote (tests/zygote.py)
+    _params(self, *args, **kwargs)
+    self.worker_path = sys.argv[1]
+ray._private.parameter.RayParams.__init__ = _through_zygote
 ray.init(address="local", include_dashboard=False, log_to_driver=False, _system_config=dict(LOCAL_SYSTEM_CONFIG))
 print(ray.get_runtime_context().gcs_address, flush=True)
 sys.stdin.read()  # until the suite closes it
@@ -45,6 +56,10 @@ ray.shutdown()
 """
 _shared: subprocess.Popen[str] | None = None
 _shared_address: str | None = None
+_zygote: subprocess.Popen[str] | None = None
+_zygote_address: str | None = None
+ZYGOTE = Path(__file__).with_name("zygote.py")
+LAUNCHER = Path(__file__).with_name("ray_worker_launcher.py")
 
 
 @functools.cache
@@ -126,8 +141,9 @@ def shared_ray() -> str:
         return _shared_address
     env = {k: v for k, v in os.environ.items()
            if not (k in FORWARDED_ENV_NAMES or k.startswith(FORWARDED_ENV_PREFIXES) or k == "RAY_ADDRESS")}
-    _shared = subprocess.Popen([sys.executable, "-c", _SHARED_HEAD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                               text=True, env=env, cwd=tempfile.gettempdir())
+    env[ZYGOTE_SOCKET] = _start_zygote()
+    _shared = subprocess.Popen([sys.executable, "-c", _SHARED_HEAD, str(LAUNCHER)], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, text=True, env=env, cwd=tempfile.gettempdir())
     assert _shared.stdout is not None
     address = _shared.stdout.readline().strip()
     if not address:
@@ -137,6 +153,38 @@ def shared_ray() -> str:
     return address
 
 
+def _start_zygote() -> str:
+    """Start this pytest process's worker zygote (tests/zygote.py), unless it runs; returns its
+    socket's path."""
+    global _zygote, _zygote_address
+    if _zygote is not None and _zygote.poll() is None and _zygote_address is not None:
+        return _zygote_address
+    address = os.path.join(tempfile.mkdtemp(prefix="nrl-zygote-"), "socket")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    _zygote = subprocess.Popen([sys.executable, str(ZYGOTE), address, json.dumps(list(_interpreter_path()))],
+                               stdout=subprocess.PIPE, text=True, env=env, cwd=tempfile.gettempdir(),
+                               preexec_fn=_die_with_parent)
+    assert _zygote.stdout is not None
+    if _zygote.stdout.readline().strip() != "ready":
+        raise RuntimeError(f"the worker zygote did not start (exit {_zygote.wait()})")
+    atexit.register(_stop_zygote, _zygote)
+    _zygote_address = address
+    return address
+
+
+def _die_with_parent() -> None:
+    """In the zygote before it starts: end with this pytest process, even when it is killed."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _stop_zygote(process: subprocess.Popen[str]) -> None:
+    if process.poll() is None:
+        process.kill()
+        process.wait()
+
+
 def shared_ray_pids() -> set[int]:
     """The processes of this pytest process's shared Ray (its helper and everything under it), for
     tests that count the processes a Ray of their own started."""
@@ -144,11 +192,16 @@ def shared_ray_pids() -> set[int]:
         return set()
     import psutil
 
-    try:
-        helper = psutil.Process(_shared.pid)
-        return {helper.pid, *(child.pid for child in helper.children(recursive=True))}
-    except psutil.NoSuchProcess:
-        return set()
+    pids: set[int] = set()
+    for root in (_shared, _zygote):
+        if root is None:
+            continue
+        try:
+            helper = psutil.Process(root.pid)
+            pids |= {helper.pid, *(child.pid for child in helper.children(recursive=True))}
+        except psutil.NoSuchProcess:
+            pass
+    return pids
 
 
 def _stop_shared_ray(process: subprocess.Popen[str]) -> None:
