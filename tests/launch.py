@@ -44,11 +44,12 @@ import sys
 import ray
 import ray._private.parameter
 from nrl_core.cluster.ray_cluster import LOCAL_SYSTEM_CONFIG
-_params = ray._private.parameter.RayParams.__init__
-def _through_zygote(self, *args, **kwargs):  # workers start through the zygote (tests/zygote.py)
-    _params(self, *args, **kwargs)
-    self.worker_path = sys.argv[1]
-ray._private.parameter.RayParams.__init__ = _through_zygote
+if len(sys.argv) > 1:  # workers start through the zygote (tests/zygote.py)
+    _params = ray._private.parameter.RayParams.__init__
+    def _through_zygote(self, *args, **kwargs):
+        _params(self, *args, **kwargs)
+        self.worker_path = sys.argv[1]
+    ray._private.parameter.RayParams.__init__ = _through_zygote
 ray.init(address="local", include_dashboard=False, log_to_driver=False, _system_config=dict(LOCAL_SYSTEM_CONFIG))
 print(ray.get_runtime_context().gcs_address, flush=True)
 sys.stdin.read()  # until the suite closes it
@@ -141,9 +142,14 @@ def shared_ray() -> str:
         return _shared_address
     env = {k: v for k, v in os.environ.items()
            if not (k in FORWARDED_ENV_NAMES or k.startswith(FORWARDED_ENV_PREFIXES) or k == "RAY_ADDRESS")}
-    env[ZYGOTE_SOCKET] = _start_zygote()
-    _shared = subprocess.Popen([sys.executable, "-c", _SHARED_HEAD, str(LAUNCHER)], stdin=subprocess.PIPE,
-                               stdout=subprocess.PIPE, text=True, env=env, cwd=tempfile.gettempdir())
+    head = [sys.executable, "-c", _SHARED_HEAD]
+    try:
+        env[ZYGOTE_SOCKET] = _start_zygote()
+        head.append(str(LAUNCHER))
+    except RuntimeError as exc:  # slower, not wrong: Ray starts its own workers
+        warnings.warn(f"{exc}; the shared Ray's workers start as fresh interpreters", stacklevel=2)
+    _shared = subprocess.Popen(head, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+                               cwd=tempfile.gettempdir())
     assert _shared.stdout is not None
     address = _shared.stdout.readline().strip()
     if not address:
@@ -166,6 +172,7 @@ def _start_zygote() -> str:
                                preexec_fn=_die_with_parent)
     assert _zygote.stdout is not None
     if _zygote.stdout.readline().strip() != "ready":
+        _zygote.kill()
         raise RuntimeError(f"the worker zygote did not start (exit {_zygote.wait()})")
     atexit.register(_stop_zygote, _zygote)
     _zygote_address = address
