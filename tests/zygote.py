@@ -1,6 +1,7 @@
 """A zygote for the shared Ray's workers: one process per shared Ray that imports, once, what nrl's
-workers import (torch, transformers, Ray, vLLM, Megatron-Core, nrl and its distributions), then
-forks a worker for each start that ``tests/ray_worker_launcher.py`` hands it.
+workers import (torch, transformers, vLLM, Megatron-Core and nrl's worker modules; not Ray, see
+PRELOAD), then forks a worker, or a process a worker spawns, for each start that
+``tests/ray_worker_launcher.py`` hands it.
 
 Every Ray worker is otherwise a new interpreter that spends seconds of CPU importing the same
 libraries before it does anything; on the suite's 2-core machine, for a run that trains two steps of
@@ -20,6 +21,7 @@ import json
 import os
 import runpy
 import select
+import shlex
 import signal
 import socket
 import sys
@@ -52,15 +54,16 @@ def serve(address: str, base_path: list[str]) -> None:
         raise RuntimeError("the worker zygote imported Ray; its workers could not join their job")
     threads = len(os.listdir("/proc/self/task"))
     if threads != 1:
-        raise RuntimeError(f"the worker zygote has {threads} threads after its imports; it forks only with one")
+        raise RuntimeError(f"the worker zygote has {threads} threads after its imports; it forks with one only")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(address)
     listener.listen(64)
-    with open("/proc/self/maps") as maps:
-        loaded = sorted({os.path.realpath(line.split()[-1]) for line in maps if line.rstrip().endswith(".so") or ".so." in line})
+    with open("/proc/self/maps") as maps:  # the libraries a worker's LD_PRELOAD may name (launcher)
+        paths = {line.split()[-1] for line in maps if ".so" in line}
+    loaded = sorted(os.path.realpath(p) for p in paths if p.startswith("/"))
     Path(address + ".env").write_text(json.dumps({"before": environ, "after": dict(os.environ), "loaded": loaded}))
     spawner = Path(address).with_name("python")  # what the forked workers' multiprocessing runs
-    spawner.write_text(f"#!/bin/sh\nexec {sys.executable} {LAUNCHER} --spawn \"$@\"\n")
+    spawner.write_text(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} {shlex.quote(str(LAUNCHER))} --spawn \"$@\"\n")
     spawner.chmod(0o755)
     signal.signal(signal.SIGCHLD, _reap)
     print("ready", flush=True)

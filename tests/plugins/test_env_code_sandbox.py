@@ -26,7 +26,9 @@ import pytest
 from nrl_env_code.launch import LAUNCHER
 from nrl_env_code.sandbox import Program, RunResult, Sandbox, SandboxConfig
 
-UID = 1999997  # this module's own sandbox uid: any process of it after a run was left behind
+# This module's own sandbox uid, one per pytest-xdist worker: any process of it after a run was left
+# behind, and a test of this module on the other worker runs its programs under another.
+UID = 1999997 - int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = SandboxConfig(uid=UID, cpu_seconds=5, memory_mb=256, max_processes=16, workdir_mb=64, file_size_mb=16)
 
