@@ -28,13 +28,12 @@ import signal
 import subprocess
 import sys
 import tempfile
-import traceback
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from nrl_core.cluster.ray_cluster import FORWARDED_ENV_NAMES, FORWARDED_ENV_PREFIXES
-from nrl_core.testing.distributed import adopt_environment, rank_context
+from nrl_core.testing.distributed import adopt_environment, rank_context, run_as_interpreter
 from tests.ray_worker_launcher import SOCKET as ZYGOTE_SOCKET
 
 # The shared Ray's driver. Not nrl's private local Ray: that one keeps to the loopback address, and
@@ -89,22 +88,13 @@ def _run_cli(args: Sequence[str], environ: dict[str, str], cwd: str, base_path: 
         os.close(target)
     sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 - the process's own stdout
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
-    code = 1
-    try:
+
+    def cli() -> int:
         from nrl_core.cli import main
 
-        code = main(list(args))
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        if isinstance(exc.code, str):
-            print(exc.code, file=sys.stderr)
-    except BaseException:  # noqa: BLE001 - what the interpreter does with an uncaught exception
-        traceback.print_exc()
-    finally:
-        atexit._run_exitfuncs()
-        sys.stdout.flush()
-        sys.stderr.flush()
-    os._exit(code)
+        return main(list(args))
+
+    run_as_interpreter(cli)
 
 
 def nrl(args: Sequence[str], *, env: Mapping[str, str] | None = None, cwd: str | Path | None = None,

@@ -18,6 +18,7 @@ import os
 import signal
 import socket
 import sys
+from typing import NoReturn
 
 SOCKET = "NRL_TEST_WORKER_ZYGOTE"
 #: Variables read once, while the zygote imported its libraries (kernel choice, thread pools, hub
@@ -43,9 +44,8 @@ def can_fork(environ: dict[str, str], zygote: dict) -> bool:
     the one they set: a fresh interpreter importing the same libraries ends at the latter."""
     before, after = import_time_view(zygote["before"]), import_time_view(zygote["after"])
     mine = import_time_view(environ)
-    for key in set(mine) | set(before) | set(after):
-        if mine.get(key) != before.get(key) and not (before.get(key) != after.get(key) == mine.get(key)):
-            return False
+    if any(mine.get(key) not in (before.get(key), after.get(key)) for key in set(mine) | set(before) | set(after)):
+        return False
     preloaded = [os.path.realpath(p) for p in environ.get("LD_PRELOAD", "").replace(":", " ").split() if p]
     if not set(preloaded) <= set(zygote["loaded"]):
         return False
@@ -54,8 +54,8 @@ def can_fork(environ: dict[str, str], zygote: dict) -> bool:
                    for name in ("sitecustomize.py", "usercustomize.py"))
 
 
-def run_fresh(args: list[str], program: str | None) -> None:
-    if program is not None:  # a spawned interpreter: as it was asked for
+def run_fresh(args: list[str], spawned: bool) -> NoReturn:
+    if spawned:  # an interpreter multiprocessing asked for, as it asked
         os.execv(sys.executable, [sys.executable, *args])
     spec = importlib.util.find_spec("ray")
     assert spec is not None and spec.origin is not None
@@ -93,16 +93,17 @@ def main(args: list[str]) -> None:
         args = args[1:]
     program, argv = spawned_program(args) if spawn else (None, args)
     if spawn and program is None:
-        run_fresh(args, "")
+        run_fresh(args, spawn)
     address = os.environ.get(SOCKET)
+    if not address:
+        run_fresh(args, spawn)
     try:
-        assert address
         with open(address + ".env") as f:
             zygote_environ = json.load(f)
-    except (AssertionError, OSError):
-        run_fresh(args, program)
+    except OSError:
+        run_fresh(args, spawn)
     if not can_fork(dict(os.environ), zygote_environ):
-        run_fresh(args, program)
+        run_fresh(args, spawn)
     fds = [0, 1, 2, *(inherited_fds() if spawn else ())]
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
@@ -114,7 +115,7 @@ def main(args: list[str]) -> None:
         child = int(reply.readline())
     except (OSError, ValueError):
         conn.close()
-        run_fresh(args, program)
+        run_fresh(args, spawn)
     for fd in fds[3:]:  # the forked process holds them now: its end of a pipe closes when it exits
         os.close(fd)
 

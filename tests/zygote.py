@@ -16,6 +16,7 @@ environment. Tests that own their Ray (killing, freezing or measuring it) start 
 from __future__ import annotations
 
 import fcntl
+import functools
 import importlib
 import json
 import os
@@ -26,9 +27,10 @@ import signal
 import socket
 import sys
 import threading
-import traceback
 import types
 from pathlib import Path
+
+from nrl_core.testing.distributed import adopt_environment, run_as_interpreter
 
 LAUNCHER = Path(__file__).with_name("ray_worker_launcher.py")
 
@@ -78,7 +80,7 @@ def serve(address: str, base_path: list[str]) -> None:
         if pid == 0:
             listener.close()
             conn.close()
-            _become(request, fds, base_path, str(spawner))
+            run_as_interpreter(functools.partial(_become, request, fds, base_path, str(spawner)))
         for fd in fds:
             os.close(fd)
         _launchers[pid] = conn
@@ -114,76 +116,59 @@ def _become(request: dict, fds: list[int], base_path: list[str], spawner: str) -
     """In the forked child: become the process the launcher would have started, ``python
     default_worker.py ARGS`` or ``python -c PROGRAM ARGS``, with its descriptors, environment,
     directory and paths; its own ``multiprocessing`` spawns through the zygote too."""
-    code = 1
-    try:
-        for signum in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
-            signal.signal(signum, signal.SIG_DFL)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        for other in _launchers.values():
-            other.close()
-        moved = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 1024) for fd in fds]  # clear of the targets
-        for fd in fds:
-            os.close(fd)
-        for target, fd in zip(request["fds"], moved):
-            os.dup2(fd, target)  # inheritable, as an interpreter's inherited descriptors are
-            os.close(fd)
-        environ = request["env"]
-        os.environ.clear()
-        os.environ.update(environ)
-        os.chdir(request["cwd"])
-        unbuffered = bool(environ.get("PYTHONUNBUFFERED"))
-        sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
-        sys.stdout.reconfigure(write_through=unbuffered)
-        sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
-        sys.stderr.reconfigure(write_through=True)
-        sys.stdin = open(0, closefd=False)  # noqa: SIM115
-        if environ.get("OMP_NUM_THREADS"):
-            import torch
+    for signum in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(signum, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for other in _launchers.values():
+        other.close()
+    moved = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 1024) for fd in fds]  # clear of the targets
+    for fd in fds:
+        os.close(fd)
+    for target, fd in zip(request["fds"], moved):
+        os.dup2(fd, target)  # inheritable, as an interpreter's inherited descriptors are
+        os.close(fd)
+    environ = request["env"]
+    adopt_environment(environ)
+    os.chdir(request["cwd"])
+    unbuffered = bool(environ.get("PYTHONUNBUFFERED"))
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
+    sys.stdout.reconfigure(write_through=unbuffered)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+    sys.stderr.reconfigure(write_through=True)
+    sys.stdin = open(0, closefd=False)  # noqa: SIM115
+    if environ.get("OMP_NUM_THREADS"):
+        import torch
 
-            torch.set_num_threads(int(environ["OMP_NUM_THREADS"]))
-        inductor = sys.modules.get("torch._inductor.config")
-        if inductor is not None:  # read at import; vLLM's CPU worker sets it for its engine core
-            inductor.cpp.dynamic_threads = environ.get("TORCHINDUCTOR_CPP_DYNAMIC_THREADS", "0") == "1"
-        if "vllm.logger" in sys.modules:  # configured at import from the zygote's VLLM_LOGGING_*
-            sys.modules["vllm.envs"].disable_envs_cache()
-            sys.modules["vllm.logger"]._configure_vllm_root_logger()
-        import numpy
+        torch.set_num_threads(int(environ["OMP_NUM_THREADS"]))
+    inductor = sys.modules.get("torch._inductor.config")
+    if inductor is not None:  # read at import; vLLM's CPU worker sets it for its engine core
+        inductor.cpp.dynamic_threads = environ.get("TORCHINDUCTOR_CPP_DYNAMIC_THREADS", "0") == "1"
+    if "vllm.logger" in sys.modules:  # configured at import from the zygote's VLLM_LOGGING_*
+        sys.modules["vllm.envs"].disable_envs_cache()
+        sys.modules["vllm.logger"]._configure_vllm_root_logger()
+    import numpy
 
-        numpy.random.seed()  # a fresh interpreter seeds from the OS; the zygote's state is shared
-        _end_with(request["launcher"])
-        sys.dont_write_bytecode = bool(request.get("no_bytecode"))
-        import multiprocessing
+    numpy.random.seed()  # a fresh interpreter seeds from the OS; the zygote's state is shared
+    _end_with(request["launcher"])
+    sys.dont_write_bytecode = bool(request.get("no_bytecode"))
+    import multiprocessing
 
-        multiprocessing.set_executable(spawner)
-        python_path = [p for p in environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-        if request["program"] is not None:
-            sys.path[:] = ["", *python_path, *base_path]
-            sys.argv = ["-c", *request["argv"]]
-            main = types.ModuleType("__main__")
-            sys.modules["__main__"] = main
-            exec(compile(request["program"], "<string>", "exec"), main.__dict__)  # noqa: S102
-        else:
-            import ray
+    multiprocessing.set_executable(spawner)
+    python_path = [p for p in environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if request["program"] is not None:
+        sys.path[:] = ["", *python_path, *base_path]
+        sys.argv = ["-c", *request["argv"]]
+        main = types.ModuleType("__main__")
+        sys.modules["__main__"] = main
+        exec(compile(request["program"], "<string>", "exec"), main.__dict__)  # noqa: S102
+    else:
+        import ray
 
-            worker = os.path.join(os.path.dirname(ray.__file__), "_private", "workers", "default_worker.py")
-            sys.path[:] = [os.path.dirname(worker), *python_path, *base_path]
-            sys.argv = [worker, *request["argv"]]
-            runpy.run_path(worker, run_name="__main__")
-        code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    except BaseException:  # noqa: BLE001 - what the interpreter does with an uncaught exception
-        traceback.print_exc()
-    finally:
-        try:
-            import atexit
-
-            atexit._run_exitfuncs()
-            sys.stdout.flush()
-            sys.stderr.flush()
-        finally:
-            os._exit(code)
+        worker = os.path.join(os.path.dirname(ray.__file__), "_private", "workers", "default_worker.py")
+        sys.path[:] = [os.path.dirname(worker), *python_path, *base_path]
+        sys.argv = [worker, *request["argv"]]
+        runpy.run_path(worker, run_name="__main__")
 
 
 def _end_with(launcher: int) -> None:

@@ -14,6 +14,7 @@ caller's environment as it is at the call (:func:`rank_context`).
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import tempfile
@@ -21,7 +22,7 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from nrl_core.long_lived import freeze_at_exit
 from nrl_core.net import free_port
@@ -66,6 +67,30 @@ def adopt_environment(environ: dict[str, str]) -> None:
     raylet = sys.modules.get("ray._raylet")
     if raylet is not None:
         raylet.Config.initialize("")
+
+
+def run_as_interpreter(main: Callable[[], object]) -> NoReturn:
+    """Run ``main`` as the whole life of a forked process that stands in for a new interpreter, and
+    end as one ends: the status ``main`` returns (an int; anything else is 0) or raises with
+    ``SystemExit`` (a message printed), a traceback for an uncaught exception, exit handlers run and
+    streams flushed. It never returns into the code that forked."""
+    code = 1
+    try:
+        result = main()
+        code = result if isinstance(result, int) else 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if isinstance(exc.code, str):
+            print(exc.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001 - what the interpreter does with an uncaught exception
+        traceback.print_exc()
+    finally:
+        try:
+            atexit._run_exitfuncs()
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
 
 
 def _entry(rank: int, world_size: int, port: int, out_dir: str, threads: int, fn: Callable[..., Any],
