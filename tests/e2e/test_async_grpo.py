@@ -261,10 +261,13 @@ def test_in_flight_updates_reach_rollouts_mid_generation_and_the_bound_holds_for
     while step ``t + 1``'s rollouts are generating. Some responses then carry two weight versions
     (``token_weight_versions`` in ``train_data_step<N>.jsonl``); a rollout's version is its oldest
     token's, and every token of every rollout is within the age bound."""
-    # Responses long enough that generating a step's rollouts outlasts training the step before,
-    # on a loaded machine too (at 128 tokens a refit once missed every generation in the suite).
-    long = ["policy.max_total_sequence_length=320", "policy.generation.vllm_cfg.max_model_len=320",
-            "policy.generation.max_new_tokens=256", "grpo.async_grpo.in_flight_weight_updates=true"]
+    # Generating a step's rollouts must outlast training the step before, on a loaded machine too:
+    # with two sequences at a time the engine takes eight turns of up to 96 tokens, about ten times
+    # the training step (all sixteen at once, 256 tokens each, gave a margin of under two, and a
+    # refit once missed every generation in the suite).
+    long = ["policy.max_total_sequence_length=160", "policy.generation.vllm_cfg.max_model_len=160",
+            "policy.generation.max_new_tokens=96", "policy.generation.vllm_kwargs.max_num_seqs=2",
+            "grpo.async_grpo.in_flight_weight_updates=true"]
     assert_ok(run_nrl(tmp_path, CONFIG, "grpo", small(model, "grpo.max_num_steps=3", "checkpointing.enabled=false",
                                                       *long)))
     mixed = 0
