@@ -18,7 +18,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from nrl_core.algorithms.rollout_sources import validates_greedily
+from nrl_core.algorithms.rollout_sources import apart_from_training, validates_greedily
 from nrl_core.algorithms.scoring import RolloutGroup, Scorer
 from nrl_core.algorithms.setup import PhaseTimer
 from nrl_core.contracts import EnvResult, EnvStep, Episode, GenerationOutput, MultiTurnEnvironment
@@ -153,14 +153,15 @@ class MultiTurnSampler:
         self.generation.prepare()
         rewards: list[float] = []
         records: list[dict[str, Any]] = []
-        for start in range(0, len(prompts), self.val_batch_size):
-            for episode in self.play(prompts[start:start + self.val_batch_size], greedy=self.val_greedy):
-                rewards.append(episode.reward)
-                records.append({"prompt": episode.prompt.prompt_text, "messages": episode.messages,
-                                "reward": episode.reward, "turns": episode.turns, "ended_by": episode.ended_by,
-                                "prompt_token_ids": list(episode.prompt.prompt_ids),
-                                "response_token_ids": episode.tokens, "weight_version": episode.weight_version,
-                                "metadata": episode.environment_metadata})
+        with apart_from_training(self.generation):
+            for start in range(0, len(prompts), self.val_batch_size):
+                for episode in self.play(prompts[start:start + self.val_batch_size], greedy=self.val_greedy):
+                    rewards.append(episode.reward)
+                    records.append({"prompt": episode.prompt.prompt_text, "messages": episode.messages,
+                                    "reward": episode.reward, "turns": episode.turns, "ended_by": episode.ended_by,
+                                    "prompt_token_ids": list(episode.prompt.prompt_ids),
+                                    "response_token_ids": episode.tokens, "weight_version": episode.weight_version,
+                                    "metadata": episode.environment_metadata})
         self.generation.finish()
         return rewards, records
 

@@ -74,6 +74,20 @@ def env_metrics(result: EnvResult) -> dict[str, float]:
     return {f"env/{k}": v for k, v in result.metrics.items()}
 
 
+@contextlib.contextmanager
+def apart_from_training(generation: Any) -> Iterator[None]:
+    """Validation's generate calls, outside the sequence of training's: each engine's sampling
+    position (taken once the engines hold the weights to validate) is put back afterwards, so
+    whether and when a run validates never changes the samples it trains on. A run extended after
+    its end-of-run validation then continues as the unbroken run does. Validation draws the seeds
+    the next training call draws, on other prompts."""
+    positions = generation.sampling_states()
+    try:
+        yield
+    finally:
+        generation.load_sampling_states(positions)
+
+
 def validates_greedily(generation: Mapping[str, Any]) -> bool:
     """``policy.generation.val_temperature`` 0: validation decodes greedily. Otherwise it samples as
     training does, as NeMo RL validates (its ``val_temperature`` defaults to the training one)."""
@@ -111,16 +125,19 @@ class SingleTurnSampler:
         self.generation.prepare()
         rewards: list[float] = []
         records: list[dict[str, Any]] = []
-        for start in range(0, len(prompts), self.val_batch_size):
-            chunk = prompts[start:start + self.val_batch_size]
-            out = self.generation.generate([d.prompt_ids for d in chunk], greedy=self.val_greedy)
-            result, texts = self.scorer.rewards(chunk, out.token_ids)
-            rewards.extend(result.rewards)
-            described = result.sample_metadata or [None] * len(chunk)
-            records.extend({"prompt": d.prompt_text, "response": text, "reward": reward,
-                            "prompt_token_ids": list(d.prompt_ids), "response_token_ids": ids,
-                            "weight_version": out.weight_version, **({"metadata": meta} if meta is not None else {})}
-                           for d, text, reward, ids, meta in zip(chunk, texts, result.rewards, out.token_ids, described))
+        with apart_from_training(self.generation):
+            for start in range(0, len(prompts), self.val_batch_size):
+                chunk = prompts[start:start + self.val_batch_size]
+                out = self.generation.generate([d.prompt_ids for d in chunk], greedy=self.val_greedy)
+                result, texts = self.scorer.rewards(chunk, out.token_ids)
+                rewards.extend(result.rewards)
+                described = result.sample_metadata or [None] * len(chunk)
+                records.extend({"prompt": d.prompt_text, "response": text, "reward": reward,
+                                "prompt_token_ids": list(d.prompt_ids), "response_token_ids": ids,
+                                "weight_version": out.weight_version,
+                                **({"metadata": meta} if meta is not None else {})}
+                               for d, text, reward, ids, meta in zip(chunk, texts, result.rewards, out.token_ids,
+                                                                     described))
         self.generation.finish()
         return rewards, records
 

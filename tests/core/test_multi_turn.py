@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("nrl_gen_hf")
 
 from nrl_core.algorithms.multi_turn import MultiTurnSampler, cut_at_stop  # noqa: E402
-from nrl_core.algorithms.rollout_sources import validates_greedily  # noqa: E402
+from nrl_core.algorithms.rollout_sources import SingleTurnSampler, validates_greedily  # noqa: E402
 from nrl_core.algorithms.rollouts import rollout_batch  # noqa: E402
 from nrl_core.algorithms.scoring import Scorer, merge_groups, merged_loss_masks  # noqa: E402
 from nrl_core.contracts import EnvResult, EnvSample, EnvStep, Episode, GenerationOutput  # noqa: E402
@@ -65,6 +65,12 @@ class RecordingEngine:
     def finish(self) -> None:
         pass
 
+    def sampling_states(self) -> list[dict[str, int]]:
+        return [self.engine.sampling_state()]
+
+    def load_sampling_states(self, states: list[dict[str, int]]) -> None:
+        self.engine.load_sampling_state(states[0])
+
 
 class TalkingEnvironment:
     """Answers every turn with ``obs<turn>;``, 0.25 per turn, done after ``done_at`` turns."""
@@ -113,6 +119,28 @@ def test_validation_samples_as_training_does_unless_val_temperature_is_zero(setu
     mt = MultiTurnSampler(config, recording, Scorer(config, tokenizer, env), tokenizer, env, 96)
     rewards, records = mt.validate(prompts(tokenizer))
     assert recording.greedy == [greedy, greedy] and rewards == [0.5, 0.5] and len(records) == 2
+
+
+@pytest.mark.parametrize("turns", [1, 2])
+def test_validation_leaves_the_samples_training_draws_next_as_they_were(setup, turns):
+    """A validation between two training calls (sampled, multi-turn or single-turn) leaves the
+    engine's sampling position where it was, so the next training call samples the same tokens as
+    without it: a run extended after its end-of-run validation continues as the unbroken run."""
+    engine, tokenizer, config = setup
+    env = TalkingEnvironment(done_at=turns)
+    train = [d.prompt_ids for d in prompts(tokenizer, 3)]
+    position = engine.sampling_state()
+    unvalidated = engine.generate(train).token_ids
+    engine.load_sampling_state(position)
+    if turns == 1:
+        scored = SimpleNamespace(score=lambda samples: EnvResult(rewards=[0.5] * len(samples)))
+        validation = SingleTurnSampler(RecordingEngine(engine), Scorer(config, tokenizer, scored), 1, 2)
+    else:
+        validation, _ = sampler(setup, env)
+    rewards, _ = validation.validate(prompts(tokenizer))
+    assert len(rewards) == 2
+    assert engine.sampling_state() == position
+    assert engine.generate(train).token_ids == unvalidated
 
 
 def test_tokens_in_tokens_out_and_the_loss_mask_token_by_token(setup):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_grpo import assert_ok, finite, metrics, run_nrl
+from tests.e2e.test_grpo import TIMING, assert_ok, finite, metrics, run_nrl
 
 pytestmark = pytest.mark.slow
 
@@ -36,17 +36,28 @@ def train_dpo(tmp: Path, model: Path, backend: str, *overrides: str) -> list[dic
 
 
 def test_dtensor_and_megatron_take_the_same_dpo_steps(tmp_path, model):
+    """Three steps on each backend agree; and on Megatron, a run that finished after one step
+    (validating at its end) and is then extended to three takes steps 2 and 3 exactly as the
+    unbroken run did."""
     steps = ["dpo.max_num_steps=3", "dpo.val_at_start=false", "dpo.val_period=0", "data.shuffle=false",
              "dpo.sft_loss_weight=0.1"]
+    on_megatron = ["cluster.gpus_per_node=2", "policy.train_micro_batch_size=8"]
     dtensor = train_dpo(tmp_path / "dtensor", model, "dtensor", *steps)
-    megatron = train_dpo(tmp_path / "megatron", model, "megatron", *steps, "cluster.gpus_per_node=2",
-                         "policy.train_micro_batch_size=8")
+    megatron = train_dpo(tmp_path / "megatron", model, "megatron", *steps, *on_megatron)
     assert [r["step"] for r in dtensor] == [r["step"] for r in megatron] == [1, 2, 3]
     assert dtensor[0]["train/preference_loss"] == pytest.approx(math.log(2), abs=1e-6)
     for d, m in zip(dtensor, megatron):
         for key in COMPARED:
             assert m[f"train/{key}"] == pytest.approx(d[f"train/{key}"], rel=1e-5, abs=1e-5), (d["step"], key)
     assert dtensor[-1]["train/loss"] < dtensor[0]["train/loss"]
+    extended = tmp_path / "extended"
+    saved = ["checkpointing.enabled=true", "dpo.val_at_end=true"]
+    finished = train_dpo(extended, model, "megatron", *steps, *on_megatron, *saved, "dpo.max_num_steps=1")
+    assert "val/loss" in finished[0]
+    rows = train_dpo(extended, model, "megatron", *steps, *on_megatron, *saved)
+    trained = lambda row: {k: v for k, v in row.items() if k.startswith("train/") and not k.startswith(TIMING)}  # noqa: E731
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [trained(r) for r in rows[1:]] == [trained(r) for r in megatron[1:]]
 
 
 def test_tiny_cpu_recipe_learns_its_preferences(tmp_path, model):

@@ -20,7 +20,7 @@ import ray
 from nrl_core.cli import main
 from nrl_core.data import write_jsonl
 from nrl_core.testing.tiny_models import cached_tiny_model
-from tests.launch import nrl
+from tests.launch import nrl, shared_ray
 
 REPO = Path(__file__).resolve().parents[2]
 GRPO = REPO / "examples" / "configs" / "grpo_tiny_cpu.yaml"
@@ -208,14 +208,18 @@ def _error_lines(text: str) -> list[str]:
 
 
 @pytest.mark.parametrize("case", CHECK_CASES, ids=[c[0] for c in CHECK_CASES])
-def test_config_check_refuses_in_one_line(case, paths, tmp_path, capsys) -> None:
+def test_config_check_refuses_in_one_line(case, paths, tmp_path, capsys, monkeypatch) -> None:
     _, recipe, overrides, key, phrase = case
     algorithm = "grpo" if recipe == GRPO else "sft"
     args = _arguments(recipe, overrides, paths, tmp_path)
     code = main(["config", "check", *args])
     [line] = _error_lines(capsys.readouterr().err)
     assert code == 2 and line.startswith(f"error: {key}") and phrase in line, line
-    # `nrl train` refuses it the same way and leaves nothing running (a backend's check fails after Ray started)
+    # `nrl train` refuses it the same way and leaves nothing running (a backend's check fails on the
+    # workers, after Ray started): the first case on a local Ray of its own, which it stops; the
+    # others join the suite's shared Ray as a job joins a cluster, and disconnect from it.
+    if case is not CHECK_CASES[0]:
+        monkeypatch.setenv("RAY_ADDRESS", shared_ray())
     assert main(["train", algorithm, "--config", *args]) == 2
     assert _error_lines(capsys.readouterr().err) == [line]
     assert not ray.is_initialized()
