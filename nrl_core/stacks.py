@@ -6,7 +6,8 @@ to the process's own stack file, from C, so a thread blocked inside a collective
 still answers. :func:`dump_processes` signals processes of this machine and copies what each
 wrote into the run's log directory; a process that does not answer is named with its state (a
 process in uninterruptible I/O, state ``D``, cannot even be killed). ``py-spy``, when it is
-installed, adds each process's native stack.
+installed, adds each process's native stack, or, for a stopped process, which answers no signal,
+its Python stack.
 
 A process with a GPU also keeps PyTorch's NCCL flight recorder (``TORCH_NCCL_TRACE_BUFFER_SIZE``,
 set to 2000 entries unless the user set it, before any process group exists) and runs a thread
@@ -34,7 +35,7 @@ from pathlib import Path
 from typing import IO
 
 __all__ = ["SIGNAL", "StackTarget", "answers_stack_signal", "dump_flight_recorder", "dump_processes", "install_stack_dump",
-           "process_start_time", "process_state", "stack_file"]
+           "process_start_time", "process_state", "py_spy", "stack_file"]
 
 SIGNAL = signal.SIGUSR1
 _installed: IO[str] | None = None
@@ -237,14 +238,24 @@ def _read_from(path: Path, offset: int) -> bytes:
         return f.read()
 
 
+def py_spy() -> str | None:
+    """The ``py-spy`` on ``PATH``, or the one installed beside this interpreter (a virtual
+    environment's, run without activating it); None where there is none."""
+    beside = Path(sys.executable).parent / "py-spy"
+    return shutil.which("py-spy") or (str(beside) if os.access(beside, os.X_OK) else None)
+
+
 def _native_stacks(targets: Sequence[StackTarget], dest: Path) -> None:
-    """``py-spy dump --native`` of each target into ``<label>.native.txt``, where py-spy exists."""
-    spy = shutil.which("py-spy")
+    """``py-spy dump --native`` of each target into ``<label>.native.txt``, where py-spy exists. A
+    stopped or traced process cannot be paused for its native stack: its Python stack is read
+    without pausing it (``--nonblocking``) instead."""
+    spy = py_spy()
     if spy is None:
         return
     for target in targets:
+        how = ["--nonblocking"] if process_state(target.pid) in ("T", "t") else ["--native"]
         try:
-            out = subprocess.run([spy, "dump", "--native", "--pid", str(target.pid)], capture_output=True,
+            out = subprocess.run([spy, "dump", *how, "--pid", str(target.pid)], capture_output=True,
                                  text=True, timeout=30)
             (dest / f"{target.label}.native.txt").write_text(out.stdout + out.stderr)
         except (OSError, subprocess.TimeoutExpired) as exc:

@@ -6,11 +6,14 @@ limit comes from its own history, ``max(floor_s, multiple x the slowest it has t
 whose phases grow steadily longer raises its limits with them; a phase never seen before gets
 ``floor_s`` (start-up ``startup_s``); ``watchdog.phases.<name>`` fixes a limit outright.
 
-A monitor thread checks the limits. When one passes it writes every process's stack (the driver
-and each rank of every worker group, :mod:`nrl_core.stacks`) and the one-line error into
-``<log_dir>/stacks/``, kills the workers (a driver blocked on them wakes with their death; one
-blocked in itself is interrupted) and the phase raises :class:`HangError`: the run ends with
-nothing left running and no checkpoint published after the last complete one. ``SIGUSR1`` to the
+A monitor thread checks the limits. When one passes it writes every process's stack (the driver,
+each rank of every worker group, the job's other actors and what any of them started,
+:mod:`nrl_core.stacks`) and the one-line error into ``<log_dir>/stacks/``. The line names a
+process that cannot be making progress (stopped, in uninterruptible I/O: :mod:`nrl_core.suspects`)
+as the likely cause and the ranks waiting on it, or else the ranks still running. It kills those
+processes and the workers (a driver blocked on them wakes with their death; one blocked in itself
+is interrupted) and the phase raises :class:`HangError`: the run ends with nothing left running
+and no checkpoint published after the last complete one. ``SIGUSR1`` to the
 driver (``nrl stacks <log_dir>``) writes the same stacks without stopping anything.
 """
 
@@ -30,6 +33,7 @@ from typing import Any
 from nrl_core import stacks, timeline
 from nrl_core.config.core_schema import PHASES
 from nrl_core.errors import NrlError
+from nrl_core.suspects import RunProcess, run_processes, suspects
 
 __all__ = ["HangError", "PHASES", "PhaseLimits", "Watchdog", "WatchdogSettings", "fired", "phase", "request_stacks"]
 
@@ -185,8 +189,12 @@ class Watchdog:
         return requested
 
     def dump(self, reason: str) -> Path:
-        """Every process's stacks into ``<log_dir>/stacks/<time>-<reason>/``: the driver's and
-        each worker rank's, with ``status.txt`` (which answered, which calls are pending)."""
+        """Every process's stacks into ``<log_dir>/stacks/<time>-<reason>/``: the driver's, each
+        worker rank's, the job's other actors' and what any of them started, with ``status.txt``
+        (which answered, which calls are pending, which process cannot be making progress)."""
+        return self._dump(reason)[0]
+
+    def _dump(self, reason: str) -> tuple[Path, list[tuple[RunProcess, str]]]:
         from nrl_core.cluster.worker_group import live_groups
 
         self._dumps += 1
@@ -198,27 +206,39 @@ class Watchdog:
             faulthandler.dump_traceback(file=f, all_threads=True)
         assert self._own_stacks is not None
         self._own_stacks_size = self._own_stacks.stat().st_size
-        status = stacks.dump_processes(_worker_targets(live_groups()), dest)
+        processes = run_processes(live_groups())
+        before = suspects(processes)
+        status = stacks.dump_processes([p.target() for p in processes], dest)
+        stuck = suspects(processes, before)
         lines = [f"{label}: {what}" for label, what in status.items()]
         lines += [f"pending: {group.label(rank)} {what}" for group in live_groups()
                   for what, ranks in group.pending_calls() for rank in ranks]
+        lines += [f"cannot be making progress: {p.label} ({state})" for p, state in stuck]
         (dest / "status.txt").write_text("".join(line + "\n" for line in lines))
-        logger.warning("stacks of the driver and %d workers written to %s", len(status), dest)
-        return dest
+        logger.warning("stacks of the driver and %d other processes written to %s", len(status), dest)
+        return dest, stuck
 
     def _fire(self, late: _Running, waited: float) -> None:
         from nrl_core.cluster.worker_group import live_groups
 
         groups = live_groups()
-        pending = [f"{group.label(rank)} in {what}" for group in groups
-                   for what, ranks in group.pending_calls() for rank in ranks]
-        dest = self.dump(f"hang-{late.name}")
-        still = f"still running: {', '.join(pending)}" if pending else f"the driver (pid {os.getpid()}) itself"
+        dest, stuck = self._dump(f"hang-{late.name}")
+        stuck_pids = {p.pid for p, _ in stuck}
+        waiting = [f"{group.label(rank)} in {what}" for group in groups for what, ranks in group.pending_calls()
+                   for rank in ranks if group.infos[rank].pid not in stuck_pids]
+        if stuck:
+            causes = "; ".join(f"{p.label} is {state}" for p, state in stuck)
+            who = f"{causes}: the likely cause" + (f"; waiting on it: {', '.join(waiting)}" if waiting else "")
+        elif waiting:
+            who = f"still running: {', '.join(waiting)}"
+        else:
+            who = f"the driver (pid {os.getpid()}) itself"
         self.error = (f"watchdog: phase '{late.name}' did not finish within its limit of {late.limit:.0f} s (waited "
-                      f"{waited:.0f} s); {still}; every stack is in {dest}; if the phase is legitimately this slow, "
+                      f"{waited:.0f} s); {who}; every stack is in {dest}; if the phase is legitimately this slow, "
                       f"raise watchdog.phases.{late.name}")
         (dest / "error.txt").write_text(self.error + "\n")
         logger.error("%s", self.error)
+        _kill_processes([p for p, _ in stuck if p.pid != os.getpid()])
         _kill(groups)
         self._phase_ended.clear()
         if not self._phase_ended.wait(self.interrupt_after_s) and any(r is late for r in self._running):
@@ -233,12 +253,13 @@ def _inside_a_live_phase(outer: _Running, running: list[_Running], now: float) -
                and now - inner.started <= inner.limit for inner in running)
 
 
-def _worker_targets(groups: list[Any]) -> list[stacks.StackTarget]:
-    import ray
-
-    here = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
-    return [stacks.StackTarget(f"{group.name}-rank{info.rank}-pid{info.pid}", info.pid, local=info.node_id == here)
-            for group in groups for info in group.infos if info.pid is not None]
+def _kill_processes(processes: list[RunProcess]) -> None:
+    """End the processes that cannot be making progress (a stopped one never resumes by itself):
+    those the run's workers started die with nothing waiting on them, and a killed actor wakes
+    whoever waits on it."""
+    for process in processes:
+        with contextlib.suppress(OSError):
+            os.kill(process.pid, signal.SIGKILL)
 
 
 def _kill(groups: list[Any]) -> None:

@@ -21,6 +21,7 @@ actors start in a fraction of a second instead of importing for seconds each.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import json
 import os
@@ -29,7 +30,7 @@ import subprocess
 import sys
 import tempfile
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 from nrl_core.cluster.ray_cluster import FORWARDED_ENV_NAMES, FORWARDED_ENV_PREFIXES
@@ -147,6 +148,27 @@ def shared_ray() -> str:
     _shared_address = address
     atexit.register(_stop_shared_ray, _shared)
     return address
+
+
+@contextlib.contextmanager
+def driving_the_shared_ray() -> Iterator[str]:
+    """This pytest process as a driver of :func:`shared_ray` (``RAY_ADDRESS`` set within the block),
+    for tests that build worker groups in process: ``init_ray`` joins it as a job joins a cluster,
+    so their actors start from the zygote, and they end when the block disconnects. Any
+    connection this process had to another Ray is closed first."""
+    from nrl_core.cluster import shutdown_ray
+
+    shutdown_ray()
+    saved = os.environ.get("RAY_ADDRESS")
+    os.environ["RAY_ADDRESS"] = shared_ray()
+    try:
+        yield os.environ["RAY_ADDRESS"]
+    finally:
+        shutdown_ray()
+        if saved is None:
+            os.environ.pop("RAY_ADDRESS", None)
+        else:
+            os.environ["RAY_ADDRESS"] = saved
 
 
 def _start_zygote() -> str:

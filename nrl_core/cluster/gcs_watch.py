@@ -24,8 +24,10 @@ import os
 import signal
 import subprocess
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
+
+from nrl_core.suspects import descendants as _descendants
 
 __all__ = ["cluster_failure", "kill_ray_processes", "stop_watching", "watch_gcs"]
 
@@ -98,26 +100,3 @@ def kill_ray_processes(node: Any) -> list[int]:
         except (ProcessLookupError, PermissionError):
             pass
     return pids
-
-
-def _descendants(roots: Iterable[int]) -> list[int]:
-    """Every descendant of ``roots``, from ``/proc`` (Linux; elsewhere none are found)."""
-    children: dict[int, list[int]] = {}
-    try:
-        entries = [int(e) for e in os.listdir("/proc") if e.isdigit()]
-    except OSError:
-        return []
-    for pid in entries:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])  # the name in (...) may hold spaces
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(ppid, []).append(pid)
-    found: list[int] = []
-    stack = list(roots)
-    while stack:
-        for child in children.get(stack.pop(), []):
-            found.append(child)
-            stack.append(child)
-    return found

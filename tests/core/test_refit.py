@@ -255,24 +255,20 @@ def ray_groups():
 
 def ray_groups_of(sink: str, shapes: dict[str, tuple[int, ...]] = SHAPES,
                   sink_kwargs: dict[str, Any] | None = None) -> Any:
-    """Start Ray if needed, a weight source of ``shapes`` and two ``sink`` workers; yield them; stop them."""
-    ray = pytest.importorskip("ray")
-    from nrl_core.cluster import WorkerGroup
+    """On the suite's shared Ray, a weight source of ``shapes`` and two ``sink`` workers; yield them; stop them."""
+    from nrl_core.cluster import WorkerGroup, init_ray
     from nrl_core.cluster._host import WorkerHost
+    from tests.launch import driving_the_shared_ray
 
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
-    source = WorkerGroup("nrl_core.testing.refit_host:RandomWeightSource", 1, name="source",
-                         init_kwargs={"shapes": shapes, "seed": 5}, distributed_backend="none")
-    sinks = WorkerGroup(sink, 2, name="sinks", distributed_backend="none", init_kwargs=sink_kwargs or {})
-    yield source, sinks
-    source.call(WorkerHost.nrl_refit_release)  # ray.kill skips exit handlers: free the buffers first
-    source.shutdown()
-    sinks.shutdown()
-    if started:
-        ray.shutdown()
+    with driving_the_shared_ray():
+        init_ray({})
+        source = WorkerGroup("nrl_core.testing.refit_host:RandomWeightSource", 1, name="source",
+                             init_kwargs={"shapes": shapes, "seed": 5}, distributed_backend="none")
+        sinks = WorkerGroup(sink, 2, name="sinks", distributed_backend="none", init_kwargs=sink_kwargs or {})
+        yield source, sinks
+        source.call(WorkerHost.nrl_refit_release)  # ray.kill skips exit handlers: free the buffers first
+        source.shutdown()
+        sinks.shutdown()
 
 
 def _sinks(group: Any) -> list[Any]:

@@ -20,6 +20,7 @@ import torch
 
 from nrl_core.cluster.gcs_watch import _descendants
 from tests.e2e.test_grpo import assert_ok, metrics, run_nrl
+from tests.launch import driving_the_shared_ray
 
 pytestmark = pytest.mark.slow
 
@@ -182,11 +183,9 @@ def test_importance_weights_use_the_logprobs_of_the_engine_and_version_that_samp
 
 @pytest.fixture(scope="module")
 def ray_session():
-    from nrl_core.cluster import shutdown_ray
-
-    shutdown_ray()
-    yield
-    shutdown_ray()
+    """The module's worker groups on the suite's shared Ray (their actors from the zygote)."""
+    with driving_the_shared_ray():
+        yield
 
 
 @pytest.mark.parametrize("recompute", [True, False], ids=["recompute-kv", "keep-kv"])

@@ -16,9 +16,9 @@ import pytest
 
 from nrl_core.algorithms.loss import NLLLoss
 from nrl_core.algorithms.rollouts import rollout_batch
-from nrl_core.cluster import shutdown_ray
 from nrl_core.cluster._host import WorkerHost
 from tests.e2e.facades import chat_prompts, megatron_noncolocated, policy_and_generation, training_batch
+from tests.launch import driving_the_shared_ray
 from tests.vllm.helpers import hf_greedy, hf_model
 
 LOGPROB_TOLERANCE = 1e-3  # float32 on CPU; measured gaps are ~1e-6 (printed below)
@@ -47,9 +47,9 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def ray_session():
-    shutdown_ray()
-    yield
-    shutdown_ray()
+    """The module's worker groups on the suite's shared Ray (their actors from the zygote)."""
+    with driving_the_shared_ray():
+        yield
 
 
 @pytest.mark.parametrize("case", list(CASES))

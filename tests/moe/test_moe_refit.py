@@ -21,11 +21,11 @@ import pytest
 import torch
 
 from nrl_core.algorithms.loss import NLLLoss
-from nrl_core.cluster import shutdown_ray
 from nrl_core.refit import refit_options
 from nrl_core.refit.buckets import iter_buckets
 from nrl_core.testing.tiny_models import cached_tiny_model
 from tests.e2e.facades import chat_prompts, training_batch
+from tests.launch import driving_the_shared_ray
 from tests.vllm.helpers import hf_greedy, hf_model
 
 pytestmark = pytest.mark.slow
@@ -40,9 +40,9 @@ def model() -> Path:
 
 @pytest.fixture(scope="module")
 def ray_session():
-    shutdown_ray()
-    yield
-    shutdown_ray()
+    """The module's worker groups on the suite's shared Ray (their actors from the zygote)."""
+    with driving_the_shared_ray():
+        yield
 
 
 class _DroppingSource:

@@ -18,6 +18,7 @@ pytest.importorskip("nrl_env_math")
 from nrl_core.contracts import EnvironmentSpec, EnvSample, import_object  # noqa: E402
 from nrl_core.errors import ConfigError, WorkerError  # noqa: E402
 from nrl_env_math.verify import extract_answer, verify_response  # noqa: E402
+from tests.launch import driving_the_shared_ray  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -28,15 +29,11 @@ def samples(*pairs: tuple[str, str]) -> list[EnvSample]:
 
 @pytest.fixture(scope="module")
 def ray_session():
-    import ray
+    from nrl_core.cluster import init_ray
 
-    from nrl_core.cluster import init_ray, shutdown_ray
-
-    started = not ray.is_initialized()
-    init_ray({"num_cpus": 2})  # forwards the repo root on PYTHONPATH, so workers import tests.plugins
-    yield
-    if started:
-        shutdown_ray()
+    with driving_the_shared_ray():
+        init_ray({})  # forwards the repo root on PYTHONPATH, so workers import tests.plugins
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ one node, or the broadcast group when asked). One vLLM engine in a Ray actor for
 from __future__ import annotations
 
 import functools
-import os
 
 import pytest
 
@@ -16,6 +15,7 @@ from nrl_core.cluster._host import WorkerHost
 from nrl_core.refit import refit
 from nrl_core.refit.hf_source import HFWeightSource
 from nrl_core.testing.refit_host import fail_export_after, perturb_hosted_source
+from tests.launch import driving_the_shared_ray
 from tests.vllm.helpers import generation_config, hf_greedy, hf_model
 
 ray = pytest.importorskip("ray")
@@ -27,23 +27,18 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def actors(model_dir):
-    from nrl_core.cluster import WorkerGroup
+    from nrl_core.cluster import WorkerGroup, init_ray
 
-    started = not ray.is_initialized()
-    if started:
-        env = {k: os.environ[k] for k in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_ENABLE_V1_MULTIPROCESSING", "OMP_NUM_THREADS",
-                                          "TOKENIZERS_PARALLELISM", "HF_HUB_OFFLINE") if k in os.environ}
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})
-    colocated, separate = (WorkerGroup(SOURCE, 1, name=name, init_kwargs={"model": str(model_dir)},
-                                       distributed_backend="none") for name in ("colocated", "separate"))
-    colocated.call(WorkerHost.nrl_colocate_generation, WORKER, generation_config(model_dir))
-    yield colocated, separate
-    colocated.call(WorkerHost.nrl_generation_call, "shutdown")
-    separate.call(WorkerHost.nrl_refit_release)  # ray.kill skips exit handlers: free the buffers first
-    colocated.shutdown()
-    separate.shutdown()
-    if started:
-        ray.shutdown()
+    with driving_the_shared_ray():
+        init_ray({})  # the workers get the VLLM_*, OMP_NUM_THREADS, ... of this process
+        colocated, separate = (WorkerGroup(SOURCE, 1, name=name, init_kwargs={"model": str(model_dir)},
+                                           distributed_backend="none") for name in ("colocated", "separate"))
+        colocated.call(WorkerHost.nrl_colocate_generation, WORKER, generation_config(model_dir))
+        yield colocated, separate
+        colocated.call(WorkerHost.nrl_generation_call, "shutdown")
+        separate.call(WorkerHost.nrl_refit_release)  # ray.kill skips exit handlers: free the buffers first
+        colocated.shutdown()
+        separate.shutdown()
 
 
 def _greedy(group, prompts):
