@@ -245,18 +245,31 @@ def py_spy() -> str | None:
     return shutil.which("py-spy") or (str(beside) if os.access(beside, os.X_OK) else None)
 
 
-def _native_stacks(targets: Sequence[StackTarget], dest: Path) -> None:
-    """``py-spy dump --native`` of each target into ``<label>.native.txt``, where py-spy exists. A
-    stopped or traced process cannot be paused for its native stack: its Python stack is read
-    without pausing it (``--nonblocking``) instead."""
+def _native_stacks(targets: Sequence[StackTarget], dest: Path, deadline_s: float = 30.0) -> None:
+    """``py-spy dump --native`` of each target into ``<label>.native.txt``, where py-spy exists,
+    all at once within ``deadline_s``. A stopped or traced process cannot be paused for its
+    native stack, and pausing one in uninterruptible I/O can leave it stopped: their Python stack
+    is read without pausing them (``--nonblocking``) instead."""
     spy = py_spy()
     if spy is None:
         return
+    running: list[tuple[StackTarget, subprocess.Popen[str] | OSError]] = []
     for target in targets:
-        how = ["--nonblocking"] if process_state(target.pid) in ("T", "t") else ["--native"]
+        how = ["--nonblocking"] if process_state(target.pid) in ("T", "t", "D") else ["--native"]
         try:
-            out = subprocess.run([spy, "dump", *how, "--pid", str(target.pid)], capture_output=True,
-                                 text=True, timeout=30)
-            (dest / f"{target.label}.native.txt").write_text(out.stdout + out.stderr)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            (dest / f"{target.label}.native.txt").write_text(f"py-spy failed: {exc}\n")
+            running.append((target, subprocess.Popen([spy, "dump", *how, "--pid", str(target.pid)], text=True,
+                                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT)))
+        except OSError as exc:
+            running.append((target, exc))
+    end = time.monotonic() + deadline_s
+    for target, spying in running:
+        if isinstance(spying, OSError):
+            (dest / f"{target.label}.native.txt").write_text(f"py-spy failed: {spying}\n")
+            continue
+        try:
+            out, _ = spying.communicate(timeout=max(0.1, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            spying.kill()
+            out, _ = spying.communicate()
+            out = f"{out or ''}py-spy gave no stack within {deadline_s:.0f} s\n"
+        (dest / f"{target.label}.native.txt").write_text(out or "")

@@ -33,13 +33,15 @@ from typing import Any
 from nrl_core import stacks, timeline
 from nrl_core.config.core_schema import PHASES
 from nrl_core.errors import NrlError
-from nrl_core.suspects import RunProcess, run_processes, suspects
+from nrl_core.suspects import RunProcess, ranks_of, run_processes, suspects
 
 __all__ = ["HangError", "PHASES", "PhaseLimits", "Watchdog", "WatchdogSettings", "fired", "phase", "request_stacks"]
 
 logger = logging.getLogger(__name__)
 
 PID_FILE = "driver.pid"
+#: The least time between the two looks at the processes' states: one moment in ``D`` is I/O.
+SUSPECT_GAP_S = 2.0
 
 
 class HangError(NrlError):
@@ -206,10 +208,15 @@ class Watchdog:
             faulthandler.dump_traceback(file=f, all_threads=True)
         assert self._own_stacks is not None
         self._own_stacks_size = self._own_stacks.stat().st_size
-        processes = run_processes(live_groups())
-        before = suspects(processes)
+        try:
+            processes = run_processes(live_groups())
+        except Exception as exc:  # listing the run's other processes is a diagnostic: the ranks still count
+            logger.warning("the run's processes beyond its worker ranks could not be listed: %s", exc)
+            processes = [p for group in live_groups() for p in ranks_of(group)]
+        before, sampled = suspects(processes), time.monotonic()
         status = stacks.dump_processes([p.target() for p in processes], dest)
-        stuck = suspects(processes, before)
+        time.sleep(max(0.0, SUSPECT_GAP_S - (time.monotonic() - sampled)))
+        stuck = suspects(processes, before, answered=[label for label, what in status.items() if what == "written"])
         lines = [f"{label}: {what}" for label, what in status.items()]
         lines += [f"pending: {group.label(rank)} {what}" for group in live_groups()
                   for what, ranks in group.pending_calls() for rank in ranks]

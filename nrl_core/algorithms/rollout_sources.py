@@ -82,10 +82,8 @@ def apart_from_training(generation: Any) -> Iterator[None]:
     its end-of-run validation then continues as the unbroken run does. Validation draws the seeds
     the next training call draws, on other prompts."""
     positions = generation.sampling_states()
-    try:
-        yield
-    finally:
-        generation.load_sampling_states(positions)
+    yield  # a validation that fails ends the run: its error, not a restore's, is the one to see
+    generation.load_sampling_states(positions)
 
 
 def validates_greedily(generation: Mapping[str, Any]) -> bool:

@@ -29,7 +29,7 @@ from ray._private import ray_constants, services
 from ray._private.node import Node
 from ray._private.state import GlobalState
 
-from nrl_core.cluster.gcs_watch import cluster_failure, kill_ray_processes, stop_watching, watch_gcs
+from nrl_core.cluster.gcs_watch import cluster_failure, frozen, kill_ray_processes, stop_watching, watch_local_ray
 from nrl_core.env_vars import environment
 from nrl_core.errors import NrlError
 from nrl_core.timeline import mark
@@ -246,8 +246,10 @@ def init_ray(cluster_cfg: Mapping[str, Any] | None = None) -> None:
         _private_gcs = ray.get_runtime_context().gcs_address
         _inherited_env = env_vars
         node = ray._private.worker._global_node
-        watch_gcs(node.all_processes[ray_constants.PROCESS_TYPE_GCS_SERVER][0].process, is_connected=ray.is_initialized,
-                  on_unheeded=_exit_after_gcs_death)
+        gcs, raylet = _control_plane(node)
+        watch_local_ray([(f"GCS (gcs_server pid {gcs.pid})", gcs),
+                         (f"raylet (raylet pid {raylet.pid}, node {node.node_id[:12]} at {node.node_ip_address})", raylet)],
+                        is_connected=ray.is_initialized, on_unheeded=_exit_after_cluster_failure)
         mark("ray_init_end")
     except ConnectionError as exc:
         where = "cluster.ray_address" if cfg.get("ray_address") else "RAY_ADDRESS"
@@ -277,9 +279,16 @@ def private_local_ray() -> bool:
     return ray.is_initialized() and _private_gcs is not None and _private_gcs == ray.get_runtime_context().gcs_address
 
 
-def _exit_after_gcs_death(reason: str) -> None:
-    """The end of a process whose main thread did not take the GCS watcher's interrupt: it sits in a
-    Ray call that Ray itself would abort. Print the CLI's one-line error, kill the local Ray, exit 2."""
+def _control_plane(node: Any) -> list[Any]:
+    """The GCS and raylet processes (``subprocess.Popen``) of a local Ray ``node``."""
+    return [info.process for kind in (ray_constants.PROCESS_TYPE_GCS_SERVER, ray_constants.PROCESS_TYPE_RAYLET)
+            for info in node.all_processes.get(kind, [])]
+
+
+def _exit_after_cluster_failure(reason: str) -> None:
+    """The end of a process whose main thread did not take the watcher's interrupt after the GCS or
+    the raylet died or froze: it sits in a Ray call that Ray itself would abort (or wait in for
+    ever). Print the CLI's one-line error, kill the local Ray, exit 2."""
     print(f"error: {reason}", file=sys.stderr, flush=True)
     kill_ray_processes(ray._private.worker._global_node)
     os._exit(2)
@@ -288,15 +297,17 @@ def _exit_after_gcs_death(reason: str) -> None:
 def shutdown_ray() -> None:
     """Disconnect from Ray (and stop the local Ray if this process started it). Idempotent.
 
-    After the local Ray lost its GCS (:func:`~nrl_core.cluster.gcs_watch.cluster_failure`), its
-    processes are killed outright first: a graceful stop would wait on the dead GCS.
+    After the local Ray lost its GCS or raylet (:func:`~nrl_core.cluster.gcs_watch.cluster_failure`),
+    or while either is stopped (SIGSTOP, a debugger), its processes are killed outright first: a
+    graceful stop would wait on them for minutes.
     """
     global _private_gcs, _inherited_env
     private = private_local_ray()
     _private_gcs = _inherited_env = None
     stop_watching()
-    if private and cluster_failure() is not None:
-        killed = kill_ray_processes(ray._private.worker._global_node)
-        log.info("killed the %d processes of the local Ray after its GCS died", len(killed))
+    node = ray._private.worker._global_node if private else None
+    if node is not None and (cluster_failure() is not None or frozen(_control_plane(node))):
+        killed = kill_ray_processes(node)
+        log.info("killed the %d processes of the local Ray: its GCS or raylet died or is frozen", len(killed))
     if ray.is_initialized():
         ray.shutdown()

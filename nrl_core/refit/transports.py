@@ -38,7 +38,6 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
-from nrl_core.net import free_port
 from nrl_core.refit.buckets import Bucket, dtype_name, parse_dtype, tensor_nbytes
 
 if TYPE_CHECKING:
@@ -405,7 +404,9 @@ class _Group:
                              f"{rank} has no CUDA device; give every generation worker a GPU or none to the trainer")
         timeout = datetime.timedelta(seconds=float(opts.get("timeout_s", 600)))
         size = int(opts["world_size"])
-        self._store = dist.TCPStore(opts["host"], int(opts["port"]), size, rank == 0, timeout=timeout)
+        bound = _BOUND_STORES.pop(session.id, None) if rank == 0 else None
+        self._store = bound if bound is not None else dist.TCPStore(opts["host"], int(opts["port"]), size, rank == 0,
+                                                                     timeout=timeout)
         store = dist.PrefixStore(f"nrl-refit-{session.id}", self._store)
         if backend == "nccl":
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -486,6 +487,7 @@ class _BroadcastSender:
 
 
 _RECEIVED = {"bytes": 0}
+_BOUND_STORES: dict[str, Any] = {}  # session id -> the sender's store, bound by prepare, taken by its group
 
 
 def broadcast_bytes_received() -> int:
@@ -545,12 +547,22 @@ class BroadcastTransport:
     name = "broadcast"
 
     def prepare(self, session: RefitSession) -> RefitSession:
+        """The group's address: without a port given, the sender's store binds one the system
+        picks and keeps it for :meth:`sender` (a port found free and bound later can be taken in
+        between, and receivers that then join another refit's store wait out the timeout)."""
         import torch
+        import torch.distributed as dist
 
         host = session.options.get("host") or _node_address()
         backend = session.options.get("backend") or broadcast_backend(torch.cuda.is_available())
-        return session.with_options(host=host, port=session.options.get("port") or free_port(host),
-                                    world_size=int(session.options.get("world_size", 2)), backend=backend)
+        size = int(session.options.get("world_size", 2))
+        port = session.options.get("port")
+        if not port:
+            timeout = datetime.timedelta(seconds=float(session.options.get("timeout_s", 600)))
+            store = dist.TCPStore(host, 0, size, True, timeout=timeout, wait_for_workers=False)
+            _BOUND_STORES[session.id] = store
+            port = store.port
+        return session.with_options(host=host, port=port, world_size=size, backend=backend)
 
     def sender(self, session: RefitSession) -> TransportSender:
         return _BroadcastSender(session)
@@ -559,4 +571,4 @@ class BroadcastTransport:
         return _BroadcastReceiver(session.with_options(rank=session.options.get("rank", 1)))
 
     def cleanup(self, session: RefitSession) -> None:
-        pass
+        _BOUND_STORES.pop(session.id, None)  # a refit that failed before its group formed

@@ -20,13 +20,17 @@ SCRIPT = textwrap.dedent("""
     signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal; a parent may have ignored it
 
     gcs_watch.GRACE_S = 1.0
-    gcs = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    quiet = dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    gcs = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], **quiet)
+    raylet = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], **quiet)
 
     def unheeded(reason):
         print("unheeded:", reason, flush=True)
+        raylet.kill()
         os._exit(3)
 
-    gcs_watch.watch_gcs(gcs, is_connected=lambda: True, on_unheeded=unheeded)
+    gcs_watch.watch_local_ray([(f"GCS (gcs_server pid {gcs.pid})", gcs), (f"raylet (raylet pid {raylet.pid})", raylet)],
+                              is_connected=lambda: True, on_unheeded=unheeded)
     gcs.kill()
     try:
         time.sleep(30)
@@ -36,6 +40,7 @@ SCRIPT = textwrap.dedent("""
             gcs_watch.stop_watching()
     time.sleep(3)  # longer than the grace period: a silent main thread is ended by the watcher
     print("finished:", gcs_watch.cluster_failure(), flush=True)
+    raylet.kill()
 """)
 
 

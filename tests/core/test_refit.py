@@ -282,10 +282,13 @@ def test_broadcast_runs_nccl_between_gpus_and_gloo_here_on_one_code_path() -> No
 
     assert (broadcast_backend(cuda=True), broadcast_backend(cuda=False)) == ("nccl", "gloo")
     session = BroadcastTransport().prepare(RefitSession(options={"world_size": 3}))
-    assert session.options["backend"] == ("nccl" if torch.cuda.is_available() else "gloo")
-    if not torch.cuda.is_available():
-        with pytest.raises(RefitError, match="over NCCL but receiver rank 1 has no CUDA device"):
-            BroadcastTransport().receiver(session.with_options(backend="nccl", rank=1))
+    try:
+        assert session.options["backend"] == ("nccl" if torch.cuda.is_available() else "gloo")
+        if not torch.cuda.is_available():
+            with pytest.raises(RefitError, match="over NCCL but receiver rank 1 has no CUDA device"):
+                BroadcastTransport().receiver(session.with_options(backend="nccl", rank=1))
+    finally:
+        BroadcastTransport().cleanup(session)  # the sender's store, bound by prepare
 
 
 @pytest.mark.slow

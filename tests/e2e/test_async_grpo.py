@@ -107,8 +107,9 @@ def test_a_dead_engine_is_a_named_error_within_a_minute_and_nothing_is_left(tmp_
     args = [sys.executable, "-m", "nrl_core.cli", "train", "grpo", "--config", str(CONFIG),
             *small(model, "grpo.max_num_steps=100000", "checkpointing.enabled=false", f"logger.log_dir={tmp_path}/logs",
                    "logger.plot=false")]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # a Ray of the run's own, counted below
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
-                            env={**os.environ, "NRL_STRICT_PLUGINS": "1", "VLLM_LOGGING_LEVEL": "WARNING"})
+                            env={**env, "NRL_STRICT_PLUGINS": "1", "VLLM_LOGGING_LEVEL": "WARNING"})
     stderr: list[str] = []
     threading.Thread(target=lambda: stderr.extend(proc.stderr), daemon=True).start()  # type: ignore[arg-type]
     try:
