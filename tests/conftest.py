@@ -86,6 +86,7 @@ def group_of(item: pytest.Item) -> str | None:
 #: other unit tests and one short run per algorithm (tests marked ``quick`` by name).
 NOT_QUICK = frozenset({
     "tests/core/test_cluster.py",
+    "tests/core/test_watchdog_hangs.py",
     "tests/e2e/test_grpo.py",
     "tests/e2e/test_refit_backends.py",
     "tests/examples/test_bad_configs.py",
