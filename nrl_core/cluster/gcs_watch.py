@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from nrl_core.stacks import process_state
+from nrl_core.suspects import STATES
 from nrl_core.suspects import descendants as _descendants
 
 __all__ = ["FROZEN_S", "cluster_failure", "frozen", "kill_ray_processes", "stop_watching", "watch_local_ray"]
@@ -41,7 +42,7 @@ GRACE_S = 10.0
 #: A GCS or raylet stopped (SIGSTOP, a debugger) this long is frozen. Uninterruptible I/O (``D``)
 #: is not counted: a healthy raylet can sit in it for seconds under write throttling or NFS.
 FROZEN_S = 5.0
-FROZEN_STATES = {"T": "stopped", "t": "stopped by a tracer"}
+FROZEN_STATES = {letter: STATES[letter] for letter in ("T", "t")}
 
 _failure: str | None = None
 _stop: threading.Event | None = None
