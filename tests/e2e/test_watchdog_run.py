@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ import pytest
 from nrl_core.checkpoint.manager import CheckpointManager
 from nrl_core.stacks import process_state
 from nrl_core.testing.tiny_models import cached_tiny_model
+from tests.launch import nrl
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "examples" / "configs" / "sft_tiny_cpu.yaml"
@@ -37,29 +39,26 @@ def test_a_blocked_save_is_dumped_on_demand_then_ends_the_run_with_the_last_chec
     env = {**os.environ, "NRL_PLUGINS": "tests.e2e.hang_plugin", "NRL_STRICT_PLUGINS": "1",
            "NRL_TEST_HANG_RANK": "1", "NRL_TEST_HANG_STEP": "2", "NRL_TEST_HANG_MARK": str(mark),
            "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    run = subprocess.Popen([sys.executable, "-m", "nrl_core.cli", "train", "sft", "--config", str(CONFIG), *args],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
-    try:
+    train = ["train", "sft", "--config", str(CONFIG), *args]
+    with ThreadPoolExecutor(1) as pool:  # the run on the suite's shared Ray, in the background
+        run = pool.submit(nrl, train, env=env, cwd=tmp_path, timeout=700, join_shared_ray=True)
         deadline = time.monotonic() + 400
-        while not mark.exists() and run.poll() is None and time.monotonic() < deadline:
+        while not mark.exists() and not run.done() and time.monotonic() < deadline:
             time.sleep(0.5)
-        assert mark.exists(), run.communicate(timeout=60)[1][-3000:]
+        assert mark.exists(), run.result().stderr[-3000:] if run.done() else "the hang never started"
 
         asked = subprocess.run([sys.executable, "-m", "nrl_core.cli", "stacks", str(logs)], capture_output=True,
                                text=True, env=env, timeout=120)
         assert asked.returncode == 0, asked.stderr
         dump = Path(asked.stdout.strip())
-        assert run.poll() is None  # the dump did not stop the run
+        assert not run.done()  # the dump did not stop the run
         assert list(dump.glob("driver-pid*.txt"))
         stuck = next(p for p in dump.glob("*-rank1-pid*.txt") if not p.name.endswith(".native.txt")).read_text()
         assert "hang_plugin.py" in stuck, (dump / "status.txt").read_text()
-
-        _, stderr = run.communicate(timeout=300)
-    finally:
-        if run.poll() is None:
-            run.kill()
+        ended = run.result()
+    stderr = ended.stderr
     errors = [line for line in stderr.splitlines() if line.startswith("error:")]
-    assert run.returncode == 2 and len(errors) == 1, stderr[-3000:]
+    assert ended.returncode == 2 and len(errors) == 1, stderr[-3000:]
     assert "phase 'checkpoint_save'" in errors[0] and "[rank 1]" in errors[0] and "limit of 20 s" in errors[0]
 
     hang = next((logs / "stacks").glob("*-hang-checkpoint_save"))
@@ -85,8 +84,7 @@ def test_a_blocked_save_is_dumped_on_demand_then_ends_the_run_with_the_last_chec
 
     # The same command with the hang gone resumes from step_1 and completes step 2.
     del env["NRL_PLUGINS"]
-    again = subprocess.run([sys.executable, "-m", "nrl_core.cli", "train", "sft", "--config", str(CONFIG), *args,
-                            "sft.max_num_steps=2"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=400)
+    again = nrl([*train, "sft.max_num_steps=2"], env=env, cwd=tmp_path, timeout=400, join_shared_ray=True)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resuming from" in again.stdout + again.stderr and "step_1" in again.stdout + again.stderr
     latest = manager.latest_verified()

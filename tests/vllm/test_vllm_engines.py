@@ -15,6 +15,7 @@ from nrl_core.cluster import WorkerGroup
 from nrl_core.cluster._host import WorkerHost
 from nrl_core.refit import refit
 from nrl_core.testing.refit_host import perturb_weights
+from tests.launch import driving_the_shared_ray
 from tests.vllm.helpers import generation_config, hf_greedy, hf_model
 
 ray = pytest.importorskip("ray")
@@ -26,14 +27,10 @@ BUCKET = 256 * 1024
 
 
 @pytest.fixture(scope="module", autouse=True)
-def own_ray():
-    """The worker groups start a local Ray; stop it after the module if it was not running before."""
-    started = not ray.is_initialized()
-    yield
-    if started:
-        from nrl_core.cluster import shutdown_ray
-
-        shutdown_ray()
+def ray_session():
+    """The module's worker groups on the suite's shared Ray (their actors from the zygote)."""
+    with driving_the_shared_ray():
+        yield
 
 
 def _perturb(worker, seed):

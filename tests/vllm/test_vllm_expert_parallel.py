@@ -27,6 +27,7 @@ from nrl_core.cluster._host import WorkerHost
 from nrl_core.refit import refit
 from nrl_core.testing.refit_host import perturb_hosted_source
 from nrl_core.testing.tiny_models import cached_tiny_model
+from tests.launch import driving_the_shared_ray
 from tests.vllm.helpers import generation_config, hf_greedy, hf_model
 
 ray = pytest.importorskip("ray")
@@ -48,15 +49,12 @@ def model():
 def source(model):
     from nrl_core.cluster import WorkerGroup
 
-    started = not ray.is_initialized()
-    group = WorkerGroup(SOURCE, 1, name="moe-source", init_kwargs={"model": str(model)}, distributed_backend="none")
-    yield group
-    group.call(WorkerHost.nrl_refit_release)
-    group.shutdown()
-    if started:
-        from nrl_core.cluster import shutdown_ray
-
-        shutdown_ray()
+    with driving_the_shared_ray():  # the module's worker groups on the suite's shared Ray
+        group = WorkerGroup(SOURCE, 1, name="moe-source", init_kwargs={"model": str(model)},
+                            distributed_backend="none")
+        yield group
+        group.call(WorkerHost.nrl_refit_release)
+        group.shutdown()
 
 
 def _greedy(engine) -> list[list[int]]:
