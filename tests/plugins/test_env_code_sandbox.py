@@ -240,8 +240,8 @@ def test_the_parent_s_environment_is_not_readable(sandbox):
     assert secret not in result.stdout + result.stderr
     assert seen["environ"] is None and set(seen["keys"]) <= {"LC_CTYPE"}  # set by Python itself (PEP 538)
     assert seen["real_parent"] == "No such file or directory"  # a fresh /proc of its own PID namespace
-    assert seen["visible"] == ["1", "2"]  # the sandbox's init and the program
-    assert seen["ppid"] == "Permission denied"  # init is root's (and was started with an empty environment)
+    assert seen["visible"] == ["2"]  # the program only: /proc hides the sandbox's init (PID 1)
+    assert seen["ppid"] == "No such file or directory"  # init, hidden (root's, and started with an empty environment)
 
 
 def test_no_descriptor_of_the_parent_is_inherited(sandbox, tmp_path):
@@ -292,7 +292,7 @@ def test_a_background_process_left_behind_dies_with_the_run(sandbox):
     result = run(sandbox, """
 import subprocess, sys
 subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-subprocess.Popen(["sleep", "600"])
+subprocess.Popen([sys.executable, "-c", "import os, time; os.setpgid(0, 0); time.sleep(600)"])
 print("left them running")
 """)
     assert result.ok and result.stdout == "left them running\n"

@@ -21,12 +21,16 @@ do, and this module uses nothing but the standard library.
 
 Layout of a run (isolated)::
 
-    launcher (root, outside)       dies with the host; reports init's pid, waits for it; its death kills init
-      init (root, PID 1 of a new PID, mount, network, IPC and UTS namespace)
-        mounts: / read-only, nosuid, nodev; a size-capped tmpfs at the workdir; a fresh /proc;
-        empty read-only tmpfs over /run and /dev/shm; the interpreter made reachable
-        program (uid ``uid`` outside, ``inner_uid`` in its own user namespace, no capabilities,
-        no_new_privs, rlimits, empty environment, fds 0-2 only)
+    launcher (root, outside)       in the run's cgroups (memory, pids: everything below is
+                                   counted; the host moved it there before it read its spec);
+                                   dies with the host; reports init's pid, waits for it; its
+                                   death kills init
+      init (root, PID 1 of a new PID, mount, network, IPC, UTS and cgroup namespace)
+        mounts: / read-only, nosuid, nodev; a size-capped tmpfs at the workdir; a fresh /proc
+        showing the program its own processes only; empty read-only tmpfs over /run and /dev/shm;
+        the interpreter made reachable
+        program (uid ``uid`` outside, ``inner_uid`` in its own user namespace, which may hold no
+        namespace of its own; no capabilities, no_new_privs, rlimits, empty environment, fds 0-2 only)
 
 When init exits (the program ended, or init was killed) the kernel kills every process left in
 its PID namespace, and the mount namespace (the workdir with it) goes when the last one is gone.
@@ -39,10 +43,10 @@ import marshal
 import os
 import resource
 import select
-import stat
 import sys
 
 CLONE_NEWNS = 0x00020000
+CLONE_NEWCGROUP = 0x02000000
 CLONE_NEWUTS = 0x04000000
 CLONE_NEWIPC = 0x08000000
 CLONE_NEWUSER = 0x10000000
@@ -56,6 +60,9 @@ MOUNT_ATTR_RDONLY, MOUNT_ATTR_NOSUID, MOUNT_ATTR_NODEV = 0x1, 0x2, 0x4
 AT_FDCWD, AT_RECURSIVE = -100, 0x8000
 SYS_MOUNT_SETATTR = 442  # the same number on every architecture (added after the syscall tables merged)
 
+SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}
+MNT_DETACH = 0x2
+
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS = 1, 4, 38
 SIGKILL = 9
 
@@ -65,6 +72,7 @@ NAMESPACES = (
     (CLONE_NEWNET, "network namespace"),
     (CLONE_NEWIPC, "IPC namespace"),
     (CLONE_NEWUTS, "UTS namespace"),
+    (CLONE_NEWCGROUP, "cgroup namespace"),  # after joining the run's cgroups: it sees them as its root
 )
 
 
@@ -85,6 +93,7 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.unshare.argtypes = [ctypes.c_int]
 _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
 _libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+_libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
 _libc.syscall.restype = ctypes.c_long
 
 
@@ -128,28 +137,49 @@ class Reporter:
 # --------------------------------------------------------------------------- init's mounts
 
 
-def _blocking_ancestor(path: str) -> str | None:
-    """The highest directory above ``path`` that others may not traverse (``/root`` is 0700)."""
-    parts = path.strip("/").split("/")
-    for i in range(1, len(parts)):
-        ancestor = "/" + "/".join(parts[:i])
-        if not os.stat(ancestor).st_mode & stat.S_IXOTH:
-            return ancestor
-    return None
+def _inside(base: str, path: str) -> str:
+    """``base + path``, refused unless its parent resolves inside ``base`` (a link recreated in the
+    new root must never lead a write out to the host)."""
+    inner = base + path
+    if not os.path.realpath(os.path.dirname(inner)).startswith(base + "/") and os.path.dirname(inner) != base:
+        raise LayerError("minimal filesystem", f"{path} leads outside the new root")
+    return inner
 
 
-def _expose(path: str) -> None:
-    """Make ``path`` (the interpreter's prefix) reachable by an unprivileged uid: an empty tmpfs
-    hides the directory that blocks traversal, and ``path`` is bound back in at its own place."""
-    blocker = _blocking_ancestor(path)
-    if blocker is None:
-        return
-    layer = "interpreter"
-    fd = os.open(path, os.O_PATH | os.O_DIRECTORY)
-    _mount("tmpfs", blocker, "tmpfs", MS_NOSUID | MS_NODEV, "size=64k,mode=0755", layer)
-    os.makedirs(path, mode=0o755)
-    _mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC, None, layer)
-    os.close(fd)
+def build_root(root: dict, base: str) -> None:
+    """A new root at ``base``: an empty tmpfs with the planned links, mount points and read-only
+    binds of the host's paths (nrl_env_code.rootfs plans them); nothing is created inside a bind."""
+    layer = "minimal filesystem"
+    _mount("tmpfs", base, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,nr_inodes=8192,mode=0755", layer)
+    for path, target in root["links"]:
+        inner = _inside(base, path)
+        os.makedirs(os.path.dirname(inner), mode=0o755, exist_ok=True)
+        os.symlink(target, inner)
+    for path in root["dirs"]:
+        os.makedirs(_inside(base, path), mode=0o755, exist_ok=True)
+    for path in root["binds"]:
+        inner = _inside(base, path)
+        os.makedirs(os.path.dirname(inner), mode=0o755, exist_ok=True)
+        if os.path.isdir(path):
+            os.makedirs(inner, mode=0o755, exist_ok=True)
+        else:
+            os.close(os.open(inner, os.O_CREAT | os.O_WRONLY, 0o644))
+    for path in root["binds"]:
+        _mount(path, base + path, None, MS_BIND | MS_REC, None, layer)
+    for path in root["hidden"]:
+        _mount("tmpfs", base + path, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=4k,mode=0755", layer)
+
+
+def _pivot_into(base: str) -> None:
+    """Make ``base`` the root and let go of the host's (pivot_root(".", "."), then detach the old)."""
+    layer = "minimal filesystem"
+    number = SYS_PIVOT_ROOT.get(os.uname().machine)
+    if number is None:
+        raise LayerError(layer, f"pivot_root's number on {os.uname().machine} is not known here")
+    os.chdir(base)
+    _check(0 if _libc.syscall(number, b".", b".") == 0 else -1, layer, "pivot_root(., .)")
+    _check(_libc.umount2(b".", MNT_DETACH), layer, "umount2(old root, MNT_DETACH)")
+    os.chdir("/")
 
 
 def _read_only_tree() -> None:
@@ -161,16 +191,14 @@ def _read_only_tree() -> None:
 def build_mounts(spec: dict) -> None:
     """Every mount of the sandbox, in the order that keeps each one in force (see module doc)."""
     _mount(None, "/", None, MS_REC | MS_PRIVATE, None, "mount namespace")
-    for path in spec["expose"]:
-        _expose(path)
-    for path in spec["hide"]:
-        if os.path.isdir(path) and not os.path.islink(path):
-            _mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=4k,mode=0755", "read-only filesystem")
+    build_root(spec["root"], spec["workdir"])  # on the host's work directory, hidden from then on
+    _pivot_into(spec["workdir"])
     _read_only_tree()
     limits = spec["limits"]
     options = f"size={limits['workdir_bytes']},nr_inodes=4096,mode=0700,uid={spec['uid']},gid={spec['gid']}"
     _mount("tmpfs", spec["workdir"], "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, options, "workdir tmpfs")
-    _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None, "fresh /proc")
+    # hidepid: the program sees its own processes only, not init (the launcher's command line)
+    _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=invisible", "fresh /proc")
 
 
 def write_files(spec: dict) -> None:
@@ -222,6 +250,11 @@ def _drop_to_user(spec: dict) -> None:
     _write("/proc/self/setgroups", "deny", "user namespace")
     _write("/proc/self/uid_map", f"{inner} {uid} 1", "user namespace")
     _write("/proc/self/gid_map", f"{inner} {gid} 1", "user namespace")
+    # No namespace from inside: this namespace may hold no user namespace of its own, and without
+    # one an unprivileged process can make no other kind. Written while this process still has
+    # its capabilities in the namespace; the program, another uid, loses them at exec and cannot
+    # write it back (bubblewrap's --disable-userns).
+    _write("/proc/sys/user/max_user_namespaces", "0", "no nested namespaces")
 
 
 def exec_program(spec: dict, stdin_fd: int, reporter: Reporter) -> None:

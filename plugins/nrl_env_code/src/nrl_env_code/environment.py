@@ -97,7 +97,7 @@ class CodeEnvironment:
         runs = [program_for(code, case, timeout) for code, case in unique]
         results = self.runner.run([program for program, _ in runs]) if runs else []
         excerpt = int(self.config["excerpt_chars"])
-        verdicts = [judge(case, result, token, excerpt) for (_, case), (_, token), result in zip(unique, runs, results)]
+        verdicts = [judge(case, result, parts, excerpt) for (_, case), (_, parts), result in zip(unique, runs, results)]
         evaluations = []
         for code, cases in zip(codes, tests):
             evaluation = Evaluation(code=code)
@@ -119,7 +119,7 @@ class CodeEnvironment:
     def score(self, samples: list[EnvSample]) -> EnvResult:
         """Rewards in the order of ``samples``; metrics ``accuracy`` (all tests passed), ``pass_rate``
         (tests passed per test), ``reward_mean``, and the totals ``no_code``, ``test_runs``,
-        ``limits_hit`` (tests a time, CPU or output limit ended), ``num_samples``."""
+        ``limits_hit`` (tests a time, CPU, output or memory limit ended), ``num_samples``."""
         evaluations = self.evaluate([s.response for s in samples], [s.metadata for s in samples])
         rewards = [e.score for e in evaluations]
         return EnvResult(rewards=rewards, metrics=self._metrics(evaluations), counts=COUNTS,
@@ -135,7 +135,7 @@ class CodeEnvironment:
             "reward_mean": sum(e.score for e in evaluations) / n,
             "no_code": float(sum(e.code is None for e in evaluations)),
             "test_runs": float(len({id(r) for r in results})),  # sandbox runs (a repeated program ran once)
-            "limits_hit": float(sum(r.status in ("wall_time", "cpu_time", "output") for r in results)),
+            "limits_hit": float(sum(r.status in ("wall_time", "cpu_time", "output", "memory") for r in results)),
             "num_samples": float(len(evaluations)),
         }
 

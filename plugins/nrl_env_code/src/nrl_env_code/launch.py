@@ -33,6 +33,10 @@ REAP_SECONDS = 5.0
 """After a kill, how long the sandbox's processes may take to die before it is reported as an escape."""
 
 
+class CgroupJoinError(Exception):
+    """The launcher could not be moved into its run's cgroup (the sandbox names the layer)."""
+
+
 class SandboxError(NrlError):
     """A run whose processes could not be accounted for (they outlived the kill): never ignored."""
 
@@ -40,7 +44,11 @@ class SandboxError(NrlError):
 class Launch:
     """The launcher process of one run, with its three pipes: stdout, stderr and the status reports."""
 
-    def __init__(self, spec: dict[str, Any], output_cap: int) -> None:
+    def __init__(self, spec: dict[str, Any], output_cap: int, cgroups: list[str] | None = None) -> None:
+        """Start the launcher; move it into the run's ``cgroups`` (their ``cgroup.procs`` files)
+        before it reads its spec, so everything it starts is born inside them. Moving a process
+        between cgroups can take milliseconds (the kernel waits for a grace period); the launcher's
+        interpreter starts meanwhile."""
         self.cap = output_cap
         self.out, self.err, self._status = bytearray(), bytearray(), bytearray()
         self.messages: list[dict[str, Any]] = []
@@ -61,6 +69,14 @@ class Launch:
             os.close(status_w)
         self.status_fd = status_r
         assert self.proc.stdin is not None
+        for procs in cgroups or ():
+            try:
+                with open(procs, "w") as f:
+                    f.write(str(self.proc.pid))
+            except OSError as exc:
+                self.proc.kill()
+                self.finish()
+                raise CgroupJoinError(f"moving the sandbox's launcher into {procs} failed: {exc.strerror}") from None
         try:
             self.proc.stdin.write(marshal.dumps(spec))
             self.proc.stdin.close()

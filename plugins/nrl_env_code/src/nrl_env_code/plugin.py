@@ -18,8 +18,11 @@ SANDBOX_SCHEMA = Section(doc="Where and how programs run (docs/reliability.md, '
     "uid": Field(type=int, default=1999999, minimum=1,
                  doc="the uid programs run as (outside their user namespace); one that no account or process uses"),
     "cpu_seconds": Field(type=int, default=10, minimum=1, doc="RLIMIT_CPU per run (SIGXCPU, then SIGKILL)"),
-    "memory_mb": Field(type=int, default=512, minimum=32, doc="RLIMIT_AS per process"),
-    "max_processes": Field(type=int, default=16, minimum=1, doc="RLIMIT_NPROC: processes and threads per run"),
+    "memory_mb": Field(type=int, default=512, minimum=32,
+                       doc="memory per run, its files in memory and all its processes together (a memory cgroup), "
+                           "and RLIMIT_AS per process"),
+    "max_processes": Field(type=int, default=16, minimum=1,
+                           doc="processes and threads per run (a pids cgroup, and RLIMIT_NPROC)"),
     "max_open_files": Field(type=int, default=64, minimum=8, doc="RLIMIT_NOFILE"),
     "file_size_mb": Field(type=int, default=16, minimum=1, doc="RLIMIT_FSIZE: the largest file a program may write"),
     "workdir_mb": Field(type=int, default=64, minimum=1, doc="size of the tmpfs work directory, the only writable place"),
@@ -31,6 +34,10 @@ SANDBOX_SCHEMA = Section(doc="Where and how programs run (docs/reliability.md, '
         type=bool, default=False,
         doc="run programs with rlimits and timeouts only: no namespaces, as this user, with network and filesystem; "
             "for trusted code only (a warning says so)"),
+    "unsafe_without_cgroup": Field(
+        type=bool, default=False,
+        doc="where no memory and pids cgroup is writable: run isolated with rlimits only, so memory is bounded per "
+            "process and not with the run's files in memory (docs/reliability.md); without it such a host is refused"),
 })
 
 CODE_SCHEMA = Section(doc="Rewards from running the response's program against its task's tests in a sandbox.", fields={

@@ -17,8 +17,15 @@ INTERPRETER_ENV = {"LC_CTYPE"}
 """Set by the program's own interpreter at start-up (PEP 538 coerces the C locale), not inherited."""
 
 PROBE = r"""
-import json, os, resource, socket, sys
+import ctypes, json, os, resource, socket, sys
 args = json.loads(sys.argv[1])
+libc = ctypes.CDLL(None, use_errno=True)
+
+def can_unshare(flag):
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0 if libc.unshare(flag) == 0 else 1)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
 
 def status(key):
     for line in open("/proc/self/status"):
@@ -65,14 +72,18 @@ print(json.dumps({
     "rlimits": {n: resource.getrlimit(getattr(resource, n))[0] for n in names},
     "environ": sorted(os.environ), "parent_environ": parent_environ,
     "fds": [fd for fd in range(256) if is_open(fd)],
+    "nested_namespaces": [name for name, flag in (("user", 0x10000000), ("mount", 0x00020000)) if can_unshare(flag)],
+    "init_visible": os.path.exists("/proc/1"),
+    "cgroups": sorted({line.rstrip("\n").split(":", 2)[2] for line in open("/proc/self/cgroup")}),
 }))
 """
 """Arguments (one JSON argv): ``port`` listening on the host's 127.0.0.1, the host's ``host_pid``,
 and ``outside`` paths to try writing."""
 
 
-def problems(seen: Mapping[str, Any], uid: int, limits: Mapping[str, int]) -> list[tuple[str, str]]:
-    """``(layer, what the probe saw)`` for every layer the probe's report shows missing."""
+def problems(seen: Mapping[str, Any], uid: int, limits: Mapping[str, int], cgroup: bool = True) -> list[tuple[str, str]]:
+    """``(layer, what the probe saw)`` for every layer the probe's report shows missing (``cgroup``:
+    whether the run had cgroups; the host adds their peak charge as ``cgroup_peak_bytes``)."""
     rlimits = {"RLIMIT_CPU": limits["cpu_seconds"], "RLIMIT_AS": limits["memory_bytes"],
                "RLIMIT_FSIZE": limits["file_size_bytes"], "RLIMIT_NOFILE": limits["open_files"],
                "RLIMIT_NPROC": limits["processes"]}
@@ -84,7 +95,12 @@ def problems(seen: Mapping[str, Any], uid: int, limits: Mapping[str, int]) -> li
         ("no_new_privs", seen["no_new_privs"] == 1, "NoNewPrivs is not set"),
         ("PID namespace", seen["pid"] <= 3 and seen["host_pid_visible"] is False,
          f"pid {seen['pid']}, the host's pid visible: {seen['host_pid_visible']}"),
-        ("fresh /proc", seen["proc_pids"] <= 3, f"{seen['proc_pids']} processes in /proc"),
+        ("fresh /proc", seen["proc_pids"] <= 2 and not seen["init_visible"],
+         f"{seen['proc_pids']} processes in /proc, the sandbox's init visible: {seen['init_visible']}"),
+        ("no nested namespaces", seen["nested_namespaces"] == [], f"it made {seen['nested_namespaces']} namespaces"),
+        ("cgroup namespace", seen["cgroups"] == ["/"], f"its cgroups are {seen['cgroups']}"),
+        ("memory cgroup", not cgroup or (seen.get("cgroup_peak_bytes") or 0) > 0,
+         f"the run's memory cgroup was charged {seen.get('cgroup_peak_bytes')} bytes"),
         ("network namespace", seen["interfaces"] == ["lo"] and seen["connect"] != "connected",
          f"interfaces {seen['interfaces']}, connecting to the host's 127.0.0.1: {seen['connect']}"),
         ("read-only filesystem", seen["outside_writes"] == [], f"it wrote {seen['outside_writes']}"),

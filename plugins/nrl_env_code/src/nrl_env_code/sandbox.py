@@ -12,12 +12,15 @@ and where it stops nothing, is in docs/reliability.md ("Code sandbox"). In short
   tmpfs work directory that vanishes with the run; a fresh ``/proc``;
 * an unprivileged uid in a user namespace of its own, no capabilities, ``no_new_privs``: it can
   change none of the above, and ``RLIMIT_NPROC`` binds (it does not for root);
+* a memory cgroup and a pids cgroup per run (:mod:`nrl_env_code.cgroups`): the run's memory, files
+  in memory included, and its processes, counted together whatever it does;
 * rlimits on CPU time, address space, file size, open files and processes; a wall-time limit and
   an output cap enforced here, which kill the whole tree.
 
 A layer this machine cannot provide is a :class:`SandboxUnavailable` at start-up (:meth:`probe`),
 one line naming it; nothing falls back silently. ``unsafe_no_isolation_trusted_code_only`` runs
-programs with rlimits and timeouts only, for trusted code, with a warning.
+programs with rlimits and timeouts only, for trusted code, with a warning;
+``unsafe_without_cgroup`` runs them isolated but without the cgroups, where none is writable.
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ from pathlib import Path
 from typing import Any
 
 from nrl_core.errors import NrlError
-from nrl_env_code.launch import SETUP_SECONDS, Launch, SandboxError
+from nrl_env_code import cgroups, rootfs
+from nrl_env_code.launch import SETUP_SECONDS, CgroupJoinError, Launch, SandboxError
 from nrl_env_code.probe import INNER_UID, PROBE, problems
 
 __all__ = ["Program", "RunResult", "Sandbox", "SandboxConfig", "SandboxError", "SandboxUnavailable"]
@@ -45,10 +49,9 @@ __all__ = ["Program", "RunResult", "Sandbox", "SandboxConfig", "SandboxError", "
 logger = logging.getLogger(__name__)
 
 WORKDIR = "/tmp"
-"""The work directory inside the sandbox: a tmpfs over the host's /tmp (which it hides)."""
-HIDDEN = ("/run", "/dev/shm")
-"""Covered by an empty read-only tmpfs: they hold the sockets and shared memory of the host's services."""
+"""The work directory inside the sandbox: a size-capped tmpfs, the only writable place."""
 UNSAFE_KEY = "unsafe_no_isolation_trusted_code_only"
+NO_CGROUP_KEY = "unsafe_without_cgroup"
 _CAP_SYS_ADMIN = "run as root with CAP_SYS_ADMIN (in Docker: --cap-add SYS_ADMIN, or --privileged)"
 FIXES = {
     "namespaces": "run on Linux",
@@ -65,9 +68,17 @@ FIXES = {
     "non-root uid": "run the environment as root (CAP_SETUID, CAP_SETGID) so programs can run as sandbox.uid",
     "rlimits": "check the hard limits of the worker's process (ulimit -H -a)",
     "no_new_privs": "needs Linux >= 3.5",
+    "cgroup namespace": _CAP_SYS_ADMIN,
+    "memory cgroup": "give the environment a writable memory and pids cgroup (cgroup v1: both hierarchies mounted "
+                     "read-write; v2: a delegated subtree with memory and pids in cgroup.subtree_control, e.g. "
+                     "systemd-run --scope -p Delegate=yes); where none can be had, env.code.sandbox."
+                     f"{NO_CGROUP_KEY}: true keeps every other layer (docs/reliability.md says what it loses)",
+    "no nested namespaces": "needs Linux >= 4.9 (per-namespace user.max_user_namespaces)",
     "empty environment": "a bug in nrl_env_code; please report it",
     "inherited descriptors": "a bug in nrl_env_code; please report it",
     "interpreter": "set env.code.sandbox.python to an interpreter the sandbox can execute",
+    "minimal filesystem": "needs pivot_root, bind mounts and CAP_SYS_ADMIN, and the interpreter's files (ldd must be "
+                          "installed to find its libraries)",
     "sandbox": "see the detail; a launcher failure is a bug in nrl_env_code",
 }
 
@@ -77,9 +88,10 @@ class SandboxUnavailable(NrlError):
 
     def __init__(self, layer: str, detail: str) -> None:
         self.layer = layer
+        fallback = "" if layer == "memory cgroup" else (f"; for trusted code only, env.code.sandbox.{UNSAFE_KEY}: "
+                                                         "true runs programs without isolation")
         super().__init__(f"env.code.sandbox: the sandbox layer '{layer}' is unavailable ({detail}); "
-                         f"{FIXES.get(layer, 'see docs/reliability.md')}; for trusted code only, "
-                         f"env.code.sandbox.{UNSAFE_KEY}: true runs programs without isolation")
+                         f"{FIXES.get(layer, 'see docs/reliability.md')}{fallback}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,6 +108,7 @@ class SandboxConfig:
     output_limit_bytes: int = 1 << 16
     python: str | None = None
     unsafe_no_isolation_trusted_code_only: bool = False
+    unsafe_without_cgroup: bool = False
 
     @classmethod
     def from_section(cls, section: Mapping[str, Any] | None) -> SandboxConfig:
@@ -126,7 +139,8 @@ class Program:
 @dataclass(kw_only=True)
 class RunResult:
     """How a run ended. ``limit`` names the limit that ended it (``wall_time``, ``cpu_time``,
-    ``output``), if one did; ``exit_code`` is None when a signal ended the program."""
+    ``output``, ``memory``: the run's cgroup killed it), if one did; ``exit_code`` is None when
+    a signal ended the program."""
 
     exit_code: int | None
     signal: int | None = None
@@ -153,6 +167,39 @@ class Sandbox:
             logger.warning("env.code.sandbox.%s is true: generated code runs WITHOUT isolation (no namespaces, as "
                            "this process's user, with the network and the whole filesystem); use it only for "
                            "trusted code", UNSAFE_KEY)
+        self.hierarchy: cgroups.Hierarchy | None = None
+        self._cgroup_checked = False
+        self.last_peak_bytes: int | None = None
+        self._leaving: list[cgroups.RunCgroup] = []  # groups of ended runs whose processes were still leaving
+        self._root: dict[str, list] | None = None
+
+    def _root_plan(self) -> dict[str, list]:
+        """What the program's filesystem holds (planned once): the interpreter and its libraries."""
+        if self._root is None:
+            python = self.config.interpreter
+            if not os.access(python, os.X_OK):
+                raise SandboxUnavailable("interpreter", f"{python} is not an executable file")
+            try:
+                self._root = rootfs.plan(self.config.interpreter, ("/proc", WORKDIR)).to_spec()
+            except rootfs.RootUnavailable as exc:
+                raise SandboxUnavailable("minimal filesystem", str(exc)) from None
+        return self._root
+
+    def _cgroups(self) -> cgroups.Hierarchy | None:
+        """Where each run's cgroups are made (found once); None only where the config allows it."""
+        if not self._cgroup_checked:
+            try:
+                self.hierarchy = cgroups.find()
+                cgroups.sweep(self.hierarchy)
+            except cgroups.CgroupUnavailable as exc:
+                if self.isolate and not self.config.unsafe_without_cgroup:
+                    raise SandboxUnavailable("memory cgroup", str(exc)) from None
+                if self.isolate:
+                    logger.warning("env.code.sandbox.%s is true: %s; a program's memory is bounded per process "
+                                   "(RLIMIT_AS), not with its files in memory or over several processes",
+                                   NO_CGROUP_KEY, exc)
+            self._cgroup_checked = True
+        return self.hierarchy
 
     # ------------------------------------------------------------------ running
 
@@ -161,14 +208,28 @@ class Sandbox:
 
         Raises :class:`SandboxUnavailable` when a layer could not be set up, and
         :class:`SandboxError` when the run's processes could not be accounted for."""
+        hierarchy = self._cgroups()
+        self._leaving = [group for group in self._leaving if not group.remove()]
         workdir = WORKDIR if self.isolate else tempfile.mkdtemp(prefix="nrl-code-")
+        group = None
         try:
-            launch = Launch(self._spec(program, workdir), int(self.config.output_limit_bytes))
+            spec = self._spec(program, workdir)
+            if hierarchy is not None:
+                group = cgroups.RunCgroup(hierarchy, self.config.memory_mb << 20, int(self.config.max_processes))
+            try:
+                launch = Launch(spec, int(self.config.output_limit_bytes), group.procs_files if group else None)
+            except CgroupJoinError as exc:
+                raise SandboxUnavailable("memory cgroup", str(exc)) from None
             try:
                 limit = launch.collect(float(program.timeout))
             finally:
                 launch.finish()
+            if limit is None and group is not None and group.oom_killed():
+                limit = "memory"
+            self.last_peak_bytes = group.peak_bytes() if group is not None else None
         finally:
+            if group is not None and not group.remove():
+                self._leaving.append(group)
             if not self.isolate:
                 shutil.rmtree(workdir, ignore_errors=True)
         error = launch.message("error")
@@ -185,12 +246,12 @@ class Sandbox:
                          seconds=time.monotonic() - launch.start)
 
     def _spec(self, program: Program, workdir: str) -> dict[str, Any]:
-        """What the launcher reads: the files, the command, the limits, what to expose and hide."""
+        """What the launcher reads: the files, the command, the limits, the program's filesystem."""
         python = self.config.interpreter
         return {"isolate": self.isolate, "uid": self.config.uid, "gid": self.config.uid, "inner_uid": INNER_UID,
                 "workdir": workdir, "files": program.files, "stdin": program.stdin,
                 "argv": [python, "-I", "-S", "-B", *program.argv], "limits": self.config.limits(),
-                "expose": [os.path.dirname(os.path.dirname(python))], "hide": list(HIDDEN)}
+                "root": self._root_plan() if self.isolate else {}}
 
     # ------------------------------------------------------------------ probing
 
@@ -217,6 +278,7 @@ class Sandbox:
                                                 f"{result.signal}, limit {result.limit}): "
                                                 f"{' '.join(result.stderr.split())[-300:]}")
         seen = json.loads(result.stdout)
-        for layer, detail in problems(seen, self.config.uid, self.config.limits()):
+        seen["cgroup_peak_bytes"] = self.last_peak_bytes  # from outside: the probe was charged to its run's group
+        for layer, detail in problems(seen, self.config.uid, self.config.limits(), cgroup=self.hierarchy is not None):
             raise SandboxUnavailable(layer, detail)
         return seen

@@ -1,0 +1,229 @@
+"""Assert tests judged outside the program: the sandbox computes values, the host compares them.
+
+An assert test such as ``assert set(f((3, 4), (5, 4))) == set((4,))`` is split here, on the host,
+into the parts that need the program (``f((3, 4), (5, 4))``: a *probe*) and the comparison around
+them. Only the probes go into the sandbox; the program runs, each probe is evaluated and its value
+printed in a plain encoding (:func:`encode`); the host decodes the values and evaluates the
+comparison itself, with the expected side it never sent. A program that does not compute the
+right values cannot pass: whatever it reads in its own process (the stack, ``gc``,
+``/proc/self/mem``) holds no expected value, and whatever it prints or forges is just a value.
+
+What the host evaluates is restricted to literals, comparisons, boolean and arithmetic operators,
+subscripts and calls of :data:`SAFE_CALLS`; any other expression (a call of a name the program or
+the setup code defines, an attribute, a comprehension) is a probe. A test that is not a sequence
+of ``assert`` statements (and imports) is a :class:`~nrl_env_code.checks.TaskError`: running it
+beside the program would put the verdict back in the program's reach.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["Split", "VALUES_MARK", "decode", "encode_source", "evaluate", "split"]
+
+VALUES_MARK = "\x1enrl-values\x1e"
+"""Printed before the probes' values (a forged one only brings values the host then compares)."""
+
+SAFE_CALLS: dict[str, Callable[..., Any]] = {
+    name: getattr(builtins, name)
+    for name in ("abs", "all", "any", "bool", "bytes", "complex", "dict", "divmod", "float", "frozenset", "int",
+                 "isinstance", "len", "list", "max", "min", "pow", "range", "repr", "reversed", "round", "set",
+                 "sorted", "str", "sum", "tuple", "type", "zip", "enumerate")
+}
+SAFE_CALLS.update({f"math.{name}": getattr(math, name)
+                   for name in ("isclose", "fabs", "sqrt", "floor", "ceil", "isnan", "isinf", "pi", "e", "inf")})
+SAFE_NAMES = {"True": True, "False": False, "None": None}
+_SAFE_NODES = (ast.Constant, ast.Tuple, ast.List, ast.Set, ast.Dict, ast.Compare, ast.BoolOp, ast.UnaryOp,
+               ast.BinOp, ast.Subscript, ast.Slice, ast.IfExp, ast.Starred)
+_CONTEXT = (ast.expr_context, ast.boolop, ast.operator, ast.unaryop, ast.cmpop)
+
+
+class NotAssertions(ValueError):
+    """The test is not a sequence of assert statements (the message says what it holds)."""
+
+
+@dataclass(frozen=True)
+class Split:
+    """One test, split: ``probes`` (expression sources the sandbox evaluates, in order), ``setup``
+    (the statements before them: imports and the task's setup code), and ``checks`` (each assert's
+    test, with ``_v[i]`` where probe ``i`` was), evaluated on the host."""
+
+    setup: str
+    probes: list[str]
+    checks: list[ast.Expression]
+
+
+def _qualified(node: ast.expr) -> str | None:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        base = _qualified(node.value)
+        return None if base is None else f"{base}.{node.attr}"
+    return None
+
+
+class _Splitter(ast.NodeTransformer):
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self.probes: list[str] = []
+
+    def _probe(self, node: ast.expr) -> ast.expr:
+        self.probes.append(ast.get_source_segment(self.source, node) or ast.unparse(node))
+        index = ast.Constant(len(self.probes) - 1)
+        return ast.copy_location(ast.Subscript(ast.Name("_v", ast.Load()), index, ast.Load()), node)
+
+    def visit(self, node: ast.AST) -> ast.AST:  # top-down: the first unsafe node is a probe, whole
+        if isinstance(node, _CONTEXT) or isinstance(node, (ast.keyword, ast.comprehension)):
+            return self.generic_visit(node)
+        if isinstance(node, ast.Name):
+            return node if node.id in SAFE_NAMES or node.id in SAFE_CALLS else self._probe(node)
+        if isinstance(node, ast.Attribute):
+            return node if _qualified(node) in SAFE_CALLS else self._probe(node)
+        if isinstance(node, ast.Call):
+            if _qualified(node.func) in SAFE_CALLS:
+                node.args = [self.visit(a) for a in node.args]
+                node.keywords = [ast.keyword(k.arg, self.visit(k.value)) for k in node.keywords]
+                return node
+            return self._probe(node)
+        if isinstance(node, _SAFE_NODES):
+            return self.generic_visit(node)
+        if isinstance(node, ast.expr):
+            return self._probe(node)
+        return self.generic_visit(node)
+
+
+def split(code: str) -> Split:
+    """Split a test's code (imports, then asserts; setup code may come before it) into the probes
+    the sandbox evaluates and the checks the host evaluates."""
+    try:
+        module = ast.parse(code)
+    except SyntaxError as exc:
+        raise NotAssertions(f"it does not parse ({exc.msg}, line {exc.lineno})") from None
+    asserts = [i for i, statement in enumerate(module.body) if isinstance(statement, ast.Assert)]
+    if not asserts:
+        raise NotAssertions("it has no assert statement")
+    first = asserts[0]
+    if asserts != list(range(first, len(module.body))):
+        other = module.body[next(i for i in range(first, len(module.body)) if i not in asserts)]
+        raise NotAssertions(f"line {other.lineno} ({type(other).__name__}) follows an assert; only assert statements "
+                            "may follow the first one")
+    splitter = _Splitter(code)
+    checks = [ast.fix_missing_locations(ast.Expression(splitter.visit(module.body[i].test))) for i in asserts]
+    setup = "\n".join(ast.get_source_segment(code, s) or ast.unparse(s) for s in module.body[:first])
+    return Split(setup=setup, probes=splitter.probes, checks=checks)
+
+
+def evaluate(check: ast.Expression, values: list[Any]) -> bool:
+    """One assert's test, with the probes' ``values``, on the host: only safe names are in scope."""
+    scope: dict[str, Any] = {"__builtins__": {}, **SAFE_NAMES, "_v": values}
+    for name, function in SAFE_CALLS.items():
+        head, _, attr = name.partition(".")
+        if attr:
+            scope.setdefault(head, _Namespace()).__dict__[attr] = function
+        else:
+            scope[name] = function
+    try:
+        return bool(eval(compile(check, "<check>", "eval"), scope))  # noqa: S307 - safe names and values only
+    except Exception:  # noqa: BLE001 - a value of the wrong shape fails the test, as in the sandbox
+        return False
+
+
+class _Namespace:
+    """``math`` as the host's checks see it: the safe functions only."""
+
+
+class Unrepresentable:
+    """A value the encoding has no form for; equal to nothing, so a comparison with it fails."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+
+    def __eq__(self, other: object) -> bool:
+        return False
+
+    __hash__ = object.__hash__
+
+    def __repr__(self) -> str:
+        return f"<unrepresentable {self.kind}>"
+
+
+class ProbeError:
+    """A probe that raised: the exception's type name; equal to nothing."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __eq__(self, other: object) -> bool:
+        return False
+
+    __hash__ = object.__hash__
+
+    def __repr__(self) -> str:
+        return f"<raised {self.name}>"
+
+
+def decode(text: str) -> Any:
+    """One value from its encoding (a Python literal of lists, strings, numbers and one-key tag
+    dicts, read with ``ast.literal_eval``); never runs code."""
+    return _decode(ast.literal_eval(text))
+
+
+def _decode(item: Any) -> Any:
+    if isinstance(item, list):
+        return [_decode(x) for x in item]
+    if not isinstance(item, dict):
+        return item
+    (tag, body), = item.items()
+    if tag == "t":
+        return tuple(_decode(x) for x in body)
+    if tag == "s":
+        return {_decode(x) for x in body}
+    if tag == "f":
+        return frozenset(_decode(x) for x in body)
+    if tag == "d":
+        return {_decode(k): _decode(v) for k, v in body}
+    if tag == "b":
+        return bytes.fromhex(body)
+    if tag == "c":
+        return complex(*(_decode(part) for part in body))
+    if tag == "n":
+        return float(body)
+    if tag == "e":
+        return ProbeError(str(body))
+    return Unrepresentable(str(body))
+
+
+def encode_source() -> str:
+    """The encoder, as source for the sandbox's harness (the program could change it there; the
+    host's decoder trusts nothing of it)."""
+    return ENCODER
+
+
+ENCODER = r'''
+def _encode(value, depth=0):
+    if depth > 64:
+        return {"x": "nested too deep"}
+    kind = type(value)
+    if kind is float and (value != value or value in (float("inf"), float("-inf"))):
+        return {"n": repr(value)}
+    if value is None or kind in (bool, int, float, str):
+        return value
+    if kind is list:
+        return [_encode(v, depth + 1) for v in value]
+    if kind is tuple:
+        return {"t": [_encode(v, depth + 1) for v in value]}
+    if kind in (set, frozenset):
+        return {"s" if kind is set else "f": [_encode(v, depth + 1) for v in value]}
+    if kind is dict:
+        return {"d": [[_encode(k, depth + 1), _encode(v, depth + 1)] for k, v in value.items()]}
+    if kind in (bytes, bytearray):
+        return {"b": bytes(value).hex()}
+    if kind is complex:
+        return {"c": [_encode(value.real), _encode(value.imag)]}
+    return {"x": kind.__name__}
+'''
