@@ -105,6 +105,11 @@ out = {}
 uid, gid = os.getuid(), os.getgid()
 if libc.unshare(0x10000000 | 0x00020000) != 0:  # a user and a mount namespace of its own
     out["unshare"] = os.strerror(ctypes.get_errno())
+    # clone's flags pass the seccomp filter: a child in a user namespace of its own (as fork)
+    pid = libc.syscall(56 if os.uname().machine == "x86_64" else 220, 0x10000000 | 17, 0, 0, 0, 0)
+    if pid == 0:
+        os._exit(0)
+    out["clone"] = os.strerror(ctypes.get_errno()) if pid == -1 else os.waitpid(pid, 0) and "made"
 else:
     for name, text in (("setgroups", "deny"), ("uid_map", f"0 {uid} 1"), ("gid_map", f"0 {gid} 1")):
         with open("/proc/self/" + name, "w") as f:
@@ -139,10 +144,37 @@ def test_memory_is_bounded_per_run_however_it_is_held(sandbox, attack, held_with
 
 def test_no_namespace_can_be_made_inside_so_no_tmpfs_of_its_own(sandbox):
     result = run(sandbox, NESTED_TMPFS)
-    assert report(result) == {"unshare": "No space left on device"}  # the namespace may hold no user namespace
+    # unshare is denied by the seccomp filter; clone, which it lets through, by the namespace limit
+    assert report(result) == {"unshare": "Operation not permitted", "clone": "No space left on device"}
     control = run(without_cgroups(SandboxConfig(unsafe_no_isolation_trusted_code_only=True, memory_mb=MEMORY_MB)),
                   NESTED_TMPFS)
     assert report(control) == {"held_mb": 320}, control.stderr  # unisolated: its own tmpfs, past the limit
+
+
+DENIED_CALLS = """
+import ctypes, json, os
+from ctypes import c_long
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = c_long
+calls = {"io_uring_setup": (425, 1, 0), "bpf": (321, 0, 0, 0), "perf_event_open": (298, 0, 0, -1, -1, 0),
+         "userfaultfd": (323, 0), "keyctl": (250, 0, -3), "ptrace": (101, 0, 0, 0, 0),
+         "unshare": (272, 0x00020000), "mount": (165, 0, 0, 0, 0, 0), "clone3": (435, 0, 0)}
+out = {}
+for name, (number, *args) in calls.items():
+    ctypes.set_errno(0)
+    result = libc.syscall(number, *args)
+    out[name] = os.strerror(ctypes.get_errno()) if result == -1 else "allowed"
+print(json.dumps(out))
+"""
+"""Calls the seccomp filter denies, each with arguments that would otherwise get another answer."""
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="the probe program uses x86_64's system call numbers")
+def test_the_seccomp_filter_denies_what_programs_have_no_use_for(sandbox):
+    seen = report(run(sandbox, DENIED_CALLS))
+    assert seen == {**{name: "Operation not permitted" for name in seen}, "clone3": "Function not implemented"}
+    control = report(run(Sandbox(SandboxConfig(unsafe_no_isolation_trusted_code_only=True)), DENIED_CALLS))
+    assert all(answer != "Operation not permitted" for name, answer in control.items() if name != "unshare"), control
 
 
 # --------------------------------------------------------------------------- the verdict

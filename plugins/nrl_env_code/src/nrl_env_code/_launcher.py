@@ -63,7 +63,33 @@ SYS_MOUNT_SETATTR = 442  # the same number on every architecture (added after th
 SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}
 MNT_DETACH = 0x2
 
-PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS = 1, 4, 38
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_SECCOMP, PR_SET_NO_NEW_PRIVS = 1, 4, 22, 38
+
+# The seccomp filter: system calls a program has no use for, denied with EPERM (clone3 with ENOSYS,
+# so the C library falls back to clone, whose namespace flags the user namespace limit refuses).
+# Kernel interfaces with a history of exploits (io_uring, bpf, perf events, userfaultfd), keyrings
+# (not namespaced: runs of one uid could pass data through them), tracing of other processes, and
+# everything that mounts, makes namespaces or changes the machine. memfd_create stays: the memory
+# cgroup counts what it holds. A call from another architecture's table kills the process.
+SECCOMP_MODE_FILTER = 2
+SECCOMP_RET_KILL_PROCESS, SECCOMP_RET_ERRNO, SECCOMP_RET_ALLOW = 0x80000000, 0x00050000, 0x7FFF0000
+EPERM, ENOSYS = 1, 38
+SECCOMP_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
+X32_SYSCALL_BIT = 0x40000000
+DENIED = {  # name: (x86_64, aarch64)
+    "io_uring_setup": (425, 425), "io_uring_enter": (426, 426), "io_uring_register": (427, 427),
+    "bpf": (321, 280), "perf_event_open": (298, 241), "userfaultfd": (323, 282),
+    "keyctl": (250, 219), "add_key": (248, 217), "request_key": (249, 218),
+    "ptrace": (101, 117), "process_vm_readv": (310, 270), "process_vm_writev": (311, 271),
+    "mount": (165, 40), "umount2": (166, 39), "pivot_root": (155, 41), "mount_setattr": (442, 442),
+    "open_tree": (428, 428), "move_mount": (429, 429), "fsopen": (430, 430), "fsconfig": (431, 431),
+    "fsmount": (432, 432), "fspick": (433, 433), "unshare": (272, 97), "setns": (308, 268),
+    "name_to_handle_at": (303, 264), "open_by_handle_at": (304, 265), "kexec_load": (246, 104),
+    "kexec_file_load": (320, 294), "init_module": (175, 105), "finit_module": (313, 273),
+    "delete_module": (176, 106), "swapon": (167, 224), "swapoff": (168, 225), "reboot": (169, 142),
+    "acct": (163, 89),
+}
+CLONE3 = 435
 SIGKILL = 9
 
 NAMESPACES = (
@@ -122,6 +148,39 @@ def _write(path: str, text: str, layer: str) -> None:
             f.write(text)
     except OSError as exc:
         raise LayerError(layer, f"writing {path} failed: {exc.strerror}") from None
+
+
+class _SockFilter(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte), ("k", ctypes.c_uint32)]
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(_SockFilter))]
+
+
+def seccomp_program(machine: str) -> list[tuple[int, int, int, int]]:
+    """The filter as classic BPF ``(code, jt, jf, k)``: the architecture, then each denied number."""
+    load, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_JMP|JGE|K, BPF_RET|K
+    column = 0 if machine == "x86_64" else 1
+    prog = [(load, 0, 0, 4), (jeq, 1, 0, SECCOMP_ARCH[machine]), (ret, 0, 0, SECCOMP_RET_KILL_PROCESS),
+            (load, 0, 0, 0)]
+    if machine == "x86_64":
+        prog += [(jge, 0, 1, X32_SYSCALL_BIT), (ret, 0, 0, SECCOMP_RET_ERRNO | EPERM)]
+    prog += [(jeq, 0, 1, CLONE3), (ret, 0, 0, SECCOMP_RET_ERRNO | ENOSYS)]
+    for numbers in DENIED.values():
+        prog += [(jeq, 0, 1, numbers[column]), (ret, 0, 0, SECCOMP_RET_ERRNO | EPERM)]
+    return prog + [(ret, 0, 0, SECCOMP_RET_ALLOW)]
+
+
+def _install_seccomp() -> None:
+    machine = os.uname().machine
+    if machine not in SECCOMP_ARCH:
+        raise LayerError("seccomp", f"no system call table for {machine} here")
+    prog = seccomp_program(machine)
+    filters = (_SockFilter * len(prog))(*(_SockFilter(*op) for op in prog))
+    fprog = _SockFprog(len(prog), filters)
+    _check(_libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.addressof(fprog), 0, 0), "seccomp",
+           "prctl(PR_SET_SECCOMP)")
 
 
 class Reporter:
@@ -264,6 +323,8 @@ def exec_program(spec: dict, stdin_fd: int, reporter: Reporter) -> None:
             _drop_to_user(spec)
         _rlimits(spec["limits"])
         _prctl(PR_SET_NO_NEW_PRIVS, 1, "no_new_privs", "prctl(PR_SET_NO_NEW_PRIVS)")
+        if spec["isolate"]:
+            _install_seccomp()
         os.dup2(stdin_fd, 0)
         os.chdir(spec["workdir"])
         argv = spec["argv"]

@@ -21,6 +21,10 @@ import ctypes, json, os, resource, socket, sys
 args = json.loads(sys.argv[1])
 libc = ctypes.CDLL(None, use_errno=True)
 
+def denied(number):
+    libc.syscall(number, 1, None)
+    return ctypes.get_errno() == 1  # EPERM
+
 def can_unshare(flag):
     pid = os.fork()
     if pid == 0:
@@ -75,6 +79,7 @@ print(json.dumps({
     "nested_namespaces": [name for name, flag in (("user", 0x10000000), ("mount", 0x00020000)) if can_unshare(flag)],
     "init_visible": os.path.exists("/proc/1"),
     "cgroups": sorted({line.rstrip("\n").split(":", 2)[2] for line in open("/proc/self/cgroup")}),
+    "seccomp": int(status("Seccomp")), "io_uring_setup": denied(425),
 }))
 """
 """Arguments (one JSON argv): ``port`` listening on the host's 127.0.0.1, the host's ``host_pid``,
@@ -99,6 +104,8 @@ def problems(seen: Mapping[str, Any], uid: int, limits: Mapping[str, int], cgrou
          f"{seen['proc_pids']} processes in /proc, the sandbox's init visible: {seen['init_visible']}"),
         ("no nested namespaces", seen["nested_namespaces"] == [], f"it made {seen['nested_namespaces']} namespaces"),
         ("cgroup namespace", seen["cgroups"] == ["/"], f"its cgroups are {seen['cgroups']}"),
+        ("seccomp", seen["seccomp"] == 2 and seen["io_uring_setup"],
+         f"seccomp mode {seen['seccomp']}, io_uring_setup refused: {seen['io_uring_setup']}"),
         ("memory cgroup", not cgroup or (seen.get("cgroup_peak_bytes") or 0) > 0,
          f"the run's memory cgroup was charged {seen.get('cgroup_peak_bytes')} bytes"),
         ("network namespace", seen["interfaces"] == ["lo"] and seen["connect"] != "connected",

@@ -74,6 +74,7 @@ FIXES = {
                      "systemd-run --scope -p Delegate=yes); where none can be had, env.code.sandbox."
                      f"{NO_CGROUP_KEY}: true keeps every other layer (docs/reliability.md says what it loses)",
     "no nested namespaces": "needs Linux >= 4.9 (per-namespace user.max_user_namespaces)",
+    "seccomp": "needs Linux with seccomp filters (CONFIG_SECCOMP_FILTER) on x86_64 or aarch64",
     "empty environment": "a bug in nrl_env_code; please report it",
     "inherited descriptors": "a bug in nrl_env_code; please report it",
     "interpreter": "set env.code.sandbox.python to an interpreter the sandbox can execute",
