@@ -17,6 +17,7 @@ shows the program its own processes only. The control is the unisolated mode.
 from __future__ import annotations
 
 import json
+import math
 import os
 import secrets
 from pathlib import Path
@@ -327,6 +328,29 @@ def test_a_correct_program_still_scores_and_a_wrong_one_fails_the_assertion_outs
     right = env.evaluate(["```python\ndef f(x):\n    return 2 * x + 1\n```"], [{"tests": TESTS}])[0]
     wrong = env.evaluate(["```python\ndef f(x):\n    return 2 * x\n```"], [{"tests": TESTS}])[0]
     assert right.score == 1.0 and [r.status for r in wrong.results] == ["failed_assertion"] * 2
+
+
+def test_a_test_that_is_not_assert_statements_is_refused_in_one_line():
+    from nrl_env_code.checks import TaskError, tests_of
+
+    with pytest.raises(TaskError) as caught:
+        tests_of({"tests": [{"assert": "def check(c):\n    assert c(1) == 2\ncheck(f)"}]})
+    message = str(caught.value)
+    assert "assert test 0 cannot be judged outside the program" in message and "\n" not in message
+    with pytest.raises(TaskError, match="line 2 \\(Expr\\) follows an assert"):
+        tests_of({"test_list": ["assert f(1) == 2\nprint(f(2))"]})
+
+
+def test_the_host_evaluates_only_literals_operators_and_pure_builtins():
+    from nrl_env_code.assertions import decode, evaluate, split
+
+    parts = split("import math\nassert math.isclose(area(2), 12.56, rel_tol=0.01) and sorted(g()) == [1, 2]")
+    assert parts.setup == "import math" and parts.probes == ["area(2)", "g()"]
+    assert evaluate(parts.checks[0], [12.57, [2, 1]]) and not evaluate(parts.checks[0], [12.57, decode("{'x': 'A'}")])
+    assert decode("{'t': [1, {'s': ['a']}, {'d': [[1, [2]]]}, {'b': '6869'}]}") == (1, {"a"}, {1: [2]}, b"hi")
+    assert math.isnan(decode("{'n': 'nan'}")) and decode("{'c': [1.0, {'n': 'inf'}]}") == complex(1, math.inf)
+    with pytest.raises(ValueError):
+        decode("__import__('os').system('true')")  # a call is no literal: nothing runs
 
 
 # --------------------------------------------------------------------------- the filesystem and /proc

@@ -137,26 +137,12 @@ class _Namespace:
     """``math`` as the host's checks see it: the safe functions only."""
 
 
-class Unrepresentable:
-    """A value the encoding has no form for; equal to nothing, so a comparison with it fails."""
+class Unequal:
+    """What a probe gave that is no value: an object the encoding has no form for, or the name of
+    the exception it raised. Equal to nothing, so a comparison with it fails."""
 
-    def __init__(self, kind: str) -> None:
-        self.kind = kind
-
-    def __eq__(self, other: object) -> bool:
-        return False
-
-    __hash__ = object.__hash__
-
-    def __repr__(self) -> str:
-        return f"<unrepresentable {self.kind}>"
-
-
-class ProbeError:
-    """A probe that raised: the exception's type name; equal to nothing."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
+    def __init__(self, what: str) -> None:
+        self.what = what
 
     def __eq__(self, other: object) -> bool:
         return False
@@ -164,7 +150,7 @@ class ProbeError:
     __hash__ = object.__hash__
 
     def __repr__(self) -> str:
-        return f"<raised {self.name}>"
+        return f"<{self.what}>"
 
 
 def decode(text: str) -> Any:
@@ -194,8 +180,8 @@ def _decode(item: Any) -> Any:
     if tag == "n":
         return float(body)
     if tag == "e":
-        return ProbeError(str(body))
-    return Unrepresentable(str(body))
+        return Unequal(f"raised {body}")
+    return Unequal(f"unrepresentable {body}")
 
 
 def encode_source() -> str:
