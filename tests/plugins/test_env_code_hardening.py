@@ -325,6 +325,9 @@ def test_a_program_that_does_not_compute_the_answers_scores_zero(sandbox, env, c
 
 
 def test_a_correct_program_still_scores_and_a_wrong_one_fails_the_assertion_outside(env):
+    lazy = env.evaluate(["```python\ndef f(n):\n    return map(lambda x: 2 * x, range(n))\n```"],
+                        [{"tests": [{"assert": "assert list(f(3)) == [0, 2, 4]"}]}])[0]
+    assert lazy.score == 1.0  # list() of the generator it returns runs beside it, in the sandbox
     right = env.evaluate(["```python\ndef f(x):\n    return 2 * x + 1\n```"], [{"tests": TESTS}])[0]
     wrong = env.evaluate(["```python\ndef f(x):\n    return 2 * x\n```"], [{"tests": TESTS}])[0]
     assert right.score == 1.0 and [r.status for r in wrong.results] == ["failed_assertion"] * 2
@@ -345,8 +348,11 @@ def test_the_host_evaluates_only_literals_operators_and_pure_builtins():
     from nrl_env_code.assertions import decode, evaluate, split
 
     parts = split("import math\nassert math.isclose(area(2), 12.56, rel_tol=0.01) and sorted(g()) == [1, 2]")
-    assert parts.setup == "import math" and parts.probes == ["area(2)", "g()"]
-    assert evaluate(parts.checks[0], [12.57, [2, 1]]) and not evaluate(parts.checks[0], [12.57, decode("{'x': 'A'}")])
+    assert parts.setup == "import math" and parts.probes == ["area(2)", "sorted(g())"]
+    assert evaluate(parts.checks[0], [12.57, [1, 2]]) and not evaluate(parts.checks[0], [12.57, decode("{'x': 'A'}")])
+    # the expected side stays here, comprehension and all; what needs the program goes whole
+    parts = split("assert list(f(2)) == [x * 2 for x in range(2)]")
+    assert parts.probes == ["list(f(2))"] and evaluate(parts.checks[0], [[0, 2]])
     assert decode("{'t': [1, {'s': ['a']}, {'d': [[1, [2]]]}, {'b': '6869'}]}") == (1, {"a"}, {1: [2]}, b"hi")
     assert math.isnan(decode("{'n': 'nan'}")) and decode("{'c': [1.0, {'n': 'inf'}]}") == complex(1, math.inf)
     with pytest.raises(ValueError):

@@ -1,18 +1,21 @@
 """Assert tests judged outside the program: the sandbox computes values, the host compares them.
 
 An assert test such as ``assert set(f((3, 4), (5, 4))) == set((4,))`` is split here, on the host,
-into the parts that need the program (``f((3, 4), (5, 4))``: a *probe*) and the comparison around
-them. Only the probes go into the sandbox; the program runs, each probe is evaluated and its value
-printed in a plain encoding (:func:`encode`); the host decodes the values and evaluates the
+into the parts that need the program (``set(f((3, 4), (5, 4)))``: a *probe*) and the comparison
+around them. Only the probes go into the sandbox; the program runs, each probe is evaluated and
+its value printed in a plain encoding (``ENCODER``); the host decodes the values and evaluates the
 comparison itself, with the expected side it never sent. A program that does not compute the
 right values cannot pass: whatever it reads in its own process (the stack, ``gc``,
 ``/proc/self/mem``) holds no expected value, and whatever it prints or forges is just a value.
 
-What the host evaluates is restricted to literals, comparisons, boolean and arithmetic operators,
-subscripts and calls of :data:`SAFE_CALLS`; any other expression (a call of a name the program or
-the setup code defines, an attribute, a comprehension) is a probe. A test that is not a sequence
-of ``assert`` statements (and imports) is a :class:`~nrl_env_code.checks.TaskError`: running it
-beside the program would put the verdict back in the program's reach.
+What the host evaluates is what needs no program: expressions whose names are all in
+:data:`SAFE_CALLS` (literals, operators, ``sorted``, ``set``, a comprehension over them), and the
+comparisons, ``and``/``or``/``not`` and :data:`HOST_PREDICATES` around the probes. Every other
+expression that reads a name the program or the setup code defines is a probe, whole: in
+``list(f(x)) == [1, 2]`` the sandbox evaluates ``list(f(x))`` (``f`` may return a generator), the
+host the comparison and ``[1, 2]``. A test that is not a sequence of ``assert`` statements (after
+imports and setup code) is a :class:`~nrl_env_code.checks.TaskError`: running it beside the
+program would put the verdict back in the program's reach.
 """
 
 from __future__ import annotations
@@ -38,9 +41,7 @@ SAFE_CALLS: dict[str, Callable[..., Any]] = {
 SAFE_CALLS.update({f"math.{name}": getattr(math, name)
                    for name in ("isclose", "fabs", "sqrt", "floor", "ceil", "isnan", "isinf", "pi", "e", "inf")})
 SAFE_NAMES = {"True": True, "False": False, "None": None}
-_SAFE_NODES = (ast.Constant, ast.Tuple, ast.List, ast.Set, ast.Dict, ast.Compare, ast.BoolOp, ast.UnaryOp,
-               ast.BinOp, ast.Subscript, ast.Slice, ast.IfExp, ast.Starred)
-_CONTEXT = (ast.expr_context, ast.boolop, ast.operator, ast.unaryop, ast.cmpop)
+HOST_PREDICATES = {"math.isclose", "isinstance"}
 
 
 class NotAssertions(ValueError):
@@ -67,6 +68,37 @@ def _qualified(node: ast.expr) -> str | None:
     return None
 
 
+def _needs_program(node: ast.AST) -> bool:
+    """Whether ``node`` reads a name that is neither safe nor bound inside it (a comprehension's
+    or a lambda's variable), or a private attribute: then only the sandbox can evaluate it."""
+    bound: set[str] = set()
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.comprehension):
+            bound |= {n.id for n in ast.walk(sub.target) if isinstance(n, ast.Name)}
+        elif isinstance(sub, ast.Lambda):
+            bound |= {a.arg for a in sub.args.args + sub.args.kwonlyargs + sub.args.posonlyargs}
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.Attribute) and sub.attr.startswith("_"):
+            return True
+        if (isinstance(sub, ast.Name) and sub.id not in SAFE_NAMES and sub.id not in SAFE_CALLS and sub.id not in bound
+                and not _qualified_parent_is_safe(node, sub)):
+            return True
+    return False
+
+
+def _qualified_parent_is_safe(root: ast.AST, name: ast.Name) -> bool:
+    """Whether ``name`` heads an attribute chain :data:`SAFE_CALLS` names (``math`` in ``math.isclose``)."""
+    return any(isinstance(sub, ast.Attribute) and sub.value is name and _qualified(sub) in SAFE_CALLS
+               for sub in ast.walk(root))
+
+
+def _is_predicate(node: ast.AST) -> bool:
+    """The shape the host keeps around probes: comparisons, ``and``/``or``/``not`` and the
+    predicates in :data:`HOST_PREDICATES`."""
+    return (isinstance(node, (ast.Compare, ast.BoolOp)) or (isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not))
+            or (isinstance(node, ast.Call) and _qualified(node.func) in HOST_PREDICATES))
+
+
 class _Splitter(ast.NodeTransformer):
     def __init__(self, source: str) -> None:
         self.source = source
@@ -77,24 +109,15 @@ class _Splitter(ast.NodeTransformer):
         index = ast.Constant(len(self.probes) - 1)
         return ast.copy_location(ast.Subscript(ast.Name("_v", ast.Load()), index, ast.Load()), node)
 
-    def visit(self, node: ast.AST) -> ast.AST:  # top-down: the first unsafe node is a probe, whole
-        if isinstance(node, _CONTEXT) or isinstance(node, (ast.keyword, ast.comprehension)):
+    def visit(self, node: ast.AST) -> ast.AST:
+        """Top-down: what needs no program stays here whole (the expected side); a comparison or
+        predicate is kept and its parts visited; anything else that needs the program is a probe,
+        whole (``list(f(x))`` is evaluated in the sandbox, where ``f`` may return a generator)."""
+        if not isinstance(node, ast.expr) or not _needs_program(node):
+            return node if isinstance(node, ast.expr) else self.generic_visit(node)
+        if _is_predicate(node):
             return self.generic_visit(node)
-        if isinstance(node, ast.Name):
-            return node if node.id in SAFE_NAMES or node.id in SAFE_CALLS else self._probe(node)
-        if isinstance(node, ast.Attribute):
-            return node if _qualified(node) in SAFE_CALLS else self._probe(node)
-        if isinstance(node, ast.Call):
-            if _qualified(node.func) in SAFE_CALLS:
-                node.args = [self.visit(a) for a in node.args]
-                node.keywords = [ast.keyword(k.arg, self.visit(k.value)) for k in node.keywords]
-                return node
-            return self._probe(node)
-        if isinstance(node, _SAFE_NODES):
-            return self.generic_visit(node)
-        if isinstance(node, ast.expr):
-            return self._probe(node)
-        return self.generic_visit(node)
+        return self._probe(node)
 
 
 def split(code: str) -> Split:
