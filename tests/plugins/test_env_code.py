@@ -183,7 +183,7 @@ def test_the_ray_pool_gives_the_same_results_replaces_a_dead_worker_and_passes_e
 
     started = not ray.is_initialized()
     init_ray({"num_cpus": 2})
-    pooled = CodeEnvironment({"num_workers": 2, "timeout_seconds": 3.0, "sandbox": SANDBOX})
+    pooled = CodeEnvironment({"num_workers": 2, "timeout_seconds": 10.0, "sandbox": SANDBOX})  # a loaded host
     try:
         loop = [{"input": "", "output": "", "timeout": 0.5}]
         pairs = [pair for i in range(4) for pair in ((block(f"{ADD}  # {i}"), STDIO), (block(f"print(3)  # {i}"), STDIO),

@@ -424,3 +424,17 @@ def test_a_host_without_a_writable_cgroup_is_refused_in_one_line_unless_the_weak
     weaker.probe()
     assert "unsafe_without_cgroup is true" in caplog.text
     assert report(run(weaker, MEMFD))["held_mb"] == 640  # what the weaker mode gives up
+
+
+def test_the_root_holds_what_the_program_s_loader_loads_whatever_this_process_s_library_path(monkeypatch):
+    """The plan asks ldd with the program's empty environment: libraries preloaded or found
+    through the worker's own settings (torch's OpenMP, as vLLM's CPU workers preload it) are not
+    pulled in, and the sandbox still starts."""
+    import torch
+
+    torch_lib = str(Path(torch.__file__).parent / "lib")
+    monkeypatch.setenv("LD_LIBRARY_PATH", torch_lib)
+    monkeypatch.setenv("LD_PRELOAD", str(next(Path(torch_lib).glob("libgomp*.so*"))))
+    box = Sandbox(CONFIG)
+    box.probe()
+    assert not [path for path in box._root_plan()["binds"] if path.startswith(torch_lib)]

@@ -43,6 +43,7 @@ import marshal
 import os
 import resource
 import select
+import stat
 import sys
 
 CLONE_NEWNS = 0x00020000
@@ -207,8 +208,15 @@ def _inside(base: str, path: str) -> str:
 
 def build_root(root: dict, base: str) -> None:
     """A new root at ``base``: an empty tmpfs with the planned links, mount points and read-only
-    binds of the host's paths (nrl_env_code.rootfs plans them); nothing is created inside a bind."""
+    binds of the host's paths (nrl_env_code.rootfs plans them); nothing is created inside a bind.
+    The paths are opened first, so one that lives under ``base`` itself is still bound from there."""
     layer = "minimal filesystem"
+    sources = {}
+    for path in root["binds"]:
+        try:
+            sources[path] = os.open(path, os.O_PATH)
+        except OSError as exc:
+            raise LayerError(layer, f"opening {path} failed: {exc.strerror}") from None
     _mount("tmpfs", base, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,nr_inodes=8192,mode=0755", layer)
     for path, target in root["links"]:
         inner = _inside(base, path)
@@ -216,15 +224,16 @@ def build_root(root: dict, base: str) -> None:
         os.symlink(target, inner)
     for path in root["dirs"]:
         os.makedirs(_inside(base, path), mode=0o755, exist_ok=True)
-    for path in root["binds"]:
+    for path, fd in sources.items():
         inner = _inside(base, path)
         os.makedirs(os.path.dirname(inner), mode=0o755, exist_ok=True)
-        if os.path.isdir(path):
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
             os.makedirs(inner, mode=0o755, exist_ok=True)
         else:
             os.close(os.open(inner, os.O_CREAT | os.O_WRONLY, 0o644))
-    for path in root["binds"]:
-        _mount(path, base + path, None, MS_BIND | MS_REC, None, layer)
+    for path, fd in sources.items():
+        _mount(f"/proc/self/fd/{fd}", base + path, None, MS_BIND | MS_REC, None, layer)
+        os.close(fd)
     for path in root["hidden"]:
         _mount("tmpfs", base + path, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=4k,mode=0755", layer)
 
@@ -405,6 +414,7 @@ def main() -> None:
     if os.getppid() != int(sys.argv[2]):  # the host died before the line above
         os._exit(1)
     spec = marshal.loads(sys.stdin.buffer.read())
+    os.umask(0o022)  # the new root's directories must be traversable whatever mask the host runs with
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)

@@ -76,7 +76,9 @@ def _libraries(files: list[str]) -> list[str]:
     if not files:
         return []
     try:
-        out = subprocess.run(["ldd", *files], capture_output=True, text=True, timeout=60).stdout
+        # as the program's loader will resolve them: without this process's LD_LIBRARY_PATH or LD_PRELOAD
+        out = subprocess.run(["ldd", *files], capture_output=True, text=True, timeout=60,
+                             env={"PATH": "/usr/bin:/bin"}).stdout
     except FileNotFoundError:
         raise RootUnavailable("ldd is not installed (glibc's libc-bin has it)") from None
     found = set()
@@ -117,6 +119,11 @@ def plan(python: str, mount_points: tuple[str, ...]) -> RootPlan:
     for library in _libraries([paths["executable"], *extensions]):
         wanted.add(_real(library, links))
     binds = _outermost(wanted)
+    for path in binds:
+        covered = next((m for m in mount_points if path == m or path.startswith(m.rstrip("/") + "/")), None)
+        if covered is not None:
+            raise RootUnavailable(f"{path}, which programs need, is under {covered}, which the sandbox mounts over; "
+                                  "use an interpreter installed elsewhere (env.code.sandbox.python)")
     inside = lambda p: any(p == b or p.startswith(b.rstrip("/") + "/") for b in binds)  # noqa: E731
     return RootPlan(binds=tuple(binds), links=tuple(sorted((p, t) for p, t in links.items() if not inside(p))),
                     hidden=tuple(h for h in paths["hidden"] if inside(h)), dirs=tuple(mount_points))
