@@ -92,6 +92,8 @@ NOT_QUICK = frozenset({
     "tests/examples/test_bad_configs.py",
     "tests/examples/test_configs.py",
     "tests/megatron/test_value_head.py",
+    "tests/plugins/test_env_code_hardening.py",
+    "tests/plugins/test_env_code_sandbox.py",
     "tests/plugins/test_installed_plugins.py",
 })
 
