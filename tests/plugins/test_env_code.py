@@ -7,6 +7,7 @@ targets. Nothing is skipped: a machine without a sandbox layer fails here."""
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 import pytest
@@ -18,7 +19,7 @@ from nrl_env_code.environment import CodeEnvironment, CodeMultiTurnEnvironment, 
 from nrl_env_code.extract import extract_code
 from nrl_env_code.sandbox import SandboxUnavailable
 
-UID = 1999996
+UID = 1999994 - int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)  # one per worker, apart from the other sandbox modules
 SANDBOX = {"uid": UID, "cpu_seconds": 5, "memory_mb": 256}
 ADD = "a, b = map(int, input().split())\nprint(a + b)"
 STDIO = [{"input": "1 2\n", "output": "3\n"}, {"input": "10 -14\n", "output": "-4"}, {"input": "0 0", "output": "0\n"}]
