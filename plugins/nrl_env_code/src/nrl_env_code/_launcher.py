@@ -26,11 +26,12 @@ Layout of a run (isolated)::
                                    dies with the host; reports init's pid, waits for it; its
                                    death kills init
       init (root, PID 1 of a new PID, mount, network, IPC, UTS and cgroup namespace)
-        mounts: / read-only, nosuid, nodev; a size-capped tmpfs at the workdir; a fresh /proc
-        showing the program its own processes only; empty read-only tmpfs over /run and /dev/shm;
-        the interpreter made reachable
+        mounts: a new root (pivot_root) holding only the interpreter's files, bound in as
+        nrl_env_code.rootfs planned them; everything read-only, nosuid, nodev; a size-capped tmpfs
+        at the workdir; a fresh /proc showing the program its own processes only
         program (uid ``uid`` outside, ``inner_uid`` in its own user namespace, which may hold no
-        namespace of its own; no capabilities, no_new_privs, rlimits, empty environment, fds 0-2 only)
+        namespace of its own; no capabilities, no_new_privs, a seccomp filter, rlimits, empty
+        environment, fds 0-2 only)
 
 When init exits (the program ended, or init was killed) the kernel kills every process left in
 its PID namespace, and the mount namespace (the workdir with it) goes when the last one is gone.

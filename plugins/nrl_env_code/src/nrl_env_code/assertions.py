@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import ast
 import builtins
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import CodeType, SimpleNamespace
 from typing import Any
 
 __all__ = ["Split", "VALUES_MARK", "decode", "encode_source", "evaluate", "split"]
@@ -52,11 +54,11 @@ class NotAssertions(ValueError):
 class Split:
     """One test, split: ``probes`` (expression sources the sandbox evaluates, in order), ``setup``
     (the statements before them: imports and the task's setup code), and ``checks`` (each assert's
-    test, with ``_v[i]`` where probe ``i`` was), evaluated on the host."""
+    test, compiled, with ``_v[i]`` where probe ``i`` was), evaluated on the host."""
 
     setup: str
-    probes: list[str]
-    checks: list[ast.Expression]
+    probes: tuple[str, ...]
+    checks: tuple[CodeType, ...]
 
 
 def _qualified(node: ast.expr) -> str | None:
@@ -72,24 +74,19 @@ def _needs_program(node: ast.AST) -> bool:
     """Whether ``node`` reads a name that is neither safe nor bound inside it (a comprehension's
     or a lambda's variable), or a private attribute: then only the sandbox can evaluate it."""
     bound: set[str] = set()
+    safe_heads: set[int] = set()  # the names heading a chain SAFE_CALLS names (``math`` in ``math.isclose``)
     for sub in ast.walk(node):
         if isinstance(sub, ast.comprehension):
             bound |= {n.id for n in ast.walk(sub.target) if isinstance(n, ast.Name)}
         elif isinstance(sub, ast.Lambda):
             bound |= {a.arg for a in sub.args.args + sub.args.kwonlyargs + sub.args.posonlyargs}
-    for sub in ast.walk(node):
-        if isinstance(sub, ast.Attribute) and sub.attr.startswith("_"):
-            return True
-        if (isinstance(sub, ast.Name) and sub.id not in SAFE_NAMES and sub.id not in SAFE_CALLS and sub.id not in bound
-                and not _qualified_parent_is_safe(node, sub)):
-            return True
-    return False
-
-
-def _qualified_parent_is_safe(root: ast.AST, name: ast.Name) -> bool:
-    """Whether ``name`` heads an attribute chain :data:`SAFE_CALLS` names (``math`` in ``math.isclose``)."""
-    return any(isinstance(sub, ast.Attribute) and sub.value is name and _qualified(sub) in SAFE_CALLS
-               for sub in ast.walk(root))
+        elif isinstance(sub, ast.Attribute):
+            if sub.attr.startswith("_"):
+                return True
+            if isinstance(sub.value, ast.Name) and _qualified(sub) in SAFE_CALLS:
+                safe_heads.add(id(sub.value))
+    return any(isinstance(sub, ast.Name) and sub.id not in SAFE_NAMES and sub.id not in SAFE_CALLS
+               and sub.id not in bound and id(sub) not in safe_heads for sub in ast.walk(node))
 
 
 def _is_predicate(node: ast.AST) -> bool:
@@ -120,9 +117,11 @@ class _Splitter(ast.NodeTransformer):
         return self._probe(node)
 
 
+@functools.lru_cache(maxsize=4096)
 def split(code: str) -> Split:
     """Split a test's code (imports, then asserts; setup code may come before it) into the probes
-    the sandbox evaluates and the checks the host evaluates."""
+    the sandbox evaluates and the checks the host evaluates. Cached: a batch checks each test's
+    shape when it reads the task, then runs it against every response."""
     try:
         module = ast.parse(code)
     except SyntaxError as exc:
@@ -136,28 +135,33 @@ def split(code: str) -> Split:
         raise NotAssertions(f"line {other.lineno} ({type(other).__name__}) follows an assert; only assert statements "
                             "may follow the first one")
     splitter = _Splitter(code)
-    checks = [ast.fix_missing_locations(ast.Expression(splitter.visit(module.body[i].test))) for i in asserts]
+    checks = tuple(compile(ast.fix_missing_locations(ast.Expression(splitter.visit(module.body[i].test))), "<check>",
+                           "eval") for i in asserts)
     setup = "\n".join(ast.get_source_segment(code, s) or ast.unparse(s) for s in module.body[:first])
-    return Split(setup=setup, probes=splitter.probes, checks=checks)
+    return Split(setup=setup, probes=tuple(splitter.probes), checks=checks)
 
 
-def evaluate(check: ast.Expression, values: list[Any]) -> bool:
-    """One assert's test, with the probes' ``values``, on the host: only safe names are in scope."""
-    scope: dict[str, Any] = {"__builtins__": {}, **SAFE_NAMES, "_v": values}
+def _host_scope() -> dict[str, Any]:
+    """What the host's checks see: the safe names, and ``math`` holding its safe functions only."""
+    scope: dict[str, Any] = {"__builtins__": {}, **SAFE_NAMES}
     for name, function in SAFE_CALLS.items():
         head, _, attr = name.partition(".")
         if attr:
-            scope.setdefault(head, _Namespace()).__dict__[attr] = function
+            setattr(scope.setdefault(head, SimpleNamespace()), attr, function)
         else:
             scope[name] = function
+    return scope
+
+
+_HOST_SCOPE = _host_scope()
+
+
+def evaluate(check: CodeType, values: list[Any]) -> bool:
+    """One assert's test, with the probes' ``values``, on the host: only safe names are in scope."""
     try:
-        return bool(eval(compile(check, "<check>", "eval"), scope))  # noqa: S307 - safe names and values only
+        return bool(eval(check, {**_HOST_SCOPE, "_v": values}))  # noqa: S307 - safe names and values only
     except Exception:  # noqa: BLE001 - a value of the wrong shape fails the test, as in the sandbox
         return False
-
-
-class _Namespace:
-    """``math`` as the host's checks see it: the safe functions only."""
 
 
 class Unequal:

@@ -4,9 +4,9 @@
 sees a file held in memory (a ``memfd``, a tmpfs the program mounted, the work directory's pages),
 and a program may split its memory over several processes. A memory cgroup charges all of it to
 the run: anonymous memory, shared memory and tmpfs pages, and the page cache its writes dirty; a
-pids cgroup counts its processes and threads. The host makes the run's cgroups, the launcher moves
-itself into them before it builds the sandbox (so every process of the run is born inside), and
-the host reads from outside whether the memory limit ended the run, then removes them.
+pids cgroup counts its processes and threads. The host makes the run's cgroups, moves the launcher
+into them before the launcher builds the sandbox (so every process of the run is born inside),
+reads from outside whether the memory limit ended the run, then removes them.
 
 Two layouts exist. cgroup v1 (a hierarchy per controller, ``memory`` and ``pids``): the run's
 groups are children of this process's own. cgroup v2 (one hierarchy): the run's group is a child
@@ -16,10 +16,8 @@ of this process's own, which needs ``memory`` and ``pids`` in its ``cgroup.subtr
 
 from __future__ import annotations
 
-import errno
 import itertools
 import os
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -108,7 +106,7 @@ def find() -> Hierarchy:
 
 
 class RunCgroup:
-    """The cgroups of one run: made with its limits, joined by the launcher, read and removed here."""
+    """The cgroups of one run: made with its limits, the launcher moved in, read and removed here."""
 
     def __init__(self, hierarchy: Hierarchy, memory_bytes: int, processes: int) -> None:
         self.hierarchy = hierarchy
@@ -139,7 +137,7 @@ class RunCgroup:
 
     @property
     def procs_files(self) -> list[str]:
-        """What the launcher writes its pid to, to join every group of the run."""
+        """Where the launcher's pid is written to move it into every group of the run."""
         return [str(directory / "cgroup.procs") for directory in self.dirs]
 
     def _read(self, index: int, name: str) -> str:
@@ -162,7 +160,7 @@ class RunCgroup:
     def remove(self) -> bool:
         """Remove the groups; False while the run's last processes are still leaving them (the
         kernel takes a moment after they died: the caller tries again later instead of waiting)."""
-        return all([_rmdir(directory, attempts=1) for directory in self.dirs])
+        return all([_rmdir(directory) for directory in self.dirs])
 
 
 def sweep(hierarchy: Hierarchy) -> None:
@@ -172,7 +170,7 @@ def sweep(hierarchy: Hierarchy) -> None:
         for directory in parent.glob(f"{PREFIX}*"):
             pid = directory.name[len(PREFIX):].split("-")[0]
             if pid.isdigit() and not Path(f"/proc/{pid}").exists():
-                _rmdir(directory, attempts=1)
+                _rmdir(directory)
 
 
 def _write(path: Path, value: int) -> None:
@@ -187,17 +185,12 @@ def _count(text: str, key: str) -> int:
     return 0
 
 
-def _rmdir(directory: Path, attempts: int = 50) -> bool:
-    """Whether ``directory`` is gone (a cgroup is busy while a process is in it)."""
-    for attempt in range(attempts):
-        try:
-            directory.rmdir()
-            return True
-        except FileNotFoundError:
-            return True
-        except OSError as exc:
-            if exc.errno != errno.EBUSY:
-                return False
-            if attempt + 1 < attempts:
-                time.sleep(0.01)
-    return False
+def _rmdir(directory: Path) -> bool:
+    """Whether ``directory`` is gone (a cgroup cannot be removed while a process is in it)."""
+    try:
+        directory.rmdir()
+    except FileNotFoundError:
+        pass
+    except OSError:
+        return False
+    return True

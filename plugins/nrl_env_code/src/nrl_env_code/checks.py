@@ -150,7 +150,7 @@ def program_for(code: str, test: TestCase, timeout: float) -> tuple[Program, Spl
     if test.kind == "stdio":
         return Program(files={MAIN: code}, argv=[MAIN], stdin=test.stdin, timeout=seconds), None
     parts = split(test.code)
-    files = {MAIN: code, HARNESS: HARNESS_SOURCE, PROBES: repr([parts.setup, parts.probes])}
+    files = {MAIN: code, HARNESS: HARNESS_SOURCE, PROBES: repr([parts.setup, list(parts.probes)])}
     return Program(files=files, argv=[HARNESS], timeout=seconds), parts
 
 

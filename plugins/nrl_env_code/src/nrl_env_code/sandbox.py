@@ -8,10 +8,12 @@ and where it stops nothing, is in docs/reliability.md ("Code sandbox"). In short
 * PID namespace: the program's whole tree dies with the sandbox's init (``setsid`` does not help),
   and it sees no process outside;
 * network namespace: no interface but a loopback that is down: no connection anywhere;
-* mount namespace: everything read-only, nosuid, nodev; the only writable place is a size-capped
-  tmpfs work directory that vanishes with the run; a fresh ``/proc``;
-* an unprivileged uid in a user namespace of its own, no capabilities, ``no_new_privs``: it can
-  change none of the above, and ``RLIMIT_NPROC`` binds (it does not for root);
+* mount namespace: a root holding only the interpreter's files (:mod:`nrl_env_code.rootfs`),
+  everything read-only, nosuid, nodev; the only writable place is a size-capped tmpfs work
+  directory that vanishes with the run; a fresh ``/proc`` that shows the program itself only;
+* an unprivileged uid in a user namespace of its own that may hold no namespace, no capabilities,
+  ``no_new_privs``, a seccomp filter: it can change none of the above, and ``RLIMIT_NPROC``
+  binds (it does not for root);
 * a memory cgroup and a pids cgroup per run (:mod:`nrl_env_code.cgroups`): the run's memory, files
   in memory included, and its processes, counted together whatever it does;
 * rlimits on CPU time, address space, file size, open files and processes; a wall-time limit and
@@ -181,7 +183,7 @@ class Sandbox:
             if not os.access(python, os.X_OK):
                 raise SandboxUnavailable("interpreter", f"{python} is not an executable file")
             try:
-                self._root = rootfs.plan(self.config.interpreter, ("/proc", WORKDIR)).to_spec()
+                self._root = rootfs.plan(python, ("/proc", WORKDIR)).to_spec()
             except rootfs.RootUnavailable as exc:
                 raise SandboxUnavailable("minimal filesystem", str(exc)) from None
         return self._root
