@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import tempfile
 import uuid
@@ -110,11 +111,14 @@ def in_quick_tier(item: pytest.Item) -> bool:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark the quick tier (:func:`in_quick_tier`). In each xdist worker (``--dist loadgroup``):
     mark each test's group (:func:`group_of`), and order the tests longest group first, each
-    module's tests in their own order (every worker orders them the same way, as xdist requires)."""
+    module's tests in their own order (every worker orders them the same way, as xdist requires);
+    with ``NRL_TEST_ORDER_SEED`` set, in an order drawn from that seed instead, to show that no test
+    depends on what ran before it."""
     for item in items:
         if in_quick_tier(item):
             item.add_marker(pytest.mark.quick)
-    if not hasattr(config, "workerinput"):
+    seed = os.environ.get("NRL_TEST_ORDER_SEED", "").strip()
+    if not hasattr(config, "workerinput") and not seed:
         return
     durations = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
     modules = Counter(item.nodeid.split("::")[0] for item in items)
@@ -128,4 +132,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         keys[item.nodeid] = group or module
         seconds[keys[item.nodeid]] += durations.get(module, 10.0) / modules[module]
     order = {item.nodeid: i for i, item in enumerate(items)}
+    if seed:  # random order: groups, and the tests within each, shuffled alike on every worker
+        shuffle = random.Random(seed)
+        group_rank = {key: shuffle.random() for key in sorted(set(keys.values()))}
+        order = {nodeid: shuffle.random() for nodeid in sorted(order)}
+        items.sort(key=lambda item: (group_rank[keys[item.nodeid]], order[item.nodeid]))
+        return
     items.sort(key=lambda item: (-seconds[keys[item.nodeid]], keys[item.nodeid], order[item.nodeid]))
