@@ -68,6 +68,7 @@ def test_a_killed_or_frozen_gcs_or_raylet_is_one_line_within_seconds_and_leaves_
     stderr: list[str] = []
     threading.Thread(target=lambda: stderr.extend(proc.stderr), daemon=True).start()  # type: ignore[arg-type]
     victim_pid = None
+    victim_outlived_the_run = False
     try:
         metrics = tmp_path / "logs" / "metrics.jsonl"
         deadline = time.monotonic() + 300
@@ -85,10 +86,11 @@ def test_a_killed_or_frozen_gcs_or_raylet_is_one_line_within_seconds_and_leaves_
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-        if victim_pid is not None and _alive(victim_pid):  # a frozen process left: resume it, then end it
+        time.sleep(0.5)  # the run's last kill lands
+        victim_outlived_the_run = victim_pid is not None and _alive(victim_pid)
+        if victim_outlived_the_run:  # nrl failed to end it: resume it, then end it, so nothing is left
             os.kill(victim_pid, signal.SIGCONT)
             os.kill(victim_pid, signal.SIGKILL)
-    time.sleep(0.5)  # let the stderr reader finish
     text = "".join(stderr)
     errors = [line for line in text.splitlines() if line.startswith("error:")]
     assert proc.returncode == 2, text[-3000:]
@@ -100,6 +102,42 @@ def test_a_killed_or_frozen_gcs_or_raylet_is_one_line_within_seconds_and_leaves_
         r"\(complete checkpoints are intact: rerun to resume\)", errors[0]), text[-3000:]
     limit = 30 + (FROZEN_S if signal_name == "SIGSTOP" else 0)
     assert exited_after < limit, f"took {exited_after:.1f} s to stop after the {victim} got {signal_name}"
+    assert not victim_outlived_the_run, f"the {signal_name} {victim} was left to the test to end"
     assert [pid for pid in ray_processes if _alive(pid)] == []
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert rows and rows[-1]["step"] >= 2
+
+
+SHUTDOWN_SCRIPT = """
+import os, signal, sys, time
+from nrl_core.suspects import descendants
+from nrl_core.cluster.ray_cluster import init_ray, shutdown_ray
+import ray
+
+init_ray({"num_cpus": 1, "log_to_driver": False})
+node = ray._private.worker._global_node
+[victim] = [info.process.pid for info in node.all_processes[sys.argv[1]]]
+everything = descendants([os.getpid()])
+os.kill(victim, signal.SIGSTOP)
+started = time.monotonic()
+shutdown_ray()
+print(victim, round(time.monotonic() - started, 1), *everything, flush=True)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", ["gcs_server", "raylet"])
+def test_a_control_plane_frozen_when_the_run_ends_is_killed_not_waited_on(victim: str) -> None:
+    """The case the run's watcher cannot see: the GCS or the raylet stopped after the last step,
+    as the run shuts down (before, Ray's shutdown waited on it for 90 to 200 s, silently)."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # a Ray of its own
+    done = subprocess.run([sys.executable, "-c", SHUTDOWN_SCRIPT, victim], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    victim_pid, took, *everything = done.stdout.split()
+    left = [int(pid) for pid in everything if _alive(int(pid))]
+    for pid in left:  # resume and end whatever is left, so that nothing outlives the test
+        os.kill(pid, signal.SIGCONT)
+        os.kill(pid, signal.SIGKILL)
+    assert float(took) < 10, f"shutdown took {took} s with the {victim} frozen"
+    assert int(victim_pid) in map(int, everything) and left == [], left
