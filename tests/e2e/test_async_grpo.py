@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -103,39 +104,104 @@ def test_max_age_zero_is_the_synchronous_loop_also_at_tensor_parallel_2(tmp_path
     assert metrics(sync)[-1]["train/kl_penalty"] > 0  # the weights moved: equal losses are not all zeros
 
 
-def test_a_dead_engine_is_a_named_error_within_a_minute_and_nothing_is_left(tmp_path, model):
+def _strike_mid_run(tmp_path: Path, model: Path, pick_victim, sig: int, *overrides: str) -> tuple[str, float, int]:
+    """A run on a Ray of its own until step 2's rollouts are written; then ``sig`` to the process
+    ``pick_victim(run_pid, stderr_lines)`` names. Returns the run's stderr, the seconds it took to
+    end after the signal and the victim's pid; asserts that nothing of the run is left."""
     args = [sys.executable, "-m", "nrl_core.cli", "train", "grpo", "--config", str(CONFIG),
             *small(model, "grpo.max_num_steps=100000", "checkpointing.enabled=false", f"logger.log_dir={tmp_path}/logs",
-                   "logger.plot=false")]
+                   "logger.plot=false", *overrides)]
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # a Ray of the run's own, counted below
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
                             env={**env, "NRL_STRICT_PLUGINS": "1", "VLLM_LOGGING_LEVEL": "WARNING"})
     stderr: list[str] = []
     threading.Thread(target=lambda: stderr.extend(proc.stderr), daemon=True).start()  # type: ignore[arg-type]
+    victim = None
     try:
         deadline = time.monotonic() + 300
         while not list(tmp_path.glob("logs/train_data_step2.jsonl")):  # the run is under way
             assert proc.poll() is None and time.monotonic() < deadline, "".join(stderr)[-3000:]
             time.sleep(0.5)
-        [engine] = [int(line.split("rank 0 pid ")[1].split()[0]) for line in list(stderr)
-                    if "generation-vllm: rank 0 pid" in line]
+        victim = pick_victim(proc.pid, list(stderr))
         ray_processes = _descendants([proc.pid])
-        killed_at = time.monotonic()
-        os.kill(engine, signal.SIGKILL)
-        proc.wait(timeout=120)
-        exited_after = time.monotonic() - killed_at
+        struck_at = time.monotonic()
+        os.kill(victim, sig)
+        proc.wait(timeout=180)
+        exited_after = time.monotonic() - struck_at
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    time.sleep(0.5)
+        time.sleep(0.5)
+        left = [pid for pid in _descendants([proc.pid]) + ([victim] if victim else []) if _not_zombie(pid)]
+        for pid in left:  # resume and end what the run left, so that nothing outlives the test
+            os.kill(pid, signal.SIGCONT)
+            os.kill(pid, signal.SIGKILL)
     text = "".join(stderr)
+    assert proc.returncode != 0, text[-3000:]
+    alive = [pid for pid in ray_processes if _not_zombie(pid)]
+    assert not alive and not left, f"left running: {alive or left}\n{text[-3000:]}"
+    return text, exited_after, victim
+
+
+def _engine_pid(stderr: list[str]) -> int:
+    [engine] = [int(line.split("rank 0 pid ")[1].split()[0]) for line in stderr if "generation-vllm: rank 0 pid" in line]
+    return engine
+
+
+def _titled(pids: list[int], prefix: str) -> list[int]:
+    """Those of ``pids`` whose command line (a process title, as vLLM and Ray set them) starts with ``prefix``."""
+    found = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if f.read().startswith(prefix.encode()):
+                    found.append(pid)
+        except OSError:
+            pass
+    return found
+
+
+def test_a_dead_engine_is_a_named_error_within_a_minute_and_nothing_is_left(tmp_path, model):
+    text, exited_after, _ = _strike_mid_run(tmp_path, model, lambda run, stderr: _engine_pid(stderr), signal.SIGKILL)
     errors = [line for line in text.splitlines() if line.startswith("error:")]
-    assert proc.returncode != 0 and errors, text[-3000:]
+    assert errors, text[-3000:]
     assert "generation-vllm[rank 0]" in errors[0] and "died" in errors[0], errors[0]
     assert exited_after < 60, exited_after
-    alive = [pid for pid in ray_processes if os.path.exists(f"/proc/{pid}") and _not_zombie(pid)]
-    assert not alive, f"left running: {alive}"
+
+
+# The watchdog's floor, low enough to fire soon after a stop, high enough that no phase of a
+# healthy tiny step on a loaded 2-core host reaches it.
+STOP_FLOOR = ["watchdog.floor_s=30"]
+
+
+def test_a_stopped_engine_core_is_named_itself_as_the_cause(tmp_path, model):
+    """vLLM's asynchronous engine runs its engine core in a process it starts; stopped (SIGSTOP),
+    the engine's actor still answers, so the hang line must name the core itself."""
+    def core(run: int, stderr: list[str]) -> int:
+        engine = _engine_pid(stderr)
+        [found] = _titled(_descendants([engine]), "VLLM::EngineCore")
+        return found
+
+    text, _, victim = _strike_mid_run(tmp_path, model, core, signal.SIGSTOP, *STOP_FLOOR)
+    errors = [line for line in text.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith("error: watchdog: phase "), text[-3000:]
+    assert re.search(rf"\S+ pid {victim} \(started by generation-vllm\[rank 0\] pid \d+\) is stopped, state T: "
+                     r"the likely cause", errors[0]), errors[0]
+
+
+def test_a_stopped_environment_worker_is_named_with_its_stack(tmp_path, model):
+    """The math environment's verifier, a Ray actor no worker group holds, stopped mid-run: the
+    hang line names it (not the driver) and its stack is read without resuming it."""
+    text, _, victim = _strike_mid_run(
+        tmp_path, model, lambda run, stderr: _titled(_descendants([run]), "ray::VerifierWorker")[0], signal.SIGSTOP,
+        *STOP_FLOOR)
+    errors = [line for line in text.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith("error: watchdog: phase "), text[-3000:]
+    assert f"VerifierWorker actor pid {victim} is stopped, state T: the likely cause" in errors[0], errors[0]
+    assert "the driver" not in errors[0].split("the likely cause")[0]
+    [stack] = tmp_path.glob(f"logs/stacks/*/actor-VerifierWorker-pid{victim}.native.txt")
+    assert "verif" in stack.read_text().lower(), stack.read_text()[-2000:]
 
 
 def _not_zombie(pid: int) -> bool:

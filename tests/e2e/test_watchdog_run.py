@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 import time
@@ -89,3 +91,45 @@ def test_a_blocked_save_is_dumped_on_demand_then_ends_the_run_with_the_last_chec
     assert "resuming from" in again.stdout + again.stderr and "step_1" in again.stdout + again.stderr
     latest = manager.latest_verified()
     assert latest is not None and latest.name == "step_2"
+
+
+@pytest.mark.slow
+def test_a_stopped_rank_of_two_is_named_as_the_cause_and_its_peer_as_waiting(tmp_path: Path) -> None:
+    """Rank 1 of a two-rank ``nrl train sft`` stopped (SIGSTOP) mid-run: rank 0 waits for it in the
+    gradient all-reduce, and to the driver both are "in train()"; the line names rank 1, stopped,
+    as the cause and rank 0 as waiting on it, and neither is left."""
+    logs = tmp_path / "logs"
+    train = ["train", "sft", "--config", str(CONFIG), f"policy.model_name={cached_tiny_model('llama', size='small')}",
+             "cluster.gpus_per_node=2", "sft.max_num_steps=100000", "sft.val_period=0",
+             "policy.train_global_batch_size=8", "policy.train_micro_batch_size=4", "data.generate.num_train=64",
+             "data.generate.num_val=8", "checkpointing.enabled=false", f"logger.log_dir={logs}",
+             "logger.tensorboard_enabled=false", "logger.plot=false", "watchdog.floor_s=30"]
+    env = {**os.environ, "NRL_STRICT_PLUGINS": "1"}
+    with ThreadPoolExecutor(1) as pool:  # the run on the suite's shared Ray, in the background
+        run = pool.submit(nrl, train, env=env, cwd=tmp_path, timeout=400, join_shared_ray=True)
+        deadline = time.monotonic() + 300
+        metrics = logs / "metrics.jsonl"
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 2) and not run.done():
+            assert time.monotonic() < deadline, "training never got under way"
+            time.sleep(0.5)
+        assert not run.done(), run.result().stderr[-3000:]
+        asked = subprocess.run([sys.executable, "-m", "nrl_core.cli", "stacks", str(logs)], capture_output=True,
+                               text=True, env=env, timeout=120)  # the ranks' pids, from their stack files
+        assert asked.returncode == 0, asked.stderr
+        ranks = {p.name.split("-pid")[0].rsplit("-", 1)[1]: int(p.name.split("-pid")[1].split(".")[0])
+                 for p in Path(asked.stdout.strip()).glob("policy-dtensor-rank*-pid*.txt")}
+        os.kill(ranks["rank1"], signal.SIGSTOP)
+        try:
+            ended = run.result()
+        finally:
+            if process_state(ranks["rank1"]) not in (None, "Z"):  # nrl left it: end it, then fail below
+                os.kill(ranks["rank1"], signal.SIGCONT)
+                os.kill(ranks["rank1"], signal.SIGKILL)
+                left = True
+            else:
+                left = False
+    errors = [line for line in ended.stderr.splitlines() if line.startswith("error:")]
+    assert ended.returncode == 2 and len(errors) == 1, ended.stderr[-3000:]
+    assert re.search(rf"policy-dtensor\[rank 1\] pid {ranks['rank1']} is stopped, state T: the likely cause; "
+                     rf"waiting on it: policy-dtensor\[rank 0\] pid {ranks['rank0']}\b", errors[0]), errors[0]
+    assert not left and process_state(ranks["rank0"]) in (None, "Z")
