@@ -20,6 +20,7 @@ import contextlib
 import logging
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -80,6 +81,8 @@ LOCAL_SYSTEM_CONFIG: Mapping[str, Any] = {
 PRESTART_MAX_CPUS = 8
 # Ray assigns devices per actor through this one; forwarding the driver's would defeat that.
 _NEVER_FORWARD = frozenset({"CUDA_VISIBLE_DEVICES"})
+#: How often a shutting-down local Ray's GCS and raylet are checked for being stopped.
+SHUTDOWN_POLL_S = 0.1
 # The GCS address of the loopback-only Ray this process started (None: it started none).
 _private_gcs: str | None = None
 # The worker environment that Ray's processes inherited when this process started it.
@@ -298,16 +301,41 @@ def shutdown_ray() -> None:
     """Disconnect from Ray (and stop the local Ray if this process started it). Idempotent.
 
     After the local Ray lost its GCS or raylet (:func:`~nrl_core.cluster.gcs_watch.cluster_failure`),
-    or while either is stopped (SIGSTOP, a debugger), its processes are killed outright first: a
-    graceful stop would wait on them for minutes.
+    or while either is stopped (SIGSTOP, a debugger), its processes are killed outright: a graceful
+    stop would wait on them for minutes. A stop can land just before or during the shutdown (the
+    kernel stops a busy process only when it next runs), so the control plane is watched until
+    the shutdown returns, not checked once.
     """
     global _private_gcs, _inherited_env
     private = private_local_ray()
     _private_gcs = _inherited_env = None
     stop_watching()
     node = ray._private.worker._global_node if private else None
-    if node is not None and (cluster_failure() is not None or frozen(_control_plane(node))):
-        killed = kill_ray_processes(node)
-        log.info("killed the %d processes of the local Ray: its GCS or raylet died or is frozen", len(killed))
-    if ray.is_initialized():
+    if node is not None and cluster_failure() is not None:
+        _kill_local_ray(node)
+    if not ray.is_initialized():
+        return
+    done = threading.Event()
+    if node is not None:
+        threading.Thread(target=_kill_if_frozen_until, args=(node, done), name="nrl-shutdown-watch",
+                         daemon=True).start()
+    try:
         ray.shutdown()
+    finally:
+        done.set()
+
+
+def _kill_local_ray(node: Any) -> None:
+    killed = kill_ray_processes(node)
+    log.info("killed the %d processes of the local Ray: its GCS or raylet died or is frozen", len(killed))
+
+
+def _kill_if_frozen_until(node: Any, done: threading.Event) -> None:
+    """While Ray shuts down, kill its local processes as soon as the GCS or the raylet is seen
+    stopped (Ray's own stop would wait on it); returns when ``done`` is set."""
+    processes = _control_plane(node)
+    while not done.is_set():
+        if frozen(processes):
+            _kill_local_ray(node)
+            return
+        done.wait(SHUTDOWN_POLL_S)

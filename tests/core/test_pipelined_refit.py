@@ -26,8 +26,10 @@ SHAPES = {"embed.weight": (64, 32), "layers.0.w": (32, 96), "layers.0.b": (96,),
           "norm.weight": (32,), "scalar": ()}
 
 
-def _channel_files() -> list[str]:
-    return glob.glob(os.path.join(channel_directory(), "nrl-refit-*-chan-*"))
+def _channel_files(before: set[str] | frozenset[str] = frozenset()) -> list[str]:
+    """The refit channels' files in shared memory, less ``before``: those of refits this test did
+    not make (another test's, running beside it on the machine)."""
+    return sorted(set(glob.glob(os.path.join(channel_directory(), "nrl-refit-*-chan-*"))) - set(before))
 
 
 def _address() -> ChannelAddress:
@@ -209,17 +211,19 @@ def _held_export(source: Any, sinks: Any, marker: str, what: str) -> Iterator[No
 
 @pytest.mark.slow
 def test_sinks_load_the_first_bucket_before_the_export_ends_and_receive_every_tensor(ray_groups, tmp_path) -> None:
+    others = set(_channel_files())
     source, sinks = ray_groups
     with _held_export(source, sinks, str(tmp_path / "first-tensor"), "continue"):
         report = refit(source.endpoint(0), _sinks(sinks), bucket_bytes=2048, pipelined=True)
     assert (report.transport, report.placement) == ("shared_memory", "same_node")
     assert sinks.call("checksums") == [source.call("checksums", on=0)] * 2
     assert report.bytes == 2 * manifest_bytes(RandomWeightSource(SHAPES).weight_manifest("float32"))
-    assert not _channel_files()  # the channel went with the refit's cleanup
+    assert not _channel_files(others)  # the channel went with the refit's cleanup
 
 
 @pytest.mark.slow
 def test_an_export_that_fails_part_way_tears_the_sinks_until_the_next_refit(ray_groups, tmp_path) -> None:
+    others = set(_channel_files())
     from nrl_core.cluster import WorkerRaisedError
     from nrl_core.cluster._host import WorkerHost
 
@@ -234,13 +238,14 @@ def test_an_export_that_fails_part_way_tears_the_sinks_until_the_next_refit(ray_
     refit(source.endpoint(0), _sinks(sinks), bucket_bytes=2048, pipelined=True)  # the next refit restores them
     assert sinks.call(WorkerHost.execute, lambda worker: worker.torn) == [None, None]
     assert sinks.call("checksums") == [source.call("checksums", on=0)] * 2
-    assert not _channel_files()
+    assert not _channel_files(others)
 
 
 @pytest.mark.slow
 def test_a_source_that_dies_mid_export_ends_the_sinks_wait_at_once(ray_groups, tmp_path) -> None:
     """The sinks hold a reference to the export call: its failure ends their wait for the next
     bucket, long before the channel's timeout."""
+    others = set(_channel_files())
     from nrl_core.cluster import WorkerDiedError, WorkerGroup
     from nrl_core.cluster._host import WorkerHost
 
@@ -260,7 +265,7 @@ def test_a_source_that_dies_mid_export_ends_the_sinks_wait_at_once(ray_groups, t
     finally:
         sinks.call(WorkerHost.execute, _set_marker(None))
         doomed.shutdown()
-    assert not _channel_files()  # the sink that saw the exporter gone removed its channel
+    assert not _channel_files(others)  # the sink that saw the exporter gone removed its channel
 
 
 @pytest.mark.slow
