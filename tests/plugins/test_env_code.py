@@ -103,9 +103,10 @@ def test_hostile_programs_score_zero_and_the_batch_goes_on(env):
     tests = [{"input": "1 2", "output": "3", "timeout": 1.0}]
     result = env.score([EnvSample(prompt="p", response=block(c), metadata={"tests": tests}) for c in hostile]
                        + [EnvSample(prompt="p", response=block(ADD), metadata={"tests": tests})])
-    assert result.rewards == [0.0] * len(hostile) + [1.0]
-    assert result.metrics["limits_hit"] == 2.0 and result.metrics["accuracy"] == pytest.approx(1 / 7)
     verdicts = result.sample_metadata  # contract 7: logged beside each rollout
+    seen = [(m["results"][0]["status"], m["results"][0].get("seconds")) for m in verdicts]  # said when a check fails
+    assert result.rewards == [0.0] * len(hostile) + [1.0], seen
+    assert result.metrics["limits_hit"] == 2.0 and result.metrics["accuracy"] == pytest.approx(1 / 7), seen
     assert [m["results"][0]["status"] for m in verdicts][:1] == ["wall_time"] and verdicts[-1]["tests_passed"] == 1
     assert "MemoryError" in verdicts[2]["results"][0]["stderr"]
 
