@@ -122,12 +122,10 @@ def test_a_stopped_rank_of_two_is_named_as_the_cause_and_its_peer_as_waiting(tmp
         try:
             ended = run.result()
         finally:
-            if process_state(ranks["rank1"]) not in (None, "Z"):  # nrl left it: end it, then fail below
+            left = process_state(ranks["rank1"]) not in (None, "Z")
+            if left:  # nrl left it: end it, then fail below
                 os.kill(ranks["rank1"], signal.SIGCONT)
                 os.kill(ranks["rank1"], signal.SIGKILL)
-                left = True
-            else:
-                left = False
     errors = [line for line in ended.stderr.splitlines() if line.startswith("error:")]
     assert ended.returncode == 2 and len(errors) == 1, ended.stderr[-3000:]
     assert re.search(rf"policy-dtensor\[rank 1\] pid {ranks['rank1']} is stopped, state T: the likely cause; "
