@@ -496,6 +496,14 @@ def get_plugin_manager() -> PluginManager:
     return _manager
 
 
+@contextlib.contextmanager
+def registered_plugin(plugin: object, name: str) -> Iterator[object]:
+    """Register ``plugin`` (a module or an object with hook implementations) in-process for a ``with``
+    block: how a plugin's own tests and notebooks use it without installing it."""
+    with get_plugin_manager().registered(plugin, name) as registered:
+        yield registered
+
+
 def reset_plugin_manager() -> None:
     """Forget the process-wide manager so the next use reloads (tests that change the environment)."""
     global _manager

@@ -31,7 +31,7 @@ from nrl_core.algorithms.rollout_sources import (
 )
 from nrl_core.algorithms.rollouts import repeat_prompts, rollout_batch
 from nrl_core.algorithms.scoring import RolloutGroup, Scorer, merge_groups, merged_loss_masks, reward_components
-from nrl_core.algorithms.setup import PhaseTimer, build_environment, load_tokenizer
+from nrl_core.algorithms.setup import PhaseTimer, build_environment, build_loss, generation_spec, load_tokenizer
 from nrl_core.contracts import AdvantageInputs, GenerationOutput, TokenBatch, import_object
 from nrl_core.data import DatumSpec, LengthLimits, prepare_data
 from nrl_core.plugins import get_plugin_manager
@@ -50,12 +50,9 @@ class GRPO(AlgorithmRun):
         self.tokenizer = load_tokenizer(config)
         data = prepare_data(config["data"], self.tokenizer, limits=prompt_limits(config))
         self.val_data: list[DatumSpec] = (data.val or [])[: config["grpo"]["max_val_samples"]]
-        plugins = get_plugin_manager()
         self.on_policy_ratio = on_policy_ratio(config)
-        loss_spec = plugins.loss_functions().get(config["loss_fn"]["name"], "loss_fn.name")
-        self.loss_fn = import_object(loss_spec.loss).from_config({**config["loss_fn"],
-                                                                  "force_on_policy_ratio": self.on_policy_ratio})
-        self.estimator_spec = plugins.advantage_estimators().get(config["grpo"]["adv_estimator"]["name"],
+        self.loss_fn = build_loss(config, force_on_policy_ratio=self.on_policy_ratio)
+        self.estimator_spec = get_plugin_manager().advantage_estimators().get(config["grpo"]["adv_estimator"]["name"],
                                                                  "grpo.adv_estimator.name")
         self.estimator = import_object(self.estimator_spec.estimator)(config["grpo"]["adv_estimator"], config)
         logger.info("previous-policy logprobs: %s", "from the training forward (one optimizer step per GRPO step)"
@@ -222,7 +219,7 @@ def prompt_limits(config: Mapping[str, Any]) -> LengthLimits:
     ``policy.max_total_sequence_length``, or the engine's ``max_model_len`` when that is lower."""
     policy = config["policy"]
     limit, key = int(policy["max_total_sequence_length"]), "policy.max_total_sequence_length"
-    spec = get_plugin_manager().generation_backends().get(policy["generation"]["backend"], "policy.generation.backend")
+    spec = generation_spec(config)
     engine_limit = (policy["generation"].get(spec.config_key) or {}).get("max_model_len")
     if engine_limit is not None and int(engine_limit) < limit:
         limit, key = int(engine_limit), f"policy.generation.{spec.config_key}.max_model_len"

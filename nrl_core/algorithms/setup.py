@@ -16,7 +16,7 @@ import torch
 
 from nrl_core.checkpoint.manager import CheckpointManager
 from nrl_core.cluster import init_ray
-from nrl_core.contracts import Environment, import_object
+from nrl_core.contracts import Environment, GenerationBackendSpec, LossFunction, import_object
 from nrl_core.plugins import get_plugin_manager
 from nrl_core.timeline import mark
 from nrl_core.watchdog import phase as watched
@@ -60,6 +60,20 @@ def load_tokenizer(config: Mapping[str, Any]) -> Any:
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def build_loss(config: Mapping[str, Any], *, force_on_policy_ratio: bool) -> LossFunction:
+    """The loss ``loss_fn.name`` selects, built from its section. ``force_on_policy_ratio`` says the
+    algorithm takes one optimizer step per batch of rollouts, so the ratio's old logprobs are the
+    training forward's own."""
+    spec = get_plugin_manager().loss_functions().get(config["loss_fn"]["name"], "loss_fn.name")
+    return import_object(spec.loss).from_config({**config["loss_fn"], "force_on_policy_ratio": force_on_policy_ratio})
+
+
+def generation_spec(config: Mapping[str, Any]) -> GenerationBackendSpec:
+    """The installed generation backend ``policy.generation.backend`` names."""
+    backend = config["policy"]["generation"]["backend"]
+    return get_plugin_manager().generation_backends().get(backend, "policy.generation.backend")
 
 
 def build_environment(config: Mapping[str, Any]) -> Environment:

@@ -88,7 +88,7 @@ def test_entry_point_lists_math():
                           cwd=REPO)
     assert proc.returncode == 0, proc.stderr
     plugins = {p["name"]: p for p in json.loads(proc.stdout)}
-    assert plugins["math"] == {"name": "math", "distribution": "nrl-env-math", "version": "0.1.0",
+    assert plugins["math"] == {"name": "math", "distribution": "nrl-env-math", "version": "0.1.1",
                                "hooks": ["nrl_environments"], "contract": 5}
 
 

@@ -47,10 +47,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from nrl_backend_dtensor.safe_load import dcp_load, load_file
-from nrl_core.contracts import CheckpointOptions
-from nrl_core.device import broadcast
-from nrl_core.errors import NrlError
-from nrl_core.sdk import first_failure, rng_state, set_rng_state
+from nrl_core.api import CheckpointOptions, NrlError, broadcast, first_failure, rng_state, set_rng_state
 
 logger = logging.getLogger(__name__)
 

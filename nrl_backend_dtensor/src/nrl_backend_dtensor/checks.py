@@ -12,9 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from nrl_core.config.model_config import local_model_config
-from nrl_core.contracts import import_object
-from nrl_core.errors import ConfigError, PluginError
+from nrl_core.api import ConfigError, PluginError, import_object, local_model_config
 
 KEY = "policy.dtensor_config"
 # Optimizer keywords that choose a device implementation; a CPU stand-in parameter cannot judge them.

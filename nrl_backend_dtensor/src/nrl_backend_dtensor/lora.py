@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from nrl_backend_dtensor.weights import full_tensor
-from nrl_core.errors import ConfigError
+from nrl_core.api import ConfigError
 
 KEY = "policy.dtensor_config.lora_cfg"
 ADAPTER = "default"  # PEFT's name for the one adapter
@@ -164,7 +164,7 @@ def peft_shapes(model: nn.Module) -> Iterator[tuple[str, torch.Size]]:
 
 def peft_config(section: Mapping[str, Any], base_model: str) -> dict[str, Any]:
     """PEFT's ``adapter_config.json`` of these adapters, as plain JSON values."""
-    from nrl_core.refit.adapters import plain_config
+    from nrl_core.api import plain_config
 
     config = lora_config(section)
     config.base_model_name_or_path = base_model
@@ -180,7 +180,7 @@ def write_adapter(model: nn.Module, section: Mapping[str, Any], base_model: str,
     import torch.distributed as dist
     from safetensors.torch import save_file
 
-    from nrl_core.sdk.hf_export import copy_tokenizer
+    from nrl_core.api import copy_tokenizer
 
     state = {name: tensor.detach().cpu().contiguous() for name, tensor in peft_named_tensors(model)}
     if writer:

@@ -13,9 +13,7 @@ from typing import Any
 
 import torch
 
-from nrl_core.contracts import TokenBatch
-from nrl_core.data import PackedRows, dynamic_micro_batches, pack_bins, pack_sequences
-from nrl_core.errors import ConfigError
+from nrl_core.api import ConfigError, PackedRows, TokenBatch, dynamic_micro_batches, pack_bins, pack_sequences
 
 
 def _round_up(n: int, multiple: int) -> int:

@@ -18,10 +18,14 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from nrl_core.config.model_config import read_model_config
-from nrl_core.errors import NrlError
-from nrl_core.sdk.value_head import LM_HEAD_SUFFIXES, value_model_config
-from nrl_core.sdk.vocab import next_token_logprobs_at, next_token_topk
+from nrl_core.api import (
+    LM_HEAD_SUFFIXES,
+    NrlError,
+    next_token_logprobs_at,
+    next_token_topk,
+    read_model_config,
+    value_model_config,
+)
 
 HF_PREFIX = "hf."
 

@@ -18,9 +18,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
-from nrl_core.device import all_reduce
-from nrl_core.errors import ConfigError
-from nrl_core.moe import RouterStats, balance_metrics
+from nrl_core.api import ConfigError, RouterStats, all_reduce, balance_metrics
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 

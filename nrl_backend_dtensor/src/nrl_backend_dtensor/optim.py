@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from nrl_core.errors import ConfigError
+from nrl_core.api import ConfigError
 
 
 def _import_dotted(name: str, key_path: str) -> Any:

@@ -39,7 +39,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from nrl_backend_dtensor.checks import check_context_parallel, check_heads, resolve_parallel_plan
-from nrl_core.errors import ConfigError
+from nrl_core.api import ConfigError
 
 LayerPlan = dict[str, ParallelStyle]
 

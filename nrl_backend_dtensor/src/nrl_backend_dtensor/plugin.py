@@ -7,8 +7,7 @@ plugin costs nothing beyond the schema.
 from __future__ import annotations
 
 from nrl_backend_dtensor.schema import DTENSOR_CONFIG_SCHEMA
-from nrl_core.contracts import TrainingBackendSpec
-from nrl_core.hookspecs import hookimpl
+from nrl_core.api import TrainingBackendSpec, hookimpl
 
 NRL_CONTRACT = 11  # the plugin contract this distribution is written for (docs/plugins.md)
 

@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import ReadItem
 
-from nrl_core.sdk.safe_dcp import SafeFileSystemReader, UnsafeCheckpointError, load_bytes_item, load_file
+from nrl_core.api import SafeFileSystemReader, UnsafeCheckpointError, load_bytes_item, load_file
 
 __all__ = ["SafeFileSystemReader", "SafeLoadPlanner", "UnsafeCheckpointError", "dcp_load", "load_file"]
 

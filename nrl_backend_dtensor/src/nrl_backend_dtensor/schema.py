@@ -5,7 +5,7 @@ Kept apart from the worker so that validating a config never imports torch.
 
 from __future__ import annotations
 
-from nrl_core.config.schema import Field, Section
+from nrl_core.api import Field, Section
 
 LORA_SCHEMA = Section(doc="LoRA adapters (NeMo RL's keys), with Hugging Face PEFT (docs/lora.md).", fields={
     "enabled": Field(type=bool, default=False, doc="train LoRA adapters instead of the full weights"),

@@ -15,9 +15,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from nrl_backend_dtensor.model import hf_name
-from nrl_core.contracts import WeightSpec
-from nrl_core.refit.buckets import iter_buckets
-from nrl_core.refit.hf_source import checkpoint_layout
+from nrl_core.api import WeightSpec, checkpoint_layout, iter_buckets
 
 
 def _dtype(name: str) -> torch.dtype:

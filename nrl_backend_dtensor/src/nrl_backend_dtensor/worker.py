@@ -30,28 +30,39 @@ from nrl_backend_dtensor.model import LogprobModel, hf_name, load_hf_config, loa
 from nrl_backend_dtensor.moe import RouterMetrics, check_tensor_parallel
 from nrl_backend_dtensor.optim import build_optimizer, build_scheduler, clip_grad_norm
 from nrl_backend_dtensor.parallel import apply_fsdp, apply_tensor_parallel, build_layout
-from nrl_core.contracts import (
+from nrl_core.api import (
     BatchShard,
     CheckpointOptions,
+    ConfigError,
     LossFunction,
+    NrlError,
+    ReferenceWeights,
     TokenBatch,
     TopkShard,
+    TrainingWorkerBase,
     WeightSpec,
+    all_reduce,
+    all_reduce_values,
+    base_model_identity,
+    check_batch_device,
+    check_finite,
+    dtype_name,
+    guard_enabled,
+    iter_buckets,
     logprob_temperature,
+    main_group_timeout,
+    model_device,
+    parse_dtype,
+    to_device,
+    training_precision,
+    value_head_type,
 )
-from nrl_core.device import all_reduce, all_reduce_values, check_batch_device, model_device, to_device
-from nrl_core.errors import ConfigError, NrlError
-from nrl_core.nonfinite import check_finite, guard_enabled
-from nrl_core.process_groups import main_group_timeout
-from nrl_core.refit.buckets import dtype_name, iter_buckets, parse_dtype
-from nrl_core.sdk import ReferenceWeights, TrainingWorkerBase, base_model_identity, training_precision
-from nrl_core.sdk.value_head import value_head_type
-from nrl_core.timeline import mark
+from nrl_core.api import timeline_mark as mark
 
 
 def _ensure_process_group() -> None:
     if not dist.is_initialized():
-        from nrl_core.testing.distributed import init_local_group
+        from nrl_core.api import init_local_group
 
         init_local_group()
 

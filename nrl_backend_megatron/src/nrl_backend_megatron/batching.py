@@ -18,8 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nrl_core.contracts import TokenBatch
-from nrl_core.device import all_reduce
+from nrl_core.api import TokenBatch, all_reduce
 
 
 @dataclass
@@ -127,7 +126,7 @@ def dynamic_micro_batches(shard: TokenBatch, mb_tokens: int, round_to: int, dp_g
     differ between micro-batches, which only a schedule without pipeline stages accepts (checks.py
     refuses it with pipeline parallelism). Every data-parallel rank runs the same number: the
     ranks with fewer get empty ones (one row of padding, no rows to report)."""
-    from nrl_core.data.dynamic_batching import dynamic_micro_batches as group
+    from nrl_core.api import dynamic_micro_batches as group
 
     lengths = [int(n) for n in shard.input_lengths.tolist()]
     groups = group(lengths, mb_tokens, round_to) if lengths else []
@@ -157,7 +156,7 @@ def packed_micro_batches(shard: TokenBatch, mb_tokens: int, round_to: int, dp_gr
                          algorithm: str = "modified_first_fit_decreasing", seed: int = 0) -> list[MicroBatch]:
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    from nrl_core.data.packing import pack_bins
+    from nrl_core.api import pack_bins
 
     lengths = shard.input_lengths.tolist()
     sizes = [_round_up(int(n), round_to) for n in lengths]

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nrl_core.errors import NrlError
+from nrl_core.api import NrlError
 
 logger = logging.getLogger(__name__)
 

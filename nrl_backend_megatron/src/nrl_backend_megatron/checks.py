@@ -14,9 +14,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from nrl_core.config.model_config import local_model_config
-from nrl_core.config.topology import cluster_topology
-from nrl_core.errors import ConfigError
+from nrl_core.api import ConfigError, cluster_topology, local_model_config
 
 KEY = "policy.megatron_cfg"
 
@@ -75,7 +73,7 @@ def check_value_head(policy: Mapping[str, Any], section: Mapping[str, Any], hf_c
     checkpoint to start from (untested); and the checkpoint's own head (``hf_config``, None when
     the model is not local) of the kind asked for."""
     from nrl_backend_megatron.value_head import check_source
-    from nrl_core.sdk.value_head import value_head_type
+    from nrl_core.api import value_head_type
 
     kind = value_head_type(policy)
     if hf_config is not None:

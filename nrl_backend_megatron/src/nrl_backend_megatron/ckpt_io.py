@@ -30,8 +30,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from nrl_core.contracts import CheckpointOptions
-from nrl_core.errors import NrlError
+from nrl_core.api import CheckpointOptions, NrlError
 
 MARKER = "nrl_megatron_checkpoint.json"
 REQUIRED_FILES = ("common.pt", "metadata.json")  # what dist_checkpointing.save always writes
@@ -41,7 +40,7 @@ def rng_state() -> dict[str, Any]:
     """The SDK's RNG state plus Megatron's CUDA RNG tracker (its model-parallel streams)."""
     from megatron.core import tensor_parallel
 
-    from nrl_core.sdk import rng_state as base_state
+    from nrl_core.api import rng_state as base_state
 
     return {**base_state(), "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
 
@@ -49,7 +48,7 @@ def rng_state() -> dict[str, Any]:
 def set_rng_state(state: Mapping[str, Any]) -> None:
     from megatron.core import tensor_parallel
 
-    from nrl_core.sdk import set_rng_state as set_base
+    from nrl_core.api import set_rng_state as set_base
 
     set_base(state)
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
@@ -153,7 +152,7 @@ class CheckpointIO:
         try:
             return dist_checkpointing.load(sharded, path, sharded_strategy=strategy)
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - surfaced as one line
-            from nrl_core.sdk import describe_failure
+            from nrl_core.api import describe_failure
 
             if refusal() is not None:  # a file that would run code: named, and nothing of it ran
                 raise refusal() from None

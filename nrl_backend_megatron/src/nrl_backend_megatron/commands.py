@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from nrl_core.contracts import CommandSpec
+from nrl_core.api import CommandSpec
 
 DTYPES = ("float32", "bfloat16", "float16")
 

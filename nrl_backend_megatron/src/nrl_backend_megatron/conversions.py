@@ -27,7 +27,8 @@ import torch
 
 from nrl_backend_megatron.convert.megatron_checkpoint import TRACKER, architecture_of_hf, locate
 from nrl_backend_megatron.convert.sharded import RANK_VARS
-from nrl_core.checkpoint.to_hf import (
+from nrl_core.api import (
+    NrlError,
     logprob_tolerance,
     max_logprob_error,
     new_output_dir,
@@ -35,7 +36,6 @@ from nrl_core.checkpoint.to_hf import (
     publish_dir,
     staging_dir,
 )
-from nrl_core.errors import NrlError
 
 __all__ = ["ConversionReport", "HF_CONFIG_DIR", "hf_to_megatron", "megatron_to_hf", "megatron_lm_args"]
 
@@ -176,7 +176,7 @@ def _save_megatron_lm(worker: Any, root: Path) -> None:
     """Megatron-LM's layout, saved by Megatron-Core's dist_checkpointing from the worker's model."""
     from megatron.core import dist_checkpointing
 
-    from nrl_core.sdk.hf_export import copy_tokenizer
+    from nrl_core.api import copy_tokenizer
 
     release = root / "release"
     release.mkdir(parents=True)
@@ -232,13 +232,13 @@ def _probe_batch(model_dir: Path) -> Any:
 
 
 def _logprobs(worker: Any, batch: Any) -> torch.Tensor:
-    from nrl_core.contracts import BatchShard
+    from nrl_core.api import BatchShard
 
     return BatchShard.assemble([worker.get_logprobs(batch)], batch.size, int(batch.input_ids.shape[1])).float()
 
 
 def _hf_logprobs(model_dir: Path, batch: Any) -> torch.Tensor:
-    from nrl_core.testing.conformance.scenarios import hf_logprobs, hf_model
+    from nrl_core.api import hf_logprobs, hf_model
 
     return hf_logprobs(hf_model(model_dir), batch, 1.0)
 

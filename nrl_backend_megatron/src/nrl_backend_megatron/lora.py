@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from nrl_backend_megatron.weights import canonical_name
-from nrl_core.errors import ConfigError
+from nrl_core.api import ConfigError
 
 KEY = "policy.megatron_cfg.peft"
 TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
@@ -214,7 +214,7 @@ def full_adapters(adapters: Adapters, tp_group: Any, tp_size: int, pp_group: Any
     over TP, then exchanged between pipeline stages (adapters are small). Collective."""
     import torch.distributed as dist
 
-    from nrl_core.device import all_gather
+    from nrl_core.api import all_gather
 
     mine = {}
     for adapter in adapters.by_name.values():
@@ -287,7 +287,7 @@ def write_peft_adapter(adapters: Adapters, full: Mapping[str, Any], section: Map
 
     from safetensors.torch import save_file
 
-    from nrl_core.sdk.hf_export import copy_tokenizer
+    from nrl_core.api import copy_tokenizer
 
     state = {name: t.clone().contiguous() for canonical, (a, b) in full.items()  # A shared by q, k, v: a copy each
              for name, t in peft_items(canonical, a, b, hf_config)}

@@ -18,7 +18,7 @@ import gc
 from collections.abc import Mapping
 from typing import Any
 
-from nrl_core.errors import ConfigError
+from nrl_core.api import ConfigError
 
 KEY = "policy.megatron_cfg"
 GRANULARITIES = ("full", "selective")

@@ -21,7 +21,7 @@ from nrl_backend_megatron.convert.families import family_of, head_dim, head_kind
 from nrl_backend_megatron.convert.mapping import tied_embeddings
 from nrl_backend_megatron.memory import recompute_kwargs
 from nrl_backend_megatron.moe import moe_config_kwargs
-from nrl_core.errors import ConfigError
+from nrl_core.api import ConfigError
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

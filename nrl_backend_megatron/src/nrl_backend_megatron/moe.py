@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from nrl_backend_megatron.convert.families import family_of, moe_layers, num_experts
-from nrl_core.errors import ConfigError
+from nrl_core.api import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -168,7 +168,7 @@ class RouterMetrics:
     def __init__(self, model: Any, tconfig: Any, *, tp_rank: int, tp_size: int) -> None:
         from megatron.core.transformer.moe.router import TopKRouter
 
-        from nrl_core.moe import RouterStats
+        from nrl_core.api import RouterStats
 
         self.tconfig = tconfig
         self.tp_rank, self.tp_size = tp_rank, tp_size
@@ -204,8 +204,7 @@ class RouterMetrics:
         import torch
         from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
-        from nrl_core.device import all_reduce
-        from nrl_core.moe import balance_metrics
+        from nrl_core.api import all_reduce, balance_metrics
 
         cfg = self.tconfig
         layers = cfg.num_layers

@@ -20,8 +20,7 @@ import torch.distributed as dist
 
 from nrl_backend_megatron.checks import KEY, check_optimizer_section
 from nrl_backend_megatron.model import transformer_engine_installed
-from nrl_core.device import all_reduce
-from nrl_core.errors import ConfigError
+from nrl_core.api import ConfigError, all_reduce
 
 
 @dataclass

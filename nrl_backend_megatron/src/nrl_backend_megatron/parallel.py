@@ -14,8 +14,7 @@ from typing import Any
 import torch.distributed as dist
 
 from nrl_backend_megatron.model import ParallelLayout
-from nrl_core.device import process_group_backend
-from nrl_core.errors import ConfigError
+from nrl_core.api import ConfigError, process_group_backend
 
 KEY = "policy.megatron_cfg"
 

@@ -7,8 +7,7 @@ from __future__ import annotations
 
 from nrl_backend_megatron import commands
 from nrl_backend_megatron.schema import MEGATRON_CFG_SCHEMA
-from nrl_core.contracts import CommandSpec, TrainingBackendSpec
-from nrl_core.hookspecs import hookimpl
+from nrl_core.api import CommandSpec, TrainingBackendSpec, hookimpl
 
 NRL_CONTRACT = 11  # the plugin contract this distribution is written for (docs/plugins.md)
 

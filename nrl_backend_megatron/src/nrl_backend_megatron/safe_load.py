@@ -15,7 +15,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from nrl_core.sdk.safe_dcp import SafeFileSystemReader, UnsafeCheckpointError, load_bytes_item
+from nrl_core.api import SafeFileSystemReader, UnsafeCheckpointError, load_bytes_item
 
 _installed = threading.Lock()
 _done = False

@@ -15,8 +15,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from nrl_core.config.schema import Field, Section
-from nrl_core.errors import ConfigError
+from nrl_core.api import ConfigError, Field, Section
 
 CHECKPOINT_KNOBS = ("fully_parallel_save", "fully_parallel_load", "async_save", "load_rng")
 _SCALAR = (bool, int, float, str)

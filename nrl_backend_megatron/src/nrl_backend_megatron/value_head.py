@@ -21,8 +21,7 @@ from typing import Any
 import torch
 
 from nrl_backend_megatron.convert.families import head_kind
-from nrl_core.errors import ConfigError
-from nrl_core.sdk.value_head import head_has_bias, value_model_config
+from nrl_core.api import ConfigError, head_has_bias, value_model_config
 
 
 class ValueHead(torch.nn.Module):

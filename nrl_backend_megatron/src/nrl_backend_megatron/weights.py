@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from nrl_backend_megatron.convert.mapping import local_name
-from nrl_core.device import all_gather, broadcast
+from nrl_core.api import all_gather, broadcast
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 _EXPERT = re.compile(r"^(.*\.mlp\.experts\.local_experts\.)(\d+)\.(.*)$")

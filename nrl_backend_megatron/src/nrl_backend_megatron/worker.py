@@ -54,31 +54,35 @@ from nrl_backend_megatron.moe import RouterMetrics, check_moe_section, freeze_ro
 from nrl_backend_megatron.optim import build_optimizer, fresh_optimizer, main_params, optimizer_step
 from nrl_backend_megatron.parallel import check_layout, ensure_process_group, init_model_parallel
 from nrl_backend_megatron.weights import iter_full_tensors
-from nrl_core.contracts import (
+from nrl_core.api import NONFINITE_KEY as NAN_KEY
+from nrl_core.api import (
     BatchShard,
     CheckpointOptions,
     LossFunction,
+    NonFiniteError,
+    NrlError,
+    ReferenceWeights,
     TokenBatch,
     TopkShard,
+    TrainingWorkerBase,
     WeightSpec,
-    logprob_temperature,
-)
-from nrl_core.device import (
     all_reduce,
+    base_model_identity,
     broadcast,
     check_batch_device,
+    check_finite,
+    guard_enabled,
     host_copy,
+    logprob_temperature,
     model_device,
     move_optimizer_state,
     move_tensors,
+    next_token_logprobs_at,
+    next_token_topk,
     to_device,
+    training_precision,
+    value_head_type,
 )
-from nrl_core.errors import NrlError
-from nrl_core.nonfinite import KEY as NAN_KEY
-from nrl_core.nonfinite import NonFiniteError, check_finite, guard_enabled
-from nrl_core.sdk import ReferenceWeights, TrainingWorkerBase, base_model_identity, training_precision
-from nrl_core.sdk.value_head import value_head_type
-from nrl_core.sdk.vocab import next_token_logprobs_at, next_token_topk
 
 logger = logging.getLogger(__name__)
 
@@ -575,7 +579,7 @@ class MegatronPolicyWorker(TrainingWorkerBase):
 
     def export_weights(self, bucket_bytes: int, dtype: str) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Full HF tensors (gathered over TP, broadcast over PP) in buckets of <= ``bucket_bytes``."""
-        from nrl_core.refit.buckets import iter_buckets
+        from nrl_core.api import iter_buckets
 
         named = (item for name, full in self._full_megatron(getattr(torch, dtype))
                  for item in megatron_to_hf_items(name, full, self.hf_config))
@@ -586,7 +590,7 @@ class MegatronPolicyWorker(TrainingWorkerBase):
 
     # adapter-only refit (contract 9, policy.refit.adapters): the engine applies them to its base
     def adapter_config(self) -> dict[str, Any]:
-        from nrl_core.refit.adapters import plain_config
+        from nrl_core.api import plain_config
 
         config = lora.peft_config(self._peft_section("adapter_config"),
                                   [spec.name for spec in self.adapter_manifest("float32")], self.model_path)
@@ -602,7 +606,7 @@ class MegatronPolicyWorker(TrainingWorkerBase):
 
     def export_adapter(self, bucket_bytes: int, dtype: str) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """The adapters, whole (gathered over TP, exchanged between stages). Collective."""
-        from nrl_core.refit.buckets import iter_buckets
+        from nrl_core.api import iter_buckets
 
         self._peft_section("export_adapter")
         full = lora.full_adapters(self.adapters, self.tp_group, self.layout.tp, self.pp_group, self.layout.pp)

@@ -12,8 +12,7 @@ import json
 import os
 from pathlib import Path
 
-from nrl_core.contracts import WeightSpec
-from nrl_core.refit.manifest import RefitError
+from nrl_core.api import RefitError, WeightSpec
 
 _OPTIONAL = ("lm_head.weight",)  # dropped from checkpoints with tied embeddings, still in state_dicts
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)

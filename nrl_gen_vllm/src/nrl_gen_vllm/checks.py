@@ -19,9 +19,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from nrl_core.config.model_config import local_model_config
-from nrl_core.errors import ConfigError
-from nrl_core.generation_kit import in_flight_section
+from nrl_core.api import ConfigError, in_flight_section, local_model_config
 from nrl_gen_vllm.engine_args import check_names_known, check_user_engine_kwargs
 
 KEY = "policy.generation.vllm_cfg"

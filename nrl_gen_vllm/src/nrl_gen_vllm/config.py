@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from nrl_core.config.schema import Field, Section
+from nrl_core.api import Field, Section
 
 #: vLLM's cache dtypes nrl passes on (fp8 ones need a GPU, or AVX-512 or AMX on CPU).
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")

@@ -11,8 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from nrl_core.config.loader import value_at
-from nrl_core.errors import ConfigError
+from nrl_core.api import ConfigError, value_at
 
 KEY = "policy.generation.vllm_kwargs"
 #: Engine arguments nrl sets, with the key that sets them (None: nrl's own machinery).

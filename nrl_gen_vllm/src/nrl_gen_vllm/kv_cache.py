@@ -111,8 +111,7 @@ def kv_cache_space(config: Mapping[str, Any], *, max_model_len: int, tensor_para
     """The user's ``vllm_cfg.kv_cache_space_gb`` when set, else :func:`derived_kv_cache` for the
     model ``config`` names (``dtype``: the engine's, ``auto`` for the checkpoint's; ``cache_dtype``:
     ``vllm_cfg.kv_cache_dtype``, one byte per element for the fp8 kinds)."""
-    from nrl_core.config.model_config import local_model_config
-    from nrl_core.refit.buckets import parse_dtype
+    from nrl_core.api import local_model_config, parse_dtype
 
     space_gb = ((config["policy"].get("generation") or {}).get("vllm_cfg") or {}).get("kv_cache_space_gb")
     if space_gb is not None:

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from nrl_core.contracts import GenerationBackendSpec
-from nrl_core.hookspecs import hookimpl
+from nrl_core.api import GenerationBackendSpec, hookimpl
 from nrl_gen_vllm.config import VLLM_CFG
 
 NRL_CONTRACT = 14  # the plugin contract this distribution is written for (docs/plugins.md)

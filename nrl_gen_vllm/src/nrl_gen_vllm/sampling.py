@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from nrl_core.generation_kit import SamplingSettings
-from nrl_core.generation_kit import derive_seed as request_seed
+from nrl_core.api import SamplingSettings
+from nrl_core.api import derive_seed as request_seed
 
 __all__ = ["VllmSampling", "base_seed", "request_seed"]
 

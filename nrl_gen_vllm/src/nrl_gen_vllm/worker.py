@@ -16,14 +16,25 @@ import time
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
-from nrl_core.contracts import GenerationOutput, WeightSpec
-from nrl_core.device import resolve_precision
-from nrl_core.env_vars import environment
-from nrl_core.errors import ConfigError, NrlError
-from nrl_core.generation_kit import SamplingState, SleepState
-from nrl_core.refit.buckets import Bucket, dtype_name, parse_dtype, spec_of
-from nrl_core.refit.manifest import RefitError, TornRefitError, verified_stream, verify
-from nrl_core.timeline import mark
+from nrl_core.api import (
+    Bucket,
+    ConfigError,
+    GenerationOutput,
+    NrlError,
+    RefitError,
+    SamplingState,
+    SleepState,
+    TornRefitError,
+    WeightSpec,
+    dtype_name,
+    parse_dtype,
+    resolve_precision,
+    spec_of,
+    verified_stream,
+)
+from nrl_core.api import environment_variables as environment
+from nrl_core.api import timeline_mark as mark
+from nrl_core.api import verify_manifest as verify
 from nrl_gen_vllm import cpu_shm
 from nrl_gen_vllm.checkpoint import check_against_checkpoint, checkpoint_shapes
 from nrl_gen_vllm.checks import engine_start_error

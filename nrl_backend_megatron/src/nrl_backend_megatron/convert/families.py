@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from nrl_core.errors import ConfigError
+from nrl_core.api import ConfigError
 
 
 @dataclass(frozen=True)

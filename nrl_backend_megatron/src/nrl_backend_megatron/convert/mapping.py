@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from nrl_backend_megatron.convert.families import family_of, head_dim, head_kind, moe_layers
-from nrl_core.sdk.value_head import head_has_bias
+from nrl_core.api import head_has_bias
 
 _TE_RENAMES = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
                "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nrl_core.errors import NrlError
+from nrl_core.api import NrlError
 
 __all__ = ["MegatronCheckpoint", "MegatronCheckpointError", "architecture_of_hf", "check_architecture",
            "check_files", "check_tensors", "locate", "locate_checked", "read_args"]

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from nrl_core.errors import NrlError
+from nrl_core.api import NrlError
 
 __all__ = ["CHUNKS_PER_AXIS", "convert_in_subprocess", "fine_grained", "load_hf_state", "load_shard",
            "save_conversion", "write_sharded"]

@@ -18,19 +18,30 @@ import torch
 
 from nrl_algo_distillation.config import check_distillation
 from nrl_algo_distillation.loss import TEACHER_IDS, TEACHER_LOGPROBS, TopkDistillationLoss
-from nrl_core.algorithms.base import AlgorithmRun
-from nrl_core.algorithms.generation import Generation
-from nrl_core.algorithms.grpo import prompt_limits
-from nrl_core.algorithms.policy import Policy
-from nrl_core.algorithms.rollout_sources import SingleTurnSampler, env_metrics, validates_greedily
-from nrl_core.algorithms.rollouts import repeat_prompts, rollout_batch
-from nrl_core.algorithms.scoring import RolloutGroup, Scorer, merge_groups
-from nrl_core.algorithms.setup import PhaseTimer, build_environment, load_tokenizer
-from nrl_core.config import choose_backends
-from nrl_core.config.checks import data_parallel_size
-from nrl_core.config.models import model_config
-from nrl_core.contracts import GenerationOutput, TokenBatch
-from nrl_core.data import DatumSpec, prepare_data
+from nrl_core.api import (
+    AlgorithmRun,
+    DatumSpec,
+    Generation,
+    GenerationOutput,
+    PhaseTimer,
+    Policy,
+    RolloutGroup,
+    Scorer,
+    SingleTurnSampler,
+    TokenBatch,
+    build_environment,
+    choose_backends,
+    data_parallel_size,
+    env_metrics,
+    load_tokenizer,
+    merge_groups,
+    model_config,
+    prepare_data,
+    prompt_limits,
+    repeat_prompts,
+    rollout_batch,
+    validates_greedily,
+)
 
 
 class Distillation(AlgorithmRun):

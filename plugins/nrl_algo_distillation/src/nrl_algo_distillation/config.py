@@ -8,8 +8,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from nrl_core.config.schema import Field, Section
-from nrl_core.errors import ConfigError
+from nrl_core.api import ConfigError, Field, Section
 
 KL_TYPES = ("forward", "reverse", "mixed")
 
@@ -77,8 +76,7 @@ def check_distillation(config: Mapping[str, Any]) -> None:
 
 
 def _check_backends(config: Mapping[str, Any]) -> None:
-    from nrl_core.config import choose_backends
-    from nrl_core.config.models import model_config
+    from nrl_core.api import choose_backends, model_config
 
     for key, model in (("policy", config), ("teacher", model_config(config, "teacher"))):
         spec = choose_backends(model, generation=False, warn=False).training

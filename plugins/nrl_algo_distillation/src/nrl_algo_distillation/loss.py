@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from nrl_core.contracts import TokenBatch
+from nrl_core.api import TokenBatch
 
 TEACHER_IDS = "teacher_topk_ids"
 TEACHER_LOGPROBS = "teacher_topk_logprobs"

@@ -5,8 +5,7 @@ distillation reads in ``loss_fn``. Free of torch: listing plugins and checking a
 from __future__ import annotations
 
 from nrl_algo_distillation.config import DISTILLATION_SCHEMA, SHARED_KEYS
-from nrl_core import hookimpl
-from nrl_core.contracts import AlgorithmSpec
+from nrl_core.api import AlgorithmSpec, hookimpl
 
 NRL_CONTRACT = 10  # the plugin contract this distribution is written for (docs/plugins.md)
 

@@ -27,21 +27,32 @@ import torch
 from nrl_algo_ppo.config import check_ppo, critic_config
 from nrl_algo_ppo.gae import GAEConfig, advantages_and_returns, explained_variance, terminal_rewards, token_values
 from nrl_algo_ppo.loss import OLD_VALUES, RETURNS, ClippedValueLoss
-from nrl_core.algorithms.async_rollouts import AsyncRollouts
-from nrl_core.algorithms.base import AlgorithmRun
-from nrl_core.algorithms.estimators import RewardKL
-from nrl_core.algorithms.generation import Generation
-from nrl_core.algorithms.grpo import prompt_limits
-from nrl_core.algorithms.policy import Policy
-from nrl_core.algorithms.rollout_sources import RolloutBatch, SingleTurnSampler, env_metrics, validates_greedily
-from nrl_core.algorithms.rollouts import repeat_prompts, rollout_batch
-from nrl_core.algorithms.scoring import RolloutGroup, Scorer, merge_groups
-from nrl_core.algorithms.setup import PhaseTimer, build_environment, load_tokenizer
-from nrl_core.config import choose_backends
-from nrl_core.contracts import TokenBatch, import_object
-from nrl_core.data import DatumSpec, prepare_data
-from nrl_core.errors import NrlError
-from nrl_core.plugins import get_plugin_manager
+from nrl_core.api import (
+    AlgorithmRun,
+    AsyncRollouts,
+    DatumSpec,
+    Generation,
+    NrlError,
+    PhaseTimer,
+    Policy,
+    RewardKL,
+    RolloutBatch,
+    RolloutGroup,
+    Scorer,
+    SingleTurnSampler,
+    TokenBatch,
+    build_environment,
+    build_loss,
+    choose_backends,
+    env_metrics,
+    load_tokenizer,
+    merge_groups,
+    prepare_data,
+    prompt_limits,
+    repeat_prompts,
+    rollout_batch,
+    validates_greedily,
+)
 
 
 class PPO(AlgorithmRun):
@@ -55,9 +66,8 @@ class PPO(AlgorithmRun):
         self.tokenizer = load_tokenizer(config)
         data = prepare_data(config["data"], self.tokenizer, limits=prompt_limits(config))
         self.val_data: list[DatumSpec] = (data.val or [])[: cfg["max_val_samples"]]
-        loss_spec = get_plugin_manager().loss_functions().get(config["loss_fn"]["name"], "loss_fn.name")
         # several optimizer steps per rollout: the ratio needs the logprobs the step began with
-        self.loss_fn = import_object(loss_spec.loss).from_config({**config["loss_fn"], "force_on_policy_ratio": False})
+        self.loss_fn = build_loss(config, force_on_policy_ratio=False)
         self.value_loss = ClippedValueLoss.from_config(config["value_loss_fn"])
         self.gae = GAEConfig.from_section(cfg["adv_estimator"])
         self.reward_kl = RewardKL(config["loss_fn"])

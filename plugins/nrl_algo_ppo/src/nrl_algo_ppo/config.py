@@ -6,11 +6,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from nrl_core.algorithms.grpo_config import GRPO, check_async_rollouts
-from nrl_core.algorithms.rewards import shaping_problem
-from nrl_core.config.checks import check_in_flight
-from nrl_core.config.schema import Field, Section
-from nrl_core.errors import ConfigError
+from nrl_core.api import GRPO_SCHEMA as GRPO
+from nrl_core.api import ConfigError, Field, Section, check_async_rollouts, check_in_flight, shaping_problem
 
 NUMBER = (int, float)
 
@@ -124,11 +121,10 @@ def check_ppo(config: Mapping[str, Any]) -> None:
 def _check_async(config: Mapping[str, Any]) -> None:
     """Asynchronous PPO as NeMo RL runs it: engines of their own that stream groups, and importance
     weights for the rollouts older weights sampled."""
-    from nrl_core.plugins import get_plugin_manager
+    from nrl_core.api import generation_spec
 
     check_async_rollouts(config, "ppo.async_ppo.enabled")
-    generation = config["policy"]["generation"]
-    spec = get_plugin_manager().generation_backends().get(generation["backend"], "policy.generation.backend")
+    spec = generation_spec(config)
     if "streaming" not in spec.capabilities:
         raise ConfigError("ppo.async_ppo.enabled", f"the {spec.name} generation backend ({spec.distribution}) cannot "
                                                    "stream rollouts, which asynchronous PPO needs; set it to false")
@@ -138,9 +134,7 @@ def _check_async(config: Mapping[str, Any]) -> None:
 def _check_critic_backend(config: Mapping[str, Any]) -> None:
     """The critic's backend declares ``value_head`` and accepts the critic with its head (its own
     checks, which the section was validated without when ``reward_model_cfg.enabled`` is false)."""
-    from nrl_core.config import choose_backends
-    from nrl_core.config.checks import run_backend_check
-    from nrl_core.config.models import renamed_error
+    from nrl_core.api import choose_backends, renamed_error, run_backend_check
 
     critic = critic_config(config)
     spec = choose_backends(critic, generation=False, warn=False).training
@@ -157,7 +151,7 @@ def critic_config(config: Mapping[str, Any]) -> dict[str, Any]:
     """The critic as a model config of its own (:func:`nrl_core.config.models.model_config`), with a
     regression value head whatever ``value.reward_model_cfg.enabled`` says (NeMo RL's Megatron
     recipes leave it false: its value worker always has the head)."""
-    from nrl_core.config.models import model_config
+    from nrl_core.api import model_config
 
     critic = model_config(config, "value")
     critic["policy"]["reward_model_cfg"] = {"enabled": True, "reward_model_type": "regression"}

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from nrl_core.algorithms.estimators import generalized_advantages, whiten
+from nrl_core.api import generalized_advantages, whiten
 
 
 def token_values(raw: torch.Tensor) -> torch.Tensor:

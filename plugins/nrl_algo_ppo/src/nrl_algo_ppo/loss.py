@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from nrl_algo_ppo.gae import token_values
-from nrl_core.contracts import TokenBatch
+from nrl_core.api import TokenBatch
 
 RETURNS = "returns"
 OLD_VALUES = "values"

@@ -5,8 +5,7 @@ critic (``value``, a model section shaped like ``policy`` with a value head) and
 from __future__ import annotations
 
 from nrl_algo_ppo.config import PPO_SCHEMA, SHARED_KEYS
-from nrl_core import hookimpl
-from nrl_core.contracts import AlgorithmSpec
+from nrl_core.api import AlgorithmSpec, hookimpl
 
 NRL_CONTRACT = 11  # the plugin contract this distribution is written for (docs/plugins.md)
 

@@ -6,8 +6,7 @@ Where each dataset loads from, its split and what it reads are NeMo RL's (commit
 
 from __future__ import annotations
 
-from nrl_core import hookimpl
-from nrl_core.contracts import DataProcessorSpec, DatasetSpec
+from nrl_core.api import DataProcessorSpec, DatasetSpec, hookimpl
 
 NRL_CONTRACT = 14  # the plugin contract this distribution is written for (docs/plugins.md)
 

@@ -15,8 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from nrl_core.data.processors import DatumSpec, PromptConfig
-from nrl_core.errors import ConfigError, NrlError
+from nrl_core.api import ConfigError, DatumSpec, NrlError, PromptConfig
 
 
 def _render(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from nrl_core.errors import NrlError
+from nrl_core.api import NrlError
 from nrl_env_code.assertions import VALUES_MARK, NotAssertions, Split, decode, encode_source, evaluate, split
 from nrl_env_code.sandbox import Program, RunResult
 

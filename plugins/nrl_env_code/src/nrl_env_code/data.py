@@ -20,9 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from nrl_core.data import DatumSpec
-from nrl_core.data.processors import PromptConfig, build_prompt, sft_processor
-from nrl_core.errors import ConfigError
+from nrl_core.api import ConfigError, DatumSpec, PromptConfig, build_prompt, sft_processor
 
 __all__ = ["FAMILIES", "code_processor", "code_sft_processor", "code_splits", "fenced"]
 

@@ -24,8 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from nrl_core.contracts import EnvResult, EnvSample, EnvStep, Episode
-from nrl_core.errors import ConfigError
+from nrl_core.api import ConfigError, EnvResult, EnvSample, EnvStep, Episode
 from nrl_env_code.checks import TestCase, TestResult, judge, program_for, tests_of
 from nrl_env_code.extract import extract_code
 from nrl_env_code.plugin import CODE_SCHEMA, MULTI_TURN_SCHEMA

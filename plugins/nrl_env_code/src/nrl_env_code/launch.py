@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from nrl_core.errors import NrlError
+from nrl_core.api import NrlError
 
 LAUNCHER = str(Path(__file__).resolve().with_name("_launcher.py"))
 SETUP_SECONDS = 30.0

@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from nrl_core.errors import NrlError, WorkerError, first_line
+from nrl_core.api import NrlError, WorkerError, first_line
 from nrl_env_code.sandbox import Program, RunResult
 from nrl_env_code.worker import SandboxWorker
 
@@ -64,7 +64,7 @@ class SandboxPool:
                  cpus_per_worker: float = 0.1, startup_timeout: float = 120.0, hang_grace: float = 30.0) -> None:
         import ray
 
-        from nrl_core.cluster import init_ray
+        from nrl_core.api import init_ray
 
         init_ray()
         self.section, self.sandbox_section = section, dict(sandbox_section or {})

@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from nrl_core.errors import NrlError
+from nrl_core.api import NrlError
 from nrl_env_code import cgroups, rootfs
 from nrl_env_code.launch import SETUP_SECONDS, CgroupJoinError, Launch, SandboxError
 from nrl_env_code.probe import INNER_UID, PROBE, problems

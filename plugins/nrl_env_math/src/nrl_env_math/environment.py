@@ -24,8 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from nrl_core.contracts import EnvResult, EnvSample
-from nrl_core.errors import ConfigError, WorkerError, first_line
+from nrl_core.api import ConfigError, EnvResult, EnvSample, WorkerError, first_line
 from nrl_env_math.plugin import DAPO_ENV_SCHEMA, MATH_ENV_SCHEMA, VERIFIERS
 from nrl_env_math.verify import extract_answer
 
@@ -60,7 +59,7 @@ class MathEnvironment:
     def __init__(self, config: Mapping[str, Any]) -> None:
         import ray
 
-        from nrl_core.cluster import init_ray
+        from nrl_core.api import init_ray
 
         cfg = self.schema.validate(dict(config), self.section)
         assert cfg is not None

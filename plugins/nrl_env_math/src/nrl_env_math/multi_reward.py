@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from nrl_core.contracts import EnvResult, EnvSample
+from nrl_core.api import EnvResult, EnvSample
 from nrl_env_math.plugin import MULTI_REWARD_SCHEMA
 
 REWARD_NAMES = ("correctness", "integer", "format")

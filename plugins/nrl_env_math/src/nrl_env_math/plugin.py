@@ -6,9 +6,7 @@ stay fast; the environment class is named by import path and loaded only when a 
 
 from __future__ import annotations
 
-from nrl_core import hookimpl
-from nrl_core.config.schema import Field, Section
-from nrl_core.contracts import EnvironmentSpec
+from nrl_core.api import EnvironmentSpec, Field, Section, hookimpl
 
 NRL_CONTRACT = 5  # the plugin contract this distribution is written for (docs/plugins.md)
 

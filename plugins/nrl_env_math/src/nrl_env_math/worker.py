@@ -34,7 +34,7 @@ class VerifierWorker:
     """
 
     def __init__(self, label: str, verifier: str, timeout_seconds: float) -> None:
-        from nrl_core.contracts import import_object
+        from nrl_core.api import import_object
 
         self.label = label
         self.timeout_seconds = float(timeout_seconds)

@@ -9,8 +9,7 @@ import random
 from collections.abc import Mapping
 from typing import Any
 
-from nrl_core.data import DatumSpec
-from nrl_core.data.processors import PromptConfig, build_prompt
+from nrl_core.api import DatumSpec, PromptConfig, build_prompt
 from nrl_env_sliding_puzzle.game import Board, first_move, shuffled
 
 INSTRUCTIONS = ("Slide tiles into the empty space until 1 to {last} are in order, empty last. One action per "

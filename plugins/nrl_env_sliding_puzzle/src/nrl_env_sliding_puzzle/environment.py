@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from nrl_core.contracts import EnvStep, Episode
+from nrl_core.api import EnvStep, Episode
 from nrl_env_sliding_puzzle.game import Board, parse_action, play
 
 STOP = ["</action>"]

@@ -10,10 +10,9 @@ import random
 from collections.abc import Mapping
 from typing import Any
 
-from nrl_core.algorithms.multi_turn import ObservationTokens
-from nrl_core.data import DatumSpec
-from nrl_core.data.processors import PromptConfig, build_prompt
-from nrl_core.tools import CLOSE, OPEN, tool_message
+from nrl_core.api import TOOL_CALL_CLOSE as CLOSE
+from nrl_core.api import TOOL_CALL_OPEN as OPEN
+from nrl_core.api import DatumSpec, ObservationTokens, PromptConfig, build_prompt, tool_message
 from nrl_env_tool_lookup.environment import TOOL_NAME, lookup
 
 QUESTION = "Use the lookup tool to find the value of {key}. What is it?"

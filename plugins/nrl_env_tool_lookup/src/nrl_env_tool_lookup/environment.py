@@ -13,8 +13,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from nrl_core.contracts import EnvStep, Episode
-from nrl_core.tools import ToolCall, ToolCallError, parse_tool_calls, tool_message
+from nrl_core.api import EnvStep, Episode, ToolCall, ToolCallError, parse_tool_calls, tool_message
 
 TOOL_NAME = "lookup"
 TOOLS = [{"type": "function", "function": {

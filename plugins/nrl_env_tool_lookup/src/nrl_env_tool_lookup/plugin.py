@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from nrl_core import hookimpl
-from nrl_core.config.schema import Field, Section
-from nrl_core.contracts import DataProcessorSpec, DatasetGeneratorSpec, EnvironmentSpec
+from nrl_core.api import DataProcessorSpec, DatasetGeneratorSpec, EnvironmentSpec, Field, Section, hookimpl
 
 NRL_CONTRACT = 6  # the plugin contract this distribution is written for (docs/plugins.md)
 

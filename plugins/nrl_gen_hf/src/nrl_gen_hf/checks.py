@@ -6,8 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from nrl_core.config.model_config import local_model_config
-from nrl_core.errors import ConfigError
+from nrl_core.api import ConfigError, local_model_config
 from nrl_gen_hf.config import KEY
 
 

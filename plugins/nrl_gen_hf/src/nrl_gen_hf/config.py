@@ -11,8 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from nrl_core.config.schema import Field, Section
-from nrl_core.device import resolve_precision
+from nrl_core.api import Field, Section, resolve_precision
 
 KEY = "policy.generation.hf_cfg"
 PRECISIONS = ("float32", "bfloat16", "float16")

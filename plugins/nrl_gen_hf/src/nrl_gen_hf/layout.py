@@ -14,9 +14,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from nrl_core.contracts import WeightSpec
-from nrl_core.refit.hf_source import checkpoint_layout
-from nrl_core.refit.manifest import verify
+from nrl_core.api import WeightSpec, checkpoint_layout
+from nrl_core.api import verify_manifest as verify
 
 if TYPE_CHECKING:
     import torch

@@ -15,7 +15,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from nrl_core.generation_kit import SamplingSettings
+from nrl_core.api import SamplingSettings
 
 if TYPE_CHECKING:
     import torch

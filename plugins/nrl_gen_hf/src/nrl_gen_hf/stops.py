@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from nrl_core.generation_kit import stop_string_end
+from nrl_core.api import stop_string_end
 
 
 def cut(tokens: Sequence[int], stop_ids: frozenset[int], stop_strings: Sequence[str],

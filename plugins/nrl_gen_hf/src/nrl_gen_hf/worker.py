@@ -13,11 +13,18 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from nrl_core.contracts import GenerationOutput, WeightSpec
-from nrl_core.errors import NrlError
-from nrl_core.generation_kit import SamplingState, SleepState
-from nrl_core.refit.buckets import Bucket, parse_dtype, spec_of
-from nrl_core.refit.manifest import RefitError, verify
+from nrl_core.api import (
+    Bucket,
+    GenerationOutput,
+    NrlError,
+    RefitError,
+    SamplingState,
+    SleepState,
+    WeightSpec,
+    parse_dtype,
+    spec_of,
+)
+from nrl_core.api import verify_manifest as verify
 from nrl_gen_hf import memory
 from nrl_gen_hf.config import EngineSettings
 from nrl_gen_hf.layout import RefitLayout
@@ -37,7 +44,7 @@ def _device() -> Any:
 def _load_model(settings: EngineSettings, device: Any) -> Any:
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    from nrl_core.config.model_config import read_model_config
+    from nrl_core.api import read_model_config
 
     hf_config = read_model_config(settings.model_dir, trust_remote_code=settings.trust_remote_code,
                                   overrides=settings.hf_config_overrides)

@@ -16,10 +16,7 @@ from typing import Any
 
 import torch
 
-from nrl_core.algorithms.preference_run import PreferenceRun
-from nrl_core.algorithms.setup import PhaseTimer
-from nrl_core.contracts import TokenBatch
-from nrl_core.data.preference import PreferencePair
+from nrl_core.api import PhaseTimer, PreferencePair, PreferenceRun, TokenBatch
 from nrl_reward_model.config import check_rm
 from nrl_reward_model.loss import BradleyTerryLoss
 

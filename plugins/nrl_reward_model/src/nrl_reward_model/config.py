@@ -6,8 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from nrl_core.config.schema import Field, Section
-from nrl_core.errors import ConfigError
+from nrl_core.api import ConfigError, Field, Section
 
 RM_SCHEMA = Section(doc="Bradley-Terry reward-model training (nrl-reward-model). policy.train_global_batch_size and "
                         "train_micro_batch_size count preference pairs; the model sees twice as many sequences.",

@@ -4,7 +4,7 @@ sequences one scoring pass takes (``batch_size``). Free of torch."""
 
 from __future__ import annotations
 
-from nrl_core.config.schema import Field, Section
+from nrl_core.api import Field, Section
 
 OPEN = dict(nullable=True, open=True)
 

@@ -16,14 +16,20 @@ from typing import Any
 
 import torch
 
-from nrl_core.algorithms.policy import Policy
-from nrl_core.config import choose_backends
-from nrl_core.config.models import renamed_error
-from nrl_core.config.validate import validate_config
-from nrl_core.contracts import EnvResult, EnvSample, TokenBatch
-from nrl_core.data import DatumSpec, prompt_batch
-from nrl_core.errors import ConfigError, NrlError
-from nrl_core.sdk.value_head import last_token_values
+from nrl_core.api import (
+    ConfigError,
+    DatumSpec,
+    EnvResult,
+    EnvSample,
+    NrlError,
+    Policy,
+    TokenBatch,
+    choose_backends,
+    last_token_values,
+    prompt_batch,
+    renamed_error,
+    validate_config,
+)
 
 SECTION = "env.reward_model"
 BACKEND_KEYS = ("dtensor_cfg", "megatron_cfg", "dynamic_batching", "sequence_packing")
@@ -82,7 +88,7 @@ class RewardModelEnvironment:
     def __init__(self, section: Mapping[str, Any]) -> None:
         from transformers import AutoTokenizer
 
-        from nrl_core.config.checks import data_parallel_size
+        from nrl_core.api import data_parallel_size
 
         self.config = scorer_config(section)
         policy = self.config["policy"]

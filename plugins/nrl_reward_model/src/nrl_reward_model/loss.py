@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from nrl_core.contracts import TokenBatch
-from nrl_core.data.preference import check_pairs
-from nrl_core.sdk.value_head import last_token_values
+from nrl_core.api import TokenBatch, check_pairs, last_token_values
 
 
 class BradleyTerryLoss:

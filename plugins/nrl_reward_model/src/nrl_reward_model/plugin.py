@@ -3,8 +3,7 @@ group. Free of torch: listing plugins and checking a config stay fast."""
 
 from __future__ import annotations
 
-from nrl_core import hookimpl
-from nrl_core.contracts import AlgorithmSpec, EnvironmentSpec
+from nrl_core.api import AlgorithmSpec, EnvironmentSpec, hookimpl
 from nrl_reward_model.config import RM_SCHEMA
 from nrl_reward_model.env_config import REWARD_MODEL_ENV_SCHEMA
 

@@ -6,9 +6,7 @@ This module is what the entry point names, so it imports nothing heavy: the work
 transformers) is named by its import path and loaded only when a run builds it.
 """
 
-from nrl_core import hookimpl
-from nrl_core.config.schema import Field, Section
-from nrl_core.contracts import AlgorithmSpec, TrainingBackendSpec
+from nrl_core.api import AlgorithmSpec, Field, Section, TrainingBackendSpec, hookimpl
 
 WORKER_PATH = "nrl_example_plugin.worker:ExampleWorker"
 

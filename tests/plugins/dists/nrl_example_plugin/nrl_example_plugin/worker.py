@@ -21,12 +21,25 @@ from typing import Any
 
 import torch
 
-from nrl_core.contracts import BatchShard, CheckpointOptions, LossFunction, TokenBatch, WeightSpec, logprob_temperature
-from nrl_core.errors import ConfigError, NrlError
-from nrl_core.nonfinite import check_finite, guard_enabled
-from nrl_core.refit.buckets import parse_dtype
-from nrl_core.refit.hf_source import HFWeightSource
-from nrl_core.sdk import ReferenceWeights, TrainingWorkerBase, rng_state, set_rng_state, training_precision
+from nrl_core.api import (
+    BatchShard,
+    CheckpointOptions,
+    ConfigError,
+    HFWeightSource,
+    LossFunction,
+    NrlError,
+    ReferenceWeights,
+    TokenBatch,
+    TrainingWorkerBase,
+    WeightSpec,
+    check_finite,
+    guard_enabled,
+    logprob_temperature,
+    parse_dtype,
+    rng_state,
+    set_rng_state,
+    training_precision,
+)
 
 STATE_FILE = "example_state.pt"
 
@@ -40,8 +53,7 @@ class ExampleWorker(TrainingWorkerBase):
         if world_size != 1:
             raise ConfigError("cluster", f"the example backend trains on one rank, got a world of {world_size}")
         self.config, self.rank, self.device = config, rank, torch.device("cpu")
-        policy = config["policy"]
-        self.policy = policy
+        self.policy = policy = config["policy"]
         if policy.get("scheduler"):
             raise ConfigError("policy.scheduler", "the example backend has no LR schedulers; remove policy.scheduler")
         self.temperature = logprob_temperature(config)
@@ -57,8 +69,7 @@ class ExampleWorker(TrainingWorkerBase):
         if optimizer.get("name", "torch.optim.AdamW") not in ("torch.optim.AdamW", "AdamW"):
             raise ConfigError("policy.optimizer.name", "the example backend supports torch.optim.AdamW only")
         self.optimizer = torch.optim.AdamW(self.model.parameters(), **(optimizer.get("kwargs") or {}))
-        self.section = policy["example_cfg"]
-        self.step = 0
+        self.section, self.step = policy["example_cfg"], 0
         self._pending_save: threading.Thread | None = None
 
     # ------------------------------------------------------------------ logprobs and training
@@ -149,7 +160,7 @@ class ExampleWorker(TrainingWorkerBase):
         if not file.is_file():
             raise NrlError(f"checkpoint {path} does not exist or is incomplete (no {STATE_FILE})")
         try:
-            state = torch.load(file, weights_only=False)
+            state = torch.load(file, weights_only=True)  # tensors and plain values only: nothing unpickled
         except Exception as exc:  # noqa: BLE001 - any unreadable file is one line
             raise NrlError(f"checkpoint {path} is truncated or corrupt ({type(exc).__name__})") from None
         current = self.model.state_dict()
