@@ -35,14 +35,22 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([{"name": i.name, "distribution": i.distribution, "version": i.version, "contract": i.contract,
                            "hooks": i.hooks} for i in infos], indent=2))
-        return 0
+        return _refuse_clashes(pm)
     for info in infos:
         contract = f"contract {info.contract}" if info.contract is not None else "-"
         print(f"{info.name:<24} {info.distribution or '-':<24} {info.version or '-':<10} {contract:<11} "
               f"{', '.join(info.hooks)}")
     for name, message in pm.failed.items():
         print(f"{name:<24} FAILED: {message}")
-    return 0
+    return _refuse_clashes(pm)
+
+
+def _refuse_clashes(pm: Any) -> int:
+    """After the listing, one line for each name two plugins register, and the usage exit status."""
+    clashes = pm.clashes()
+    for message in clashes:
+        print(f"error: {message}", file=sys.stderr)
+    return EXIT_USAGE if clashes else 0
 
 
 def _cmd_config_check(args: argparse.Namespace) -> int:

@@ -119,9 +119,10 @@ class Registry(Generic[T]):
     """Descriptors of one kind keyed by ``name``, each with the plugin (entry-point name) that
     registered it.
 
-    A name registered twice is not an error until something asks for it: the first registration
-    stays, a warning names both, and :meth:`get` of that name fails in one line saying which entry
-    point to block. So an unrelated clash never stops a config that does not use the name.
+    A name registered twice keeps its first registration, a warning names both, and :meth:`get`
+    of that name fails in one line saying which entry point to block. ``nrl plugins`` and validation
+    refuse any clash up front (:meth:`PluginManager.clashes`), since which registration comes first
+    is load order.
     """
 
     def __init__(self, kind: str, specs: Iterable[tuple[str, T]], failed: Mapping[str, str] | None = None) -> None:
@@ -330,6 +331,18 @@ class PluginManager:
             return spec
         path = adapter_path(spec.worker, role, self.contract_of(plugin), plugin)
         return spec if path == spec.worker else dataclasses.replace(spec, worker=path)
+
+    def clashes(self, *, commands: bool = True) -> list[str]:
+        """One line for each name two plugins register in one registry, naming both distributions.
+        Which of the two a lookup would get depends on load order, so ``nrl plugins`` and
+        validation refuse an installation with any; ``commands=False`` leaves out the subcommands,
+        which no config selects."""
+        registries = [self.training_backends(), self.generation_backends(), self.environments(),
+                      self.refit_transports(), self.metric_sinks(), self.data_processors(), self.dataset_generators(),
+                      self.datasets(), self.algorithms(), self.advantage_estimators(), self.loss_functions()]
+        if commands:
+            registries.append(self.commands())
+        return [message for registry in registries for message in registry.clashes.values()]
 
     def training_backends(self) -> Registry[TrainingBackendSpec]:
         return self._registry("training backend", self._pm.hook.nrl_training_backends)

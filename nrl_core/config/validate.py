@@ -20,7 +20,7 @@ from nrl_core.config.nemo_rl import refuse_missing_algorithm, with_nemo_rl_keys
 from nrl_core.config.nemo_rl_inert import named_inert_keys
 from nrl_core.config.schema import Field, Section, note_inert, warn_inert_keys_once
 from nrl_core.contracts import GenerationBackendSpec, TrainingBackendSpec
-from nrl_core.errors import ConfigError
+from nrl_core.errors import ConfigError, PluginError
 from nrl_core.plugins import PluginManager, get_plugin_manager
 
 logger = logging.getLogger(__name__)
@@ -134,6 +134,10 @@ def validate_config(raw: Mapping[str, Any], pm: PluginManager | None = None, *,
     policy's workers start.
     """
     pm = pm or get_plugin_manager()
+    clashes = pm.clashes(commands=False)
+    if clashes:
+        more = f" ({len(clashes) - 1} more: nrl plugins lists them)" if len(clashes) > 1 else ""
+        raise PluginError(clashes[0] + more)
     try:
         return _validate(raw, pm, algorithm, backend_checks)
     except ConfigError as exc:

@@ -33,9 +33,10 @@ def test_registered_plugin_is_visible_only_inside_the_block():
     assert "dice-plugin" not in {p.name for p in pm.list_plugins()}
 
 
-def test_a_name_registered_twice_fails_only_where_it_is_used(caplog):
-    """An unrelated clash must not stop a config that does not use the name; using it says which
-    entry point to block (NRL_BLOCKED_PLUGINS takes entry-point names)."""
+def test_a_name_registered_twice_fails_in_one_line_where_it_is_used(caplog):
+    """In the registry the other names still resolve, and using the clashing one says which entry
+    point to block (NRL_BLOCKED_PLUGINS takes entry-point names); validation and ``nrl plugins``
+    refuse any clash up front (tests/core/test_plugin_clashes.py)."""
     pm = PluginManager()
     with pm.registered(Envs(_env("dice", "nrl-dice")), name="a"), \
             pm.registered(Envs(_env("dice", "nrl-dice2")), name="b"), \
@@ -46,6 +47,7 @@ def test_a_name_registered_twice_fails_only_where_it_is_used(caplog):
                                               r"and by entry point 'b' of nrl-dice2\); uninstall one distribution or "
                                               r"block one entry point, e.g. NRL_BLOCKED_PLUGINS=b$"):
             registry.get("dice", "env.dice")
+        assert pm.clashes() == [registry.clashes["dice"]]
     assert "registered twice" in caplog.text
 
 
