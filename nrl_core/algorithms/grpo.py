@@ -34,6 +34,8 @@ from nrl_core.algorithms.scoring import RolloutGroup, Scorer, merge_groups, merg
 from nrl_core.algorithms.setup import PhaseTimer, build_environment, build_loss, generation_spec, load_tokenizer
 from nrl_core.contracts import AdvantageInputs, GenerationOutput, TokenBatch, import_object
 from nrl_core.data import DatumSpec, LengthLimits, prepare_data
+from nrl_core.errors import NrlError
+from nrl_core.plugin_faults import PluginOwner, plugin_answer_error, plugin_fault
 from nrl_core.plugins import get_plugin_manager
 
 logger = logging.getLogger(__name__)
@@ -52,9 +54,12 @@ class GRPO(AlgorithmRun):
         self.val_data: list[DatumSpec] = (data.val or [])[: config["grpo"]["max_val_samples"]]
         self.on_policy_ratio = on_policy_ratio(config)
         self.loss_fn = build_loss(config, force_on_policy_ratio=self.on_policy_ratio)
-        self.estimator_spec = get_plugin_manager().advantage_estimators().get(config["grpo"]["adv_estimator"]["name"],
-                                                                 "grpo.adv_estimator.name")
+        estimators, name = get_plugin_manager().advantage_estimators(), config["grpo"]["adv_estimator"]["name"]
+        self.estimator_spec = estimators.get(name, "grpo.adv_estimator.name")
+        self.estimator_owner = PluginOwner("advantage estimator", name, self.estimator_spec.distribution,
+                                           estimators.owner(name))
         self.estimator = import_object(self.estimator_spec.estimator)(config["grpo"]["adv_estimator"], config)
+        logger.info("advantage estimator: %s, from %s", name, self.estimator_spec.distribution)
         logger.info("previous-policy logprobs: %s", "from the training forward (one optimizer step per GRPO step)"
                     if self.on_policy_ratio else "a separate get_logprobs pass")
         self.env = build_environment(config)
@@ -139,8 +144,19 @@ class GRPO(AlgorithmRun):
                    groups: Sequence[RolloutGroup]) -> torch.Tensor:
         """The estimator's advantages per token (zero outside the responses), responses to identical
         prompts grouped together, clipped to ``grpo.advantage_clip_low/high``."""
-        advantages = self.estimator(AdvantageInputs(rewards=rewards, group_ids=prompt_group_ids(prompt_ids), batch=batch,
-                                                    reward_components=reward_components(groups)))
+        inputs = AdvantageInputs(rewards=rewards, group_ids=prompt_group_ids(prompt_ids), batch=batch,
+                                 reward_components=reward_components(groups))
+        method = f"{type(self.estimator).__name__}.__call__"
+        try:
+            advantages = self.estimator(inputs)
+        except NrlError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the plugin's fault, in one line naming it
+            raise plugin_fault(self.estimator_owner, method, exc, self.config["logger"]["log_dir"]) from exc
+        if not isinstance(advantages, torch.Tensor) or advantages.dim() not in (1, 2) or len(advantages) != len(rewards):
+            got = tuple(advantages.shape) if isinstance(advantages, torch.Tensor) else type(advantages).__name__
+            raise plugin_answer_error(self.estimator_owner, method, f"returned {got} for {len(rewards)} responses; it "
+                                      f"must return a tensor of one advantage per response or per token")
         if advantages.dim() == 1:
             advantages = advantages.unsqueeze(1)
         advantages = clip_advantages(advantages, self.cfg["advantage_clip_low"], self.cfg["advantage_clip_high"])

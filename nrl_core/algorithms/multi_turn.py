@@ -112,8 +112,9 @@ class MultiTurnSampler:
                  env: MultiTurnEnvironment, max_length: int) -> None:
         """``max_length`` bounds an episode's context: ``policy.max_total_sequence_length``, or the
         engine's ``max_model_len`` when lower."""
-        if not isinstance(env, MultiTurnEnvironment):
-            raise NrlError(f"data.env_name: environment {type(env).__name__} has no step(episodes) method, so it "
+        built = getattr(env, "plugin_object", env)  # the plugin's own object behind the run's boundary
+        if not isinstance(built, MultiTurnEnvironment):
+            raise NrlError(f"data.env_name: environment {type(built).__name__} has no step(episodes) method, so it "
                            "cannot play multi-turn episodes; its spec must not say multi_turn=True")
         grpo, policy = config["grpo"], config["policy"]
         self.generation = generation

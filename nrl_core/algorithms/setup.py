@@ -14,9 +14,12 @@ from typing import Any
 
 import torch
 
+from nrl_core.algorithms.guarded_env import GuardedEnvironment
 from nrl_core.checkpoint.manager import CheckpointManager
 from nrl_core.cluster import init_ray
 from nrl_core.contracts import Environment, GenerationBackendSpec, LossFunction, import_object
+from nrl_core.errors import NrlError
+from nrl_core.plugin_faults import PluginOwner, plugin_fault
 from nrl_core.plugins import get_plugin_manager
 from nrl_core.timeline import mark
 from nrl_core.watchdog import phase as watched
@@ -67,6 +70,7 @@ def build_loss(config: Mapping[str, Any], *, force_on_policy_ratio: bool) -> Los
     algorithm takes one optimizer step per batch of rollouts, so the ratio's old logprobs are the
     training forward's own."""
     spec = get_plugin_manager().loss_functions().get(config["loss_fn"]["name"], "loss_fn.name")
+    logger.info("loss: %s, from %s", spec.name, spec.distribution)
     return import_object(spec.loss).from_config({**config["loss_fn"], "force_on_policy_ratio": force_on_policy_ratio})
 
 
@@ -78,15 +82,22 @@ def generation_spec(config: Mapping[str, Any]) -> GenerationBackendSpec:
 
 def build_environment(config: Mapping[str, Any]) -> Environment:
     name = config["data"]["env_name"]
-    spec = get_plugin_manager().environments().get(name, "data.env_name")
+    registry = get_plugin_manager().environments()
+    spec = registry.get(name, "data.env_name")
     section = (config.get("env") or {}).get(name)
     if section is None:
         section = spec.config_schema.validate({}, f"env.{name}")
     init_ray(config.get("cluster"))  # before the environment's workers, so they start on the configured cluster
     mark("environment_build_start", env=name)
-    environment = import_object(spec.environment)(section)
+    owner = PluginOwner("environment", name, spec.distribution, registry.owner(name))
+    try:
+        environment = import_object(spec.environment)(section)
+    except Exception as exc:  # noqa: BLE001 - the plugin's fault, in one line naming it
+        if isinstance(exc, NrlError):
+            raise  # already a one-line message meant for the user (a bad env section)
+        raise plugin_fault(owner, spec.environment.rsplit(":", 1)[-1], exc, (config.get("logger") or {}).get("log_dir")) from exc
     mark("environment_built", env=name)
-    return environment
+    return GuardedEnvironment(environment, owner, (config.get("logger") or {}).get("log_dir"))
 
 
 def seed_everything(seed: int) -> None:

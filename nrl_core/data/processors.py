@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from nrl_core.errors import ConfigError, NrlError
+from nrl_core.plugin_faults import PluginOwner, plugin_answer_error, plugin_fault
 
 __all__ = ["DatumSpec", "LengthLimits", "PreparedData", "PromptConfig", "Processor", "build_prompt", "get_processor",
            "math_processor", "prepare_data", "process_records", "response_tokens", "sft_processor"]
@@ -156,10 +157,32 @@ Processor = Callable[[Mapping[str, Any], int, Any, PromptConfig], DatumSpec]
 def get_processor(name: str) -> Processor:
     """The processor registered as ``name`` (``nrl_data_processors``; the core's ``math`` and
     ``sft`` among them); a miss lists the installed ones."""
+    return _registered_processor(name)[0]
+
+
+def _registered_processor(name: str) -> tuple[Processor, PluginOwner]:
     from nrl_core.contracts import import_object
     from nrl_core.plugins import get_plugin_manager
 
-    return import_object(get_plugin_manager().data_processors().get(name, "data.processor").processor)
+    registry = get_plugin_manager().data_processors()
+    spec = registry.get(name, "data.processor")
+    return import_object(spec.processor), PluginOwner("data processor", name, spec.distribution, registry.owner(name))
+
+
+def _processed(fn: Processor, owner: PluginOwner, record: Mapping[str, Any], idx: int, tokenizer: Any,
+               cfg: PromptConfig, location: str) -> DatumSpec:
+    """One record through the processor plugin: what it raises, or a result that is not a
+    ``DatumSpec``, is one line naming it and the record (a ``NrlError`` is its own message)."""
+    try:
+        datum = fn(record, idx, tokenizer, cfg)
+    except NrlError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the plugin's fault, in one line naming it
+        raise plugin_fault(owner, f"{fn.__name__} on {location}", exc, None) from exc
+    if not isinstance(datum, DatumSpec):
+        raise plugin_answer_error(owner, fn.__name__, f"returned {type(datum).__name__} for {location}; it must "
+                                                      f"return a DatumSpec")
+    return datum
 
 
 def math_processor(record: Mapping[str, Any], idx: int, tokenizer: Any, cfg: PromptConfig) -> DatumSpec:
@@ -233,14 +256,14 @@ def process_records(records: Sequence[Mapping[str, Any]], tokenizer: Any, cfg: P
     everything is an error.
     """
     limits = limits or LengthLimits(total=max_length)
-    fn = get_processor(processor)
+    fn, owner = _registered_processor(processor)
     out: list[DatumSpec] = []
     dropped: dict[str, list[str]] = {}  # "<key>=<limit>" -> where each dropped example is
     for idx, record in enumerate(records):
-        datum = fn(record, idx, tokenizer, cfg)
+        location = where[idx] if where is not None else f"{source} index {idx}"
+        datum = _processed(fn, owner, record, idx, tokenizer, cfg, location)
         reason = _too_long(datum, cfg, limits)
         if reason is not None:
-            location = where[idx] if where is not None else f"{source} index {idx}"
             dropped.setdefault(reason, []).append(f"{location} ({len(datum.prompt_ids)} prompt tokens)")
             continue
         if limits.total is not None and datum.length > limits.total:

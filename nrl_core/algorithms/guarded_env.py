@@ -1,0 +1,65 @@
+"""The run's side of an environment plugin: what it raises, or answers in the wrong shape, stops the
+run in one line naming the plugin and the method (:mod:`nrl_core.plugin_faults`), before a wrong
+answer can surface as a traceback deep in the scorer or the multi-turn loop."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from nrl_core.contracts import EnvResult, EnvStep
+from nrl_core.errors import PluginError
+from nrl_core.plugin_faults import PluginOwner, plugin_answer_error, plugin_fault
+
+
+class GuardedEnvironment:
+    """An environment as the algorithms call it: ``score``, ``step`` and ``shutdown`` checked at the
+    boundary; anything else reaches the plugin's object unchanged."""
+
+    def __init__(self, environment: Any, owner: PluginOwner, log_dir: str | Path | None) -> None:
+        self.plugin_object = environment  # what the plugin built, for checks of its own type
+        self.owner = owner
+        self.log_dir = log_dir
+
+    def score(self, samples: list[Any]) -> EnvResult:
+        result = self._call("score", self.plugin_object.score, samples)
+        if not isinstance(result, EnvResult):
+            raise self._wrong("score", f"returned {type(result).__name__}; it must return an EnvResult")
+        if len(result.rewards) != len(samples):
+            raise self._wrong("score", f"returned {len(result.rewards)} rewards for {len(samples)} samples; it "
+                                       f"must score each sample once, in order")
+        return result
+
+    def step(self, episodes: list[Any]) -> list[EnvStep]:
+        steps = self._call("step", self.plugin_object.step, episodes)
+        if not isinstance(steps, list | tuple):
+            raise self._wrong("step", f"returned {type(steps).__name__}; it must return a list of EnvStep")
+        if len(steps) != len(episodes):
+            raise self._wrong("step", f"returned {len(steps)} results for {len(episodes)} episodes; it must "
+                                      f"answer each episode once, in order")
+        wrong = next((i for i, step in enumerate(steps) if not isinstance(step, EnvStep)), None)
+        if wrong is not None:
+            raise self._wrong("step", f"returned {type(steps[wrong]).__name__} for episode {wrong}; it must "
+                                      f"return an EnvStep for each episode")
+        return list(steps)
+
+    def shutdown(self) -> None:
+        shutdown = getattr(self.plugin_object, "shutdown", None)
+        if shutdown is not None:
+            self._call("shutdown", shutdown)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["plugin_object"], name)
+
+    def _call(self, method: str, function: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return function(*args)
+        except Exception as exc:  # noqa: BLE001 - any fault of the plugin's is one line naming it
+            raise plugin_fault(self.owner, self._qualified(method), exc, self.log_dir) from exc
+
+    def _wrong(self, method: str, problem: str) -> PluginError:
+        return plugin_answer_error(self.owner, self._qualified(method), problem)
+
+    def _qualified(self, method: str) -> str:
+        return f"{type(self.plugin_object).__name__}.{method}"

@@ -1,0 +1,71 @@
+"""A faulty plugin in a real GRPO run (``nrl train``, a Ray of the run's own): an environment or
+an advantage estimator; the run exits 2 with one line naming the plugin's distribution, entry
+point and method, and nothing of it is left running. The environment's faults in-process, with
+every message: tests/core/test_guarded_env.py; a data processor's: tests/core/test_processor_faults.py."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.test_grpo import nrl_train
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+NAMED = "error: {kind} '{name}' of nrl-faulty-plugins (entry point 'tests.e2e.faulty_plugins'): "
+FAULTS = {  # case: (overrides, what the plugin is, the line after NAMED)
+    "environment-raises": (["data.env_name=raising"], ("environment", "raising"),
+                           "RaisingEnvironment.score raised ZeroDivisionError: the grader divided by the empty "
+                           "answer; traceback in "),
+    "environment-too-few": (["data.env_name=short"], ("environment", "short"),
+                            "ShortEnvironment.score returned {short} rewards for {n} samples; it must score each "
+                            "sample once, in order"),
+    "environment-wrong-type": (["data.env_name=wrong_type", "grpo.max_rollout_turns=2"], ("environment", "wrong_type"),
+                               "WrongTypeEnvironment.step returned dict for episode 0; it must return an EnvStep for "
+                               "each episode"),
+    "estimator-raises": (["grpo.adv_estimator.name=raising"], ("advantage estimator", "raising"),
+                         "RaisingEstimator.__call__ raised IndexError: group 3 of 2; traceback in "),
+}
+TEARDOWN_S = 5.0
+
+
+def _left_in(tmp: Path) -> dict[int, str]:
+    """Live processes working in ``tmp``: the run's driver, Ray and workers all start there."""
+    left = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if Path(os.readlink(entry / "cwd")).is_relative_to(tmp) and \
+                    (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                left[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()[:120]
+        except OSError:
+            continue
+    return left
+
+
+@pytest.mark.parametrize("case", list(FAULTS))
+def test_a_faulty_plugin_stops_the_run_in_one_line_naming_it(case, tmp_path, model):
+    overrides, (kind, name), line = FAULTS[case]
+    env = {"NRL_PLUGINS": "tests.e2e.faulty_plugins", "RAY_ADDRESS": "",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = nrl_train(tmp_path, model, "grpo.max_num_steps=1", "checkpointing.enabled=false", *overrides, env=env)
+    gone_by = time.monotonic() + TEARDOWN_S
+    while _left_in(tmp_path) and time.monotonic() < gone_by:
+        time.sleep(0.2)
+    assert not _left_in(tmp_path), _left_in(tmp_path)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    if case == "environment-too-few":
+        n = int(errors[0].split(" samples;")[0].rsplit(" ", 1)[1])
+        line = line.format(short=n - 1, n=n)
+    assert errors[0].startswith(NAMED.format(kind=kind, name=name) + line), errors[0]
+    if line.endswith("traceback in "):
+        trace = Path(errors[0].rsplit("traceback in ", 1)[1])
+        assert trace.is_relative_to(tmp_path / "logs" / "faults"), trace
+        assert line.split(" raised ")[1].split(":")[0] in trace.read_text()
