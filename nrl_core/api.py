@@ -220,13 +220,12 @@ _SECTIONS: dict[str, dict[str, str]] = {
         "generation_backend_suite": "nrl_core.testing.conformance",
         "hf_logprobs": "nrl_core.testing.conformance.scenarios",
         "hf_model": "nrl_core.testing.conformance.scenarios",
-        "registered_plugin": "nrl_core.plugins",
         "init_local_group": "nrl_core.testing.distributed",
+        "registered_plugin": "nrl_core.plugins",
         "run_distributed": "nrl_core.testing.distributed",
         "training_backend_suite": "nrl_core.testing.conformance",
     },
 }
-
 
 
 def _exports() -> dict[str, tuple[str, str]]:

@@ -16,12 +16,15 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from nrl_core.errors import NrlError, WorkerRaisedError
 from nrl_core.long_lived import freeze_at_exit, long_lived_objects
+
+if TYPE_CHECKING:
+    from nrl_core.plugins import PluginManager
 
 EXIT_USAGE = 2
 EXIT_BUG = 1
@@ -45,7 +48,7 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
     return _refuse_clashes(pm)
 
 
-def _refuse_clashes(pm: Any) -> int:
+def _refuse_clashes(pm: PluginManager) -> int:
     """After the listing, one line for each name two plugins register, and the usage exit status."""
     clashes = pm.clashes()
     for message in clashes:

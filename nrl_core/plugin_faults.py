@@ -5,14 +5,16 @@ instead of ending in forty lines of someone else's stack."""
 
 from __future__ import annotations
 
-import time
+import os
 import traceback
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
-from nrl_core.errors import PluginError, first_line
+from nrl_core.errors import NrlError, PluginError
 
 FAULTS_DIR = "faults"
+CORE_DISTRIBUTION = "nrl-core"
 
 
 @dataclass(frozen=True)
@@ -24,8 +26,20 @@ class PluginOwner:
     distribution: str
     entry_point: str
 
+    @property
+    def is_core(self) -> bool:
+        """The core's own built-ins: their faults are the core's bugs, reported with a traceback."""
+        return self.distribution == CORE_DISTRIBUTION
+
     def __str__(self) -> str:
         return f"{self.kind} '{self.name}' of {self.distribution} (entry point '{self.entry_point}')"
+
+
+def reraise_unless_plugin_fault(owner: PluginOwner, exc: Exception) -> None:
+    """Re-raise what is not a plugin's fault to report: an ``NrlError`` (a one-line message meant for
+    the user already, or a worker's own report) and anything the core's built-ins raise."""
+    if owner.is_core or isinstance(exc, NrlError) or isinstance(_cause(exc), NrlError):
+        raise _cause(exc) if isinstance(_cause(exc), NrlError) else exc
 
 
 def plugin_fault(owner: PluginOwner, method: str, exc: BaseException, log_dir: str | Path | None) -> PluginError:
@@ -33,15 +47,16 @@ def plugin_fault(owner: PluginOwner, method: str, exc: BaseException, log_dir: s
     ``<log_dir>/faults/`` (named in the line) when the run has a log directory."""
     where = ""
     if log_dir is not None:
-        path = Path(log_dir) / FAULTS_DIR / f"{time.strftime('%Y%m%d-%H%M%S')}-{owner.entry_point}-{method}.txt"
+        stamp = datetime.now().strftime("%Y%m%d-%H%M%S-%f")
+        path = Path(log_dir) / FAULTS_DIR / f"{stamp}-{os.getpid()}-{owner.entry_point}-{method}.txt"
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(f"{owner}: {method}\n" + "".join(traceback.format_exception(exc)))
             where = f"; traceback in {path}"
         except OSError:
             pass
-    message = first_line(exc) if _remote(exc) else f"{type(exc).__name__}: {' '.join(str(exc).split())}"
-    return PluginError(f"{owner}: {method} raised {message}{where}")
+    cause = _cause(exc)
+    return PluginError(f"{owner}: {method} raised {type(cause).__name__}: {' '.join(str(cause).split())}{where}")
 
 
 def plugin_answer_error(owner: PluginOwner, method: str, problem: str) -> PluginError:
@@ -49,6 +64,7 @@ def plugin_answer_error(owner: PluginOwner, method: str, problem: str) -> Plugin
     return PluginError(f"{owner}: {method} {problem}")
 
 
-def _remote(exc: BaseException) -> bool:
-    """Ray wraps an actor's exception in its own, whose text starts with the remote traceback."""
-    return type(exc).__module__.startswith("ray.")
+def _cause(exc: BaseException) -> BaseException:
+    """The plugin's own exception inside Ray's wrapper (an actor's error arrives as ``.cause``)."""
+    cause = getattr(exc, "cause", None)
+    return cause if isinstance(cause, BaseException) else exc

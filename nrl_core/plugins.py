@@ -9,7 +9,7 @@ Environment switches:
 
 * ``NRL_STRICT_PLUGINS=1``: a plugin that fails to load is an error (use in CI).
 * ``NRL_DISABLE_PLUGIN_AUTOLOAD=1``: load no entry points (only the core's built-ins).
-* ``NRL_BLOCKED_PLUGINS=a,b``: skip these entry-point names.
+* ``NRL_BLOCKED_PLUGINS=a,b``: skip these plugins (entry-point names, or modules named in ``NRL_PLUGINS``).
 * ``NRL_PLUGINS=pkg.mod,other``: also register these importable modules as plugins, after the
   entry points (a run's own lifecycle hooks without packaging them; like ``PYTEST_PLUGINS``).
 * ``NRL_TRACE_HOOKS=1``: print every hook call and result to stderr.
@@ -212,7 +212,11 @@ class PluginManager:
                     logger.info("plugin '%s' is blocked by NRL_BLOCKED_PLUGINS", ep.name)
                     continue
                 self._load_entry_point(ep)
+        blocked = set(_env_names("NRL_BLOCKED_PLUGINS"))
         for module_name in _env_names("NRL_PLUGINS"):
+            if module_name in blocked:
+                logger.info("plugin '%s' is blocked by NRL_BLOCKED_PLUGINS", module_name)
+                continue
             self._load_guarded(module_name, "named in NRL_PLUGINS", lambda m=module_name: importlib.import_module(m))
         self._check_pending()
 

@@ -34,8 +34,7 @@ from nrl_core.algorithms.scoring import RolloutGroup, Scorer, merge_groups, merg
 from nrl_core.algorithms.setup import PhaseTimer, build_environment, build_loss, generation_spec, load_tokenizer
 from nrl_core.contracts import AdvantageInputs, GenerationOutput, TokenBatch, import_object
 from nrl_core.data import DatumSpec, LengthLimits, prepare_data
-from nrl_core.errors import NrlError
-from nrl_core.plugin_faults import PluginOwner, plugin_answer_error, plugin_fault
+from nrl_core.plugin_faults import PluginOwner, plugin_answer_error, plugin_fault, reraise_unless_plugin_fault
 from nrl_core.plugins import get_plugin_manager
 
 logger = logging.getLogger(__name__)
@@ -58,7 +57,13 @@ class GRPO(AlgorithmRun):
         self.estimator_spec = estimators.get(name, "grpo.adv_estimator.name")
         self.estimator_owner = PluginOwner("advantage estimator", name, self.estimator_spec.distribution,
                                            estimators.owner(name))
-        self.estimator = import_object(self.estimator_spec.estimator)(config["grpo"]["adv_estimator"], config)
+        estimator_class = import_object(self.estimator_spec.estimator)
+        try:
+            self.estimator = estimator_class(config["grpo"]["adv_estimator"], config)
+        except Exception as exc:  # noqa: BLE001 - the plugin's fault, in one line naming it
+            reraise_unless_plugin_fault(self.estimator_owner, exc)
+            raise plugin_fault(self.estimator_owner, f"{estimator_class.__name__}.__init__", exc,
+                               config["logger"]["log_dir"]) from exc
         logger.info("advantage estimator: %s, from %s", name, self.estimator_spec.distribution)
         logger.info("previous-policy logprobs: %s", "from the training forward (one optimizer step per GRPO step)"
                     if self.on_policy_ratio else "a separate get_logprobs pass")
@@ -149,14 +154,15 @@ class GRPO(AlgorithmRun):
         method = f"{type(self.estimator).__name__}.__call__"
         try:
             advantages = self.estimator(inputs)
-        except NrlError:
-            raise
         except Exception as exc:  # noqa: BLE001 - the plugin's fault, in one line naming it
+            reraise_unless_plugin_fault(self.estimator_owner, exc)
             raise plugin_fault(self.estimator_owner, method, exc, self.config["logger"]["log_dir"]) from exc
-        if not isinstance(advantages, torch.Tensor) or advantages.dim() not in (1, 2) or len(advantages) != len(rewards):
+        tokens = tuple(batch.fields["token_mask"].shape)
+        shapes = (tokens[:1], (tokens[0], 1), tokens)  # per response, or per token
+        if not isinstance(advantages, torch.Tensor) or tuple(advantages.shape) not in shapes:
             got = tuple(advantages.shape) if isinstance(advantages, torch.Tensor) else type(advantages).__name__
-            raise plugin_answer_error(self.estimator_owner, method, f"returned {got} for {len(rewards)} responses; it "
-                                      f"must return a tensor of one advantage per response or per token")
+            raise plugin_answer_error(self.estimator_owner, method, f"returned {got} for a batch of shape {tokens}; "
+                                      f"it must return one advantage per response {tokens[:1]} or per token {tokens}")
         if advantages.dim() == 1:
             advantages = advantages.unsqueeze(1)
         advantages = clip_advantages(advantages, self.cfg["advantage_clip_low"], self.cfg["advantage_clip_high"])

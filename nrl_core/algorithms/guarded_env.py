@@ -10,19 +10,21 @@ from typing import Any
 
 from nrl_core.contracts import EnvResult, EnvStep
 from nrl_core.errors import PluginError
-from nrl_core.plugin_faults import PluginOwner, plugin_answer_error, plugin_fault
+from nrl_core.plugin_faults import PluginOwner, plugin_answer_error, plugin_fault, reraise_unless_plugin_fault
 
 
 class GuardedEnvironment:
     """An environment as the algorithms call it: ``score``, ``step`` and ``shutdown`` checked at the
-    boundary; anything else reaches the plugin's object unchanged."""
+    boundary; any other attribute is the plugin's object's. Type checks of the plugin's class go
+    to :attr:`plugin_object` (this wrapper has both methods whatever the plugin has)."""
 
     def __init__(self, environment: Any, owner: PluginOwner, log_dir: str | Path | None) -> None:
-        self.plugin_object = environment  # what the plugin built, for checks of its own type
-        self.owner = owner
-        self.log_dir = log_dir
+        self.plugin_object = environment
+        self._owner = owner
+        self._log_dir = log_dir
 
     def score(self, samples: list[Any]) -> EnvResult:
+        """The plugin's rewards for ``samples``: an ``EnvResult`` with one reward per sample."""
         result = self._call("score", self.plugin_object.score, samples)
         if not isinstance(result, EnvResult):
             raise self._wrong("score", f"returned {type(result).__name__}; it must return an EnvResult")
@@ -32,6 +34,7 @@ class GuardedEnvironment:
         return result
 
     def step(self, episodes: list[Any]) -> list[EnvStep]:
+        """The plugin's answer to each live episode's turn: one ``EnvStep`` per episode, in order."""
         steps = self._call("step", self.plugin_object.step, episodes)
         if not isinstance(steps, list | tuple):
             raise self._wrong("step", f"returned {type(steps).__name__}; it must return a list of EnvStep")
@@ -45,21 +48,25 @@ class GuardedEnvironment:
         return list(steps)
 
     def shutdown(self) -> None:
+        """The plugin's own shutdown, when it has one."""
         shutdown = getattr(self.plugin_object, "shutdown", None)
         if shutdown is not None:
             self._call("shutdown", shutdown)
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self.__dict__["plugin_object"], name)
+        if name.startswith("__") or "plugin_object" not in self.__dict__:  # copy and pickle probe a bare object
+            raise AttributeError(name)
+        return getattr(self.plugin_object, name)
 
     def _call(self, method: str, function: Callable[..., Any], *args: Any) -> Any:
         try:
             return function(*args)
         except Exception as exc:  # noqa: BLE001 - any fault of the plugin's is one line naming it
-            raise plugin_fault(self.owner, self._qualified(method), exc, self.log_dir) from exc
+            reraise_unless_plugin_fault(self._owner, exc)
+            raise plugin_fault(self._owner, self._qualified(method), exc, self._log_dir) from exc
 
     def _wrong(self, method: str, problem: str) -> PluginError:
-        return plugin_answer_error(self.owner, self._qualified(method), problem)
+        return plugin_answer_error(self._owner, self._qualified(method), problem)
 
     def _qualified(self, method: str) -> str:
         return f"{type(self.plugin_object).__name__}.{method}"

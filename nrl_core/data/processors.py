@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from nrl_core.errors import ConfigError, NrlError
-from nrl_core.plugin_faults import PluginOwner, plugin_answer_error, plugin_fault
+from nrl_core.plugin_faults import PluginOwner, plugin_answer_error, plugin_fault, reraise_unless_plugin_fault
 
 __all__ = ["DatumSpec", "LengthLimits", "PreparedData", "PromptConfig", "Processor", "build_prompt", "get_processor",
            "math_processor", "prepare_data", "process_records", "response_tokens", "sft_processor"]
@@ -172,16 +172,17 @@ def _registered_processor(name: str) -> tuple[Processor, PluginOwner]:
 def _processed(fn: Processor, owner: PluginOwner, record: Mapping[str, Any], idx: int, tokenizer: Any,
                cfg: PromptConfig, location: str) -> DatumSpec:
     """One record through the processor plugin: what it raises, or a result that is not a
-    ``DatumSpec``, is one line naming it and the record (a ``NrlError`` is its own message)."""
+    ``DatumSpec``, is one line naming it and the record (an ``NrlError`` is its own message). The
+    run has no log directory yet, so the traceback shows only with ``NRL_DEBUG=1``."""
+    name = getattr(fn, "__qualname__", type(fn).__name__)
     try:
         datum = fn(record, idx, tokenizer, cfg)
-    except NrlError:
-        raise
     except Exception as exc:  # noqa: BLE001 - the plugin's fault, in one line naming it
-        raise plugin_fault(owner, f"{fn.__name__} on {location}", exc, None) from exc
+        reraise_unless_plugin_fault(owner, exc)
+        raise plugin_fault(owner, f"{name} on {location}", exc, None) from exc
     if not isinstance(datum, DatumSpec):
-        raise plugin_answer_error(owner, fn.__name__, f"returned {type(datum).__name__} for {location}; it must "
-                                                      f"return a DatumSpec")
+        raise plugin_answer_error(owner, name, f"returned {type(datum).__name__} for {location}; it must return a "
+                                               f"DatumSpec")
     return datum
 
 

@@ -4,13 +4,15 @@ traceback in ``<log_dir>/faults/``; a wrong type or count is one line saying wha
 
 from __future__ import annotations
 
+import copy
+import pickle
 import re
 
 import pytest
 
 from nrl_core.algorithms.guarded_env import GuardedEnvironment
 from nrl_core.contracts import EnvResult, EnvSample, EnvStep, Episode
-from nrl_core.errors import PluginError
+from nrl_core.errors import ConfigError, PluginError
 from nrl_core.plugin_faults import PluginOwner
 
 OWNER = PluginOwner("environment", "dice", "nrl-dice", "dice-plugin")
@@ -45,6 +47,8 @@ class Dice:
         return [EnvStep(reward=1.0) for _ in episodes]
 
     def shutdown(self):
+        if self.fault == "raise":
+            raise RuntimeError("the pool was already closed")
         self.shut = True
 
 
@@ -91,3 +95,46 @@ def test_a_wrong_answer_is_one_line_saying_what_was_expected(fault, call, proble
 def test_without_a_log_directory_the_line_stands_alone():
     with pytest.raises(PluginError, match=f"^{re.escape(NAMED)}Dice.score raised ValueError: a die has no side 7$"):
         GuardedEnvironment(Dice("raise"), OWNER, None).score(SAMPLES)
+
+
+def test_shutdown_raising_is_one_line_too():
+    with pytest.raises(PluginError, match=f"^{re.escape(NAMED)}Dice.shutdown raised RuntimeError: the pool was "
+                                          f"already closed$"):
+        GuardedEnvironment(Dice("raise"), OWNER, None).shutdown()
+
+
+def test_a_message_meant_for_the_user_and_the_cores_own_faults_pass_unchanged():
+    """An ``NrlError`` is the plugin's own one-line message; a built-in of nrl-core that raises is
+    the core's bug, reported with its traceback rather than blamed on a plugin."""
+    class Refusing(Dice):
+        def score(self, samples):
+            raise ConfigError("env.dice.sides", "must be at least 2")
+
+    with pytest.raises(ConfigError, match="^env.dice.sides: must be at least 2$"):
+        GuardedEnvironment(Refusing(), OWNER, None).score(SAMPLES)
+    core = PluginOwner("environment", "dice", "nrl-core", "nrl_core.builtin")
+    with pytest.raises(ValueError, match="a die has\nno side 7"):
+        GuardedEnvironment(Dice("raise"), core, None).score(SAMPLES)
+
+
+def test_the_wrapper_copies_and_pickles_and_type_checks_go_to_the_plugins_object():
+    env = GuardedEnvironment(Dice(), OWNER, None)
+    for clone in (copy.copy(env), copy.deepcopy(env), pickle.loads(pickle.dumps(env))):
+        assert clone.score(SAMPLES).rewards == [0.0, 1.0, 2.0] and clone.sides == 6
+    assert isinstance(env.plugin_object, Dice) and not hasattr(env, "no_such_attribute")
+
+
+def test_an_error_from_the_plugins_ray_actor_is_named_by_its_own_type_and_message():
+    """Ray wraps an actor's exception in its own, whose text is the remote traceback; the line names
+    the plugin's exception itself."""
+    from ray.exceptions import RayTaskError
+
+    class Remote(Dice):
+        def score(self, samples):
+            wrapped = RayTaskError("VerifierWorker.score", "Traceback (most recent call last):\n  ...\n",
+                                   ValueError("cannot parse '\\\\frac{1}{'"))
+            raise wrapped.as_instanceof_cause()
+
+    with pytest.raises(PluginError, match=f"^{re.escape(NAMED)}Remote.score raised ValueError: cannot parse "
+                                          r"'\\\\frac\{1\}\{'$"):
+        GuardedEnvironment(Remote(), OWNER, None).score(SAMPLES)

@@ -26,8 +26,8 @@ BACKEND = ('TrainingBackendSpec(name="dtensor", config_key="{module}_cfg", worke
            'priority=1, config_schema=Section())')
 
 
-def _nrl(tmp_path: Path, plugins: list[str], *argv: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "NRL_PLUGINS": ",".join(plugins),
+def _nrl(tmp_path: Path, plugins: list[str], *argv: str, blocked: str = "") -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "NRL_PLUGINS": ",".join(plugins), "NRL_BLOCKED_PLUGINS": blocked,
            "PYTHONPATH": os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p)}
     env.pop("NRL_STRICT_PLUGINS", None)
     return subprocess.run([sys.executable, "-m", "nrl_core.cli", *argv], capture_output=True, text=True, env=env,
@@ -50,6 +50,8 @@ def test_two_plugins_naming_one_environment_are_refused_in_either_order(tmp_path
         run = _nrl(tmp_path, [first, second], *argv)
         assert run.returncode == 2, (argv, run.stdout, run.stderr)
         assert [line for line in run.stderr.splitlines() if line.startswith("error:")] == [expected], run.stderr
+    followed = _nrl(tmp_path, [first, second], "config", "check", str(CONFIG), blocked=second)  # the line's advice
+    assert followed.returncode == 0, followed.stdout + followed.stderr
 
 
 def test_a_plugin_taking_a_first_party_backend_name_is_refused_before_the_config_is_read(tmp_path):

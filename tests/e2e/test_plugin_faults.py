@@ -5,7 +5,9 @@ every message: tests/core/test_guarded_env.py; a data processor's: tests/core/te
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -57,7 +59,11 @@ def test_a_faulty_plugin_stops_the_run_in_one_line_naming_it(case, tmp_path, mod
     gone_by = time.monotonic() + TEARDOWN_S
     while _left_in(tmp_path) and time.monotonic() < gone_by:
         time.sleep(0.2)
-    assert not _left_in(tmp_path), _left_in(tmp_path)
+    left = _left_in(tmp_path)
+    for pid in left:  # end what the run left, so that nothing outlives the test
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    assert not left, left
     assert proc.returncode == 2, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
