@@ -59,6 +59,13 @@ class WorkerRaisedError(WorkerError):
     remote_traceback: str = ""
 
 
+def remote_cause(exc: BaseException) -> BaseException:
+    """The exception raised in another process, inside Ray's wrapper (Ray keeps it as ``.cause``
+    when it unpickles); ``exc`` itself when it is not wrapped."""
+    cause = getattr(exc, "cause", None)
+    return cause if isinstance(cause, BaseException) else exc
+
+
 def first_line(exc: BaseException) -> str:
     """``Type: message`` from the first meaningful line of an exception's text, for one-line
     errors about a failure in another process (Ray wraps the worker's traceback in its text)."""

@@ -7,14 +7,17 @@ from __future__ import annotations
 
 import os
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
+from typing import Any, TypeVar
 
-from nrl_core.errors import NrlError, PluginError
+from nrl_core.errors import NrlError, PluginError, remote_cause
 
 FAULTS_DIR = "faults"
 CORE_DISTRIBUTION = "nrl-core"
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -35,11 +38,21 @@ class PluginOwner:
         return f"{self.kind} '{self.name}' of {self.distribution} (entry point '{self.entry_point}')"
 
 
-def reraise_unless_plugin_fault(owner: PluginOwner, exc: Exception) -> None:
-    """Re-raise what is not a plugin's fault to report: an ``NrlError`` (a one-line message meant for
-    the user already, or a worker's own report) and anything the core's built-ins raise."""
-    if owner.is_core or isinstance(exc, NrlError) or isinstance(_cause(exc), NrlError):
-        raise _cause(exc) if isinstance(_cause(exc), NrlError) else exc
+def call_plugin(owner: PluginOwner, method: str, log_dir: str | Path | None, function: Callable[..., T],
+                *args: Any) -> T:
+    """``function(*args)``, a call into ``owner``'s code: what it raises becomes :func:`plugin_fault`'s
+    one line, except what is not the plugin's fault to report: an ``NrlError`` (a one-line message
+    meant for the user already, or a worker's own report, re-raised as itself from inside Ray's
+    wrapper) and anything the core's built-ins raise (the core's bugs keep their traceback)."""
+    try:
+        return function(*args)
+    except Exception as exc:  # noqa: BLE001 - the plugin's fault, in one line naming it
+        cause = remote_cause(exc)
+        if isinstance(cause, NrlError) and cause is not exc:
+            raise cause  # noqa: B904 - the worker's own report, as itself
+        if isinstance(cause, NrlError) or owner.is_core:
+            raise
+        raise plugin_fault(owner, method, exc, log_dir) from exc
 
 
 def plugin_fault(owner: PluginOwner, method: str, exc: BaseException, log_dir: str | Path | None) -> PluginError:
@@ -55,7 +68,7 @@ def plugin_fault(owner: PluginOwner, method: str, exc: BaseException, log_dir: s
             where = f"; traceback in {path}"
         except OSError:
             pass
-    cause = _cause(exc)
+    cause = remote_cause(exc)
     return PluginError(f"{owner}: {method} raised {type(cause).__name__}: {' '.join(str(cause).split())}{where}")
 
 
@@ -63,8 +76,3 @@ def plugin_answer_error(owner: PluginOwner, method: str, problem: str) -> Plugin
     """A wrong type or count at the boundary: the method, what came back and what was expected."""
     return PluginError(f"{owner}: {method} {problem}")
 
-
-def _cause(exc: BaseException) -> BaseException:
-    """The plugin's own exception inside Ray's wrapper (an actor's error arrives as ``.cause``)."""
-    cause = getattr(exc, "cause", None)
-    return cause if isinstance(cause, BaseException) else exc

@@ -55,6 +55,7 @@ from nrl_core.contracts import (
     TrainingBackendSpec,
 )
 from nrl_core.errors import ConfigError, PluginError
+from nrl_core.plugin_faults import PluginOwner
 
 logger = logging.getLogger(__name__)
 
@@ -158,6 +159,10 @@ class Registry(Generic[T]):
         """The plugin (entry-point name, or the core's module) that registered ``name``."""
         return self._owners[name]
 
+    def plugin_owner(self, name: str) -> PluginOwner:
+        """Who provides ``name``, as a plugin's fault names it (:mod:`nrl_core.plugin_faults`)."""
+        return PluginOwner(self.kind, name, getattr(self._specs[name], "distribution", "?"), self._owners[name])
+
     def get(self, name: str, key_path: str) -> T:
         """The spec called ``name``; a miss is a :class:`ConfigError` at ``key_path`` that lists
         what is installed and which distribution would provide ``name``; a clash is a
@@ -205,14 +210,13 @@ class PluginManager:
         self._loaded = True
         for module_name in BUILTIN_PLUGINS:
             self._pm.register(__import__(module_name, fromlist=["_"]), name=module_name)
+        blocked = set(_env_names("NRL_BLOCKED_PLUGINS"))
         if not _env_flag("NRL_DISABLE_PLUGIN_AUTOLOAD"):
-            blocked = set(_env_names("NRL_BLOCKED_PLUGINS"))
             for ep in _unique_entry_points():
                 if ep.name in blocked:
                     logger.info("plugin '%s' is blocked by NRL_BLOCKED_PLUGINS", ep.name)
                     continue
                 self._load_entry_point(ep)
-        blocked = set(_env_names("NRL_BLOCKED_PLUGINS"))
         for module_name in _env_names("NRL_PLUGINS"):
             if module_name in blocked:
                 logger.info("plugin '%s' is blocked by NRL_BLOCKED_PLUGINS", module_name)

@@ -34,7 +34,7 @@ from nrl_core.algorithms.scoring import RolloutGroup, Scorer, merge_groups, merg
 from nrl_core.algorithms.setup import PhaseTimer, build_environment, build_loss, generation_spec, load_tokenizer
 from nrl_core.contracts import AdvantageInputs, GenerationOutput, TokenBatch, import_object
 from nrl_core.data import DatumSpec, LengthLimits, prepare_data
-from nrl_core.plugin_faults import PluginOwner, plugin_answer_error, plugin_fault, reraise_unless_plugin_fault
+from nrl_core.plugin_faults import call_plugin, plugin_answer_error
 from nrl_core.plugins import get_plugin_manager
 
 logger = logging.getLogger(__name__)
@@ -55,15 +55,11 @@ class GRPO(AlgorithmRun):
         self.loss_fn = build_loss(config, force_on_policy_ratio=self.on_policy_ratio)
         estimators, name = get_plugin_manager().advantage_estimators(), config["grpo"]["adv_estimator"]["name"]
         self.estimator_spec = estimators.get(name, "grpo.adv_estimator.name")
-        self.estimator_owner = PluginOwner("advantage estimator", name, self.estimator_spec.distribution,
-                                           estimators.owner(name))
+        self.estimator_owner = estimators.plugin_owner(name)
         estimator_class = import_object(self.estimator_spec.estimator)
-        try:
-            self.estimator = estimator_class(config["grpo"]["adv_estimator"], config)
-        except Exception as exc:  # noqa: BLE001 - the plugin's fault, in one line naming it
-            reraise_unless_plugin_fault(self.estimator_owner, exc)
-            raise plugin_fault(self.estimator_owner, f"{estimator_class.__name__}.__init__", exc,
-                               config["logger"]["log_dir"]) from exc
+        self.estimator = call_plugin(self.estimator_owner, f"{estimator_class.__name__}.__init__",
+                                     config["logger"]["log_dir"], estimator_class, config["grpo"]["adv_estimator"],
+                                     config)
         logger.info("advantage estimator: %s, from %s", name, self.estimator_spec.distribution)
         logger.info("previous-policy logprobs: %s", "from the training forward (one optimizer step per GRPO step)"
                     if self.on_policy_ratio else "a separate get_logprobs pass")
@@ -152,11 +148,7 @@ class GRPO(AlgorithmRun):
         inputs = AdvantageInputs(rewards=rewards, group_ids=prompt_group_ids(prompt_ids), batch=batch,
                                  reward_components=reward_components(groups))
         method = f"{type(self.estimator).__name__}.__call__"
-        try:
-            advantages = self.estimator(inputs)
-        except Exception as exc:  # noqa: BLE001 - the plugin's fault, in one line naming it
-            reraise_unless_plugin_fault(self.estimator_owner, exc)
-            raise plugin_fault(self.estimator_owner, method, exc, self.config["logger"]["log_dir"]) from exc
+        advantages = call_plugin(self.estimator_owner, method, self.config["logger"]["log_dir"], self.estimator, inputs)
         tokens = tuple(batch.fields["token_mask"].shape)
         shapes = (tokens[:1], (tokens[0], 1), tokens)  # per response, or per token
         if not isinstance(advantages, torch.Tensor) or tuple(advantages.shape) not in shapes:

@@ -10,7 +10,7 @@ from typing import Any
 
 from nrl_core.contracts import EnvResult, EnvStep
 from nrl_core.errors import PluginError
-from nrl_core.plugin_faults import PluginOwner, plugin_answer_error, plugin_fault, reraise_unless_plugin_fault
+from nrl_core.plugin_faults import PluginOwner, call_plugin, plugin_answer_error
 
 
 class GuardedEnvironment:
@@ -59,11 +59,7 @@ class GuardedEnvironment:
         return getattr(self.plugin_object, name)
 
     def _call(self, method: str, function: Callable[..., Any], *args: Any) -> Any:
-        try:
-            return function(*args)
-        except Exception as exc:  # noqa: BLE001 - any fault of the plugin's is one line naming it
-            reraise_unless_plugin_fault(self._owner, exc)
-            raise plugin_fault(self._owner, self._qualified(method), exc, self._log_dir) from exc
+        return call_plugin(self._owner, self._qualified(method), self._log_dir, function, *args)
 
     def _wrong(self, method: str, problem: str) -> PluginError:
         return plugin_answer_error(self._owner, self._qualified(method), problem)

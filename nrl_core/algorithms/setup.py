@@ -18,7 +18,7 @@ from nrl_core.algorithms.guarded_env import GuardedEnvironment
 from nrl_core.checkpoint.manager import CheckpointManager
 from nrl_core.cluster import init_ray
 from nrl_core.contracts import Environment, GenerationBackendSpec, LossFunction, import_object
-from nrl_core.plugin_faults import PluginOwner, plugin_fault, reraise_unless_plugin_fault
+from nrl_core.plugin_faults import call_plugin
 from nrl_core.plugins import get_plugin_manager
 from nrl_core.timeline import mark
 from nrl_core.watchdog import phase as watched
@@ -88,13 +88,9 @@ def build_environment(config: Mapping[str, Any]) -> Environment:
         section = spec.config_schema.validate({}, f"env.{name}")
     init_ray(config.get("cluster"))  # before the environment's workers, so they start on the configured cluster
     mark("environment_build_start", env=name)
-    owner = PluginOwner("environment", name, spec.distribution, registry.owner(name))
-    log_dir = (config.get("logger") or {}).get("log_dir")
-    try:
-        environment = import_object(spec.environment)(section)
-    except Exception as exc:  # noqa: BLE001 - the plugin's fault, in one line naming it
-        reraise_unless_plugin_fault(owner, exc)  # a bad env section is the plugin's own one-line message
-        raise plugin_fault(owner, f"{spec.environment.rsplit(':', 1)[-1]}.__init__", exc, log_dir) from exc
+    owner, log_dir = registry.plugin_owner(name), (config.get("logger") or {}).get("log_dir")
+    environment_class = import_object(spec.environment)
+    environment = call_plugin(owner, f"{environment_class.__name__}.__init__", log_dir, environment_class, section)
     mark("environment_built", env=name)
     return GuardedEnvironment(environment, owner, log_dir)
 

@@ -44,7 +44,7 @@ from nrl_core.cluster.placement import Placement
 from nrl_core.cluster.ray_cluster import actor_runtime_env, init_ray, private_local_ray, worker_env_vars
 from nrl_core.device import process_group_backend
 from nrl_core.dispatch import Fanout, Gather, dispatch_of
-from nrl_core.errors import NrlError, WorkerError, WorkerRaisedError
+from nrl_core.errors import NrlError, WorkerError, WorkerRaisedError, remote_cause
 from nrl_core.process_groups import DEFAULT_TIMEOUT_S
 from nrl_core.timeline import TRACE_DIR_ENV
 
@@ -574,7 +574,7 @@ class WorkerGroup:
     def _error(self, what: str, failures: list[tuple[int, BaseException]], stuck: list[int]) -> NrlError:
         dead = {r for r, e in failures if _is_death(e)}
         rank, exc = next(((r, e) for r, e in failures if r in dead), failures[0])
-        others = [f"rank {r} {'died' if r in dead else 'raised ' + type(_cause(e)).__name__}" for r, e in failures if r != rank]
+        others = [f"rank {r} {'died' if r in dead else 'raised ' + type(remote_cause(e)).__name__}" for r, e in failures if r != rank]
         if stuck:
             others.append(f"ranks {stuck} were still running after {self.error_grace_s:.0f} s and were stopped")
         suffix = f" (also: {'; '.join(others)})" if others else ""
@@ -592,7 +592,7 @@ class WorkerGroup:
             died.__cause__ = exc
             return died
         if isinstance(exc, rex.RayTaskError):
-            cause = _cause(exc)
+            cause = remote_cause(exc)
             if isinstance(cause, NrlError):
                 cause.add_note(f"raised in {self.label(rank)} during {what}{suffix}")
                 return cause
@@ -664,7 +664,3 @@ def _is_death(exc: BaseException) -> bool:
     return isinstance(exc, _DEATHS) and not isinstance(exc, rex.RayTaskError)
 
 
-def _cause(exc: BaseException) -> BaseException:
-    """The user's exception inside Ray's wrapper (Ray keeps it as ``.cause`` when it unpickles)."""
-    cause = getattr(exc, "cause", None)
-    return cause if isinstance(cause, BaseException) else exc

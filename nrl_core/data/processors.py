@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from nrl_core.errors import ConfigError, NrlError
-from nrl_core.plugin_faults import PluginOwner, plugin_answer_error, plugin_fault, reraise_unless_plugin_fault
+from nrl_core.plugin_faults import PluginOwner, call_plugin, plugin_answer_error
 
 __all__ = ["DatumSpec", "LengthLimits", "PreparedData", "PromptConfig", "Processor", "build_prompt", "get_processor",
            "math_processor", "prepare_data", "process_records", "response_tokens", "sft_processor"]
@@ -165,8 +165,7 @@ def _registered_processor(name: str) -> tuple[Processor, PluginOwner]:
     from nrl_core.plugins import get_plugin_manager
 
     registry = get_plugin_manager().data_processors()
-    spec = registry.get(name, "data.processor")
-    return import_object(spec.processor), PluginOwner("data processor", name, spec.distribution, registry.owner(name))
+    return import_object(registry.get(name, "data.processor").processor), registry.plugin_owner(name)
 
 
 def _processed(fn: Processor, owner: PluginOwner, record: Mapping[str, Any], idx: int, tokenizer: Any,
@@ -175,11 +174,7 @@ def _processed(fn: Processor, owner: PluginOwner, record: Mapping[str, Any], idx
     ``DatumSpec``, is one line naming it and the record (an ``NrlError`` is its own message). The
     run has no log directory yet, so the traceback shows only with ``NRL_DEBUG=1``."""
     name = getattr(fn, "__qualname__", type(fn).__name__)
-    try:
-        datum = fn(record, idx, tokenizer, cfg)
-    except Exception as exc:  # noqa: BLE001 - the plugin's fault, in one line naming it
-        reraise_unless_plugin_fault(owner, exc)
-        raise plugin_fault(owner, f"{name} on {location}", exc, None) from exc
+    datum = call_plugin(owner, f"{name} on {location}", None, fn, record, idx, tokenizer, cfg)
     if not isinstance(datum, DatumSpec):
         raise plugin_answer_error(owner, name, f"returned {type(datum).__name__} for {location}; it must return a "
                                                f"DatumSpec")

@@ -8,12 +8,13 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import time
 from pathlib import Path
 
 import pytest
 
+from nrl_core.stacks import process_state
 from tests.e2e.test_grpo import nrl_train
+from tests.processes import left_after_teardown
 
 pytestmark = pytest.mark.slow
 
@@ -32,22 +33,19 @@ FAULTS = {  # case: (overrides, what the plugin is, the line after NAMED)
     "estimator-raises": (["grpo.adv_estimator.name=raising"], ("advantage estimator", "raising"),
                          "RaisingEstimator.__call__ raised IndexError: group 3 of 2; traceback in "),
 }
-TEARDOWN_S = 5.0
 
 
-def _left_in(tmp: Path) -> dict[int, str]:
+def _working_in(tmp: Path) -> list[int]:
     """Live processes working in ``tmp``: the run's driver, Ray and workers all start there."""
-    left = {}
+    found = []
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
         try:
-            if Path(os.readlink(entry / "cwd")).is_relative_to(tmp) and \
-                    (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
-                left[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()[:120]
+            if entry.name.isdigit() and Path(os.readlink(entry / "cwd")).is_relative_to(tmp) and \
+                    process_state(int(entry.name)) not in (None, "Z"):
+                found.append(int(entry.name))
         except OSError:
             continue
-    return left
+    return found
 
 
 @pytest.mark.parametrize("case", list(FAULTS))
@@ -56,10 +54,7 @@ def test_a_faulty_plugin_stops_the_run_in_one_line_naming_it(case, tmp_path, mod
     env = {"NRL_PLUGINS": "tests.e2e.faulty_plugins", "RAY_ADDRESS": "",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     proc = nrl_train(tmp_path, model, "grpo.max_num_steps=1", "checkpointing.enabled=false", *overrides, env=env)
-    gone_by = time.monotonic() + TEARDOWN_S
-    while _left_in(tmp_path) and time.monotonic() < gone_by:
-        time.sleep(0.2)
-    left = _left_in(tmp_path)
+    left = left_after_teardown(lambda: _working_in(tmp_path))
     for pid in left:  # end what the run left, so that nothing outlives the test
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)

@@ -22,11 +22,10 @@ from nrl_core.checkpoint.manager import CheckpointManager
 from nrl_core.stacks import process_state
 from nrl_core.testing.tiny_models import cached_tiny_model
 from tests.launch import nrl
+from tests.processes import left_after_teardown
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "examples" / "configs" / "sft_tiny_cpu.yaml"
-
-TEARDOWN_S = 5.0
 
 
 @pytest.mark.slow
@@ -70,10 +69,8 @@ def test_a_blocked_save_is_dumped_on_demand_then_ends_the_run_with_the_last_chec
     assert [p.name.split("-pid")[0].rsplit("-", 1)[1] for p in rank_files] == ["rank0", "rank1"]
     assert (hang / "error.txt").read_text().strip() == errors[0].removeprefix("error: ")
     pids = [int(p.name.split("-pid")[1].split(".")[0]) for p in rank_files]
-    gone_by = time.monotonic() + TEARDOWN_S  # the shared Ray ends killed actors on its own time
-    while any(process_state(pid) not in (None, "Z") for pid in pids) and time.monotonic() < gone_by:
-        time.sleep(0.2)
-    assert all(process_state(pid) in (None, "Z") for pid in pids), {pid: process_state(pid) for pid in pids}
+    left = left_after_teardown(lambda: [pid for pid in pids if process_state(pid) not in (None, "Z")])
+    assert not left, left
     assert not (logs / "driver.pid").exists()
 
     manager = CheckpointManager({"enabled": True, "checkpoint_dir": str(ckpt), "save_period": 1})
