@@ -6,6 +6,7 @@ instead of ending in forty lines of someone else's stack."""
 from __future__ import annotations
 
 import os
+import re
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -61,7 +62,8 @@ def plugin_fault(owner: PluginOwner, method: str, exc: BaseException, log_dir: s
     where = ""
     if log_dir is not None:
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S-%f")
-        path = Path(log_dir) / FAULTS_DIR / f"{stamp}-{os.getpid()}-{owner.entry_point}-{method}.txt"
+        name = re.sub(r"[^\w.-]+", "-", f"{owner.entry_point}-{method}")
+        path = Path(log_dir) / FAULTS_DIR / f"{stamp}-{os.getpid()}-{name}.txt"
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(f"{owner}: {method}\n" + "".join(traceback.format_exception(exc)))

@@ -33,9 +33,9 @@ from typing import Any
 from nrl_core import stacks, timeline
 from nrl_core.config.core_schema import PHASES
 from nrl_core.errors import NrlError
-from nrl_core.suspects import RunProcess, ranks_of, run_processes, suspects
+from nrl_core.suspects import STATES, RunProcess, ranks_of, run_processes, suspects
 
-__all__ = ["HangError", "PHASES", "PhaseLimits", "Watchdog", "WatchdogSettings", "fired", "phase", "request_stacks"]
+__all__ = ["HangError", "PHASES", "PhaseLimits", "PluginCall", "Watchdog", "WatchdogSettings", "fired", "phase", "request_stacks"]
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +93,17 @@ class _Running:
     started: float  # monotonic
     limit: float
     thread: int
+    call: PluginCall | None = None
+
+
+@dataclass(frozen=True)
+class PluginCall:
+    """A phase that is one call into a plugin, with a limit of its own: ``who`` names the plugin and
+    its method, ``setting`` is the key that holds the limit (``env.<name>.call_timeout_s``)."""
+
+    who: str
+    setting: str
+    limit_s: float
 
 
 class Watchdog:
@@ -147,8 +158,9 @@ class Watchdog:
             shutdown_ray()
 
     @contextlib.contextmanager
-    def phase(self, name: str, **args: Any) -> Iterator[None]:
-        running = _Running(name, time.monotonic(), self.limits.limit(name), threading.get_ident())
+    def phase(self, name: str, call: PluginCall | None = None, **args: Any) -> Iterator[None]:
+        limit = call.limit_s if call is not None else self.limits.limit(name)
+        running = _Running(name, time.monotonic(), limit, threading.get_ident(), call)
         wall = time.time()
         self._running.append(running)
         try:
@@ -240,9 +252,14 @@ class Watchdog:
             who = f"still running: {', '.join(waiting)}"
         else:
             who = f"the driver (pid {os.getpid()}) itself"
-        self.error = (f"watchdog: phase '{late.name}' did not finish within its limit of {late.limit:.0f} s (waited "
-                      f"{waited:.0f} s); {who}; every stack is in {dest}; if the phase is legitimately this slow, "
-                      f"raise watchdog.phases.{late.name}")
+        if late.call is not None:
+            self.error = (f"watchdog: {late.call.who} did not return within {late.call.setting} = {late.limit:g} s "
+                          f"(waited {waited:.0f} s); {_plugin_processes(groups, stuck) or who}; every stack is in "
+                          f"{dest}; if it is legitimately this slow, raise {late.call.setting}")
+        else:
+            self.error = (f"watchdog: phase '{late.name}' did not finish within its limit of {late.limit:.0f} s "
+                          f"(waited {waited:.0f} s); {who}; every stack is in {dest}; if the phase is legitimately "
+                          f"this slow, raise watchdog.phases.{late.name}")
         (dest / "error.txt").write_text(self.error + "\n")
         logger.error("%s", self.error)
         _kill_processes([p for p, _ in stuck if p.pid != os.getpid()])
@@ -250,6 +267,27 @@ class Watchdog:
         self._phase_ended.clear()
         if not self._phase_ended.wait(self.interrupt_after_s) and any(r is late for r in self._running):
             signal.pthread_kill(late.thread, signal.SIGINT)  # blocked in itself, not on a worker
+
+
+def _plugin_processes(groups: list[Any], stuck: list[tuple[RunProcess, str]]) -> str:
+    """The run's processes outside its worker groups (an environment's workers) with their state,
+    for a plugin call that passed its limit; empty when there are none (the call ran in the driver)."""
+    ranks = {p.pid for group in groups for p in ranks_of(group)}
+    states = {p.pid: state for p, state in stuck}
+    try:
+        others = [p for p in run_processes(groups) if p.pid not in ranks]
+    except Exception:  # a diagnostic: the line names the driver instead
+        return ""
+    named = [f"{p.label} ({states.get(p.pid) or _state_words(p)})" for p in others]
+    return f"its processes: {', '.join(named)}" if named else ""
+
+
+def _state_words(process: RunProcess) -> str:
+    state = stacks.process_state(process.pid) if process.local else None
+    if state is None:
+        return "state unknown"
+    words = {"R": "running", "S": "sleeping", **STATES}.get(state)
+    return f"{words}, state {state}" if words else f"state {state}"
 
 
 def _inside_a_live_phase(outer: _Running, running: list[_Running], now: float) -> bool:
@@ -281,9 +319,10 @@ def _kill(groups: list[Any]) -> None:
 _active: Watchdog | None = None
 
 
-def phase(name: str, **args: Any) -> contextlib.AbstractContextManager[None]:
-    """Run a phase under the run's watchdog and into its trace (nothing outside a watched run)."""
-    return _active.phase(name, **args) if _active is not None else contextlib.nullcontext()
+def phase(name: str, call: PluginCall | None = None, **args: Any) -> contextlib.AbstractContextManager[None]:
+    """Run a phase under the run's watchdog and into its trace (nothing outside a watched run);
+    ``call`` makes it one call into a plugin, under that call's own limit."""
+    return _active.phase(name, call, **args) if _active is not None else contextlib.nullcontext()
 
 
 def fired() -> str | None:

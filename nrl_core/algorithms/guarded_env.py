@@ -1,6 +1,8 @@
 """The run's side of an environment plugin: what it raises, or answers in the wrong shape, stops the
 run in one line naming the plugin and the method (:mod:`nrl_core.plugin_faults`), before a wrong
-answer can surface as a traceback deep in the scorer or the multi-turn loop."""
+answer can surface as a traceback deep in the scorer or the multi-turn loop. Each call is a phase
+of its own (``environment``) under the environment's ``call_timeout_s``, so a grader that hangs
+is named by the watchdog within that limit, not the generation phase's far longer one."""
 
 from __future__ import annotations
 
@@ -8,9 +10,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from nrl_core.config.core_schema import DEFAULT_ENV_CALL_TIMEOUT_S
 from nrl_core.contracts import EnvResult, EnvStep
 from nrl_core.errors import PluginError
 from nrl_core.plugin_faults import PluginOwner, call_plugin, plugin_answer_error
+from nrl_core.watchdog import PluginCall, phase
 
 
 class GuardedEnvironment:
@@ -18,10 +22,12 @@ class GuardedEnvironment:
     boundary; any other attribute is the plugin's object's. Type checks of the plugin's class go
     to :attr:`plugin_object` (this wrapper has both methods whatever the plugin has)."""
 
-    def __init__(self, environment: Any, owner: PluginOwner, log_dir: str | Path | None) -> None:
+    def __init__(self, environment: Any, owner: PluginOwner, log_dir: str | Path | None, *,
+                 call_timeout_s: float = DEFAULT_ENV_CALL_TIMEOUT_S) -> None:
         self.plugin_object = environment
         self._owner = owner
         self._log_dir = log_dir
+        self._call_timeout_s = call_timeout_s
 
     def score(self, samples: list[Any]) -> EnvResult:
         """The plugin's rewards for ``samples``: an ``EnvResult`` with one reward per sample."""
@@ -59,7 +65,10 @@ class GuardedEnvironment:
         return getattr(self.plugin_object, name)
 
     def _call(self, method: str, function: Callable[..., Any], *args: Any) -> Any:
-        return call_plugin(self._owner, self._qualified(method), self._log_dir, function, *args)
+        who = f"{self._owner}: {self._qualified(method)}"
+        limit = PluginCall(who, f"env.{self._owner.name}.call_timeout_s", self._call_timeout_s)
+        with phase("environment", limit, env=self._owner.name, method=method):
+            return call_plugin(self._owner, self._qualified(method), self._log_dir, function, *args)
 
     def _wrong(self, method: str, problem: str) -> PluginError:
         return plugin_answer_error(self._owner, self._qualified(method), problem)

@@ -97,7 +97,7 @@ class Policy:
         top-k, values from a language model, logprobs from a model with a value head."""
         from nrl_core.errors import PluginError
 
-        loss = type(loss_fn).__name__
+        loss = type(getattr(loss_fn, "plugin_object", loss_fn)).__name__
         if getattr(loss_fn, "gather_ids_field", None) and "topk_logprobs" not in self.spec.capabilities:
             raise PluginError(f"the {self.spec.name} training backend ({self.spec.distribution}) does not declare "
                               f"topk_logprobs, which the loss {loss} needs (gather_ids_field)")

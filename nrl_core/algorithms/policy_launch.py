@@ -117,7 +117,7 @@ def launch_policy(config: Mapping[str, Any], training: TrainingBackendSpec, *, c
         group = WorkerGroup(training.worker, topology.train_world, name=f"{name}-{training.name}",
                             placement=placement, env_vars=dict(cluster.get("env_vars") or {}),
                             collective_timeout_s=distributed_timeout_s(config, training.config_key),
-                            preload=preload, start=False)
+                            preload=preload, start=False, **_fault_owner(config, training))
     except BaseException:
         placement.remove()
         raise
@@ -133,7 +133,7 @@ def launch_beside(config: Mapping[str, Any], training: TrainingBackendSpec, poli
     group = WorkerGroup(training.worker, topology.train_world, name=f"{name}-{training.name}", placement=placement,
                         env_vars=dict(config["cluster"].get("env_vars") or {}),
                         collective_timeout_s=distributed_timeout_s(config, training.config_key),
-                        preload=_imports_of(training), start=False)
+                        preload=_imports_of(training), start=False, **_fault_owner(config, training))
     return LaunchedPolicy(group, placement, False)
 
 
@@ -160,11 +160,24 @@ def launch_engines(config: Mapping[str, Any], generation: GenerationBackendSpec,
                             placement=placement, env_vars=dict(cluster.get("env_vars") or {}),
                             distributed_backend="auto" if engine_size > 1 else "none",
                             collective_timeout_s=collective_timeout_s, preload=_imports_of(generation), start=False,
-                            in_flight=in_flight_section(config) is not None)
+                            in_flight=in_flight_section(config) is not None, **_fault_owner(config, generation))
     except BaseException:
         placement.remove()
         raise
     return LaunchedGroup(group, placement)
+
+
+def _fault_owner(config: Mapping[str, Any], spec: TrainingBackendSpec | GenerationBackendSpec) -> dict[str, Any]:
+    """A worker group's ``owner`` and ``fault_log_dir``: what a plugin's worker raises is that
+    plugin's fault, one line naming it (:mod:`nrl_core.plugin_faults`). A spec no registry holds
+    (built in code) has no owner, and its workers' errors keep their traceback."""
+    from nrl_core.plugins import get_plugin_manager
+
+    plugins = get_plugin_manager()
+    registry = plugins.training_backends() if isinstance(spec, TrainingBackendSpec) else plugins.generation_backends()
+    if spec.name not in registry or registry.get(spec.name, "").worker != spec.worker:
+        return {}
+    return {"owner": registry.plugin_owner(spec.name), "fault_log_dir": (config.get("logger") or {}).get("log_dir")}
 
 
 def _imports_of(spec: TrainingBackendSpec | GenerationBackendSpec) -> list[str]:

@@ -15,8 +15,10 @@ from typing import Any
 import torch
 
 from nrl_core.algorithms.guarded_env import GuardedEnvironment
+from nrl_core.algorithms.guarded_loss import GuardedLoss
 from nrl_core.checkpoint.manager import CheckpointManager
 from nrl_core.cluster import init_ray
+from nrl_core.config.core_schema import DEFAULT_ENV_CALL_TIMEOUT_S
 from nrl_core.contracts import Environment, GenerationBackendSpec, LossFunction, import_object
 from nrl_core.plugin_faults import call_plugin
 from nrl_core.plugins import get_plugin_manager
@@ -68,9 +70,14 @@ def build_loss(config: Mapping[str, Any], *, force_on_policy_ratio: bool) -> Los
     """The loss ``loss_fn.name`` selects, built from its section. ``force_on_policy_ratio`` says the
     algorithm takes one optimizer step per batch of rollouts, so the ratio's old logprobs are the
     training forward's own."""
-    spec = get_plugin_manager().loss_functions().get(config["loss_fn"]["name"], "loss_fn.name")
+    registry, name = get_plugin_manager().loss_functions(), config["loss_fn"]["name"]
+    spec = registry.get(name, "loss_fn.name")
     logger.info("loss: %s, from %s", spec.name, spec.distribution)
-    return import_object(spec.loss).from_config({**config["loss_fn"], "force_on_policy_ratio": force_on_policy_ratio})
+    owner, log_dir = registry.plugin_owner(name), (config.get("logger") or {}).get("log_dir")
+    loss_class = import_object(spec.loss)
+    section = {**config["loss_fn"], "force_on_policy_ratio": force_on_policy_ratio}
+    return GuardedLoss(call_plugin(owner, f"{loss_class.__name__}.from_config", log_dir, loss_class.from_config, section),
+                       owner, log_dir)
 
 
 def generation_spec(config: Mapping[str, Any]) -> GenerationBackendSpec:
@@ -90,9 +97,12 @@ def build_environment(config: Mapping[str, Any]) -> Environment:
     mark("environment_build_start", env=name)
     owner, log_dir = registry.plugin_owner(name), (config.get("logger") or {}).get("log_dir")
     environment_class = import_object(spec.environment)
+    call_timeout_s = float(section.get("call_timeout_s", DEFAULT_ENV_CALL_TIMEOUT_S))
+    if "call_timeout_s" not in spec.config_schema.fields:  # the core's key, not the plugin's to read
+        section = {key: value for key, value in section.items() if key != "call_timeout_s"}
     environment = call_plugin(owner, f"{environment_class.__name__}.__init__", log_dir, environment_class, section)
     mark("environment_built", env=name)
-    return GuardedEnvironment(environment, owner, log_dir)
+    return GuardedEnvironment(environment, owner, log_dir, call_timeout_s=call_timeout_s)
 
 
 def seed_everything(seed: int) -> None:

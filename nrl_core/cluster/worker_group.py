@@ -45,6 +45,7 @@ from nrl_core.cluster.ray_cluster import actor_runtime_env, init_ray, private_lo
 from nrl_core.device import process_group_backend
 from nrl_core.dispatch import Fanout, Gather, dispatch_of
 from nrl_core.errors import NrlError, WorkerError, WorkerRaisedError, remote_cause
+from nrl_core.plugin_faults import PluginOwner, plugin_fault
 from nrl_core.process_groups import DEFAULT_TIMEOUT_S
 from nrl_core.timeline import TRACE_DIR_ENV
 
@@ -221,6 +222,8 @@ class WorkerGroup:
         preload: Sequence[str] = (),
         start: bool = True,
         in_flight: bool = False,
+        owner: PluginOwner | None = None,
+        fault_log_dir: str | None = None,
     ) -> None:
         if num_workers < 1:
             raise ValueError(f"worker group '{name}' needs at least one worker, got {num_workers}")
@@ -251,6 +254,8 @@ class WorkerGroup:
         self._waiting: dict[int, tuple[str, set[int]]] = {}  # calls the driver waits on: ranks not yet done
         self._trace_dir = os.environ.get(TRACE_DIR_ENV)  # where the actors record their spans (forwarded)
         self.in_flight = in_flight  # the hosts take imports beside a stream (WorkerHost.nrl_refit_import_in_flight)
+        self.owner = owner  # the plugin whose worker class this is: what it raises is that plugin's fault
+        self._fault_log_dir = fault_log_dir
         _LIVE.add(self)
         with self._closed_on_error():
             self._launch(env_vars or {}, num_cpus_per_worker, num_gpus_per_worker, list(preload))
@@ -596,6 +601,9 @@ class WorkerGroup:
             if isinstance(cause, NrlError):
                 cause.add_note(f"raised in {self.label(rank)} during {what}{suffix}")
                 return cause
+            if self.owner is not None and not self.owner.is_core:
+                return plugin_fault(self.owner, f"{_class_name(self.worker_cls)}.{what.removesuffix('()')} on rank "
+                                                f"{rank}{suffix}", exc, self._fault_log_dir)
             message = str(cause).strip().splitlines()
             first = message[0] if message else ""
             raised = WorkerRaisedError(
@@ -657,6 +665,11 @@ _DEATHS: tuple[type[BaseException], ...] = tuple(
     )
     if isinstance(t, type)
 )
+
+
+def _class_name(worker_path: str) -> str:
+    """The worker class's own name from its import path (an adapted older plugin's path ends in it too)."""
+    return re.split(r"[:.]", worker_path)[-1]
 
 
 def _is_death(exc: BaseException) -> bool:

@@ -292,6 +292,12 @@ CLUSTER = Section(doc="Where workers run. On a CPU machine gpus_per_node counts 
 
 ENV = Section(doc="Reward environments by name; plugins add their sections.")
 
+#: What one call of an environment (a batch's ``score``, a turn's ``step``) may take by default.
+DEFAULT_ENV_CALL_TIMEOUT_S = 600.0
+#: The core's key in every environment's section: past it the watchdog names the call and stops the run.
+ENV_CALL_TIMEOUT = Field(type=NUMBER, default=DEFAULT_ENV_CALL_TIMEOUT_S, minimum=0.001,
+                         doc="seconds one score or step call may take before the watchdog stops the run")
+
 PHASES = ("start_up", "step", "refit", "generation", "hand_off", "reward", "logprobs", "reference_logprobs",
           "training", "checkpoint_save", "checkpoint_load", "validation")
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from nrl_core.config import checks
 from nrl_core.config.checks import check_config
-from nrl_core.config.core_schema import CORE_SCHEMA
+from nrl_core.config.core_schema import CORE_SCHEMA, ENV_CALL_TIMEOUT
 from nrl_core.config.models import model_config, model_section_owners, renamed_error
 from nrl_core.config.nemo_rl import refuse_missing_algorithm, with_nemo_rl_keys
 from nrl_core.config.nemo_rl_inert import named_inert_keys
@@ -87,7 +87,10 @@ def build_schema(pm: PluginManager | None = None) -> Section:
         if key not in installed_keys:
             schema = schema.attach("policy.generation", key, _UNINSTALLED, aliases=known.aliases)
     for espec in pm.environments():
-        schema = schema.attach("env", espec.name, espec.config_schema)
+        env_schema = espec.config_schema
+        if "call_timeout_s" not in env_schema.fields:
+            env_schema = env_schema.with_fields(call_timeout_s=ENV_CALL_TIMEOUT)
+        schema = schema.attach("env", espec.name, env_schema)
     for sink in pm.metric_sinks():  # logger.<name>_enabled switches it on; logger.<name> holds its options
         schema = schema.attach("logger", f"{sink.name}_enabled", Field(type=bool, default=False))
         schema = schema.attach("logger", sink.name, Section(open=True))

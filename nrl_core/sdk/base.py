@@ -111,7 +111,7 @@ class TrainingWorkerBase:
 
     def require_loss_fits(self, loss_fn: Any) -> None:
         """A loss reads what this model has: values from a value head (``reads_values``), else logprobs."""
-        what = f"train with {type(loss_fn).__name__}"
+        what = f"train with {type(getattr(loss_fn, 'plugin_object', loss_fn)).__name__}"
         if getattr(loss_fn, "reads_values", False):
             self.require_value_head(what)
         else:

@@ -1,11 +1,27 @@
 """Plugins that fail the way a plugin can, for tests/e2e/test_plugin_faults.py, loaded with
 ``NRL_PLUGINS`` through the public API as a third party's would be: an environment that raises
 from ``score``, one that scores one sample too few, a multi-turn one that answers a turn with
-something that is not an ``EnvStep``, and an advantage estimator that raises."""
+something that is not an ``EnvStep``, one that never answers, an advantage estimator and a loss
+that raise, and a training backend whose ``train`` raises (the DTensor backend's worker, but for
+that)."""
 
 from __future__ import annotations
 
-from nrl_core.api import AdvantageEstimatorSpec, EnvironmentSpec, EnvResult, Section, hookimpl
+import dataclasses
+import time
+
+from nrl_backend_dtensor import plugin as dtensor_plugin
+from nrl_backend_dtensor.worker import DTensorPolicyWorker
+from nrl_core.api import (
+    AdvantageEstimatorSpec,
+    EnvironmentSpec,
+    EnvResult,
+    Field,
+    LossFunctionSpec,
+    Section,
+    TrainingBackendSpec,
+    hookimpl,
+)
 
 
 class RaisingEnvironment:
@@ -29,6 +45,27 @@ class WrongTypeEnvironment(RaisingEnvironment):
         return [{"observation": "", "reward": 1.0} for _ in episodes]
 
 
+class SilentEnvironment(RaisingEnvironment):
+    def score(self, samples: list) -> EnvResult:
+        time.sleep(600)
+        return EnvResult(rewards=[0.0] * len(samples))
+
+
+class RaisingLoss:
+    @classmethod
+    def from_config(cls, section: dict) -> RaisingLoss:
+        return cls()
+
+    def __call__(self, logprobs: object, batch: object, *, global_valid_tokens: float,
+                 global_valid_seqs: float) -> tuple:
+        raise KeyError("advantages_v2")
+
+
+class RaisingTrainWorker(DTensorPolicyWorker):
+    def train(self, batch: object, loss_fn: object) -> dict:
+        raise RuntimeError("the optimizer lost its state")
+
+
 class RaisingEstimator:
     def __init__(self, section: dict, config: dict) -> None:
         pass
@@ -50,4 +87,20 @@ def nrl_environments() -> list[EnvironmentSpec]:
                                distribution="nrl-faulty-plugins", **extra)
 
     return [spec("raising", "RaisingEnvironment"), spec("short", "ShortEnvironment"),
-            spec("wrong_type", "WrongTypeEnvironment", multi_turn=True)]
+            spec("wrong_type", "WrongTypeEnvironment", multi_turn=True), spec("silent", "SilentEnvironment")]
+
+
+@hookimpl
+def nrl_loss_functions() -> list[LossFunctionSpec]:
+    return [LossFunctionSpec(name="raising", loss="tests.e2e.faulty_plugins:RaisingLoss",
+                             distribution="nrl-faulty-plugins")]
+
+
+@hookimpl
+def nrl_training_backends() -> list[TrainingBackendSpec]:
+    """Selected by ``policy.raising_train_cfg.enabled``, above DTensor, whose section it reads."""
+    (dtensor,) = dtensor_plugin.nrl_training_backends()
+    return [dataclasses.replace(dtensor, name="raising_train", config_key="raising_train_cfg", config_aliases={},
+                                priority=100, worker="tests.e2e.faulty_plugins:RaisingTrainWorker",
+                                config_schema=Section(fields={"enabled": Field(type=bool, default=False)}),
+                                config_check=None, distribution="nrl-faulty-plugins")]

@@ -1,12 +1,14 @@
-"""A faulty plugin in a real GRPO run (``nrl train``, a Ray of the run's own): an environment or
-an advantage estimator; the run exits 2 with one line naming the plugin's distribution, entry
-point and method, and nothing of it is left running. The environment's faults in-process, with
+"""A faulty plugin in a real GRPO run (``nrl train``, a Ray of the run's own): an environment
+(raising, answering wrongly, or silent past its ``call_timeout_s``), an advantage estimator, a
+loss or a training backend's ``train`` that raises; the run exits 2 with one line naming the
+plugin's distribution, entry point and method, and nothing of it is left running. The environment's faults in-process, with
 every message: tests/core/test_guarded_env.py; a data processor's: tests/core/test_processor_faults.py."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 from pathlib import Path
 
@@ -32,6 +34,14 @@ FAULTS = {  # case: (overrides, what the plugin is, the line after NAMED)
                                "each episode"),
     "estimator-raises": (["grpo.adv_estimator.name=raising"], ("advantage estimator", "raising"),
                          "RaisingEstimator.__call__ raised IndexError: group 3 of 2; traceback in "),
+    "loss-raises": (["loss_fn.name=raising"], ("loss function", "raising"),
+                    "RaisingLoss.__call__ raised KeyError: 'advantages_v2'; traceback in "),
+    "backend-train-raises": (["++policy.raising_train_cfg.enabled=true"], ("training backend", "raising_train"),
+                             "RaisingTrainWorker.train on rank 0 raised RuntimeError: the optimizer lost its state; "
+                             "traceback in "),
+    "environment-outlives-its-timeout": (["data.env_name=silent", "++env.silent.call_timeout_s=3"],
+                                         ("watchdog: environment", "silent"),  # the watchdog's line
+                                         "SilentEnvironment.score did not return within env.silent.call_timeout_s = 3 s"),
 }
 
 
@@ -66,6 +76,10 @@ def test_a_faulty_plugin_stops_the_run_in_one_line_naming_it(case, tmp_path, mod
         n = int(errors[0].split(" samples;")[0].rsplit(" ", 1)[1])
         line = line.format(short=n - 1, n=n)
     assert errors[0].startswith(NAMED.format(kind=kind, name=name) + line), errors[0]
+    if "every stack is in " in errors[0]:  # the watchdog's dump, with the stuck call in the driver's stack
+        dump = Path(errors[0].split("every stack is in ", 1)[1].split(";")[0])
+        driver = "".join(path.read_text() for path in dump.glob("driver-pid*.txt"))
+        assert re.search(r'faulty_plugins\.py", line \d+ in score', driver), driver
     if line.endswith("traceback in "):
         trace = Path(errors[0].rsplit("traceback in ", 1)[1])
         assert trace.is_relative_to(tmp_path / "logs" / "faults"), trace
