@@ -17,7 +17,8 @@ import inspect
 from dataclasses import dataclass
 from typing import Any
 
-from nrl_core.contracts import CONTRACT_VERSION
+from nrl_core.contract_marks import capability_of, since_of
+from nrl_core.contracts import CAPABILITY_PROTOCOLS, CONTRACT_VERSION, GenerationWorker, TrainingWorker
 from nrl_core.errors import PluginError
 
 DOCS = "docs/plugins.md"
@@ -28,10 +29,10 @@ VERSIONS_DOCS = f"{DOCS}#8-contract-versions"
 
 @dataclass(frozen=True)
 class ContractVersion:
-    """One version of the plugin contract: where it starts in the history and what it changed."""
+    """One version of the plugin contract: the nrl-core release that first served it, and what it changed."""
 
     version: int
-    since: str
+    release: str
     added: tuple[str, ...] = ()
     changed: tuple[str, ...] = ()
     removed: tuple[str, ...] = ()
@@ -39,13 +40,13 @@ class ContractVersion:
 
 
 CONTRACT_HISTORY: tuple[ContractVersion, ...] = (
-    ContractVersion(1, "9270dbe", added=(
+    ContractVersion(1, "1.0.0", added=(
         "hooks nrl_training_backends, nrl_generation_backends, nrl_environments, nrl_refit_transports, "
         "nrl_metric_sinks, nrl_algorithms, nrl_checkpoint_save, nrl_checkpoint_load",
         "TrainingWorker: train, get_logprobs -> Tensor [B, T] (every rank, the whole batch), "
         "get_reference_logprobs, weight_manifest, export_weights, export_hf, finalize_checkpoint",
         "GenerationWorker: weight_version, generate, import_weights")),
-    ContractVersion(2, "f86aa56", added=(
+    ContractVersion(2, "1.0.0", added=(
         "TrainingWorker.offload_before_refit, offload_after_refit, prepare_for_training (colocated hand-off)",
         "GenerationWorker.prepare_for_generation, finish_generation, sampling_state, load_sampling_state, shutdown",
         "hooks nrl_data_processors, nrl_dataset_generators; capabilities on backend specs",
@@ -54,59 +55,60 @@ CONTRACT_HISTORY: tuple[ContractVersion, ...] = (
         "(71b64cb); an engine may start at weight_version -1 (839cc97)"),
         changed=("get_logprobs/get_reference_logprobs return a BatchShard from one rank per data-parallel "
                  "group and None from the others, instead of a tensor from every rank",)),
-    ContractVersion(3, "a8656e9", added=(
+    ContractVersion(3, "1.0.0", added=(
         "hooks nrl_advantage_estimators, nrl_loss_functions with AdvantageEstimatorSpec, AdvantageInputs, "
         "LossFunctionSpec",
         "EnvResult.components and EnvironmentSpec.reward_components (d0b2cbb)")),
-    ContractVersion(4, "93bc744", added=(
+    ContractVersion(4, "1.1.0", added=(
         "TrainingWorker.save_checkpoint(path, options), load_checkpoint(path, options): the core calls them on "
         "every rank",),
         changed=("the nrl_checkpoint_save/nrl_checkpoint_load hooks are deprecated: the core reaches them only "
                  "through the adapter of a contract 1-3 worker",)),
-    ContractVersion(5, "f8774ee", added=(
+    ContractVersion(5, "1.2.0", added=(
         "worker classes may name modules they import lazily in lazy_imports; the core imports them early",
         "each TrainingWorker/GenerationWorker method declares how the core calls it (nrl_core.dispatch): "
         "fan-out and gather, read by WorkerGroup.call"),
         removed=("AlgorithmSpec.early_policy_start (nrl train starts every algorithm's policy early) and the "
                  "preload field of TrainingBackendSpec/GenerationBackendSpec: both still accepted with a "
                  "deprecation warning, preload still honoured",)),
-    ContractVersion(6, "c15c81d", added=(
+    ContractVersion(6, "1.3.0", added=(
         "environments that talk back: MultiTurnEnvironment.step(episodes) -> EnvStep per episode, with "
         "Episode and EnvStep; EnvironmentSpec.multi_turn",)),
-    ContractVersion(7, "7d9f829", added=(
+    ContractVersion(7, "1.4.0", added=(
         "EnvResult.sample_metadata: per-sample details, logged beside each rollout",)),
-    ContractVersion(8, "16f5e12", added=(
+    ContractVersion(8, "1.5.0", added=(
         "hook nrl_commands with CommandSpec: a plugin's subcommands of nrl (nrl convert NAME)",)),
-    ContractVersion(9, "b81cd43", added=(
+    ContractVersion(9, "1.6.0", added=(
         "adapter-only refit: capabilities adapter_export (training: AdapterExporter.adapter_config, "
         "adapter_manifest, export_adapter) and adapter_refit (generation: AdapterServer.import_adapter), "
         "chosen by policy.refit.adapters",)),
-    ContractVersion(10, "9a68f3e", added=(
+    ContractVersion(10, "1.7.0", added=(
         "models beside the policy: AlgorithmSpec.model_sections (a teacher's policy-shaped section, validated "
         "with the policy schema; its workers share the policy's devices) and AlgorithmSpec.shared_keys (keys in "
         "shared sections such as loss_fn)",
         "capability topk_logprobs (training: TopkScorer.get_topk_logprobs -> TopkShard, get_gathered_logprobs "
         "-> BatchShard [n, T, k]); a loss with gather_ids_field gets [b, t, k] logprobs at those ids",)),
-    ContractVersion(11, "1e9f2da", added=(
+    ContractVersion(11, "1.8.0", added=(
         "capability value_head (training: ValueScorer.get_values -> BatchShard [n, T]), chosen by "
         "policy.reward_model_cfg.enabled; a loss with reads_values gets the head's [b, t] values",
         "AlgorithmSpec.value_sections: the policy-shaped sections whose model has a value head",
         "EnvironmentSpec.resources_key: an environment's devices, taken from the cluster (a reward model)",)),
-    ContractVersion(12, "5c019e7", added=(
+    ContractVersion(12, "1.9.0", added=(
         "capability in_flight_updates (generation: import_weights while generate_groups streams, chosen by "
         "grpo.async_grpo.in_flight_weight_updates) and GenerationOutput.token_weight_versions: each token's "
         "weight version",)),
-    ContractVersion(13, "a2da46e", added=(
+    ContractVersion(13, "1.10.0", added=(
         "capability pipelined_import (generation: PipelinedImporter.import_weights_pipelined(buckets, manifest) "
         "loads each bucket as it arrives; a transfer that fails part-way raises TornRefitError and the engine "
         "refuses to generate until a refit succeeds)",)),
-    ContractVersion(14, "90ef53b", added=(
+    ContractVersion(14, "1.11.0", added=(
         "capability partial_import (generation: PartialImporter.refit_wants(manifest) names the tensors a rank "
         "loads; its imports get only those and a manifest of only those, and the broadcast transport sends a "
         "tensor only one rank loads to that rank alone); RefitSession.options['skips'] tells a collective "
         "transport's sender what each receiver does not load",)),
 )
-"""Every contract version, oldest first; docs/plugins.md and docs/changelog.md repeat it."""
+"""Every contract version, oldest first: the one place the history is kept (docs/contract.md is
+generated from it by scripts/api_reference.py)."""
 
 SERVED_CONTRACTS: tuple[int, ...] = tuple(v.version for v in CONTRACT_HISTORY)
 """The versions this core still loads; dropping one is a major version of nrl-core."""
@@ -129,45 +131,46 @@ class Method:
         return f"{self.name}({', '.join([*self.args, *(f'{k}=...' for k in self.kwargs)])})"
 
 
-TRAINING_METHODS: tuple[Method, ...] = (
-    Method("train", ("batch", "loss_fn")),
-    Method("get_logprobs", ("batch",), returns="BatchShard"),
-    Method("get_reference_logprobs", ("batch",), returns="BatchShard"),
-    Method("offload_before_refit", since=2, adaptable=True),
-    Method("offload_after_refit", since=2, adaptable=True),
-    Method("prepare_for_training", since=2, adaptable=True),
-    Method("weight_manifest", ("dtype",)),
-    Method("export_weights", ("bucket_bytes", "dtype")),
-    Method("export_hf", ("path",)),
-    Method("finalize_checkpoint"),
-    Method("save_checkpoint", ("path", "options"), since=4, adaptable=True),
-    Method("load_checkpoint", ("path", "options"), since=4, adaptable=True),
-)
+def _annotation_text(annotation: Any) -> str:
+    if annotation is inspect.Signature.empty:
+        return ""
+    text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", repr(annotation))
+    return text.strip("'\"")
+
+
+def protocol_methods(protocol: type) -> tuple[Method, ...]:
+    """The methods ``protocol`` declares, as the core calls them: positional and keyword-only
+    parameters from its signatures, the version from its :func:`~nrl_core.contract_marks.since`
+    marks (a capability's from the capability), the return type checked where it is a shard."""
+    mark = capability_of(protocol)
+    methods = []
+    for name, function in vars(protocol).items():
+        if name.startswith("_") or not inspect.isfunction(function):
+            continue
+        parameters = list(inspect.signature(function).parameters.values())[1:]
+        marked = since_of(function)
+        returned = _annotation_text(inspect.signature(function).return_annotation)
+        methods.append(Method(
+            name,
+            tuple(p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)),
+            tuple(p.name for p in parameters if p.kind is p.KEYWORD_ONLY),
+            since=mark.since if mark is not None else marked.version,
+            returns=next((shard for shard in ("BatchShard", "TopkShard") if shard in returned), ""),
+            adaptable=marked.adaptable,
+        ))
+    return tuple(methods)
+
+
+TRAINING_METHODS: tuple[Method, ...] = protocol_methods(TrainingWorker)
+GENERATION_METHODS: tuple[Method, ...] = protocol_methods(GenerationWorker)
 
 HOOK_CHECKPOINT_METHODS = ("save_checkpoint", "load_checkpoint")
 """What a contract 1-3 worker reaches through its plugin's checkpoint hooks, even where its class
 has methods of those names (the hooks decided how it saved)."""
 
-GENERATION_METHODS: tuple[Method, ...] = (
-    Method("generate", ("prompts",), ("greedy",)),
-    Method("import_weights", ("buckets", "manifest")),
-    Method("prepare_for_generation", ("tags",), since=2, adaptable=True),
-    Method("finish_generation", since=2, adaptable=True),
-    Method("sampling_state", since=2, adaptable=True),
-    Method("load_sampling_state", ("state",), since=2, adaptable=True),
-    Method("shutdown", since=2, adaptable=True),
-)
-
 CAPABILITY_METHODS: dict[str, tuple[Method, ...]] = {
-    "adapter_export": (Method("adapter_config", since=9), Method("adapter_manifest", ("dtype",), since=9),
-                       Method("export_adapter", ("bucket_bytes", "dtype"), since=9)),
-    "adapter_refit": (Method("import_adapter", ("buckets", "manifest", "adapter_config"), since=9),),
-    "topk_logprobs": (Method("get_topk_logprobs", ("batch", "k"), since=10),
-                      Method("get_gathered_logprobs", ("batch", "ids_field"), since=10)),
-    "value_head": (Method("get_values", ("batch",), since=11, returns="BatchShard"),),
-    "in_flight_updates": (Method("configure_in_flight", ("recompute_kv_cache",), since=12),),
-    "pipelined_import": (Method("import_weights_pipelined", ("buckets", "manifest"), since=13),),
-    "partial_import": (Method("refit_wants", ("manifest",), since=14),),
+    mark.name: protocol_methods(protocol)
+    for protocol in CAPABILITY_PROTOCOLS if (mark := capability_of(protocol)) is not None
 }
 """The methods a worker must have when its backend's spec declares the capability."""
 
@@ -212,13 +215,6 @@ def adapted_methods(cls: type, role: str, version: int) -> list[str]:
     if role == "training" and version < 4:
         notes.append("checkpoints through the plugin's (deprecated) checkpoint hooks")
     return notes
-
-
-def _annotation_text(annotation: Any) -> str:
-    if annotation is inspect.Signature.empty:
-        return ""
-    text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", repr(annotation))
-    return text.strip("'\"")
 
 
 def _signature_gap(cls: type, method: Method) -> str | None:
@@ -266,8 +262,8 @@ def worker_gaps(cls: type, role: str, version: int, plugin: str,
         if method.returns and version >= 2:
             returned = _annotation_text(inspect.signature(getattr(cls, method.name)).return_annotation)
             if returned and method.returns not in returned and "Tensor" in returned:
-                lines.append(f"{where}: {method.name} is annotated to return {returned}; contract 2 and later "
-                             f"require {method.returns} | None (nrl_core.contracts.BatchShard) ({docs})")
+                lines.append(f"{where}: {method.name} is annotated to return {returned}; contract {max(2, method.since)} "
+                             f"and later require {method.returns} | None (nrl_core.contracts.{method.returns}) ({docs})")
     return lines
 
 

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import InitVar, dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from nrl_core.contract_marks import capability, capability_of, since
 from nrl_core.dispatch import Fanout, Gather, dispatch
 from nrl_core.errors import PluginError
 
@@ -106,33 +107,19 @@ class CheckpointOptions:
 
 # --------------------------------------------------------------------------- descriptors
 
-TRAINING_CAPABILITIES: Mapping[str, str] = {
+TRAINING_FLAGS: Mapping[str, str] = {
     "data_parallel": "more than one data-parallel group (training workers / model-parallel size > 1)",
     "sequence_packing": "policy.sequence_packing.enabled: true",
     "dynamic_batching": "policy.dynamic_batching.enabled: true",
-    "adapter_export": "policy.refit.adapters: true (the worker is an AdapterExporter: LoRA adapters leave alone)",
-    "topk_logprobs": "next-token top-k and logprobs at given ids (the worker is a TopkScorer: distillation)",
-    "value_head": "policy.reward_model_cfg.enabled: true (a scalar head in place of the LM head; the worker is a "
-                  "ValueScorer: reward models and critics)",
     "skip_optimizer_state": "checkpointing.save_optimizer: false (CheckpointOptions.save_optimizer false: a checkpoint "
                             "without optimizer and scheduler state, whose load starts both fresh)",
 }
-"""What a training backend may declare it supports beyond one rank training padded micro-batches;
-a config that asks for something the selected backend does not declare fails validation."""
+"""Training capabilities that add no method: what the worker's existing methods then handle.
+The others are Protocols marked with :func:`~nrl_core.contract_marks.capability` (below), and
+:data:`TRAINING_CAPABILITIES` holds both."""
 
-GENERATION_CAPABILITIES: Mapping[str, str] = {
-    "streaming": "grpo.async_grpo.enabled: true (generate_groups yields each group as it finishes)",
-    "adapter_refit": "policy.refit.adapters: true (the worker is an AdapterServer: it applies LoRA adapters itself)",
-    "in_flight_updates": "grpo.async_grpo.in_flight_weight_updates: true (import_weights may run while "
-                         "generate_groups streams, in another thread: requests in flight finish with the new weights, "
-                         "and every output names each token's weight version in token_weight_versions)",
-    "pipelined_import": "refits between processes load each bucket while the next is exported (the worker is a "
-                        "PipelinedImporter; a transfer that fails part-way leaves it refusing to generate until a "
-                        "refit succeeds)",
-    "partial_import": "each rank names the refit's tensors it loads and receives only those (the worker is a "
-                      "PartialImporter: a rank of vLLM's expert parallelism gets only its experts)",
-}
-"""The same for generation backends."""
+GENERATION_FLAGS: Mapping[str, str] = {}
+"""The same for generation backends (every generation capability adds methods)."""
 
 
 def _check_capabilities(kind: str, name: str, declared: frozenset[str], known: Mapping[str, str]) -> None:
@@ -843,16 +830,19 @@ class TrainingWorker(Protocol):
         as the constructor loaded it, also after a resume (the reference is not checkpointed)."""
 
     @dispatch(Fanout.ALL, Gather.NONE)
+    @since(2, adaptable=True)
     def offload_before_refit(self) -> None:
         """Colocated generation is about to take the device: move what neither the refit nor
         generation needs (optimizer state, gradients) off it. A no-op where nothing is on a device."""
 
     @dispatch(Fanout.ALL, Gather.NONE)
+    @since(2, adaptable=True)
     def offload_after_refit(self) -> None:
         """The engines hold a copy of the weights now: move the weights off the device too (called
         only with ``policy.generation.colocated.offload_weights``)."""
 
     @dispatch(Fanout.ALL, Gather.NONE)
+    @since(2, adaptable=True)
     def prepare_for_training(self) -> None:
         """Bring back whatever the offload calls moved; the core calls it before the next
         ``get_logprobs``/``train`` after a colocated generation."""
@@ -871,11 +861,13 @@ class TrainingWorker(Protocol):
         """Write a ``save_pretrained``-compatible checkpoint (safetensors and tokenizer)."""
 
     @dispatch(Fanout.ALL, Gather.NONE)
+    @since(4, adaptable=True)
     def save_checkpoint(self, path: str, options: CheckpointOptions) -> None:
         """Write this rank's part of a checkpoint under ``path`` (the core creates nothing there;
         every rank gets the same path). Contract 4."""
 
     @dispatch(Fanout.ALL, Gather.NONE)
+    @since(4, adaptable=True)
     def load_checkpoint(self, path: str, options: CheckpointOptions) -> None:
         """Restore what :meth:`save_checkpoint` wrote; a bad checkpoint raises one line and
         changes nothing. Contract 4."""
@@ -898,35 +890,44 @@ class GenerationWorker(Protocol):
     weight_version: int
 
     @dispatch(Fanout.ALL, Gather.SHARDS)
-    def generate(self, prompts: list[list[int]], *, greedy: bool = False) -> GenerationOutput: ...
+    def generate(self, prompts: list[list[int]], *, greedy: bool = False) -> GenerationOutput:
+        """One sample per prompt (token ids in, a :class:`GenerationOutput` out), sampled with the
+        config's ``policy.generation`` settings, or greedily with ``greedy``."""
 
     @dispatch(Fanout.DP)
     def import_weights(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], manifest: list[WeightSpec]) -> int:
         """Load the buckets atomically against ``manifest``; return the new weight version."""
 
     @dispatch(Fanout.ALL, Gather.NONE)
+    @since(2, adaptable=True)
     def prepare_for_generation(self, tags: list[str] | None = None) -> None:
         """Colocated: wake what ``tags`` name (``"weights"`` before a refit, ``"kv_cache"`` before
         generating; everything when None) after :meth:`finish_generation`."""
 
     @dispatch(Fanout.ALL, Gather.LIST)
+    @since(2, adaptable=True)
     def finish_generation(self) -> bool:
         """Colocated: release the device's memory for training until the next
         :meth:`prepare_for_generation`. True when the engine dropped its weights, so the core
         refits it before it generates again."""
 
     @dispatch(Fanout.DP)
+    @since(2, adaptable=True)
     def sampling_state(self) -> dict[str, int]:
         """What, with the weights, determines the next samples; saved with checkpoints."""
 
     @dispatch(Fanout.ALL, Gather.NONE)
+    @since(2, adaptable=True)
     def load_sampling_state(self, state: Mapping[str, int]) -> None:
         """Restore :meth:`sampling_state` so a resumed run samples as the uninterrupted one."""
 
+    @since(2, adaptable=True)
     def shutdown(self) -> None:
         """Stop the engine and free its memory (safe to call twice)."""
 
 
+@capability("adapter_export", role="training", since=9,
+            asks="policy.refit.adapters: true (LoRA adapters leave alone at each refit)")
 class AdapterExporter(Protocol):
     """What a training worker adds to declare ``adapter_export`` (contract 9): a LoRA run whose
     generation engine applies the adapters itself (``policy.refit.adapters: true``) sends only
@@ -945,6 +946,8 @@ class AdapterExporter(Protocol):
         to ``dtype``, in buckets. Collective: every rank must iterate."""
 
 
+@capability("topk_logprobs", role="training", since=10,
+            asks="next-token top-k and logprobs at given ids (distillation)")
 class TopkScorer(Protocol):
     """What a training worker adds to declare ``topk_logprobs`` (contract 10): the next-token
     distribution beyond the sampled token, for distillation. Where a backend splits its logits over
@@ -964,6 +967,9 @@ class TopkScorer(Protocol):
         (``[B, T, k]``, aligned) under the current weights; returned as :meth:`get_logprobs`."""
 
 
+@capability("value_head", role="training", since=11,
+            asks="policy.reward_model_cfg.enabled: true (a scalar head in place of the LM head: reward models "
+                 "and critics)")
 class ValueScorer(Protocol):
     """What a training worker adds to declare ``value_head`` (contract 11). With
     ``policy.reward_model_cfg.enabled`` it builds its model with a scalar head (Hugging Face's
@@ -979,6 +985,10 @@ class ValueScorer(Protocol):
         score is its value at its last token). Returned as :meth:`TrainingWorker.get_logprobs`."""
 
 
+@capability("in_flight_updates", role="generation", since=12,
+            asks="grpo.async_grpo.in_flight_weight_updates: true (import_weights may run while generate_groups "
+                 "streams, in another thread: requests in flight finish with the new weights, and every output "
+                 "names each token's weight version in token_weight_versions)")
 class InFlightUpdater(Protocol):
     """What a generation worker adds to declare ``in_flight_updates`` (contract 12): the core may
     call :meth:`GenerationWorker.import_weights` from another thread while ``generate_groups``
@@ -991,6 +1001,9 @@ class InFlightUpdater(Protocol):
         are dropped), else they keep the cache the old weights computed (NeMo RL's default)."""
 
 
+@capability("pipelined_import", role="generation", since=13,
+            asks="refits between processes load each bucket while the next is exported (a transfer that fails "
+                 "part-way leaves it refusing to generate until a refit succeeds)")
 class PipelinedImporter(Protocol):
     """What a generation worker adds to declare ``pipelined_import`` (contract 13): the core may
     hand a refit's buckets as they arrive, so the engine loads bucket k while the training side
@@ -1007,6 +1020,9 @@ class PipelinedImporter(Protocol):
         new weight version."""
 
 
+@capability("partial_import", role="generation", since=14,
+            asks="each rank names the refit's tensors it loads and receives only those (a rank of vLLM's expert "
+                 "parallelism gets only its experts)")
 class PartialImporter(Protocol):
     """What a generation worker adds to declare ``partial_import`` (contract 14): a rank that loads
     only part of the model (its experts under expert parallelism) says which part, and every refit
@@ -1022,6 +1038,8 @@ class PartialImporter(Protocol):
         exactly these names."""
 
 
+@capability("adapter_refit", role="generation", since=9,
+            asks="policy.refit.adapters: true (it applies LoRA adapters itself)")
 class AdapterServer(Protocol):
     """What a generation worker adds to declare ``adapter_refit`` (contract 9): its engine holds the
     base model (read from ``policy.model_name``) and applies the policy's LoRA adapters itself."""
@@ -1057,3 +1075,33 @@ class MetricSink(Protocol):
     def log(self, step: int, metrics: Mapping[str, float], prefix: str = "") -> None: ...
 
     def close(self) -> None: ...
+
+
+@capability("streaming", role="generation", since=2,
+            asks="grpo.async_grpo.enabled: true (generate_groups yields each group as it finishes)")
+class StreamingGenerator(Protocol):
+    """What a generation worker adds to declare ``streaming``: async GRPO scores each prompt's
+    group the moment its last sample is done, rather than waiting for the whole batch."""
+
+    def generate_groups(self, prompts: list[list[int]], group_size: int, *,
+                        greedy: bool = False) -> Iterator[tuple[int, GenerationOutput]]:
+        """``group_size`` samples of each prompt, yielded as ``(prompt index, output)`` when the
+        group's last sample is done, in any order; every prompt exactly once."""
+
+
+CAPABILITY_PROTOCOLS: tuple[type, ...] = (AdapterExporter, TopkScorer, ValueScorer, StreamingGenerator, AdapterServer,
+                                         InFlightUpdater, PipelinedImporter, PartialImporter)
+"""Every capability that adds methods, as the Protocol that declares them."""
+
+
+def _capabilities(role: str, flags: Mapping[str, str]) -> dict[str, str]:
+    marked = [capability_of(protocol) for protocol in CAPABILITY_PROTOCOLS]
+    return {**flags, **{mark.name: mark.asks for mark in marked if mark is not None and mark.role == role}}
+
+
+TRAINING_CAPABILITIES: Mapping[str, str] = _capabilities("training", TRAINING_FLAGS)
+"""What a training backend may declare it supports beyond one rank training padded micro-batches;
+a config that asks for something the selected backend does not declare fails validation."""
+
+GENERATION_CAPABILITIES: Mapping[str, str] = _capabilities("generation", GENERATION_FLAGS)
+"""The same for generation backends."""

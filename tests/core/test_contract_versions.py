@@ -22,13 +22,13 @@ from nrl_core.contract_versions import (
 from nrl_core.contracts import CONTRACT_VERSION, BatchShard, GenerationWorker, TokenBatch, TrainingWorker
 from nrl_core.errors import PluginError
 
-DOCS = Path(__file__).resolve().parents[2] / "docs" / "plugins.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "contract.md"
 
 
 def documented_versions() -> list[int]:
-    """The contract versions in docs/plugins.md's table (rows ``| N | commit | ...``)."""
-    section = DOCS.read_text().split("## 8. Contract versions", 1)[1]
-    return [int(m) for m in re.findall(r"^\| (\d+) \| `[0-9a-f]{7}`", section, flags=re.M)]
+    """The contract versions in docs/contract.md's table (rows ``| N | release | ...``)."""
+    section = DOCS.read_text().split("## Versions", 1)[1]
+    return [int(m) for m in re.findall(r"^\| (\d+) \| \d+\.\d+\.\d+ \|", section, flags=re.M)]
 
 
 def worker_of(role: str, version: int) -> type:
@@ -205,3 +205,29 @@ def test_contract_4_spec_fields_are_accepted_with_a_warning_and_preload_is_still
     assert _imports_of(spec) == ["old_mod:Worker", "heavy.module"]
     with pytest.warns(FutureWarning, match="early_policy_start=...\\) of algorithm 'old' has no effect since contract 5"):
         AlgorithmSpec(name="old", entry="old_mod:main", distribution="old", early_policy_start=True)
+
+
+def test_the_method_tables_are_read_from_the_protocols():
+    from nrl_core.contract_marks import capability_of
+    from nrl_core.contract_versions import CAPABILITY_METHODS, GENERATION_METHODS, TRAINING_METHODS
+    from nrl_core.contracts import CAPABILITY_PROTOCOLS, GENERATION_CAPABILITIES, TRAINING_CAPABILITIES
+
+    def declared(protocol: type) -> list[str]:
+        return [name for name, value in vars(protocol).items() if callable(value) and not name.startswith("_")]
+
+    assert [m.name for m in TRAINING_METHODS] == declared(TrainingWorker)
+    assert [m.name for m in GENERATION_METHODS] == declared(GenerationWorker)
+    for protocol in CAPABILITY_PROTOCOLS:
+        mark = capability_of(protocol)
+        assert [m.name for m in CAPABILITY_METHODS[mark.name]] == declared(protocol)
+        assert mark.name in (TRAINING_CAPABILITIES if mark.role == "training" else GENERATION_CAPABILITIES)
+    assert {m.name: m.since for m in TRAINING_METHODS}["save_checkpoint"] == 4
+    assert [m.call() for m in CAPABILITY_METHODS["streaming"]] == ["generate_groups(prompts, group_size, greedy=...)"]
+
+
+def test_a_declared_capability_without_its_protocol_s_methods_is_one_line():
+    cls = worker_of("generation", CONTRACT_VERSION)
+    (line,) = worker_gaps(cls, "generation", CONTRACT_VERSION, "mine", capabilities={"streaming"})
+    assert "declares 'streaming' but generate_groups(prompts, group_size, greedy=...) is missing" in line
+    streams = type("Streams", (cls,), {"generate_groups": lambda self, prompts, group_size, *, greedy=False: iter(())})
+    assert worker_gaps(streams, "generation", CONTRACT_VERSION, "mine", capabilities={"streaming"}) == []

@@ -9,7 +9,7 @@ from __future__ import annotations
 from nrl_backend_dtensor.schema import DTENSOR_CONFIG_SCHEMA
 from nrl_core.api import TrainingBackendSpec, hookimpl
 
-NRL_CONTRACT = 11  # the plugin contract this distribution is written for (docs/plugins.md)
+NRL_CONTRACT = 14  # the plugin contract this distribution is written for (docs/plugins.md)
 
 WORKER_PATH = "nrl_backend_dtensor.worker:DTensorPolicyWorker"
 

@@ -9,7 +9,7 @@ from nrl_backend_megatron import commands
 from nrl_backend_megatron.schema import MEGATRON_CFG_SCHEMA
 from nrl_core.api import CommandSpec, TrainingBackendSpec, hookimpl
 
-NRL_CONTRACT = 11  # the plugin contract this distribution is written for (docs/plugins.md)
+NRL_CONTRACT = 14  # the plugin contract this distribution is written for (docs/plugins.md)
 
 WORKER_PATH = "nrl_backend_megatron.worker:MegatronPolicyWorker"
 

@@ -38,13 +38,15 @@ def _tmp_env(env: Mapping[str, str], tmp: Path) -> dict[str, str]:
 
 def _contract_gaps(spec: Any, role: str, registry: Any) -> None:
     """Fail before anything runs, one line per method the worker lacks or cannot be called as the
-    core calls it, against the contract its plugin declares (docs/plugins.md#8-contract-versions)."""
+    core calls it, against the contract its plugin declares and the capabilities its spec declares
+    (docs/contract.md, read from the Protocols)."""
     from nrl_core.contract_adapters import unwrap_path
     from nrl_core.contract_versions import worker_gaps
     from nrl_core.contracts import import_object
 
     worker, _, version, plugin = unwrap_path(spec.worker)
-    gaps = worker_gaps(import_object(worker), role, version, plugin or registry.owner(spec.name))
+    gaps = worker_gaps(import_object(worker), role, version, plugin or registry.owner(spec.name),
+                       capabilities=getattr(spec, "capabilities", frozenset()))
     if gaps:
         pytest.fail("\n".join(gaps), pytrace=False)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from nrl_algo_distillation.config import DISTILLATION_SCHEMA, SHARED_KEYS
 from nrl_core.api import AlgorithmSpec, hookimpl
 
-NRL_CONTRACT = 10  # the plugin contract this distribution is written for (docs/plugins.md)
+NRL_CONTRACT = 14  # the plugin contract this distribution is written for (docs/plugins.md)
 
 
 @hookimpl

@@ -7,7 +7,7 @@ from __future__ import annotations
 from nrl_algo_ppo.config import PPO_SCHEMA, SHARED_KEYS
 from nrl_core.api import AlgorithmSpec, hookimpl
 
-NRL_CONTRACT = 11  # the plugin contract this distribution is written for (docs/plugins.md)
+NRL_CONTRACT = 14  # the plugin contract this distribution is written for (docs/plugins.md)
 
 
 @hookimpl

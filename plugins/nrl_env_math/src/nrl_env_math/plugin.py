@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from nrl_core.api import EnvironmentSpec, Field, Section, hookimpl
 
-NRL_CONTRACT = 5  # the plugin contract this distribution is written for (docs/plugins.md)
+NRL_CONTRACT = 14  # the plugin contract this distribution is written for (docs/plugins.md)
 
 NUMBER = (int, float)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from nrl_core.api import DataProcessorSpec, DatasetGeneratorSpec, EnvironmentSpec, Field, Section, hookimpl
 
-NRL_CONTRACT = 6  # the plugin contract this distribution is written for (docs/plugins.md)
+NRL_CONTRACT = 14  # the plugin contract this distribution is written for (docs/plugins.md)
 
 SCHEMA = Section(doc="NeMo RL's sliding puzzle game (env.sliding_puzzle_game).", fields={
     "cfg": Section(doc="the game", fields={

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from nrl_core.api import DataProcessorSpec, DatasetGeneratorSpec, EnvironmentSpec, Field, Section, hookimpl
 
-NRL_CONTRACT = 6  # the plugin contract this distribution is written for (docs/plugins.md)
+NRL_CONTRACT = 14  # the plugin contract this distribution is written for (docs/plugins.md)
 
 SCHEMA = Section(doc="A key-value store per episode that only the lookup tool can read.", fields={
     "max_tool_calls": Field(type=int, default=2, minimum=1, doc="calls an episode may make; one more ends it unanswered"),

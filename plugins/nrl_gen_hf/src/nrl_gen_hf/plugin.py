@@ -5,7 +5,7 @@ from __future__ import annotations
 from nrl_core.api import GenerationBackendSpec, hookimpl
 from nrl_gen_hf.config import HF_CFG
 
-NRL_CONTRACT = 5  # the plugin contract this distribution is written for (docs/plugins.md)
+NRL_CONTRACT = 14  # the plugin contract this distribution is written for (docs/plugins.md)
 
 
 @hookimpl

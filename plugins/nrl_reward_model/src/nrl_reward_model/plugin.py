@@ -7,7 +7,7 @@ from nrl_core.api import AlgorithmSpec, EnvironmentSpec, hookimpl
 from nrl_reward_model.config import RM_SCHEMA
 from nrl_reward_model.env_config import REWARD_MODEL_ENV_SCHEMA
 
-NRL_CONTRACT = 11  # the plugin contract this distribution is written for (docs/plugins.md)
+NRL_CONTRACT = 14  # the plugin contract this distribution is written for (docs/plugins.md)
 
 
 @hookimpl

@@ -10,7 +10,7 @@ from nrl_core.api import AlgorithmSpec, Field, Section, TrainingBackendSpec, hoo
 
 WORKER_PATH = "nrl_example_plugin.worker:ExampleWorker"
 
-NRL_CONTRACT = 5  # the plugin contract this module is written for (docs/plugins.md#8-contract-versions)
+NRL_CONTRACT = 14  # the plugin contract this module is written for (docs/plugins.md#8-contract-versions)
 
 
 @hookimpl
