@@ -175,8 +175,8 @@ def _phases(src: Any, sink: Any, repeats: int) -> dict[str, float]:
     call to each actor at once, about the floor any refit between two actors pays."""
     import statistics
 
+    from nrl_core.algorithms.refit_orchestrator import refit
     from nrl_core.cluster._host import WorkerHost
-    from nrl_core.refit import refit
 
     sink.call(WorkerHost.execute, _probe_stream, on=0)
     rows: dict[str, list[float]] = {"start": [], "stream": [], "finish": [], "round_trip": []}
@@ -200,7 +200,7 @@ def _phases(src: Any, sink: Any, repeats: int) -> dict[str, float]:
 def measure(name: str, repeats: int, cross: bool) -> dict:
     import torch
 
-    from nrl_core.refit import refit
+    from nrl_core.algorithms.refit_orchestrator import refit
     from nrl_core.refit.buckets import manifest_bytes
     from nrl_core.refit.hf_source import HFWeightSource
     from nrl_core.testing.tiny_models import cached_tiny_model

@@ -29,6 +29,8 @@ from nrl_core.algorithms.setup import build_loss as build_loss
 from nrl_core.algorithms.setup import generation_spec as generation_spec
 from nrl_core.algorithms.setup import load_tokenizer as load_tokenizer
 from nrl_core.checkpoint.hooks import worker_checkpoint_hooks as worker_checkpoint_hooks
+from nrl_core.checkpoint.to_hf import hf_logprobs as hf_logprobs
+from nrl_core.checkpoint.to_hf import hf_model as hf_model
 from nrl_core.checkpoint.to_hf import logprob_tolerance as logprob_tolerance
 from nrl_core.checkpoint.to_hf import max_logprob_error as max_logprob_error
 from nrl_core.checkpoint.to_hf import new_output_dir as new_output_dir
@@ -46,8 +48,6 @@ from nrl_core.config.model_config import local_model_config as local_model_confi
 from nrl_core.config.model_config import read_model_config as read_model_config
 from nrl_core.config.models import model_config as model_config
 from nrl_core.config.models import renamed_error as renamed_error
-from nrl_core.config.schema import Field as Field
-from nrl_core.config.schema import Section as Section
 from nrl_core.config.topology import cluster_topology as cluster_topology
 from nrl_core.config.validate import validate_config as validate_config
 from nrl_core.contracts import CONTRACT_VERSION as CONTRACT_VERSION
@@ -148,6 +148,8 @@ from nrl_core.refit.manifest import RefitError as RefitError
 from nrl_core.refit.manifest import TornRefitError as TornRefitError
 from nrl_core.refit.manifest import verified_stream as verified_stream
 from nrl_core.refit.manifest import verify as verify_manifest
+from nrl_core.schema import Field as Field
+from nrl_core.schema import Section as Section
 from nrl_core.sdk import ReferenceWeights as ReferenceWeights
 from nrl_core.sdk import TrainingWorkerBase as TrainingWorkerBase
 from nrl_core.sdk import base_model_identity as base_model_identity
@@ -170,8 +172,6 @@ from nrl_core.sdk.vocab import next_token_logprobs_at as next_token_logprobs_at
 from nrl_core.sdk.vocab import next_token_topk as next_token_topk
 from nrl_core.testing.conformance import generation_backend_suite as generation_backend_suite
 from nrl_core.testing.conformance import training_backend_suite as training_backend_suite
-from nrl_core.testing.conformance.scenarios import hf_logprobs as hf_logprobs
-from nrl_core.testing.conformance.scenarios import hf_model as hf_model
 from nrl_core.testing.distributed import gather_shards as gather_shards
 from nrl_core.testing.distributed import init_local_group as init_local_group
 from nrl_core.testing.distributed import run_distributed as run_distributed

@@ -6,7 +6,6 @@ from nrl_core.algorithms.dpo_schema import DPO_SCHEMA
 from nrl_core.algorithms.grpo_config import GRPO
 from nrl_core.algorithms.sft_config import SFT
 from nrl_core.config.core_schema import NUMBER
-from nrl_core.config.schema import Field, Section
 from nrl_core.contracts import (
     AdvantageEstimatorSpec,
     AlgorithmSpec,
@@ -17,6 +16,7 @@ from nrl_core.contracts import (
     RefitTransportSpec,
 )
 from nrl_core.hookspecs import hookimpl
+from nrl_core.schema import Field, Section
 
 
 @hookimpl

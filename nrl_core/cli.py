@@ -154,7 +154,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _cmd_convert_checkpoint(args: argparse.Namespace) -> int:
-    from nrl_core.checkpoint.to_hf import checkpoint_to_hf
+    from nrl_core.algorithms.checkpoint_to_hf import checkpoint_to_hf
 
     report = checkpoint_to_hf(args.checkpoint, args.out, args.overrides)
     print(f"wrote {report.output} from {report.source} (step {report.step}); its logprobs are within "

@@ -18,38 +18,27 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from nrl_core.contract_versions import HOOK_CHECKPOINT_METHODS, ROLES, VERSIONS_DOCS, adapted_methods, worker_gaps
+from nrl_core.contract_versions import (
+    ADAPTER_SEPARATOR,
+    HOOK_CHECKPOINT_METHODS,
+    ROLES,
+    VERSIONS_DOCS,
+    adapted_methods,
+    unwrap_path,
+    worker_gaps,
+)
 from nrl_core.contracts import CONTRACT_VERSION, import_object
 from nrl_core.errors import PluginError
 
 logger = logging.getLogger(__name__)
 
-_SEP = "@"
 _warned: set[str] = set()
 
 
-def adapter_path(worker: str, role: str, version: int, plugin: str) -> str:
-    """The worker path the core uses for ``worker``: itself when its contract needs nothing
-    adapted, else this module's adapter for it."""
-    if not any(m.since > version for m in ROLES[role][1]) and not (role == "training" and version < 2):
-        return worker
-    return f"{__name__}:{_SEP.join((role, str(version), plugin, worker))}"
-
-
-def unwrap_path(path: str) -> tuple[str, str | None, int, str | None]:
-    """``(worker path, role, contract, plugin)`` of a path :func:`adapter_path` made; a plain path
-    is its own worker, of the current contract."""
-    module, _, attr = path.partition(":")
-    if module != __name__ or attr.count(_SEP) < 3:
-        return path, None, CONTRACT_VERSION, None
-    role, version, plugin, worker = attr.split(_SEP, 3)
-    return worker, role, int(version), plugin
-
-
 def __getattr__(name: str) -> type:
-    if name.startswith("__") or name.count(_SEP) < 3:
+    if name.startswith("__") or name.count(ADAPTER_SEPARATOR) < 3:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    role, version, plugin, worker = name.split(_SEP, 3)
+    role, version, plugin, worker = name.split(ADAPTER_SEPARATOR, 3)
     return adapted_class(import_object(worker), role, int(version), plugin)
 
 

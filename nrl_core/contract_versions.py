@@ -180,6 +180,28 @@ ROLES: dict[str, tuple[str, tuple[Method, ...], str]] = {
 }
 
 
+ADAPTERS_MODULE = "nrl_core.contract_adapters"
+ADAPTER_SEPARATOR = "@"
+
+
+def adapter_path(worker: str, role: str, version: int, plugin: str) -> str:
+    """The worker path the core uses for ``worker``: itself when its contract needs nothing
+    adapted, else :mod:`nrl_core.contract_adapters`' adapter for it (resolved there by name)."""
+    if not any(m.since > version for m in ROLES[role][1]) and not (role == "training" and version < 2):
+        return worker
+    return f"{ADAPTERS_MODULE}:{ADAPTER_SEPARATOR.join((role, str(version), plugin, worker))}"
+
+
+def unwrap_path(path: str) -> tuple[str, str | None, int, str | None]:
+    """``(worker path, role, contract, plugin)`` of a path :func:`adapter_path` made; a plain path
+    is its own worker, of the current contract."""
+    module, _, attr = path.partition(":")
+    if module != ADAPTERS_MODULE or attr.count(ADAPTER_SEPARATOR) < 3:
+        return path, None, CONTRACT_VERSION, None
+    role, version, plugin, worker = attr.split(ADAPTER_SEPARATOR, 3)
+    return worker, role, int(version), plugin
+
+
 def served_range() -> str:
     return f"{SERVED_CONTRACTS[0]}-{SERVED_CONTRACTS[-1]}"
 

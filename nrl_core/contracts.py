@@ -27,7 +27,7 @@ from nrl_core.errors import PluginError
 if TYPE_CHECKING:
     import torch
 
-    from nrl_core.config.schema import Section
+    from nrl_core.schema import Section
 
 CONTRACT_VERSION: int = 14
 """The version of the plugin contract this module defines, apart from nrl-core's package version.

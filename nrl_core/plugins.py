@@ -36,8 +36,7 @@ from typing import Any, Generic, TypeVar
 import pluggy
 
 from nrl_core import hookspecs
-from nrl_core.contract_adapters import adapter_path
-from nrl_core.contract_versions import SERVED_CONTRACTS, declared_contract, served_range
+from nrl_core.contract_versions import SERVED_CONTRACTS, adapter_path, declared_contract, served_range
 from nrl_core.contracts import (
     CONTRACT_VERSION,
     AdvantageEstimatorSpec,

@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from nrl_core.config.schema import Field, Section
 from nrl_core.errors import ConfigError
+from nrl_core.schema import Field, Section
 
 NUMBER = (int, float)
 

@@ -28,13 +28,13 @@ from typing import TYPE_CHECKING, Any
 from nrl_core.algorithms.handoff import DeviceHandOff
 from nrl_core.algorithms.policy import Policy
 from nrl_core.algorithms.policy_launch import launch_generation, take_early_generation
+from nrl_core.algorithms.refit_orchestrator import choose_transport, refit, refit_options
 from nrl_core.cluster._host import WorkerHost
 from nrl_core.cluster.worker_group import method_name
 from nrl_core.config.topology import cluster_topology
 from nrl_core.contracts import GenerationBackendSpec, GenerationOutput, GenerationWorker, InFlightUpdater
 from nrl_core.dispatch import Fanout, dispatch_of
 from nrl_core.errors import NrlError
-from nrl_core.refit.orchestrator import choose_transport, refit, refit_options
 from nrl_core.refit.report import RefitReport, combine_reports
 from nrl_core.timeline import mark
 

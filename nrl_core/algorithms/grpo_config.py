@@ -9,9 +9,9 @@ from typing import Any
 
 from nrl_core.algorithms.rewards import shaping_problem
 from nrl_core.config.core_schema import NUMBER
-from nrl_core.config.schema import Field, Section
 from nrl_core.errors import ConfigError
 from nrl_core.plugins import get_plugin_manager
+from nrl_core.schema import Field, Section
 
 #: Batch fields GRPO can compute before the advantages, for an estimator's ``needs``.
 GRPO_BATCH_FIELDS = ("prev_logprobs", "reference_logprobs")

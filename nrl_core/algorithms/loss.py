@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 import torch
 
-from nrl_core.algorithms.loss_rules import loss_config_problem
+from nrl_core.config.loss_rules import loss_config_problem
 from nrl_core.contracts import TokenBatch
 
 

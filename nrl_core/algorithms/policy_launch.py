@@ -183,7 +183,7 @@ def _fault_owner(config: Mapping[str, Any], spec: TrainingBackendSpec | Generati
 def _imports_of(spec: TrainingBackendSpec | GenerationBackendSpec) -> list[str]:
     """What a worker process imports early for ``spec``: its worker class (and with it the
     modules the class names in ``lazy_imports``), and what a contract 1-4 spec named in ``preload``."""
-    from nrl_core.contract_adapters import unwrap_path
+    from nrl_core.contract_versions import unwrap_path
 
     return [spec.worker, *LEGACY_PRELOAD.get(unwrap_path(spec.worker)[0], ())]
 

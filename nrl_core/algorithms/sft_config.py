@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from nrl_core.config.schema import Field, Section
+from nrl_core.schema import Field, Section
 
 SFT = Section(doc="Supervised fine-tuning settings.", fields={
     "max_num_epochs": Field(type=int, default=1, minimum=1),

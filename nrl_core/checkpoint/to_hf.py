@@ -1,29 +1,26 @@
-"""An nrl training checkpoint as a Hugging Face model, checked against the checkpoint's own logits.
-
-The checkpoint's ``training_info.json`` holds the run's config, so the training backend that wrote
-it builds its workers again (its layout, its parallelism), loads the policy's state through the
-same ``load_checkpoint`` a resume uses, and writes the model with its ``export_hf``. Before the
-export is published the backend's logprobs of a few texts are compared with those of the exported
-model loaded by ``transformers``: a conversion that does not reproduce the trained model never
-reaches the output directory, which appears in one rename (never half-written).
+"""Writing a Hugging Face model that is checked before anyone sees it: the output directory is
+new or empty, the model is written beside it and appears in one rename (never half-written), and
+its logprobs of a few probe texts, from a plain ``transformers`` forward, are compared with the
+trained model's first. ``nrl convert checkpoint`` (:mod:`nrl_core.algorithms.checkpoint_to_hf`) and
+the backends' converters build on these.
 """
 
 from __future__ import annotations
 
-import logging
+import os
 import shutil
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from nrl_core.contracts import logprob_temperature
 from nrl_core.errors import NrlError
 
-__all__ = ["PROBE_TEXTS", "ConversionReport", "checkpoint_to_hf", "logprob_tolerance", "max_logprob_error",
-           "new_output_dir", "probe_batch", "publish_dir", "staging_dir", "step_directory"]
+if TYPE_CHECKING:
+    import torch
 
-logger = logging.getLogger(__name__)
+    from nrl_core.contracts import TokenBatch
+
+__all__ = ["PROBE_TEXTS", "hf_logprobs", "hf_model", "logprob_tolerance", "max_logprob_error", "new_output_dir",
+           "probe_batch", "publish_dir", "staging_dir", "step_directory"]
 
 PROBE_TEXTS = (
     "Q: What is 12 + 7?\nA: 19",
@@ -31,15 +28,6 @@ PROBE_TEXTS = (
     "def add(a, b):\n    return a + b",
 )
 """What both sides score: arithmetic, prose and code, so every embedding row that matters is used."""
-
-
-@dataclass(frozen=True)
-class ConversionReport:
-    source: str
-    output: str
-    step: int
-    max_logprob_error: float
-    tolerance: float
 
 
 def logprob_tolerance(precision: str | None) -> float:
@@ -64,68 +52,6 @@ def step_directory(checkpoint: Path) -> Path:
                    "pass a run's checkpoint directory or one of its step directories")
 
 
-def checkpoint_to_hf(checkpoint: str, output: str, overrides: Iterable[str] = ()) -> ConversionReport:
-    """Write the policy of ``checkpoint`` (a step directory, or a run's checkpoint directory for its
-    latest step) as a Hugging Face model at ``output``; ``overrides`` change the saved config (the
-    base model's path when it moved: ``policy.model_name=...``)."""
-    from nrl_core.checkpoint.checksums import verify_tree
-    from nrl_core.checkpoint.manager import CheckpointManager
-    from nrl_core.config.loader import apply_overrides
-    from nrl_core.config.validate import choose_backends, validate_config
-
-    out = new_output_dir(output)
-    step = step_directory(Path(checkpoint).expanduser())
-    info = CheckpointManager.load_info(step)
-    if "files" in info:
-        verify_tree(step, info["files"], info.get("checksum", "xxh3_64"))
-    raw = dict(info["config"])
-    apply_overrides(raw, overrides)
-    # a saved config holds every installed algorithm's section, defaults filled: check it as the
-    # algorithm that wrote it (older checkpoints name none; their configs hold only their own)
-    config = validate_config(raw, algorithm=info.get("algorithm"))
-    training = choose_backends(config, generation=False).training
-    tmp = staging_dir(out)
-    try:
-        trained, batch = _export_and_score(config, training, step, tmp)
-        error = _max_logprob_error(tmp, batch, trained, logprob_temperature(config))
-        tolerance = logprob_tolerance(config["policy"].get("precision"))
-        if error > tolerance:
-            raise NrlError(f"{step}: the exported model's logprobs differ from the checkpoint's by up to {error:.3g} "
-                           f"(tolerance {tolerance:g}); the export is wrong, nothing was written to {out}")
-        publish_dir(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    report = ConversionReport(source=str(step), output=str(out), step=int(info["step"]),
-                              max_logprob_error=error, tolerance=tolerance)
-    logger.info("converted %s to %s: logprobs within %.2g of the checkpoint's", step, out, error)
-    return report
-
-
-def _export_and_score(config: Mapping[str, Any], training: Any, step: Path, tmp: Path) -> tuple[Any, Any]:
-    """Build the training workers, load ``step``'s policy, export it to ``tmp`` and score the probe
-    texts with the loaded weights."""
-    import ray
-
-    from nrl_core.algorithms.policy import Policy
-    from nrl_core.algorithms.setup import load_tokenizer
-    from nrl_core.cluster import init_ray, shutdown_ray
-
-    batch = probe_batch(load_tokenizer(config))
-    started_ray = not ray.is_initialized()
-    init_ray(config["cluster"])
-    policy = None
-    try:
-        policy = Policy(config, training, colocated_generation=False)
-        policy.load_checkpoint(str(step / "policy"))
-        policy.export_hf(str(tmp))
-        return policy.get_logprobs(batch), batch
-    finally:
-        if policy is not None:
-            policy.shutdown()
-        if started_ray:
-            shutdown_ray()
-
-
 def probe_batch(tokenizer: Any) -> Any:
     """:data:`PROBE_TEXTS` as a right-padded :class:`~nrl_core.contracts.TokenBatch`, every token
     after the first counted."""
@@ -144,12 +70,24 @@ def probe_batch(tokenizer: Any) -> Any:
     return TokenBatch(input_ids=ids, input_lengths=torch.tensor([len(r) for r in rows]), fields={"token_mask": mask})
 
 
-def _max_logprob_error(model_dir: Path, batch: Any, trained: Any, temperature: float) -> float:
-    """The largest difference between ``trained`` (the backend's logprobs, which divide the logits
-    by the sampling temperature) and the exported model's."""
-    from nrl_core.testing.conformance.scenarios import hf_logprobs, hf_model
+def hf_logprobs(model: Any, batch: TokenBatch, temperature: float) -> torch.Tensor:
+    """``[B, T]`` logprobs of each token under ``softmax(logits / temperature)`` from a plain HF
+    forward, aligned as in :class:`~nrl_core.contracts.TokenBatch` (position 0 and padding 0)."""
+    import torch
 
-    return max_logprob_error(hf_logprobs(hf_model(model_dir), batch, temperature), trained, batch)
+    attention = (torch.arange(batch.input_ids.shape[1])[None] < batch.input_lengths[:, None]).long()
+    with torch.no_grad():
+        logits = model(input_ids=batch.input_ids, attention_mask=attention).logits.float()
+    lp = torch.log_softmax(logits[:, :-1] / temperature, -1).gather(-1, batch.input_ids[:, 1:, None])[..., 0]
+    lp = torch.cat([torch.zeros(lp.shape[0], 1), lp], 1)
+    return lp * attention
+
+
+def hf_model(path: str | os.PathLike[str]) -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
 
 
 def max_logprob_error(ours: Any, theirs: Any, batch: Any) -> float:

@@ -1,7 +1,7 @@
 """Configuration: load (YAML, ``defaults:``, overrides, ``${...}``), validate, select backends.
 
-Names are imported lazily: ``nrl_core.contracts`` needs ``config.schema`` while
-``config.validate`` needs the contracts, and plugins import only the schema types.
+Names are imported lazily, so that importing the package costs nothing until a name is used. The
+schema types live below it (:mod:`nrl_core.schema`), where the contracts can reach them.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ __all__ = [*_EXPORTS, "load_and_validate"]
 def __getattr__(name: str) -> Any:
     if name not in _EXPORTS:
         raise AttributeError(f"module 'nrl_core.config' has no attribute '{name}'")
-    return getattr(importlib.import_module(f"nrl_core.config.{_EXPORTS[name]}"), name)
+    module = "nrl_core.schema" if _EXPORTS[name] == "schema" else f"nrl_core.config.{_EXPORTS[name]}"
+    return getattr(importlib.import_module(module), name)
 
 
 def load_and_validate(path: str, overrides: list[str] | tuple[str, ...] = (), *,

@@ -30,7 +30,7 @@ from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
-from nrl_core.algorithms.loss_rules import loss_config_problem
+from nrl_core.config.loss_rules import loss_config_problem
 from nrl_core.config.topology import cluster_topology
 from nrl_core.contracts import AlgorithmSpec, ConfigCheck, GenerationBackendSpec, TrainingBackendSpec, import_object
 from nrl_core.errors import ConfigError

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from nrl_core.config.schema import Field, Section, SectionList
 from nrl_core.errors import ConfigError
+from nrl_core.schema import Field, Section, SectionList
 
 NUMBER = (int, float)
 

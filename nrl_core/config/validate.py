@@ -18,10 +18,10 @@ from nrl_core.config.core_schema import CORE_SCHEMA, ENV_CALL_TIMEOUT
 from nrl_core.config.models import model_config, model_section_owners, renamed_error
 from nrl_core.config.nemo_rl import refuse_missing_algorithm, with_nemo_rl_keys
 from nrl_core.config.nemo_rl_inert import named_inert_keys
-from nrl_core.config.schema import Field, Section, note_inert, warn_inert_keys_once
 from nrl_core.contracts import GenerationBackendSpec, TrainingBackendSpec
 from nrl_core.errors import ConfigError, PluginError
 from nrl_core.plugins import PluginManager, get_plugin_manager
+from nrl_core.schema import Field, Section, note_inert, warn_inert_keys_once
 
 logger = logging.getLogger(__name__)
 

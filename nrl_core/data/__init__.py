@@ -5,7 +5,7 @@ dynamic batching."""
 from nrl_core.data.arithmetic import ArithmeticConfig, generate_arithmetic, write_arithmetic_splits
 from nrl_core.data.collate import prompt_batch, sft_batch
 from nrl_core.data.dataloader import PromptDataloader
-from nrl_core.data.datasets import DataSplits, load_data_splits, load_records, read_jsonl, write_jsonl
+from nrl_core.data.datasets import load_records, read_jsonl, write_jsonl
 from nrl_core.data.dynamic_batching import dynamic_micro_batches
 from nrl_core.data.packing import PACKING_ALGORITHMS, PackedRows, pack_bins, pack_sequences
 from nrl_core.data.processors import (
@@ -17,6 +17,7 @@ from nrl_core.data.processors import (
     prepare_data,
     process_records,
 )
+from nrl_core.data.splits import DataSplits, load_data_splits
 
 __all__ = [
     "PACKING_ALGORITHMS",

@@ -26,8 +26,9 @@ from typing import Any
 from nrl_core.contracts import TokenBatch
 from nrl_core.data.arithmetic import ArithmeticConfig, generate_arithmetic
 from nrl_core.data.collate import sft_batch
-from nrl_core.data.datasets import load_data_splits, located_records
+from nrl_core.data.datasets import located_records
 from nrl_core.data.processors import DatumSpec, _chat_text, response_tokens
+from nrl_core.data.splits import load_data_splits
 from nrl_core.errors import NrlError
 
 __all__ = ["PreferencePair", "PreparedPreferences", "arithmetic_preference_splits", "parse_preference",

@@ -303,9 +303,9 @@ class PreparedData:
 def prepare_data(data_cfg: Mapping[str, Any], tokenizer: Any, *, processor: str | None = None,
                  limits: LengthLimits | None = None) -> PreparedData:
     """Everything an algorithm needs from the validated ``data`` section in one call: records
-    (:func:`nrl_core.data.datasets.load_data_splits`) through the prompt processor
+    (:func:`nrl_core.data.splits.load_data_splits`) through the prompt processor
     (``processor`` overrides ``data.processor``; SFT passes ``"sft"``), filtered by ``limits``."""
-    from nrl_core.data.datasets import load_data_splits
+    from nrl_core.data.splits import load_data_splits
 
     splits = load_data_splits(data_cfg)
     cfg = PromptConfig.from_data_config(data_cfg)

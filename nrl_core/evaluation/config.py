@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from nrl_core.checkpoint.manager import HF_EXPORT
-from nrl_core.config.schema import Field, Section
 from nrl_core.errors import ConfigError
 from nrl_core.evaluation.adapters import is_adapter, merged_model_dir
+from nrl_core.schema import Field, Section
 
 __all__ = ["EVAL", "load_eval_config", "from_nemo_rl_layout", "resolve_model_dir"]
 

@@ -7,14 +7,16 @@ The pieces, each small and engine-free (no vLLM, no training backend is imported
 * :mod:`~nrl_core.refit.manifest`: prove that what arrived is exactly what the manifest promised.
 * :mod:`~nrl_core.refit.transports`: how a bucket crosses from the training side to the generation
   side (by reference, through shared memory, or a ``torch.distributed`` broadcast).
-* :mod:`~nrl_core.refit.orchestrator`: :func:`refit` wires a source, a transport and a sink.
 * :mod:`~nrl_core.refit.endpoints`: the actor-side halves of a refit between Ray actors.
 * :mod:`~nrl_core.refit.hf_source`: a plain Hugging Face model as a weight source.
+
+The driver's side, which wires a source, a transport and a sink over worker groups, sits above
+the cluster: :mod:`nrl_core.algorithms.refit_orchestrator`.
 """
 
 from nrl_core.refit.buckets import DEFAULT_BUCKET_BYTES, iter_buckets, manifest_of
 from nrl_core.refit.manifest import RefitError, verify
-from nrl_core.refit.orchestrator import RefitReport, refit, refit_options
+from nrl_core.refit.report import RefitReport
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
@@ -22,7 +24,5 @@ __all__ = [
     "RefitReport",
     "iter_buckets",
     "manifest_of",
-    "refit",
-    "refit_options",
     "verify",
 ]

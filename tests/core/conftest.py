@@ -12,9 +12,9 @@ import pytest
 
 from nrl_core import hookimpl
 from nrl_core.cluster import shutdown_ray
-from nrl_core.config.schema import Field, Section
 from nrl_core.contracts import GenerationBackendSpec, TrainingBackendSpec
 from nrl_core.plugins import get_plugin_manager
+from nrl_core.schema import Field, Section
 
 
 class ExampleBackends:

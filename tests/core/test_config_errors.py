@@ -114,7 +114,7 @@ def test_the_command_itself_prints_no_traceback(tmp_path):
 
 
 def test_a_field_whose_default_is_null_accepts_an_explicit_null():
-    from nrl_core.config.schema import Field, Section
+    from nrl_core.schema import Field, Section
 
     schema = Section(fields={"seed": Field(type=int, default=None)})
     assert schema.validate({"seed": None}) == {"seed": None}

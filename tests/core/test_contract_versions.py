@@ -10,13 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from nrl_core.contract_adapters import adapted_class, adapter_path, unwrap_path
+from nrl_core.contract_adapters import adapted_class
 from nrl_core.contract_versions import (
     CONTRACT_HISTORY,
     SERVED_CONTRACTS,
+    adapter_path,
     check_result,
     declared_contract,
     methods_of,
+    unwrap_path,
     worker_gaps,
 )
 from nrl_core.contracts import CONTRACT_VERSION, BatchShard, GenerationWorker, TokenBatch, TrainingWorker
@@ -191,8 +193,8 @@ def test_a_worker_declaring_nothing_that_already_meets_a_later_contract_keeps_it
 def test_contract_4_spec_fields_are_accepted_with_a_warning_and_preload_is_still_imported_early():
     """Contract 5 took start-up tuning out of the specs; a plugin written before still loads."""
     from nrl_core.algorithms.policy_launch import _imports_of
-    from nrl_core.config.schema import Section
     from nrl_core.contracts import LEGACY_PRELOAD, AlgorithmSpec, TrainingBackendSpec
+    from nrl_core.schema import Section
 
     with pytest.warns(FutureWarning, match=r"TrainingBackendSpec\(preload=\.\.\.\) for old_mod:Worker is deprecated "
                                            r"since contract 5: name the modules in the worker class's lazy_imports"):

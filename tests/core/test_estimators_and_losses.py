@@ -23,10 +23,10 @@ from nrl_core.algorithms.estimators import (
 from nrl_core.algorithms.grpo import warn_if_other_semantics
 from nrl_core.algorithms.loss import GRPO_SEMANTICS_VERSION, ClippedPGLoss, ConfiguredLoss
 from nrl_core.config import load_and_validate
-from nrl_core.config.schema import Field, Section
 from nrl_core.contracts import AdvantageEstimatorSpec, AdvantageInputs, LossFunctionSpec, TokenBatch
 from nrl_core.errors import ConfigError
 from nrl_core.plugins import get_plugin_manager
+from nrl_core.schema import Field, Section
 
 CONFIG = str(Path(__file__).resolve().parents[2] / "examples" / "configs" / "grpo_tiny_cpu.yaml")
 

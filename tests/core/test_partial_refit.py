@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 import torch
 
-from nrl_core.refit import RefitError, refit
+from nrl_core.algorithms.refit_orchestrator import refit
+from nrl_core.refit import RefitError
 from nrl_core.refit.transports import split_by_skips
 from nrl_core.testing.refit_host import PartialRecordingSink, RandomWeightSource
 

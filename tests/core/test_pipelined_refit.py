@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from nrl_core.refit import refit
+from nrl_core.algorithms.refit_orchestrator import refit
 from nrl_core.refit.buckets import iter_buckets, manifest_bytes
 from nrl_core.refit.channel import ChannelAddress, ChannelReader, ChannelWriter, channel_directory, remove_channel
 from nrl_core.refit.manifest import RefitError, TornRefitError, verified_stream

@@ -8,13 +8,12 @@ import json
 import torch
 
 from nrl_core import hookimpl
+from nrl_core.algorithms.refit_orchestrator import choose_transport, refit
 from nrl_core.config import load_and_validate
 from nrl_core.contracts import DataProcessorSpec, DatasetGeneratorSpec, MetricSinkSpec, RefitTransportSpec
 from nrl_core.data import DatumSpec, load_data_splits
 from nrl_core.logging import MetricLogger
 from nrl_core.plugins import get_plugin_manager
-from nrl_core.refit import refit
-from nrl_core.refit.orchestrator import choose_transport
 from nrl_core.testing.refit_host import RandomWeightSource, RecordingSink
 
 RECORDED: list[tuple[int, dict]] = []

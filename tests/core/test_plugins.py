@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from nrl_core import CheckpointOptions, hookimpl
-from nrl_core.config.schema import Section
 from nrl_core.contracts import EnvironmentSpec, import_object
 from nrl_core.errors import ConfigError, PluginError
 from nrl_core.plugins import PluginManager, Registry, get_plugin_manager
+from nrl_core.schema import Section
 
 
 def _env(name: str, distribution: str) -> EnvironmentSpec:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import configparser
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -114,3 +115,29 @@ def test_the_walkthrough_plugin_keeps_to_the_public_api(tmp_path):
     """The example third parties copy (docs/plugins.md) is held to the same boundary."""
     run = _lint(*_with_plugin(tmp_path, "nrl_example_plugin", ROOT / "tests" / "plugins" / "dists" / "nrl_example_plugin"))
     assert run.returncode == 0, run.stdout + run.stderr
+
+
+@pytest.mark.parametrize("plant, contract, broken", [
+    ({}, "core-layers", None),
+    ({"config/planted.py": "def run():\n    from nrl_core.algorithms.setup import load_tokenizer\n"}, "core-layers",
+     "nrl_core.config is not allowed to import nrl_core.algorithms"),
+    ({"schema_extra.py": "from nrl_core.contracts import TokenBatch\n"}, "core-layers", None),  # unlisted: free
+    ({"data/ping.py": "from nrl_core.data import pong\n", "data/pong.py": "from nrl_core.data import ping\n"},
+     "core-acyclic", "No cycles are allowed in nrl_core.data"),
+], ids=["as-is", "an-upward-import", "an-unlisted-module", "a-cycle"])
+def test_the_core_s_layer_and_cycle_contracts_refuse_a_planted_import(tmp_path, plant, contract, broken):
+    """A copy of nrl_core with modules planted in it, linted by the project's own contracts."""
+    shutil.copytree(ROOT / "nrl_core", tmp_path / "nrl_core", ignore=shutil.ignore_patterns("__pycache__"))
+    for relative, source in plant.items():
+        (tmp_path / "nrl_core" / relative).write_text(source)
+    config = _contracts()
+    config["importlinter"]["root_packages"] = "\nnrl_core"
+    path = tmp_path / "core.importlinter"
+    with path.open("w") as out:
+        config.write(out)
+    run = subprocess.run([str(LINT_IMPORTS), "--no-cache", "--no-logo", "--contract", contract, str(path)],
+                         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(tmp_path)}, cwd=tmp_path,
+                         timeout=120)
+    assert (run.returncode == 0) is (broken is None), run.stdout + run.stderr
+    if broken is not None:
+        assert broken in run.stdout, run.stdout

@@ -11,12 +11,12 @@ from typing import Any
 import pytest
 import torch
 
+from nrl_core.algorithms.refit_orchestrator import choose_transport, refit, refit_options
 from nrl_core.contracts import WeightSpec
 from nrl_core.errors import ConfigError, NrlError
-from nrl_core.refit import RefitError, iter_buckets, refit, refit_options, verify
+from nrl_core.refit import RefitError, iter_buckets, verify
 from nrl_core.refit.buckets import manifest_bytes
 from nrl_core.refit.endpoints import receive_into, send_handles
-from nrl_core.refit.orchestrator import choose_transport
 from nrl_core.refit.transports import (
     RefitSession,
     SharedMemoryTransport,

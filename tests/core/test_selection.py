@@ -9,10 +9,10 @@ import pytest
 from nrl_core import hookimpl
 from nrl_core.cli import main
 from nrl_core.config import choose_backends, load_and_validate
-from nrl_core.config.schema import Field, Section
 from nrl_core.contracts import GenerationBackendSpec, TrainingBackendSpec
 from nrl_core.errors import ConfigError
 from nrl_core.plugins import get_plugin_manager, reset_plugin_manager
+from nrl_core.schema import Field, Section
 
 
 def _config(write, alpha: bool, beta: bool, extra: str = ""):
@@ -162,9 +162,9 @@ def test_save_optimizer_false_needs_the_capability(write, example_backends, tmp_
 
 
 def test_an_unknown_capability_is_a_plugin_error():
-    from nrl_core.config.schema import Section
     from nrl_core.contracts import TrainingBackendSpec
     from nrl_core.errors import PluginError
+    from nrl_core.schema import Section
 
     with pytest.raises(PluginError, match="declares unknown capabilities \\['packing'\\]; known: data_parallel"):
         TrainingBackendSpec(name="x", config_key="x_cfg", priority=1, worker="m:W", config_schema=Section(),

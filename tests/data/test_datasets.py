@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from nrl_core.data.datasets import load_data_splits, load_records, read_jsonl, write_jsonl
+from nrl_core.data.datasets import load_records, read_jsonl, write_jsonl
+from nrl_core.data.splits import load_data_splits
 from nrl_core.errors import ConfigError, NrlError
 
 ROWS = [{"problem": "What is 1 + 2?", "expected_answer": "3"},

@@ -72,7 +72,7 @@ def test_the_exported_model_is_peft_merge_and_unload_of_the_trained_adapters(tmp
     from transformers import AutoModelForCausalLM
 
     from nrl_backend_dtensor.lora import lora_config
-    from nrl_core.testing.conformance.scenarios import hf_logprobs
+    from nrl_core.api import hf_logprobs
 
     w = lora_worker(lora={"target_modules": ["q_proj", "v_proj", "down_proj"], "match_all_linear": False})
     batch = make_batch()
@@ -104,7 +104,7 @@ def test_the_exported_adapter_loads_with_peft_and_gives_the_trained_models_logpr
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from nrl_core.testing.conformance.scenarios import hf_logprobs
+    from nrl_core.api import hf_logprobs
 
     w = lora_worker(fsdp=True)
     batch = make_batch()

@@ -4,10 +4,10 @@ import pytest
 
 from nrl_backend_dtensor import plugin
 from nrl_backend_dtensor.schema import DTENSOR_CONFIG_SCHEMA
-from nrl_core.config.schema import Section
 from nrl_core.contracts import CheckpointOptions
 from nrl_core.errors import ConfigError
 from nrl_core.plugins import get_plugin_manager
+from nrl_core.schema import Section
 
 
 def test_backend_is_registered_through_entry_points():

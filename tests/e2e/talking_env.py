@@ -7,8 +7,8 @@ arithmetic problem's result."""
 from __future__ import annotations
 
 from nrl_core import hookimpl
-from nrl_core.config.schema import Section
 from nrl_core.contracts import EnvironmentSpec, EnvStep, Episode
+from nrl_core.schema import Section
 
 NRL_CONTRACT = 6
 FOLLOW_UP = "\nQ: And again?\nA:"

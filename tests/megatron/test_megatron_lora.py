@@ -100,7 +100,7 @@ def test_the_export_is_the_merged_model(runs) -> None:
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from nrl_core.testing.conformance.scenarios import hf_logprobs
+    from nrl_core.api import hf_logprobs
 
     one, _, _ = runs
     path = cached_tiny_model("llama")
@@ -152,7 +152,7 @@ def test_the_exported_peft_adapter_gives_the_trained_models_logprobs(runs, layou
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from nrl_core.testing.conformance.scenarios import hf_logprobs
+    from nrl_core.api import hf_logprobs
 
     one, two, root = runs
     adapter = root / f"adapter-{layout}"

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from nrl_core.algorithms.loss import NLLLoss
-from nrl_core.refit import refit_options
+from nrl_core.algorithms.refit_orchestrator import refit_options
 from nrl_core.refit.buckets import iter_buckets
 from nrl_core.testing.tiny_models import cached_tiny_model
 from tests.e2e.facades import chat_prompts, training_batch
@@ -64,7 +64,7 @@ def test_refit_of_trained_experts_in_process_and_a_missing_expert_is_refused(mod
     """vLLM's CPU MoE kernel prepacks expert weights, and its weight update skips the prepack
     (nrl runs it during the reload): refit weights with changed experts and router, greedy equals HF;
     then an expert missing from a refit is named and the engine keeps its weights."""
-    from nrl_core.refit import refit
+    from nrl_core.algorithms.refit_orchestrator import refit
     from nrl_core.refit.hf_source import HFWeightSource
     from nrl_core.refit.manifest import RefitError
     from nrl_gen_vllm.worker import VllmGenerationWorker
@@ -91,7 +91,7 @@ def test_refit_of_experts_the_kernel_pads() -> None:
     """Experts 16 wide, which vLLM's CPU kernel pads to its alignment of 32 (the tiny model at
     tensor parallel 2 has the same width per rank): two refits load, greedy equals HF after each.
     The prepack after the reload that nrl ran before 0.5.0 failed here on the padded shapes."""
-    from nrl_core.refit import refit
+    from nrl_core.algorithms.refit_orchestrator import refit
     from nrl_core.refit.hf_source import HFWeightSource
     from nrl_gen_vllm.worker import VllmGenerationWorker
     from tests.vllm.helpers import generation_config

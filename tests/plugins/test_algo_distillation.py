@@ -160,9 +160,9 @@ def test_a_gathering_loss_on_a_backend_without_topk_logprobs_is_refused_before_a
     """A backend that does not declare the capability would hand the loss ``[b, t]`` logprobs,
     which broadcast silently against the teacher's ``[b, t, k]``: the driver refuses in one line."""
     from nrl_core.algorithms.policy import Policy
-    from nrl_core.config.schema import Section
     from nrl_core.contracts import TrainingBackendSpec
     from nrl_core.errors import PluginError
+    from nrl_core.schema import Section
 
     policy = Policy.__new__(Policy)  # no workers: the refusal comes first
     policy.spec = TrainingBackendSpec(name="plain", config_key="plain_cfg", priority=0, worker="x:Y",

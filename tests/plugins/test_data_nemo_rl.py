@@ -22,8 +22,8 @@ import yaml
 from nrl_core.cli import main
 from nrl_core.config import load_and_validate
 from nrl_core.data import prepare_data
-from nrl_core.data.datasets import load_data_splits
 from nrl_core.data.preference import prepare_preference_data
+from nrl_core.data.splits import load_data_splits
 from nrl_core.errors import ConfigError, NrlError
 
 REPO = Path(__file__).resolve().parents[2]

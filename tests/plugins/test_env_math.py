@@ -89,7 +89,7 @@ def test_entry_point_lists_math():
     assert proc.returncode == 0, proc.stderr
     plugins = {p["name"]: p for p in json.loads(proc.stdout)}
     assert plugins["math"] == {"name": "math", "distribution": "nrl-env-math", "version": "0.1.1",
-                               "hooks": ["nrl_environments"], "contract": 5}
+                               "hooks": ["nrl_environments"], "contract": 14}
 
 
 def test_spec_and_schema_reach_the_config():

@@ -14,9 +14,11 @@ import torch
 pytest.importorskip("nrl_gen_hf")
 pytest.importorskip("nrl_backend_dtensor")
 
+from nrl_core.algorithms.refit_orchestrator import refit  # noqa: E402
+from nrl_core.checkpoint.to_hf import hf_logprobs, hf_model  # noqa: E402
 from nrl_core.contracts import TokenBatch  # noqa: E402
 from nrl_core.errors import ConfigError, NrlError  # noqa: E402
-from nrl_core.refit import RefitError, refit  # noqa: E402
+from nrl_core.refit import RefitError  # noqa: E402
 from nrl_core.refit.endpoints import refit_local  # noqa: E402
 from nrl_core.refit.hf_source import HFWeightSource  # noqa: E402
 from nrl_core.testing.conformance import generation_backend_suite, scenarios  # noqa: E402
@@ -42,7 +44,7 @@ def model_dir() -> Path:
 
 @pytest.fixture(scope="module")
 def reference(model_dir) -> Any:
-    return scenarios.hf_model(model_dir)
+    return hf_model(model_dir)
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +73,7 @@ def forward_logprobs(reference: Any, prompts: list[list[int]], responses: list[l
     for prompt, response in zip(prompts, responses):
         ids = torch.tensor([prompt + response])
         batch = TokenBatch(input_ids=ids, input_lengths=torch.tensor([ids.shape[1]]), fields={})
-        out.append(scenarios.hf_logprobs(reference, batch, temperature)[0, len(prompt):])
+        out.append(hf_logprobs(reference, batch, temperature)[0, len(prompt):])
     return out
 
 
@@ -181,7 +183,7 @@ def test_refit_through_shared_memory_in_bfloat16(model_dir, prompts, tmp_path):
     float32 tensors: they are cast on the way in."""
     worker = engine(model_dir, "policy.generation.hf_cfg.precision=bfloat16")
     assert next(worker.model.parameters()).dtype == torch.bfloat16
-    trained = scenarios.hf_model(model_dir)
+    trained = hf_model(model_dir)
     perturb_weights(trained, seed=3)
     report = refit_local(HFWeightSource(trained), worker, "shared_memory", scenarios.BUCKET_BYTES, "float32")
     assert report.version == worker.weight_version == 1
@@ -195,7 +197,7 @@ def test_a_moe_refit_lands_in_the_fused_expert_parameters():
     moe_dir = cached_tiny_model("qwen3_moe", "tiny")
     worker = engine(moe_dir)
     assert worker.layout.fused, "the tiny Qwen3-MoE should have fused experts"
-    trained = scenarios.hf_model(moe_dir)
+    trained = hf_model(moe_dir)
     perturb_weights(trained, seed=5)
     refit(HFWeightSource(trained), worker, bucket_bytes=scenarios.BUCKET_BYTES)
     loaded = worker.model.state_dict()
@@ -219,7 +221,7 @@ def test_a_refit_named_for_another_model_is_refused_before_loading(model_dir, pr
 
     worker = engine(model_dir)
     before = worker.generate(prompts, greedy=True).token_ids
-    trained = scenarios.hf_model(model_dir)
+    trained = hf_model(model_dir)
     perturb_weights(trained, seed=3)
     with pytest.raises(RefitError, match="model.norm.weight") as info:
         refit(Renamed(trained), worker, bucket_bytes=scenarios.BUCKET_BYTES)

@@ -11,9 +11,9 @@ import functools
 
 import pytest
 
+from nrl_core.algorithms.refit_orchestrator import refit
 from nrl_core.cluster import WorkerGroup
 from nrl_core.cluster._host import WorkerHost
-from nrl_core.refit import refit
 from nrl_core.testing.refit_host import perturb_weights
 from tests.launch import driving_the_shared_ray
 from tests.vllm.helpers import generation_config, hf_greedy, hf_model

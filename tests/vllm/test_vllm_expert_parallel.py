@@ -23,8 +23,8 @@ import re
 import pytest
 from transformers import AutoConfig
 
+from nrl_core.algorithms.refit_orchestrator import refit
 from nrl_core.cluster._host import WorkerHost
-from nrl_core.refit import refit
 from nrl_core.testing.refit_host import perturb_hosted_source
 from nrl_core.testing.tiny_models import cached_tiny_model
 from tests.launch import driving_the_shared_ray

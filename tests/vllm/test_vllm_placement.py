@@ -11,8 +11,8 @@ import functools
 
 import pytest
 
+from nrl_core.algorithms.refit_orchestrator import refit
 from nrl_core.cluster._host import WorkerHost
-from nrl_core.refit import refit
 from nrl_core.refit.hf_source import HFWeightSource
 from nrl_core.testing.refit_host import fail_export_after, perturb_hosted_source
 from tests.launch import driving_the_shared_ray

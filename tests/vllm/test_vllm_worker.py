@@ -10,8 +10,9 @@ from typing import Any
 import pytest
 import torch
 
+from nrl_core.algorithms.refit_orchestrator import refit
 from nrl_core.plugins import get_plugin_manager
-from nrl_core.refit import RefitError, refit
+from nrl_core.refit import RefitError
 from nrl_core.refit.buckets import manifest_of
 from nrl_core.refit.hf_source import HFWeightSource
 from tests.vllm.helpers import hf_greedy, hf_model, hf_token_logprobs

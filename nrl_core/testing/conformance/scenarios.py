@@ -15,6 +15,8 @@ from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from nrl_core.checkpoint.to_hf import hf_model
+
 if TYPE_CHECKING:
     import torch
 
@@ -89,26 +91,6 @@ def build_training_worker(config: Mapping[str, Any], rank: int, world_size: int)
 
 
 # --------------------------------------------------------------------------- references
-
-
-def hf_logprobs(model: Any, batch: TokenBatch, temperature: float) -> torch.Tensor:
-    """``[B, T]`` logprobs of each token under ``softmax(logits / temperature)`` from a plain HF
-    forward, aligned as in :class:`~nrl_core.contracts.TokenBatch` (position 0 and padding 0)."""
-    import torch
-
-    attention = (torch.arange(batch.input_ids.shape[1])[None] < batch.input_lengths[:, None]).long()
-    with torch.no_grad():
-        logits = model(input_ids=batch.input_ids, attention_mask=attention).logits.float()
-    lp = torch.log_softmax(logits[:, :-1] / temperature, -1).gather(-1, batch.input_ids[:, 1:, None])[..., 0]
-    lp = torch.cat([torch.zeros(lp.shape[0], 1), lp], 1)
-    return lp * attention
-
-
-def hf_model(path: str | os.PathLike[str]) -> Any:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
 
 
 def hf_greedy(model: Any, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
@@ -374,7 +356,7 @@ def _partial_imports(engine: Any, original: Any, trained: Any, prompts: list[lis
     a manifest of only those) of the checkpoint's weights and of the trained ones; greedy after each.
     One rank: a backend that leaves tensors out only at several ranks (expert parallelism) needs its
     own test of that (nrl's vLLM plugin: tests/vllm/test_vllm_expert_parallel.py)."""
-    from nrl_core.refit import refit
+    from nrl_core.algorithms.refit_orchestrator import refit
 
     out: dict[str, Any] = {}
     manifest = trained.weight_manifest("float32")
@@ -400,8 +382,8 @@ def generation_refit(rank: int, world_size: int, config: dict[str, Any], worker_
     ``pipelined_import``): the same refits through ``import_weights_pipelined``, and one torn;
     ``partial`` (it declares ``partial_import``): the same refits of only the tensors it names."""
     from nrl_core.algorithms.loss import NLLLoss
+    from nrl_core.algorithms.refit_orchestrator import refit
     from nrl_core.contracts import GenerationWorker, import_object
-    from nrl_core.refit import refit
     from nrl_core.refit.hf_source import HFWeightSource
     from nrl_core.testing.refit_host import perturb_weights
 

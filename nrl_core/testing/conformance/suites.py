@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from nrl_core.checkpoint.to_hf import hf_logprobs, hf_model
 from nrl_core.testing.conformance import scenarios
 
 LOGPROB_TOLERANCE = 1e-4
@@ -40,8 +41,7 @@ def _contract_gaps(spec: Any, role: str, registry: Any) -> None:
     """Fail before anything runs, one line per method the worker lacks or cannot be called as the
     core calls it, against the contract its plugin declares and the capabilities its spec declares
     (docs/contract.md, read from the Protocols)."""
-    from nrl_core.contract_adapters import unwrap_path
-    from nrl_core.contract_versions import worker_gaps
+    from nrl_core.contract_versions import unwrap_path, worker_gaps
     from nrl_core.contracts import import_object
 
     worker, _, version, plugin = unwrap_path(spec.worker)
@@ -110,9 +110,9 @@ class _TrainingChecks:
     @pytest.fixture(scope="class")
     def reference(self, model_dir: Path) -> dict[str, Any]:
         """The plain HF forward the backend must agree with, and the first step's loss under it."""
-        model = scenarios.hf_model(model_dir)
+        model = hf_model(model_dir)
         batch = scenarios.conformance_batch()
-        lp = scenarios.hf_logprobs(model, batch, scenarios.TEMPERATURE)
+        lp = hf_logprobs(model, batch, scenarios.TEMPERATURE)
         mask = batch.fields["token_mask"]
         return {"lp": lp, "loss": float(-(lp * mask).sum() / mask.sum()), "batch": batch}
 
@@ -127,7 +127,7 @@ class _TrainingChecks:
 
     def test_logprobs_match_hf_forward_at_the_sampling_temperature(self, world1, reference, model_dir) -> None:
         gap = _gap(world1["lp0"], reference["lp"])
-        untempered = scenarios.hf_logprobs(scenarios.hf_model(model_dir), reference["batch"], 1.0)
+        untempered = hf_logprobs(hf_model(model_dir), reference["batch"], 1.0)
         hint = (" (they match T=1: the backend ignores policy.generation.temperature; divide the logits by "
                 "nrl_core.contracts.logprob_temperature(config))" if _gap(world1["lp0"], untempered) < LOGPROB_TOLERANCE
                 else "")
@@ -211,7 +211,7 @@ class _TrainingChecks:
             f"{sorted(files.keys() - exported.keys())[:4]}, only streamed {sorted(exported.keys() - files.keys())[:4]}")
         differ = [n for n in files if not files[n].float().equal(exported[n].float())]
         assert not differ, f"export_weights and export_hf disagree on the values of {differ[:4]}"
-        lp = scenarios.hf_logprobs(scenarios.hf_model(hf_dir), reference["batch"], scenarios.TEMPERATURE)
+        lp = hf_logprobs(hf_model(hf_dir), reference["batch"], scenarios.TEMPERATURE)
         gap = _gap(lp, world1["lp1"])
         assert gap < LOGPROB_TOLERANCE, (
             f"the HF export, loaded with transformers, gives logprobs {gap:.2e} away from the worker's: "
@@ -364,14 +364,14 @@ class _GenerationChecks:
             "(the first import into a placeholder engine makes it 0)")
 
     def test_greedy_equals_hf_greedy(self, run, model_dir, prompts) -> None:
-        expected = scenarios.hf_greedy(scenarios.hf_model(model_dir), prompts, self.max_new_tokens)
+        expected = scenarios.hf_greedy(hf_model(model_dir), prompts, self.max_new_tokens)
         assert run["before"] == expected, (
             f"greedy generation from the checkpoint gave {run['before']}, HF generate {expected}")
         assert all(run["before/logprob_lengths"]), "GenerationOutput.logprobs must have one entry per generated token"
 
     def test_refit_from_a_training_worker_then_greedy_equals_hf(self, run, prompts) -> None:
         source = f"training backend '{self.training_backend}'" if self.training_backend else "a perturbed HF model"
-        expected = scenarios.hf_greedy(scenarios.hf_model(run["trained_dir"]), prompts, self.max_new_tokens)
+        expected = scenarios.hf_greedy(hf_model(run["trained_dir"]), prompts, self.max_new_tokens)
         assert run["after"] == expected, (
             f"after a refit from {source}, greedy output is {run['after']} but HF generate with the exported "
             f"weights gives {expected}: import_weights did not load every tensor (or loaded them into the wrong place)")

@@ -8,8 +8,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from nrl_core import hookimpl
-from nrl_core.config.schema import Field, Section
 from nrl_core.contracts import TrainingBackendSpec
+from nrl_core.schema import Field, Section
 
 if TYPE_CHECKING:  # the annotation below is read as text, never evaluated
     import torch

@@ -4,8 +4,8 @@ its own distribution and check that it changes training as its formula says."""
 
 from nrl_core import hookimpl
 from nrl_core.algorithms.advantages import group_advantages
-from nrl_core.config.schema import Field, Section
 from nrl_core.contracts import AdvantageEstimatorSpec, AdvantageInputs
+from nrl_core.schema import Field, Section
 
 NRL_CONTRACT = 3  # the plugin contract this module is written for (docs/plugins.md#8-contract-versions)
 

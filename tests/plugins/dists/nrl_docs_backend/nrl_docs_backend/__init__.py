@@ -7,8 +7,8 @@ backend; the worker (torch, transformers) is imported by the core when a run bui
 from __future__ import annotations
 
 from nrl_core import hookimpl
-from nrl_core.config.schema import Field, Section
 from nrl_core.contracts import TrainingBackendSpec
+from nrl_core.schema import Field, Section
 
 WORKER_PATH = "nrl_docs_backend.worker:DocsWorker"
 

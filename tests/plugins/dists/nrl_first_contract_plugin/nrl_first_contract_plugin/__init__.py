@@ -8,8 +8,8 @@ module sets no ``NRL_CONTRACT``, so the core takes it as written for contract 1 
 
 from nrl_core import hookimpl
 from nrl_core.checkpoint.hooks import worker_checkpoint_hooks
-from nrl_core.config.schema import Field, Section
 from nrl_core.contracts import TrainingBackendSpec
+from nrl_core.schema import Field, Section
 
 WORKER_PATH = "nrl_first_contract_plugin.worker:FirstContractWorker"
 
