@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "examples" / "configs" / "grpo_tiny_cpu.yaml"
 
 DRIVER = """
-from nrl_core.config import load_and_validate
+from nrl_core.algorithms.installed import load_and_validate
 load_and_validate({config!r}, ["policy.model_name={model}"], algorithm="grpo")
 import nrl_core.algorithms.grpo
 """

@@ -10,6 +10,12 @@ from nrl_core.algorithms.generation import Generation as Generation
 from nrl_core.algorithms.grpo import prompt_limits as prompt_limits
 from nrl_core.algorithms.grpo_config import GRPO as GRPO_SCHEMA
 from nrl_core.algorithms.grpo_config import check_async_rollouts as check_async_rollouts
+from nrl_core.algorithms.installed import choose_backends as choose_backends
+from nrl_core.algorithms.installed import cluster_topology as cluster_topology
+from nrl_core.algorithms.installed import data_parallel_size as data_parallel_size
+from nrl_core.algorithms.installed import load_and_validate as load_and_validate
+from nrl_core.algorithms.installed import prepare_data as prepare_data
+from nrl_core.algorithms.installed import validate_config as validate_config
 from nrl_core.algorithms.multi_turn import ObservationTokens as ObservationTokens
 from nrl_core.algorithms.policy import Policy as Policy
 from nrl_core.algorithms.preference_run import PreferenceRun as PreferenceRun
@@ -20,6 +26,7 @@ from nrl_core.algorithms.rollout_sources import env_metrics as env_metrics
 from nrl_core.algorithms.rollout_sources import validates_greedily as validates_greedily
 from nrl_core.algorithms.rollouts import repeat_prompts as repeat_prompts
 from nrl_core.algorithms.rollouts import rollout_batch as rollout_batch
+from nrl_core.algorithms.runtime import Runtime as Runtime
 from nrl_core.algorithms.scoring import RolloutGroup as RolloutGroup
 from nrl_core.algorithms.scoring import Scorer as Scorer
 from nrl_core.algorithms.scoring import merge_groups as merge_groups
@@ -38,18 +45,13 @@ from nrl_core.checkpoint.to_hf import probe_batch as probe_batch
 from nrl_core.checkpoint.to_hf import publish_dir as publish_dir
 from nrl_core.checkpoint.to_hf import staging_dir as staging_dir
 from nrl_core.cluster import init_ray as init_ray
-from nrl_core.config import choose_backends as choose_backends
-from nrl_core.config import load_and_validate as load_and_validate
 from nrl_core.config.checks import check_in_flight as check_in_flight
-from nrl_core.config.checks import data_parallel_size as data_parallel_size
 from nrl_core.config.checks import run_backend_check as run_backend_check
 from nrl_core.config.loader import value_at as value_at
 from nrl_core.config.model_config import local_model_config as local_model_config
 from nrl_core.config.model_config import read_model_config as read_model_config
 from nrl_core.config.models import model_config as model_config
 from nrl_core.config.models import renamed_error as renamed_error
-from nrl_core.config.topology import cluster_topology as cluster_topology
-from nrl_core.config.validate import validate_config as validate_config
 from nrl_core.contracts import CONTRACT_VERSION as CONTRACT_VERSION
 from nrl_core.contracts import AdapterExporter as AdapterExporter
 from nrl_core.contracts import AdapterServer as AdapterServer
@@ -97,7 +99,6 @@ from nrl_core.data import PromptConfig as PromptConfig
 from nrl_core.data import dynamic_micro_batches as dynamic_micro_batches
 from nrl_core.data import pack_bins as pack_bins
 from nrl_core.data import pack_sequences as pack_sequences
-from nrl_core.data import prepare_data as prepare_data
 from nrl_core.data import prompt_batch as prompt_batch
 from nrl_core.data.preference import PreferencePair as PreferencePair
 from nrl_core.data.preference import check_pairs as check_pairs
@@ -244,6 +245,7 @@ __all__ = [
     "RolloutGroup",
     "RouterStats",
     "RunInfo",
+    "Runtime",
     "SafeFileSystemReader",
     "SamplingSettings",
     "SamplingState",

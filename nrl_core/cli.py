@@ -58,10 +58,12 @@ def _refuse_clashes(pm: PluginManager) -> int:
 
 def _cmd_config_check(args: argparse.Namespace) -> int:
     from nrl_core.config import choose_backends, load_and_validate
+    from nrl_core.plugins import get_plugin_manager
 
-    config = load_and_validate(args.config, args.overrides, algorithm=args.algorithm)
-    choice = choose_backends(config, generation=args.algorithm not in ("sft", "dpo"))
-    notes = _check_contracts(config, choice, first_party=True)
+    plugins = get_plugin_manager()
+    config = load_and_validate(args.config, args.overrides, plugins, algorithm=args.algorithm)
+    choice = choose_backends(config, plugins, generation=args.algorithm not in ("sft", "dpo"))
+    notes = _check_contracts(config, choice, plugins, first_party=True)
     print(f"ok: {args.config}")
     print(f"training backend: {choice.training.name} ({choice.training.distribution})")
     if choice.generation is not None:
@@ -70,23 +72,23 @@ def _cmd_config_check(args: argparse.Namespace) -> int:
         print("generation backend: none (policy.generation is null)")
     for note in notes:
         print(f"contract: {note}")
-    for line in _describe_data(config["data"]):
+    for line in _describe_data(config["data"], plugins):
         print(line)
     return 0
 
 
-def _describe_data(data: dict[str, Any]) -> list[str]:
+def _describe_data(data: dict[str, Any], plugins: Any) -> list[str]:
     """Where each dataset of NeMo RL's layout would load from (nothing is loaded)."""
     from nrl_core.data.sources import describe_datasets, resolve_datasets, uses_dataset_layout
 
     if not uses_dataset_layout(data):
         return []
-    train, val = resolve_datasets(data, warn=False)
+    train, val = resolve_datasets(data, None, plugins.datasets(), warn=False)
     prompts = any(source.spec.kind == "prompt" for source in (*train, *val))
     return describe_datasets(train, val, data["processor"] if prompts else None)
 
 
-def _check_contracts(config: dict, choice: object, *, first_party: bool) -> list[str]:
+def _check_contracts(config: dict, choice: object, plugins: Any, *, first_party: bool) -> list[str]:
     """The selected backends' worker classes against their plugins' contract versions: a one-line
     ``PluginError`` for what cannot be adapted, notes on what is. ``first_party=False`` skips the
     core's own distributions (the conformance kit holds them to the contract; importing their
@@ -99,37 +101,40 @@ def _check_contracts(config: dict, choice: object, *, first_party: bool) -> list
     if not first_party and all(getattr(spec, "distribution", None) in FIRST_PARTY_DISTRIBUTIONS.values()
                                for spec in (choice.training, choice.generation) if spec is not None):
         return []
-    return check_selected(choice, colocated=colocated)
+    return check_selected(choice, plugins, colocated=colocated)
 
 
 def _cmd_config_show(args: argparse.Namespace) -> int:
     from nrl_core.config import load_and_validate
+    from nrl_core.plugins import get_plugin_manager
 
-    config = load_and_validate(args.config, args.overrides, algorithm=args.algorithm)
+    config = load_and_validate(args.config, args.overrides, get_plugin_manager(), algorithm=args.algorithm)
     sys.stdout.write(yaml.safe_dump(config, sort_keys=False, default_flow_style=False))
     return 0
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from nrl_core.algorithms.policy_launch import policy_launched_early, start_generation_early
+    from nrl_core.algorithms.runtime import Runtime, call_with_runtime
     from nrl_core.config import check_selected_backends, choose_backends, load_and_validate
     from nrl_core.contracts import import_object
     from nrl_core.plugins import get_plugin_manager
     from nrl_core.timeline import mark
 
     mark("cli_start")
-    spec = get_plugin_manager().algorithms().get(args.algorithm, "algorithm")
-    config = load_and_validate(args.config, args.overrides, algorithm=args.algorithm, backend_checks=False)
-    choice = choose_backends(config, generation=spec.generates, warn=False)  # the run warns
-    with policy_launched_early(config, spec, choice.training, choice.generation):  # its workers import meanwhile
+    runtime = Runtime(get_plugin_manager())
+    spec = runtime.plugins.algorithms().get(args.algorithm, "algorithm")
+    config = load_and_validate(args.config, args.overrides, runtime.plugins, algorithm=args.algorithm,
+                               backend_checks=False)
+    choice = choose_backends(config, runtime.plugins, generation=spec.generates, warn=False)  # the run warns
+    with runtime.policy_launched_early(config, spec, choice.training, choice.generation):  # they import meanwhile
         with long_lived_objects(freeze=False):  # imports torch and transformers: no collection while they load
-            check_selected_backends(config, algorithm=args.algorithm)
-            for note in _check_contracts(config, choice, first_party=False):
+            check_selected_backends(config, runtime.plugins, algorithm=args.algorithm)
+            for note in _check_contracts(config, choice, runtime.plugins, first_party=False):
                 logging.getLogger("nrl_core.contract_adapters").warning("%s", note)
             run = import_object(spec.entry)
         mark("config_validated")
-        start_generation_early(config)
-        return int(run(config) or 0)
+        runtime.start_generation_early(config)
+        return int(call_with_runtime(run, config, runtime) or 0)
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nrl_core.contract_versions import (
     ADAPTER_SEPARATOR,
@@ -29,6 +29,9 @@ from nrl_core.contract_versions import (
 )
 from nrl_core.contracts import CONTRACT_VERSION, import_object
 from nrl_core.errors import PluginError
+
+if TYPE_CHECKING:
+    from nrl_core.plugins import PluginManager
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +108,6 @@ def _through_hook(method: str, hook: str) -> Callable[[str, int], Callable[..., 
     def make(plugin: str, version: int) -> Callable[..., Any]:
         def default(self: Any, path: str, options: Any = None) -> Any:
             from nrl_core.contracts import CheckpointOptions
-            from nrl_core.plugins import get_plugin_manager
 
             options = options or CheckpointOptions()
             if getattr(self, "_nrl_in_checkpoint_hook", False):
@@ -121,7 +123,7 @@ def _through_hook(method: str, hook: str) -> Callable[[str, int], Callable[..., 
                        f"({VERSIONS_DOCS})")
             self._nrl_in_checkpoint_hook = True
             try:
-                getattr(get_plugin_manager(), hook)(self, path, options)
+                getattr(_legacy_hooks(self), hook)(self, path, options)
             finally:
                 self._nrl_in_checkpoint_hook = False
 
@@ -167,7 +169,18 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def check_spec(spec: Any, role: str) -> list[str]:
+def _legacy_hooks(worker: Any) -> Any:
+    """The plugins whose deprecated checkpoint hooks a contract 1-3 ``worker`` saves through,
+    loaded once for that worker: its process holds no registries of its own."""
+    hooks = getattr(worker, "_nrl_legacy_hooks", None)
+    if hooks is None:
+        from nrl_core.plugins import PluginManager
+
+        hooks = worker._nrl_legacy_hooks = PluginManager()
+    return hooks
+
+
+def check_spec(spec: Any, role: str, pm: PluginManager) -> list[str]:
     """Check the worker class of a backend spec against its plugin's contract: a one-line
     :class:`PluginError` for what cannot be adapted, else notes on what is (for ``nrl config check``)."""
     worker, adapted_role, version, plugin = unwrap_path(spec.worker)
@@ -176,9 +189,6 @@ def check_spec(spec: Any, role: str) -> list[str]:
     except PluginError as exc:  # the run would fail to build it; this check only judges classes it can see
         return [f"{role} backend '{spec.name}': worker not checked against its contract: {exc}"]
     if plugin is None:
-        from nrl_core.plugins import get_plugin_manager
-
-        pm = get_plugin_manager()
         registry = pm.training_backends() if role == "training" else pm.generation_backends()
         plugin = registry.owner(spec.name) if spec.name in registry else spec.distribution
     gaps = worker_gaps(cls, role, version, plugin, capabilities=getattr(spec, "capabilities", frozenset()))
@@ -189,12 +199,12 @@ def check_spec(spec: Any, role: str) -> list[str]:
             f"adapted: {', '.join(notes)}"] if notes else []
 
 
-def check_selected(choice: Any, *, colocated: bool) -> list[str]:
-    """:func:`check_spec` for the selected training and generation backends of a config; a colocated
-    run whose training worker has no memory hand-off gets a note saying so."""
-    notes = check_spec(choice.training, "training")
+def check_selected(choice: Any, pm: PluginManager, *, colocated: bool) -> list[str]:
+    """:func:`check_spec` for the selected training and generation backends of a config (``pm``'s
+    registrations); a colocated run whose training worker has no memory hand-off gets a note."""
+    notes = check_spec(choice.training, "training", pm)
     if choice.generation is not None:
-        notes += check_spec(choice.generation, "generation")
+        notes += check_spec(choice.generation, "generation", pm)
         if colocated and any("no-op offload_before_refit" in n for n in notes):
             notes.append("colocated generation: the training backend does not hand its memory back to the engines")
     return notes

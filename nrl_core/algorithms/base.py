@@ -11,6 +11,7 @@ from typing import Any
 
 from nrl_core.algorithms.policy import Policy
 from nrl_core.algorithms.policy_launch import colocated_generation
+from nrl_core.algorithms.runtime import Runtime, call_with_runtime
 from nrl_core.algorithms.setup import resume_point, seed_everything
 from nrl_core.checkpoint.manager import CheckpointManager
 from nrl_core.cluster import cluster_failure, init_ray, shutdown_ray
@@ -19,7 +20,6 @@ from nrl_core.contracts import RunInfo
 from nrl_core.data import DatumSpec, PromptDataloader
 from nrl_core.errors import ConfigError
 from nrl_core.logging import MetricLogger
-from nrl_core.plugins import get_plugin_manager
 from nrl_core.timeline import mark
 from nrl_core.watchdog import Watchdog, fired, phase
 
@@ -34,11 +34,14 @@ class AlgorithmRun:
     val_data: Sequence[DatumSpec] = ()
 
     def __init__(self, config: Mapping[str, Any], *, batch_size: int, train_data: Sequence[DatumSpec],
-                 with_generation: bool = False) -> None:
+                 with_generation: bool = False, runtime: Runtime | None = None) -> None:
+        """``runtime``: what ``nrl train`` made for the run (its registries, the workers it launched
+        early); a run built in code gets this process's plugins and launches its own workers."""
+        self.runtime = runtime if runtime is not None else Runtime.for_process()
         self.config = config
         self.cfg = config[self.section]
         seed_everything(self.cfg["seed"])
-        self.choice = choose_backends(config, generation=with_generation)
+        self.choice = choose_backends(config, self.runtime.plugins, generation=with_generation)
         self.train_loader = PromptDataloader(train_data, batch_size, shuffle=config["data"]["shuffle"],
                                              seed=self.cfg["seed"])
         self.checkpoints = CheckpointManager(config["checkpointing"], on_publish=self.checkpoint_published)
@@ -48,26 +51,26 @@ class AlgorithmRun:
         self.algorithm_name = spec.name if spec is not None else self.section  # whose checks the config passed
         self.policy = Policy(self.worker_config(config), self.choice.training, generation=self.choice.generation,
                              colocated_generation=colocated_generation(config, generates=with_generation),
-                             models_beside=len(spec.model_sections) if spec is not None else 0)
+                             models_beside=len(spec.model_sections) if spec is not None else 0,
+                             runtime=self.runtime)
         mark("policy_built")
         epochs, steps = int(self.cfg["max_num_epochs"]), int(self.cfg["max_num_steps"])
         by_epochs = epochs * len(self.train_loader) if epochs > 0 else None  # NeMo RL's -1: no limit
         if steps < 0 and by_epochs is None:
             raise ConfigError(f"{self.section}.max_num_steps", "and max_num_epochs are both unlimited (-1); bound one")
         self.max_steps = by_epochs if steps < 0 else steps if by_epochs is None else min(steps, by_epochs)
-        self.log = MetricLogger(config["logger"], total_steps=self.max_steps,
+        self.log = MetricLogger(config["logger"], plugins=self.runtime.plugins, total_steps=self.max_steps,
                                 resume_step=self.state.step if self.resume_from is not None else None)
-        self.hooks = get_plugin_manager()
+        self.hooks = self.runtime.plugins
         self.info = RunInfo(algorithm=self.section, config=config, first_step=self.state.step + 1,
                             max_steps=self.max_steps, log_dir=str(self.log.log_dir),
                             checkpoint_dir=str(self.checkpoints.root) if self.checkpoints.enabled else None)
         self.stop_reason: str | None = None
         self.last_metrics: dict[str, float] = {}
 
-    @classmethod
-    def algorithm_spec(cls) -> Any:
+    def algorithm_spec(self) -> Any:
         """The installed ``AlgorithmSpec`` of this run's section (None for a run built in code only)."""
-        return next((spec for spec in get_plugin_manager().algorithms() if spec.section == cls.section), None)
+        return next((spec for spec in self.runtime.plugins.algorithms() if spec.section == self.section), None)
 
     def worker_config(self, config: Mapping[str, Any]) -> Mapping[str, Any]:
         """The config the training workers get (DPO counts its batches in pairs, workers in sequences)."""
@@ -161,7 +164,7 @@ class AlgorithmRun:
             "algorithm": self.algorithm_name,
             "dataloader": self.dataloader_state(),
             "config": dict(self.config),
-            "plugins": get_plugin_manager().versions(),
+            "plugins": self.runtime.plugins.versions(),
             **self.extra_state(),
         }
         pending = [model for model in models.values() if model.checkpoint_options.async_save]
@@ -222,12 +225,13 @@ class AlgorithmRun:
         self.policy.shutdown()
 
     @classmethod
-    def main(cls, config: Mapping[str, Any]) -> int:
+    def main(cls, config: Mapping[str, Any], runtime: Runtime | None = None) -> int:
         """``nrl train <section>``: build, run every step, close (even after an error), every phase
-        under the run's watchdog (docs/watchdog.md)."""
+        under the run's watchdog (docs/watchdog.md). ``runtime`` reaches the run when its class
+        takes one."""
         with Watchdog.for_run(config):
             with phase("start_up"):
-                run = cls(config)
+                run = cls(config) if runtime is None else call_with_runtime(cls, config, runtime)
             status = "failed"
             try:
                 final = run.run()

@@ -49,10 +49,10 @@ def checkpoint_to_hf(checkpoint: str, output: str, overrides: Iterable[str] = ()
     """Write the policy of ``checkpoint`` (a step directory, or a run's checkpoint directory for its
     latest step) as a Hugging Face model at ``output``; ``overrides`` change the saved config (the
     base model's path when it moved: ``policy.model_name=...``)."""
+    from nrl_core.algorithms.installed import choose_backends, validate_config
     from nrl_core.checkpoint.checksums import verify_tree
     from nrl_core.checkpoint.manager import CheckpointManager
     from nrl_core.config.loader import apply_overrides
-    from nrl_core.config.validate import choose_backends, validate_config
 
     out = new_output_dir(output)
     step = step_directory(Path(checkpoint).expanduser())

@@ -11,7 +11,7 @@ PreferenceRun`). Checkpoints, resume and logging are :class:`~nrl_core.algorithm
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -21,12 +21,15 @@ from nrl_core.algorithms.setup import PhaseTimer
 from nrl_core.contracts import TokenBatch
 from nrl_core.data.preference import PreferencePair
 
+if TYPE_CHECKING:
+    from nrl_core.algorithms.runtime import Runtime
+
 
 class DPO(PreferenceRun):
     section = "dpo"
 
-    def __init__(self, config: Mapping[str, Any]) -> None:
-        super().__init__(config, DPOLoss.from_config(config["dpo"]))
+    def __init__(self, config: Mapping[str, Any], *, runtime: Runtime | None = None) -> None:
+        super().__init__(config, DPOLoss.from_config(config["dpo"]), runtime=runtime)
         self._val_reference: dict[int, Any] = {}  # the reference model never changes: one pass per val batch
 
     def step(self, pairs: Sequence[PreferencePair]) -> dict[str, float]:

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from nrl_core.algorithms.handoff import DeviceHandOff
 from nrl_core.algorithms.policy import Policy
-from nrl_core.algorithms.policy_launch import launch_generation, take_early_generation
+from nrl_core.algorithms.policy_launch import launch_generation
 from nrl_core.algorithms.refit_orchestrator import choose_transport, refit, refit_options
 from nrl_core.cluster._host import WorkerHost
 from nrl_core.cluster.worker_group import method_name
@@ -69,7 +69,7 @@ def generate_on_engines(hosts: WorkerGroup, prompts: Sequence[Sequence[int]], nu
 class Generation:
     def __init__(self, config: Mapping[str, Any], spec: GenerationBackendSpec, policy: Policy) -> None:
         generation = config["policy"]["generation"]
-        topology = cluster_topology(config)
+        topology = cluster_topology(config, policy.plugins)
         self.spec = spec
         self.policy = policy
         self.colocated = topology.colocated
@@ -84,7 +84,8 @@ class Generation:
             self._index_ranks()
             dropped = self._build_colocated(spec, config)
         else:
-            launched = take_early_generation(spec, config) or launch_generation(config, spec, policy.spec)
+            early = None if policy.runtime is None else policy.runtime.take_generation(spec, config)
+            launched = early or launch_generation(config, spec, policy.spec)
             self.placement, self.hosts = launched.placement, launched.group
             try:
                 launched.finish_start({"config": dict(config)})

@@ -30,6 +30,7 @@ from nrl_core.algorithms.rollout_sources import (
     validates_greedily,
 )
 from nrl_core.algorithms.rollouts import repeat_prompts, rollout_batch
+from nrl_core.algorithms.runtime import Runtime
 from nrl_core.algorithms.scoring import RolloutGroup, Scorer, merge_groups, merged_loss_masks, reward_components
 from nrl_core.algorithms.setup import PhaseTimer, build_environment, build_loss, generation_spec, load_tokenizer
 from nrl_core.contracts import AdvantageInputs, GenerationOutput, TokenBatch, import_object
@@ -44,12 +45,13 @@ class GRPO(AlgorithmRun):
     section = "grpo"
     summary_prefixes = ("val/", "train/reward")
 
-    def __init__(self, config: Mapping[str, Any]) -> None:
+    def __init__(self, config: Mapping[str, Any], *, runtime: Runtime | None = None) -> None:
         check_grpo(config)  # done by validation too; a config built in code may have skipped it
         _warn_truncated_sampling(config["policy"]["generation"])
         self.group_size = int(config["grpo"]["num_generations_per_prompt"])
         self.tokenizer = load_tokenizer(config)
-        data = prepare_data(config["data"], self.tokenizer, limits=prompt_limits(config))
+        runtime = runtime if runtime is not None else Runtime.for_process()
+        data = prepare_data(config["data"], self.tokenizer, runtime.plugins, limits=prompt_limits(config))
         self.val_data: list[DatumSpec] = (data.val or [])[: config["grpo"]["max_val_samples"]]
         self.on_policy_ratio = on_policy_ratio(config)
         self.loss_fn = build_loss(config, force_on_policy_ratio=self.on_policy_ratio)
@@ -65,7 +67,7 @@ class GRPO(AlgorithmRun):
                     if self.on_policy_ratio else "a separate get_logprobs pass")
         self.env = build_environment(config)
         super().__init__(config, batch_size=prompts_per_batch(config["grpo"]), train_data=data.train,
-                         with_generation=True)
+                         with_generation=True, runtime=runtime)
         assert self.choice.generation is not None
         self.generation = Generation(config, self.choice.generation, self.policy)
         self.scorer = Scorer(config, self.tokenizer, self.env)
@@ -261,9 +263,9 @@ def _warn_truncated_sampling(generation: Mapping[str, Any]) -> None:
                        "will exceed 1; set top_p: 1.0 and top_k: null for exact importance ratios")
 
 
-def main(config: Mapping[str, Any]) -> int:
+def main(config: Mapping[str, Any], runtime: Runtime | None = None) -> int:
     """``nrl train grpo``: synchronous, or asynchronous with ``grpo.async_grpo.enabled`` (the same loop)."""
-    return GRPO.main(config)
+    return GRPO.main(config, runtime)
 
 
 def _mixed_versions(versions: list[int]) -> dict[str, list[int]]:

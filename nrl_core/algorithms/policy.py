@@ -12,11 +12,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from nrl_core.algorithms.policy_launch import launch_beside, launch_policy, take_early_policy
+from nrl_core.algorithms.policy_launch import launch_beside, launch_policy
 from nrl_core.cluster import WorkerGroup
 from nrl_core.cluster._host import WorkerHost
 from nrl_core.cluster.placement import Placement
@@ -35,8 +35,12 @@ from nrl_core.contracts import (
     TrainingWorker,
     ValueScorer,
 )
+from nrl_core.plugins import get_plugin_manager
 from nrl_core.process_groups import distributed_timeout_s
 from nrl_core.sdk.value_head import value_head_type
+
+if TYPE_CHECKING:
+    from nrl_core.algorithms.runtime import Runtime
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +51,9 @@ class Policy:
 
     def __init__(self, config: Mapping[str, Any], spec: TrainingBackendSpec, *, colocated_generation: bool,
                  generation: GenerationBackendSpec | None = None, models_beside: int = 0,
-                 beside: Policy | None = None, name: str = "policy", standalone: bool = False) -> None:
-        """Takes the group ``nrl train`` launched early when there is one, else launches it
+                 beside: Policy | None = None, name: str = "policy", standalone: bool = False,
+                 runtime: Runtime | None = None) -> None:
+        """Takes the group ``nrl train`` launched early when ``runtime`` holds one, else launches it
         (:mod:`nrl_core.algorithms.policy_launch`), then builds the workers with ``config``.
         ``generation`` is the engine's spec, whose modules colocated workers preload.
         ``models_beside`` is how many models will share this policy's devices; such a model
@@ -57,8 +62,10 @@ class Policy:
         ``config["cluster"]`` and never takes the group ``nrl train`` launched for the policy."""
         self.spec = spec
         self.name = name
+        self.runtime = runtime
         self.value_head = value_head_type(config["policy"]) is not None  # a scorer, not a language model
-        self.world_size = cluster_topology(config).train_world
+        self.plugins = runtime.plugins if runtime is not None else get_plugin_manager()
+        self.world_size = cluster_topology(config, self.plugins).train_world
         self.checkpoint_options = CheckpointOptions.from_section(config["policy"][spec.config_key])
         if not (config.get("checkpointing") or {}).get("save_optimizer", True):  # checked against the capability
             self.checkpoint_options = replace(self.checkpoint_options, save_optimizer=False)
@@ -68,7 +75,9 @@ class Policy:
         elif standalone:
             launched = launch_policy(config, spec, colocated=False, name=name)
         else:
-            launched = (take_early_policy(spec, colocated=colocated_generation, models_beside=models_beside)
+            early = None if runtime is None else runtime.take_policy(spec, colocated=colocated_generation,
+                                                                       models_beside=models_beside)
+            launched = (early
                         or launch_policy(config, spec, colocated=colocated_generation, generation=generation,
                                          models_beside=models_beside))
         self.placement: Placement = launched.placement

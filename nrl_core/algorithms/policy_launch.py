@@ -5,47 +5,42 @@ transformers, checks the config against the model and loads the data. Each polic
 torch, its backend, transformers' model classes and, when generation is colocated, vLLM. Run one
 after the other they add up; on a machine with a core to spare they overlap if the workers exist
 first. So ``nrl train`` starts Ray and launches the policy's worker group right after the config's
-schema pass (:func:`policy_launched_early`, for every algorithm): its actors import the worker
-classes and the modules those name in ``lazy_imports`` while the driver does the rest, and the
-run's :class:`~nrl_core.algorithms.policy.Policy` takes that group (:func:`take_early_policy`)
-instead of launching its own; an algorithm that builds no policy leaves it to be stopped at the
-end. This is the core's business, not a plugin's: no spec field asks for it (contract 5).
+schema pass (:meth:`Runtime.policy_launched_early <nrl_core.algorithms.runtime.Runtime.policy_launched_early>`,
+for every algorithm): its actors import the worker classes and the modules those name in
+``lazy_imports`` while the driver does the rest, and the run's
+:class:`~nrl_core.algorithms.policy.Policy` takes that group from the run's runtime instead of
+launching its own; an algorithm that builds no policy leaves it to be stopped at the end. This
+is the core's business, not a plugin's: no spec field asks for it (contract 5).
 ``benchmarks/bench_startup_overlap.py`` measures the overlap.
 
 Engines that are not colocated get their own actors, launched early the same way right after the
 policy's: they import vLLM while the driver checks the config, and once the checks pass they build
-their engines (:func:`start_generation_early`, on a thread of the driver) while the policy's
-workers build, instead of after them; the run's ``Generation`` takes them
-(:func:`take_early_generation`).
+their engines (on a thread of the driver) while the policy's workers build, instead of after
+them; the run's ``Generation`` takes them. The launched groups wait in the run's
+:class:`~nrl_core.algorithms.runtime.Runtime`, never in a module global.
 
 Nothing here imports torch: the launch happens before the driver does.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import ray
-
-from nrl_core.cluster import WorkerGroup, init_ray, make_placement, shutdown_ray
+from nrl_core.algorithms.installed import cluster_topology
+from nrl_core.cluster import WorkerGroup, make_placement
 from nrl_core.cluster.placement import Placement
-from nrl_core.config.topology import cluster_topology
-from nrl_core.contracts import LEGACY_PRELOAD, AlgorithmSpec, GenerationBackendSpec, TrainingBackendSpec
+from nrl_core.contracts import LEGACY_PRELOAD, GenerationBackendSpec, TrainingBackendSpec
 from nrl_core.generation_kit import in_flight_section
 from nrl_core.process_groups import distributed_timeout_s
-from nrl_core.timeline import mark
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["LaunchedGroup", "LaunchedPolicy", "colocated_generation", "launch_beside", "launch_engines",
-           "launch_generation",
-           "launch_policy",
-           "policy_launched_early", "start_generation_early", "take_early_generation", "take_early_policy"]
+           "launch_generation", "launch_policy"]
 
 
 @dataclass
@@ -186,79 +181,3 @@ def _imports_of(spec: TrainingBackendSpec | GenerationBackendSpec) -> list[str]:
     from nrl_core.contract_versions import unwrap_path
 
     return [spec.worker, *LEGACY_PRELOAD.get(unwrap_path(spec.worker)[0], ())]
-
-
-_early: LaunchedPolicy | None = None
-_early_generation: LaunchedGroup | None = None
-
-
-@contextlib.contextmanager
-def policy_launched_early(config: Mapping[str, Any], algorithm: AlgorithmSpec, training: TrainingBackendSpec,
-                          generation: GenerationBackendSpec | None) -> Iterator[None]:
-    """Within the block, the policy's worker group (and the generation group of engines that are
-    not colocated) is launched and waiting to be taken by the run. On the way out a group nobody
-    took (the config's last checks failed, or the run failed before it built it) is shut down, and
-    so is the Ray this started when the policy was never taken, so a refused config leaves nothing
-    running."""
-    global _early, _early_generation
-    started_ray = not ray.is_initialized()
-    init_ray(config["cluster"])
-    launched = False
-    colocated = colocated_generation(config, generates=algorithm.generates)
-    try:
-        _early = launch_policy(config, training, generation=generation, colocated=colocated,
-                               models_beside=len(algorithm.model_sections))
-        launched = True
-        mark("policy_launched")
-        if algorithm.generates and generation is not None and not colocated:
-            _early_generation = launch_generation(config, generation, training)
-            mark("generation_launched")
-        yield
-    finally:
-        left, _early = _early, None
-        left_generation, _early_generation = _early_generation, None
-        for group in (left_generation, left):
-            if group is not None:
-                group.discard()
-        if started_ray and (left is not None or not launched):
-            shutdown_ray()
-
-
-def start_generation_early(config: Mapping[str, Any]) -> None:
-    """Build the engines launched early with the run's ``config`` (its checks passed) in the
-    background, while the run builds its policy: engines that are not colocated need nothing from
-    it until the first refit."""
-    if _early_generation is not None:
-        _early_generation.start_in_background({"config": dict(config)})
-
-
-def take_early_generation(generation: GenerationBackendSpec, config: Mapping[str, Any]) -> LaunchedGroup | None:
-    """The generation group :func:`policy_launched_early` launched, if it is for ``generation``
-    (and, when its engines are already building, with ``config``); one launched for something
-    else is shut down (the run then launches its own)."""
-    global _early_generation
-    launched, _early_generation = _early_generation, None
-    if launched is None:
-        return None
-    if launched.group.worker_cls == generation.worker and launched.started_with in (None, {"config": dict(config)}):
-        return launched
-    logger.warning("the generation workers started early do not match the run's (%s); starting new ones",
-                   generation.worker)
-    launched.discard()
-    return None
-
-
-def take_early_policy(training: TrainingBackendSpec, *, colocated: bool, models_beside: int = 0) -> LaunchedPolicy | None:
-    """The group :func:`policy_launched_early` launched, if it is for ``training`` with the same
-    colocation; one launched for something else is shut down (the run then launches its own)."""
-    global _early
-    launched, _early = _early, None
-    if launched is None:
-        return None
-    if (launched.group.worker_cls == training.worker and launched.colocated_generation == colocated
-            and launched.models_beside == models_beside):
-        return launched
-    logger.warning("the policy workers started early do not match the run's (%s); starting new ones",
-                   training.worker)
-    launched.discard()
-    return None

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from nrl_core.algorithms.base import AlgorithmRun
+from nrl_core.algorithms.runtime import Runtime
 from nrl_core.algorithms.setup import load_tokenizer
 from nrl_core.config.checks import data_parallel_size
 from nrl_core.contracts import LossFunction, TokenBatch
@@ -25,14 +26,16 @@ class PreferenceRun(AlgorithmRun):
 
     summary_prefixes = ("val/", "train/loss", "train/accuracy")
 
-    def __init__(self, config: Mapping[str, Any], loss_fn: LossFunction) -> None:
+    def __init__(self, config: Mapping[str, Any], loss_fn: LossFunction, *, runtime: Runtime | None = None) -> None:
         self.tokenizer = load_tokenizer(config)
-        data = prepare_preference_data(config["data"], self.tokenizer,
+        runtime = runtime if runtime is not None else Runtime.for_process()
+        data = prepare_preference_data(config["data"], self.tokenizer, runtime.plugins,
                                        max_length=config["policy"]["max_total_sequence_length"])
         self.val_data: list[PreferencePair] = data.val or []
         self.loss_fn = loss_fn
-        super().__init__(config, batch_size=int(config["policy"]["train_global_batch_size"]), train_data=data.train)
-        self.dp_size = data_parallel_size(config, self.choice.training)
+        super().__init__(config, batch_size=int(config["policy"]["train_global_batch_size"]), train_data=data.train,
+                         runtime=runtime)
+        self.dp_size = data_parallel_size(config, self.choice.training, self.runtime.plugins)
 
     def worker_config(self, config: Mapping[str, Any]) -> Mapping[str, Any]:
         """Workers count sequences: two per pair (NeMo RL doubles the batch sizes the same way)."""

@@ -13,10 +13,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from nrl_core.errors import ConfigError
+from nrl_core.plugins import PluginManager, get_plugin_manager
 from nrl_core.refit.buckets import DEFAULT_BUCKET_BYTES, bucket_bytes_from_gb, manifest_bytes
 from nrl_core.refit.endpoints import STREAM_BACKPRESSURE, ExportedWeights, refit_local
 from nrl_core.refit.report import RefitReport, combine_reports
-from nrl_core.refit.transports import PLACEMENTS, RefitSession
+from nrl_core.refit.transports import PLACEMENTS, RefitSession, TransportChoice
 
 TRANSPORT_KEY = "policy.refit.transport"
 PIPELINED_TRANSPORT = "shared_memory"
@@ -26,24 +27,24 @@ DEFAULT_WAIT_S = 600.0
 """How long a pipelined refit's sinks wait for the source's next bucket when no timeout is given."""
 
 
-def choose_transport(placement: str, override: str | None = None) -> str:
+def choose_transport(placement: str, override: str | None = None,
+                     plugins: PluginManager | None = None) -> TransportChoice:
     """The transport for ``placement``: ``override`` if given (checked against where it works),
-    else the registered transport of highest priority that works there."""
-    from nrl_core.plugins import get_plugin_manager
-
+    else the registered transport of highest priority that works there (among ``plugins``'; this
+    process's when None)."""
     if placement not in PLACEMENTS:
         raise ValueError(f"unknown placement '{placement}'; one of {', '.join(PLACEMENTS)}")
-    registry = get_plugin_manager().refit_transports()
+    registry = (plugins or get_plugin_manager()).refit_transports()
     if override:
         spec = registry.get(override, TRANSPORT_KEY)
         if placement not in spec.placements:
             raise ConfigError(TRANSPORT_KEY, f"transport '{override}' cannot be used when training and generation "
                                              f"are {placement.replace('_', ' ')} (it works {', '.join(spec.placements)}); "
                                              f"remove the key to choose automatically")
-        return override
+        return TransportChoice(spec.name, spec.transport, spec.collective)
     for spec in sorted(registry, key=lambda spec: -spec.priority):
         if placement in spec.placements:
-            return spec.name
+            return TransportChoice(spec.name, spec.transport, spec.collective)
     raise ConfigError(TRANSPORT_KEY, f"no installed refit transport works {placement.replace('_', ' ')} "
                                      f"(installed: {', '.join(registry.names()) or 'none'})")
 
@@ -136,20 +137,19 @@ def _refit_ranks(source: Any, sinks: list[Any], override: str | None, bucket_byt
         transport = choose_transport("same_process", override)
         reports = [source.call(WorkerHost.nrl_refit_local, transport, bucket_bytes, dtype, partial) for _ in sinks]
         return RefitReport(bytes=sum(r.bytes for r in reports), seconds=time.perf_counter() - start,
-                           version=max(r.version for r in reports), transport=transport, placement="same_process")
+                           version=max(r.version for r in reports), transport=transport.name,
+                           placement="same_process")
     source_node = source.node_id
     placement = "same_node" if all(s.node_id == source_node for s in sinks) else "cross_node"
-    name = choose_transport(placement, override)
-    from nrl_core.plugins import get_plugin_manager
-
-    if get_plugin_manager().refit_transports().get(name, TRANSPORT_KEY).collective:
-        nbytes, versions = _collective(source, sinks, name, bucket_bytes, dtype, timeout_s, in_flight, partial)
-    elif pipelined and not in_flight and name == PIPELINED_TRANSPORT:
-        nbytes, versions = _stream_import(source, sinks, name, bucket_bytes, dtype, timeout_s, partial)
+    transport = choose_transport(placement, override)
+    if transport.collective:
+        nbytes, versions = _collective(source, sinks, transport, bucket_bytes, dtype, timeout_s, in_flight, partial)
+    elif pipelined and not in_flight and transport.name == PIPELINED_TRANSPORT:
+        nbytes, versions = _stream_import(source, sinks, transport, bucket_bytes, dtype, timeout_s, partial)
     else:
-        nbytes, versions = _export_import(source, sinks, name, bucket_bytes, dtype, in_flight, partial)
+        nbytes, versions = _export_import(source, sinks, transport, bucket_bytes, dtype, in_flight, partial)
     return RefitReport(bytes=nbytes * len(sinks), seconds=time.perf_counter() - start, version=max(versions),
-                       transport=name, placement=placement)
+                       transport=transport.name, placement=placement)
 
 
 def _by_group(sinks: list[Any]) -> dict[Any, list[int]]:
@@ -168,13 +168,13 @@ def _gather(calls: list[tuple[Any, Any]]) -> list[Any]:
     return [value for group, futures in calls for value in group.get(futures)]
 
 
-def _export_import(source: Any, sinks: list[Any], name: str, bucket_bytes: int, dtype: str | None,
+def _export_import(source: Any, sinks: list[Any], transport: TransportChoice, bucket_bytes: int, dtype: str | None,
                    in_flight: bool = False, partial: bool = False) -> tuple[int, list[int]]:
     """The source exports once; every sink imports the same handles, concurrently. The sinks'
     calls take the export's object ref, so Ray starts them when it is done."""
     from nrl_core.cluster._host import InFlightWorkerHost, WorkerHost
 
-    exported = source.call_async(WorkerHost.nrl_refit_export, name, bucket_bytes, dtype)
+    exported = source.call_async(WorkerHost.nrl_refit_export, transport, bucket_bytes, dtype)
     try:
         endpoint = InFlightWorkerHost.nrl_refit_import_in_flight if in_flight else WorkerHost.nrl_refit_import
         imports = [(group, group.call_async(endpoint, exported.refs[0], partial, on=ranks))
@@ -190,7 +190,7 @@ def _export_import(source: Any, sinks: list[Any], name: str, bucket_bytes: int, 
         _cleanup(source, [exported.refs[0]])
 
 
-def _stream_import(source: Any, sinks: list[Any], name: str, bucket_bytes: int, dtype: str | None,
+def _stream_import(source: Any, sinks: list[Any], transport: TransportChoice, bucket_bytes: int, dtype: str | None,
                    timeout_s: float | None, partial: bool = False) -> tuple[int, list[int]]:
     """A pipelined refit on one node: the source publishes each bucket's handle on a channel as it
     writes it, and every sink, called at the same moment, loads each bucket as it is published."""
@@ -198,9 +198,9 @@ def _stream_import(source: Any, sinks: list[Any], name: str, bucket_bytes: int, 
     from nrl_core.refit.channel import ChannelAddress
 
     channel = ChannelAddress(RefitSession().id)
-    exported = source.call_async(WorkerHost.nrl_refit_export_streamed, name, channel, bucket_bytes, dtype)
+    exported = source.call_async(WorkerHost.nrl_refit_export_streamed, transport, channel, bucket_bytes, dtype)
     try:
-        imports = [(group, group.call_async(WorkerHost.nrl_refit_import_streamed, name, channel, [exported.refs[0]],
+        imports = [(group, group.call_async(WorkerHost.nrl_refit_import_streamed, transport, channel, [exported.refs[0]],
                                             float(timeout_s or DEFAULT_WAIT_S), partial, on=ranks))
                    for group, ranks in _by_group(sinks).items()]
         try:
@@ -210,7 +210,7 @@ def _stream_import(source: Any, sinks: list[Any], name: str, bucket_bytes: int, 
             raise
         return nbytes, [int(v) for v in _gather(imports)]
     finally:
-        _cleanup(source, [ExportedWeights(transport=name, session=RefitSession(id=channel.session_id), manifest=[],
+        _cleanup(source, [ExportedWeights(transport=transport, session=RefitSession(id=channel.session_id), manifest=[],
                                           handles=[])])
 
 
@@ -220,7 +220,7 @@ def _gather_quietly(calls: list[tuple[Any, Any]]) -> None:
     ray.wait([ref for _, futures in calls for ref in futures.refs], num_returns=sum(len(f.refs) for _, f in calls))
 
 
-def _collective(source: Any, sinks: list[Any], name: str, bucket_bytes: int, dtype: str | None,
+def _collective(source: Any, sinks: list[Any], transport: TransportChoice, bucket_bytes: int, dtype: str | None,
                 timeout_s: float | None = None, in_flight: bool = False,
                 partial: bool = False) -> tuple[int, list[int]]:
     """One sender, every sink receiving at once: broadcast, except (``partial``) what only one sink
@@ -240,16 +240,16 @@ def _collective(source: Any, sinks: list[Any], name: str, bucket_bytes: int, dty
     names = {spec.name for spec in manifest}
     options["skips"] = {receive_rank[sink]: sorted(names.difference(wanted)) for sink, wanted in wants.items()
                         if wanted is not None}
-    session = source.call(WorkerHost.nrl_refit_prepare, name, RefitSession(options=options))
+    session = source.call(WorkerHost.nrl_refit_prepare, transport, RefitSession(options=options))
     try:
         endpoint = InFlightWorkerHost.nrl_refit_receive_in_flight if in_flight else WorkerHost.nrl_refit_receive
         pending = [(group, group.call_async(endpoint, on=ranks, per_rank_args=[
-                        (name, session.with_options(rank=receive_rank[(group, r)], skips={}), manifest,
+                        (transport, session.with_options(rank=receive_rank[(group, r)], skips={}), manifest,
                          wants.get((group, r)))
                         for r in ranks]))
                    for group, ranks in _by_group(sinks).items()]
         try:
-            for _ in source.group.stream(WorkerHost.nrl_refit_send, name, session, bucket_bytes, dtype, on=source.rank,
+            for _ in source.group.stream(WorkerHost.nrl_refit_send, transport, session, bucket_bytes, dtype, on=source.rank,
                                          backpressure=STREAM_BACKPRESSURE):
                 pass  # a collective sender yields no handles; this waits for it and surfaces its errors
         except BaseException:
@@ -257,7 +257,7 @@ def _collective(source: Any, sinks: list[Any], name: str, bucket_bytes: int, dty
             raise
         return manifest_bytes(manifest), [int(v) for v in _gather(pending)]
     finally:
-        _cleanup(source, [ExportedWeights(transport=name, session=session, manifest=[], handles=[])])
+        _cleanup(source, [ExportedWeights(transport=transport, session=session, manifest=[], handles=[])])
 
 
 def _wants(sinks: list[Any], manifest: list[Any], in_flight: bool) -> dict[tuple[Any, int], list[str] | None]:

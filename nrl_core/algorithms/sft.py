@@ -8,6 +8,7 @@ from typing import Any
 
 from nrl_core.algorithms.base import AlgorithmRun
 from nrl_core.algorithms.loss import NLLLoss
+from nrl_core.algorithms.runtime import Runtime
 from nrl_core.algorithms.setup import PhaseTimer, load_tokenizer
 from nrl_core.contracts import logprob_temperature
 from nrl_core.data import DatumSpec, LengthLimits, prepare_data, sft_batch
@@ -20,20 +21,22 @@ class SFT(AlgorithmRun):
     section = "sft"
     summary_prefixes = ("val/", "train/loss")
 
-    def __init__(self, config: Mapping[str, Any]) -> None:
+    def __init__(self, config: Mapping[str, Any], *, runtime: Runtime | None = None) -> None:
         if logprob_temperature(config) != 1.0:
             logger.warning("policy.generation.temperature is %s: training backends divide the logits by it, as NeMo RL "
                            "does, so SFT fits softmax(logits / T); set policy.generation: null to fit the model itself",
                            config["policy"]["generation"]["temperature"])
         self.tokenizer = load_tokenizer(config)
-        data = prepare_data(config["data"], self.tokenizer, processor=sft_processor_name(config["data"]),
+        runtime = runtime if runtime is not None else Runtime.for_process()
+        data = prepare_data(config["data"], self.tokenizer, runtime.plugins, processor=sft_processor_name(config["data"]),
                             limits=LengthLimits(total=config["policy"]["max_total_sequence_length"]))
         if not any(d.response_ids for d in data.train):
             raise NrlError(f"data.processor: '{config['data']['processor']}' gives no responses to learn; use a "
                            "processor that writes them (sft, or a plugin's such as kv_lookup_sft)")
         self.val_data: list[DatumSpec] = data.val or []
         self.loss_fn = NLLLoss()
-        super().__init__(config, batch_size=int(config["policy"]["train_global_batch_size"]), train_data=data.train)
+        super().__init__(config, batch_size=int(config["policy"]["train_global_batch_size"]), train_data=data.train,
+                         runtime=runtime)
 
     def step(self, examples: Sequence[DatumSpec]) -> dict[str, float]:
         timer = PhaseTimer()

@@ -247,9 +247,7 @@ class WorkerHost(RefitEndpoints):
     def construct(self, worker_cls: str, init_kwargs: dict[str, Any]) -> None:
         """Import the worker class and build it for this rank."""
         from nrl_core.contracts import import_object
-        from nrl_core.plugins import get_plugin_manager
 
-        get_plugin_manager().load()  # this process's plugins (NRL_PLUGINS too) before the worker exists
         mark("worker_import_start", worker=worker_cls, rank=self.rank)
         with long_lived_objects():
             cls = import_object(worker_cls)

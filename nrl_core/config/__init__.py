@@ -7,7 +7,10 @@ schema types live below it (:mod:`nrl_core.schema`), where the contracts can rea
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from nrl_core.plugins import PluginManager
 
 _EXPORTS = {
     "REQUIRED": "schema", "Field": "schema", "Section": "schema",
@@ -28,11 +31,11 @@ def __getattr__(name: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
-def load_and_validate(path: str, overrides: list[str] | tuple[str, ...] = (), *,
+def load_and_validate(path: str, overrides: list[str] | tuple[str, ...], pm: PluginManager, *,
                       algorithm: str | None = None, backend_checks: bool = True) -> dict[str, Any]:
-    """``load_config`` then ``validate_config`` (checking ``algorithm``'s section, or those the file
-    sets; ``backend_checks`` as there): the config every command and algorithm uses."""
+    """``load_config`` then ``validate_config`` against ``pm``'s plugins (checking ``algorithm``'s
+    section, or those the file sets; ``backend_checks`` as there): the config every command uses."""
     from nrl_core.config.loader import load_config
     from nrl_core.config.validate import validate_config
 
-    return validate_config(load_config(path, overrides), algorithm=algorithm, backend_checks=backend_checks)
+    return validate_config(load_config(path, overrides), pm, algorithm=algorithm, backend_checks=backend_checks)

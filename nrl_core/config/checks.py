@@ -52,7 +52,7 @@ def check_config(config: Mapping[str, Any], pm: PluginManager, *, algorithms: Co
         _check_value_sections(config, spec)
     _check_ranges(config)
     cluster_topology(config, pm)
-    dp = data_parallel_size(config, training)
+    dp = data_parallel_size(config, training, pm)
     _check_capabilities(config, training, generation, dp, algorithms)
     _check_batches(config, dp)
     _check_lengths(config)
@@ -64,10 +64,10 @@ def check_config(config: Mapping[str, Any], pm: PluginManager, *, algorithms: Co
         check_backends(config, pm, algorithms=algorithms, training=training, generation=generation)
 
 
-def check_model(model: Mapping[str, Any], training: TrainingBackendSpec) -> None:
+def check_model(model: Mapping[str, Any], training: TrainingBackendSpec, pm: PluginManager) -> None:
     """What a model beside the policy (:mod:`nrl_core.config.models`) asks of its training backend,
     checked as the policy's is; ``model`` is :func:`~nrl_core.config.models.model_config`'s."""
-    _check_capabilities(model, training, None, data_parallel_size(model, training), ())
+    _check_capabilities(model, training, None, data_parallel_size(model, training, pm), ())
     _check_lengths(model)
 
 
@@ -203,11 +203,11 @@ def _check_ranges(config: Mapping[str, Any]) -> None:
 # --------------------------------------------------------------------------- sizes
 
 
-def data_parallel_size(config: Mapping[str, Any], spec: TrainingBackendSpec | None) -> int:
+def data_parallel_size(config: Mapping[str, Any], spec: TrainingBackendSpec | None, pm: PluginManager) -> int:
     """Training workers over the ranks one model replica spans; refuses a model-parallel size the
     workers cannot hold or divide."""
     cluster = config["cluster"]
-    world = cluster_topology(config).train_world
+    world = cluster_topology(config, pm).train_world
     if spec is None:
         return world
     section = config["policy"][spec.config_key]

@@ -14,9 +14,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nrl_core.errors import ConfigError
+
+if TYPE_CHECKING:
+    from nrl_core.plugins import PluginManager
 
 _RESOURCES = "policy.generation.colocated.resources"
 
@@ -51,15 +54,13 @@ class Topology:
         return self.train_nodes + self.generation_nodes
 
 
-def cluster_topology(config: Mapping[str, Any], pm: Any = None) -> Topology:
+def cluster_topology(config: Mapping[str, Any], pm: PluginManager) -> Topology:
     """The topology of a validated ``config``, an engine spanning the selected generation
-    backend's parallel sizes (``GenerationBackendSpec.engine_size``)."""
-    from nrl_core.plugins import get_plugin_manager
-
+    backend's parallel sizes (``GenerationBackendSpec.engine_size``) among ``pm``'s."""
     generation = config["policy"]["generation"]
     engine_size, engine_key = 1, "policy.generation"
     if generation is not None:
-        registry = (pm or get_plugin_manager()).generation_backends()
+        registry = pm.generation_backends()
         if generation["backend"] in registry:
             spec = registry.get(generation["backend"], "policy.generation.backend")
             section = generation.get(spec.config_key) or {}
@@ -69,13 +70,11 @@ def cluster_topology(config: Mapping[str, Any], pm: Any = None) -> Topology:
     return topology(config, engine_size, engine_key, environment=environment_devices(config, pm))
 
 
-def environment_devices(config: Mapping[str, Any], pm: Any = None) -> tuple[str, int, int] | None:
+def environment_devices(config: Mapping[str, Any], pm: PluginManager) -> tuple[str, int, int] | None:
     """``(key, gpus_per_node, num_nodes)`` the run's environment takes from the cluster
     (``EnvironmentSpec.resources_key``, contract 11), or None."""
-    from nrl_core.plugins import get_plugin_manager
-
     name = (config.get("data") or {}).get("env_name")
-    registry = (pm or get_plugin_manager()).environments()
+    registry = pm.environments()
     if not name or name not in registry:
         return None
     key = getattr(registry.get(name, "data.env_name"), "resources_key", None)

@@ -20,7 +20,7 @@ from nrl_core.config.nemo_rl import refuse_missing_algorithm, with_nemo_rl_keys
 from nrl_core.config.nemo_rl_inert import named_inert_keys
 from nrl_core.contracts import GenerationBackendSpec, TrainingBackendSpec
 from nrl_core.errors import ConfigError, PluginError
-from nrl_core.plugins import PluginManager, get_plugin_manager
+from nrl_core.plugins import PluginManager
 from nrl_core.schema import Field, Section, note_inert, warn_inert_keys_once
 
 logger = logging.getLogger(__name__)
@@ -56,10 +56,9 @@ class BackendChoice:
     overridden: tuple[str, ...] = ()
 
 
-def build_schema(pm: PluginManager | None = None) -> Section:
+def build_schema(pm: PluginManager) -> Section:
     """The core schema with every installed plugin's section attached where it belongs (each
     algorithm's at the top level), then NeMo RL's other keys as inert fields."""
-    pm = pm or get_plugin_manager()
     schema = CORE_SCHEMA
     shared: dict[tuple[str, str], tuple[str, Any]] = {}
     for algorithm in pm.algorithms():
@@ -118,13 +117,12 @@ def _attach_estimator_keys(schema: Section, pm: PluginManager) -> Section:
     return schema
 
 
-def algorithm_sections(pm: PluginManager | None = None) -> dict[str, str]:
+def algorithm_sections(pm: PluginManager) -> dict[str, str]:
     """Top-level section -> name of each installed algorithm that brings a schema."""
-    pm = pm or get_plugin_manager()
     return {spec.section: spec.name for spec in pm.algorithms() if spec.config_schema is not None}
 
 
-def validate_config(raw: Mapping[str, Any], pm: PluginManager | None = None, *,
+def validate_config(raw: Mapping[str, Any], pm: PluginManager, *,
                     algorithm: str | None = None, backend_checks: bool = True) -> dict[str, Any]:
     """Check ``raw`` (from :func:`nrl_core.config.loader.load_config`) and return the full config.
 
@@ -136,7 +134,6 @@ def validate_config(raw: Mapping[str, Any], pm: PluginManager | None = None, *,
     the model's config): ``nrl train`` runs them with :func:`check_selected_backends` while the
     policy's workers start.
     """
-    pm = pm or get_plugin_manager()
     clashes = pm.clashes(commands=False)
     if clashes:
         more = f" ({len(clashes) - 1} more: nrl plugins lists them)" if len(clashes) > 1 else ""
@@ -201,15 +198,14 @@ def _completed_model(raw: Mapping[str, Any], config: dict[str, Any], key: str, p
         _check_uninstalled_sections(model, pm)
         _enable_default_backend({"policy": raw[key]}, model, pm)
         _expand_short_forms(model, pm)
-        checks.check_model(model, choose_backends(model, pm, generation=False, warn=False).training)
+        checks.check_model(model, choose_backends(model, pm, generation=False, warn=False).training, pm)
     except ConfigError as exc:
         raise renamed_error(exc, key) from None
     return model["policy"]
 
 
-def check_model_sections(config: Mapping[str, Any], pm: PluginManager | None = None) -> None:
+def check_model_sections(config: Mapping[str, Any], pm: PluginManager) -> None:
     """The model sections' backend checks that ``validate_config(..., backend_checks=False)`` left out."""
-    pm = pm or get_plugin_manager()
     for key in model_section_owners(pm):
         if config.get(key) is not None:
             model = model_config(config, key)
@@ -220,11 +216,10 @@ def check_model_sections(config: Mapping[str, Any], pm: PluginManager | None = N
                 raise renamed_error(exc, key) from None
 
 
-def check_selected_backends(config: Mapping[str, Any], pm: PluginManager | None = None, *,
+def check_selected_backends(config: Mapping[str, Any], pm: PluginManager, *,
                             algorithm: str) -> None:
     """The backends' own checks that ``validate_config(..., backend_checks=False)`` left out, for a
     config it returned and the ``algorithm`` about to run."""
-    pm = pm or get_plugin_manager()
     training, generation = _selected_backends(config, pm)
     checks.check_backends(config, pm, algorithms=[algorithm], training=training, generation=generation)
     check_model_sections(config, pm)
@@ -404,28 +399,27 @@ def _refuse_half_a_layout(data: dict[str, Any], pm: PluginManager) -> None:
                                                f"data.train.dataset_name (with data.train.data_path for a local copy)")
 
 
-def data_parallel_size(config: Mapping[str, Any], pm: PluginManager | None = None) -> int:
+def data_parallel_size(config: Mapping[str, Any], pm: PluginManager) -> int:
     """Training ranks divided by the ranks one model replica spans under the selected backend."""
     try:
         spec: TrainingBackendSpec | None = choose_backends(config, pm, generation=False, warn=False).training
     except ConfigError:
         spec = None
-    return checks.data_parallel_size(config, spec)
+    return checks.data_parallel_size(config, spec, pm)
 
 
 # --------------------------------------------------------------------------- selection
 
 
-def select_training_backend(config: Mapping[str, Any], pm: PluginManager | None = None) -> TrainingBackendSpec:
+def select_training_backend(config: Mapping[str, Any], pm: PluginManager) -> TrainingBackendSpec:
     """The enabled training backend of highest priority; a warning names what it overrode."""
     return choose_backends(config, pm, generation=False).training
 
 
-def choose_backends(config: Mapping[str, Any], pm: PluginManager | None = None, *, generation: bool = True,
+def choose_backends(config: Mapping[str, Any], pm: PluginManager, *, generation: bool = True,
                     warn: bool = True) -> BackendChoice:
     """The enabled training backend of highest priority (with ``warn``, a warning names those it
     overrode: the run warns, validation does not repeat it) and the configured generation backend."""
-    pm = pm or get_plugin_manager()
     registry = pm.training_backends()
     policy = config["policy"]
     candidates = [spec for spec in registry

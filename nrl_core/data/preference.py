@@ -21,7 +21,7 @@ import logging
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nrl_core.contracts import TokenBatch
 from nrl_core.data.arithmetic import ArithmeticConfig, generate_arithmetic
@@ -30,6 +30,9 @@ from nrl_core.data.datasets import located_records
 from nrl_core.data.processors import DatumSpec, _chat_text, response_tokens
 from nrl_core.data.splits import load_data_splits
 from nrl_core.errors import NrlError
+
+if TYPE_CHECKING:
+    from nrl_core.plugins import PluginManager
 
 __all__ = ["PreferencePair", "PreparedPreferences", "arithmetic_preference_splits", "parse_preference",
            "preference_batch", "prepare_preference_data", "tokenize_preference"]
@@ -156,10 +159,11 @@ def _tokenize_all(records: Sequence[Mapping[str, Any]], where: Sequence[str] | N
     return out
 
 
-def prepare_preference_data(data_cfg: Mapping[str, Any], tokenizer: Any, *, max_length: int) -> PreparedPreferences:
+def prepare_preference_data(data_cfg: Mapping[str, Any], tokenizer: Any, plugins: PluginManager, *,
+                            max_length: int) -> PreparedPreferences:
     """Train (and validation) pairs for the validated ``data`` section: local files
     (``train_data_path``, ``val_data_path``) or a generator (``dataset_name``), as for SFT."""
-    splits = load_data_splits(data_cfg, read=lambda path: located_records(path, needs="a preference pair"),
+    splits = load_data_splits(data_cfg, plugins, read=lambda path: located_records(path, needs="a preference pair"),
                               kind="preference")
     train = _tokenize_all(splits.train, splits.train_where, splits.source, tokenizer, data_cfg, max_length)
     val = (_tokenize_all(splits.val, splits.val_where, f"{splits.source} (validation)", tokenizer, data_cfg, max_length)

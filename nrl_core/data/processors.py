@@ -18,10 +18,13 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nrl_core.errors import ConfigError, NrlError
 from nrl_core.plugin_faults import PluginOwner, call_plugin, plugin_answer_error
+
+if TYPE_CHECKING:
+    from nrl_core.plugins import PluginManager
 
 __all__ = ["DatumSpec", "LengthLimits", "PreparedData", "PromptConfig", "Processor", "build_prompt", "get_processor",
            "math_processor", "prepare_data", "process_records", "response_tokens", "sft_processor"]
@@ -154,17 +157,16 @@ def build_prompt(problem: str, tokenizer: Any, cfg: PromptConfig) -> tuple[str, 
 Processor = Callable[[Mapping[str, Any], int, Any, PromptConfig], DatumSpec]
 """``(record, index, tokenizer, prompt_config) -> DatumSpec``."""
 
-def get_processor(name: str) -> Processor:
+def get_processor(name: str, plugins: PluginManager) -> Processor:
     """The processor registered as ``name`` (``nrl_data_processors``; the core's ``math`` and
     ``sft`` among them); a miss lists the installed ones."""
-    return _registered_processor(name)[0]
+    return _registered_processor(name, plugins)[0]
 
 
-def _registered_processor(name: str) -> tuple[Processor, PluginOwner]:
+def _registered_processor(name: str, plugins: PluginManager) -> tuple[Processor, PluginOwner]:
     from nrl_core.contracts import import_object
-    from nrl_core.plugins import get_plugin_manager
 
-    registry = get_plugin_manager().data_processors()
+    registry = plugins.data_processors()
     return import_object(registry.get(name, "data.processor").processor), registry.plugin_owner(name)
 
 
@@ -240,9 +242,10 @@ _SHOWN = 3  # dropped examples named in a warning
 
 
 def process_records(records: Sequence[Mapping[str, Any]], tokenizer: Any, cfg: PromptConfig,
-                    processor: str = "math", *, max_length: int | None = None, limits: LengthLimits | None = None,
-                    where: Sequence[str] | None = None, source: str = "the data") -> list[DatumSpec]:
-    """Every record through the named processor, keeping only what fits.
+                    processor: str = "math", *, plugins: PluginManager, max_length: int | None = None,
+                    limits: LengthLimits | None = None, where: Sequence[str] | None = None,
+                    source: str = "the data") -> list[DatumSpec]:
+    """Every record through the named processor (of ``plugins``), keeping only what fits.
 
     A prompt longer than ``cfg.max_input_seq_length`` or ``limits.prompt`` is dropped (a truncated
     problem is a different problem); an SFT example longer than ``limits.total`` (or
@@ -252,7 +255,7 @@ def process_records(records: Sequence[Mapping[str, Any]], tokenizer: Any, cfg: P
     everything is an error.
     """
     limits = limits or LengthLimits(total=max_length)
-    fn, owner = _registered_processor(processor)
+    fn, owner = _registered_processor(processor, plugins)
     out: list[DatumSpec] = []
     dropped: dict[str, list[str]] = {}  # "<key>=<limit>" -> where each dropped example is
     for idx, record in enumerate(records):
@@ -300,18 +303,19 @@ class PreparedData:
     prompt_config: PromptConfig
 
 
-def prepare_data(data_cfg: Mapping[str, Any], tokenizer: Any, *, processor: str | None = None,
+def prepare_data(data_cfg: Mapping[str, Any], tokenizer: Any, plugins: PluginManager, *, processor: str | None = None,
                  limits: LengthLimits | None = None) -> PreparedData:
     """Everything an algorithm needs from the validated ``data`` section in one call: records
     (:func:`nrl_core.data.splits.load_data_splits`) through the prompt processor
-    (``processor`` overrides ``data.processor``; SFT passes ``"sft"``), filtered by ``limits``."""
+    (``processor`` overrides ``data.processor``; SFT passes ``"sft"``), filtered by ``limits``;
+    ``plugins`` supply the datasets, generators and processors the section names."""
     from nrl_core.data.splits import load_data_splits
 
-    splits = load_data_splits(data_cfg)
+    splits = load_data_splits(data_cfg, plugins)
     cfg = PromptConfig.from_data_config(data_cfg)
     name = processor or data_cfg.get("processor") or "math"
-    train = process_records(splits.train, tokenizer, cfg, name, limits=limits, where=splits.train_where,
-                            source=splits.source)
-    val = process_records(splits.val, tokenizer, cfg, name, limits=limits, where=splits.val_where,
+    train = process_records(splits.train, tokenizer, cfg, name, plugins=plugins, limits=limits,
+                            where=splits.train_where, source=splits.source)
+    val = process_records(splits.val, tokenizer, cfg, name, plugins=plugins, limits=limits, where=splits.val_where,
                           source=f"{splits.source} (validation)") if splits.val else None
     return PreparedData(train=train, val=val, prompt_config=cfg)

@@ -90,16 +90,13 @@ def uses_dataset_layout(data_cfg: Mapping[str, Any]) -> bool:
     return data_cfg.get("train") is not None
 
 
-def resolve_datasets(data_cfg: Mapping[str, Any], kind: str | None = None, registry: Any = None, *,
+def resolve_datasets(data_cfg: Mapping[str, Any], kind: str | None, registry: Any, *,
                      warn: bool = True) -> tuple[list[DatasetSource], list[DatasetSource]]:
     """The train and validation datasets of the validated ``data`` section; one ``ConfigError`` for
     an unknown name, a split the dataset lacks, a missing local file, or (with ``kind``) a
     dataset whose records are of another kind than the algorithm reads. ``warn``: name the keys a
-    dataset does not read (once per validation, not again when the check describes the data)."""
-    if registry is None:
-        from nrl_core.plugins import get_plugin_manager
-
-        registry = get_plugin_manager().datasets()
+    dataset does not read (once per validation, not again when the check describes the data).
+    ``registry`` is the installation's ``nrl_datasets``."""
     train = [_resolve(f"data.train[{i}]", e, registry, kind, warn) for i, e in enumerate(data_cfg.get("train") or [])]
     val = [_resolve(f"data.validation[{i}]", e, registry, kind, warn)
            for i, e in enumerate(data_cfg.get("validation") or [])]
@@ -171,11 +168,11 @@ def describe_datasets(train: Sequence[DatasetSource], val: Sequence[DatasetSourc
 # --------------------------------------------------------------------------- loading
 
 
-def load_dataset_splits(data_cfg: Mapping[str, Any], kind: str) -> tuple[Located, Located | None, str]:
+def load_dataset_splits(data_cfg: Mapping[str, Any], kind: str, registry: Any) -> tuple[Located, Located | None, str]:
     """The records of every dataset of ``data.train`` (concatenated) and the validation records:
-    the shares train datasets hold out, then ``data.validation``'s datasets. Returns ``(train,
-    val or None, source)``."""
-    train_sources, val_sources = resolve_datasets(data_cfg, kind, warn=False)
+    the shares train datasets hold out, then ``data.validation``'s datasets (``registry``'s).
+    Returns ``(train, val or None, source)``."""
+    train_sources, val_sources = resolve_datasets(data_cfg, kind, registry, warn=False)
     train: Located = []
     val: Located = []
     for source in train_sources:

@@ -7,12 +7,15 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nrl_core.contracts import import_object
 from nrl_core.data.datasets import Record, load_located_records
 from nrl_core.data.sources import load_dataset_splits, uses_dataset_layout
 from nrl_core.errors import ConfigError
+
+if TYPE_CHECKING:
+    from nrl_core.plugins import PluginManager
 
 __all__ = ["DataSplits", "load_data_splits"]
 
@@ -38,7 +41,7 @@ class DataSplits:
                    train_where=[w for w, _ in train], val_where=None if val is None else [w for w, _ in val])
 
 
-def load_data_splits(data_cfg: Mapping[str, Any],
+def load_data_splits(data_cfg: Mapping[str, Any], plugins: PluginManager,
                      read: Callable[[str], list[tuple[str, Record]]] | None = None, *,
                      kind: str = "prompt") -> DataSplits:
     """Records for the validated ``data`` config section.
@@ -49,11 +52,11 @@ def load_data_splits(data_cfg: Mapping[str, Any],
     * else ``dataset_name``: a built-in generator (``arithmetic``, arguments from ``data.generate``)
       or a local path, read like ``train_data_path``.
 
-    ``read`` reads a local path (default: prompt–answer records with ``data.input_key`` and
+    ``plugins`` supply the named datasets and generators. ``read`` reads a local path (default: prompt–answer records with ``data.input_key`` and
     ``data.output_key``); preference data passes its own, since its records have another shape.
     """
     if uses_dataset_layout(data_cfg):
-        train_records, val_records, names = load_dataset_splits(data_cfg, kind)
+        train_records, val_records, names = load_dataset_splits(data_cfg, kind, plugins.datasets())
         return DataSplits.located(train_records, val_records, names)
     input_key = data_cfg.get("input_key") or "problem"
     output_key = data_cfg.get("output_key") or "expected_answer"
@@ -68,7 +71,7 @@ def load_data_splits(data_cfg: Mapping[str, Any],
 
     if train_path:
         return DataSplits.located(read(train_path), val(), str(train_path))
-    generators = _generators()
+    generators = plugins.dataset_generators()
     if name and name in generators:
         kwargs = dict(data_cfg.get("generate") or {})
         try:
@@ -89,10 +92,3 @@ def load_data_splits(data_cfg: Mapping[str, Any],
                                                "or data.train.dataset_name to a named dataset")
     raise ConfigError("data", "no training data; set data.train (NeMo RL's layout), data.train_data_path or "
                               "data.dataset_name")
-
-
-def _generators() -> Any:
-    """The registry of ``nrl_dataset_generators`` (the core's ``arithmetic`` among them)."""
-    from nrl_core.plugins import get_plugin_manager
-
-    return get_plugin_manager().dataset_generators()

@@ -54,8 +54,8 @@ _GENERATION_MOVED = ("model_name", "num_prompts_per_step")
 def load_eval_config(path: str, overrides: Iterable[str] = ()) -> tuple[dict[str, Any], dict[str, Any]]:
     """The validated run config (the engines', data's and environment's sections) and the validated
     ``eval`` section of the file at ``path`` with ``overrides``."""
+    from nrl_core.algorithms.installed import validate_config
     from nrl_core.config.loader import load_config
-    from nrl_core.config.validate import validate_config
 
     raw = load_config(path, overrides)
     if "generation" in raw and "policy" not in raw:

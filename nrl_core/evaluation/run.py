@@ -103,12 +103,12 @@ def evaluate(config: Mapping[str, Any], eval_cfg: Mapping[str, Any]) -> EvalRepo
 
     from nrl_core.algorithms.generation import generate_on_engines
     from nrl_core.algorithms.grpo import prompt_limits
+    from nrl_core.algorithms.installed import prepare_data
     from nrl_core.algorithms.rollout_sources import validates_greedily
     from nrl_core.algorithms.rollouts import repeat_prompts
     from nrl_core.algorithms.scoring import Scorer
     from nrl_core.algorithms.setup import build_environment, load_tokenizer, seed_everything
     from nrl_core.cluster import init_ray, shutdown_ray
-    from nrl_core.data import prepare_data
 
     seed_everything(int(eval_cfg["seed"]))
     tokenizer = load_tokenizer(config)
@@ -148,8 +148,8 @@ class EvalEngines:
     """The generation backend's engines on every device of the cluster, each reading the model."""
 
     def __init__(self, config: Mapping[str, Any]) -> None:
+        from nrl_core.algorithms.installed import choose_backends
         from nrl_core.algorithms.policy_launch import launch_engines
-        from nrl_core.config import choose_backends
         from nrl_core.process_groups import distributed_timeout_s
 
         choice = choose_backends(config, generation=True, warn=False)

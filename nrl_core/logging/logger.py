@@ -6,14 +6,16 @@ import json
 import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nrl_core.contracts import MetricSink, import_object
 from nrl_core.errors import NrlError
 from nrl_core.logging.console import ConsoleView
 from nrl_core.logging.plot import plot_metrics
 from nrl_core.logging.sinks import JsonlSink
-from nrl_core.plugins import get_plugin_manager
+
+if TYPE_CHECKING:
+    from nrl_core.plugins import PluginManager
 
 logger = logging.getLogger(__name__)
 
@@ -22,7 +24,7 @@ class MetricLogger:
     """Built from the ``logger`` config section. ``log_step`` writes one step (every sink);
     ``close`` stops the console view and draws ``metrics.png``."""
 
-    def __init__(self, section: Mapping[str, Any], *, total_steps: int, resume: bool = False,
+    def __init__(self, section: Mapping[str, Any], *, plugins: PluginManager, total_steps: int, resume: bool = False,
                  resume_step: int | None = None) -> None:
         self.log_dir = Path(section["log_dir"]).expanduser()
         try:
@@ -36,7 +38,7 @@ class MetricLogger:
             self.sinks.append(JsonlSink(self.log_dir, append=resume, keep_through=resume_step))
         if section.get("console", True):
             self.sinks.append(ConsoleView(total_steps))
-        for spec in get_plugin_manager().metric_sinks():  # TensorBoard, W&B and MLflow among them
+        for spec in plugins.metric_sinks():  # TensorBoard, W&B and MLflow among them
             if section.get(f"{spec.name}_enabled"):
                 self.sinks.append(import_object(spec.sink)(self.log_dir, section.get(spec.name) or {}))
 

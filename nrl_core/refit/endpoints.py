@@ -34,7 +34,7 @@ from nrl_core.refit.adapters import AdapterSink, AdapterSource
 from nrl_core.refit.buckets import iter_buckets, manifest_bytes, refit_dtype
 from nrl_core.refit.channel import ChannelAddress, ChannelReader, ChannelWriter, remove_channel
 from nrl_core.refit.report import RefitReport
-from nrl_core.refit.transports import RefitSession, RefitTransport
+from nrl_core.refit.transports import RefitSession, TransportChoice
 from nrl_core.timeline import mark
 
 STREAM_BACKPRESSURE = 2
@@ -62,24 +62,16 @@ class ExportedWeights:
     """One export through a handle-based transport: everything a generation actor needs to import
     it (small and picklable; the bytes stay where the transport put them)."""
 
-    transport: str
+    transport: TransportChoice
     session: RefitSession
     manifest: list[WeightSpec]
     handles: list[Any]
 
 
-def get_transport(name: str) -> RefitTransport:
-    """Instantiate the transport registered as ``name`` (``nrl_refit_transports``)."""
-    from nrl_core.plugins import get_plugin_manager
-
-    spec = get_plugin_manager().refit_transports().get(name, "policy.refit.transport")
-    return import_object(spec.transport)()
-
-
-def send_handles(source: Any, transport_name: str, session: RefitSession, bucket_bytes: int,
+def send_handles(source: Any, transport: TransportChoice, session: RefitSession, bucket_bytes: int,
                  dtype: str) -> Iterator[Any]:
     """Export ``source``'s weights bucket by bucket through the transport; yield the handles."""
-    sender = get_transport(transport_name).sender(session)
+    sender = transport.build().sender(session)
     try:
         for bucket in source.export_weights(bucket_bytes, dtype):
             handle = sender.send(bucket)
@@ -111,7 +103,7 @@ def _without(buckets: Iterable[Any], unwanted: frozenset[str]) -> Iterator[Any]:
         yield [(name, tensor) for name, tensor in bucket if name not in unwanted]
 
 
-def receive_into(sink: Any, transport_name: str, session: RefitSession, handles: Iterable[Any],
+def receive_into(sink: Any, transport: TransportChoice, session: RefitSession, handles: Iterable[Any],
                  manifest: list[WeightSpec], pipelined: bool = False, wants: Iterable[str] | None = None) -> int:
     """Rebuild the buckets from ``handles`` and hand them to ``sink.import_weights`` (``pipelined``:
     to ``sink.import_weights_pipelined``, which loads them as they arrive); the version.
@@ -119,7 +111,7 @@ def receive_into(sink: Any, transport_name: str, session: RefitSession, handles:
     ``wants``: the names of ``manifest`` the sink loads (``refit_wants``, partial import); the sink
     then gets only those tensors and a manifest of only those. Leaves the transport's cleanup to the
     caller: other receivers may still be reading the same handles."""
-    receiver = get_transport(transport_name).receiver(session)
+    receiver = transport.build().receiver(session)
     load = sink.import_weights_pipelined if pipelined else sink.import_weights
     try:
         buckets = receiver.buckets(handles)
@@ -148,15 +140,15 @@ def local_wants(sink: Any, manifest: list[WeightSpec], partial: bool) -> list[st
     return list(sink.refit_wants(list(manifest)))
 
 
-def refit_local(source: Any, sink: Any, transport_name: str, bucket_bytes: int, dtype: str,
+def refit_local(source: Any, sink: Any, transport: TransportChoice, bucket_bytes: int, dtype: str,
                 partial: bool = False) -> RefitReport:
     """Both halves in this process (``in_process``, or ``shared_memory`` to exercise its path);
     ``partial``: the sink declares ``partial_import`` and gets only what it names."""
-    if transport_name == "broadcast":
-        raise ValueError("the broadcast transport needs the sender and the receiver in different processes")
+    if transport.collective:
+        raise ValueError(f"the {transport.name} transport needs the sender and the receiver in different processes")
     start = time.perf_counter()
-    transport = get_transport(transport_name)
-    session = transport.prepare(RefitSession())
+    built = transport.build()
+    session = built.prepare(RefitSession())
     manifest = source.weight_manifest(dtype)
     try:
         wants = local_wants(sink, manifest, partial)
@@ -164,12 +156,12 @@ def refit_local(source: Any, sink: Any, transport_name: str, bucket_bytes: int, 
         drain_export(source, bucket_bytes, dtype)  # colocated ranks of a sharded source export together
         raise
     try:
-        handles = send_handles(source, transport_name, session, bucket_bytes, dtype)
-        version = receive_into(sink, transport_name, session, handles, manifest, wants=wants)
+        handles = send_handles(source, transport, session, bucket_bytes, dtype)
+        version = receive_into(sink, transport, session, handles, manifest, wants=wants)
     finally:
-        transport.cleanup(session)
+        built.cleanup(session)
     return RefitReport(bytes=manifest_bytes(manifest), seconds=time.perf_counter() - start, version=version,
-                       transport=transport_name, placement="same_process")
+                       transport=transport.name, placement="same_process")
 
 
 class RefitEndpoints:
@@ -267,24 +259,24 @@ class RefitEndpoints:
         return str(ray.get_runtime_context().get_node_id())
 
     @dispatch(Fanout.RANK0)
-    def nrl_refit_export(self, transport_name: str, bucket_bytes: int, dtype: str | None) -> ExportedWeights:
+    def nrl_refit_export(self, transport: TransportChoice, bucket_bytes: int, dtype: str | None) -> ExportedWeights:
         """Export the source's weights through a handle-based transport, for any number of
         :meth:`nrl_refit_import` calls; :meth:`nrl_refit_cleanup` ends the refit. A ``dtype`` of
         None, here and in the other endpoints, is this process's default precision."""
         dtype = refit_dtype(dtype)
-        transport = get_transport(transport_name)
-        session = transport.prepare(RefitSession())
+        built = transport.build()
+        session = built.prepare(RefitSession())
         source = self._refit_from()
         try:
             manifest = list(source.weight_manifest(dtype))
-            handles = list(send_handles(source, transport_name, session, bucket_bytes, dtype))
+            handles = list(send_handles(source, transport, session, bucket_bytes, dtype))
         except BaseException:
-            transport.cleanup(session)
+            built.cleanup(session)
             raise
-        return ExportedWeights(transport=transport_name, session=session, manifest=manifest, handles=handles)
+        return ExportedWeights(transport=transport, session=session, manifest=manifest, handles=handles)
 
     @dispatch(Fanout.RANK0)
-    def nrl_refit_export_streamed(self, transport_name: str, channel: ChannelAddress, bucket_bytes: int,
+    def nrl_refit_export_streamed(self, transport: TransportChoice, channel: ChannelAddress, bucket_bytes: int,
                                   dtype: str | None) -> int:
         """:meth:`nrl_refit_export` for a pipelined refit: each bucket is written in chunks of
         :data:`PIPELINE_CHUNK_BYTES`, and each chunk's handle is published on ``channel`` the moment
@@ -294,11 +286,11 @@ class RefitEndpoints:
         dtype = refit_dtype(dtype)
         writer = ChannelWriter(channel)
         try:
-            session = get_transport(transport_name).prepare(RefitSession(id=channel.session_id))
+            session = transport.build().prepare(RefitSession(id=channel.session_id))
             source = self._refit_from()
             manifest = list(source.weight_manifest(dtype))
             writer.header(session, manifest)
-            for handle in send_handles(_Chunked(source, PIPELINE_CHUNK_BYTES), transport_name, session,
+            for handle in send_handles(_Chunked(source, PIPELINE_CHUNK_BYTES), transport, session,
                                        bucket_bytes, dtype):
                 writer.put(handle)
             writer.close()
@@ -317,7 +309,7 @@ class RefitEndpoints:
                             wants=local_wants(sink, exported.manifest, partial))
 
     @dispatch(Fanout.DP)
-    def nrl_refit_import_streamed(self, transport_name: str, channel: ChannelAddress, export: list[Any],
+    def nrl_refit_import_streamed(self, transport: TransportChoice, channel: ChannelAddress, export: list[Any],
                                   timeout_s: float, partial: bool = False) -> int:
         """Load, bucket by bucket as they are published, what :meth:`nrl_refit_export_streamed`
         exports on ``channel`` into this actor's generation worker (``import_weights_pipelined``);
@@ -328,7 +320,7 @@ class RefitEndpoints:
         reader = ChannelReader(channel, timeout_s, exporter_done=lambda: bool(ray.wait(export, timeout=0)[0]))
         session, manifest = reader.header()
         sink = self._refit_into()
-        return receive_into(sink, transport_name, session, reader.handles(), manifest, pipelined=True,
+        return receive_into(sink, transport, session, reader.handles(), manifest, pipelined=True,
                             wants=local_wants(sink, manifest, partial))
 
     @dispatch(Fanout.DP)
@@ -349,7 +341,7 @@ class RefitEndpoints:
                 done = ray.get(done)
             except Exception:  # the export failed and cleaned up after itself
                 return
-        get_transport(done.transport).cleanup(done.session)
+        done.transport.build().cleanup(done.session)
         remove_channel(ChannelAddress(done.session.id))
 
     @dispatch(Fanout.RANK0)
@@ -357,22 +349,22 @@ class RefitEndpoints:
         return list(self._refit_from().weight_manifest(refit_dtype(dtype)))
 
     @dispatch(Fanout.RANK0)
-    def nrl_refit_prepare(self, transport_name: str, session: RefitSession) -> RefitSession:
-        return get_transport(transport_name).prepare(session)
+    def nrl_refit_prepare(self, transport: TransportChoice, session: RefitSession) -> RefitSession:
+        return transport.build().prepare(session)
 
     @dispatch(Fanout.STREAM)
-    def nrl_refit_send(self, transport_name: str, session: RefitSession, bucket_bytes: int,
+    def nrl_refit_send(self, transport: TransportChoice, session: RefitSession, bucket_bytes: int,
                        dtype: str | None) -> Iterator[Any]:
         """The sending half of a collective transport: a generator, call with
         ``.options(num_returns="streaming")``."""
-        yield from send_handles(self._refit_from(), transport_name, session, bucket_bytes, refit_dtype(dtype))
+        yield from send_handles(self._refit_from(), transport, session, bucket_bytes, refit_dtype(dtype))
 
     @dispatch(Fanout.DP)
-    def nrl_refit_receive(self, transport_name: str, session: RefitSession, manifest: list[WeightSpec],
+    def nrl_refit_receive(self, transport: TransportChoice, session: RefitSession, manifest: list[WeightSpec],
                           wants: list[str] | None = None) -> int:
         """The receiving half of a collective transport (the bytes arrive out of band); the new
         weight version. ``wants``: what :meth:`nrl_refit_wants` answered for this rank."""
-        return receive_into(self._refit_into(), transport_name, session, (), manifest, wants=wants)
+        return receive_into(self._refit_into(), transport, session, (), manifest, wants=wants)
 
     @dispatch(Fanout.ALL, Gather.NONE)
     def nrl_refit_drain(self, bucket_bytes: int, dtype: str | None) -> None:
@@ -388,9 +380,9 @@ class RefitEndpoints:
         release_shared_buffers()
 
     @dispatch(Fanout.ALL)
-    def nrl_refit_local(self, transport_name: str, bucket_bytes: int, dtype: str | None,
+    def nrl_refit_local(self, transport: TransportChoice, bucket_bytes: int, dtype: str | None,
                         partial: bool = False) -> RefitReport:
         self.record_call("refit")
-        return refit_local(self._refit_from(), self._refit_into(), transport_name, bucket_bytes,
+        return refit_local(self._refit_from(), self._refit_into(), transport, bucket_bytes,
                            refit_dtype(dtype), partial)
 

@@ -95,6 +95,22 @@ class RefitTransport(Protocol):
         remove what the session left behind. Safe to call twice."""
 
 
+@dataclass(frozen=True)
+class TransportChoice:
+    """A refit transport as the driver chose it from the registry (``nrl_refit_transports``): its
+    name, the import path of its class, and whether both halves must run at once. Small and
+    picklable, so a worker builds the transport from it without a registry of its own."""
+
+    name: str
+    path: str
+    collective: bool = False
+
+    def build(self) -> RefitTransport:
+        from nrl_core.contracts import import_object
+
+        return import_object(self.path)()
+
+
 # --------------------------------------------------------------------------- in_process
 
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from nrl_core.algorithms.installed import load_and_validate
 from nrl_core.cli import main
-from nrl_core.config import load_and_validate
 from nrl_core.errors import ConfigError
 from nrl_core.plugins import get_plugin_manager
 

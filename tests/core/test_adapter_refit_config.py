@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from nrl_core.config import load_and_validate
+from nrl_core.algorithms.installed import load_and_validate
 from nrl_core.contract_versions import worker_gaps
 from nrl_core.errors import ConfigError
 from nrl_core.testing.tiny_models import cached_tiny_model

@@ -122,7 +122,7 @@ def test_a_field_whose_default_is_null_accepts_an_explicit_null():
 
 
 def test_an_enabled_section_of_an_uninstalled_backend_says_what_to_install(write):
-    from nrl_core.config import load_and_validate
+    from nrl_core.algorithms.installed import load_and_validate
 
     path = write("c.yaml", "policy: {model_name: /m, my_backend_cfg: {enabled: true}}\n")
     with pytest.raises(ConfigError, match=r"^policy.my_backend_cfg: is enabled but no installed plugin provides this "

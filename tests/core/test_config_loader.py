@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from nrl_core.config import load_and_validate, load_config
+from nrl_core.algorithms.installed import load_and_validate
+from nrl_core.config import load_config
 from nrl_core.errors import ConfigError
 
 

@@ -21,8 +21,8 @@ from nrl_core.algorithms.estimators import (
     generalized_advantages,
 )
 from nrl_core.algorithms.grpo import warn_if_other_semantics
+from nrl_core.algorithms.installed import load_and_validate
 from nrl_core.algorithms.loss import GRPO_SEMANTICS_VERSION, ClippedPGLoss, ConfiguredLoss
-from nrl_core.config import load_and_validate
 from nrl_core.contracts import AdvantageEstimatorSpec, AdvantageInputs, LossFunctionSpec, TokenBatch
 from nrl_core.errors import ConfigError
 from nrl_core.plugins import get_plugin_manager

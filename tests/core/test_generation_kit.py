@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from nrl_core.config import choose_backends, load_and_validate
+from nrl_core.algorithms.installed import choose_backends, load_and_validate
 from nrl_core.errors import ConfigError, NrlError
 from nrl_core.generation_kit import SLEEP_TAGS, SamplingSettings, SamplingState, SleepState, derive_seed
 from nrl_core.plugins import reset_plugin_manager

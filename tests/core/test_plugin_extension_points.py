@@ -8,8 +8,8 @@ import json
 import torch
 
 from nrl_core import hookimpl
+from nrl_core.algorithms.installed import load_and_validate
 from nrl_core.algorithms.refit_orchestrator import choose_transport, refit
-from nrl_core.config import load_and_validate
 from nrl_core.contracts import DataProcessorSpec, DatasetGeneratorSpec, MetricSinkSpec, RefitTransportSpec
 from nrl_core.data import DatumSpec, load_data_splits
 from nrl_core.logging import MetricLogger
@@ -89,7 +89,7 @@ def test_third_party_metric_sink_gets_its_config_section(tmp_path):
     RECORDED.clear()
     with get_plugin_manager().registered(ExtensionPlugin(), name="extension"):
         section = load_and_validate(str(config_file))["logger"]
-        metric_logger = MetricLogger(section, total_steps=1)
+        metric_logger = MetricLogger(section, plugins=get_plugin_manager(), total_steps=1)
         metric_logger.log_step(1, {"train/loss": 0.5})
         metric_logger.close()
     assert RECORDED == [(1, {"train/loss": 0.5, "options": {"project": "demo"}}), (-1, {})]
@@ -120,9 +120,9 @@ def test_third_party_generator_and_processor_are_selected_by_name():
     from nrl_core.data.processors import get_processor
 
     with get_plugin_manager().registered(DataPlugin(), name="data-plugin"):
-        splits = load_data_splits({"dataset_name": "countdown", "generate": {"start": 3}})
+        splits = load_data_splits({"dataset_name": "countdown", "generate": {"start": 3}}, get_plugin_manager())
         assert [r["expected_answer"] for r in splits.train] == ["2", "1", "0"]
-        datum = get_processor("shouting")(splits.train[0], 0, None, _PromptConfig())
+        datum = get_processor("shouting", get_plugin_manager())(splits.train[0], 0, None, _PromptConfig())
     assert datum.prompt_text == "COUNT DOWN FROM 3" and datum.metadata == {"answer": "2"}
 
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from nrl_core.algorithms.installed import validate_config
 from nrl_core.algorithms.refit_orchestrator import refit, refit_options
-from nrl_core.config import validate_config
 from nrl_core.config.loader import load_config
 from nrl_core.errors import ConfigError
 from nrl_core.refit.buckets import parse_dtype, refit_dtype

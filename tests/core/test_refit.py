@@ -25,6 +25,8 @@ from nrl_core.refit.transports import (
 )
 from nrl_core.testing.refit_host import RandomWeightSource, RecordingSink, fail_export_after
 
+SHARED_MEMORY = choose_transport("same_node", "shared_memory")  # as the driver hands it to the endpoints
+
 SHAPES = {"embed.weight": (64, 32), "layers.0.w": (32, 96), "layers.0.b": (96,), "layers.1.w": (96, 32),
           "norm.weight": (32,), "scalar": ()}
 
@@ -167,11 +169,11 @@ def test_shared_memory_without_reuse_leaves_nothing_behind() -> None:
     transport = SharedMemoryTransport()
     session = transport.prepare(RefitSession()).with_options(reuse_buffers=False)
     source, sink = RandomWeightSource(SHAPES, seed=7), RecordingSink()
-    handles = list(send_handles(source, "shared_memory", session, 2048, "float32"))
+    handles = list(send_handles(source, SHARED_MEMORY, session, 2048, "float32"))
     assert all(not h.reused for h in handles) and _leftovers(session.id)
-    receive_into(sink, "shared_memory", session, iter(handles), source.weight_manifest("float32"))
+    receive_into(sink, SHARED_MEMORY, session, iter(handles), source.weight_manifest("float32"))
     second = RecordingSink()  # receivers leave the files for others reading the same export
-    receive_into(second, "shared_memory", session, iter(handles), source.weight_manifest("float32"))
+    receive_into(second, SHARED_MEMORY, session, iter(handles), source.weight_manifest("float32"))
     transport.cleanup(session)
     assert _leftovers(session.id) == []
     for recorded in (sink, second):
@@ -180,7 +182,7 @@ def test_shared_memory_without_reuse_leaves_nothing_behind() -> None:
 
 def _send_from_child(session: RefitSession, queue: mp.Queue, received: Any) -> None:
     source = RandomWeightSource(SHAPES, seed=3)
-    for handle in send_handles(source, "shared_memory", session, 2048, "float32"):
+    for handle in send_handles(source, SHARED_MEMORY, session, 2048, "float32"):
         queue.put(handle)
     queue.put(None)
     received.wait(60)  # a sender outlives the refit it serves; its buffers go when it exits
@@ -196,7 +198,7 @@ def test_shared_memory_between_two_processes_delivers_identical_tensors() -> Non
     child.start()
     handles = list(iter(queue.get, None))
     sink = RecordingSink()
-    receive_into(sink, "shared_memory", session, iter(handles), RandomWeightSource(SHAPES, seed=3).weight_manifest("float32"))
+    receive_into(sink, SHARED_MEMORY, session, iter(handles), RandomWeightSource(SHAPES, seed=3).weight_manifest("float32"))
     received.set()
     child.join(timeout=60)
     assert child.exitcode == 0
@@ -208,7 +210,7 @@ def test_shared_memory_between_two_processes_delivers_identical_tensors() -> Non
     assert glob.glob(f"/dev/shm/nrl-refit-pool-{child.pid}-*") == []  # the child released its buffers at exit
     # Once the sender is gone its buffers are too: a late receiver gets an error, never zeros.
     with pytest.raises(RefitError, match="is gone or short"):
-        receive_into(RecordingSink(), "shared_memory", session, iter(handles[:1]),
+        receive_into(RecordingSink(), SHARED_MEMORY, session, iter(handles[:1]),
                      RandomWeightSource(SHAPES, seed=3).weight_manifest("float32"))
 
 

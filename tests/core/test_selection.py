@@ -7,8 +7,8 @@ import logging
 import pytest
 
 from nrl_core import hookimpl
+from nrl_core.algorithms.installed import choose_backends, load_and_validate
 from nrl_core.cli import main
-from nrl_core.config import choose_backends, load_and_validate
 from nrl_core.contracts import GenerationBackendSpec, TrainingBackendSpec
 from nrl_core.errors import ConfigError
 from nrl_core.plugins import get_plugin_manager, reset_plugin_manager

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from nrl_core import timeline
+from nrl_core.algorithms.refit_orchestrator import choose_transport
 from nrl_core.cluster._host import WorkerHost
 from nrl_core.testing.refit_host import RandomWeightSource, RecordingSink
 
@@ -38,7 +39,7 @@ def test_each_rank_records_its_calls_and_the_driver_merges_them_one_row_per_rank
         ranks = [host(0), host(1)]
         for made in ranks:
             made.call("checksums", (), {})
-            made.nrl_refit_local("in_process", 64, "float32")
+            made.nrl_refit_local(choose_transport("same_process", "in_process"), 64, "float32")
             assert list(made.nrl_generate_groups([[1], [2]], 2)) == [[[1], [1]], [[2], [2]]]
             made.nrl_generation_call("checksums")
         timeline.merge_workers()  # what the watchdog's monitor does every few seconds

@@ -9,6 +9,7 @@ import pytest
 from nrl_core.data.datasets import load_records, read_jsonl, write_jsonl
 from nrl_core.data.splits import load_data_splits
 from nrl_core.errors import ConfigError, NrlError
+from nrl_core.plugins import get_plugin_manager
 
 ROWS = [{"problem": "What is 1 + 2?", "expected_answer": "3"},
         {"problem": "What is 5 - 7?", "expected_answer": "-2"}]
@@ -110,21 +111,21 @@ def test_corrupt_dataset_file_is_one_line(tmp_path):
 def test_data_splits_from_paths_and_generator(tmp_path):
     train = write_jsonl(ROWS, tmp_path / "train.jsonl")
     val = write_jsonl(ROWS[:1], tmp_path / "val.jsonl")
-    splits = load_data_splits({"train_data_path": str(train), "val_data_path": str(val)})
+    splits = load_data_splits({"train_data_path": str(train), "val_data_path": str(val)}, get_plugin_manager())
     assert splits.train == ROWS and splits.val == ROWS[:1]
 
-    gen = load_data_splits({"dataset_name": "arithmetic", "generate": {"num_train": 10, "num_val": 3, "seed": 1}})
+    gen = load_data_splits({"dataset_name": "arithmetic", "generate": {"num_train": 10, "num_val": 3, "seed": 1}}, get_plugin_manager())
     assert len(gen.train) == 10 and len(gen.val) == 3 and gen.source == "generator:arithmetic"
 
-    local = load_data_splits({"dataset_name": str(train)})
+    local = load_data_splits({"dataset_name": str(train)}, get_plugin_manager())
     assert local.train == ROWS and local.val is None
 
 
 def test_data_splits_config_errors(tmp_path):
     with pytest.raises(ConfigError, match=r"^data.dataset_name: 'openmath' is neither a local file nor an installed "
                                           r"generator \(generators: arithmetic, arithmetic_preference[^)]*\)"):
-        load_data_splits({"dataset_name": "openmath"})
+        load_data_splits({"dataset_name": "openmath"}, get_plugin_manager())
     with pytest.raises(ConfigError, match=r"^data: no training data"):
-        load_data_splits({})
+        load_data_splits({}, get_plugin_manager())
     with pytest.raises(ConfigError, match=r"^data.generate: bad arguments for the 'arithmetic' generator"):
-        load_data_splits({"dataset_name": "arithmetic", "generate": {"num_trian": 3}})
+        load_data_splits({"dataset_name": "arithmetic", "generate": {"num_trian": 3}}, get_plugin_manager())

@@ -15,6 +15,7 @@ from nrl_core.data.preference import (
     prepare_preference_data,
 )
 from nrl_core.errors import ConfigError, NrlError
+from nrl_core.plugins import get_plugin_manager
 
 RANKED = {"context": [{"role": "user", "content": "What is 2 + 2?"}],
           "completions": [{"rank": 1, "completion": [{"role": "assistant", "content": "5"}]},
@@ -48,22 +49,22 @@ def test_both_formats_parse_to_the_same_messages():
 def test_bad_records_name_file_line_and_key(tmp_path, tokenizer, record, message):
     path = write(tmp_path / "train.jsonl", [RANKED, record])
     with pytest.raises(NrlError, match=f"^{tmp_path / 'train.jsonl'}:2: {message}") as info:
-        prepare_preference_data({"train_data_path": path}, tokenizer, max_length=64)
+        prepare_preference_data({"train_data_path": path}, tokenizer, get_plugin_manager(), max_length=64)
     assert "\n" not in str(info.value)
 
 
 def test_malformed_json_and_empty_file(tmp_path, tokenizer):
     path = write(tmp_path / "bad.jsonl", [RANKED, "{not json"])
     with pytest.raises(NrlError, match=r"bad.jsonl:2: malformed JSON line"):
-        prepare_preference_data({"train_data_path": path}, tokenizer, max_length=64)
+        prepare_preference_data({"train_data_path": path}, tokenizer, get_plugin_manager(), max_length=64)
     (tmp_path / "empty.jsonl").write_text("")
     with pytest.raises(NrlError, match=r"empty.jsonl: dataset is empty; it needs at least one record with a preference"):
-        prepare_preference_data({"train_data_path": str(tmp_path / "empty.jsonl")}, tokenizer, max_length=64)
+        prepare_preference_data({"train_data_path": str(tmp_path / "empty.jsonl")}, tokenizer, get_plugin_manager(), max_length=64)
 
 
 def test_tokenized_pair_shares_the_prompt(tmp_path, tokenizer):
     data = prepare_preference_data({"train_data_path": write(tmp_path / "t.jsonl", [RANKED]),
-                                    "val_data_path": write(tmp_path / "v.jsonl", [BINARY])}, tokenizer, max_length=64)
+                                    "val_data_path": write(tmp_path / "v.jsonl", [BINARY])}, tokenizer, get_plugin_manager(), max_length=64)
     [pair], [val] = data.train, data.val
     assert pair.chosen.prompt_text == "Q: What is 2 + 2?\nA:" and pair.chosen.prompt_ids == pair.rejected.prompt_ids
     assert tokenizer.decode(pair.chosen.response_ids, skip_special_tokens=True).strip() == "4"
@@ -74,18 +75,18 @@ def test_tokenized_pair_shares_the_prompt(tmp_path, tokenizer):
 
 def test_overlong_pairs_are_dropped_and_all_dropped_is_an_error(tmp_path, tokenizer, caplog):
     long = {**BINARY, "rejected": " ".join(["7"] * 80)}
-    data = prepare_preference_data({"train_data_path": write(tmp_path / "t.jsonl", [BINARY, long])}, tokenizer,
+    data = prepare_preference_data({"train_data_path": write(tmp_path / "t.jsonl", [BINARY, long])}, tokenizer, get_plugin_manager(),
                                    max_length=32)
     assert len(data.train) == 1 and "dropped 1 of 2 preference pairs" in caplog.text and "t.jsonl:2" in caplog.text
     with pytest.raises(NrlError, match="all 1 preference pairs of .* are longer than policy.max_total_sequence_length=32"):
-        prepare_preference_data({"train_data_path": write(tmp_path / "l.jsonl", [long])}, tokenizer, max_length=32)
+        prepare_preference_data({"train_data_path": write(tmp_path / "l.jsonl", [long])}, tokenizer, get_plugin_manager(), max_length=32)
 
 
 @pytest.mark.parametrize("dp", [1, 2, 4])
 def test_every_rank_gets_whole_pairs_in_order(tokenizer, dp):
     train, _ = arithmetic_preference_splits(num_train=8, num_val=0)
     data = prepare_preference_data({"dataset_name": "arithmetic_preference", "generate": {"num_train": 8, "num_val": 0}},
-                                   tokenizer, max_length=64)
+                                   tokenizer, get_plugin_manager(), max_length=64)
     batch = preference_batch(data.train, tokenizer.pad_token_id, dp)
     assert batch.size == 16 and len(train) == 8
     seen = []
@@ -105,7 +106,7 @@ def test_every_rank_gets_whole_pairs_in_order(tokenizer, dp):
 
 def test_a_batch_that_does_not_divide_is_padded_with_masked_pairs(tokenizer):
     data = prepare_preference_data({"dataset_name": "arithmetic_preference", "generate": {"num_train": 3, "num_val": 0}},
-                                   tokenizer, max_length=64)
+                                   tokenizer, get_plugin_manager(), max_length=64)
     batch = preference_batch(data.train, tokenizer.pad_token_id, 2)
     assert isinstance(batch, TokenBatch) and batch.size == 8
     assert batch.fields["sample_mask"].sum() == 6 and batch.loss_counts()[1] == 6.0

@@ -6,16 +6,18 @@ import logging
 
 import pytest
 
+from nrl_core.algorithms.installed import prepare_data
 from nrl_core.data.collate import prompt_batch, sft_batch
 from nrl_core.data.datasets import write_jsonl
-from nrl_core.data.processors import DatumSpec, LengthLimits, PromptConfig, get_processor, prepare_data, process_records
+from nrl_core.data.processors import DatumSpec, LengthLimits, PromptConfig, get_processor, process_records
 from nrl_core.errors import ConfigError, NrlError
+from nrl_core.plugins import get_plugin_manager
 
 RECORD = {"problem": "What is 12 + 7?", "expected_answer": "19"}
 
 
 def test_math_prompt_through_chat_template(tokenizer):
-    [datum] = process_records([RECORD], tokenizer, PromptConfig())
+    [datum] = process_records([RECORD], tokenizer, PromptConfig(), plugins=get_plugin_manager())
     assert datum.prompt_text == "Q: What is 12 + 7?\nA:"
     assert datum.prompt_ids == list(tokenizer(datum.prompt_text, add_special_tokens=False)["input_ids"])
     assert datum.metadata == {"ground_truth": "19"}
@@ -27,13 +29,13 @@ def test_template_and_system_prompt_files(tokenizer, tmp_path):
     (tmp_path / "system.txt").write_text("You are good at sums.\n")
     cfg = PromptConfig.from_data_config({"prompt_file": str(tmp_path / "cot.txt"),
                                          "system_prompt_file": str(tmp_path / "system.txt"), "use_chat_template": True})
-    [datum] = process_records([RECORD], tokenizer, cfg)
+    [datum] = process_records([RECORD], tokenizer, cfg, plugins=get_plugin_manager())
     # Braces other than the first {} are kept as written (LaTeX in templates is common).
     assert datum.prompt_text == ("You are good at sums.\n"
                                  "Q: Think step by step about What is 12 + 7? and put the answer in \\boxed{{}}.\nA:")
     plain = PromptConfig.from_data_config({"prompt_file": str(tmp_path / "cot.txt"),
                                            "system_prompt_file": str(tmp_path / "system.txt"), "use_chat_template": False})
-    [datum] = process_records([RECORD], tokenizer, plain)
+    [datum] = process_records([RECORD], tokenizer, plain, plugins=get_plugin_manager())
     assert datum.prompt_text.startswith("You are good at sums.\nThink step by step about What is 12 + 7?")
 
 
@@ -45,7 +47,7 @@ def test_prompt_config_errors(tmp_path):
         PromptConfig.from_data_config({"system_prompt_file": str(tmp_path / "missing.txt")})
     with pytest.raises(ConfigError, match=r"^data.processor: data processor 'chess' is not available "
                                           r"\(installed: [^)]*\bmath\b[^)]*\bsft\b[^)]*\); install the plugin"):
-        get_processor("chess")
+        get_processor("chess", get_plugin_manager())
 
 
 def test_tokenizer_without_chat_template_is_a_config_error(tokenizer):
@@ -54,18 +56,18 @@ def test_tokenizer_without_chat_template_is_a_config_error(tokenizer):
     bare = copy.deepcopy(tokenizer)
     bare.chat_template = None
     with pytest.raises(ConfigError, match=r"^data.use_chat_template: the tokenizer has no chat template"):
-        process_records([RECORD], bare, PromptConfig())
+        process_records([RECORD], bare, PromptConfig(), plugins=get_plugin_manager())
 
 
 def test_prompts_over_the_limit_are_dropped(tokenizer):
     short = {"problem": "1?", "expected_answer": "1"}
     long = {"problem": "What is 1 + 2 + 3 + 4 + 5 + 6 + 7 + 8 + 9?", "expected_answer": "45"}
-    limit = len(process_records([short], tokenizer, PromptConfig())[0].prompt_ids)
-    kept = process_records([short, long], tokenizer, PromptConfig(max_input_seq_length=limit))
+    limit = len(process_records([short], tokenizer, PromptConfig(), plugins=get_plugin_manager())[0].prompt_ids)
+    kept = process_records([short, long], tokenizer, PromptConfig(max_input_seq_length=limit), plugins=get_plugin_manager())
     assert [d.idx for d in kept] == [0]
     with pytest.raises(NrlError, match=r"^all 1 examples of the data have prompts too long for "
                                        r"data.max_input_seq_length=3; raise the limit"):
-        process_records([long], tokenizer, PromptConfig(max_input_seq_length=3))
+        process_records([long], tokenizer, PromptConfig(max_input_seq_length=3), plugins=get_plugin_manager())
 
 
 def _jsonl(path, problems):
@@ -76,7 +78,7 @@ def _jsonl(path, problems):
 def test_grpo_drops_prompts_with_no_room_to_generate_naming_file_and_line(tokenizer, tmp_path, caplog):
     """The issue's case: one over-long prompt in a file; it is dropped at load time, not sampled."""
     data = _jsonl(tmp_path / "train.jsonl", ["1 + 1?", "2 + 2?", "3 + 3 " * 400, "4 + 4?", "5 + 5 " * 300])
-    short = len(process_records([{"problem": "1 + 1?", "expected_answer": "1"}], tokenizer, PromptConfig())[0].prompt_ids)
+    short = len(process_records([{"problem": "1 + 1?", "expected_answer": "1"}], tokenizer, PromptConfig(), plugins=get_plugin_manager())[0].prompt_ids)
     limits = LengthLimits(prompt=short + 5, prompt_key="policy.max_total_sequence_length")
     with caplog.at_level(logging.WARNING):
         prepared = prepare_data({"train_data_path": str(data)}, tokenizer, limits=limits)
@@ -101,7 +103,7 @@ def test_sft_drop_warning_names_the_sequence_limit_not_the_prompt_limit(tokenize
     records = [{"problem": "1 + 1?", "expected_answer": "2"}, {"problem": "9 " * 200, "expected_answer": "9"}]
     with caplog.at_level(logging.WARNING):
         kept = process_records(records, tokenizer, PromptConfig(), "sft", limits=LengthLimits(total=40),
-                               source="train.jsonl")
+                               source="train.jsonl", plugins=get_plugin_manager())
     assert [d.idx for d in kept] == [0]
     assert "for policy.max_total_sequence_length=40: train.jsonl index 1 (" in caplog.text
     assert "data.max_input_seq_length" not in caplog.text
@@ -110,8 +112,8 @@ def test_sft_drop_warning_names_the_sequence_limit_not_the_prompt_limit(tokenize
 def test_sft_response_mask_with_chat_template(tokenizer):
     record = {**RECORD, "response": "19"}
     cfg = PromptConfig(output_key="response")
-    [datum] = process_records([record], tokenizer, cfg, "sft")
-    [prompt_only] = process_records([record], tokenizer, cfg, "math")
+    [datum] = process_records([record], tokenizer, cfg, "sft", plugins=get_plugin_manager())
+    [prompt_only] = process_records([record], tokenizer, cfg, "math", plugins=get_plugin_manager())
     assert datum.prompt_ids == prompt_only.prompt_ids  # SFT and GRPO see the same prompt
     assert tokenizer.decode(datum.response_ids) == " 19</s>"
     assert datum.response_ids[-1] == tokenizer.eos_token_id
@@ -122,9 +124,9 @@ def test_sft_response_mask_with_chat_template(tokenizer):
 def test_sft_without_chat_template_and_truncation(tokenizer):
     record = {**RECORD, "response": "\\boxed{19}"}
     cfg = PromptConfig(output_key="response", use_chat_template=False)
-    [datum] = process_records([record], tokenizer, cfg, "sft")
+    [datum] = process_records([record], tokenizer, cfg, "sft", plugins=get_plugin_manager())
     assert tokenizer.decode(datum.response_ids) == "\\boxed{19}</s>"
-    [cut] = process_records([record], tokenizer, cfg, "sft", max_length=len(datum.prompt_ids) + 2)
+    [cut] = process_records([record], tokenizer, cfg, "sft", max_length=len(datum.prompt_ids) + 2, plugins=get_plugin_manager())
     assert len(cut.response_ids) == 2 and cut.prompt_ids == datum.prompt_ids
 
 

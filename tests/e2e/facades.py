@@ -21,9 +21,9 @@ def policy_and_generation(model: Path, overrides: list[str]) -> Iterator[tuple[d
     read the checkpoint themselves (``load_format: auto``) so a test can generate before any refit;
     GRPO's default, placeholder weights loaded by the first ``prepare()``, is an override away."""
     from nrl_core.algorithms.generation import Generation
+    from nrl_core.algorithms.installed import choose_backends, load_and_validate
     from nrl_core.algorithms.policy import Policy
     from nrl_core.cluster import init_ray
-    from nrl_core.config import choose_backends, load_and_validate
 
     config = load_and_validate(str(CONFIG), [f"policy.model_name={model}", "policy.train_global_batch_size=8",
                                              "policy.train_micro_batch_size=4", "policy.logprob_batch_size=8",

@@ -86,8 +86,8 @@ def test_megatron_training_spans_both_nodes(cluster_address: str, model: Path, t
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """Tensor parallel 2 with one rank per node; ``distributed_timeout_minutes`` is the main
     group's timeout on both."""
+    from nrl_core.algorithms.installed import choose_backends, load_and_validate
     from nrl_core.algorithms.policy import Policy
-    from nrl_core.config import choose_backends, load_and_validate
     from nrl_core.process_groups import main_group_timeout
 
     monkeypatch.setenv("NRL_MEGATRON_CHECKPOINT_DIR", str(tmp_path / "converted"))

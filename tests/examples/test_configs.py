@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from nrl_core.algorithms.installed import choose_backends, load_and_validate
 from nrl_core.cli import main
-from nrl_core.config import choose_backends, load_and_validate
 from nrl_core.testing.tiny_models import cached_tiny_model
 from tests.launch import nrl
 

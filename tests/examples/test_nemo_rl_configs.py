@@ -173,7 +173,7 @@ def test_grpo_without_a_generation_backend_fails_the_check(capsys):
 @pytest.mark.parametrize("config, key", [("dpo_tiny_cpu.yaml", "dpo"), ("rm_tiny_cpu.yaml", "rm"),
                                          ("distillation_tiny_cpu.yaml", "distillation")])
 def test_a_negative_val_period_is_never_as_nemo_rl_writes_it(config, key):
-    from nrl_core.config import load_and_validate
+    from nrl_core.algorithms.installed import load_and_validate
 
     path = Path(__file__).resolve().parents[2] / "examples" / "configs" / config
     assert load_and_validate(str(path), [f"{key}.val_period=-1"], algorithm=key)[key]["val_period"] == -1
@@ -182,7 +182,7 @@ def test_a_negative_val_period_is_never_as_nemo_rl_writes_it(config, key):
 def test_a_token_budget_below_the_longest_sequence_fails_only_on_a_sequence_that_does_not_fit():
     """NeMo RL accepts train_mb_tokens below policy.max_total_sequence_length (three of its recipes
     set it so) and fails only when a sequence longer than the budget is packed."""
-    from nrl_core.config import load_and_validate
+    from nrl_core.algorithms.installed import load_and_validate
     from nrl_core.data.packing import pack_bins
     from nrl_core.errors import NrlError
 

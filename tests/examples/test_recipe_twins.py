@@ -17,8 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from nrl_core.config import choose_backends, load_and_validate
-from nrl_core.config.topology import cluster_topology
+from nrl_core.algorithms.installed import choose_backends, cluster_topology, load_and_validate
 from tests.e2e.test_grpo import assert_ok, metrics, run_nrl
 from tests.e2e.test_grpo_matrix import check_refit_after_training
 

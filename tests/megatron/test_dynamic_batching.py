@@ -9,7 +9,7 @@ import pytest
 import torch
 from _helpers import make_batch, make_config, run_world  # noqa: E402
 
-from nrl_core.config import load_and_validate
+from nrl_core.algorithms.installed import load_and_validate
 from nrl_core.errors import ConfigError
 from nrl_core.testing.tiny_models import cached_tiny_model
 

@@ -111,7 +111,7 @@ def test_refit_of_experts_the_kernel_pads() -> None:
 def _short_run(recipe: Path, model: Path, tmp: Path, lr: list[str]) -> dict:
     """The recipe for one GRPO step of 4 prompts x 4 answers, logs under ``tmp``, no checkpoints;
     a learning rate high enough that three NLL steps change the greedy answers afterwards."""
-    from nrl_core.config import load_and_validate
+    from nrl_core.algorithms.installed import load_and_validate
 
     return load_and_validate(str(recipe), [
         f"policy.model_name={model}", "grpo.max_num_steps=1", "grpo.num_prompts_per_step=4",

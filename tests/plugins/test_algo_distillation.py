@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("nrl_algo_distillation")
 
 from nrl_algo_distillation.loss import TEACHER_IDS, TEACHER_LOGPROBS, TopkDistillationLoss  # noqa: E402
-from nrl_core.config import load_and_validate  # noqa: E402
+from nrl_core.algorithms.installed import load_and_validate  # noqa: E402
 from nrl_core.contracts import TokenBatch  # noqa: E402
 from nrl_core.errors import ConfigError  # noqa: E402
 from nrl_core.testing.tiny_models import cached_tiny_model  # noqa: E402

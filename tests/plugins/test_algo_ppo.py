@@ -11,7 +11,7 @@ pytest.importorskip("nrl_algo_ppo")
 from nrl_algo_ppo.gae import GAEConfig, advantages_and_returns, explained_variance, terminal_rewards, token_values  # noqa: E402
 from nrl_algo_ppo.loss import OLD_VALUES, RETURNS, ClippedValueLoss  # noqa: E402
 from nrl_core.algorithms.estimators import whiten  # noqa: E402
-from nrl_core.config import load_and_validate  # noqa: E402
+from nrl_core.algorithms.installed import load_and_validate  # noqa: E402
 from nrl_core.contracts import TokenBatch  # noqa: E402
 from nrl_core.errors import ConfigError  # noqa: E402
 from nrl_core.testing.tiny_models import cached_tiny_model  # noqa: E402

@@ -19,12 +19,12 @@ from typing import Any
 import pytest
 import yaml
 
+from nrl_core.algorithms.installed import load_and_validate, prepare_data
 from nrl_core.cli import main
-from nrl_core.config import load_and_validate
-from nrl_core.data import prepare_data
 from nrl_core.data.preference import prepare_preference_data
 from nrl_core.data.splits import load_data_splits
 from nrl_core.errors import ConfigError, NrlError
+from nrl_core.plugins import get_plugin_manager
 
 REPO = Path(__file__).resolve().parents[2]
 GRPO = REPO / "examples" / "configs" / "grpo_tiny_cpu.yaml"
@@ -161,7 +161,7 @@ def test_gsm8k_gives_the_whole_solution_when_asked_and_no_answer_without_its_mar
         config = load_and_validate(str(config_file(tmp_path, GRPO, {
             "train": {"dataset_name": "gsm8k", "data_path": str(stand_in), "extract_answer": extract}})),
             algorithm="grpo")
-        answers[extract] = [r["expected_answer"] for r in load_data_splits(config["data"]).train]
+        answers[extract] = [r["expected_answer"] for r in load_data_splits(config["data"], get_plugin_manager()).train]
     assert answers == {True: ["7", None], False: ["3+4=<<3+4=7>>7\n#### 7", "no marker here"]}
 
 
@@ -175,14 +175,14 @@ def test_split_validation_size_holds_out_what_hf_train_test_split_holds_out(tmp_
     config = load_and_validate(str(config_file(tmp_path, GRPO, {"train": {
         "dataset_name": "OpenMathInstruct-2", "data_path": str(stand_in), "split_validation_size": 0.1, "seed": 7}})),
         algorithm="grpo")
-    splits = load_data_splits(config["data"])
+    splits = load_data_splits(config["data"], get_plugin_manager())
     assert [r["problem"] for r in splits.val] == expected["test"]["problem"]  # ceil(4.1) = 5 rows
     assert [r["problem"] for r in splits.train] == expected["train"]["problem"]
     # OpenMathInstruct-2 holds out 5% by default, with seed 42
     config = load_and_validate(str(config_file(tmp_path, GRPO, {"train": {
         "dataset_name": "OpenMathInstruct-2", "data_path": str(stand_in)}})), algorithm="grpo")
     default = datasets.Dataset.from_list(rows).train_test_split(test_size=0.05, seed=42)
-    assert [r["problem"] for r in load_data_splits(config["data"]).val] == default["test"]["problem"]
+    assert [r["problem"] for r in load_data_splits(config["data"], get_plugin_manager()).val] == default["test"]["problem"]
 
 
 def test_a_held_out_count_a_sample_and_a_split_that_holds_everything(tmp_path):
@@ -194,7 +194,7 @@ def test_a_held_out_count_a_sample_and_a_split_that_holds_everything(tmp_path):
 
     def splits(**train: Any) -> Any:
         return load_data_splits(load_and_validate(str(config_file(tmp_path, GRPO, {"train": {
-            "dataset_name": "OpenMathInstruct-2", "data_path": str(omi), **train}})), algorithm="grpo")["data"])
+            "dataset_name": "OpenMathInstruct-2", "data_path": str(omi), **train}})), algorithm="grpo")["data"], get_plugin_manager())
 
     expected = datasets.Dataset.from_list(rows).train_test_split(test_size=3, seed=42)["test"]["problem"]
     assert [r["problem"] for r in splits(split_validation_size=3).val] == expected  # 1 or more: a row count
@@ -207,7 +207,7 @@ def test_a_held_out_count_a_sample_and_a_split_that_holds_everything(tmp_path):
         "dataset_name": "tulu3_sft_mixture", "data_path": str(tulu), "max_samples": 4, "seed": 3,
         "split_validation_size": 0}})), algorithm="sft")
     drawn = datasets.Dataset.from_list([{"i": i} for i in range(10)]).shuffle(seed=3)["i"][:4]
-    assert [r["problem"] for r in load_data_splits(config["data"]).train] == [f"q{i}" for i in drawn]
+    assert [r["problem"] for r in load_data_splits(config["data"], get_plugin_manager()).train] == [f"q{i}" for i in drawn]
 
 
 def test_keys_a_dataset_does_not_read_do_nothing_and_an_explicit_null_beats_the_default(tmp_path, caplog):
@@ -220,7 +220,7 @@ def test_keys_a_dataset_does_not_read_do_nothing_and_an_explicit_null_beats_the_
             algorithm="grpo")
     assert "data.train[0]: dataset 'OpenMathInstruct-2' does not read repeat, subset" in caplog.text
     assert config["data"]["prompt_file"] is None  # the dataset's own null, not the default's file
-    assert len(load_data_splits(config["data"]).train) == 2  # not repeated
+    assert len(load_data_splits(config["data"], get_plugin_manager()).train) == 2  # not repeated
 
 
 def test_datasets_of_a_list_are_concatenated_and_validation_adds_held_out_and_named_sets(tmp_path, tokenizer):
@@ -231,7 +231,7 @@ def test_datasets_of_a_list_are_concatenated_and_validation_adds_held_out_and_na
         "train": [{"dataset_name": "OpenMathInstruct-2", "data_path": str(omi), "split_validation_size": 0.1},
                   {"dataset_name": "DeepScaler", "data_path": str(deepscaler)}],
         "validation": [{"dataset_name": "AIME2024", "data_path": str(aime), "repeat": 3}]})), algorithm="grpo")
-    splits = load_data_splits(config["data"])
+    splits = load_data_splits(config["data"], get_plugin_manager())
     assert len(splits.train) == 18 + 3 and splits.source == "OpenMathInstruct-2 + DeepScaler"
     assert len(splits.val) == 2 + 2 * 3  # OpenMathInstruct-2's held-out 10%, then AIME 2024 three times over
     assert [r["expected_answer"] for r in splits.val[2:]] == ["3"] * 6
@@ -320,7 +320,7 @@ def test_helpsteer3_prefers_by_the_sign_and_keeps_a_tie_as_nemo_rl_does(tmp_path
     config = load_and_validate(str(config_file(tmp_path, DPO, {
         "train": {"dataset_name": "HelpSteer3", "data_path": str(stand_in)}})), algorithm="dpo")
     with caplog.at_level(logging.WARNING):
-        pairs = prepare_preference_data(config["data"], tokenizer, max_length=64).train
+        pairs = prepare_preference_data(config["data"], tokenizer, get_plugin_manager(), max_length=64).train
     answers = [(tokenizer.decode(p.chosen.response_ids), tokenizer.decode(p.rejected.response_ids)) for p in pairs]
     assert answers == [(" 4</s>", " 7</s>"), (" 4</s>", " 4</s>")]
     assert "keeps response1 as both chosen and rejected" in caplog.text
@@ -332,7 +332,7 @@ def test_each_preference_dataset_reads_its_stand_in_into_pairs(name, tmp_path, t
     stand_in = write_stand_in(tmp_path / f"{name}.parquet", [row] * 3)
     config = load_and_validate(str(config_file(tmp_path, DPO, {
         "train": {"dataset_name": name, "data_path": str(stand_in), **(keys or {})}})), algorithm="dpo")
-    pair = prepare_preference_data(config["data"], tokenizer, max_length=64).train[0]
+    pair = prepare_preference_data(config["data"], tokenizer, get_plugin_manager(), max_length=64).train[0]
     assert pair.chosen.prompt_text == pair.rejected.prompt_text == prompt
     assert tokenizer.decode(pair.chosen.response_ids) == f" {chosen}</s>"
     assert tokenizer.decode(pair.rejected.response_ids) == f" {rejected}</s>"
@@ -395,14 +395,14 @@ def test_a_preference_dataset_for_grpo_and_an_unloadable_hub_dataset_are_one_lin
         "train": {"dataset_name": "PreferenceDataset", "data_path": str(stand_in)}})), algorithm="dpo")
     with pytest.raises(ConfigError, match=r"^data.train\[0\].dataset_name: 'PreferenceDataset' holds preference "
                                           r"records, and this algorithm reads prompt records"):
-        load_data_splits(config["data"])  # the loader checks the kind too: SFT's prepare_data on DPO's data
+        load_data_splits(config["data"], get_plugin_manager())  # the loader checks the kind too: SFT's prepare_data on DPO's data
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "empty-hf-home"))
     config = load_and_validate(str(config_file(tmp_path, GRPO, {"train": {"dataset_name": "DeepScaler"}})),
                                algorithm="grpo")
     with pytest.raises(NrlError) as failure:
-        load_data_splits(config["data"])
+        load_data_splits(config["data"], get_plugin_manager())
     message = str(failure.value)
     assert "\n" not in message and message.startswith(
         "data.train[0]: cannot load agentica-org/DeepScaleR-Preview-Dataset split train from the hub or HF's cache")
@@ -426,7 +426,7 @@ def test_response_dataset_reads_named_columns_or_keeps_a_chat_whole(tmp_path):
     for path, keys in ((columns, {"input_key": "q", "output_key": "a"}), (chats, {})):
         config = load_and_validate(str(config_file(tmp_path, GRPO, {"train": {
             "dataset_name": "ResponseDataset", "data_path": str(path), **keys}})), algorithm="grpo")
-        read += load_data_splits(config["data"]).train
+        read += load_data_splits(config["data"], get_plugin_manager()).train
     assert read == [{"problem": "What is 9-4?", "expected_answer": "5"},
                     {"problem": "S", "expected_answer": "U", "messages": chat}]  # NeMo RL's messages[0] and [1]
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from importlib.metadata import version
 from pathlib import Path
 
 import pytest
@@ -88,7 +89,7 @@ def test_entry_point_lists_math():
                           cwd=REPO)
     assert proc.returncode == 0, proc.stderr
     plugins = {p["name"]: p for p in json.loads(proc.stdout)}
-    assert plugins["math"] == {"name": "math", "distribution": "nrl-env-math", "version": "0.1.1",
+    assert plugins["math"] == {"name": "math", "distribution": "nrl-env-math", "version": version("nrl-env-math"),
                                "hooks": ["nrl_environments"], "contract": 14}
 
 
@@ -99,7 +100,7 @@ def test_spec_and_schema_reach_the_config():
     spec = get_plugin_manager().environments().get("math", "env.math")
     assert isinstance(spec, EnvironmentSpec) and spec.distribution == "nrl-env-math"
     assert import_object(spec.environment).__name__ == "MathEnvironment"
-    env_section = build_schema().subsection("env")
+    env_section = build_schema(get_plugin_manager()).subsection("env")
     assert env_section.validate({"math": {"num_workers": 4}}, "env")["math"]["num_workers"] == 4
     with pytest.raises(ConfigError, match=r"^env\.math\.num_workrs: unknown key; did you mean 'num_workers'\?"):
         env_section.validate({"math": {"num_workrs": 4}}, "env")

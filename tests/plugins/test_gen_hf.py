@@ -14,7 +14,7 @@ import torch
 pytest.importorskip("nrl_gen_hf")
 pytest.importorskip("nrl_backend_dtensor")
 
-from nrl_core.algorithms.refit_orchestrator import refit  # noqa: E402
+from nrl_core.algorithms.refit_orchestrator import choose_transport, refit  # noqa: E402
 from nrl_core.checkpoint.to_hf import hf_logprobs, hf_model  # noqa: E402
 from nrl_core.contracts import TokenBatch  # noqa: E402
 from nrl_core.errors import ConfigError, NrlError  # noqa: E402
@@ -185,7 +185,8 @@ def test_refit_through_shared_memory_in_bfloat16(model_dir, prompts, tmp_path):
     assert next(worker.model.parameters()).dtype == torch.bfloat16
     trained = hf_model(model_dir)
     perturb_weights(trained, seed=3)
-    report = refit_local(HFWeightSource(trained), worker, "shared_memory", scenarios.BUCKET_BYTES, "float32")
+    report = refit_local(HFWeightSource(trained), worker, choose_transport("same_node", "shared_memory"),
+                         scenarios.BUCKET_BYTES, "float32")
     assert report.version == worker.weight_version == 1
     for name, tensor in trained.state_dict().items():
         assert torch.equal(worker.model.state_dict()[name], tensor.to(torch.bfloat16)), name

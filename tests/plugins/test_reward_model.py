@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("nrl_reward_model")
 
-from nrl_core.config import load_and_validate  # noqa: E402
+from nrl_core.algorithms.installed import load_and_validate  # noqa: E402
 from nrl_core.data.preference import PreferencePair, preference_batch  # noqa: E402
 from nrl_core.errors import ConfigError, NrlError  # noqa: E402
 from nrl_core.sdk.value_head import head_architecture, last_token_values  # noqa: E402
@@ -280,7 +280,7 @@ def test_the_reward_model_section_becomes_a_value_model_config_of_its_own():
 def test_the_reward_model_takes_its_devices_from_the_cluster(model):
     """NeMo RL's split: env.reward_model.resources come out of cluster.gpus_per_node, training gets
     the rest; a reward model that leaves nothing is refused in one line."""
-    from nrl_core.config.topology import cluster_topology
+    from nrl_core.algorithms.installed import cluster_topology
 
     recipe, rm = "examples/configs/grpo_rm_tiny_cpu.yaml", f"env.reward_model.model_name={model}"
     config = load_and_validate(recipe, [f"policy.model_name={model}", rm], algorithm="grpo")

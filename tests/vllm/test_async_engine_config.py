@@ -4,7 +4,7 @@ engine's devices)."""
 
 from __future__ import annotations
 
-from nrl_core.config import load_and_validate
+from nrl_core.algorithms.installed import load_and_validate
 from nrl_core.testing.tiny_models import cached_tiny_model
 
 ASYNC = "examples/configs/grpo_tiny_cpu_async.yaml"

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from nrl_core.config import load_and_validate
+from nrl_core.algorithms.installed import load_and_validate
 from nrl_core.errors import ConfigError
 from nrl_core.testing.distributed import run_distributed
 from nrl_core.testing.tiny_models import cached_tiny_model

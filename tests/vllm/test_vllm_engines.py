@@ -11,7 +11,7 @@ import functools
 
 import pytest
 
-from nrl_core.algorithms.refit_orchestrator import refit
+from nrl_core.algorithms.refit_orchestrator import choose_transport, refit
 from nrl_core.cluster import WorkerGroup
 from nrl_core.cluster._host import WorkerHost
 from nrl_core.testing.refit_host import perturb_weights
@@ -57,7 +57,7 @@ def _generate(group: WorkerGroup, prompts, engine_size: int):
 
 def _refit_in_place(group: WorkerGroup, seed: int) -> None:
     group.call(WorkerHost.execute, functools.partial(_perturb, seed=seed))
-    reports = group.call(WorkerHost.nrl_refit_local, "in_process", BUCKET, "float32")
+    reports = group.call(WorkerHost.nrl_refit_local, choose_transport("same_process", "in_process"), BUCKET, "float32")
     assert [r.version for r in reports] == [1, 1]
 
 

@@ -57,8 +57,8 @@ def conformance_config(backend: str, model_dir: str, *, world_size: int = 1, ove
     selects training backend ``backend``, samples at :data:`TEMPERATURE` and trains
     :data:`GLOBAL_BATCH` sequences per step on ``world_size`` ranks; ``policy`` sets
     ``policy.<key>`` values and ``overrides`` are command-line style ``key.path=value`` strings."""
+    from nrl_core.algorithms.installed import validate_config
     from nrl_core.config.loader import apply_overrides
-    from nrl_core.config.validate import validate_config
     from nrl_core.plugins import get_plugin_manager
 
     pm = get_plugin_manager()
@@ -85,8 +85,9 @@ def build_training_worker(config: Mapping[str, Any], rank: int, world_size: int)
     """The selected training backend's worker, built as the core builds it."""
     from nrl_core.config.validate import select_training_backend
     from nrl_core.contracts import import_object
+    from nrl_core.plugins import get_plugin_manager
 
-    spec = select_training_backend(config)
+    spec = select_training_backend(config, get_plugin_manager())
     return import_object(spec.worker)(dict(config), rank=rank, world_size=world_size)
 
 

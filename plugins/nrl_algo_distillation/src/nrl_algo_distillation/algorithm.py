@@ -26,6 +26,7 @@ from nrl_core.api import (
     PhaseTimer,
     Policy,
     RolloutGroup,
+    Runtime,
     Scorer,
     SingleTurnSampler,
     TokenBatch,
@@ -48,7 +49,7 @@ class Distillation(AlgorithmRun):
     section = "distillation"
     summary_prefixes = ("val/", "train/loss")
 
-    def __init__(self, config: Mapping[str, Any]) -> None:
+    def __init__(self, config: Mapping[str, Any], *, runtime: Runtime | None = None) -> None:
         check_distillation(config)
         cfg = config["distillation"]
         self.group_size = int(cfg["num_generations_per_prompt"])
@@ -59,7 +60,7 @@ class Distillation(AlgorithmRun):
         self.loss_fn = TopkDistillationLoss.from_config(config["loss_fn"])
         self.env = build_environment(config)
         super().__init__(config, batch_size=int(cfg["num_prompts_per_step"]), train_data=data.train,
-                         with_generation=True)
+                         with_generation=True, runtime=runtime)
         teacher_config = model_config(config, "teacher")
         teacher_backend = choose_backends(teacher_config, generation=False).training
         self.teacher = Policy(teacher_config, teacher_backend, colocated_generation=False, beside=self.policy,
@@ -175,6 +176,6 @@ def padded(batch: TokenBatch, multiple: int) -> TokenBatch:
     return out
 
 
-def main(config: Mapping[str, Any]) -> int:
+def main(config: Mapping[str, Any], runtime: Runtime | None = None) -> int:
     """``nrl train distillation``."""
-    return Distillation.main(config)
+    return Distillation.main(config, runtime)

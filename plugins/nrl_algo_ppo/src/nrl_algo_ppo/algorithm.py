@@ -38,6 +38,7 @@ from nrl_core.api import (
     RewardKL,
     RolloutBatch,
     RolloutGroup,
+    Runtime,
     Scorer,
     SingleTurnSampler,
     TokenBatch,
@@ -59,7 +60,7 @@ class PPO(AlgorithmRun):
     section = "ppo"
     summary_prefixes = ("val/", "train/reward", "train/critic/explained_var")
 
-    def __init__(self, config: Mapping[str, Any]) -> None:
+    def __init__(self, config: Mapping[str, Any], *, runtime: Runtime | None = None) -> None:
         check_ppo(config)
         cfg = config["ppo"]
         self.group_size = int(cfg["num_generations_per_prompt"])
@@ -73,7 +74,7 @@ class PPO(AlgorithmRun):
         self.reward_kl = RewardKL(config["loss_fn"])
         self.env = build_environment(config)
         super().__init__(config, batch_size=int(cfg["num_prompts_per_step"]), train_data=data.train,
-                         with_generation=True)
+                         with_generation=True, runtime=runtime)
         critic = critic_config(config)
         self.critic = Policy(critic, choose_backends(critic, generation=False).training, colocated_generation=False,
                              beside=self.policy, name="value")
@@ -271,6 +272,6 @@ class PPO(AlgorithmRun):
             super().shutdown()
 
 
-def main(config: Mapping[str, Any]) -> int:
+def main(config: Mapping[str, Any], runtime: Runtime | None = None) -> int:
     """``nrl train ppo``."""
-    return PPO.main(config)
+    return PPO.main(config, runtime)

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from nrl_core.api import PhaseTimer, PreferencePair, PreferenceRun, TokenBatch
+from nrl_core.api import PhaseTimer, PreferencePair, PreferenceRun, Runtime, TokenBatch
 from nrl_reward_model.config import check_rm
 from nrl_reward_model.loss import BradleyTerryLoss
 
@@ -24,9 +24,9 @@ from nrl_reward_model.loss import BradleyTerryLoss
 class RewardModelTraining(PreferenceRun):
     section = "rm"
 
-    def __init__(self, config: Mapping[str, Any]) -> None:
+    def __init__(self, config: Mapping[str, Any], *, runtime: Runtime | None = None) -> None:
         check_rm(config)
-        super().__init__(config, BradleyTerryLoss())
+        super().__init__(config, BradleyTerryLoss(), runtime=runtime)
 
     def step(self, pairs: Sequence[PreferencePair]) -> dict[str, float]:
         timer = PhaseTimer()
@@ -38,6 +38,6 @@ class RewardModelTraining(PreferenceRun):
         return self.policy.get_values(batch)
 
 
-def main(config: Mapping[str, Any]) -> int:
+def main(config: Mapping[str, Any], runtime: Runtime | None = None) -> int:
     """``nrl train rm``."""
-    return RewardModelTraining.main(config)
+    return RewardModelTraining.main(config, runtime)
