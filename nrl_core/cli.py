@@ -140,13 +140,14 @@ def _cmd_train(args: argparse.Namespace) -> int:
 def _cmd_eval(args: argparse.Namespace) -> int:
     from nrl_core.evaluation.config import load_eval_config
     from nrl_core.evaluation.run import evaluate, format_report
+    from nrl_core.plugins import get_plugin_manager
 
     config, eval_cfg = load_eval_config(args.config, args.overrides)
     if args.check:
         print(f"ok: {args.config}")
         print(f"model: {config['policy']['model_name']}")
         print(f"generation backend: {config['policy']['generation']['backend']}")
-        for line in _describe_data(config["data"]):
+        for line in _describe_data(config["data"], get_plugin_manager()):
             print(line)
         print(f"eval: {eval_cfg['metric']} with k={eval_cfg['k_value']} of {eval_cfg['num_tests_per_prompt']} samples "
               "per problem")

@@ -123,7 +123,11 @@ def _through_hook(method: str, hook: str) -> Callable[[str, int], Callable[..., 
                        f"({VERSIONS_DOCS})")
             self._nrl_in_checkpoint_hook = True
             try:
-                getattr(_legacy_hooks(self), hook)(self, path, options)
+                # the deprecated hooks are a dispatch over every plugin of the process: the one
+                # reach for its manager below the algorithms (tests/core/test_runtime.py names it)
+                from nrl_core.plugins import get_plugin_manager
+
+                getattr(get_plugin_manager(), hook)(self, path, options)
             finally:
                 self._nrl_in_checkpoint_hook = False
 
@@ -167,17 +171,6 @@ def _rank() -> int:
     import torch.distributed as dist
 
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _legacy_hooks(worker: Any) -> Any:
-    """The plugins whose deprecated checkpoint hooks a contract 1-3 ``worker`` saves through,
-    loaded once for that worker: its process holds no registries of its own."""
-    hooks = getattr(worker, "_nrl_legacy_hooks", None)
-    if hooks is None:
-        from nrl_core.plugins import PluginManager
-
-        hooks = worker._nrl_legacy_hooks = PluginManager()
-    return hooks
 
 
 def check_spec(spec: Any, role: str, pm: PluginManager) -> list[str]:

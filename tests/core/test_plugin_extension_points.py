@@ -70,8 +70,8 @@ class ExtensionPlugin:
 
 def test_third_party_transport_is_chosen_by_name_and_moves_the_weights():
     with get_plugin_manager().registered(ExtensionPlugin(), name="extension"):
-        assert choose_transport("same_process", "copying") == "copying"
-        assert choose_transport("same_process") == "in_process"  # the core's stays the default
+        assert choose_transport("same_process", "copying").name == "copying"
+        assert choose_transport("same_process").name == "in_process"  # the core's stays the default
         source = RandomWeightSource({"a.weight": (4, 3), "b.bias": (5,)})
         sink = RecordingSink()
         report = refit(source, sink, transport="copying", bucket_bytes=64)

@@ -63,10 +63,10 @@ def test_manifest_check_accepts_exact_and_names_every_problem() -> None:
 
 
 def test_transport_choice_by_placement_and_override() -> None:
-    assert choose_transport("same_process") == "in_process"
-    assert choose_transport("same_node") == "shared_memory"
-    assert choose_transport("cross_node") == "broadcast"
-    assert choose_transport("same_node", "broadcast") == "broadcast"
+    assert choose_transport("same_process").name == "in_process"
+    assert choose_transport("same_node").name == "shared_memory"
+    assert choose_transport("cross_node").name == "broadcast"
+    assert choose_transport("same_node", "broadcast").name == "broadcast"
     with pytest.raises(ConfigError, match="policy.refit.transport"):
         choose_transport("cross_node", "shared_memory")
     with pytest.raises(ConfigError, match="not available"):

@@ -18,6 +18,10 @@ ROOT = Path(__file__).resolve().parents[2]
 CORE = ROOT / "nrl_core"
 #: Where the global lives and is defined, not reached.
 DEFINES_IT = {"plugins.py"}
+#: The one reach allowed, with its reason: the deprecated checkpoint hooks of contract 1-3 plugins
+#: are a dispatch over every plugin of the worker's process (in-process registrations included),
+#: and the adapter that serves those old plugins has nothing else to dispatch over.
+ALLOWED = {"contract_adapters.py": 2}  # lines naming it: its import and its call
 #: Launched groups are handed over through the runtime; the one module-level set of groups is
 #: the watchdog's weak registry of the live ones, read to dump and stop every process of a hang.
 LIVE_REGISTRY = {("cluster/worker_group.py", "_LIVE")}
@@ -86,7 +90,8 @@ def test_the_layers_below_the_algorithms_are_the_ones_the_contract_names():
 def test_nothing_below_the_algorithms_reaches_the_global_plugin_manager():
     reached = {path.relative_to(CORE).as_posix(): lines for path in modules_below_algorithms()
                if (lines := reaches_the_global_manager(path.read_text()))}
-    assert reached == {}, f"pass the registries down instead (nrl_core/algorithms/runtime.py): {reached}"
+    assert {module: len(lines) for module, lines in reached.items()} == ALLOWED, \
+        f"pass the registries down instead (nrl_core/algorithms/runtime.py): {reached}"
 
 
 @pytest.mark.parametrize("source", [
