@@ -23,7 +23,7 @@ from nrl_core.errors import PluginError
 
 DOCS = "docs/plugins.md"
 WORKER_DOCS = f"{DOCS}#4-the-worker"
-GENERATION_DOCS = f"{DOCS}#a-generation-backend-nrl_coregeneration_kit"
+GENERATION_DOCS = "docs/plugin_reference.md#a-generation-backend-nrl_coregeneration_kit"
 VERSIONS_DOCS = f"{DOCS}#8-contract-versions"
 
 

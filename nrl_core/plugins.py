@@ -53,7 +53,7 @@ from nrl_core.contracts import (
     RunInfo,
     TrainingBackendSpec,
 )
-from nrl_core.errors import ConfigError, PluginError
+from nrl_core.errors import ConfigError, NrlError, PluginError
 from nrl_core.plugin_faults import PluginOwner
 
 logger = logging.getLogger(__name__)
@@ -323,12 +323,36 @@ class PluginManager:
         if kind not in self._registries:
             specs = []
             for impl in hook.get_hookimpls():  # in registration order (pluggy calls them in reverse)
-                result = impl.function()
+                result = self._answer(hook.name, impl)
                 if _env_flag("NRL_TRACE_HOOKS"):
                     sys.stderr.write(f"nrl hook {hook.name} -> {impl.plugin_name}: {result!r}\n")
                 specs.extend((impl.plugin_name, self._adapted(kind, impl.plugin_name, spec)) for spec in result or [])
             self._registries[kind] = Registry(kind, specs, self.failed)
         return self._registries[kind]
+
+    def _answer(self, hook: str, impl: Any) -> Any:
+        """What one plugin's implementation of a collecting hook returns: a list of specs. What it
+        raises, or a result of another type, is one line naming the plugin (an ``NrlError`` it
+        raises is its own message; the core's built-ins keep their traceback)."""
+        plugin = impl.plugin_name
+        try:
+            result = impl.function()
+        except NrlError:
+            raise
+        except Exception as exc:
+            if plugin in BUILTIN_PLUGINS:
+                raise
+            message = " ".join(str(exc).split())
+            raise PluginError(f"{self._describe(plugin)}: {hook} raised {type(exc).__name__}: {message} (NRL_DEBUG=1 "
+                              f"shows its traceback)") from exc
+        if result is not None and not isinstance(result, list | tuple):
+            raise PluginError(f"{self._describe(plugin)}: {hook} returned {type(result).__name__}; it must return a "
+                              "list of specs (or None)")
+        return result
+
+    def _describe(self, plugin: str) -> str:
+        distribution = self._distributions.get(plugin, (None, None))[0]
+        return f"plugin '{plugin}'" + (f" of {distribution}" if distribution else " (an NRL_PLUGINS module)")
 
     def _adapted(self, kind: str, plugin: str, spec: Any) -> Any:
         """``spec`` with its worker path through :mod:`nrl_core.contract_adapters` when its plugin

@@ -107,7 +107,7 @@ def contract_reference() -> str:
              "`nrl_core.contract_versions.CONTRACT_HISTORY`; do not edit. The same tables drive the load-time",
              "check of a worker class (`nrl config check`) and the conformance kit's first check. \"Called on\"",
              "and \"Answer\" are the method's dispatch (`nrl_core.dispatch`): which ranks a call reaches and",
-             "what comes back. docs/plugins.md explains each part.", "",
+             "what comes back. docs/plugins.md and docs/plugin_reference.md explain each part.", "",
              f"Current contract: **{contracts.CONTRACT_VERSION}**.", ""]
     for title, protocol, methods in (("TrainingWorker", contracts.TrainingWorker, TRAINING_METHODS),
                                      ("GenerationWorker", contracts.GenerationWorker, GENERATION_METHODS)):
@@ -129,7 +129,7 @@ def contract_reference() -> str:
                              f"{mark.since} |")
     lines += ["", "## Versions", "",
               "A version moves only when something an older plugin relied on changes or disappears; each one the",
-              "core still serves is adapted (docs/plugins.md, section 8).", "",
+              "core still serves is adapted (docs/plugin_reference.md, \"Older contracts\").", "",
               "| Contract | First in nrl-core | Added | Changed or removed |", "| --- | --- | --- | --- |"]
     for version in CONTRACT_HISTORY:
         added = "; ".join(version.added) or "—"

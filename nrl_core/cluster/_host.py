@@ -247,7 +247,12 @@ class WorkerHost(RefitEndpoints):
     def construct(self, worker_cls: str, init_kwargs: dict[str, Any]) -> None:
         """Import the worker class and build it for this rank."""
         from nrl_core.contracts import import_object
+        from nrl_core.plugins import PluginManager
 
+        # This process's plugins (NRL_PLUGINS too) load before the worker exists, as in the driver:
+        # a plugin module may register what the worker builds (a model class) when it is imported.
+        self.plugins = PluginManager()
+        self.plugins.load()
         mark("worker_import_start", worker=worker_cls, rank=self.rank)
         with long_lived_objects():
             cls = import_object(worker_cls)

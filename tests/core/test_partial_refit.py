@@ -178,7 +178,7 @@ def test_declaring_partial_import_needs_refit_wants_callable_with_the_manifest()
             return []
 
     (forgot,) = [g for g in worker_gaps(Forgot, "generation", 14, "mine", {"partial_import"}) if "declares 'partial_import'" in g]
-    assert forgot.endswith("declares 'partial_import' but refit_wants(manifest) is missing (docs/plugins.md"
+    assert forgot.endswith("declares 'partial_import' but refit_wants(manifest) is missing (docs/plugin_reference.md"
                            "#a-generation-backend-nrl_coregeneration_kit)")
     (wrong,) = [g for g in worker_gaps(Wrong, "generation", 14, "mine", {"partial_import"}) if "'partial_import' requires" in g]
     assert "'partial_import' requires refit_wants(manifest)" in wrong

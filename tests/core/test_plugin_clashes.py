@@ -73,3 +73,18 @@ def test_without_a_clash_both_commands_pass(tmp_path):
     assert listing.returncode == 0 and "nrl_dice_a" in listing.stdout, listing.stdout + listing.stderr
     check = _nrl(tmp_path, ["nrl_dice_a"], "config", "check", str(CONFIG))
     assert check.returncode == 0, check.stdout + check.stderr
+
+
+@pytest.mark.parametrize("body, said", [
+    ('raise RuntimeError("the catalogue\\nis offline")', "nrl_environments raised RuntimeError: the catalogue is offline "
+                                                         "(NRL_DEBUG=1 shows its traceback)"),
+    ('return {"dice": 1}', "nrl_environments returned dict; it must return a list of specs (or None)"),
+], ids=["raises", "answers-a-dict"])
+def test_a_hook_that_fails_while_the_registry_is_built_is_one_line_naming_its_plugin(tmp_path, body, said):
+    (tmp_path / "nrl_broken_hook.py").write_text(
+        f"from nrl_core.api import hookimpl\n\n@hookimpl\ndef nrl_environments():\n    {body}\n")
+    for argv in (["plugins"], ["config", "check", str(CONFIG)]):
+        run = _nrl(tmp_path, ["nrl_broken_hook"], *argv)
+        assert run.returncode == 2 and "Traceback" not in run.stderr, (argv, run.stderr)
+        errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
+        assert errors == [f"error: plugin 'nrl_broken_hook' (an NRL_PLUGINS module): {said}"], run.stderr

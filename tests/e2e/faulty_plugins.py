@@ -51,6 +51,26 @@ class SilentEnvironment(RaisingEnvironment):
         return EnvResult(rewards=[0.0] * len(samples))
 
 
+class _Grader:
+    def grade(self, count: int) -> list[float]:
+        time.sleep(600)
+        return [0.0] * count
+
+
+class ActorEnvironment(RaisingEnvironment):
+    """Grades in a Ray actor of its own, which never answers: the watchdog names that process."""
+
+    def __init__(self, section: dict) -> None:
+        import ray
+
+        self.grader = ray.remote(_Grader).options(name="nrl-faulty-grader", num_cpus=0).remote()
+
+    def score(self, samples: list) -> EnvResult:
+        import ray
+
+        return EnvResult(rewards=ray.get(self.grader.grade.remote(len(samples))))
+
+
 class RaisingLoss:
     @classmethod
     def from_config(cls, section: dict) -> RaisingLoss:
@@ -87,7 +107,8 @@ def nrl_environments() -> list[EnvironmentSpec]:
                                distribution="nrl-faulty-plugins", **extra)
 
     return [spec("raising", "RaisingEnvironment"), spec("short", "ShortEnvironment"),
-            spec("wrong_type", "WrongTypeEnvironment", multi_turn=True), spec("silent", "SilentEnvironment")]
+            spec("wrong_type", "WrongTypeEnvironment", multi_turn=True), spec("silent", "SilentEnvironment"),
+            spec("silent_actor", "ActorEnvironment")]
 
 
 @hookimpl

@@ -42,6 +42,10 @@ FAULTS = {  # case: (overrides, what the plugin is, the line after NAMED)
     "environment-outlives-its-timeout": (["data.env_name=silent", "++env.silent.call_timeout_s=3"],
                                          ("watchdog: environment", "silent"),  # the watchdog's line
                                          "SilentEnvironment.score did not return within env.silent.call_timeout_s = 3 s"),
+    "environment-worker-outlives-its-timeout": (["data.env_name=silent_actor", "++env.silent_actor.call_timeout_s=3"],
+                                                ("watchdog: environment", "silent_actor"),
+                                                "ActorEnvironment.score did not return within "
+                                                "env.silent_actor.call_timeout_s = 3 s"),
 }
 
 
@@ -76,10 +80,16 @@ def test_a_faulty_plugin_stops_the_run_in_one_line_naming_it(case, tmp_path, mod
         n = int(errors[0].split(" samples;")[0].rsplit(" ", 1)[1])
         line = line.format(short=n - 1, n=n)
     assert errors[0].startswith(NAMED.format(kind=kind, name=name) + line), errors[0]
-    if "every stack is in " in errors[0]:  # the watchdog's dump, with the stuck call in the driver's stack
+    if case == "environment-outlives-its-timeout":  # the watchdog's dump: the stuck call in the driver's stack
         dump = Path(errors[0].split("every stack is in ", 1)[1].split(";")[0])
         driver = "".join(path.read_text() for path in dump.glob("driver-pid*.txt"))
         assert re.search(r'faulty_plugins\.py", line \d+ in score', driver), driver
+    if case == "environment-worker-outlives-its-timeout":  # the grader's process, named with its state and stack
+        assert re.search(r"; its processes: _Grader actor 'nrl-faulty-grader' pid \d+ \(sleeping, state S\); ",
+                         errors[0]), errors[0]
+        dump = Path(errors[0].split("every stack is in ", 1)[1].split(";")[0])
+        grader = [path for path in dump.iterdir() if "nrl-faulty-grader" in path.name]
+        assert grader and "grade" in grader[0].read_text(), sorted(dump.iterdir())
     if line.endswith("traceback in "):
         trace = Path(errors[0].rsplit("traceback in ", 1)[1])
         assert trace.is_relative_to(tmp_path / "logs" / "faults"), trace
