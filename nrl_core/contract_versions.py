@@ -147,9 +147,10 @@ def protocol_methods(protocol: type) -> tuple[Method, ...]:
     for name, function in vars(protocol).items():
         if name.startswith("_") or not inspect.isfunction(function):
             continue
-        parameters = list(inspect.signature(function).parameters.values())[1:]
+        signature = inspect.signature(function)
+        parameters = list(signature.parameters.values())[1:]
         marked = since_of(function)
-        returned = _annotation_text(inspect.signature(function).return_annotation)
+        returned = _annotation_text(signature.return_annotation)
         methods.append(Method(
             name,
             tuple(p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)),

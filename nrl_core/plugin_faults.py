@@ -78,3 +78,28 @@ def plugin_answer_error(owner: PluginOwner, method: str, problem: str) -> Plugin
     """A wrong type or count at the boundary: the method, what came back and what was expected."""
     return PluginError(f"{owner}: {method} {problem}")
 
+
+class PluginBoundary:
+    """The core's side of an object a plugin built (an environment, a loss): its calls go through
+    :func:`call_plugin` and its wrong answers through :func:`plugin_answer_error`, both naming
+    ``owner`` and the object's class; any other attribute is the plugin's object's, which
+    :attr:`plugin_object` holds for type checks of the plugin's own class."""
+
+    def __init__(self, plugin_object: Any, owner: PluginOwner, log_dir: str | Path | None) -> None:
+        self.plugin_object = plugin_object
+        self._owner = owner
+        self._log_dir = str(log_dir) if log_dir is not None else None
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or "plugin_object" not in self.__dict__:  # copy and pickle probe a bare object
+            raise AttributeError(name)
+        return getattr(self.plugin_object, name)
+
+    def _call(self, method: str, function: Callable[..., T], *args: Any) -> T:
+        return call_plugin(self._owner, self._qualified(method), self._log_dir, function, *args)
+
+    def _wrong(self, method: str, problem: str) -> PluginError:
+        return plugin_answer_error(self._owner, self._qualified(method), problem)
+
+    def _qualified(self, method: str) -> str:
+        return f"{type(self.plugin_object).__name__}.{method}"

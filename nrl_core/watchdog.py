@@ -208,7 +208,7 @@ class Watchdog:
         (which answered, which calls are pending, which process cannot be making progress)."""
         return self._dump(reason)[0]
 
-    def _dump(self, reason: str) -> tuple[Path, list[tuple[RunProcess, str]]]:
+    def _dump(self, reason: str) -> tuple[Path, list[RunProcess], list[tuple[RunProcess, str]]]:
         from nrl_core.cluster.worker_group import live_groups
 
         self._dumps += 1
@@ -235,13 +235,13 @@ class Watchdog:
         lines += [f"cannot be making progress: {p.label} ({state})" for p, state in stuck]
         (dest / "status.txt").write_text("".join(line + "\n" for line in lines))
         logger.warning("stacks of the driver and %d other processes written to %s", len(status), dest)
-        return dest, stuck
+        return dest, processes, stuck
 
     def _fire(self, late: _Running, waited: float) -> None:
         from nrl_core.cluster.worker_group import live_groups
 
         groups = live_groups()
-        dest, stuck = self._dump(f"hang-{late.name}")
+        dest, processes, stuck = self._dump(f"hang-{late.name}")
         stuck_pids = {p.pid for p, _ in stuck}
         waiting = [f"{group.label(rank)} in {what}" for group in groups for what, ranks in group.pending_calls()
                    for rank in ranks if group.infos[rank].pid not in stuck_pids]
@@ -254,7 +254,7 @@ class Watchdog:
             who = f"the driver (pid {os.getpid()}) itself"
         if late.call is not None:
             self.error = (f"watchdog: {late.call.who} did not return within {late.call.setting} = {late.limit:g} s "
-                          f"(waited {waited:.0f} s); {_plugin_processes(groups, stuck) or who}; every stack is in "
+                          f"(waited {waited:.0f} s); {_plugin_processes(groups, processes, stuck) or who}; every stack is in "
                           f"{dest}; if it is legitimately this slow, raise {late.call.setting}")
         else:
             self.error = (f"watchdog: phase '{late.name}' did not finish within its limit of {late.limit:.0f} s "
@@ -269,16 +269,13 @@ class Watchdog:
             signal.pthread_kill(late.thread, signal.SIGINT)  # blocked in itself, not on a worker
 
 
-def _plugin_processes(groups: list[Any], stuck: list[tuple[RunProcess, str]]) -> str:
-    """The run's processes outside its worker groups (an environment's workers) with their state,
-    for a plugin call that passed its limit; empty when there are none (the call ran in the driver)."""
+def _plugin_processes(groups: list[Any], processes: list[RunProcess], stuck: list[tuple[RunProcess, str]]) -> str:
+    """Of the run's ``processes`` (the dump's list), those outside its worker groups (an
+    environment's workers) with their state, for a plugin call that passed its limit; empty when
+    there are none (the call ran in the driver)."""
     ranks = {p.pid for group in groups for p in ranks_of(group)}
     states = {p.pid: state for p, state in stuck}
-    try:
-        others = [p for p in run_processes(groups) if p.pid not in ranks]
-    except Exception:  # a diagnostic: the line names the driver instead
-        return ""
-    named = [f"{p.label} ({states.get(p.pid) or _state_words(p)})" for p in others]
+    named = [f"{p.label} ({states.get(p.pid) or _state_words(p)})" for p in processes if p.pid not in ranks]
     return f"its processes: {', '.join(named)}" if named else ""
 
 

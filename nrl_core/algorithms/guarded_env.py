@@ -12,21 +12,18 @@ from typing import Any
 
 from nrl_core.config.core_schema import DEFAULT_ENV_CALL_TIMEOUT_S
 from nrl_core.contracts import EnvResult, EnvStep
-from nrl_core.errors import PluginError
-from nrl_core.plugin_faults import PluginOwner, call_plugin, plugin_answer_error
+from nrl_core.plugin_faults import PluginBoundary, PluginOwner
 from nrl_core.watchdog import PluginCall, phase
 
 
-class GuardedEnvironment:
+class GuardedEnvironment(PluginBoundary):
     """An environment as the algorithms call it: ``score``, ``step`` and ``shutdown`` checked at the
     boundary; any other attribute is the plugin's object's. Type checks of the plugin's class go
     to :attr:`plugin_object` (this wrapper has both methods whatever the plugin has)."""
 
     def __init__(self, environment: Any, owner: PluginOwner, log_dir: str | Path | None, *,
                  call_timeout_s: float = DEFAULT_ENV_CALL_TIMEOUT_S) -> None:
-        self.plugin_object = environment
-        self._owner = owner
-        self._log_dir = log_dir
+        super().__init__(environment, owner, log_dir)
         self._call_timeout_s = call_timeout_s
 
     def score(self, samples: list[Any]) -> EnvResult:
@@ -59,19 +56,9 @@ class GuardedEnvironment:
         if shutdown is not None:
             self._call("shutdown", shutdown)
 
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") or "plugin_object" not in self.__dict__:  # copy and pickle probe a bare object
-            raise AttributeError(name)
-        return getattr(self.plugin_object, name)
-
     def _call(self, method: str, function: Callable[..., Any], *args: Any) -> Any:
+        """Each call a watchdog phase of its own, under the environment's ``call_timeout_s``."""
         who = f"{self._owner}: {self._qualified(method)}"
         limit = PluginCall(who, f"env.{self._owner.name}.call_timeout_s", self._call_timeout_s)
         with phase("environment", limit, env=self._owner.name, method=method):
-            return call_plugin(self._owner, self._qualified(method), self._log_dir, function, *args)
-
-    def _wrong(self, method: str, problem: str) -> PluginError:
-        return plugin_answer_error(self._owner, self._qualified(method), problem)
-
-    def _qualified(self, method: str) -> str:
-        return f"{type(self.plugin_object).__name__}.{method}"
+            return super()._call(method, function, *args)

@@ -6,44 +6,31 @@ backend tries to differentiate it."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from nrl_core.contracts import TokenBatch
-from nrl_core.plugin_faults import PluginOwner, call_plugin, plugin_answer_error
+from nrl_core.plugin_faults import PluginBoundary
 
 
-class GuardedLoss:
+class GuardedLoss(PluginBoundary):
     """A loss as the training workers call it; any other attribute (``gather_ids_field``,
     ``reads_values``, a loss's own settings) is the plugin's object's, which :attr:`plugin_object` holds."""
-
-    def __init__(self, loss: Any, owner: PluginOwner, log_dir: str | Path | None) -> None:
-        self.plugin_object = loss
-        self._owner = owner
-        self._log_dir = str(log_dir) if log_dir is not None else None
 
     def __call__(self, outputs: Any, batch: TokenBatch, *, global_valid_tokens: float,
                  global_valid_seqs: float) -> tuple[Any, dict[str, float]]:
         loss = self.plugin_object
-        method = f"{type(loss).__name__}.__call__"
-        result = call_plugin(self._owner, method, self._log_dir,
-                             lambda: loss(outputs, batch, global_valid_tokens=global_valid_tokens,
-                                          global_valid_seqs=global_valid_seqs))
+        result = self._call("__call__", lambda: loss(outputs, batch, global_valid_tokens=global_valid_tokens,
+                                                     global_valid_seqs=global_valid_seqs))
         if self._owner.is_core:
             return result
         if not isinstance(result, tuple) or len(result) != 2 or not isinstance(result[1], dict):
-            raise plugin_answer_error(self._owner, method, f"returned {_shape_of(result)}; it must return "
-                                                           "(a scalar loss tensor, a dict of float metrics)")
+            raise self._wrong("__call__", f"returned {_shape_of(result)}; it must return (a scalar loss tensor, "
+                                          "a dict of float metrics)")
         value = result[0]
         if type(value).__name__ != "Tensor" or getattr(value, "ndim", None) != 0:
-            raise plugin_answer_error(self._owner, method, f"returned {_shape_of(value)} as its loss; it must be "
-                                                           "a scalar tensor (0 dimensions)")
+            raise self._wrong("__call__", f"returned {_shape_of(value)} as its loss; it must be a scalar tensor "
+                                          "(0 dimensions)")
         return result
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") or "plugin_object" not in self.__dict__:  # copy and pickle probe a bare object
-            raise AttributeError(name)
-        return getattr(self.plugin_object, name)
 
 
 def _shape_of(value: Any) -> str:
