@@ -116,6 +116,13 @@ from nrl_core.device import move_tensors as move_tensors
 from nrl_core.device import process_group_backend as process_group_backend
 from nrl_core.device import resolve_precision as resolve_precision
 from nrl_core.device import to_device as to_device
+from nrl_core.engine import Consume as Consume
+from nrl_core.engine import ForwardRequest as ForwardRequest
+from nrl_core.engine import MicroBatch as MicroBatch
+from nrl_core.engine import TrainingEngine as TrainingEngine
+from nrl_core.engine import plan_micro_batches as plan_micro_batches
+from nrl_core.engine import token_budget as token_budget
+from nrl_core.engine.state_file import StateFileCheckpoints as StateFileCheckpoints
 from nrl_core.env_vars import environment as environment_variables
 from nrl_core.errors import ConfigError as ConfigError
 from nrl_core.errors import NrlError as NrlError
@@ -200,6 +207,7 @@ __all__ = [
     "CheckpointOptions",
     "CommandSpec",
     "ConfigError",
+    "Consume",
     "DataProcessorSpec",
     "DatasetGeneratorSpec",
     "DatasetSpec",
@@ -211,6 +219,7 @@ __all__ = [
     "EnvironmentSpec",
     "Episode",
     "Field",
+    "ForwardRequest",
     "GRPO_SCHEMA",
     "Generation",
     "GenerationBackendSpec",
@@ -223,6 +232,7 @@ __all__ = [
     "LossFunctionSpec",
     "MetricSink",
     "MetricSinkSpec",
+    "MicroBatch",
     "MultiTurnEnvironment",
     "NONFINITE_KEY",
     "NonFiniteError",
@@ -253,6 +263,7 @@ __all__ = [
     "Section",
     "SingleTurnSampler",
     "SleepState",
+    "StateFileCheckpoints",
     "TOOL_CALL_CLOSE",
     "TOOL_CALL_OPEN",
     "TokenBatch",
@@ -262,6 +273,7 @@ __all__ = [
     "TopkShard",
     "TornRefitError",
     "TrainingBackendSpec",
+    "TrainingEngine",
     "TrainingWorker",
     "TrainingWorkerBase",
     "UnsafeCheckpointError",
@@ -335,6 +347,7 @@ __all__ = [
     "parse_dtype",
     "parse_tool_calls",
     "plain_config",
+    "plan_micro_batches",
     "prepare_data",
     "probe_batch",
     "process_group_backend",
@@ -358,6 +371,7 @@ __all__ = [
     "stop_string_end",
     "timeline_mark",
     "to_device",
+    "token_budget",
     "tool_message",
     "training_backend_suite",
     "training_precision",

@@ -43,7 +43,7 @@ def fsdp_and_checkpoints(rank: int, world_size: int, root: str) -> dict[str, Any
                           ("lean", CheckpointOptions(fully_parallel_load=False))]:
         fresh.load_checkpoint(os.path.join(root, name), options)
         out[f"loaded/{name}/{options.fully_parallel_load}"] = gather_shards(fresh.get_logprobs(batch), batch)
-        out[f"step/{name}"] = fresh.train_step_count
+        out[f"step/{name}"] = fresh.step
         out[f"optimizer_state/{name}"] = len(fresh.optimizer.state)
     return out
 

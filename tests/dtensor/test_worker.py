@@ -65,7 +65,7 @@ def test_loss_falls_and_reference_stays_initial():
     assert torch.all(initial[:, 0] == 0) and torch.all(initial[batch.input_ids == 3] == 0)
     losses = [w.train(batch, NLLLoss())["loss"] for _ in range(4)]
     assert losses[-1] < losses[0] - 0.5, losses
-    assert w.train_step_count == 4
+    assert w.step == 4
     assert torch.equal(gather_shards(w.get_reference_logprobs(batch), batch), initial)
     assert not torch.allclose(gather_shards(w.get_logprobs(batch), batch), initial)
 
@@ -150,7 +150,7 @@ def test_checkpoint_resume_is_bit_identical_with_load_rng(tmp_path):
 
     b = worker(**over)
     b.load_checkpoint(str(tmp_path / "ck"), CheckpointOptions(load_rng=True))
-    assert all(torch.equal(x, y) for x, y in zip(params(b), saved)) and b.train_step_count == 1
+    assert all(torch.equal(x, y) for x, y in zip(params(b), saved)) and b.step == 1
     assert b.train(batch, NLLLoss())["loss"] == expected  # bit-identical
 
     c = worker(**over)
@@ -209,7 +209,7 @@ def test_checkpoints_without_optimizer_state(tmp_path, caplog, layout):
     for opts in (CheckpointOptions(), CheckpointOptions(fully_parallel_load=False)):
         b = fsdp_worker()
         b.load_checkpoint(str(lean), opts)
-        assert all(torch.equal(x, y) for x, y in zip(params(b), saved)) and b.train_step_count == 2
+        assert all(torch.equal(x, y) for x, y in zip(params(b), saved)) and b.step == 2
         assert len(b.optimizer.state) == 0  # Adam starts without moments or step count
         assert b.optimizer.param_groups[0]["lr"] == fresh.optimizer.param_groups[0]["lr"] != lr
         assert b.scheduler.state_dict()["last_epoch"] == 0
@@ -218,7 +218,7 @@ def test_checkpoints_without_optimizer_state(tmp_path, caplog, layout):
 
         c = fsdp_worker()  # the default: optimizer and schedule come back exactly
         c.load_checkpoint(str(full), opts)
-        assert all(torch.equal(x, y) for x, y in zip(params(c), saved)) and c.train_step_count == 2
+        assert all(torch.equal(x, y) for x, y in zip(params(c), saved)) and c.step == 2
         assert all(torch.equal(x, y) for x, y in zip(_optimizer_tensors(c), moments)) and len(moments) > 0
         assert c.optimizer.param_groups[0]["lr"] == lr and c.scheduler.state_dict()["last_epoch"] == sched
 
@@ -269,7 +269,7 @@ def test_failed_loads_are_one_line_and_leave_the_model_untouched(tmp_path):
     with pytest.raises(NrlError, match="truncated or corrupt") as info:
         a.load_checkpoint(str(truncated), CheckpointOptions())
     assert "\n" not in str(info.value)
-    assert torch.equal(gather_shards(a.get_logprobs(batch), batch), before) and a.train_step_count == 1
+    assert torch.equal(gather_shards(a.get_logprobs(batch), batch), before) and a.step == 1
 
 
 def test_bad_model_and_config_are_one_line(tmp_path):
@@ -312,23 +312,23 @@ def test_nonfinite_loss_stops_before_the_optimizer_step(factor):
     message = str(info.value)
     assert "\n" not in message and "training step 2 (dtensor)" in message and "policy.check_for_nan" in message
     assert f"loss={factor}" in message and "grad_norm=nan" in message
-    assert w.train_step_count == 1
+    assert w.step == 1
     assert all(torch.equal(a, b) for a, b in zip(before, params(w)))
 
 
 def test_nonfinite_guard_can_be_turned_off():
     w = worker(check_for_nan=False)
     metrics = w.train(make_batch(), _Diverged(float("nan")))
-    assert w.train_step_count == 1 and metrics["grad_norm"] != metrics["grad_norm"]
+    assert w.step == 1 and metrics["grad_norm"] != metrics["grad_norm"]
     assert all(torch.isnan(p).any() for p in params(w))
 
 
 def test_a_batch_on_another_device_than_the_logprobs_fails_in_check_mode(monkeypatch):
     """With NRL_CHECK_DEVICES=1 (the suite's setting) the worker checks the batch the loss reads
     against the logprobs' device; a batch left behind (here: sent to the meta device) is one line."""
-    from nrl_backend_dtensor import worker as worker_module
     from nrl_core import device
     from nrl_core.contracts import TokenBatch
+    from nrl_core.engine import worker as worker_module  # the engine moves what the loss reads
 
     w = worker()
     w.train(make_batch(), NLLLoss())  # moved where the logprobs are: passes the check

@@ -39,11 +39,11 @@ def world(rank: int, world_size: int, model: str, dynamic: bool) -> dict:
               "dynamic_batching": DYNAMIC if dynamic else {"enabled": False}}
     worker = MegatronPolicyWorker(make_config(model, **policy), rank, world_size)
     batch = uneven_batch()
-    planned = worker._micro_batches(batch, train=True)
+    planned = worker.plan(worker.local_batch(batch), train=True)
     before = gather_shards(worker.get_logprobs(batch), batch)
     loss = worker.train(batch, NLLLoss())["loss"]
     return {"before": before, "loss": loss, "after": gather_shards(worker.get_logprobs(batch), batch),
-            "micro_batches": [mb.rows.size for mb in planned]}
+            "micro_batches": [len(mb.rows) for mb in planned]}
 
 
 def padded_then_dynamic(rank: int, world_size: int, model: str) -> dict:
@@ -54,7 +54,7 @@ def padded_then_dynamic(rank: int, world_size: int, model: str) -> dict:
 def test_dynamic_batching_at_two_data_parallel_ranks_equals_padded_micro_batches():
     ranks = run_world(padded_then_dynamic, 2, str(cached_tiny_model("llama")))
     padded, dynamic = [r["padded"] for r in ranks], [r["dynamic"] for r in ranks]
-    # rank 0's three long rows take two micro-batches, rank 1's three short ones one, and an empty one
+    # rank 0's three long rows take two micro-batches, rank 1's three short ones one, and a padding one
     assert [r["micro_batches"] for r in dynamic] == [[2, 1], [3, 0]]
     for a, b in zip(dynamic, padded):
         assert torch.allclose(a["before"], b["before"], atol=1e-5)

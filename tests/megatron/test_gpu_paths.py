@@ -138,14 +138,28 @@ def test_training_after_the_hand_off_is_bit_identical_to_training_without_it() -
     assert handed["recompute"] == ("selective", ["core_attn"]) and plain["recompute"][0] is None
 
 
+@dataclasses.dataclass
+class _Layout:
+    tp: int
+    pp: int
+    sequence_parallel: bool
+
+
 def test_sequence_parallel_pads_every_micro_batch_to_the_tensor_parallel_size() -> None:
-    from nrl_backend_megatron.batching import padded_micro_batches
+    from nrl_backend_megatron.worker import MegatronPolicyWorker
+    from nrl_core.engine import plan_micro_batches
 
     batch = make_batch(rows=4, width=11)
-    for mb in padded_micro_batches(batch, 2, width_multiple=4):
-        assert tuple(mb.input_ids.shape) == (2, 12) and tuple(mb.position_ids.shape) == (2, 12)
-        assert torch.equal(mb.input_ids[:, :11], mb.rows.input_ids) and bool((mb.input_ids[:, 11:] == 0).all())
-    assert padded_micro_batches(batch, 2)[0].input_ids.shape[1] == 11
+    worker = MegatronPolicyWorker.__new__(MegatronPolicyWorker)  # lay_out reads only the policy and layout
+    for sequence_parallel, width in ((True, 12), (False, 11)):
+        worker.policy, worker.layout = {"train_micro_batch_size": 2}, _Layout(tp=4, pp=1,
+                                                                               sequence_parallel=sequence_parallel)
+        mbs = plan_micro_batches(batch, worker.policy, train=True)
+        worker.lay_out(mbs)
+        for mb in mbs:
+            assert tuple(mb.inputs.input_ids.shape) == (2, width) and tuple(mb.inputs.position_ids.shape) == (2, width)
+            assert torch.equal(mb.inputs.input_ids[:, :11], mb.batch.input_ids)
+            assert bool((mb.inputs.input_ids[:, 11:] == 0).all())
 
 
 def test_context_parallel_is_refused_in_one_line() -> None:

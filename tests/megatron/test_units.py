@@ -357,22 +357,3 @@ def test_the_cpu_shim_keeps_the_meta_device_context_and_transformers_loads_intac
     )
     proc = subprocess.run([sys.executable, "-c", code, str(cached_tiny_model("llama"))], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
-
-
-@pytest.mark.parametrize("trailing", [(), (3,)])
-def test_an_empty_packed_bin_keeps_its_loss_in_the_autograd_graph(trailing: tuple[int, ...]) -> None:
-    """Data-parallel ranks pad their packed bins to the same count with empty ones; the (zero)
-    loss of such a bin must still reach the model's output in backward, or Megatron's backward step
-    and the earlier pipeline stages are left without a gradient. Also for ``[b, S, k]`` values."""
-    from nrl_backend_megatron.batching import MicroBatch
-    from nrl_core.contracts import TokenBatch
-
-    rows = TokenBatch(input_ids=torch.zeros(0, 5, dtype=torch.long), input_lengths=torch.zeros(0, dtype=torch.long),
-                      fields={})
-    mb = MicroBatch(rows=rows, input_ids=torch.zeros(1, 8, dtype=torch.long),
-                    position_ids=torch.zeros(1, 8, dtype=torch.long), offsets=[])
-    output = torch.randn(1, 8, *trailing, requires_grad=True)
-    values = mb.row_logprobs(output * 2)
-    assert values.shape == (0, 5, *trailing) and values.requires_grad
-    values.sum().backward()
-    assert output.grad is not None and not output.grad.any()

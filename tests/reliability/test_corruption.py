@@ -68,7 +68,7 @@ def test_dtensor_flipped_shard_falls_back_to_the_previous_checkpoint(tmp_path, c
     check_fallback(manager, shard, caplog)
     fresh = DTensorPolicyWorker(make_config(), 0, 1)
     fresh.load_checkpoint(str(manager.latest_verified() / "policy"))
-    assert fresh.train_step_count == 1
+    assert fresh.step == 1
     assert all(torch.isfinite(p.detach()).all() for p in fresh.model.parameters())  # one rank: plain tensors
 
 

@@ -1,7 +1,8 @@
-"""Splitting this rank's batch into micro-batches: fixed count, dynamic (token budget) or packed.
+"""A micro-batch as the model reads it: right-padded rows, or one packed row.
 
-The grouping itself is the core's (:mod:`nrl_core.data`); this module turns groups into model
-inputs and maps the model's per-token output back to the padded layout the loss expects.
+Which rows form a micro-batch is the engine's (:func:`nrl_core.api.plan_micro_batches`); this
+module turns them into model inputs and maps the model's per-token output back to the padded
+layout the loss expects.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 
 import torch
 
-from nrl_core.api import ConfigError, PackedRows, TokenBatch, dynamic_micro_batches, pack_bins, pack_sequences
+from nrl_core.api import PackedRows, TokenBatch, pack_sequences
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -21,10 +22,9 @@ def _round_up(n: int, multiple: int) -> int:
 
 
 @dataclass(kw_only=True)
-class MicroBatch:
-    """Model inputs for the rows ``rows`` of the local batch, and how to read the output back."""
+class ModelInputs:
+    """One micro-batch's rows as the model reads them, and how to read the output back."""
 
-    rows: list[int]
     input_ids: torch.Tensor
     position_ids: torch.Tensor
     packed: PackedRows | None = None
@@ -40,22 +40,22 @@ class MicroBatch:
         return mask
 
     def to_padded(self, logprobs: torch.Tensor, sub: TokenBatch, shifted: bool = True) -> torch.Tensor:
-        """The model's ``[r, w, ...]`` logprobs as ``[len(rows), sub width, ...]``, zeros past each
+        """The model's ``[r, w, ...]`` logprobs as ``[sub rows, sub width, ...]``, zeros past each
         length. ``shifted=False`` for outputs that read their own position (a value head's)."""
         width = int(sub.input_ids.shape[1])
         trailing = (None,) * (logprobs.dim() - 2)
         if self.packed is not None and not shifted:
-            return self.packed.unpack(logprobs, len(self.rows), width)
+            return self.packed.unpack(logprobs, sub.size, width)
         if self.packed is not None:
             # a segment's first position was "predicted" from the previous segment's last token
             # in the packed row; aligned logprobs are 0 at every sequence's position 0
             not_first = (torch.arange(width, device=logprobs.device) > 0)[(None, slice(None), *trailing)]
-            return self.packed.unpack(logprobs, len(self.rows), width) * not_first
+            return self.packed.unpack(logprobs, sub.size, width) * not_first
         valid = torch.arange(width, device=logprobs.device)[None, :] < sub.input_lengths[:, None].to(logprobs.device)
         return logprobs[:, :width] * valid[(slice(None), slice(None), *trailing)]
 
     def to_model_layout(self, values: torch.Tensor) -> torch.Tensor:
-        """A per-token field of the rows (``[len(rows), T, ...]``, aligned) laid out as the model
+        """A per-token field of the rows (``[n, T, ...]``, aligned) laid out as the model
         input (``[r, w, ...]``), zeros where the input is padding: the inverse of :meth:`to_padded`."""
         rows, width = self.input_ids.shape
         out = values.new_zeros((rows, width, *values.shape[2:]))
@@ -68,47 +68,28 @@ class MicroBatch:
         return out
 
 
-def _padded(sub: TokenBatch, rows: list[int], pad_id: int, multiple: int) -> MicroBatch:
+def _padded(sub: TokenBatch, pad_id: int, multiple: int) -> ModelInputs:
     width = _round_up(max(int(sub.input_ids.shape[1]), 1), multiple)
     ids = torch.full((sub.size, width), pad_id, dtype=sub.input_ids.dtype)
     ids[:, :sub.input_ids.shape[1]] = sub.input_ids
     pos = torch.arange(width).expand(sub.size, width).contiguous()
-    return MicroBatch(rows=rows, input_ids=ids, position_ids=pos)
+    return ModelInputs(input_ids=ids, position_ids=pos)
 
 
-def plan_micro_batches(local: TokenBatch, policy: Mapping[str, Any], *, train: bool, pad_id: int,
-                       width_multiple: int = 1, seed: int = 0) -> list[MicroBatch]:
-    """Micro-batches covering every row of ``local`` exactly once, per ``policy`` settings.
+def model_inputs(sub: TokenBatch, policy: Mapping[str, Any], *, packed: bool, pad_id: int,
+                 width_multiple: int = 1) -> ModelInputs:
+    """``sub``'s rows as model inputs: one packed row (``packed``), else right-padded rows.
 
     ``width_multiple`` pads every input's sequence width to a multiple of it (sequence-parallel
-    sharding needs the tensor-parallel size).
+    sharding needs the tensor-parallel size); packing and dynamic batching also round each
+    sequence to their ``sequence_length_round``.
     """
-    packing = policy.get("sequence_packing") or {}
+    if packed:
+        round_to = int((policy.get("sequence_packing") or {}).get("sequence_length_round") or 1)
+        natural = sum(_round_up(n, round_to) for n in sub.input_lengths.tolist())
+        packing = pack_sequences(sub.input_ids, sub.input_lengths, [list(range(sub.size))], pad_id=pad_id,
+                                 round_to=round_to, row_width=_round_up(natural, lcm(round_to, width_multiple)))
+        return ModelInputs(input_ids=packing.input_ids, position_ids=packing.position_ids, packed=packing)
     dynamic = policy.get("dynamic_batching") or {}
-    if packing.get("enabled") and dynamic.get("enabled"):
-        raise ConfigError("policy.sequence_packing.enabled",
-                          "sequence packing and dynamic batching cannot both be enabled; pick one")
-    lengths = [int(n) for n in local.input_lengths]
-    budget_key = "train_mb_tokens" if train else "logprob_mb_tokens"
-    if packing.get("enabled"):
-        round_to = int(packing.get("sequence_length_round") or 1)
-        budget = packing.get(budget_key) or packing.get("train_mb_tokens")
-        bins = pack_bins(lengths, int(budget), packing.get("algorithm") or "modified_first_fit_decreasing",
-                         round_to=round_to, seed=seed)
-        out = []
-        for rows in bins:
-            sub = local.select(rows)
-            natural = sum(_round_up(n, round_to) for n in sub.input_lengths.tolist())
-            packed = pack_sequences(sub.input_ids, sub.input_lengths, [list(range(len(rows)))], pad_id=pad_id,
-                                    round_to=round_to, row_width=_round_up(natural, lcm(round_to, width_multiple)))
-            out.append(MicroBatch(rows=rows, input_ids=packed.input_ids, position_ids=packed.position_ids,
-                                  packed=packed))
-        return out
-    if dynamic.get("enabled"):
-        round_to = int(dynamic.get("sequence_length_round") or 1)
-        groups = dynamic_micro_batches(lengths, int(dynamic.get(budget_key) or dynamic.get("train_mb_tokens")),
-                                       round_to=round_to)
-        return [_padded(local.select(g), g, pad_id, lcm(round_to, width_multiple)) for g in groups]
-    size = int(policy.get("train_micro_batch_size" if train else "logprob_batch_size") or local.size)
-    groups = [list(range(s, min(s + size, local.size))) for s in range(0, local.size, size)]
-    return [_padded(local.select(g), g, pad_id, width_multiple) for g in groups]
+    round_to = int(dynamic.get("sequence_length_round") or 1) if dynamic.get("enabled") else 1
+    return _padded(sub, pad_id, lcm(round_to, width_multiple))

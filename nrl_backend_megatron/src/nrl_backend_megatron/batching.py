@@ -1,13 +1,12 @@
-"""Split this rank's rows into the micro-batches Megatron's pipeline schedule consumes.
+"""A micro-batch as Megatron's pipeline schedule consumes it.
 
-Every micro-batch of a step has the same ``[rows, tokens]`` shape, because pipeline stages send
-activations of a fixed shape. Without packing, rows are right-padded to the shard's longest
-sequence (with dynamic batching, at pipeline size 1 only, each micro-batch to its own). With packing, sequences are placed first-fit-decreasing into bins of ``mb_tokens``
-tokens (each padded to ``sequence_length_round``), one packed row per micro-batch, and attention
-and RoPE restart at each sequence boundary (``PackedSeqParams`` in THD layout). The number of bins
-is made equal across data-parallel ranks with empty bins, so every rank runs the same schedule.
-
-(A private packer: ``nrl_core.data.packing`` did not exist when this was written.)
+Which rows form a micro-batch is the engine's (:func:`nrl_core.api.plan_micro_batches`). Every
+micro-batch of a step has the same ``[rows, tokens]`` shape, because pipeline stages send
+activations of a fixed shape: without packing, rows are right-padded to the shard's longest
+sequence (with dynamic batching, at pipeline size 1 only, each micro-batch to its own). With
+packing, a bin's sequences lie in one row of ``mb_tokens`` tokens (each padded to
+``sequence_length_round``), and attention and RoPE restart at each sequence boundary
+(``PackedSeqParams`` in THD layout).
 """
 
 from __future__ import annotations
@@ -16,14 +15,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from nrl_core.api import TokenBatch, all_reduce
+from nrl_core.api import TokenBatch
 
 
 @dataclass
-class MicroBatch:
-    """Model inputs for one micro-batch and how to map per-token outputs back to its rows."""
+class ModelInputs:
+    """One micro-batch as the model reads it, and how to map per-token outputs back to its rows."""
 
     rows: TokenBatch
     input_ids: torch.Tensor  # [b, S]
@@ -66,8 +64,6 @@ class MicroBatch:
         for start, length in zip(self.offsets, self.rows.input_lengths.tolist()):
             seg = flat[start + first:start + length]
             out.append(torch.cat([seg.new_zeros((first, *trailing)), seg, seg.new_zeros((width - length, *trailing))]))
-        if not out:  # an empty bin: a view of the output, so its (zero) loss stays in the graph
-            return flat[:0].reshape(0, 1, *trailing).expand(0, width, *trailing)
         return torch.stack(out)
 
     def to_model_layout(self, values: torch.Tensor) -> torch.Tensor:
@@ -102,93 +98,37 @@ def token_logprobs(vocab_parallel_logits: torch.Tensor, input_ids: torch.Tensor,
     return torch.cat([lp.new_zeros(lp.shape[0], 1), lp], dim=1)
 
 
-def padded_micro_batches(shard: TokenBatch, mbs: int, width_multiple: int = 1) -> list[MicroBatch]:
-    """Micro-batches of ``mbs`` rows, right-padded to the shard's longest sequence rounded up to
-    ``width_multiple`` (sequence parallelism splits the sequence over the tensor-parallel ranks)."""
-    if shard.size % mbs:
-        raise ValueError(f"this rank's {shard.size} sequences do not divide into micro-batches of {mbs}; "
-                         "make the global batch a multiple of micro-batch size x data-parallel size")
-    width = _round_up(int(shard.input_ids.shape[1]), width_multiple)
-    out = []
-    for start in range(0, shard.size, mbs):
-        idx = list(range(start, start + mbs))
-        rows = shard.select(idx)
-        ids = torch.nn.functional.pad(rows.input_ids, (0, width - rows.input_ids.shape[1]))
-        pos = torch.arange(width).unsqueeze(0).expand(len(idx), -1).contiguous()
-        out.append(MicroBatch(rows=rows, input_ids=ids, position_ids=pos))
-    return out
+def padded_inputs(rows: TokenBatch, width: int) -> ModelInputs:
+    """``rows`` right-padded to ``width`` tokens (every micro-batch of a pipeline step shares its
+    shape; sequence parallelism splits the width over the tensor-parallel ranks)."""
+    ids = torch.nn.functional.pad(rows.input_ids, (0, width - rows.input_ids.shape[1]))
+    pos = torch.arange(width).unsqueeze(0).expand(rows.size, -1).contiguous()
+    return ModelInputs(rows=rows, input_ids=ids, position_ids=pos)
 
 
-def dynamic_micro_batches(shard: TokenBatch, mb_tokens: int, round_to: int, dp_group: Any,
-                          width_multiple: int = 1) -> list[MicroBatch]:
-    """Micro-batches sized by a token budget (NeMo RL's dynamic batching, the core's grouping:
-    ``rows x padded width <= mb_tokens``), each right-padded to its own longest sequence. Shapes
-    differ between micro-batches, which only a schedule without pipeline stages accepts (checks.py
-    refuses it with pipeline parallelism). Every data-parallel rank runs the same number: the
-    ranks with fewer get empty ones (one row of padding, no rows to report)."""
-    from nrl_core.api import dynamic_micro_batches as group
-
-    lengths = [int(n) for n in shard.input_lengths.tolist()]
-    groups = group(lengths, mb_tokens, round_to) if lengths else []
-    count = torch.tensor([len(groups)], dtype=torch.long)
-    if dist.is_initialized() and dist.get_world_size(dp_group) > 1:
-        all_reduce(count, op=dist.ReduceOp.MAX, group=dp_group)
-    out = []
-    for members in groups:
-        rows = shard.select(sorted(members))
-        width = _round_up(_round_up(int(rows.input_lengths.max()), round_to), width_multiple)
-        ids = torch.nn.functional.pad(rows.input_ids, (0, width - rows.input_ids.shape[1]))
-        pos = torch.arange(width).unsqueeze(0).expand(rows.size, -1).contiguous()
-        out.append(MicroBatch(rows=rows, input_ids=ids, position_ids=pos))
-    width = _round_up(max(round_to, 1), width_multiple)
-    for _ in range(int(count) - len(groups)):
-        # the packed layout of no rows: outputs map to none, and the zero loss stays in the graph
-        out.append(MicroBatch(rows=shard.select([]), input_ids=torch.zeros((1, width), dtype=shard.input_ids.dtype),
-                              position_ids=torch.arange(width).unsqueeze(0), offsets=[]))
-    return out
-
-
-def _round_up(n: int, k: int) -> int:
+def round_up(n: int, k: int) -> int:
     return ((n + k - 1) // k) * k if k > 1 else n
 
 
-def packed_micro_batches(shard: TokenBatch, mb_tokens: int, round_to: int, dp_group: Any,
-                         algorithm: str = "modified_first_fit_decreasing", seed: int = 0) -> list[MicroBatch]:
+def packed_inputs(rows: TokenBatch, mb_tokens: int, round_to: int) -> ModelInputs:
+    """``rows`` packed into one row of ``mb_tokens`` tokens, each sequence padded to
+    ``round_to``; attention and RoPE restart at each boundary (``PackedSeqParams``, THD)."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    from nrl_core.api import pack_bins
-
-    lengths = shard.input_lengths.tolist()
-    sizes = [_round_up(int(n), round_to) for n in lengths]
-    bins = [list(b) for b in pack_bins(lengths, mb_tokens, algorithm, round_to=round_to, seed=seed)]
-    count = torch.tensor([len(bins)], dtype=torch.long)
-    if dist.is_initialized() and dist.get_world_size(dp_group) > 1:
-        all_reduce(count, op=dist.ReduceOp.MAX, group=dp_group)
-    bins += [[] for _ in range(int(count) - len(bins))]
-    out = []
-    for members in bins:
-        members = sorted(members)
-        ids = torch.full((1, mb_tokens), 0, dtype=shard.input_ids.dtype)
-        pos = torch.zeros((1, mb_tokens), dtype=torch.long)
-        cu, offsets, cursor = [0], [], 0
-        for i in members:
-            n = int(lengths[i])
-            ids[0, cursor:cursor + n] = shard.input_ids[i, :n]
-            pos[0, cursor:cursor + sizes[i]] = torch.arange(sizes[i])
-            offsets.append(cursor)
-            cursor += sizes[i]
-            cu.append(cursor)
-        if cursor < mb_tokens:
-            cu.append(mb_tokens)  # trailing padding is its own segment
-        cu_t = torch.tensor(cu, dtype=torch.int32)
-        max_len = int((cu_t[1:] - cu_t[:-1]).max())
-        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_t, cu_seqlens_kv=cu_t,
-                                 max_seqlen_q=max_len, max_seqlen_kv=max_len)
-        rows = shard.select(members) if members else _empty_rows(shard)
-        out.append(MicroBatch(rows=rows, input_ids=ids, position_ids=pos, packed=params, offsets=offsets))
-    return out
-
-
-def _empty_rows(shard: TokenBatch) -> TokenBatch:
-    return TokenBatch(input_ids=shard.input_ids[:0, :1], input_lengths=shard.input_lengths[:0],
-                      fields={k: v[:0, :1] if v.dim() > 1 else v[:0] for k, v in shard.fields.items()})
+    ids = torch.full((1, mb_tokens), 0, dtype=rows.input_ids.dtype)
+    pos = torch.zeros((1, mb_tokens), dtype=torch.long)
+    cu, offsets, cursor = [0], [], 0
+    for i, n in enumerate(rows.input_lengths.tolist()):
+        size = round_up(int(n), round_to)
+        ids[0, cursor:cursor + n] = rows.input_ids[i, :n]
+        pos[0, cursor:cursor + size] = torch.arange(size)
+        offsets.append(cursor)
+        cursor += size
+        cu.append(cursor)
+    if cursor < mb_tokens:
+        cu.append(mb_tokens)  # trailing padding is its own segment
+    cu_t = torch.tensor(cu, dtype=torch.int32)
+    max_len = int((cu_t[1:] - cu_t[:-1]).max())
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_t, cu_seqlens_kv=cu_t,
+                             max_seqlen_q=max_len, max_seqlen_kv=max_len)
+    return ModelInputs(rows=rows, input_ids=ids, position_ids=pos, packed=params, offsets=offsets)

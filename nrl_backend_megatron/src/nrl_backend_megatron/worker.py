@@ -18,7 +18,8 @@ import logging
 import os
 import socket
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -28,13 +29,7 @@ import torch.distributed as dist
 
 from nrl_backend_megatron import cpu_shim, lora
 from nrl_backend_megatron import value_head as heads
-from nrl_backend_megatron.batching import (
-    MicroBatch,
-    dynamic_micro_batches,
-    packed_micro_batches,
-    padded_micro_batches,
-    token_logprobs,
-)
+from nrl_backend_megatron.batching import ModelInputs, packed_inputs, padded_inputs, round_up, token_logprobs
 from nrl_backend_megatron.checkpoint_dir import (
     CheckpointDirError,
     Conversion,
@@ -56,21 +51,19 @@ from nrl_backend_megatron.parallel import check_layout, ensure_process_group, in
 from nrl_backend_megatron.weights import iter_full_tensors
 from nrl_core.api import NONFINITE_KEY as NAN_KEY
 from nrl_core.api import (
-    BatchShard,
     CheckpointOptions,
-    LossFunction,
+    Consume,
+    ForwardRequest,
+    MicroBatch,
     NonFiniteError,
     NrlError,
     ReferenceWeights,
-    TokenBatch,
-    TopkShard,
-    TrainingWorkerBase,
+    TrainingEngine,
     WeightSpec,
     all_reduce,
     base_model_identity,
     broadcast,
     check_batch_device,
-    check_finite,
     guard_enabled,
     host_copy,
     logprob_temperature,
@@ -80,6 +73,7 @@ from nrl_core.api import (
     next_token_logprobs_at,
     next_token_topk,
     to_device,
+    token_budget,
     training_precision,
     value_head_type,
 )
@@ -105,7 +99,7 @@ def _resolve_model_path(name: str) -> str:
     return snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"])
 
 
-class MegatronPolicyWorker(TrainingWorkerBase):
+class MegatronPolicyWorker(TrainingEngine):
     """One rank of the Megatron-Core backend (see the module docstring)."""
 
     backend_name = "megatron"
@@ -303,199 +297,134 @@ class MegatronPolicyWorker(TrainingWorkerBase):
         """HF's ``attention_dropout`` is Megatron's ``attention_dropout`` (0 for released models)."""
         self.tconfig.attention_dropout = float(getattr(self.hf_config, "attention_dropout", 0.0) or 0.0)
 
-    # ------------------------------------------------------------------ forward
-    def _micro_batches(self, batch: TokenBatch, *, train: bool) -> list[MicroBatch]:
-        shard = batch.shard(self.dp_rank, self.dp_size)
-        shard.fields["__row__"] = torch.arange(shard.size)  # where each row's results go back
+    # ------------------------------------------------------------------ engine primitives
+    def lay_out(self, mbs: list[MicroBatch]) -> None:
+        """Padded rows share the shard's width (pipeline stages pass activations of one shape); with
+        dynamic batching each micro-batch has its own; packed bins fill one row of the token budget."""
+        multiple = self.layout.tp if self.layout.sequence_parallel else 1  # sequence parallelism splits it
         packing = self.policy.get("sequence_packing") or {}
-        # sequence parallelism splits every input's sequence dimension over the tensor-parallel ranks
-        multiple = self.layout.tp if self.layout.sequence_parallel else 1
-        if packing.get("enabled"):
-            tokens = packing.get("train_mb_tokens" if train else "logprob_mb_tokens") or \
-                self.policy["max_total_sequence_length"]
-            tokens = -(-int(tokens) // multiple) * multiple
-            return packed_micro_batches(shard, tokens, int(packing.get("sequence_length_round") or 1),
-                                        self.dp_group, algorithm=packing.get("algorithm") or
-                                        "modified_first_fit_decreasing")
         dynamic = self.policy.get("dynamic_batching") or {}
+        if packing.get("enabled"):
+            tokens = round_up(token_budget(self.policy, train=mbs[0].train) or 0, multiple)
+            for mb in mbs:
+                mb.inputs = packed_inputs(mb.batch, tokens, int(packing.get("sequence_length_round") or 1))
+            return
         if dynamic.get("enabled"):
-            tokens = dynamic.get("train_mb_tokens" if train else "logprob_mb_tokens") or \
-                dynamic.get("train_mb_tokens") or self.policy["max_total_sequence_length"]
-            return dynamic_micro_batches(shard, int(tokens), int(dynamic.get("sequence_length_round") or 1),
-                                         self.dp_group, multiple)
-        size = self.policy.get("train_micro_batch_size" if train else "logprob_batch_size") or 1
-        return padded_micro_batches(shard, min(int(size), max(shard.size, 1)), multiple)
+            round_to = int(dynamic.get("sequence_length_round") or 1)
+            for mb in mbs:
+                width = round_up(round_up(int(mb.batch.input_lengths.max()), round_to), multiple)
+                mb.inputs = padded_inputs(mb.batch, width)
+            return
+        if self.layout.pp > 1 and len({mb.batch.size for mb in mbs}) > 1:
+            raise ValueError(f"this rank's {sum(len(mb.rows) for mb in mbs)} sequences do not divide into equal "
+                             "micro-batches; make the global batch a multiple of micro-batch size x data-parallel size")
+        width = round_up(max(int(mb.batch.input_ids.shape[1]) for mb in mbs), multiple)
+        for mb in mbs:
+            mb.inputs = padded_inputs(mb.batch, width)
 
-    def _run(self, mbs: list[MicroBatch], loss_of: Any, *, forward_only: bool) -> list[Any]:
+    def run_micro_batches(self, mbs: list[MicroBatch], request: ForwardRequest, consume: Consume) -> None:
+        """Megatron's pipeline schedule runs the micro-batches; its loss function hands each one's
+        outputs to the engine (on the last stage). Megatron divides the loss by the micro-batch
+        count and its DDP averages over data-parallel ranks: the loss is scaled back by both."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
+        train = mbs[0].train
+        scale = float(len(mbs) * self.dp_size)
+
         def forward_step(data_iterator: Iterator[MicroBatch], model: Any) -> tuple[torch.Tensor, Any]:
-            mb = to_device(next(data_iterator), self.device)
-            with self.recording_routes(None if forward_only else mb.token_mask):
-                out = model(mb.input_ids, mb.position_ids, None, packed_seq_params=mb.packed)
-            return out, partial(loss_of, mb)
+            mb = next(data_iterator)
+            inputs = to_device(mb.inputs, self.device)
+            with self.recording_routes(inputs.token_mask if train and not mb.padding else None):
+                out = model(inputs.input_ids, inputs.position_ids, None, packed_seq_params=inputs.packed)
+            return out, partial(loss_func, mb, inputs)
 
-        seq = int(mbs[0].input_ids.shape[1])
-        rows = int(mbs[0].input_ids.shape[0])
-        return get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter(mbs), model=[self.ddp], num_microbatches=len(mbs),
-            seq_length=seq, micro_batch_size=rows, forward_only=forward_only)
+        def loss_func(mb: MicroBatch, inputs: ModelInputs, output: torch.Tensor) -> tuple[torch.Tensor, dict]:
+            check_batch_device(inputs.rows, output.device, "megatron train")
+            loss = consume(mb, self._outputs(inputs, output, request))
+            return (output.new_zeros(()) if loss is None else loss * scale), {}
 
-    def train(self, batch: TokenBatch, loss_fn: LossFunction) -> dict[str, float]:
-        """One optimizer step on the global batch; metrics summed over micro-batches and ranks."""
-        self.require_on_device("train")
-        self.require_loss_fits(loss_fn)
-        global_tokens, global_seqs = batch.loss_counts()  # every rank holds the global batch
-        mbs = self._micro_batches(batch, train=True)
-        scale = float(len(mbs) * self.dp_size)  # undo Megatron's 1/num_microbatches and DDP's 1/dp
-
-        ids_field = getattr(loss_fn, "gather_ids_field", None)
-
-        def loss_of(mb: MicroBatch, output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-            check_batch_device(mb.rows, output.device, "megatron train")
-            per_token = mb.row_values(self._head_values(output)) if self.value_head \
-                else mb.row_logprobs(self._token_values(mb, output, ids_field))
-            loss, metrics = loss_fn(per_token, mb.rows, global_valid_tokens=global_tokens,
-                                    global_valid_seqs=global_seqs)
-            return loss * scale, {k: torch.tensor(float(v)) for k, v in metrics.items()}
-
-        self.ddp.train()
-        self.ddp.zero_grad_buffer()
-        self.opt.optimizer.zero_grad()
-        if self.router_metrics is not None:
-            self.router_metrics.reset()
+        shape = mbs[0].inputs.input_ids.shape
         try:
-            reported = self._run(mbs, loss_of, forward_only=False)
+            get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=iter(mbs), model=[self.ddp], num_microbatches=len(mbs),
+                seq_length=int(shape[1]), micro_batch_size=int(shape[0]), forward_only=not train)
         except RuntimeError as exc:
-            if "nan" in str(exc).lower() or "inf" in str(exc).lower():
+            if train and ("nan" in str(exc).lower() or "inf" in str(exc).lower()):
                 raise NonFiniteError(f"training step {self.step + 1} (megatron): non-finite gradients found by "
                                      f"Megatron-Core's check ({str(exc).splitlines()[0][:160]}); stopped before the "
                                      f"optimizer step (policy.megatron_cfg.check_for_nan_in_grad: false or "
                                      f"{NAN_KEY}: false trains on regardless)") from None
             raise
-        self._empty_unused_memory("after_forward_backward")
-        metrics = self._reduce_metrics(reported)  # before the step: the guard needs the global loss
+        if train:
+            self._empty_unused_memory("after_forward_backward")
 
-        def guard(grad_norm: float | None) -> None:
-            if guard_enabled(self.policy):
-                check_finite(self.step + 1, {"loss": metrics.get("loss", 0.0), "grad_norm": grad_norm},
-                             backend="megatron")
+    def _outputs(self, inputs: ModelInputs, output: torch.Tensor, request: ForwardRequest) -> tuple[torch.Tensor, ...]:
+        """What ``request`` asks for from the last stage's output: logprobs from the
+        vocabulary-parallel logits without a full-vocabulary gather (:mod:`nrl_core.sdk.vocab`), or
+        the value head's ``[b, S, 1]`` as ``[b, S]`` float32."""
+        if request.kind == "values":
+            return (inputs.row_values(output.squeeze(-1).float()),)
+        if request.kind == "topk":
+            lp, ids = next_token_topk(output, request.k, temperature=self.temperature, tp_group=self.tp_group,
+                                      vocab_size=self.hf_config.vocab_size)
+            return inputs.row_logprobs(lp), inputs.row_logprobs(ids)
+        if request.kind == "gathered":
+            ids = inputs.to_model_layout(inputs.rows.fields[request.ids_field]).to(output.device)
+            return (inputs.row_logprobs(next_token_logprobs_at(output, ids, temperature=self.temperature,
+                                                                tp_group=self.tp_group)),)
+        return (inputs.row_logprobs(token_logprobs(output, inputs.input_ids, self.temperature)),)
 
-        updated, grad_norm = optimizer_step(self.opt, guard)
+    def set_mode(self, train: bool) -> None:
+        self.ddp.train(train)
+
+    def zero_grad(self) -> None:
+        self.ddp.zero_grad_buffer()
+        self.opt.optimizer.zero_grad()
+        if self.router_metrics is not None:
+            self.router_metrics.reset()
+
+    def optimizer_step(self, check: Callable[[float], None]) -> dict[str, float]:
+        updated, grad_norm = optimizer_step(self.opt, lambda norm: check(float("nan") if norm is None else norm))
         self._empty_unused_memory("after_optimizer_step")
         if updated:
             self.opt.scheduler.step(increment=1)
-        self.step += 1
-        metrics.update(grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
-                       lr=float(self.opt.optimizer.param_groups[0]["lr"]), updated=float(updated))
-        if self.router_metrics is not None:
-            metrics.update(self.router_metrics.collect(len(mbs), self.dp_size // self.layout.cp))
-        return metrics
+        return {"grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+                "lr": float(self.opt.optimizer.param_groups[0]["lr"]), "updated": float(updated)}
 
-    def _reduce_metrics(self, reported: list[dict[str, torch.Tensor]]) -> dict[str, float]:
-        names = sorted({k for r in reported for k in r})
-        # Every rank must agree on the names: take them from the last pipeline stage.
-        names_obj = [names]
+    def step_metrics(self, micro_batches: int) -> dict[str, float]:
+        if self.router_metrics is None:
+            return {}
+        return self.router_metrics.collect(micro_batches, self.dp_size // self.layout.cp)
+
+    def reduce_metrics(self, sums: dict[str, float]) -> dict[str, float]:
+        """Only the last pipeline stage computed the loss: its names and sums go to the other
+        stages first, then every stage sums over data-parallel ranks."""
+        names_obj = [sorted(sums)]
         if self.layout.pp > 1:
             dist.broadcast_object_list(names_obj, src=dist.get_global_rank(self.pp_group, self.layout.pp - 1),
                                        group=self.pp_group)
         names = names_obj[0]
-        values = torch.tensor([sum(float(r[k]) for r in reported if k in r) for k in names] if self.is_last_stage
-                              else [0.0] * len(names), dtype=torch.float64)
+        values = torch.tensor([sums.get(k, 0.0) for k in names] if self.is_last_stage else [0.0] * len(names),
+                              dtype=torch.float64)
         if self.layout.pp > 1:
             broadcast(values, src=dist.get_global_rank(self.pp_group, self.layout.pp - 1), group=self.pp_group)
         if self.dp_size > 1:
             all_reduce(values, group=self.dp_group)
         return {k: float(v) for k, v in zip(names, values.tolist())}
 
-    @staticmethod
-    def _head_values(output: torch.Tensor) -> torch.Tensor:
-        """The value head's ``[b, S, 1]`` output (GPTModel's layout) as ``[b, S]`` float32."""
-        return output.squeeze(-1).float()
+    @property
+    def reports_results(self) -> bool:
+        """The group's tensor-parallel rank 0 on the last pipeline stage has the outputs."""
+        return self.is_last_stage and self.tp_rank == 0
 
-    def _token_values(self, mb: MicroBatch, output: torch.Tensor, ids_field: str | None) -> torch.Tensor:
-        """Token logprobs ``[b, S]`` from the vocabulary-parallel logits, or with ``ids_field`` the
-        logprobs of those ids ``[b, S, k]`` (:mod:`nrl_core.sdk.vocab`: no full-vocabulary gather)."""
-        if ids_field is None:
-            return token_logprobs(output, mb.input_ids, self.temperature)
-        ids = mb.to_model_layout(mb.rows.fields[ids_field]).to(output.device)
-        return next_token_logprobs_at(output, ids, temperature=self.temperature, tp_group=self.tp_group)
-
-    @torch.no_grad()
-    def get_logprobs(self, batch: TokenBatch) -> BatchShard | None:
-        """Float32 logprobs of this data-parallel group's shard; returned by the group's
-        tensor-parallel rank 0 on the last pipeline stage (the rank that has them), else ``None``."""
-        self.require_lm_head("get_logprobs")
-        self.require_on_device("get_logprobs")
-        out = self._per_token(batch, lambda mb, output: (self._token_values(mb, output, None),))
-        return None if out is None else BatchShard(rows=out[0], values=out[1].float())
-
-    @torch.no_grad()
-    def get_gathered_logprobs(self, batch: TokenBatch, ids_field: str) -> BatchShard | None:
-        """Logprobs ``[n, T, k]`` of the ids in ``batch.fields[ids_field]`` (``TopkScorer``)."""
-        self.require_lm_head("get_gathered_logprobs")
-        self.require_on_device("get_gathered_logprobs")
-        out = self._per_token(batch, lambda mb, output: (self._token_values(mb, output, ids_field),))
-        return None if out is None else BatchShard(rows=out[0], values=out[1].float())
-
-    @torch.no_grad()
-    def get_topk_logprobs(self, batch: TokenBatch, k: int) -> TopkShard | None:
-        """The ``k`` likeliest next tokens at every position (``TopkScorer``): each tensor-parallel
-        rank takes the top-k of its vocabulary shard and only those candidates cross ranks."""
-        self.require_lm_head("get_topk_logprobs")
-        self.require_on_device("get_topk_logprobs")
-        out = self._per_token(batch, lambda mb, output: next_token_topk(
-            output, k, temperature=self.temperature, tp_group=self.tp_group, vocab_size=self.hf_config.vocab_size))
-        return None if out is None else TopkShard(rows=out[0], logprobs=out[1].float(), ids=out[2].long())
-
-    @torch.no_grad()
-    def get_values(self, batch: TokenBatch) -> BatchShard | None:
-        """The value head at every position, ``[n, T]`` float32 (``ValueScorer``: unshifted, zero
-        past each row's length), returned as :meth:`get_logprobs` returns logprobs."""
-        self.require_value_head("get_values")
-        self.require_on_device("get_values")
-        out = self._per_token(batch, lambda mb, output: (self._head_values(output),), shifted=False)
-        return None if out is None else BatchShard(rows=out[0], values=out[1].float())
-
-    def _per_token(self, batch: TokenBatch, values_of: Any, *, shifted: bool = True) -> tuple[Any, ...] | None:
-        """``values_of(mb, logits)``'s per-token outputs over this data-parallel group's shard, as
-        ``(rows, *outputs)`` on the group's tensor-parallel rank 0 of the last pipeline stage (the
-        rank that has them), else ``None``. ``shifted``: logprobs (see ``MicroBatch.row_logprobs``),
-        else values (``row_values``)."""
-        mbs = self._micro_batches(batch, train=False)
-        collected: list[list[torch.Tensor]] = []
-
-        def loss_of(mb: MicroBatch, output: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
-            rows = mb.row_logprobs if shifted else mb.row_values
-            collected.append([rows(part).cpu() for part in values_of(mb, output)])
-            return output.new_zeros(()), {}
-
-        self.ddp.eval()
-        self._run(mbs, loss_of, forward_only=True)
-        self.ddp.train()
-        if not self.is_last_stage or self.tp_rank != 0:
-            return None
-        width, size = int(batch.input_ids.shape[1]), batch.size // self.dp_size
-        outs = [torch.zeros((size, width, *p.shape[2:]), dtype=p.dtype) for p in collected[0]] if collected \
-            else [torch.zeros((size, width))]
-        for mb, parts in zip(mbs, collected):
-            for out, part in zip(outs, parts):
-                out[self._row_ids(mb), : part.shape[1]] = part
-        return (batch.shard_rows(self.dp_rank, self.dp_size), *outs)
-
-    @staticmethod
-    def _row_ids(mb: MicroBatch) -> list[int]:
-        return mb.rows.fields["__row__"].tolist()
-
-    def get_reference_logprobs(self, batch: TokenBatch) -> BatchShard | None:
-        """Logprobs under the initial weights: swap them in, compute, swap back."""
-        self.require_lm_head("get_reference_logprobs")
+    @contextmanager
+    def reference_policy(self) -> Iterator[None]:
+        """The initial weights swapped in (with LoRA: the adapters switched off)."""
         self._sync_params()  # else the pending gather would overwrite the swapped-in weights
         with self.reference.swapped_in() if self.reference is not None else lora.disabled(self.adapters):
             self._empty_unused_memory("reference_swapped_in")
-            out = self.get_logprobs(batch)
+            yield
         self._empty_unused_memory("reference_swapped_out")
-        return out
 
     def _empty_unused_memory(self, point: str) -> None:
         """``empty_unused_memory_level``: empty the CUDA cache at ``point`` where NeMo RL's worker does."""
