@@ -1,7 +1,7 @@
 """Training step time: the DTensor backend vs the Megatron backend, same tiny model and batch.
 
 Each backend runs in its own spawned process (world of 1, gloo, so Megatron's CPU shim never
-touches the DTensor run), is built through the plugin registry exactly as ``nrl train`` would
+touches the DTensor run), is built from the spec its plugin's hook returns, as ``nrl train`` would
 (section validated by the plugin's own schema), does ``--warmup`` steps and then ``--steps`` timed
 ``train`` calls with the core's NLL loss. Prints per-backend median seconds per step, the ratio
 megatron/dtensor, and one JSON line.
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import inspect
 import json
 import os
@@ -73,10 +74,12 @@ def _measure(backend: str, model: str, args: argparse.Namespace) -> dict[str, An
 
     from nrl_core.algorithms.loss import NLLLoss
     from nrl_core.contracts import TokenBatch, import_object
-    from nrl_core.plugins import get_plugin_manager
 
     dist.init_process_group("gloo", rank=0, world_size=1)
-    spec = get_plugin_manager().training_backends().get(backend, "policy")
+    # the spec straight from the plugin's hook module (its entry point): the registry would hold the
+    # installed metadata's nrl-core requirement against an older commit's core
+    hooks = importlib.import_module(f"nrl_backend_{backend}.plugin")
+    spec = next(s for s in hooks.nrl_training_backends() if s.name == backend)
     worker = import_object(spec.worker)({"policy": _policy(model, args, backend, spec)}, rank=0, world_size=1)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(4, 500, (args.batch, args.seq), generator=g)

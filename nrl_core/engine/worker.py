@@ -26,6 +26,10 @@ from nrl_core.errors import NrlError
 from nrl_core.nonfinite import check_finite, guard_enabled
 from nrl_core.sdk.base import TrainingWorkerBase
 
+#: The contract method that asks for each kind of output, for one-line refusals.
+SCORING_METHODS = {"logprobs": "get_logprobs", "values": "get_values", "topk": "get_topk_logprobs",
+                   "gathered": "get_gathered_logprobs"}
+
 #: ``consume(micro_batch, outputs)``: the SDK's use of one forward's outputs; returns the loss to
 #: back-propagate while training (None while scoring).
 Consume = Callable[[MicroBatch, tuple[torch.Tensor, ...]], torch.Tensor | None]
@@ -199,7 +203,7 @@ class TrainingEngine(TrainingWorkerBase):
     def score(self, batch: TokenBatch, request: ForwardRequest) -> tuple[Any, ...] | None:
         """``request``'s outputs over this rank's shard in the batch's padded layout, as
         ``(rows, *outputs)`` on the rank that reports them, else None."""
-        self.require_on_device(f"scoring ({request.kind})")
+        self.require_on_device(SCORING_METHODS[request.kind])
         local = self.local_batch(batch)
         width = int(batch.input_ids.shape[1])
         outs: list[torch.Tensor] = []
