@@ -161,6 +161,7 @@ _SECTIONS: dict[str, dict[str, str]] = {
         "TrainingWorkerBase": "nrl_core.sdk",
         "TrainingEngine": "nrl_core.engine",
         "Consume": "nrl_core.engine",
+        "KINDS": "nrl_core.engine",
         "ForwardRequest": "nrl_core.engine",
         "MicroBatch": "nrl_core.engine",
         "plan_micro_batches": "nrl_core.engine",

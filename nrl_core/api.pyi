@@ -116,6 +116,7 @@ from nrl_core.device import move_tensors as move_tensors
 from nrl_core.device import process_group_backend as process_group_backend
 from nrl_core.device import resolve_precision as resolve_precision
 from nrl_core.device import to_device as to_device
+from nrl_core.engine import KINDS as KINDS
 from nrl_core.engine import Consume as Consume
 from nrl_core.engine import ForwardRequest as ForwardRequest
 from nrl_core.engine import MicroBatch as MicroBatch
@@ -227,6 +228,7 @@ __all__ = [
     "GenerationWorker",
     "HFWeightSource",
     "InFlightUpdater",
+    "KINDS",
     "LM_HEAD_SUFFIXES",
     "LossFunction",
     "LossFunctionSpec",

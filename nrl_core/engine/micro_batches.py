@@ -96,7 +96,8 @@ def plan_micro_batches(local: TokenBatch, policy: Mapping[str, Any], *, train: b
                        group: Any = None) -> list[MicroBatch]:
     """Micro-batches covering every row of ``local`` once, as ``policy`` says; where the count
     depends on the data (packing, dynamic batching) it is made equal over ``group`` (None: the
-    world) with padding micro-batches."""
+    world) with padding micro-batches. Fixed-size plans need no collective: every rank's shard has
+    the same size (``TrainingEngine.local_batch`` refuses a batch that does not divide)."""
     packed = bool((policy.get("sequence_packing") or {}).get("enabled"))
     section = _token_section(policy)
     lengths = [int(n) for n in local.input_lengths]
@@ -113,7 +114,8 @@ def plan_micro_batches(local: TokenBatch, policy: Mapping[str, Any], *, train: b
     else:
         groups = [sorted(g) for g in dynamic_micro_batches(lengths, budget, round_to=round_to)] if lengths else []
     count = _max_over(len(groups), group)
-    stand_in = local.select([0]) if local.size else local
+    # the shortest row stands in for a padding micro-batch: the cheapest real forward and backward
+    stand_in = local.select([min(range(local.size), key=lambda r: lengths[r])]) if local.size else local
     out = [MicroBatch(rows=g, batch=local.select(g), train=train, packed=packed) for g in groups]
     return out + [MicroBatch(rows=[], batch=stand_in, train=train, packed=packed) for _ in range(count - len(groups))]
 

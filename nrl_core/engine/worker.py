@@ -40,6 +40,9 @@ class TrainingEngine(TrainingWorkerBase):
     ``dp_rank``, ``dp_size`` and ``dp_group`` when it shards data, and ``reference`` (a
     :class:`~nrl_core.sdk.ReferenceWeights`) when it has a reference policy."""
 
+    #: The kinds of :class:`ForwardRequest` this backend's ``forward`` answers (``topk`` and
+    #: ``gathered`` with the ``topk_logprobs`` capability, ``values`` with ``value_head``).
+    forward_outputs: frozenset[str] = frozenset({"logprobs"})
     dp_rank = 0
     dp_size = 1
     dp_group: Any = None
@@ -114,6 +117,14 @@ class TrainingEngine(TrainingWorkerBase):
             raise NrlError(f"{self.backend_name} worker rank {self.rank}: this model has no reference policy")
         return self.reference.swapped_in()
 
+    def require_output(self, request: ForwardRequest, what: str) -> ForwardRequest:
+        """Refuse in one line a request this backend's forward does not answer."""
+        if request.kind not in self.forward_outputs:
+            raise NrlError(f"{self.backend_name} worker rank {self.rank}: {what} needs {request.kind} from the "
+                           f"forward, which returns only {', '.join(sorted(self.forward_outputs))}; declare the "
+                           "capability only for outputs the forward returns")
+        return request
+
     @property
     def reports_results(self) -> bool:
         """Whether this rank returns its data-parallel group's scores (one rank per group does)."""
@@ -151,9 +162,10 @@ class TrainingEngine(TrainingWorkerBase):
                 sums[key] = sums.get(key, 0.0) + float(value)
             return loss
 
+        request = self.require_output(ForwardRequest.for_loss(loss_fn), "train")
         self.set_mode(True)
         self.zero_grad()
-        self.run_micro_batches(mbs, ForwardRequest.for_loss(loss_fn), consume)
+        self.run_micro_batches(mbs, request, consume)
         metrics = self.reduce_metrics(sums)
 
         def check(grad_norm: float) -> None:
@@ -204,6 +216,7 @@ class TrainingEngine(TrainingWorkerBase):
         """``request``'s outputs over this rank's shard in the batch's padded layout, as
         ``(rows, *outputs)`` on the rank that reports them, else None."""
         self.require_on_device(SCORING_METHODS[request.kind])
+        self.require_output(request, SCORING_METHODS[request.kind])
         local = self.local_batch(batch)
         width = int(batch.input_ids.shape[1])
         outs: list[torch.Tensor] = []

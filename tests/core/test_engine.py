@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from nrl_core.algorithms.loss import NLLLoss
-from nrl_core.contracts import TokenBatch
+from nrl_core.contracts import CheckpointOptions, TokenBatch
 from nrl_core.engine import ForwardRequest, MicroBatch, TrainingEngine, plan_micro_batches
-from nrl_core.errors import ConfigError
+from nrl_core.engine.state_file import StateFileCheckpoints
+from nrl_core.errors import ConfigError, NrlError
 from nrl_core.nonfinite import NonFiniteError
 from nrl_core.sdk import ReferenceWeights
 
@@ -39,7 +40,7 @@ class ToyEngine(TrainingEngine):
         torch.manual_seed(0)
         self.rank, self.device = 0, torch.device("cpu")
         self.policy = {"train_micro_batch_size": micro, "logprob_batch_size": micro, "max_grad_norm": 1.0,
-                       "seed": 0, "max_total_sequence_length": 8, **policy}
+                       "seed": 0, "max_total_sequence_length": 8, "model_name": "toy", **policy}
         self.model = ToyLM()
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.5)
         self.reference = ReferenceWeights(self.model.parameters())
@@ -144,3 +145,49 @@ def test_a_non_finite_loss_stops_before_the_weights_change() -> None:
     with pytest.raises(NonFiniteError, match="training step 1 \\(toy\\)"):
         engine.train(make_batch(), Diverged())
     assert engine.step == 0 and all(torch.equal(p, w) for p, w in zip(engine.model.parameters(), weights))
+
+
+def test_a_request_the_forward_does_not_answer_is_one_line() -> None:
+    with pytest.raises(NrlError, match=r"^toy worker rank 0: get_topk_logprobs needs topk from the forward, which "
+                                       r"returns only logprobs; declare the capability"):
+        ToyEngine(4).get_topk_logprobs(make_batch(), 2)
+
+
+def test_state_file_checkpoints_round_trip_and_refuse_what_does_not_fit(tmp_path) -> None:
+    batch = make_batch()
+    engine = ToyEngine(4)
+    engine.scheduler = torch.optim.lr_scheduler.StepLR(engine.optimizer, step_size=1, gamma=0.5)
+    checkpoints = StateFileCheckpoints(engine)
+    engine.train(batch, NLLLoss())
+    checkpoints.save(str(tmp_path / "a"), CheckpointOptions(async_save=True))
+    checkpoints.finalize()
+    expected = engine.train(batch, NLLLoss())
+    fresh = ToyEngine(4)
+    fresh.scheduler = torch.optim.lr_scheduler.StepLR(fresh.optimizer, step_size=1, gamma=0.5)
+    StateFileCheckpoints(fresh).load(str(tmp_path / "a"), CheckpointOptions())
+    assert fresh.step == 1 and fresh.optimizer.param_groups[0]["lr"] == 0.25  # the schedule resumed too
+    assert fresh.train(batch, NLLLoss())["loss"] == expected["loss"]
+
+    other = ToyEngine(4)  # no scheduler: refused before anything changes
+    weights = [p.detach().clone() for p in other.model.parameters()]
+    with pytest.raises(NrlError, match="saved with an LR scheduler, but this run has none"):
+        StateFileCheckpoints(other).load(str(tmp_path / "a"), CheckpointOptions())
+    other.optimizer = torch.optim.SGD([next(other.model.parameters())], lr=0.5)  # another optimizer setup
+    other.scheduler = fresh.scheduler
+    with pytest.raises(NrlError, match=r"its optimizer has parameter groups of \[3\] tensors, this run's \[1\]"):
+        StateFileCheckpoints(other).load(str(tmp_path / "a"), CheckpointOptions())
+    assert all(torch.equal(p, w) for p, w in zip(other.model.parameters(), weights)) and other.step == 0
+
+
+def test_a_failed_asynchronous_save_raises_at_finalize(tmp_path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    checkpoints = StateFileCheckpoints(ToyEngine(4))
+    with pytest.raises(NrlError, match="^checkpoint save failed: (NotADirectoryError|FileExistsError)"):
+        checkpoints.save(str(blocker / "a"), CheckpointOptions())  # a synchronous save fails at once
+    (tmp_path / "b").mkdir()
+    checkpoints.file_name = "missing/state.pt"  # the write itself fails, in the thread
+    checkpoints.save(str(tmp_path / "b"), CheckpointOptions(async_save=True))
+    with pytest.raises(NrlError, match=r"^checkpoint save failed: \w+: .*missing"):
+        checkpoints.finalize()
+    checkpoints.finalize()  # reported once

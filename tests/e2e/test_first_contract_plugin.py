@@ -50,5 +50,5 @@ def test_grpo_on_the_example_engine_backend_with_the_kl_penalty_checkpoints_and_
     rows = [row for row in metrics(tmp_path) if "train/loss" in row]
     assert len(rows) == 2 and finite(rows)
     assert sorted(p.name for p in (tmp_path / "ckpt").glob("step_*")) == ["step_1", "step_2"]
-    assert (tmp_path / "ckpt" / "step_2" / "policy" / "state.pt").is_file()  # the example backend's own format
+    assert (tmp_path / "ckpt" / "step_2" / "policy" / "example_state.pt").is_file()  # the example backend's own
     assert list((tmp_path / "ckpt").rglob("model.safetensors")), "no HF export"

@@ -41,7 +41,7 @@ def test_installed_distribution_is_listed_with_its_hooks(site):
     proc = nrl(site, "plugins", "--json")
     assert proc.returncode == 0, proc.stderr
     plugins = {p["name"]: p for p in json.loads(proc.stdout)}
-    assert plugins["example"] == {"name": "example", "distribution": "nrl-example-plugin", "version": "1.2.3",
+    assert plugins["example"] == {"name": "example", "distribution": "nrl-example-plugin", "version": "1.3.0",
                                   "contract": 14, "hooks": ["nrl_algorithms", "nrl_training_backends"]}
     assert plugins["nrl_core.builtin"]["distribution"] == "nrl-core"
 

@@ -31,6 +31,7 @@ from nrl_backend_dtensor.moe import RouterMetrics, check_tensor_parallel
 from nrl_backend_dtensor.optim import build_optimizer, build_scheduler, clip_grad_norm
 from nrl_backend_dtensor.parallel import apply_fsdp, apply_tensor_parallel, build_layout
 from nrl_core.api import (
+    KINDS,
     CheckpointOptions,
     ConfigError,
     ForwardRequest,
@@ -64,6 +65,7 @@ class DTensorPolicyWorker(TrainingEngine):
     """One training rank (see the module docstring and ``nrl_core.contracts.TrainingWorker``)."""
 
     backend_name = "dtensor"
+    forward_outputs = frozenset(KINDS)
     lazy_imports = ("transformers.modeling_utils", "transformers.models.auto.modeling_auto")  # the HF model's load
 
     def __init__(self, config: dict[str, Any], rank: int | None = None, world_size: int | None = None) -> None:

@@ -14,6 +14,7 @@ head in place of the output layer (:mod:`nrl_backend_megatron.value_head`): the 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
@@ -49,8 +50,8 @@ from nrl_backend_megatron.moe import RouterMetrics, check_moe_section, freeze_ro
 from nrl_backend_megatron.optim import build_optimizer, fresh_optimizer, main_params, optimizer_step
 from nrl_backend_megatron.parallel import check_layout, ensure_process_group, init_model_parallel
 from nrl_backend_megatron.weights import iter_full_tensors
-from nrl_core.api import NONFINITE_KEY as NAN_KEY
 from nrl_core.api import (
+    KINDS,
     CheckpointOptions,
     Consume,
     ForwardRequest,
@@ -77,6 +78,7 @@ from nrl_core.api import (
     training_precision,
     value_head_type,
 )
+from nrl_core.api import NONFINITE_KEY as NAN_KEY
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +105,7 @@ class MegatronPolicyWorker(TrainingEngine):
     """One rank of the Megatron-Core backend (see the module docstring)."""
 
     backend_name = "megatron"
+    forward_outputs = frozenset(KINDS)
     lazy_imports = ("megatron.core", "megatron.core.models.gpt.gpt_model", "megatron.core.optimizer",
                     "transformers.modeling_utils")  # what building the GPT model and its optimizer imports
 
@@ -334,13 +337,14 @@ class MegatronPolicyWorker(TrainingEngine):
         def forward_step(data_iterator: Iterator[MicroBatch], model: Any) -> tuple[torch.Tensor, Any]:
             mb = next(data_iterator)
             inputs = to_device(mb.inputs, self.device)
-            with self.recording_routes(inputs.token_mask if train and not mb.padding else None):
+            with self.recording_routes(mb.inputs.token_mask if train and not mb.padding else None):  # host copy
                 out = model(inputs.input_ids, inputs.position_ids, None, packed_seq_params=inputs.packed)
             return out, partial(loss_func, mb, inputs)
 
         def loss_func(mb: MicroBatch, inputs: ModelInputs, output: torch.Tensor) -> tuple[torch.Tensor, dict]:
-            check_batch_device(inputs.rows, output.device, "megatron train")
-            loss = consume(mb, self._outputs(inputs, output, request))
+            check_batch_device(inputs.rows, output.device, f"megatron {'train' if train else 'scoring'}")
+            # the rows already on the device, so the engine does not copy them again
+            loss = consume(dataclasses.replace(mb, batch=inputs.rows), self._outputs(inputs, output, request))
             return (output.new_zeros(()) if loss is None else loss * scale), {}
 
         shape = mbs[0].inputs.input_ids.shape

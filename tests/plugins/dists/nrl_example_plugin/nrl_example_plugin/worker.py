@@ -55,7 +55,7 @@ class ExampleWorker(TrainingEngine):
         self.hf_config = self.model.config
         self.reference = ReferenceWeights(self.model.parameters())  # the initial weights, for the KL penalty
         self.optimizer = torch.optim.AdamW(self.model.parameters(), **(optimizer.get("kwargs") or {}))
-        self.checkpoints, self.section = StateFileCheckpoints(self), self.policy["example_cfg"]
+        self.checkpoints, self.section = StateFileCheckpoints(self, "example_state.pt"), self.policy["example_cfg"]
 
     def forward(self, mb: MicroBatch, request: ForwardRequest) -> tuple[torch.Tensor, ...]:
         """``[n, T]`` log p(token_t | tokens_<t) under softmax(logits / T); 0 at position 0 and padding."""
