@@ -247,9 +247,9 @@ def build_parser() -> argparse.ArgumentParser:
     tiny = sub.add_parser("tiny-model", help="write a tiny random-init HF model with a locally trained tokenizer")
     tiny.add_argument("out", help="output directory")
     tiny.add_argument("--family", default="llama", choices=FAMILIES)
-    tiny.add_argument("--size", default="small", choices=("tiny", "small", "bench"),
+    tiny.add_argument("--size", default="small", choices=("tiny", "small", "bench", "gpu"),
                       help="llama: tiny 0.14M parameters (16-wide heads: vLLM on CPU refuses it), "
-                           "small 0.92M, bench 25.7M")
+                           "small 0.92M, bench 25.7M, gpu 0.69B (the GPU acceptance run, memory benchmarks)")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--layers", type=int, default=None,
                       help="decoder layers instead of the size's (a shallower student for distillation)")

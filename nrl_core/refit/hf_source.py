@@ -49,9 +49,11 @@ class HFWeightSource:
         self.model = model
 
     def _named(self, dtype: str) -> Iterator[tuple[str, torch.Tensor]]:
+        """Each tensor cast as it is taken (the layout's split makes views), so a stream in
+        another dtype holds one bucket of casts at a time, not the whole model."""
         target = parse_dtype(dtype)
-        state = {name: tensor.detach().to(target) for name, tensor in self.model.state_dict().items()}
-        yield from checkpoint_layout(self.model, state)
+        for name, tensor in checkpoint_layout(self.model, self.model.state_dict()):
+            yield name, tensor.detach().to(target)
 
     def weight_manifest(self, dtype: str) -> list[WeightSpec]:
         name = dtype_name(parse_dtype(dtype))

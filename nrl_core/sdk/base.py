@@ -23,7 +23,9 @@ from nrl_core.errors import ConfigError, NrlError
 from nrl_core.sdk.hf_export import write_hf_export
 
 PRECISIONS = ("float32", "bfloat16", "float16")
-EXPORT_BUCKET_BYTES = 1 << 30
+#: The HF export writes each bucket as it arrives, so its peak is the bucket in flight (or the
+#: largest tensor): small buckets, as an export runs once per run and few collectives do not matter.
+EXPORT_BUCKET_BYTES = 64 << 20
 
 
 def training_precision(policy: Mapping[str, Any], device: torch.device) -> str:

@@ -3,12 +3,12 @@
 The stream (``export_weights``) is what refit sends and what the conformance kit checks against
 the HF model, so an export built from it cannot disagree with what generation engines load. Rank
 0 writes safetensors in HF's checkpoint layout (shards of at most ``max_shard_bytes`` with an
-index, as ``save_pretrained`` does), the config with the exported dtype, and the tokenizer."""
+index, as ``save_pretrained`` does) as the stream arrives, the config with the exported dtype, and
+the tokenizer."""
 
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import shutil
 from collections.abc import Iterable
@@ -17,24 +17,13 @@ from typing import Any
 
 import torch
 
+from nrl_core.sdk.safetensors_stream import ShardWriter
+
 logger = logging.getLogger(__name__)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                    "merges.txt", "tokenizer.model", "chat_template.jinja", "added_tokens.json")
 MAX_SHARD_BYTES = 5 * 2**30  # save_pretrained's default shard size
-
-
-def _shards(state: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, tensor in state.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        if shards[-1] and size + nbytes > max_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = tensor
-        size += nbytes
-    return shards
 
 
 def copy_tokenizer(source: str, out: Path) -> None:
@@ -55,25 +44,19 @@ def copy_tokenizer(source: str, out: Path) -> None:
 def write_hf_export(buckets: Iterable[list[tuple[str, torch.Tensor]]], hf_config: Any, tokenizer_source: str,
                     path: str, *, dtype: str, writer: bool, max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
     """Consume ``buckets`` (every rank must: the stream is collective) and, on the ``writer``
-    rank, write the export to ``path``. Returns after the writer has finished (a barrier)."""
-    from safetensors.torch import save_file
-
-    state = {name: tensor.detach().contiguous().cpu() for bucket in buckets for name, tensor in bucket}
+    rank, write the export to ``path`` tensor by tensor (:mod:`nrl_core.sdk.safetensors_stream`);
+    no rank holds more than the bucket in flight. Returns after the writer has finished (a barrier)."""
+    out = Path(path)
+    writer_shards = None
     if writer:
-        out = Path(path)
         out.mkdir(parents=True, exist_ok=True)
-        shards = _shards(state, max_shard_bytes)
-        if len(shards) == 1:
-            save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
-        else:
-            weight_map = {}
-            for i, shard in enumerate(shards, 1):
-                file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-                save_file(shard, str(out / file), metadata={"format": "pt"})
-                weight_map.update(dict.fromkeys(shard, file))
-            total = sum(t.numel() * t.element_size() for t in state.values())
-            (out / "model.safetensors.index.json").write_text(
-                json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+        writer_shards = ShardWriter(out, max_shard_bytes)
+    for bucket in buckets:  # each bucket is written, then dropped: the export never holds the model
+        if writer_shards is not None:
+            writer_shards.add_bucket(bucket)
+        bucket.clear()
+    if writer_shards is not None:
+        writer_shards.close()
         config = copy.deepcopy(hf_config)
         config.dtype = getattr(torch, dtype)  # what the files hold: HF loads "auto" from it
         config.save_pretrained(str(out))

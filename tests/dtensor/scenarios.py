@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -20,6 +21,7 @@ def fsdp_and_checkpoints(rank: int, world_size: int, root: str) -> dict[str, Any
     out: dict[str, Any] = {}
     batch = make_batch()
     w = DTensorPolicyWorker(make_config(), rank, world_size)
+    out["load"] = dataclasses.asdict(w.load_stats)
     out["logprobs"] = gather_shards(w.get_logprobs(batch), batch)
     out["losses"] = [w.train(batch, NLLLoss())["loss"] for _ in range(2)]
     out["logprobs_after"] = gather_shards(w.get_logprobs(batch), batch)
@@ -55,6 +57,7 @@ def tensor_parallel(rank: int, world_size: int) -> dict[str, Any]:
     for sp in (False, True):
         cfg = make_config(dtensor_config={"tensor_parallel_size": 2, "sequence_parallel": sp})
         w = DTensorPolicyWorker(cfg, rank, world_size)
+        out[f"sp={sp}/load"] = dataclasses.asdict(w.load_stats)
         out[f"sp={sp}/logprobs"] = gather_shards(w.get_logprobs(batch), batch)
         out[f"sp={sp}/loss"] = w.train(batch, NLLLoss())["loss"]
         out[f"sp={sp}/logprobs_after"] = gather_shards(w.get_logprobs(batch), batch)

@@ -20,7 +20,7 @@ def single():
     """World-size-1 reference: logprobs before and after two steps, and the losses."""
     batch = make_batch()
     w = DTensorPolicyWorker(make_config(), 0, 1)
-    out = {"logprobs": gather_shards(w.get_logprobs(batch), batch)}
+    out = {"logprobs": gather_shards(w.get_logprobs(batch), batch), "load": w.load_stats}
     out["losses"] = [w.train(batch, NLLLoss())["loss"] for _ in range(2)]
     out["logprobs_after"] = gather_shards(w.get_logprobs(batch), batch)
     qwen = DTensorPolicyWorker(make_config("qwen3"), 0, 1)
@@ -34,6 +34,13 @@ def close(a: torch.Tensor, b: torch.Tensor, tol: float = 1e-5) -> bool:
 
 def test_fsdp_world_2_matches_world_1_and_checkpoints_reshard(single, tmp_path):
     ranks = run_distributed(scenarios.fsdp_and_checkpoints, 2, str(tmp_path))
+    whole = single["load"]
+    assert whole.path == "sharded" and whole.bytes_read == whole.local_bytes  # one rank: all of it, once
+    for r in ranks:  # each rank read exactly the shards it holds, no tensor whole: together the model once
+        load = r["load"]
+        assert load["path"] == "sharded" and load["bytes_read"] == load["local_bytes"], load
+        assert load["largest_read"] < whole.largest_read, load
+    assert sum(r["load"]["bytes_read"] for r in ranks) == whole.bytes_read
     for r in ranks:
         assert close(r["logprobs"], single["logprobs"])
         assert all(abs(a - b) < 1e-5 for a, b in zip(r["losses"], single["losses"]))
@@ -54,6 +61,8 @@ def test_tensor_parallel_2_matches_1(single):
     ranks = run_distributed(scenarios.tensor_parallel, 2)
     for r in ranks:
         for sp in (False, True):
+            load = r[f"sp={sp}/load"]  # the rank's column or row slices, and the replicated norms
+            assert load["path"] == "sharded" and load["bytes_read"] == load["local_bytes"] < single["load"].bytes_read
             assert close(r[f"sp={sp}/logprobs"], single["logprobs"]), sp
             assert abs(r[f"sp={sp}/loss"] - single["losses"][0]) < 1e-5, sp
             assert close(r[f"sp={sp}/logprobs_after"], ranks[0]["sp=False/logprobs_after"])

@@ -81,6 +81,19 @@ def load_hf_model(model_name: str, config: Any, *, trust_remote_code: bool = Fal
                        f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
 
 
+def build_hf_model_on_meta(config: Any, *, trust_remote_code: bool = False) -> nn.Module:
+    """The causal LM with its parameters on the meta device (no memory; float32 once materialised)
+    and its buffers built (:mod:`nrl_backend_dtensor.sharded_load` fills the parameters)."""
+    from transformers import AutoModelForCausalLM
+
+    from nrl_backend_dtensor.packed_attention import register
+    from nrl_backend_dtensor.sharded_load import parameters_on_meta
+
+    with parameters_on_meta():
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=trust_remote_code,
+                                                attn_implementation=register())
+
+
 def _chunk_logprobs(hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor, temperature: float) -> torch.Tensor:
     logits = head(hidden).float()
     if temperature != 1.0:

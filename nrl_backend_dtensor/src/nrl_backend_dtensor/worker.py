@@ -26,10 +26,11 @@ from nrl_backend_dtensor import lora
 from nrl_backend_dtensor import weights as weights_io
 from nrl_backend_dtensor.checkpoint import CheckpointIO, TrainState
 from nrl_backend_dtensor.microbatch import ModelInputs, model_inputs
-from nrl_backend_dtensor.model import LogprobModel, hf_name, load_hf_config, load_hf_model
+from nrl_backend_dtensor.model import LogprobModel, build_hf_model_on_meta, hf_name, load_hf_config, load_hf_model
 from nrl_backend_dtensor.moe import RouterMetrics, check_tensor_parallel
 from nrl_backend_dtensor.optim import build_optimizer, build_scheduler, clip_grad_norm
 from nrl_backend_dtensor.parallel import apply_fsdp, apply_tensor_parallel, build_layout
+from nrl_backend_dtensor.sharded_load import LoadStats, checkpoint_index, load_own_shards, why_not_sharded
 from nrl_core.api import (
     KINDS,
     CheckpointOptions,
@@ -96,14 +97,13 @@ class DTensorPolicyWorker(TrainingEngine):
         self.hf_config = load_hf_config(model_name, trust_remote_code=trust,
                                         overrides=self.policy.get("hf_config_overrides"), value_head=self.value_head,
                                         tokenizer_source=self.tokenizer_source())
-        hf_model = load_hf_model(model_name, self.hf_config, trust_remote_code=trust, value_head=self.value_head)
         self.lora = dict(self.dcfg.get("lora_cfg") or {}) if lora.enabled(self.dcfg.get("lora_cfg")) else None
+        hf_model, checkpoint = self._build_model(model_name, trust)
         if self.lora is not None:
             lora.check_section(self.lora, self.layout.tp_size)
             lora.inject(hf_model, self.lora, self.seed)
-        mark("model_loaded", rank=self.rank)
         self.pad_id = int(getattr(self.hf_config, "pad_token_id", None) or 0)
-        if not self.dcfg.get("cpu_offload"):
+        if checkpoint is None and not self.dcfg.get("cpu_offload"):
             hf_model.to(self.device)
         check_tensor_parallel(self.hf_config, self.layout.tp_size)
         self.router_metrics = RouterMetrics.attach(hf_model)
@@ -115,6 +115,10 @@ class DTensorPolicyWorker(TrainingEngine):
                                   value_head=self.value_head is not None)
         self.fsdp = apply_fsdp(self.model, hf_model.model.layers, self.layout, param_dtype=getattr(torch, precision),
                                cpu_offload=bool(self.dcfg.get("cpu_offload")))
+        if checkpoint is not None:  # each rank reads only its own shards
+            self.load_stats = load_own_shards(hf_model, model_name, checkpoint,
+                                              torch.device("cpu") if self.dcfg.get("cpu_offload") else self.device)
+        mark("model_loaded", rank=self.rank)
 
         trainable = [p for p in self.model.parameters() if p.requires_grad]  # with LoRA: the adapters only
         self.optimizer = build_optimizer(trainable, self.policy.get("optimizer") or {})
@@ -137,6 +141,21 @@ class DTensorPolicyWorker(TrainingEngine):
                           **(lora.adapter_shapes(self.model) if self.lora else {})},
             async_group=async_group, frozen_in_checkpoints=self.lora is None,
             base_model=base_model_identity(model_name) if self.lora is not None else None))
+
+    def _build_model(self, model_name: str, trust: bool) -> tuple[Any, dict[str, str] | None]:
+        """The HF model on the meta device with the checkpoint's index, to be filled rank by rank
+        once laid out (:mod:`nrl_backend_dtensor.sharded_load`); or, where that does not apply,
+        loaded whole (index None) and the reason kept in ``load_stats``."""
+        reason = "a value head has fresh weights to initialise" if self.value_head else \
+            "LoRA adapters have fresh weights to initialise" if self.lora is not None else None
+        if reason is None:
+            index = checkpoint_index(model_name)
+            meta = build_hf_model_on_meta(self.hf_config, trust_remote_code=trust)
+            reason = why_not_sharded(meta, index)
+            if reason is None:
+                return meta, index
+        self.load_stats = LoadStats(path=f"whole: {reason}")
+        return load_hf_model(model_name, self.hf_config, trust_remote_code=trust, value_head=self.value_head), None
 
     # ------------------------------------------------------------------ engine primitives
 
