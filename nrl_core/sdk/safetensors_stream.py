@@ -27,9 +27,10 @@ COPY_CHUNK = 16 << 20
 def _copy_rest(source: Any, target: Any, size: int) -> None:
     """``size`` bytes of ``source`` appended to ``target``, inside the kernel where it can."""
     copied = 0
+    copy_range = getattr(os, "copy_file_range", None)  # Linux only
     try:
-        while copied < size:
-            n = os.copy_file_range(source.fileno(), target.fileno(), size - copied)
+        while copy_range is not None and copied < size:
+            n = copy_range(source.fileno(), target.fileno(), size - copied)
             if n == 0:
                 break
             copied += n
@@ -79,8 +80,12 @@ class ShardWriter:
     def __init__(self, out: Path, max_shard_bytes: int) -> None:
         self.out, self.max_shard_bytes = out, max_shard_bytes
         self.shards: list[_Shard] = []
+        self.names: set[str] = set()
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
+        if name in self.names:
+            raise ValueError(f"export: the weight stream yields {name} twice")
+        self.names.add(name)
         nbytes = tensor.numel() * tensor.element_size()
         if not self.shards or (self.shards[-1].size and self.shards[-1].size + nbytes > self.max_shard_bytes):
             if self.shards:

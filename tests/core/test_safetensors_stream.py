@@ -71,3 +71,12 @@ def test_the_export_holds_no_more_than_the_bucket_in_flight_and_hf_loads_it(tmp_
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     ids = torch.tensor([[1, 5, 9, 3]])
     assert torch.equal(exported(ids).logits, model(ids).logits)
+
+
+def test_a_name_streamed_twice_is_refused(tmp_path) -> None:
+    import pytest
+
+    writer = ShardWriter(tmp_path, 1 << 20)
+    writer.add("a", torch.zeros(2))
+    with pytest.raises(ValueError, match="the weight stream yields a twice"):
+        writer.add("a", torch.zeros(2))

@@ -51,3 +51,24 @@ def test_a_rank_part_is_read_as_a_slice_or_from_the_whole_tensor(tmp_path, monke
     stats = sharded_load.load_own_shards(module, str(tmp_path), index, torch.device("cpu"))
     assert isinstance(module.weight, DTensor) and torch.equal(module.weight.to_local(), full)
     assert stats.bytes_read == stats.local_bytes == stats.largest_read == full.numel() * 4
+
+
+def test_buffers_stay_where_they_were_and_a_checkpointed_one_takes_its_value(tmp_path) -> None:
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.empty(0, 4))  # an empty shard: nothing to read
+            self.other = nn.Parameter(torch.empty(2, 2))
+            self.register_buffer("scale", torch.ones(1))  # persistent: trained, in the checkpoint
+            self.register_buffer("table", torch.arange(3.0), persistent=False)  # built, not saved
+
+    save_file({"weight": torch.empty(0, 4), "other": torch.eye(2), "scale": torch.tensor([3.0])},
+              str(tmp_path / "model.safetensors"))
+    with sharded_load.parameters_on_meta():
+        module = Scaled()
+    table = module.table
+    stats = sharded_load.load_own_shards(module, str(tmp_path), sharded_load.checkpoint_index(str(tmp_path)),
+                                         torch.device("cpu"))
+    assert module.table is table and torch.equal(module.table, torch.arange(3.0))
+    assert torch.equal(module.scale, torch.tensor([3.0])) and torch.equal(module.other, torch.eye(2))
+    assert module.weight.shape == (0, 4) and stats.bytes_read == stats.local_bytes == 16

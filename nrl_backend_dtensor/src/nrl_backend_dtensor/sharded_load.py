@@ -5,12 +5,13 @@ model (a 70B model is 280 GB in float32), so memory per rank would not fall as r
 the parameters are created on the meta device, tensor parallelism and FSDP lay them out, and
 each rank then materialises its local shards and fills them from the safetensors files, reading
 only the slice of each tensor it owns (a layout whose local part is not one slice, FSDP over
-tensor-parallel rows, reads one whole tensor at a time and keeps its part). Buffers (rotary
-tables, computed at construction and absent from checkpoints) are kept as built.
+tensor-parallel rows, reads one whole tensor at a time and keeps its part). Buffers are kept as
+built (rotary tables, absent from checkpoints), and a persistent buffer the checkpoint holds takes
+its value from it.
 
 What still loads whole (``from_pretrained``, then sharded): a value head or LoRA (fresh weights
-to initialise), and a model whose checkpoint layout differs from its parameters (fused MoE
-experts); :func:`why_not_sharded` names the reason.
+to initialise), a quantized checkpoint, and a model whose checkpoint layout differs from its
+parameters (fused MoE experts); :func:`why_not_sharded` names the reason.
 """
 
 from __future__ import annotations
@@ -75,6 +76,8 @@ def why_not_sharded(model: nn.Module, index: dict[str, str]) -> str | None:
     its own name, else the reason to load the model whole."""
     from transformers.core_model_loading import revert_weight_conversion
 
+    if getattr(model.config, "quantization_config", None):
+        return "a quantized checkpoint loads through its quantizer"
     meta = {k: v for k, v in model.state_dict().items()}
     if revert_weight_conversion(model, dict(meta)).keys() != meta.keys():
         return "its checkpoint stores some weights in another layout than its parameters (fused experts)"
@@ -103,26 +106,36 @@ def load_own_shards(model: nn.Module, model_dir: str, index: dict[str, str], dev
     from safetensors import safe_open
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    # the buffers as built (and where FSDP put them): to_empty would leave them uninitialised
+    buffers = [(module, name, b) for module in model.modules() for name, b in module._buffers.items() if b is not None]
     model.to_empty(device=device)
-    with torch.no_grad():
-        for name, buffer in model.named_buffers():
-            buffer.copy_(buffers[name])
+    for module, name, buffer in buffers:
+        module._buffers[name] = buffer
     stats = LoadStats(path="sharded")
     handles: dict[str, Any] = {}
+
+    def handle(name: str) -> Any:
+        file = index[name]
+        if file not in handles:
+            handles[file] = safe_open(file, framework="pt").__enter__()
+        return handles[file]
+
     try:
         with torch.no_grad():
+            for name, buffer in model.named_buffers():  # a persistent buffer the checkpoint holds: its value
+                if name in index:
+                    buffer.copy_(handle(name).get_tensor(name).to(buffer.dtype))
             for name, param in model.named_parameters():
                 file = index[name]
-                if file not in handles:
-                    handles[file] = safe_open(file, framework="pt").__enter__()
                 local = param.to_local() if isinstance(param, DTensor) else param
                 region = _own_slice(param)
-                if region is not None:
-                    part = handles[file].get_slice(name)[region]
+                if region is not None and any(r.stop == r.start for r in region):
+                    part, read = torch.empty(local.shape, dtype=local.dtype), 0  # an empty shard reads nothing
+                elif region is not None:
+                    part = handle(name).get_slice(name)[region]
                     read = part.numel() * part.element_size()
                 else:  # not one slice: the whole tensor in flight, this rank keeps its part
-                    whole = handles[file].get_tensor(name)
+                    whole = handle(name).get_tensor(name)
                     read = whole.numel() * whole.element_size()
                     part = distribute_tensor(whole, param.device_mesh, param.placements, src_data_rank=None).to_local()
                 if tuple(part.shape) != tuple(local.shape):
