@@ -77,8 +77,10 @@ def token_budget(policy: Mapping[str, Any], *, train: bool) -> int | None:
     """The micro-batch token budget of sequence packing or dynamic batching (NeMo RL's
     ``train_mb_tokens``/``logprob_mb_tokens``, the latter falling back to the former), or None."""
     section = _token_section(policy)
-    if section is None:
-        return None
+    return None if section is None else _budget(section, policy, train=train)
+
+
+def _budget(section: Mapping[str, Any], policy: Mapping[str, Any], *, train: bool) -> int:
     budget = section.get("train_mb_tokens" if train else "logprob_mb_tokens") or section.get("train_mb_tokens")
     return int(budget or policy["max_total_sequence_length"])
 
@@ -106,8 +108,7 @@ def plan_micro_batches(local: TokenBatch, policy: Mapping[str, Any], *, train: b
         groups = [list(range(s, min(s + size, local.size))) for s in range(0, local.size, size)]
         return [MicroBatch(rows=g, batch=local.select(g), train=train) for g in groups]
     round_to = int(section.get("sequence_length_round") or 1)
-    budget = token_budget(policy, train=train)
-    assert budget is not None
+    budget = _budget(section, policy, train=train)
     if packed:
         groups = [sorted(b) for b in pack_bins(lengths, budget, section.get("algorithm") or
                                                "modified_first_fit_decreasing", round_to=round_to, seed=seed)]

@@ -34,7 +34,7 @@ class LoadStats:
     """What this rank's load read and holds, in bytes (the tests' measure of "only its share")."""
 
     path: str  # "sharded" or "whole: <reason>"
-    bytes_read: int = 0  # tensor bytes read from the checkpoint files
+    bytes_read: int = 0  # tensor bytes the sharded reader read (0 when the model loaded whole)
     local_bytes: int = 0  # bytes of this rank's local parameters
     largest_read: int = 0  # the largest single read
 
