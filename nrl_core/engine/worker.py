@@ -177,8 +177,18 @@ class TrainingEngine(TrainingWorkerBase):
         self.step += 1
         metrics.update(self.step_metrics(len(mbs)))
         metrics.update(num_tokens=float(batch.input_lengths.sum()), num_valid_tokens=tokens,
-                       step_seconds=time.perf_counter() - start)
+                       step_seconds=self.slowest(time.perf_counter() - start))
         return metrics
+
+    @staticmethod
+    def slowest(seconds: float) -> float:
+        """The slowest rank's time: what the step cost. As the step's last collective it also ends
+        the step together on every rank, so no rank returns while a peer is still updating."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return seconds
+        return all_reduce_values([seconds], op=dist.ReduceOp.MAX)[0]
 
     @torch.no_grad()
     def get_logprobs(self, batch: TokenBatch) -> BatchShard | None:
