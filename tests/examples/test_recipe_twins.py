@@ -33,12 +33,11 @@ CHANGES_WEIGHTS = {
     "megatron": ["policy.megatron_cfg.optimizer.lr=0.05", "policy.megatron_cfg.optimizer.min_lr=0.05",
                  "policy.megatron_cfg.optimizer.weight_decay=2.0", "policy.megatron_cfg.scheduler.lr_warmup_iters=0"],
 }
-# What only a GPU machine has: Megatron's mixed-precision and distributed optimizers keep CUDA
-# tensors, and the precision-aware optimizer is Transformer Engine's FusedAdam.
+# What only a GPU machine has: Megatron's mixed-precision optimizer keeps CUDA tensors, and the
+# precision-aware optimizer is Transformer Engine's FusedAdam. (The distributed optimizer, with the
+# recipes' overlaps, runs here as they set it.)
 CPU_ONLY = {"dtensor": [], "megatron": [
     "policy.megatron_cfg.optimizer.bf16=false",
-    "policy.megatron_cfg.optimizer.use_distributed_optimizer=false",
-    "policy.megatron_cfg.distributed_data_parallel_config.overlap_param_gather=false",
     "policy.megatron_cfg.optimizer.use_precision_aware_optimizer=false"]}
 
 

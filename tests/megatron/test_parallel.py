@@ -101,9 +101,23 @@ def world2(rank: int, world: int, path: str, ckpt: str) -> dict[str, Any]:
         out[f"{tag}/buckets"] = [sum(t.numel() * 4 for _, t in b) for b in w.export_weights(20_000, "float32")]
         out[f"{tag}/manifest"] = w.weight_manifest("float32")
         out[f"{tag}/metrics"] = [w.train(batch, loss) for _ in range(3)]
+        out[f"{tag}/optimizer_bytes"] = optimizer_bytes(w)
         return w
 
-    run("dp2", {})
+    out["dp2/step4"] = run("dp2", {}).train(batch, loss)["loss"]
+    # Megatron's distributed optimizer, both overlaps on, as NeMo RL's Megatron recipes train: the
+    # same steps with half the optimizer state per rank; its checkpoint resumes bit for bit, here
+    # and (w1_from_dp2) at data-parallel 1.
+    w = run("dist", DISTRIBUTED_OPTIMIZER)
+    # its reference: each rank keeps its own range of the parameter buffers, gathered for the pass
+    out["dist/reference"] = gather_shards(w.get_reference_logprobs(batch), batch)
+    out["dist/reference_bytes"] = w.reference.host_bytes
+    out["dist/param_bytes"] = sum(p.numel() * p.element_size() for p in w.model.parameters())
+    w.save_checkpoint(f"{ckpt}/dist")
+    out["dist/after_save"] = [w.train(batch, loss)["loss"] for _ in range(2)]
+    w.load_checkpoint(f"{ckpt}/dist")
+    out["dist/after_load"] = [w.train(batch, loss)["loss"] for _ in range(2)]
+    out["ckpt"] = ckpt
     run("pp2", {"pipeline_model_parallel_size": 2})
     w = run("tp2", {"tensor_model_parallel_size": 2})
 
@@ -205,6 +219,42 @@ def world2(rank: int, world: int, path: str, ckpt: str) -> dict[str, Any]:
     return out
 
 
+def optimizer_bytes(worker: Any) -> int:
+    leaves = getattr(worker.opt.optimizer, "chained_optimizers", None) or [worker.opt.optimizer]
+    return sum(t.numel() * t.element_size() for leaf in leaves for state in leaf.optimizer.state.values()
+               for t in state.values() if torch.is_tensor(t))
+
+
+DISTRIBUTED_OPTIMIZER = {"optimizer": {"use_distributed_optimizer": True},
+                         "distributed_data_parallel_config": {"overlap_grad_reduce": True, "overlap_param_gather": True}}
+
+
+def from_dp2(rank: int, world: int, path: str, ckpt: str) -> dict[str, Any]:
+    """Data-parallel 1 resumes the data-parallel-2 distributed optimizer's checkpoint; one without
+    the distributed optimizer is refused in one line."""
+    from nrl_backend_megatron.worker import MegatronPolicyWorker
+    from nrl_core.algorithms.loss import NLLLoss
+    from nrl_core.errors import NrlError
+
+    out: dict[str, Any] = {}
+    w = MegatronPolicyWorker(make_config(path, megatron=DISTRIBUTED_OPTIMIZER), rank, world)
+    w.load_checkpoint(f"{ckpt}/dist")
+    out["step"] = w.step
+    out["losses"] = [w.train(make_batch(), NLLLoss())["loss"] for _ in range(2)]
+    plain = MegatronPolicyWorker(make_config(path), rank, world)
+    try:
+        plain.load_checkpoint(f"{ckpt}/dist")
+    except NrlError as exc:
+        out["refused"] = str(exc)
+    return out
+
+
+@pytest.fixture(scope="module")
+def w1_from_dp2(w2: list[dict[str, Any]]) -> dict[str, Any]:
+    (result,) = run_world(from_dp2, 1, str(cached_tiny_model("llama")), w2[0]["ckpt"])
+    return result
+
+
 @pytest.fixture(scope="module")
 def w2(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     ckpt = tmp_path_factory.mktemp("mcore-train-ckpt")
@@ -226,7 +276,7 @@ def baseline_of(worker: Any) -> dict[str, Any]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2"])
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2", "dist"])
 def test_parallel_layout_equals_single_rank(w2, w1_baseline, layout: str) -> None:
     for rank in w2:
         assert (rank[f"{layout}/logprobs"] - w1_baseline["logprobs"]).abs().max() < 1e-5
@@ -235,6 +285,28 @@ def test_parallel_layout_equals_single_rank(w2, w1_baseline, layout: str) -> Non
         assert max(abs(a - b) for a, b in zip(ours, ref)) < 1e-5
         gn = [m["grad_norm"] for m in rank[f"{layout}/metrics"]]
         assert max(abs(a - b["grad_norm"]) for a, b in zip(gn, w1_baseline["metrics"])) < 1e-4
+
+
+@pytest.mark.slow
+def test_the_distributed_optimizer_halves_the_state_and_resumes_exactly_at_either_data_parallel_size(
+        w2, w1_from_dp2) -> None:
+    """Each of two data-parallel ranks holds half of Adam's state and of the reference weights (to
+    the bucket padding); its checkpoint resumes bit for bit at data-parallel 2 and, to float32
+    reduction order, at 1."""
+    for rank in w2:
+        assert 0.45 < rank["dist/optimizer_bytes"] / rank["dp2/optimizer_bytes"] <= 0.55
+        assert rank["dist/after_load"] == rank["dist/after_save"]
+        # the reference pass after three steps scores with the initial weights, from half the host
+        # copy, and puts the trained ones back: the fourth step is the plain optimizer's
+        assert torch.equal(rank["dist/reference"], rank["dist/logprobs"])
+        assert 0.45 < rank["dist/reference_bytes"] / rank["dist/param_bytes"] <= 0.55
+        assert abs(rank["dist/after_save"][0] - rank["dp2/step4"]) < 1e-5
+    assert w2[0]["dist/optimizer_bytes"] + w2[1]["dist/optimizer_bytes"] >= w2[0]["dp2/optimizer_bytes"]
+    assert w1_from_dp2["step"] == 3
+    assert max(abs(a - b) for a, b in zip(w1_from_dp2["losses"], w2[0]["dist/after_save"])) < 1e-5
+    refused = w1_from_dp2["refused"]
+    assert "\n" not in refused and "holds the distributed optimizer's state" in refused
+    assert "use_distributed_optimizer: true" in refused
 
 
 @pytest.mark.slow

@@ -266,12 +266,12 @@ def test_indivisible_layouts_are_one_line_errors(layout: dict, world: int, match
     assert "\n" not in str(err.value) and str(err.value).startswith("policy.megatron_cfg.")
 
 
-@pytest.mark.parametrize("optimizer, key", [({"bf16": True}, "bf16"), ({"use_distributed_optimizer": True},
-                                                                          "use_distributed_optimizer"),
+@pytest.mark.parametrize("optimizer, key", [({"bf16": True}, "bf16"),
                                             ({"use_precision_aware_optimizer": True}, "use_precision_aware_optimizer")])
 def test_what_needs_cuda_is_one_line_on_cpu(optimizer: dict, key: str) -> None:
-    """Megatron's mixed-precision and distributed optimizers keep CUDA tensors; Transformer Engine
-    provides the precision-aware one: without them, one line naming the key, before any model work."""
+    """Megatron's mixed-precision optimizer keeps CUDA tensors; Transformer Engine provides the
+    precision-aware one: without them, one line naming the key, before any model work. (The
+    distributed optimizer runs on the CPU: tests/megatron/test_parallel.py.)"""
     if torch.cuda.is_available():
         pytest.skip("a CUDA machine builds these optimizers")
     from nrl_backend_megatron.optim import build_optimizer

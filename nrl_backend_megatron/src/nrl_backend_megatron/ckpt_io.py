@@ -8,7 +8,13 @@
   ``AsyncCallsQueue``; the write finishes in the background and is finalized (metadata and our
   marker written) by :meth:`CheckpointIO.finalize`, called before the next save and at exit.
 * RNG states (Python, NumPy, torch, CUDA, and the tensor-parallel RNG tracker) are always saved,
-  one object per rank; ``load_rng`` decides whether loading restores them.
+  one object per rank; ``load_rng`` decides whether loading restores them. A checkpoint loaded at
+  another data-parallel size has no RNG state for this layout: the worker leaves it out (as
+  Megatron-LM does when the layout changed) and says so.
+* The distributed optimizer's state is written in Megatron-LM's ``dp_reshardable`` format (each
+  rank its own buffer ranges, loadable at another data-parallel size). It does not convert to or
+  from the non-distributed optimizer's state: the marker records which one a checkpoint holds,
+  and loading into the other is one line.
 * ``save_optimizer`` false (``checkpointing.save_optimizer: false``) → the worker leaves the
   optimizer's sharded state and the scheduler out of what it saves and the marker records
   ``"optimizer": false``; loading such a checkpoint (:meth:`CheckpointIO.has_optimizer`) restores
@@ -57,10 +63,11 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
 class CheckpointIO:
     """Save/load of one worker's model, optimizer, scheduler, step and RNG."""
 
-    def __init__(self, identity: Mapping[str, Any]) -> None:
+    def __init__(self, identity: Mapping[str, Any], *, distributed_optimizer: bool = False) -> None:
         from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
         self.identity = dict(identity)
+        self.distributed_optimizer = distributed_optimizer
         self.queue = AsyncCallsQueue()
         self.pending: list[str] = []
 
@@ -92,10 +99,13 @@ class CheckpointIO:
             dist.barrier()  # no rank may look for the marker before rank 0 has written it
 
     def _write_marker(self, target: Path, options: CheckpointOptions) -> None:
+        from megatron.core import parallel_state
+
         if dist.get_rank() == 0:
             meta = {**self.identity, "options": {k: getattr(options, k) for k in
                                                  ("fully_parallel_save", "async_save")},
-                    "optimizer": options.save_optimizer}
+                    "optimizer": options.save_optimizer, "distributed_optimizer": self.distributed_optimizer,
+                    "dp": parallel_state.get_data_parallel_world_size(with_context_parallel=True)}
             tmp = target / (MARKER + ".tmp")
             tmp.write_text(json.dumps(meta, indent=1))
             os.replace(tmp, target / MARKER)
@@ -124,6 +134,16 @@ class CheckpointIO:
             if meta.get(key) != value:
                 raise NrlError(f"checkpoint {path} is from another model or layout ({key}: {meta.get(key)!r}, "
                                f"this run: {value!r})")
+        saved = bool(meta.get("distributed_optimizer", False))
+        if meta.get("optimizer", True) is not False and saved != self.distributed_optimizer:
+            raise NrlError(f"checkpoint {path} holds {'the distributed' if saved else 'the non-distributed'} "
+                           f"optimizer's state and this run uses the other; set policy.megatron_cfg.optimizer."
+                           f"use_distributed_optimizer: {str(saved).lower()} to resume from it (Megatron's two "
+                           f"formats do not convert)")
+
+    def saved_dp_size(self, path: str) -> int | None:
+        """The data-parallel size ``path`` was saved at (None: from before it was recorded)."""
+        return json.loads((Path(path) / MARKER).read_text()).get("dp")
 
     def has_optimizer(self, path: str) -> bool:
         """Whether checkpoint ``path`` holds optimizer and scheduler state (checked first; those

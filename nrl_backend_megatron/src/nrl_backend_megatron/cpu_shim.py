@@ -110,5 +110,33 @@ def install() -> bool:
     # untouched inside a fork always fires; the message is noise here, not a bug.
     logging.getLogger(mp_random.__name__).addFilter(
         lambda record: "CPU RNG state changed within GPU RNG context" not in record.getMessage())
+    _spell_cpu_tensors_as_cuda_in_distributed_optimizer()
     _INSTALLED = True
     return True
+
+
+def _spell_cpu_tensors_as_cuda_in_distributed_optimizer() -> None:
+    """The distributed optimizer sorts parameters by ``Tensor.type()`` strings and refuses any
+    that is not ``torch.cuda.*Tensor``; while it is built, a CPU tensor answers with the CUDA
+    spelling of its type, as every other CUDA spelling here means the CPU."""
+    import torch
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    original_init = DistributedOptimizer.__init__
+    original_type = torch.Tensor.type
+
+    def cuda_spelling(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        name = original_type(self, *args, **kwargs)
+        if args or kwargs or not isinstance(name, str) or not name.startswith("torch.") or self.device.type != "cpu":
+            return name
+        return "torch.cuda." + name.removeprefix("torch.")
+
+    @functools.wraps(original_init)
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        torch.Tensor.type = cuda_spelling  # type: ignore[assignment]
+        try:
+            original_init(self, *args, **kwargs)
+        finally:
+            torch.Tensor.type = original_type  # type: ignore[assignment]
+
+    DistributedOptimizer.__init__ = init  # type: ignore[method-assign]

@@ -46,10 +46,6 @@ def build_optimizer(models: list[Any], section: Mapping[str, Any], precision: st
         raise ConfigError(f"{KEY}.optimizer.{'bf16' if bf16 else 'fp16'}",
                           "Megatron's mixed-precision optimizer keeps CUDA tensors; on a machine without GPUs train "
                           "in float32 (policy.precision: float32 and megatron_cfg.optimizer.bf16/fp16: false)")
-    if opt["use_distributed_optimizer"] and not torch.cuda.is_available():
-        raise ConfigError(f"{KEY}.optimizer.use_distributed_optimizer",
-                          "Megatron's distributed optimizer needs CUDA (its buffers must be CUDA tensors); set it to "
-                          "false on a machine without GPUs (and distributed_data_parallel_config.overlap_param_gather)")
     if opt["use_precision_aware_optimizer"] and not transformer_engine_installed():
         raise ConfigError(f"{KEY}.optimizer.use_precision_aware_optimizer",
                           "needs Transformer Engine's FusedAdam, which is not installed (it needs CUDA); set it to false")
@@ -101,6 +97,43 @@ def fresh_optimizer(bundle: OptimizerBundle) -> None:
     bundle.optimizer.reload_model_params()
     bundle.scheduler.num_steps = 0
     bundle.scheduler.step(increment=0)
+
+
+def ready_to_load(optimizer: Any) -> None:
+    """Give a distributed optimizer that has not stepped yet the zero Adam state Megatron's own
+    ``init_state_fn`` gives, with a step. Why: where Adam is torch's own (no Transformer Engine
+    or Apex, as on the CPU), Megatron reads the step from that state while it builds the state a
+    checkpoint loads into, and a fresh torch Adam has none."""
+    for leaf in _leaf_optimizers(optimizer):
+        inner, init = getattr(leaf, "optimizer", None), getattr(leaf, "init_state_fn", None)
+        if inner is None or init is None or not hasattr(leaf, "gbuf_ranges"):  # not the distributed optimizer
+            continue
+        params = [p for group in inner.param_groups for p in group["params"]]
+        if all(inner.state.get(p) for p in params):
+            continue
+        init(inner, leaf.config)
+        for param in params:
+            inner.state[param].setdefault("step", torch.tensor(0.0))
+
+
+def load_optimizer_state(optimizer: Any, state: dict[str, Any]) -> None:
+    """Load Megatron's optimizer ``state``, then give each parameter its own Adam step from the
+    loaded param groups. Why: where Adam is torch's own (no Transformer Engine or Apex, as on the
+    CPU), the distributed optimizer's load leaves one step tensor shared by every parameter, with
+    the live value copied back over the loaded one; a shared step would also advance once per
+    parameter at the next update."""
+    with torch.no_grad():  # the distributed optimizer's fp32 main weights are views of the parameters
+        optimizer.load_state_dict(state)
+    for leaf in _leaf_optimizers(optimizer):
+        inner = getattr(leaf, "optimizer", leaf)
+        for group in inner.param_groups:
+            if "step" not in group:
+                continue
+            for param in group["params"]:
+                own = inner.state.get(param)
+                if own and torch.is_tensor(own.get("step")):
+                    own["step"] = torch.tensor(float(group["step"]), dtype=own["step"].dtype,
+                                               device=own["step"].device)
 
 
 def _leaf_optimizers(optimizer: Any) -> list[Any]:

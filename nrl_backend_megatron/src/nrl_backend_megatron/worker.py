@@ -47,8 +47,16 @@ from nrl_backend_megatron.convert.sharded import convert_in_subprocess, load_sha
 from nrl_backend_megatron.memory import check_recompute, empty_unused_memory
 from nrl_backend_megatron.model import DTYPES, build_gpt_model, te_available, transformer_config
 from nrl_backend_megatron.moe import RouterMetrics, check_moe_section, freeze_router, is_moe, mark_experts_parallel
-from nrl_backend_megatron.optim import build_optimizer, fresh_optimizer, main_params, optimizer_step
+from nrl_backend_megatron.optim import (
+    build_optimizer,
+    fresh_optimizer,
+    load_optimizer_state,
+    main_params,
+    optimizer_step,
+    ready_to_load,
+)
 from nrl_backend_megatron.parallel import check_layout, ensure_process_group, init_model_parallel
+from nrl_backend_megatron.reference import ShardedReference
 from nrl_backend_megatron.weights import iter_full_tensors
 from nrl_core.api import (
     KINDS,
@@ -83,6 +91,9 @@ from nrl_core.api import NONFINITE_KEY as NAN_KEY
 logger = logging.getLogger(__name__)
 
 MEGATRON_LOGGERS = ("megatron", "megatron.core")
+#: The distributed optimizer's state as Megatron-LM writes it by default: each rank its own
+#: buffer ranges, with no gather, and a checkpoint that loads at another data-parallel size.
+OPTIMIZER_CHECKPOINT_FORMAT = {"distrib_optim_sharding_type": "dp_reshardable"}
 
 
 def set_megatron_logging(level: int | str) -> int:
@@ -276,8 +287,13 @@ class MegatronPolicyWorker(TrainingEngine):
         # views into the DDP buffers
         # with LoRA the reference policy is the base model: the adapters switched off, no copy; a
         # value model has no reference policy
-        self.reference = ReferenceWeights(model.parameters(), by_storage=False) \
-            if self.adapters is None and not self.value_head else None
+        self.reference: ReferenceWeights | ShardedReference | None = None
+        if self.adapters is None and not self.value_head:
+            if self.ddp_config.use_distributed_optimizer:  # each data-parallel rank keeps its own range
+                groups = [*self.ddp.bucket_groups, *getattr(self.ddp, "expert_parallel_bucket_groups", [])]
+                self.reference = ShardedReference(groups, self._unbuffered_params())
+            else:
+                self.reference = ReferenceWeights(model.parameters(), by_storage=False)
         from nrl_backend_megatron.ckpt_io import CheckpointIO, register_exit_finalizer
 
         self.ckpt = CheckpointIO({"model_name": self.model_name, "tp": self.layout.tp, "pp": self.layout.pp,
@@ -286,7 +302,8 @@ class MegatronPolicyWorker(TrainingEngine):
                                   **({"value_head": self.value_head} if self.value_head else {}),
                                   **({"lora_base": base_model_identity(self.cfg.get("pretrained_checkpoint")
                                                                        or self.model_path),
-                                      "lora_adapters": lora.adapter_shapes(self.adapters)} if self.adapters else {})})
+                                      "lora_adapters": lora.adapter_shapes(self.adapters)} if self.adapters else {})},
+                                 distributed_optimizer=self.ddp_config.use_distributed_optimizer)
         register_exit_finalizer(self.finalize_checkpoint)
 
     def _fresh_head(self, sharded: Mapping[str, Any]) -> tuple[str, ...]:
@@ -565,15 +582,20 @@ class MegatronPolicyWorker(TrainingEngine):
         dist.barrier()
 
     # ------------------------------------------------------------------ checkpoints
-    def _sharded_state(self, is_loading: bool, with_optimizer: bool = True) -> dict[str, Any]:
+    def _sharded_state(self, is_loading: bool, with_optimizer: bool = True, with_rng: bool = True) -> dict[str, Any]:
         from nrl_backend_megatron.ckpt_io import rng_sharded_object, rng_state
 
         model_sd = self.model.sharded_state_dict()
         if self.adapters is not None:  # the adapters only: the frozen base is the model the run started from
             model_sd = {k: v for k, v in model_sd.items() if k.startswith("lora.")}
-        state = {"model": model_sd, "rng_state": rng_sharded_object("rng_state", rng_state())}
+        state: dict[str, Any] = {"model": model_sd}
+        if with_rng:
+            state["rng_state"] = rng_sharded_object("rng_state", rng_state())
         if with_optimizer:
-            state["optimizer"] = self.opt.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
+            if is_loading:
+                ready_to_load(self.opt.optimizer)
+            state["optimizer"] = self.opt.optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
+                                                                       metadata=OPTIMIZER_CHECKPOINT_FORMAT)
         return state
 
     def save_checkpoint(self, path: str, options: CheckpointOptions | None = None) -> None:
@@ -596,6 +618,11 @@ class MegatronPolicyWorker(TrainingEngine):
         self.require_on_device("load_checkpoint")
         options = options or CheckpointOptions.from_section(self.cfg)
         with_optimizer = self.ckpt.has_optimizer(path)
+        saved_dp = self.ckpt.saved_dp_size(path)
+        with_rng = saved_dp in (None, self.dp_size)  # one RNG state per rank of the layout it was saved at
+        if options.load_rng and not with_rng and self.rank == 0:
+            logger.warning("checkpoint %s was saved at data-parallel size %d and this run has %d: its RNG states "
+                           "are not restored", path, saved_dp, self.dp_size)
         # dist_checkpointing reads into the live parameters and optimizer state, so a file that
         # fails halfway would leave a mix of old and new weights: keep a copy to put back.
         live = [p.data for p in self.model.parameters() if self.adapters is None or p.requires_grad]  # LoRA: adapters
@@ -604,7 +631,8 @@ class MegatronPolicyWorker(TrainingEngine):
             live += [v for st in torch_optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
         backup = [host_copy(t) for t in live]
         try:
-            state = self.ckpt.load(path, options, self._sharded_state(is_loading=True, with_optimizer=with_optimizer))
+            state = self.ckpt.load(path, options, self._sharded_state(is_loading=True, with_optimizer=with_optimizer,
+                                                                    with_rng=with_rng))
         except BaseException:
             with torch.no_grad():
                 for tensor, saved in zip(live, backup):
@@ -613,7 +641,7 @@ class MegatronPolicyWorker(TrainingEngine):
         del backup
         self.model.load_state_dict(state["model"], strict=self.adapters is None)
         if with_optimizer:
-            self.opt.optimizer.load_state_dict(state["optimizer"])
+            load_optimizer_state(self.opt.optimizer, state["optimizer"])
             self.opt.scheduler.num_steps = 0  # Megatron's load_state_dict adds the saved steps to these
             self.opt.scheduler.load_state_dict(state["scheduler"])
         else:
@@ -622,7 +650,7 @@ class MegatronPolicyWorker(TrainingEngine):
                 logger.info("checkpoint %s holds no optimizer state (saved with checkpointing.save_optimizer: "
                             "false): the optimizer and its learning-rate schedule start fresh", path)
         self.step = int(state["step"])
-        if options.load_rng:
+        if options.load_rng and with_rng:
             set_rng_state(state["rng_state"])
 
     def finalize_checkpoint(self) -> None:
