@@ -120,6 +120,7 @@ _SECTIONS: dict[str, dict[str, str]] = {
     },
     "Training backend SDK": {
         "all_gather": "nrl_core.device",
+        "all_gather_into": "nrl_core.device",
         "all_reduce": "nrl_core.device",
         "all_reduce_values": "nrl_core.device",
         "balance_metrics": "nrl_core.moe",
@@ -167,6 +168,7 @@ _SECTIONS: dict[str, dict[str, str]] = {
         "plan_micro_batches": "nrl_core.engine",
         "token_budget": "nrl_core.engine",
         "StateFileCheckpoints": "nrl_core.engine.state_file",
+        "StateLayout": "nrl_core.plan.layout",
         "value_head_type": "nrl_core.sdk.value_head",
         "value_model_config": "nrl_core.sdk.value_head",
         "worker_checkpoint_hooks": "nrl_core.checkpoint.hooks",

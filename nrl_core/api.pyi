@@ -105,6 +105,7 @@ from nrl_core.data.preference import check_pairs as check_pairs
 from nrl_core.data.processors import build_prompt as build_prompt
 from nrl_core.data.processors import sft_processor as sft_processor
 from nrl_core.device import all_gather as all_gather
+from nrl_core.device import all_gather_into as all_gather_into
 from nrl_core.device import all_reduce as all_reduce
 from nrl_core.device import all_reduce_values as all_reduce_values
 from nrl_core.device import broadcast as broadcast
@@ -143,6 +144,7 @@ from nrl_core.nonfinite import KEY as NONFINITE_KEY
 from nrl_core.nonfinite import NonFiniteError as NonFiniteError
 from nrl_core.nonfinite import check_finite as check_finite
 from nrl_core.nonfinite import guard_enabled as guard_enabled
+from nrl_core.plan.layout import StateLayout as StateLayout
 from nrl_core.plugins import registered_plugin as registered_plugin
 from nrl_core.process_groups import main_group_timeout as main_group_timeout
 from nrl_core.refit.adapters import plain_config as plain_config
@@ -266,6 +268,7 @@ __all__ = [
     "SingleTurnSampler",
     "SleepState",
     "StateFileCheckpoints",
+    "StateLayout",
     "TOOL_CALL_CLOSE",
     "TOOL_CALL_OPEN",
     "TokenBatch",
@@ -283,6 +286,7 @@ __all__ = [
     "WeightSpec",
     "WorkerError",
     "all_gather",
+    "all_gather_into",
     "all_reduce",
     "all_reduce_values",
     "balance_metrics",

@@ -74,6 +74,26 @@ def _cmd_config_check(args: argparse.Namespace) -> int:
         print(f"contract: {note}")
     for line in _describe_data(config["data"], plugins):
         print(line)
+    from nrl_core.plan import check_plan
+
+    plan = check_plan(config, plugins, device_gib=args.device_memory)  # raises the one-line refusal
+    print(plan if isinstance(plan, str) else plan.table())
+    return 0
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from nrl_core.config import load_and_validate
+    from nrl_core.plan import plan_memory, refusal
+    from nrl_core.plugins import get_plugin_manager
+
+    plugins = get_plugin_manager()
+    config = load_and_validate(args.config, args.overrides, plugins, algorithm=args.algorithm)
+    plan = plan_memory(config, plugins, device_gib=args.device_memory, model_config=args.model_config)
+    print(plan.table())
+    problem = refusal(plan)
+    if problem is not None:
+        print(f"error: memory: {problem}", file=sys.stderr)
+        return EXIT_USAGE
     return 0
 
 
@@ -240,7 +260,21 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("overrides", nargs="*", help="key.path=value, +key.path=value, ~key.path")
         p.add_argument("--algorithm", default=None,
                        help="check the sections of this algorithm (default: those the config sets)")
+        if name == "check":
+            p.add_argument("--device-memory", type=float, default=None, metavar="GIB",
+                           help="memory of each device the run will use (default: detected where known)")
         p.set_defaults(func=func)
+
+    plan = sub.add_parser("plan", help="predict each role's peak memory per device (from the model's config alone)")
+    plan.add_argument("config", help="YAML config file")
+    plan.add_argument("overrides", nargs="*", help="key.path=value, +key.path=value, ~key.path")
+    plan.add_argument("--algorithm", default=None, help="plan the sections of this algorithm")
+    plan.add_argument("--device-memory", type=float, default=None, metavar="GIB",
+                      help="memory of each device the run will use (default: detected where known)")
+    plan.add_argument("--model-config", default=None, metavar="DIR",
+                      help="a directory holding the model's config.json (when policy.model_name is a hub name "
+                           "this machine has not cached)")
+    plan.set_defaults(func=_cmd_plan)
 
     from nrl_core.testing.tiny_models import FAMILIES
 

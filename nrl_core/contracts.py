@@ -148,7 +148,9 @@ class TrainingBackendSpec:
     ``config_check`` is the import path of a :data:`ConfigCheck`: the backend's own checks of
     values only it can judge (sizes against the model's heads and layers, optimizer names).
     ``capabilities`` names what it supports among :data:`TRAINING_CAPABILITIES`; validation refuses
-    a config that needs one it does not declare.
+    a config that needs one it does not declare. ``memory_layout`` (optional) is the import path of a
+    function ``(policy_section, world_size, device) -> StateLayout`` (``device``: ``cuda`` or ``cpu``) telling ``nrl plan`` how the backend
+    lays a model's state over its ranks; without it the plan counts the model whole on every rank.
 
     Start-up overlap is the core's business (contract 5): every worker process imports ``worker``
     and the modules its class names in ``lazy_imports`` while ``nrl train`` still checks the config
@@ -167,6 +169,7 @@ class TrainingBackendSpec:
     config_check: str | None = None
     capabilities: frozenset[str] = frozenset()
     description: str = ""
+    memory_layout: str | None = None
     preload: InitVar[Sequence[str] | None] = None
 
     def __post_init__(self, preload: Sequence[str] | None) -> None:

@@ -141,6 +141,18 @@ def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> 
     return parts if work.device == tensor.device else [p.to(tensor.device) for p in parts]
 
 
+def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """``torch.distributed.all_gather_into_tensor``: every rank's ``shard``, in group-rank order,
+    written into ``output`` (``shard`` may be a view of it); returns ``output``."""
+    import torch.distributed as dist
+
+    work, part = _staged(output, group), _staged(shard.contiguous(), group)
+    dist.all_gather_into_tensor(work, part, group=group)
+    if work is not output:
+        output.copy_(work)
+    return output
+
+
 # --------------------------------------------------------------------------- batches
 
 

@@ -28,6 +28,7 @@ def nrl_training_backends() -> list[TrainingBackendSpec]:
         config_check="nrl_backend_dtensor.checks:check_config",
         capabilities=frozenset({"data_parallel", "sequence_packing", "dynamic_batching", "adapter_export", "topk_logprobs",
                                 "value_head", "skip_optimizer_state"}),
+        memory_layout="nrl_backend_dtensor.memory_layout:memory_layout",
         description="PyTorch FSDP2 (fully_shard) with optional DTensor tensor parallelism",
     )]
 

@@ -23,6 +23,7 @@ def nrl_training_backends() -> list[TrainingBackendSpec]:
         config_check="nrl_backend_megatron.checks:check_config",
         capabilities=frozenset({"data_parallel", "sequence_packing", "dynamic_batching", "adapter_export", "topk_logprobs",
                                 "value_head", "skip_optimizer_state"}),
+        memory_layout="nrl_backend_megatron.memory_layout:memory_layout",
         description="Megatron-Core: tensor/pipeline parallel training, dist_checkpointing",
     )]
 

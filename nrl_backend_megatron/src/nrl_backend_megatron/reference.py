@@ -17,9 +17,8 @@ from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from nrl_core.api import ReferenceWeights, host_copy
+from nrl_core.api import ReferenceWeights, all_gather_into, host_copy
 
 
 class ShardedReference:
@@ -51,7 +50,7 @@ class ShardedReference:
             size, rank = group.intra_distributed_optimizer_instance_size, group.intra_distributed_optimizer_instance_rank
             for bucket in group.buckets:
                 own = shard_buffer(bucket.param_data, size)[rank]
-                dist.all_gather_into_tensor(bucket.param_data, own, group=group.intra_distributed_optimizer_instance_group)
+                all_gather_into(bucket.param_data, own, group=group.intra_distributed_optimizer_instance_group)
 
     @contextmanager
     def swapped_in(self) -> Iterator[None]:
