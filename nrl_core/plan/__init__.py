@@ -18,7 +18,7 @@ from typing import Any
 from nrl_core.config.topology import cluster_topology
 from nrl_core.config.validate import choose_backends
 from nrl_core.contracts import import_object
-from nrl_core.errors import ConfigError, NrlError
+from nrl_core.errors import NrlError
 from nrl_core.plan.layout import StateLayout
 from nrl_core.plan.memory import (
     DTYPE_BYTES,
@@ -67,14 +67,14 @@ class MemoryPlan:
                 rows.append(f"    {line.what:<58} {line.bytes / GiB:9.2f} GiB{where}")
             over = self.devices.memory is None and role.device_bytes > ASSUMED_DEVICE_GIB * GiB
             rows.append(f"    {'peak per device':<58} {role.device_bytes / GiB:9.2f} GiB"
-                        + (f"  (more than the assumed {ASSUMED_DEVICE_GIB} GiB: lower {role.knob})" if over else ""))
+                        + (f"  (more than the assumed {ASSUMED_DEVICE_GIB} GiB: {role.knob})" if over else ""))
         return "\n".join(rows)
 
 
-def detect_devices(config: Mapping[str, Any], model_is_local: bool, ranks_here: int,
+def detect_devices(config: Mapping[str, Any], runs_here: bool, ranks_here: int,
                    given_gib: float | None = None) -> Devices:
-    """The memory the run's devices offer: given, a GPU's here, or for a local model on a machine
-    without GPUs this machine's memory shared by the run's ranks on it."""
+    """The memory the run's devices offer: given, a GPU's here, or for a run on this machine
+    without GPUs its memory shared by the run's training ranks."""
     if given_gib is not None:
         return Devices(int(given_gib * GiB), f"{given_gib:g} GiB each (given)")
     import torch
@@ -82,12 +82,12 @@ def detect_devices(config: Mapping[str, Any], model_is_local: bool, ranks_here: 
     if torch.cuda.is_available():
         total = torch.cuda.get_device_properties(0).total_memory
         return Devices(total, f"{total / GiB:.0f} GiB each (detected: {torch.cuda.get_device_name(0)})")
-    if model_is_local:
+    if runs_here:
         import psutil
 
         total = psutil.virtual_memory().total
-        return Devices(total, f"this machine's {total / GiB:.0f} GiB, shared by its {ranks_here} ranks "
-                              f"(a run without GPUs)", shared_by=ranks_here, kind="cpu")
+        return Devices(total, f"this machine's {total / GiB:.0f} GiB, shared by its {ranks_here} training "
+                              f"ranks (a run without GPUs)", shared_by=ranks_here, kind="cpu")
     return Devices(None, f"not known here; {ASSUMED_DEVICE_GIB} GiB each assumed for the table, nothing refused")
 
 
@@ -99,8 +99,10 @@ def plan_memory(config: Mapping[str, Any], pm: Any, *, device_gib: float | None 
     shape = ModelShape.from_model_path(model)
     choice = choose_backends(config, pm, generation=policy.get("generation") is not None, warn=False)
     topo = cluster_topology(config, pm)
-    ranks_here = topo.train_per_node + (0 if topo.colocated else topo.generation_per_node)
-    devices = detect_devices(config, os.path.isdir(str(policy["model_name"])), ranks_here, device_gib)
+    # a local model on one node of a machine without GPUs runs here (not a cluster's login node)
+    runs_here = os.path.isdir(str(policy["model_name"])) and topo.total_nodes == 1 \
+        and not (config.get("cluster") or {}).get("ray_address") and not os.environ.get("RAY_ADDRESS")
+    devices = detect_devices(config, runs_here, topo.train_per_node, device_gib)
     reference = _keeps_reference(policy, choice.training)
     train = _training_role("policy", policy, choice.training, topo.train_world, devices.kind, trains=True,
                            reference=reference, placement=f"{topo.train_world} training ranks")
@@ -160,7 +162,7 @@ def _keeps_reference(policy: Mapping[str, Any], spec: Any) -> bool:
 
 
 def _fix(role: RolePlan) -> str:
-    return f"lower {role.knob}" if role.knob else "use more devices"
+    return role.knob or "use more devices"
 
 
 def _training_role(name: str, policy: Mapping[str, Any], spec: Any, world: int, device: str, *, trains: bool,
@@ -169,12 +171,12 @@ def _training_role(name: str, policy: Mapping[str, Any], spec: Any, world: int, 
     layout_fn = getattr(spec, "memory_layout", None)
     layout = import_object(layout_fn)(policy, world, device) if layout_fn else StateLayout()
     key = f"policy.{spec.config_key}" if name == "policy" else f"{name}.{spec.config_key}"
-    knobs = [f"policy.{'train_micro_batch_size' if trains else 'logprob_batch_size'}"]
-    knobs += [f"{key}.{k}" for k in spec.parallel_size_keys[:1] if k in section]
+    advice = f"lower policy.{'train_micro_batch_size' if trains else 'logprob_batch_size'}"
+    advice += "".join(f" or raise {key}.{k}" for k in spec.parallel_size_keys[:1] if k in section)
     return TrainingRole(name, layout, trains, micro_batch_tokens(policy, train=trains), reference=reference,
                         placement=placement if layout_fn else placement + "; the backend declares no memory layout: "
                                                                         "counted whole on every rank",
-                        knobs=tuple(knobs))
+                        knobs=(advice,))
 
 
 def _engine_role(policy: Mapping[str, Any], generation: Mapping[str, Any], spec: Any, topo: Any) -> EngineRole:
@@ -194,7 +196,7 @@ def check_plan(config: Mapping[str, Any], pm: Any, *, device_gib: float | None =
     here). Raises the one-line refusal when it cannot fit."""
     try:
         plan = plan_memory(config, pm, device_gib=device_gib)
-    except ConfigError as exc:
+    except NrlError as exc:  # the model's config not here, a plugin's layout that does not import
         return f"no memory plan: {exc}"
     problem = refusal(plan)
     if problem is not None:

@@ -23,7 +23,9 @@ class StateLayout:
     ``logit_shards`` splits the vocabulary (tensor parallelism). ``pipeline_stages`` splits the
     layers, and the first stage keeps that many micro-batches in flight. ``reference_shards``
     further splits the reference policy's host copy of the rank's weights (data-parallel ranks
-    that each keep only their range). ``offload``: parameters, gradients and optimizer state live
+    that each keep only their range); ``gather_shards`` splits a gathered layer (tensor
+    parallelism). ``adapter_rank``: LoRA of that rank trains adapters only, so gradients and
+    optimizer state are the adapters'. ``offload``: parameters, gradients and optimizer state live
     in host memory.
     """
 
@@ -42,5 +44,7 @@ class StateLayout:
     pipeline_stages: int = 1
     compute_bytes: int = 4
     reference_shards: int = 1
+    gather_shards: int = 1
+    adapter_rank: int = 0
     recompute: bool = False
     offload: bool = False

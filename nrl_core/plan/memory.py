@@ -81,6 +81,9 @@ def training_plan(shape: ModelShape, role: TrainingRole) -> RolePlan:
     optimized = dense / lay.optimizer_shards + experts / lay.expert_optimizer_shards
     state = "host" if lay.offload else "device"
     lines = [Line("weights", int(params * lay.param_bytes), state)]
+    if lay.adapter_rank:  # LoRA: the adapters alone train, each rank holding them whole
+        params = optimized = shape.adapter_params(lay.adapter_rank)
+        lines.append(Line(f"LoRA adapters (rank {lay.adapter_rank})", int(params * lay.param_bytes), state))
     if role.trains:
         lines.append(Line("gradients", int(params * lay.grad_bytes), state))
         if lay.main_weight_bytes:
@@ -88,12 +91,12 @@ def training_plan(shape: ModelShape, role: TrainingRole) -> RolePlan:
         lines.append(Line("optimizer state", int(optimized * lay.optimizer_bytes), state))
         if lay.optimizer_temporaries:
             lines.append(Line("optimizer step temporaries", int(optimized * 4 * lay.optimizer_temporaries), state))
-    if lay.gathered_layers:
-        layer = shape.layer_params + shape.expert_params / lay.expert_shards
+    if lay.gathered_layers:  # FSDP gathers a layer whole over its data-parallel ranks, experts included
+        layer = (shape.layer_params + shape.expert_params) / lay.gather_shards
         lines.append(Line("gathered layers", int(lay.gathered_layers * layer * lay.compute_bytes)))
     lines.append(Line("activations", activation_bytes(shape, role)))
     lines.append(Line("logits", int(role.micro_tokens * shape.vocab / lay.logit_shards * 4 * LOGIT_COPIES)))
-    if role.reference:
+    if role.reference and not lay.adapter_rank:  # with LoRA the reference is the base model itself
         lines.append(Line("reference weights (host copy of own shards)",
                           int(params * lay.param_bytes / lay.reference_shards), "host"))
     return RolePlan(role.role, role.placement, tuple(lines), knob=", ".join(role.knobs))
@@ -142,7 +145,7 @@ def engine_plan(shape: ModelShape, engine: EngineRole, device_memory: int | None
         lines.append(Line(f"KV cache ({engine.memory_fraction:g} of the device less the weights)", max(cache, least)))
         note = f"{cache / (per_token or 1):.0f} tokens of KV cache" if per_token else ""
     return RolePlan("generation engine", engine.placement, tuple(lines), note=note,
-                    knob="policy.generation.vllm_cfg.gpu_memory_utilization or tensor_parallel_size")
+                    knob="raise policy.generation.vllm_cfg.tensor_parallel_size")
 
 
 def colocated_plan(training: RolePlan, engine: RolePlan, *, offload_weights: bool, refit_bucket: int,
@@ -160,17 +163,20 @@ def colocated_plan(training: RolePlan, engine: RolePlan, *, offload_weights: boo
                                    if not offload_weights else ()))
     worst = max((refit, generating), key=lambda lines: sum(line.bytes for line in lines))
     moment = "refit" if worst is refit else "generation"
-    return RolePlan("colocated hand-off", training.placement, worst, note=f"worst moment: {moment}",
-                    knob="policy.generation.vllm_cfg.gpu_memory_utilization or refit.bucket_size_mb")
+    knob = "raise policy.generation.vllm_cfg.tensor_parallel_size" if worst is refit else \
+        "lower policy.generation.vllm_cfg.gpu_memory_utilization"
+    return RolePlan("colocated hand-off", training.placement, worst, note=f"worst moment: {moment}", knob=knob)
 
 
 def micro_batch_tokens(policy: Mapping[str, Any], *, train: bool) -> int:
-    """Tokens in one micro-batch: the packing or dynamic-batching token budget when on, else rows
-    times the longest sequence."""
-    key = "train_mb_tokens" if train else "logprob_mb_tokens"
+    """Tokens in one micro-batch: with packing or dynamic batching, their token budget as the
+    engine resolves it (scoring falls back to the training budget, both to the longest sequence),
+    else rows times the longest sequence."""
+    longest = int(policy.get("max_total_sequence_length") or 1)
     for section in ("sequence_packing", "dynamic_batching"):
         sub = policy.get(section) or {}
-        if sub.get("enabled") and sub.get(key):
-            return int(sub[key])
+        if sub.get("enabled"):
+            budget = sub.get("train_mb_tokens") if train else sub.get("logprob_mb_tokens") or sub.get("train_mb_tokens")
+            return int(budget or longest)
     rows = policy.get("train_micro_batch_size" if train else "logprob_batch_size") or 1
     return int(rows) * int(policy.get("max_total_sequence_length") or 1)

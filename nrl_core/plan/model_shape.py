@@ -53,7 +53,7 @@ class ModelShape:
             intermediate=int(get("intermediate_size") or 4 * hidden), vocab=int(get("vocab_size")),
             tied_embeddings=bool(get("tie_word_embeddings", False)), experts=experts,
             experts_per_token=int(get("num_experts_per_tok") or 0) if experts else 0,
-            expert_intermediate=int(get("moe_intermediate_size") or 0) if experts else 0,
+            expert_intermediate=int(get("moe_intermediate_size") or get("intermediate_size") or 0) if experts else 0,
             shared_expert_intermediate=int(get("shared_expert_intermediate_size") or 0) if experts else 0,
             qk_norm=family.startswith("qwen3"),  # a norm over each head's queries and keys
             qkv_bias=family.startswith("qwen2") or bool(get("attention_bias")),
@@ -120,6 +120,14 @@ class ModelShape:
         if not self.experts:
             return self.intermediate
         return self.experts_per_token * self.expert_intermediate + self.shared_expert_intermediate
+
+    def adapter_params(self, rank: int) -> int:
+        """LoRA adapters of the given rank on every linear layer of every layer (routed experts
+        aside): ``rank x (inputs + outputs)`` each, an upper bound for narrower target lists."""
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        attention = (self.hidden + q) + 2 * (self.hidden + kv) + (q + self.hidden)
+        mlp = 3 * (self.hidden + (self.intermediate if not self.experts else self.shared_expert_intermediate))
+        return self.layers * rank * (attention + mlp)
 
     @property
     def kv_elements_per_token(self) -> int:

@@ -74,6 +74,17 @@ def test_state_per_rank_falls_with_data_parallel_ranks_as_each_backend_shards_it
     assert megatron["true"]["optimizer state"] == megatron["false"]["optimizer state"] // 2
 
 
+def test_lora_trains_adapters_only_and_keeps_no_reference_copy(gpu_size: Path) -> None:
+    pm = get_plugin_manager()
+    full = _lines(plan_memory(_config(gpu_size), pm))
+    lora = _lines(plan_memory(_config(gpu_size, "policy.dtensor_config.lora_cfg.enabled=true",
+                                      "policy.dtensor_config.lora_cfg.dim=8"), pm))
+    adapters = ModelShape.from_model_path(gpu_size).adapter_params(8)
+    assert lora["weights"] == full["weights"] and lora["gradients"] == adapters * 4
+    assert lora["optimizer state"] == adapters * 8 and lora["gradients"] < full["gradients"] / 50
+    assert "reference weights (host copy of own shards)" not in lora
+
+
 def test_a_cpu_run_that_cannot_fit_is_refused_at_check_in_one_line(gpu_size: Path, capsys) -> None:
     """A local model on a machine without GPUs runs on its CPU: the ranks share its memory."""
     if torch.cuda.is_available():
@@ -90,7 +101,7 @@ def test_a_cpu_run_that_cannot_fit_is_refused_at_check_in_one_line(gpu_size: Pat
     (small / "config.json").write_text(json.dumps({**GPU_SIZE, "num_hidden_layers": 2}))
     assert main(["config", "check", str(SFT), f"policy.model_name={small}", "policy.train_micro_batch_size=8"]) == 0
     out = capsys.readouterr().out  # about a GiB: fits any machine that runs the suite
-    assert "memory plan for" in out and "peak per device" in out and "shared by its 1 ranks" in out
+    assert "memory plan for" in out and "peak per device" in out and "shared by its 1 training ranks" in out
 
 
 def test_given_device_memory_refuses_the_role_that_does_not_fit_naming_its_knob(gpu_size: Path, capsys) -> None:

@@ -357,3 +357,26 @@ def test_the_cpu_shim_keeps_the_meta_device_context_and_transformers_loads_intac
     )
     proc = subprocess.run([sys.executable, "-c", code, str(cached_tiny_model("llama"))], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("saved, run, refused", [(None, True, False), (None, False, False), (False, True, True),
+                                                 (True, False, True), (True, True, False)])
+def test_a_checkpoint_of_the_other_optimizer_kind_is_one_line(tmp_path: Path, saved, run, refused) -> None:
+    """The marker says which optimizer's state a checkpoint holds; one written before it said so
+    (no key) loads as before, and the other kind is refused naming the key that fixes it."""
+    import json
+
+    from nrl_backend_megatron.ckpt_io import MARKER, REQUIRED_FILES, CheckpointIO
+    from nrl_core.errors import NrlError
+
+    for name in REQUIRED_FILES:
+        (tmp_path / name).write_bytes(b"")
+    meta = {"model_name": "m", **({} if saved is None else {"distributed_optimizer": saved})}
+    (tmp_path / MARKER).write_text(json.dumps(meta))
+    io = CheckpointIO({"model_name": "m"}, distributed_optimizer=run)
+    if not refused:
+        io.check(str(tmp_path))
+        return
+    with pytest.raises(NrlError) as err:
+        io.check(str(tmp_path))
+    assert "\n" not in str(err.value) and f"use_distributed_optimizer: {str(saved).lower()}" in str(err.value)

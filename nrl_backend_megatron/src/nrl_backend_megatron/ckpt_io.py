@@ -134,8 +134,8 @@ class CheckpointIO:
             if meta.get(key) != value:
                 raise NrlError(f"checkpoint {path} is from another model or layout ({key}: {meta.get(key)!r}, "
                                f"this run: {value!r})")
-        saved = bool(meta.get("distributed_optimizer", False))
-        if meta.get("optimizer", True) is not False and saved != self.distributed_optimizer:
+        saved = meta.get("distributed_optimizer")  # None: written before the marker recorded it
+        if meta.get("optimizer", True) is not False and saved is not None and saved != self.distributed_optimizer:
             raise NrlError(f"checkpoint {path} holds {'the distributed' if saved else 'the non-distributed'} "
                            f"optimizer's state and this run uses the other; set policy.megatron_cfg.optimizer."
                            f"use_distributed_optimizer: {str(saved).lower()} to resume from it (Megatron's two "

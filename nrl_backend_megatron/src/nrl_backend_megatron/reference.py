@@ -58,11 +58,11 @@ class ShardedReference:
         Collective over each buffer's data-parallel ranks."""
         views = self._own_views()
         current = [host_copy(view) for view in views]
-        with torch.no_grad():
-            for view, ref in zip(views, self.shards):
-                view.copy_(ref)
-            self._gather()
         try:
+            with torch.no_grad():
+                for view, ref in zip(views, self.shards):
+                    view.copy_(ref)
+                self._gather()
             with self.rest.swapped_in() if self.rest is not None else nullcontext():
                 yield
         finally:

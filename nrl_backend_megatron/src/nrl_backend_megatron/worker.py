@@ -251,6 +251,7 @@ class MegatronPolicyWorker(TrainingEngine):
             _raise_first_problem(problem, MegatronCheckpointError)
         fresh = self._fresh_head(sharded)
         load_shard(model, self.conversion.path, sharded, fresh)  # this rank's part only
+        del sharded  # views of the parameters' first storage, which DDP's contiguous buffers replace
         if fresh:
             heads.initialise(model, float(getattr(self.hf_config, "initializer_range", 0.02)),
                                   int(self.policy["seed"]))
