@@ -71,8 +71,7 @@ class MemoryPlan:
         return "\n".join(rows)
 
 
-def detect_devices(config: Mapping[str, Any], runs_here: bool, ranks_here: int,
-                   given_gib: float | None = None) -> Devices:
+def detect_devices(runs_here: bool, ranks_here: int, given_gib: float | None = None) -> Devices:
     """The memory the run's devices offer: given, a GPU's here, or for a run on this machine
     without GPUs its memory shared by the run's training ranks."""
     if given_gib is not None:
@@ -102,10 +101,9 @@ def plan_memory(config: Mapping[str, Any], pm: Any, *, device_gib: float | None 
     # a local model on one node of a machine without GPUs runs here (not a cluster's login node)
     runs_here = os.path.isdir(str(policy["model_name"])) and topo.total_nodes == 1 \
         and not (config.get("cluster") or {}).get("ray_address") and not os.environ.get("RAY_ADDRESS")
-    devices = detect_devices(config, runs_here, topo.train_per_node, device_gib)
-    reference = _keeps_reference(policy, choice.training)
+    devices = detect_devices(runs_here, topo.train_per_node, device_gib)
     train = _training_role("policy", policy, choice.training, topo.train_world, devices.kind, trains=True,
-                           reference=reference, placement=f"{topo.train_world} training ranks")
+                           reference=True, placement=f"{topo.train_world} training ranks")
     roles = [training_plan(shape, train)]
     for name, trains in (("critic", True), ("teacher", False)):
         section = config.get(name)
@@ -124,11 +122,8 @@ def plan_memory(config: Mapping[str, Any], pm: Any, *, device_gib: float | None 
         engine_role = engine_plan(shape, engine, memory)
         roles.append(engine_role)
         if topo.colocated:
-            refit = config.get("refit") or {}
             roles.append(colocated_plan(roles[0], engine_role,
-                                        offload_weights=bool(generation["colocated"].get("offload_weights", True)),
-                                        refit_bucket=int(float(refit.get("bucket_size_mb") or 256) * 2**20),
-                                        staged_whole=True))
+                                        offload_weights=bool(generation["colocated"].get("offload_weights", True))))
     return MemoryPlan(tuple(roles), devices, str(policy["model_name"]))
 
 
@@ -154,13 +149,6 @@ def refusal(plan: MemoryPlan) -> str | None:
     return None
 
 
-def _keeps_reference(policy: Mapping[str, Any], spec: Any) -> bool:
-    """Both backends keep a host copy of the initial weights unless they train LoRA adapters."""
-    section = policy.get(spec.config_key) or {}
-    lora = section.get("lora_cfg") or section.get("peft") or {}
-    return not lora.get("enabled")
-
-
 def _fix(role: RolePlan) -> str:
     return role.knob or "use more devices"
 
@@ -176,7 +164,7 @@ def _training_role(name: str, policy: Mapping[str, Any], spec: Any, world: int, 
     return TrainingRole(name, layout, trains, micro_batch_tokens(policy, train=trains), reference=reference,
                         placement=placement if layout_fn else placement + "; the backend declares no memory layout: "
                                                                         "counted whole on every rank",
-                        knobs=(advice,))
+                        advice=advice)
 
 
 def _engine_role(policy: Mapping[str, Any], generation: Mapping[str, Any], spec: Any, topo: Any) -> EngineRole:
@@ -187,7 +175,6 @@ def _engine_role(policy: Mapping[str, Any], generation: Mapping[str, Any], spec:
     max_len = int(section.get("max_model_len") or policy.get("max_total_sequence_length") or 1)
     return EngineRole(tensor_parallel=topo.engine_size, weight_bytes=weight_bytes, kv_bytes=kv_bytes,
                       memory_fraction=float(section.get("gpu_memory_utilization") or 0.9), max_model_len=max_len,
-                      max_num_seqs=int(section.get("max_num_seqs") or 1),
                       placement=f"{topo.num_engines} engines of {topo.engine_size} ranks")
 
 

@@ -11,7 +11,7 @@ moment. The constants below were fixed before the measurements in docs/benchmark
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from nrl_core.plan.layout import StateLayout
@@ -70,7 +70,7 @@ class TrainingRole:
     micro_tokens: int
     reference: bool = False
     placement: str = ""
-    knobs: tuple[str, ...] = field(default_factory=tuple)
+    advice: str = ""
 
 
 def training_plan(shape: ModelShape, role: TrainingRole) -> RolePlan:
@@ -99,7 +99,7 @@ def training_plan(shape: ModelShape, role: TrainingRole) -> RolePlan:
     if role.reference and not lay.adapter_rank:  # with LoRA the reference is the base model itself
         lines.append(Line("reference weights (host copy of own shards)",
                           int(params * lay.param_bytes / lay.reference_shards), "host"))
-    return RolePlan(role.role, role.placement, tuple(lines), knob=", ".join(role.knobs))
+    return RolePlan(role.role, role.placement, tuple(lines), knob=role.advice)
 
 
 def activation_bytes(shape: ModelShape, role: TrainingRole) -> int:
@@ -126,7 +126,6 @@ class EngineRole:
     kv_bytes: int
     memory_fraction: float
     max_model_len: int
-    max_num_seqs: int
     placement: str = ""
 
 
@@ -148,17 +147,14 @@ def engine_plan(shape: ModelShape, engine: EngineRole, device_memory: int | None
                     knob="raise policy.generation.vllm_cfg.tensor_parallel_size")
 
 
-def colocated_plan(training: RolePlan, engine: RolePlan, *, offload_weights: bool, refit_bucket: int,
-                   staged_whole: bool) -> RolePlan:
+def colocated_plan(training: RolePlan, engine: RolePlan, *, offload_weights: bool) -> RolePlan:
     """The worst moment of a device that trains and generates: the refit (training weights, the
-    engine's weights, and what the transfer stages) or generation (the engine, and the training
-    weights when they stay)."""
-    weights = next(line.bytes for line in training.lines if line.what == "weights" and line.where == "device") \
-        if any(line.what == "weights" and line.where == "device" for line in training.lines) else 0
+    engine's weights, and the whole model the in-process transfer stages before it loads) or
+    generation (the engine, and the training weights when they stay)."""
+    weights = next((line.bytes for line in training.lines if line.what == "weights" and line.where == "device"), 0)
     engine_weights = next(line.bytes for line in engine.lines if line.what == "engine weights")
-    staged = engine_weights if staged_whole else refit_bucket
     refit = (Line("training weights", weights), Line("engine weights", engine_weights),
-             Line("refit staging" + (" (whole model)" if staged_whole else " (one bucket)"), staged))
+             Line("refit staging (whole model)", engine_weights))
     generating = (*engine.lines, *((Line("training weights (colocated.offload_weights: false)", weights),)
                                    if not offload_weights else ()))
     worst = max((refit, generating), key=lambda lines: sum(line.bytes for line in lines))
@@ -179,4 +175,4 @@ def micro_batch_tokens(policy: Mapping[str, Any], *, train: bool) -> int:
             budget = sub.get("train_mb_tokens") if train else sub.get("logprob_mb_tokens") or sub.get("train_mb_tokens")
             return int(budget or longest)
     rows = policy.get("train_micro_batch_size" if train else "logprob_batch_size") or 1
-    return int(rows) * int(policy.get("max_total_sequence_length") or 1)
+    return int(rows) * longest

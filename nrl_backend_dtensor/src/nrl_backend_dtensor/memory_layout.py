@@ -23,13 +23,12 @@ def memory_layout(policy: Mapping[str, Any], world_size: int, device: str) -> St
     precision = str(policy.get("precision") or ("float32" if device == "cpu" else "bfloat16"))  # as the worker resolves it
     compute = 4 if precision == "float32" else 2
     offload = bool(section.get("cpu_offload"))
-    sharded = dp > 1 or compute != 4 or offload  # FSDP applied (parallel.fsdp_needed)
     shards = dp * tp
     lora = section.get("lora_cfg") or {}
     return StateLayout(
         param_shards=shards, expert_shards=shards, optimizer_shards=shards, expert_optimizer_shards=shards,
         param_bytes=4, grad_bytes=4, optimizer_bytes=8, optimizer_temporaries=1.0 if device == "cuda" else 0.0,
-        gathered_layers=2 if sharded and dp > 1 else 0, gather_shards=tp, compute_bytes=compute,
+        gathered_layers=2 if dp > 1 else 0, gather_shards=tp, compute_bytes=compute,
         adapter_rank=int(lora.get("dim") or 8) if lora.get("enabled") else 0,
         activation_shards=(tp if section.get("sequence_parallel") else 1) * cp,
         recompute=bool(section.get("activation_checkpointing")), offload=offload)

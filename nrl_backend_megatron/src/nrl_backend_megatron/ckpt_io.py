@@ -17,7 +17,7 @@
   and loading into the other is one line.
 * ``save_optimizer`` false (``checkpointing.save_optimizer: false``) → the worker leaves the
   optimizer's sharded state and the scheduler out of what it saves and the marker records
-  ``"optimizer": false``; loading such a checkpoint (:meth:`CheckpointIO.has_optimizer`) restores
+  ``"optimizer": false``; loading such a checkpoint (:meth:`CheckpointIO.saved`) restores
   the weights and starts the optimizer and its schedule fresh, as NeMo RL does (``load_optim``
   off when its resume finds no optimizer state).
 
@@ -118,8 +118,8 @@ class CheckpointIO:
             dist.barrier()
 
     # ------------------------------------------------------------------ load
-    def check(self, path: str) -> None:
-        """One-line errors for a missing, incomplete or foreign checkpoint."""
+    def check(self, path: str) -> dict[str, Any]:
+        """One-line errors for a missing, incomplete or foreign checkpoint; else its marker."""
         marker = Path(path) / MARKER
         if not Path(path).is_dir():
             raise NrlError(f"checkpoint {path} does not exist")
@@ -140,17 +140,15 @@ class CheckpointIO:
                            f"optimizer's state and this run uses the other; set policy.megatron_cfg.optimizer."
                            f"use_distributed_optimizer: {str(saved).lower()} to resume from it (Megatron's two "
                            f"formats do not convert)")
+        return meta
 
-    def saved_dp_size(self, path: str) -> int | None:
-        """The data-parallel size ``path`` was saved at (None: from before it was recorded)."""
-        return json.loads((Path(path) / MARKER).read_text()).get("dp")
-
-    def has_optimizer(self, path: str) -> bool:
-        """Whether checkpoint ``path`` holds optimizer and scheduler state (checked first; those
-        from before ``save_optimizer`` existed all do). Collective: finishes a pending save."""
+    def saved(self, path: str) -> tuple[bool, int | None]:
+        """Whether checkpoint ``path`` holds optimizer and scheduler state (those from before
+        ``save_optimizer`` existed all do), and the data-parallel size it was saved at (None: from
+        before it was recorded); checked first. Collective: finishes a pending save."""
         self.finalize()
-        self.check(path)
-        return json.loads((Path(path) / MARKER).read_text()).get("optimizer", True) is not False
+        meta = self.check(path)
+        return meta.get("optimizer", True) is not False, meta.get("dp")
 
     def load(self, path: str, options: CheckpointOptions, sharded: dict[str, Any]) -> dict[str, Any]:
         from megatron.core import dist_checkpointing, parallel_state

@@ -28,7 +28,7 @@ class ShardedReference:
 
     def __init__(self, bucket_groups: Iterable[Any], other_params: list[torch.Tensor]) -> None:
         self.groups = list(bucket_groups)
-        self.shards = [host_copy(view) for view in self._own_views()]
+        self.shards = [host_copy(own) for _, own, _ in self._ranges()]
         self.rest = ReferenceWeights(other_params, by_storage=False) if other_params else None
 
     @property
@@ -36,37 +36,32 @@ class ShardedReference:
         rest = sum(c.numel() * c.element_size() for c in self.rest.copies) if self.rest is not None else 0
         return sum(s.numel() * s.element_size() for s in self.shards) + rest
 
-    def _own_views(self) -> list[torch.Tensor]:
+    def _ranges(self) -> list[tuple[torch.Tensor, torch.Tensor, Any]]:
+        """``(buffer, this rank's range of it, the process group it is gathered over)`` for every
+        bucket, as the distributed optimizer splits them."""
         from megatron.core.distributed.param_and_grad_buffer import shard_buffer
 
-        return [shard_buffer(bucket.param_data, group.intra_distributed_optimizer_instance_size)[
-                    group.intra_distributed_optimizer_instance_rank]
+        return [(bucket.param_data, shard_buffer(bucket.param_data, group.intra_distributed_optimizer_instance_size)[
+                    group.intra_distributed_optimizer_instance_rank], group.intra_distributed_optimizer_instance_group)
                 for group in self.groups for bucket in group.buckets]
 
-    def _gather(self) -> None:
-        from megatron.core.distributed.param_and_grad_buffer import shard_buffer
-
-        for group in self.groups:
-            size, rank = group.intra_distributed_optimizer_instance_size, group.intra_distributed_optimizer_instance_rank
-            for bucket in group.buckets:
-                own = shard_buffer(bucket.param_data, size)[rank]
-                all_gather_into(bucket.param_data, own, group=group.intra_distributed_optimizer_instance_group)
+    @staticmethod
+    def _write_and_gather(ranges: list[tuple[torch.Tensor, torch.Tensor, Any]], values: list[torch.Tensor]) -> None:
+        with torch.no_grad():
+            for (_, own, _), value in zip(ranges, values):
+                own.copy_(value)
+            for buffer, own, group in ranges:
+                all_gather_into(buffer, own, group=group)
 
     @contextmanager
     def swapped_in(self) -> Iterator[None]:
         """Within the block the parameters hold the reference weights; after it, their own again.
         Collective over each buffer's data-parallel ranks."""
-        views = self._own_views()
-        current = [host_copy(view) for view in views]
+        ranges = self._ranges()
+        current = [host_copy(own) for _, own, _ in ranges]
         try:
-            with torch.no_grad():
-                for view, ref in zip(views, self.shards):
-                    view.copy_(ref)
-                self._gather()
+            self._write_and_gather(ranges, self.shards)
             with self.rest.swapped_in() if self.rest is not None else nullcontext():
                 yield
         finally:
-            with torch.no_grad():
-                for view, own in zip(views, current):
-                    view.copy_(own)
-                self._gather()
+            self._write_and_gather(ranges, current)

@@ -618,8 +618,7 @@ class MegatronPolicyWorker(TrainingEngine):
 
         self.require_on_device("load_checkpoint")
         options = options or CheckpointOptions.from_section(self.cfg)
-        with_optimizer = self.ckpt.has_optimizer(path)
-        saved_dp = self.ckpt.saved_dp_size(path)
+        with_optimizer, saved_dp = self.ckpt.saved(path)
         with_rng = saved_dp in (None, self.dp_size)  # one RNG state per rank of the layout it was saved at
         if options.load_rng and not with_rng and self.rank == 0:
             logger.warning("checkpoint %s was saved at data-parallel size %d and this run has %d: its RNG states "
