@@ -24,7 +24,8 @@ def nrl_algorithms() -> list[AlgorithmSpec]:
     return [
         AlgorithmSpec(name="grpo", entry="nrl_core.algorithms.grpo:main", distribution="nrl-core",
                       description="Group Relative Policy Optimization", config_schema=GRPO,
-                      config_check="nrl_core.algorithms.grpo_config:check_grpo", generates=True),
+                      config_check="nrl_core.algorithms.grpo_config:check_grpo", generates=True,
+                      twin={"num_prompts_per_step": 2, "num_generations_per_prompt": 4}),
         AlgorithmSpec(name="sft", entry="nrl_core.algorithms.sft:main", distribution="nrl-core",
                       description="supervised fine-tuning (response-only NLL)", config_schema=SFT),
         AlgorithmSpec(name="dpo", entry="nrl_core.algorithms.dpo:main", distribution="nrl-core",

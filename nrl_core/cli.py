@@ -157,6 +157,22 @@ def _cmd_train(args: argparse.Namespace) -> int:
         return int(call_with_runtime(run, config, runtime) or 0)
 
 
+def _cmd_twin(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from nrl_core.plugins import get_plugin_manager
+    from nrl_core.twin import write_twin
+
+    recipe = Path(args.config)
+    out = Path(args.out or Path("twins") / recipe.stem)
+    twin = write_twin(recipe, out, get_plugin_manager(), algorithm=args.algorithm,
+                      model=Path(args.model) if args.model else None, steps=args.steps)
+    print(f"twin: {twin.config} ({twin.algorithm}, {len(twin.overrides)} scale-down keys, each with its reason there)")
+    if args.write_only:
+        return 0
+    return _cmd_train(argparse.Namespace(algorithm=twin.algorithm, config=str(twin.config), overrides=[]))
+
+
 def _cmd_eval(args: argparse.Namespace) -> int:
     from nrl_core.evaluation.config import load_eval_config
     from nrl_core.evaluation.run import evaluate, format_report
@@ -311,6 +327,17 @@ def build_parser() -> argparse.ArgumentParser:
     to_hf.add_argument("overrides", nargs="*", help="changes to the saved config, e.g. policy.model_name=PATH")
     to_hf.set_defaults(func=_cmd_convert_checkpoint)
     _add_plugin_commands({"convert": convert_sub})
+
+    twin = sub.add_parser("twin", help="write and train the CPU twin of a recipe: its algorithm, backends, data "
+                                       "and parallelism kinds on a tiny model, for a few steps (docs/twin.md)")
+    twin.add_argument("config", help="the recipe (YAML)")
+    twin.add_argument("--out", default=None, help="directory for twin.yaml, its data and its run (default: twins/NAME)")
+    twin.add_argument("--steps", type=int, default=2, help="training steps (default: 2)")
+    twin.add_argument("--model", default=None, metavar="DIR",
+                      help="a small Hugging Face model of the recipe's family (default: nrl's tiny one)")
+    twin.add_argument("--algorithm", default=None, help="the algorithm (default: the one whose section the recipe sets)")
+    twin.add_argument("--write-only", action="store_true", help="write the twin and check it; do not train")
+    twin.set_defaults(func=_cmd_twin)
 
     train = sub.add_parser("train", help="run an algorithm")
     train.add_argument("algorithm", help="algorithm name (grpo, sft, ...)")

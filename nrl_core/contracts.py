@@ -151,6 +151,8 @@ class TrainingBackendSpec:
     a config that needs one it does not declare. ``memory_layout`` (optional) is the import path of a
     function ``(policy_section, world_size, device) -> StateLayout`` (``device``: ``cuda`` or ``cpu``) telling ``nrl plan`` how the backend
     lays a model's state over its ranks; without it the plan counts the model whole on every rank.
+    ``twin`` (optional, in no contract version) maps keys of its section to the values a CPU twin
+    sets (``nrl twin``): what a CPU lacks, such as an optimizer that keeps CUDA tensors.
 
     Start-up overlap is the core's business (contract 5): every worker process imports ``worker``
     and the modules its class names in ``lazy_imports`` while ``nrl train`` still checks the config
@@ -170,6 +172,7 @@ class TrainingBackendSpec:
     capabilities: frozenset[str] = frozenset()
     description: str = ""
     memory_layout: str | None = None
+    twin: Mapping[str, Any] = field(default_factory=dict)
     preload: InitVar[Sequence[str] | None] = None
 
     def __post_init__(self, preload: Sequence[str] | None) -> None:
@@ -340,7 +343,10 @@ class DatasetSpec:
     entry keys the dataset reads beyond the common ones; another one set is named in a warning,
     as NeMo RL does. ``split_validation_size`` is the share (or, at 1 or more, the count) held out
     for validation by default; ``None``: the dataset never splits (a set size is named in that
-    warning). ``splits`` lists the splits it accepts (empty: any).
+    warning). ``splits`` lists the splits it accepts (empty: any). ``stand_in`` (optional, in no
+    contract version) is the import path of a function ``(problem, answer, wrong, entry) -> row``
+    giving one source row with the hub dataset's columns around those texts: ``nrl twin`` writes a
+    recipe's data with it; without one, a twin of a recipe reading this dataset is refused.
     """
 
     name: str
@@ -354,6 +360,7 @@ class DatasetSpec:
     keys: tuple[str, ...] = ()
     split_validation_size: float | None = None
     description: str = ""
+    stand_in: str | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in DATASET_KINDS:
@@ -386,7 +393,9 @@ class AlgorithmSpec:
     head enabled anywhere else is refused at check time. ``data_kind`` says which records the
     algorithm reads from a named dataset (:data:`DATASET_KINDS`: ``preference`` for DPO and reward
     models), so a dataset of the other kind is refused at check time; optional, in no contract
-    version.
+    version. ``twin`` (optional, in no contract version) maps keys of the algorithm's section to
+    the values its CPU twin sets (``nrl twin``), such as prompts a step; steps and validation sizes
+    the core sets itself.
 
     ``nrl train`` launches the policy's training workers before it checks the model and the run
     loads its data, for every algorithm, so their imports overlap; a run that builds no
@@ -407,6 +416,7 @@ class AlgorithmSpec:
     shared_keys: Mapping[str, Section] = field(default_factory=dict)
     value_sections: tuple[str, ...] = ()
     data_kind: str = "prompt"
+    twin: Mapping[str, Any] = field(default_factory=dict)
     early_policy_start: InitVar[bool | None] = None
 
     def __post_init__(self, early_policy_start: bool | None) -> None:

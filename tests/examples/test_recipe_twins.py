@@ -1,14 +1,14 @@
-"""Every ``1n8g`` recipe runs, as its data-parallel-2 CPU twin.
+"""Every ``1n8g`` recipe runs, as its CPU twin (``nrl twin``, nrl_core/twin.py).
 
-A twin keeps what makes the recipe's shape (algorithm, training backend, placement, model-parallel
-layout, packing, KL penalty, optimizer and scheduler) and scales the sizes down: the tiny local
-model, two data-parallel groups (so a TP=2 recipe trains on 2 x 2 workers), one generation engine
-when generation is not colocated, a few prompts of the arithmetic task, short sequences. It runs
-in float32, where the refit check below is an exact equality (in bfloat16 vLLM's and HF's kernels
-round differently), and without what needs a GPU (Megatron's mixed-precision and distributed
-optimizers, Transformer Engine's). It runs through ``nrl train`` exactly as a user would run the recipe with overrides;
-GRPO twins train two steps and check the refit end to end (tests/e2e/test_grpo_matrix.py), SFT
-twins train one.
+The twin keeps what makes the recipe's shape (algorithm, training backend, placement, model-parallel
+layout, packing, KL penalty, optimizer and scheduler) and sets only its documented scale-down keys:
+the tiny local model of the recipe's family, each parallelism kind at 2 with two data-parallel
+groups, one generation engine when generation is not colocated, float32 (where the refit check
+below is an exact equality; in bfloat16 vLLM's and HF's kernels round differently), and what a CPU
+lacks (Megatron's mixed-precision optimizer). On top of the twin this test sets its own: the
+arithmetic task and short sequences (fast, and the refit check compares greedy answers the
+training changes), and a learning rate that changes them within two steps. GRPO twins train two
+steps and check the refit end to end (tests/e2e/test_grpo_matrix.py), SFT twins train one.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from nrl_core.algorithms.installed import choose_backends, cluster_topology, load_and_validate
+from nrl_core.algorithms.installed import choose_backends, load_and_validate
 from tests.e2e.test_grpo import assert_ok, metrics, run_nrl
 from tests.e2e.test_grpo_matrix import check_refit_after_training
 
@@ -33,14 +33,6 @@ CHANGES_WEIGHTS = {
     "megatron": ["policy.megatron_cfg.optimizer.lr=0.05", "policy.megatron_cfg.optimizer.min_lr=0.05",
                  "policy.megatron_cfg.optimizer.weight_decay=2.0", "policy.megatron_cfg.scheduler.lr_warmup_iters=0"],
 }
-# What only a GPU machine has: Megatron's mixed-precision optimizer keeps CUDA tensors, and the
-# precision-aware optimizer is Transformer Engine's FusedAdam. (The distributed optimizer, with the
-# recipes' overlaps, runs here as they set it.)
-CPU_ONLY = {"dtensor": [], "megatron": [
-    "policy.megatron_cfg.optimizer.bf16=false",
-    "policy.megatron_cfg.optimizer.use_precision_aware_optimizer=false"]}
-
-
 # The twin's arithmetic data states answers as numbers, never DAPO's "Answer:" line, so its DAPO
 # twin scores with math-verify; every other DAPO key (dynamic sampling, scaling, shaping) stays.
 # Dynamic sampling needs groups whose answers differ in correctness: the DAPO twin starts from the
@@ -53,32 +45,24 @@ TWIN_EXTRAS = {"grpo-dapo-qwen2.5-1.5b-1n8g-dtensor": [
 SFT_MODEL = frozenset({"grpo-dapo-qwen2.5-1.5b-1n8g-dtensor"})
 
 
-def cpu_twin(recipe: Path, model: Path) -> list[str]:
-    """Overrides that turn ``recipe`` into its data-parallel-2 CPU twin (see the module docstring)."""
-    config = load_and_validate(str(recipe))
+def cpu_twin(recipe: Path, model: Path, out: Path) -> tuple[Path, list[str]]:
+    """``recipe``'s twin written under ``out``, and this test's overrides on top of it (see the module docstring)."""
+    from nrl_core.plugins import get_plugin_manager
+    from nrl_core.twin import write_twin
+
+    twin = write_twin(recipe, out, get_plugin_manager(), model=model, steps=2 if "grpo" in recipe.name else 1)
+    config = load_and_validate(str(twin.config))
     training = choose_backends(config, generation=False).training
-    model_parallel = training.model_parallel_size(config["policy"][training.config_key])
-    overrides = [f"policy.model_name={model}", "cluster.num_nodes=1", "policy.train_global_batch_size=8",
-                 "policy.train_micro_batch_size=2", "policy.logprob_batch_size=2",
-                 "policy.max_total_sequence_length=64", "data.dataset_name=arithmetic",
+    overrides = ["policy.max_total_sequence_length=64", "data.dataset_name=arithmetic",
                  "++data.generate=" + ARITHMETIC, "data.train_data_path=null", "data.val_data_path=null",
                  "data.prompt_file=null", "data.input_key=problem", "data.output_key=expected_answer",
-                 "++data.use_chat_template=true", "logger.wandb_enabled=false", "policy.precision=float32"]
-    overrides += CPU_ONLY[training.name]
-    train_world = 2 * model_parallel
-    if "grpo" in recipe.name:
-        engine_size = cluster_topology(config).engine_size
-        generation = config["policy"]["generation"]
-        overrides += [*CHANGES_WEIGHTS[training.name], "grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=4", "grpo.max_val_samples=8",
-                      "grpo.val_batch_size=8", "policy.generation.max_new_tokens=8",
-                      "policy.generation.vllm_cfg.enforce_eager=true", "++env.math.num_workers=1"]
-        if not generation["colocated"]["enabled"]:
-            overrides += [f"policy.generation.colocated.resources.gpus_per_node={engine_size}",
-                          "policy.generation.colocated.resources.num_nodes=1"]
-            train_world += engine_size
+                 "++data.use_chat_template=true"]
+    if twin.algorithm == "grpo":
+        overrides += [*CHANGES_WEIGHTS[training.name], "policy.generation.max_new_tokens=8",
+                      "policy.generation.vllm_cfg.enforce_eager=true"]
     else:
-        overrides += ["sft.max_num_steps=1", "sft.val_period=0", "sft.val_at_start=false"]
-    return overrides + TWIN_EXTRAS.get(recipe.stem, []) + [f"cluster.gpus_per_node={train_world}"]
+        overrides += ["sft.val_period=0"]
+    return twin.config, overrides + TWIN_EXTRAS.get(recipe.stem, [])
 
 
 @pytest.mark.parametrize("recipe", ONE_NODE_EIGHT, ids=lambda p: p.stem)
@@ -87,11 +71,11 @@ def test_recipe_twin_runs(recipe, tmp_path, model):
         from tests.e2e.test_distillation import teacher_model
 
         model = teacher_model()
-    overrides = cpu_twin(recipe, model)
+    twin, overrides = cpu_twin(recipe, model, tmp_path / "twin")
     if recipe.name.startswith("grpo"):
-        check_refit_after_training(tmp_path, model, overrides, config=recipe)
+        check_refit_after_training(tmp_path, model, overrides, config=twin)
     else:
-        proc = run_nrl(tmp_path, recipe, "sft", [*overrides, "checkpointing.enabled=false"])
+        proc = run_nrl(tmp_path, twin, "sft", [*overrides, "checkpointing.enabled=false"])
         assert_ok(proc)
         assert [r["step"] for r in metrics(tmp_path)] == [1]
 

@@ -438,3 +438,21 @@ def test_a_missing_nemo_rl_name_says_which_distribution_provides_it():
     names = [spec.name for spec in plugin.nrl_datasets()] + [spec.name for spec in plugin.nrl_data_processors()]
     hinted = sorted(n for n, d in FIRST_PARTY_DISTRIBUTIONS.items() if d == plugin.DISTRIBUTION)
     assert hinted == sorted(set(names) - {"default"})  # too common a name to send every miss to this plugin
+
+
+@pytest.mark.parametrize("name", [spec.name for spec in get_plugin_manager().datasets()
+                                  if spec.distribution == "nrl-data-nemo-rl"])
+def test_each_datasets_twin_stand_in_row_reads_back_as_its_problem_and_answer(name):
+    """``nrl twin`` writes a recipe's data with the dataset's ``stand_in``: its format reads the
+    row back as the problem and answer (the chosen and rejected answers of a pair)."""
+    from nrl_core.contracts import import_object
+
+    spec = get_plugin_manager().datasets().get(name, "dataset_name")
+    entry = {"dataset_name": name}
+    record = import_object(spec.format)(import_object(spec.stand_in)("3+4", "7", "8", entry), entry)
+    if spec.kind == "preference":
+        assert record["context"][-1]["content"] == "3+4"
+        ranked = sorted(record["completions"], key=lambda c: c["rank"])
+        assert [c["completion"][-1]["content"] for c in ranked] == ["7", "8"]
+    else:
+        assert record["expected_answer"] == "7" and "3+4" in record["problem"]

@@ -16,4 +16,5 @@ def nrl_algorithms() -> list[AlgorithmSpec]:
         name="ppo", entry="nrl_algo_ppo.algorithm:main", distribution="nrl-algo-ppo",
         description="PPO: a critic (value model) beside the policy, GAE advantages, clipped policy and value losses",
         config_schema=PPO_SCHEMA, config_check="nrl_algo_ppo.config:check_ppo", generates=True,
-        model_sections=("value",), value_sections=("value",), shared_keys=SHARED_KEYS)]
+        model_sections=("value",), value_sections=("value",), shared_keys=SHARED_KEYS,
+        twin={"num_prompts_per_step": 2, "num_generations_per_prompt": 4})]

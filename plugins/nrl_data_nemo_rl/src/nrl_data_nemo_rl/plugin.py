@@ -12,12 +12,13 @@ NRL_CONTRACT = 14  # the plugin contract this distribution is written for (docs/
 
 DISTRIBUTION = "nrl-data-nemo-rl"
 _FORMATS = "nrl_data_nemo_rl.formats"
+_STAND_INS = "nrl_data_nemo_rl.stand_ins"
 _AIME = "AIME: the American Invitational Mathematics Examination's problems, answers as integers"
 
 
 def _dataset(name: str, fmt: str, description: str, **fields: object) -> DatasetSpec:
-    return DatasetSpec(name=name, format=f"{_FORMATS}:{fmt}", distribution=DISTRIBUTION, description=description,
-                       **fields)  # type: ignore[arg-type]
+    return DatasetSpec(name=name, format=f"{_FORMATS}:{fmt}", stand_in=f"{_STAND_INS}:{fmt}", distribution=DISTRIBUTION,
+                       description=description, **fields)  # type: ignore[arg-type]
 
 
 DATASETS = [

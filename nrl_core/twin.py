@@ -1,0 +1,339 @@
+"""A CPU twin of a recipe: the same algorithm, backends and features, at a size a laptop runs.
+
+``nrl twin RECIPE`` writes ``twin.yaml``, which inherits the recipe (``defaults:``) and sets only
+the scale-down keys of :data:`SCALE_DOWN`, and a stand-in of the recipe's data with its dataset's
+columns; then it trains the twin for a few steps. A recipe that passes its twin has had its
+config, data path, processor, environment, backends and every parallelism kind it uses exercised
+end to end before it waits in a GPU queue.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import yaml
+
+from nrl_core.errors import ConfigError
+
+if TYPE_CHECKING:
+    from nrl_core.plugins import PluginManager
+
+#: Every key a twin may set, as a pattern over dotted paths (``*`` spans one or more characters,
+#: dots included; ``[i]`` is any list item), with why; docs/twin.md shows this table. ``S`` stands for a policy-shaped section (``policy`` or an
+#: algorithm's model section: distillation's ``teacher``, PPO's ``value``), ``A`` for the
+#: algorithm's own section.
+SCALE_DOWN: dict[str, str] = {
+    "S.model_name": "a tiny random-init model of the recipe's family, built here",
+    "S.tokenizer.name": "that model's tokenizer",
+    "S.precision": "float32: the CPU's kernels",
+    "S.*.*_parallel_size": "each parallelism kind the recipe uses, at 2",
+    "S.*.optimizer.*": "the training backend's CPU twin keys (what a CPU lacks, such as a mixed-precision "
+                           "optimizer that keeps CUDA tensors)",
+    "S.train_global_batch_size": "8 sequences a step",
+    "S.train_micro_batch_size": "2 sequences a micro-batch",
+    "S.logprob_batch_size": "2 sequences a micro-batch",
+    "S.max_total_sequence_length": "at most 512 tokens",
+    "policy.generation.*.max_model_len": "the engine's context, at most the twin's sequence length",
+    "policy.generation.max_new_tokens": "16 new tokens",
+    "policy.generation.*_cfg.*_parallel_size": "each parallelism kind the engine uses, at 2",
+    "policy.generation.colocated.resources.*": "one engine on this node, when not colocated",
+    "cluster.gpus_per_node": "the twin's ranks, all on this machine",
+    "cluster.num_nodes": "one node",
+    "A.max_num_steps": "a few steps (--steps)",
+    "A.val_period": "validation once, at the last step",
+    "A.val_at_start": "no validation before training",
+    "A.val_at_end": "no second validation at the end",
+    "A.max_val_samples": "8 validation samples",
+    "A.val_batch_size": "8 validation samples a batch",
+    "A.val_batches": "one validation batch",
+    "A.val_global_batch_size": "8 validation samples a batch",
+    "A.*": "the algorithm's own CPU twin keys (AlgorithmSpec.twin), such as prompts a step",
+    "data.train_data_path": "the stand-in of the recipe's data",
+    "data.val_data_path": "the stand-in of the recipe's validation data",
+    "data.train.data_path": "the stand-in of the recipe's dataset, with its columns",
+    "data.train[i].data_path": "the stand-in of each of the recipe's datasets",
+    "data.validation.data_path": "the stand-in of the recipe's validation dataset",
+    "data.validation[i].data_path": "the stand-in of each validation dataset",
+    "data.generate.num_train": "64 generated training examples",
+    "data.generate.num_val": "8 generated validation examples",
+    "env.*.num_workers": "one environment worker",
+    "logger.log_dir": "under the twin's directory",
+    "logger.wandb_enabled": "no remote logger",
+    "logger.mlflow_enabled": "no remote logger",
+    "checkpointing.checkpoint_dir": "under the twin's directory",
+}
+
+STEPS = 2
+WORLD_LIMIT = 4
+SEQUENCE_LENGTH = 512
+BATCH = {"train_global_batch_size": 8, "train_micro_batch_size": 2, "logprob_batch_size": 2}
+VALIDATION = {"max_val_samples": 8, "val_batch_size": 8, "val_batches": 1, "val_global_batch_size": 8}
+#: Tiny families by the name fragments of their hub ids; the first match wins.
+FAMILY_NAMES = (("qwen3_moe", r"qwen3.*(moe|a3b|\d+ba\d+b)"), ("qwen2_moe", r"qwen(1\.5|2)[-_]?moe"),
+                ("qwen3", r"qwen3"), ("qwen2", r"qwen2|distill-qwen"), ("llama", r"llama"))
+
+
+@dataclass(frozen=True)
+class Twin:
+    """A written twin: its config, the algorithm it runs and the keys it sets (dotted: value)."""
+
+    config: Path
+    algorithm: str
+    overrides: dict[str, Any]
+
+
+def documented(key: str, *, algorithm: str, model_sections: tuple[str, ...] = ()) -> str | None:
+    """Why a twin may set ``key`` (a dotted path, list items as ``[i]``), or None if it may not."""
+    key = re.sub(r"\[\d+\]", "[i]", key)
+    for pattern, why in SCALE_DOWN.items():
+        for section in ("policy", *model_sections):
+            named = pattern.replace("S.", f"{section}.", 1) if pattern.startswith("S.") else pattern
+            named = named.replace("A.", f"{algorithm}.", 1) if named.startswith("A.") else named
+            if re.fullmatch(re.escape(named).replace(r"\*", ".+"), key):
+                return why
+    return None
+
+
+def tiny_family(model_name: str) -> str | None:
+    """The tiny family (nrl_core.testing.tiny_models) of ``model_name``: a local model's
+    ``model_type``, or a hub id's name."""
+    config = Path(model_name).expanduser() / "config.json"
+    if config.is_file():
+        from nrl_core.testing.tiny_models import FAMILIES
+
+        model_type = json.loads(config.read_text()).get("model_type")
+        return model_type if model_type in FAMILIES else None
+    lowered = model_name.lower()
+    return next((family for family, pattern in FAMILY_NAMES if re.search(pattern, lowered)), None)
+
+
+def recipe_algorithm(path: Path, pm: PluginManager) -> str:
+    """The installed algorithm whose section ``path`` sets (one line when none or several do)."""
+    from nrl_core.config.loader import load_with_defaults
+
+    raw = load_with_defaults(path)
+    specs = pm.algorithms()
+    found = [name for name in specs.names() if specs.get(name, "algorithm").section in raw]
+    if len(found) > 1 and "grpo" in found:  # PPO and distillation recipes inherit GRPO's section
+        found.remove("grpo")
+    if len(found) != 1:
+        what = "none" if not found else ", ".join(found)
+        raise ConfigError("twin", f"{path.name} sets the section of {what} of the installed algorithms "
+                                  f"({', '.join(specs.names())}); pass --algorithm NAME")
+    return found[0]
+
+
+def write_twin(recipe: Path, out: Path, pm: PluginManager, *, algorithm: str | None = None, model: Path | None = None,
+               steps: int = STEPS) -> Twin:
+    """Write ``out/twin.yaml`` and its data stand-ins for ``recipe``; raises a one-line
+    :class:`ConfigError` for a recipe nrl refuses or cannot scale down."""
+    from nrl_core.config import choose_backends, load_and_validate
+    from nrl_core.config.loader import load_with_defaults
+
+    recipe = recipe.expanduser().resolve()
+    algorithm = algorithm or recipe_algorithm(recipe, pm)
+    spec = pm.algorithms().get(algorithm, "algorithm")
+    config = load_and_validate(str(recipe), [], pm, algorithm=algorithm, backend_checks=False)
+    raw = load_with_defaults(recipe)
+    out.mkdir(parents=True, exist_ok=True)
+    choice = choose_backends(config, pm, generation=spec.generates, warn=False)
+    sets: dict[str, Any] = {}
+    world = 0
+    for section in ("policy", *spec.model_sections):
+        if isinstance(config.get(section), Mapping):
+            world = max(world, _scale_model(sets, section, config[section], raw.get(section) or {}, choice.training,
+                                            model))
+    sets[f"{spec.section}.max_num_steps"] = steps
+    algo_cfg = config[spec.section]
+    for key, value in {"val_period": steps, "val_at_start": False, "val_at_end": False, **VALIDATION}.items():
+        if key in algo_cfg:
+            sets[f"{spec.section}.{key}"] = value
+    for key, value in (getattr(spec, "twin", None) or {}).items():
+        sets[f"{spec.section}.{key}"] = value
+    engine = _scale_generation(sets, config, raw, choice.generation) if spec.generates else 0
+    sets["cluster.num_nodes"] = 1
+    sets["cluster.gpus_per_node"] = world + engine
+    _scale_data(sets, config, raw, out, pm)
+    for name, env in (raw.get("env") or {}).items():  # the recipe's environments, not every installed one
+        if isinstance(env, Mapping) and "num_workers" in env:
+            sets[f"env.{name}.num_workers"] = 1
+    sets["logger.log_dir"] = str(out / "logs")
+    for key in ("wandb_enabled", "mlflow_enabled"):
+        if key in config.get("logger", {}):
+            sets[f"logger.{key}"] = False
+    if "checkpoint_dir" in config.get("checkpointing", {}):
+        sets["checkpointing.checkpoint_dir"] = str(out / "checkpoints")
+    sets = {key: value for key, value in sets.items() if _current(raw, config, key) != value}  # only what changes
+    for key in sets:
+        if documented(key, algorithm=spec.section, model_sections=spec.model_sections) is None:
+            raise AssertionError(f"twin key {key} is not in SCALE_DOWN")  # a bug here, not the user's
+    path = out / "twin.yaml"
+    path.write_text(_yaml(recipe, sets, raw, spec.section, spec.model_sections))
+    load_and_validate(str(path), [], pm, algorithm=algorithm)
+    return Twin(path, algorithm, sets)
+
+
+def _current(raw: Mapping[str, Any], config: Mapping[str, Any], key: str) -> Any:
+    """The recipe's value at ``key``: as it spells it, else the validated default."""
+    value = _value(raw, key)
+    return _value(config, key) if value is _MISSING else value
+
+
+_MISSING = object()
+
+
+def _value(config: Mapping[str, Any], key: str) -> Any:
+    """The value at a dotted ``key`` (list items as ``[i]``), or :data:`_MISSING`."""
+    node: Any = config
+    for part in re.split(r"\.|(?=\[)", key):
+        index = re.fullmatch(r"\[(\d+)\]", part)
+        try:
+            node = node[int(index.group(1))] if index else node[part]
+        except (KeyError, IndexError, TypeError):
+            return _MISSING
+    return node
+
+
+def _scale_model(sets: dict[str, Any], section: str, cfg: Mapping[str, Any], raw_section: Mapping[str, Any],
+                 training: Any, model: Path | None) -> int:
+    """Set a policy-shaped section's model, precision, sizes and parallelism; its ranks."""
+    family = tiny_family(str(cfg["model_name"]))
+    if model is None:
+        if family is None:
+            raise ConfigError(f"{section}.model_name", f"no tiny model of {cfg['model_name']}'s family here (nrl "
+                                                       "builds llama, qwen2, qwen3, qwen3_moe, qwen2_moe); pass "
+                                                       "--model DIR, a small Hugging Face model of that family")
+        from nrl_core.testing.tiny_models import cached_tiny_model
+
+        model = cached_tiny_model(family, size="small")
+    sets[f"{section}.model_name"] = str(model)
+    if (cfg.get("tokenizer") or {}).get("name"):
+        sets[f"{section}.tokenizer.name"] = str(model)
+    sets[f"{section}.precision"] = "float32"
+    for key, value in BATCH.items():
+        if key in cfg:
+            sets[f"{section}.{key}"] = value
+    if "max_total_sequence_length" in cfg:
+        sets[f"{section}.max_total_sequence_length"] = min(int(cfg["max_total_sequence_length"]), SEQUENCE_LENGTH)
+    backend = cfg.get(training.config_key) or {}
+    spelled = next((name for name in (*training.config_aliases, training.config_key) if name in raw_section),
+                   training.config_key)  # the recipe's spelling (dtensor_cfg), so the twin overrides it
+    scaled = dict(backend)
+    for key, value in backend.items():
+        if key.endswith("_parallel_size") and isinstance(value, int) and value > 1:
+            sets[f"{section}.{spelled}.{key}"] = scaled[key] = 2
+    for key, value in (getattr(training, "twin", None) or {}).items():
+        sets[f"{section}.{spelled}.{key}"] = value
+    replica = training.model_parallel_size(scaled)
+    experts = max([v for k, v in scaled.items() if k.startswith("expert") and k.endswith("_parallel_size")] or [1])
+    data_parallel = 2 if 2 * replica <= WORLD_LIMIT else 1
+    return max(replica * data_parallel, experts)
+
+
+def _scale_generation(sets: dict[str, Any], config: Mapping[str, Any], raw: Mapping[str, Any], generation: Any) -> int:
+    """Set the engine's sizes and parallelism; the ranks it adds (none when colocated)."""
+    gen = config["policy"].get("generation")
+    if not gen or generation is None:
+        return 0
+    if "max_new_tokens" in gen:
+        sets["policy.generation.max_new_tokens"] = 16
+    section = dict(gen.get(generation.config_key) or {})
+    length = min(int(config["policy"]["max_total_sequence_length"]), SEQUENCE_LENGTH)
+    written = _value(raw, f"policy.generation.{generation.config_key}.max_model_len")  # not a ${...} that follows
+    if isinstance(written, int) and written > length:
+        sets[f"policy.generation.{generation.config_key}.max_model_len"] = length
+    for key, value in list(section.items()):
+        if key.endswith("_parallel_size") and isinstance(value, int) and value > 1:
+            sets[f"policy.generation.{generation.config_key}.{key}"] = section[key] = 2
+    if (gen.get("colocated") or {}).get("enabled", True):
+        return 0
+    size = generation.engine_size(section)
+    sets["policy.generation.colocated.resources.gpus_per_node"] = size
+    sets["policy.generation.colocated.resources.num_nodes"] = 1
+    return size
+
+
+def _scale_data(sets: dict[str, Any], config: Mapping[str, Any], raw: Mapping[str, Any], out: Path,
+                pm: PluginManager) -> None:
+    """Stand-ins of the recipe's data under ``out/data``: a named dataset's rows in its hub columns,
+    a local file's in its configured columns; generated data, fewer examples."""
+    data = config["data"]
+    raw_data = raw.get("data") or {}
+    for part in ("train", "validation"):
+        entries = raw_data.get(part)
+        if entries is None:
+            continue
+        listed = isinstance(entries, list)
+        for index, entry in enumerate(entries if listed else [entries]):
+            merged = {**(data.get("default") or {}), **entry}
+            key = f"data.{part}[{index}].data_path" if listed else f"data.{part}.data_path"
+            sets[key] = str(_dataset_stand_in(merged, out / "data" / f"{part}{index}.parquet", pm, key))
+    if raw_data.get("train") is None:
+        for key, part in (("train_data_path", "train"), ("val_data_path", "validation")):
+            if data.get(key):
+                path = out / "data" / f"{part}.jsonl"
+                _write_jsonl(path, [{data.get("input_key") or "input": p, data.get("output_key") or "output": a}
+                                    for p, a, _ in _problems(part)])
+                sets[f"data.{key}"] = str(path)
+        generate = data.get("generate") or {}
+        for key, count in (("num_train", 64), ("num_val", 8)):
+            if key in generate:
+                sets[f"data.generate.{key}"] = count
+
+
+def _dataset_stand_in(entry: Mapping[str, Any], path: Path, pm: PluginManager, key: str) -> Path:
+    from nrl_core.contracts import import_object
+
+    name = entry.get("dataset_name")
+    spec = pm.datasets().get(name, key.rsplit(".", 1)[0] + ".dataset_name")
+    if not spec.stand_in:
+        raise ConfigError(key.rsplit(".", 1)[0] + ".dataset_name",
+                          f"dataset '{name}' ({spec.distribution}) gives no stand-in rows (DatasetSpec.stand_in); "
+                          "point data_path at a small local file with its columns")
+    row = import_object(spec.stand_in)
+    rows = [row(problem, answer, wrong, entry) for problem, answer, wrong in _problems(path.stem)]
+    import datasets
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    datasets.Dataset.from_list(rows).to_parquet(path)
+    return path
+
+
+def _problems(part: str) -> Iterator[tuple[str, str, str]]:
+    """Sums of one-digit numbers (what the tiny models' tokenizer was trained on), with a wrong answer."""
+    train = part.startswith("train")
+    for i in range(0, 60) if train else range(60, 68):  # validation's problems are not training's
+        a, b = (i // 10) % 10, (i * 7) % 10
+        yield f"{a}+{b}", str(a + b), str(a + b + 1)
+
+
+def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def _yaml(recipe: Path, sets: Mapping[str, Any], raw: Mapping[str, Any], algorithm: str,
+          model_sections: tuple[str, ...]) -> str:
+    """The twin's config: ``defaults:`` the recipe, then each set key nested, a list of datasets
+    whole (with its stand-in paths), and a comment per key saying why."""
+    nested: dict[str, Any] = {"defaults": str(recipe)}
+    for key, value in sets.items():
+        match = re.fullmatch(r"data\.(train|validation)\[(\d+)\]\.data_path", key)
+        if match:
+            part, index = match.group(1), int(match.group(2))
+            listed = nested.setdefault("data", {}).setdefault(part, [dict(e) for e in raw["data"][part]])
+            listed[index]["data_path"] = value
+            continue
+        node = nested
+        *parents, last = key.split(".")
+        for parent in parents:
+            node = node.setdefault(parent, {})
+        node[last] = value
+    why = "\n".join(f"#   {key}: {documented(key, algorithm=algorithm, model_sections=model_sections)}" for key in sets)
+    return (f"# The CPU twin of {recipe.name}, written by `nrl twin`. It differs from the recipe only in:\n{why}\n"
+            + yaml.safe_dump(nested, sort_keys=False))

@@ -1,0 +1,93 @@
+"""``nrl twin``: a recipe's CPU twin differs from it only in documented scale-down keys.
+
+Every recipe nrl ships and every NeMo RL config the tests keep is twinned (written and validated,
+not trained: tests/examples/test_recipe_twins.py and test_nemo_rl_recipe_runs.py train twins). A
+twin is refused in one line, or it sets only keys of ``SCALE_DOWN``, each parallelism kind at 2 at
+most, and at most four training ranks.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from nrl_core.config.loader import load_with_defaults
+from nrl_core.errors import NrlError
+from nrl_core.plugins import get_plugin_manager
+from nrl_core.twin import SCALE_DOWN, WORLD_LIMIT, documented, tiny_family, write_twin
+
+REPO = Path(__file__).resolve().parents[2]
+NEMO_RL = REPO / "tests" / "examples" / "nemo_rl_configs"
+RECIPES = sorted([*(REPO / "examples" / "configs" / "recipes" / "llm").glob("*.yaml"),
+                  *(NEMO_RL / "configs").glob("*.yaml"), *(NEMO_RL / "configs" / "recipes" / "llm").glob("*.yaml")])
+
+
+def flat(node: Any, prefix: str = "") -> dict[str, Any]:
+    """Dotted keys to leaf values, list items as ``[i]``."""
+    if isinstance(node, dict):
+        return {k: v for key, value in node.items() for k, v in flat(value, f"{prefix}.{key}" if prefix else key).items()}
+    if isinstance(node, list) and node and all(isinstance(item, dict) for item in node):
+        return {k: v for i, item in enumerate(node) for k, v in flat(item, f"{prefix}[{i}]").items()}
+    return {prefix: node}
+
+
+@pytest.fixture(scope="module")
+def pm():
+    return get_plugin_manager()
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.relative_to(REPO).as_posix())
+def test_a_twin_sets_only_documented_scale_down_keys(recipe, tmp_path, pm, monkeypatch):
+    monkeypatch.chdir(NEMO_RL if NEMO_RL in recipe.parents else REPO)  # a checkout's root: prompt files resolve
+    try:
+        twin = write_twin(recipe, tmp_path, pm)
+    except NrlError as error:
+        assert "\n" not in str(error), str(error)
+        return
+    spec = pm.algorithms().get(twin.algorithm, "algorithm")
+    before, after = flat(load_with_defaults(recipe)), flat(load_with_defaults(twin.config))
+    changed = {key for key in before.keys() | after.keys() if before.get(key, object()) != after.get(key, object())}
+    assert changed == set(twin.overrides), changed ^ set(twin.overrides)
+    undocumented = [key for key in changed if documented(key, algorithm=spec.section,
+                                                         model_sections=spec.model_sections) is None]
+    assert not undocumented, undocumented
+    sizes = {key: value for key, value in after.items() if key.endswith("_parallel_size") and isinstance(value, int)}
+    assert all(value <= 2 for value in sizes.values()), sizes
+    text = twin.config.read_text()
+    assert all(f"#   {key}: " in text for key in twin.overrides)  # each key's reason, in the file
+    engine = int(after.get("policy.generation.colocated.resources.gpus_per_node") or 0) \
+        if not after.get("policy.generation.colocated.enabled", True) else 0
+    assert after["cluster.gpus_per_node"] - engine <= WORLD_LIMIT and after["cluster.num_nodes"] == 1
+
+
+def test_a_key_outside_the_table_is_not_a_scale_down_key():
+    assert documented("policy.optimizer.kwargs.lr", algorithm="grpo") is None
+    assert documented("loss_fn.reference_policy_kl_penalty", algorithm="grpo") is None
+    assert documented("policy.megatron_cfg.tensor_model_parallel_size", algorithm="grpo")
+    assert documented("teacher.model_name", algorithm="distillation", model_sections=("teacher",))
+    assert documented("data.train[1].data_path", algorithm="grpo")
+
+
+@pytest.mark.parametrize(("name", "family"), [
+    ("meta-llama/Llama-3.2-1B-Instruct", "llama"), ("Qwen/Qwen2.5-1.5B", "qwen2"), ("Qwen/Qwen3-8B-Base", "qwen3"),
+    ("Qwen/Qwen3-30B-A3B", "qwen3_moe"), ("Qwen/Qwen1.5-MoE-A2.7B", "qwen2_moe"), ("google/gemma-3-1b-it", None),
+    ("deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B", "qwen2"), ("moonshotai/Moonlight-16B-A3B", None)])
+def test_a_hub_name_names_its_tiny_family(name, family):
+    assert tiny_family(name) == family
+
+
+def test_a_family_without_a_tiny_model_is_one_line_naming_the_way_out(tmp_path, pm):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"defaults: {REPO / 'examples' / 'configs' / 'grpo_tiny_cpu.yaml'}\n"
+                      "policy: {model_name: google/gemma-3-1b-it}\n")
+    with pytest.raises(NrlError, match=r"^policy.model_name: no tiny model of google/gemma-3-1b-it's family .* "
+                                       r"pass --model DIR"):
+        write_twin(recipe, tmp_path / "twin", pm)
+
+
+def test_the_docs_give_every_scale_down_key_its_reason():
+    text = (REPO / "docs" / "twin.md").read_text()
+    for pattern, why in SCALE_DOWN.items():
+        assert f"`{pattern}`" in text and why in text, pattern
