@@ -85,6 +85,11 @@ class CheckpointOptions:
       rule). Only a backend that declares the capability ``skip_optimizer_state`` is ever handed
       false (the config check refuses the key for any other), so a backend that ignores the field
       keeps saving everything, as before it existed.
+    * ``model_save_format`` (``checkpointing.model_save_format``): ``"safetensors"`` writes the
+      model's weights as safetensors shards under their Hugging Face names (NeMo RL's DTensor
+      format); ``"torch_save"`` or None, the backend's own. Only a backend that declares
+      ``safetensors_checkpoints`` is ever handed ``"safetensors"``. A load reads the format the
+      checkpoint records.
     """
 
     fully_parallel_save: bool = True
@@ -92,11 +97,15 @@ class CheckpointOptions:
     async_save: bool = False
     load_rng: bool = False
     save_optimizer: bool = True
+    model_save_format: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("fully_parallel_save", "fully_parallel_load", "async_save", "load_rng", "save_optimizer"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"CheckpointOptions.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.model_save_format not in (None, "safetensors", "torch_save"):
+            raise TypeError(f"CheckpointOptions.model_save_format must be 'safetensors', 'torch_save' or None, got "
+                            f"{self.model_save_format!r}")
 
     @classmethod
     def from_section(cls, section: Mapping[str, Any]) -> CheckpointOptions:
@@ -113,6 +122,8 @@ TRAINING_FLAGS: Mapping[str, str] = {
     "dynamic_batching": "policy.dynamic_batching.enabled: true",
     "skip_optimizer_state": "checkpointing.save_optimizer: false (CheckpointOptions.save_optimizer false: a checkpoint "
                             "without optimizer and scheduler state, whose load starts both fresh)",
+    "safetensors_checkpoints": "checkpointing.model_save_format: safetensors (CheckpointOptions.model_save_format: the "
+                               "weights as safetensors shards under their Hugging Face names)",
 }
 """Training capabilities that add no method: what the worker's existing methods then handle.
 The others are Protocols marked with :func:`~nrl_core.contract_marks.capability` (below), and

@@ -67,8 +67,11 @@ class Policy:
         self.plugins = runtime.plugins if runtime is not None else get_plugin_manager()
         self.world_size = cluster_topology(config, self.plugins).train_world
         self.checkpoint_options = CheckpointOptions.from_section(config["policy"][spec.config_key])
-        if not (config.get("checkpointing") or {}).get("save_optimizer", True):  # checked against the capability
+        saving = config.get("checkpointing") or {}
+        if not saving.get("save_optimizer", True):  # checked against the capability
             self.checkpoint_options = replace(self.checkpoint_options, save_optimizer=False)
+        if saving.get("model_save_format") == "safetensors" and "safetensors_checkpoints" in spec.capabilities:
+            self.checkpoint_options = replace(self.checkpoint_options, model_save_format="safetensors")
         self.timeout_s = distributed_timeout_s(config, spec.config_key)  # every group of this run
         if beside is not None:
             launched = launch_beside(config, spec, beside.placement, name)

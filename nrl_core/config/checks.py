@@ -24,6 +24,7 @@ whether it generates (then an installed generation backend is required) and name
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 from collections.abc import Collection, Mapping
@@ -134,6 +135,11 @@ def _check_capabilities(config: Mapping[str, Any], training: TrainingBackendSpec
                           f"the {training.name} training backend ({training.distribution}) does not declare "
                           "skip_optimizer_state, so it would save the optimizer anyway; set it to true or use a "
                           "backend that declares it")
+    if (training is not None and saving.get("model_save_format") == "safetensors"
+            and "safetensors_checkpoints" not in training.capabilities):
+        logging.getLogger(__name__).warning(
+            "checkpointing.model_save_format: the %s training backend (%s) writes its own checkpoint format "
+            "(NeMo RL's Megatron backend ignores this key too)", training.name, training.distribution)
     if policy["refit"]["adapters"] and policy["generation"] is not None:
         for spec, capability in ((training, "adapter_export"), (generation, "adapter_refit")):
             if spec is not None and capability not in spec.capabilities:

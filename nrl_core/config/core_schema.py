@@ -275,6 +275,10 @@ CHECKPOINTING = Section(fields={
                             doc="false: checkpoints hold no optimizer or LR-scheduler state (smaller); a resume "
                                 "from one starts both fresh, as NeMo RL does (backends declaring "
                                 "skip_optimizer_state)"),
+    "model_save_format": Field(type=str, default=None, nullable=True, choices=("safetensors", "torch_save"),
+                               doc="safetensors: the weights as safetensors shards under their Hugging Face names, "
+                                   "the optimizer in torch's distributed format (NeMo RL's DTensor format; backends "
+                                   "declaring safetensors_checkpoints); torch_save or null: the backend's own format"),
 })
 
 CLUSTER = Section(doc="Where workers run. On a CPU machine gpus_per_node counts training workers per node.", fields={

@@ -29,6 +29,8 @@ def fsdp_and_checkpoints(rank: int, world_size: int, root: str) -> dict[str, Any
     w.save_checkpoint(os.path.join(root, "consolidated"), CheckpointOptions(fully_parallel_save=False))
     w.save_checkpoint(os.path.join(root, "async"), CheckpointOptions(async_save=True))
     w.save_checkpoint(os.path.join(root, "lean"), CheckpointOptions(async_save=True, save_optimizer=False))
+    w.save_checkpoint(os.path.join(root, "safetensors"), CheckpointOptions(async_save=True,
+                                                                           model_save_format="safetensors"))
     w.finalize_checkpoint()
     try:
         w.train(make_batch(batch_size=7), NLLLoss())
@@ -42,7 +44,9 @@ def fsdp_and_checkpoints(rank: int, world_size: int, root: str) -> dict[str, Any
                           ("consolidated", CheckpointOptions(fully_parallel_load=False)),
                           ("async", CheckpointOptions()),
                           ("lean", CheckpointOptions()),  # no optimizer state: the optimizer starts fresh
-                          ("lean", CheckpointOptions(fully_parallel_load=False))]:
+                          ("lean", CheckpointOptions(fully_parallel_load=False)),
+                          ("safetensors", CheckpointOptions()),
+                          ("safetensors", CheckpointOptions(fully_parallel_load=False))]:
         fresh.load_checkpoint(os.path.join(root, name), options)
         out[f"loaded/{name}/{options.fully_parallel_load}"] = gather_shards(fresh.get_logprobs(batch), batch)
         out[f"step/{name}"] = fresh.step

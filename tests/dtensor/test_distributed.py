@@ -48,13 +48,16 @@ def test_fsdp_world_2_matches_world_1_and_checkpoints_reshard(single, tmp_path):
         assert "does not divide over 2 data-parallel ranks" in r["bad_batch_error"]
         assert "\n" not in r["bad_batch_error"]
         loaded = [v for k, v in r.items() if k.startswith("loaded/")]
-        assert len(loaded) == 7 and all(torch.equal(v, r["logprobs_after"]) for v in loaded)
-        assert r["step/sharded"] == r["step/consolidated"] == r["step/lean"] == 2
-        assert r["optimizer_state/async"] > 0 and r["optimizer_state/lean"] == 0
-    # a world-size-2 sharded checkpoint loads at world size 1 (DCP reshards)
-    w = DTensorPolicyWorker(make_config(), 0, 1)
-    w.load_checkpoint(str(tmp_path / "sharded"), CheckpointOptions())
-    assert close(gather_shards(w.get_logprobs(make_batch()), make_batch()), ranks[0]["logprobs_after"])
+        assert len(loaded) == 9 and all(torch.equal(v, r["logprobs_after"]) for v in loaded)
+        assert r["step/sharded"] == r["step/consolidated"] == r["step/lean"] == r["step/safetensors"] == 2
+        assert r["optimizer_state/async"] > 0 and r["optimizer_state/lean"] == 0 and r["optimizer_state/safetensors"] > 0
+    # each rank wrote its own safetensors shard of the weights (model_save_format: safetensors)
+    assert len(list((tmp_path / "safetensors" / "model").glob("*.safetensors"))) == 2
+    # a world-size-2 sharded checkpoint loads at world size 1 (DCP reshards), in either format
+    for name in ("sharded", "safetensors"):
+        w = DTensorPolicyWorker(make_config(), 0, 1)
+        w.load_checkpoint(str(tmp_path / name), CheckpointOptions())
+        assert close(gather_shards(w.get_logprobs(make_batch()), make_batch()), ranks[0]["logprobs_after"]), name
 
 
 def test_tensor_parallel_2_matches_1(single):

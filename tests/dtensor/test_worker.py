@@ -337,3 +337,38 @@ def test_a_batch_on_another_device_than_the_logprobs_fails_in_check_mode(monkeyp
     monkeypatch.setenv(device.CHECK_DEVICES_ENV, "1")
     with pytest.raises(NrlError, match=r"^dtensor train: batch\.\S+ is on meta but the logprobs are on cpu"):
         w.train(make_batch(), NLLLoss())
+
+
+@pytest.mark.parametrize("save_optimizer", [True, False])
+def test_safetensors_checkpoints_hold_the_weights_by_hf_name_and_resume_exactly(tmp_path, save_optimizer):
+    """checkpointing.model_save_format: safetensors (NeMo RL's DTensor format): the weights are
+    safetensors shards under their Hugging Face names, the optimizer DCP shards beside them; a
+    resume is exact, through either load path, and the marker records the format."""
+    import json
+
+    from safetensors import safe_open
+
+    batch = make_batch()
+    a = fsdp_worker()
+    a.train(batch, NLLLoss())
+    path = tmp_path / "ck"
+    a.save_checkpoint(str(path), CheckpointOptions(model_save_format="safetensors", save_optimizer=save_optimizer))
+    assert json.loads((path / "nrl_checkpoint.json").read_text())["format"] == "safetensors"
+    assert not (path / "model_optim").exists() and (path / "optim").exists() is save_optimizer
+    names: dict[str, torch.Tensor] = {}
+    for file in (path / "model").glob("*.safetensors"):
+        with safe_open(str(file), "pt") as f:
+            names.update({key: f.get_tensor(key) for key in f.keys()})
+    live = {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach()
+            for name, p in a.model.hf.named_parameters()}
+    assert set(live) <= set(names) and all(torch.equal(names[n], t) for n, t in live.items())
+    assert "model.layers.0.self_attn.q_proj.weight" in names
+    saved, expected = params(a), a.train(batch, NLLLoss())["loss"]
+    stepped = params(a)
+    for parallel_load in (True, False):
+        b = fsdp_worker()
+        b.load_checkpoint(str(path), CheckpointOptions(fully_parallel_load=parallel_load))
+        assert all(torch.equal(x, y) for x, y in zip(params(b), saved)) and b.step == 1
+        assert b.train(batch, NLLLoss())["loss"] == expected
+        # Adam's moments came back, or (without them) a fresh optimizer takes another step
+        assert all(torch.equal(x, y) for x, y in zip(params(b), stepped)) is save_optimizer

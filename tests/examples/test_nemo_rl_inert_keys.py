@@ -42,12 +42,8 @@ def named(caplog: pytest.LogCaptureFixture, *args: str) -> list[str]:
     return warnings[0].split("no effect in nrl: ", 1)[1].split(", ") if warnings else []
 
 
-#: Named because nrl lacks it still (issue 60 is open for it): DTensor weights as HF safetensors.
-NOT_YET = {"checkpointing.model_save_format"}
-
-
 def test_grpo_math_1b_names_only_keys_the_docs_explain(caplog):
-    keys = set(named(caplog, GRPO_1B)) - NOT_YET
+    keys = set(named(caplog, GRPO_1B))
     assert keys and all(key in REASONS for key in keys), [k for k in keys if k not in REASONS]
     assert not keys & set(ACTING)
 
@@ -89,3 +85,17 @@ def test_val_start_at_delays_periodic_validation_as_nemo_rl_does(start, due):
     assert [s for s in range(1, 7) if AlgorithmRun.validation_due(algorithm, s)] == due
     algorithm.cfg["val_at_end"] = True  # the last step validates whatever val_start_at says, as in NeMo RL
     assert AlgorithmRun.validation_due(algorithm, 6)
+
+
+def test_safetensors_checkpoints_act_on_dtensor_and_megatron_says_it_keeps_its_own_format(caplog):
+    """checkpointing.model_save_format acts where the backend declares safetensors_checkpoints
+    (DTensor: not named, no warning); on Megatron, whose format NeMo RL keeps too, one warning."""
+    for value, megatron in (("safetensors", False), ("safetensors", True), ("torch_save", True)):
+        caplog.clear()
+        config = str(CONFIGS / ("grpo_math_1B_megatron.yaml" if megatron else "grpo_math_1B.yaml"))
+        with caplog.at_level(logging.WARNING):
+            assert main(["config", "check", config, f"checkpointing.model_save_format={value}"]) == 0
+        messages = [r.getMessage() for r in caplog.records]
+        assert not any("model_save_format" in m and "no effect in nrl" in m for m in messages)
+        own = [m for m in messages if m.startswith("checkpointing.model_save_format: the megatron training backend")]
+        assert len(own) == (megatron and value == "safetensors"), messages

@@ -45,3 +45,6 @@ def test_the_twin_of_grpo_math_1b_trains_on_its_dataset_and_validates_on_the_sha
             for p in rows["problem"] if p not in held_out}
     trained = {tuple(s["prompt_token_ids"]) for s in samples(tmp_path, "train", 1)}
     assert len(trained) == 2 and trained <= kept  # two prompts a step, none of them held out
+    # the recipe's checkpointing.model_save_format: safetensors, the weights under their HF names
+    [checkpoint] = (tmp_path / "checkpoints").glob("step_1/policy")
+    assert list((checkpoint / "model").glob("*.safetensors")) and (checkpoint / "optim").is_dir()

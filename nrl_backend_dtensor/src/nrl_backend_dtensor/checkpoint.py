@@ -4,6 +4,8 @@ Layout of a checkpoint directory::
 
     model_optim/           DCP shards of model + optimizer      (fully_parallel_save)
     consolidated.pt        one file of full tensors from rank 0 (fully_parallel_save: false)
+    model/                 safetensors shards of the weights under their Hugging Face names, and
+    optim/                 DCP shards of the optimizer          (model_save_format: safetensors)
     trainer_state.pt       step and scheduler state (rank 0)
     rng/rank{r}.pt         torch/CUDA/python/numpy RNG states of each rank
     nrl_checkpoint.json    written last, once every file is complete: format, architecture,
@@ -47,12 +49,22 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from nrl_backend_dtensor.safe_load import dcp_load, load_file
-from nrl_core.api import CheckpointOptions, NrlError, broadcast, first_failure, rng_state, set_rng_state
+from nrl_core.api import (
+    CheckpointOptions,
+    NrlError,
+    broadcast,
+    first_failure,
+    main_group_timeout,
+    rng_state,
+    set_rng_state,
+)
 
 logger = logging.getLogger(__name__)
 
 MARKER = "nrl_checkpoint.json"
 SHARDED_DIR = "model_optim"
+SAFETENSORS_DIR = "model"  # NeMo RL's safetensors layout: weights by HF name, the optimizer apart
+OPTIM_DIR = "optim"
 CONSOLIDATED = "consolidated.pt"
 TRAINER_STATE = "trainer_state.pt"
 FORMAT_VERSION = 1
@@ -108,6 +120,7 @@ class CheckpointIO:
     def __init__(self, state: TrainState) -> None:
         self.state = state
         self._pending: _Pending | None = None
+        self._optim_group: dist.ProcessGroup | None = None
         # what a fresh optimizer and schedule look like (built before any step): a checkpoint
         # without optimizer state puts these back
         self._fresh_groups = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"}
@@ -139,7 +152,10 @@ class CheckpointIO:
         os.makedirs(os.path.join(path, "rng"), exist_ok=True)
         pending = _Pending(path=path)
         with_optim = options.save_optimizer
-        if options.fully_parallel_save:
+        if options.model_save_format == "safetensors":
+            self._save_safetensors(path, pending, options, with_optim)
+            fmt = "safetensors"
+        elif options.fully_parallel_save:
             target = self._live(self._options(), with_optim)
             if options.async_save:
                 pending.futures.append(dcp.async_save(target, checkpoint_id=os.path.join(path, SHARDED_DIR),
@@ -166,6 +182,33 @@ class CheckpointIO:
         self._pending = pending
         if not options.async_save:
             self.finalize()
+
+    def _save_safetensors(self, path: str, pending: _Pending, options: CheckpointOptions, with_optim: bool) -> None:
+        """Every rank writes its shards of the weights as safetensors under their HF names (torch's
+        Hugging Face storage writer), and of the optimizer as DCP shards."""
+        from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+        live = self._live(self._options(), with_optim)
+        writes = [(_hf_names(live["model"]), {"storage_writer": HuggingFaceStorageWriter(os.path.join(path, SAFETENSORS_DIR),
+                                                                              save_distributed=True)},
+                   self.state.async_group)]
+        if with_optim:
+            writes.append(({"optim": live["optim"]}, {"checkpoint_id": os.path.join(path, OPTIM_DIR)},
+                           self._second_async_group()))
+        for state, where, group in writes:
+            if options.async_save:  # two writes in flight at once: each on a group of its own
+                pending.futures.append(dcp.async_save(state, process_group=group, **where))
+            else:
+                dcp.save(state, **where)
+
+    def _second_async_group(self) -> dist.ProcessGroup | None:
+        """A gloo group for the optimizer's asynchronous write beside the weights' (collective,
+        made at the first such save): two writes sharing one group interleave their collectives."""
+        if self.state.async_group is None:
+            return None
+        if self._optim_group is None:
+            self._optim_group = dist.new_group(backend="gloo", timeout=main_group_timeout())
+        return self._optim_group
 
     def finalize(self) -> None:
         """Wait for the pending save on every rank, then commit it (rank 0 writes the marker).
@@ -273,12 +316,29 @@ class CheckpointIO:
         self.state.scheduler.load_state_dict(copy.deepcopy(self._fresh_scheduler))
 
     def _read_every_rank(self, path: str, fmt: str, with_optim: bool = True) -> tuple[Any, Any, StateDictOptions]:
+        if fmt == "safetensors":
+            staged = _clone(self._live(self._options(), with_optim))
+            self._read_safetensors(path, staged, no_dist=False)
+            return staged["model"], staged.get("optim"), self._options()
         if fmt == "sharded":
             staged = _clone(self._live(self._options(), with_optim))
             dcp_load(staged, os.path.join(path, SHARDED_DIR))
             return staged["model"], staged.get("optim"), self._options()
         full = load_file(os.path.join(path, CONSOLIDATED), map_location="cpu")
         return self._shard_like_live(full["model"], full["optim"] if with_optim else None)
+
+    @staticmethod
+    def _read_safetensors(path: str, staged: dict[str, Any], *, no_dist: bool) -> None:
+        """The weights from safetensors (a format that holds tensors only: nothing in it runs),
+        the optimizer through the safe DCP reader."""
+        from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+        dcp.load(_hf_names(staged["model"]), storage_reader=HuggingFaceStorageReader(os.path.join(path, SAFETENSORS_DIR)),
+                 no_dist=no_dist)
+        if "optim" in staged:
+            optim = {"optim": staged["optim"]}
+            dcp_load(optim, os.path.join(path, OPTIM_DIR), no_dist=no_dist)
+            staged["optim"] = optim["optim"]
 
     def _shard_like_live(self, model_sd: Any, optim_sd: Any) -> tuple[Any, Any, StateDictOptions]:
         """Full tensors (present on every rank) cut into this rank's shards of the live layout
@@ -296,14 +356,17 @@ class CheckpointIO:
         error: list[Any] = [None]
         model_sd: Any = {}
         optim_sd: Any = {}
-        if fmt == "sharded":
+        if fmt in ("sharded", "safetensors"):
             # rank 0 reads the shards of every rank into full-size tensors, without collectives
             skeleton = self._live(self._options(full_state_dict=True, cpu_offload=True), with_optim)
         if rank0:
             try:
-                if fmt == "sharded":
+                if fmt in ("sharded", "safetensors"):
                     staged = _clone(skeleton)
-                    dcp_load(staged, os.path.join(path, SHARDED_DIR), no_dist=True)
+                    if fmt == "sharded":
+                        dcp_load(staged, os.path.join(path, SHARDED_DIR), no_dist=True)
+                    else:
+                        self._read_safetensors(path, staged, no_dist=True)
                     model_sd, optim_sd = staged["model"], staged.get("optim")
                 else:
                     full = load_file(os.path.join(path, CONSOLIDATED), map_location="cpu")
@@ -321,6 +384,12 @@ class CheckpointIO:
             raise NrlError(f"checkpoint '{path}' could not be read on rank 0 ({error[0]}); it is truncated or corrupt")
         model_sd, optim_sd = broadcast_tree([model_sd, optim_sd] if rank0 else None)
         return self._shard_like_live(model_sd, optim_sd)
+
+
+def _hf_names(model_sd: dict[str, Any]) -> dict[str, Any]:
+    """The same tensors keyed by their Hugging Face names: the worker's module holds the HF model
+    as ``hf``, and the safetensors files name what ``from_pretrained`` would."""
+    return {key.removeprefix("hf."): value for key, value in model_sd.items()}
 
 
 def _shard_like(full: Any, live: Any, where: str = "") -> Any:

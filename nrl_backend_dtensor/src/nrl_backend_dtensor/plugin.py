@@ -27,7 +27,7 @@ def nrl_training_backends() -> list[TrainingBackendSpec]:
         parallel_size_keys=("tensor_parallel_size", "context_parallel_size"),
         config_check="nrl_backend_dtensor.checks:check_config",
         capabilities=frozenset({"data_parallel", "sequence_packing", "dynamic_batching", "adapter_export", "topk_logprobs",
-                                "value_head", "skip_optimizer_state"}),
+                                "value_head", "skip_optimizer_state", "safetensors_checkpoints"}),
         memory_layout="nrl_backend_dtensor.memory_layout:memory_layout",
         description="PyTorch FSDP2 (fully_shard) with optional DTensor tensor parallelism",
     )]
