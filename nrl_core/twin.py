@@ -74,7 +74,7 @@ SEQUENCE_LENGTH = 512
 BATCH = {"train_global_batch_size": 8, "train_micro_batch_size": 2, "logprob_batch_size": 2}
 VALIDATION = {"max_val_samples": 8, "val_batch_size": 8, "val_batches": 1, "val_global_batch_size": 8}
 #: Tiny families by the name fragments of their hub ids; the first match wins.
-FAMILY_NAMES = (("qwen3_moe", r"qwen3.*(moe|a3b|\d+ba\d+b)"), ("qwen2_moe", r"qwen(1\.5|2)[-_]?moe"),
+FAMILY_NAMES = (("qwen3_moe", r"qwen3.*(moe|-a\d+b|\d+ba\d+b)"), ("qwen2_moe", r"qwen(1\.5|2)[-_]?moe"),
                 ("qwen3", r"qwen3"), ("qwen2", r"qwen2|distill-qwen"), ("llama", r"llama"))
 
 

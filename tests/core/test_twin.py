@@ -72,7 +72,7 @@ def test_a_key_outside_the_table_is_not_a_scale_down_key():
 
 @pytest.mark.parametrize(("name", "family"), [
     ("meta-llama/Llama-3.2-1B-Instruct", "llama"), ("Qwen/Qwen2.5-1.5B", "qwen2"), ("Qwen/Qwen3-8B-Base", "qwen3"),
-    ("Qwen/Qwen3-30B-A3B", "qwen3_moe"), ("Qwen/Qwen1.5-MoE-A2.7B", "qwen2_moe"), ("google/gemma-3-1b-it", None),
+    ("Qwen/Qwen3-30B-A3B", "qwen3_moe"), ("Qwen/Qwen3-235B-A22B", "qwen3_moe"), ("Qwen/Qwen1.5-MoE-A2.7B", "qwen2_moe"), ("google/gemma-3-1b-it", None),
     ("deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B", "qwen2"), ("moonshotai/Moonlight-16B-A3B", None)])
 def test_a_hub_name_names_its_tiny_family(name, family):
     assert tiny_family(name) == family
