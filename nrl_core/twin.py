@@ -24,8 +24,9 @@ if TYPE_CHECKING:
     from nrl_core.plugins import PluginManager
 
 #: Every key a twin may set, as a pattern over dotted paths (``*`` spans one or more characters,
-#: dots included; ``[i]`` is any list item), with why; docs/twin.md shows this table. ``S`` stands for a policy-shaped section (``policy`` or an
-#: algorithm's model section: distillation's ``teacher``, PPO's ``value``), ``A`` for the
+#: dots included; ``[i]`` is any list item), with why; docs/twin.md shows this table. ``S`` stands
+#: for a policy-shaped section (``policy``, an algorithm's model section: distillation's
+#: ``teacher``, PPO's ``value``, or an environment's model: ``env.reward_model``), ``A`` for the
 #: algorithm's own section.
 SCALE_DOWN: dict[str, str] = {
     "S.model_name": "a tiny random-init model of the recipe's family, built here",
@@ -37,7 +38,9 @@ SCALE_DOWN: dict[str, str] = {
     "S.train_global_batch_size": "8 sequences a step",
     "S.train_micro_batch_size": "2 sequences a micro-batch",
     "S.logprob_batch_size": "2 sequences a micro-batch",
-    "S.max_total_sequence_length": "at most 512 tokens",
+    "S.max_total_sequence_length": "at most 1024 tokens, the tiny models' context",
+    "S.max_model_len": "the model's context, at most the twin's sequence length",
+    "env.*.resources.*": "the environment's model on ranks of its own on this machine",
     "policy.generation.*.max_model_len": "the engine's context, at most the twin's sequence length",
     "policy.generation.max_new_tokens": "16 new tokens",
     "policy.generation.*_cfg.*_parallel_size": "each parallelism kind the engine uses, at 2",
@@ -70,7 +73,7 @@ SCALE_DOWN: dict[str, str] = {
 
 STEPS = 2
 WORLD_LIMIT = 4
-SEQUENCE_LENGTH = 512
+SEQUENCE_LENGTH = 1024  # the tiny models' context; long prompt templates need most of it (a token for most letters)
 BATCH = {"train_global_batch_size": 8, "train_micro_batch_size": 2, "logprob_batch_size": 2}
 VALIDATION = {"max_val_samples": 8, "val_batch_size": 8, "val_batches": 1, "val_global_batch_size": 8}
 #: Tiny families by the name fragments of their hub ids; the first match wins.
@@ -80,11 +83,13 @@ FAMILY_NAMES = (("qwen3_moe", r"qwen3.*(moe|-a\d+b|\d+ba\d+b)"), ("qwen2_moe", r
 
 @dataclass(frozen=True)
 class Twin:
-    """A written twin: its config, the algorithm it runs and the keys it sets (dotted: value)."""
+    """A written twin: its config, the algorithm it runs, the keys it sets (dotted: value) and the
+    policy-shaped sections it scaled (``S`` of :data:`SCALE_DOWN`)."""
 
     config: Path
     algorithm: str
     overrides: dict[str, Any]
+    sections: tuple[str, ...] = ("policy",)
 
 
 def documented(key: str, *, algorithm: str, model_sections: tuple[str, ...] = ()) -> str | None:
@@ -148,6 +153,16 @@ def write_twin(recipe: Path, out: Path, pm: PluginManager, *, algorithm: str | N
         if isinstance(config.get(section), Mapping):
             world = max(world, _scale_model(sets, section, config[section], raw.get(section) or {}, choice.training,
                                             model))
+    env_models = [name for name, env in (raw.get("env") or {}).items()  # a scorer an environment runs
+                  if isinstance(env, Mapping) and "model_name" in env and name in (config.get("env") or {})]
+    for name in env_models:
+        ranks = _scale_model(sets, f"env.{name}", config["env"][name], raw["env"][name], choice.training, model,
+                             data_parallel=False)
+        if isinstance(config["env"][name].get("resources"), Mapping):
+            sets[f"env.{name}.resources.gpus_per_node"] = ranks
+            sets[f"env.{name}.resources.num_nodes"] = 1
+            world += ranks
+    sections = ("policy", *spec.model_sections, *(f"env.{name}" for name in env_models))
     sets[f"{spec.section}.max_num_steps"] = steps
     algo_cfg = config[spec.section]
     for key, value in {"val_period": steps, "val_at_start": False, "val_at_end": False, **VALIDATION}.items():
@@ -170,12 +185,12 @@ def write_twin(recipe: Path, out: Path, pm: PluginManager, *, algorithm: str | N
         sets["checkpointing.checkpoint_dir"] = str(out / "checkpoints")
     sets = {key: value for key, value in sets.items() if _current(raw, config, key) != value}  # only what changes
     for key in sets:
-        if documented(key, algorithm=spec.section, model_sections=spec.model_sections) is None:
+        if documented(key, algorithm=spec.section, model_sections=sections[1:]) is None:
             raise AssertionError(f"twin key {key} is not in SCALE_DOWN")  # a bug here, not the user's
     path = out / "twin.yaml"
-    path.write_text(_yaml(recipe, sets, raw, spec.section, spec.model_sections))
+    path.write_text(_yaml(recipe, sets, raw, spec.section, sections[1:]))
     load_and_validate(str(path), [], pm, algorithm=algorithm)
-    return Twin(path, algorithm, sets)
+    return Twin(path, algorithm, sets, sections)
 
 
 def _current(raw: Mapping[str, Any], config: Mapping[str, Any], key: str) -> Any:
@@ -200,7 +215,7 @@ def _value(config: Mapping[str, Any], key: str) -> Any:
 
 
 def _scale_model(sets: dict[str, Any], section: str, cfg: Mapping[str, Any], raw_section: Mapping[str, Any],
-                 training: Any, model: Path | None) -> int:
+                 training: Any, model: Path | None, *, data_parallel: bool = True) -> int:
     """Set a policy-shaped section's model, precision, sizes and parallelism; its ranks."""
     family = tiny_family(str(cfg["model_name"]))
     if model is None:
@@ -231,8 +246,10 @@ def _scale_model(sets: dict[str, Any], section: str, cfg: Mapping[str, Any], raw
         sets[f"{section}.{spelled}.{key}"] = value
     replica = training.model_parallel_size(scaled)
     experts = max([v for k, v in scaled.items() if k.startswith("expert") and k.endswith("_parallel_size")] or [1])
-    data_parallel = 2 if 2 * replica <= WORLD_LIMIT else 1
-    return max(replica * data_parallel, experts)
+    if isinstance(raw_section.get("max_model_len"), int) and raw_section["max_model_len"] > SEQUENCE_LENGTH:
+        sets[f"{section}.max_model_len"] = SEQUENCE_LENGTH
+    groups = 2 if data_parallel and 2 * replica <= WORLD_LIMIT else 1
+    return max(replica * groups, experts)
 
 
 def _scale_generation(sets: dict[str, Any], config: Mapping[str, Any], raw: Mapping[str, Any], generation: Any) -> int:
@@ -305,10 +322,11 @@ def _dataset_stand_in(entry: Mapping[str, Any], path: Path, pm: PluginManager, k
 
 
 def _problems(part: str) -> Iterator[tuple[str, str, str]]:
-    """Sums of one-digit numbers (what the tiny models' tokenizer was trained on), with a wrong answer."""
+    """Sums (what the tiny models' tokenizer was trained on), with a wrong answer: enough rows that
+    a dataset's held-out share fills a validation batch on either data-parallel rank."""
     train = part.startswith("train")
-    for i in range(0, 60) if train else range(60, 68):  # validation's problems are not training's
-        a, b = (i // 10) % 10, (i * 7) % 10
+    for i in range(0, 160) if train else range(160, 168):  # validation's problems are not training's
+        a, b = i // 10, (i * 7) % 10
         yield f"{a}+{b}", str(a + b), str(a + b + 1)
 
 

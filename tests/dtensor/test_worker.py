@@ -372,3 +372,14 @@ def test_safetensors_checkpoints_hold_the_weights_by_hf_name_and_resume_exactly(
         assert b.train(batch, NLLLoss())["loss"] == expected
         # Adam's moments came back, or (without them) a fresh optimizer takes another step
         assert all(torch.equal(x, y) for x, y in zip(params(b), stepped)) is save_optimizer
+
+
+def test_cpu_offload_is_a_no_op_where_the_device_is_the_cpu():
+    """dtensor_cfg.cpu_offload (NeMo RL's sliding-puzzle recipe sets it) moves device state to
+    pinned host memory; on a CPU there is nothing to move and pinning needs an accelerator, so the
+    worker builds and trains exactly as without it (before, FSDP raised at construction)."""
+    batch = make_batch()
+    offloaded, plain = worker(dtensor_config={"cpu_offload": True}), worker()
+    assert not offloaded.fsdp and offloaded.moves_to_host == plain.moves_to_host
+    assert offloaded.train(batch, NLLLoss())["loss"] == plain.train(batch, NLLLoss())["loss"]
+    assert all(torch.equal(a, b) for a, b in zip(params(offloaded), params(plain)))

@@ -37,7 +37,7 @@ def test_the_twin_of_grpo_math_1b_trains_on_its_dataset_and_validates_on_the_sha
     assert rows.column_names == ["problem", "generated_solution", "expected_answer", "problem_source"]
     held_out = rows.train_test_split(test_size=0.05, seed=42)["test"]["problem"]
     val = samples(tmp_path, "val", 1)
-    assert [s["prompt"] for s in val] == [cot_rendered(p) for p in held_out]  # 3 of 60, NeMo RL's 5%
+    assert [s["prompt"] for s in val] == [cot_rendered(p) for p in held_out]  # 8 of 160, NeMo RL's 5%
     model = next(line.split(": ", 1)[1] for line in twin.splitlines() if line.startswith("  model_name: "))
     assert "qwen2" in Path(model).name  # Qwen2.5-1.5B's family
     tokenizer = AutoTokenizer.from_pretrained(model)

@@ -90,6 +90,9 @@ class DTensorPolicyWorker(TrainingEngine):
             raise ConfigError("policy.train_global_batch_size",
                               f"{gbs} does not divide over {self.layout.dp_size} data-parallel ranks")
         self.sequence_parallel = bool(self.dcfg.get("sequence_parallel")) and self.layout.tp_size > 1
+        # FSDP's CPU offload moves device state to pinned host memory; where the device is the CPU
+        # there is nothing to move (and pinning needs an accelerator), so it is a no-op there
+        self.cpu_offload = bool(self.dcfg.get("cpu_offload")) and self.device.type != "cpu"
 
         model_name = self.policy["model_name"]
         trust = bool(self.policy.get("trust_remote_code", False))
@@ -103,7 +106,7 @@ class DTensorPolicyWorker(TrainingEngine):
             lora.check_section(self.lora, self.layout.tp_size)
             lora.inject(hf_model, self.lora, self.seed)
         self.pad_id = int(getattr(self.hf_config, "pad_token_id", None) or 0)
-        if checkpoint is None and not self.dcfg.get("cpu_offload"):
+        if checkpoint is None and not self.cpu_offload:
             hf_model.to(self.device)
         check_tensor_parallel(self.hf_config, self.layout.tp_size)
         self.router_metrics = RouterMetrics.attach(hf_model)
@@ -114,10 +117,10 @@ class DTensorPolicyWorker(TrainingEngine):
         self.model = LogprobModel(hf_model, self.policy.get("logprob_chunk_size"), logprob_temperature(config),
                                   value_head=self.value_head is not None)
         self.fsdp = apply_fsdp(self.model, hf_model.model.layers, self.layout, param_dtype=getattr(torch, precision),
-                               cpu_offload=bool(self.dcfg.get("cpu_offload")))
+                               cpu_offload=self.cpu_offload)
         if checkpoint is not None:  # each rank reads only its own shards
             self.load_stats = load_own_shards(hf_model, model_name, checkpoint,
-                                              torch.device("cpu") if self.dcfg.get("cpu_offload") else self.device)
+                                              torch.device("cpu") if self.cpu_offload else self.device)
         mark("model_loaded", rank=self.rank)
 
         trainable = [p for p in self.model.parameters() if p.requires_grad]  # with LoRA: the adapters only
@@ -225,7 +228,7 @@ class DTensorPolicyWorker(TrainingEngine):
     @property
     def moves_to_host(self) -> bool:
         """With FSDP's CPU offload the state already lives on the host between uses."""
-        return super().moves_to_host and not self.dcfg.get("cpu_offload")
+        return super().moves_to_host and not self.cpu_offload
 
     # ------------------------------------------------------------------ weights out
 
