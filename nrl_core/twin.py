@@ -33,6 +33,8 @@ SCALE_DOWN: dict[str, str] = {
     "S.tokenizer.name": "that model's tokenizer",
     "S.precision": "float32: the CPU's kernels",
     "S.*.*_parallel_size": "each parallelism kind the recipe uses, at 2",
+    "S.*.sequence_parallel": "the training backend's CPU twin keys: Megatron's sequence parallelism needs "
+                             "Transformer Engine's norms, which need CUDA",
     "S.*.optimizer.*": "the training backend's CPU twin keys (what a CPU lacks, such as a mixed-precision "
                            "optimizer that keeps CUDA tensors)",
     "S.train_global_batch_size": "8 sequences a step",

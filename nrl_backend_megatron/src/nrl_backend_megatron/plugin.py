@@ -25,8 +25,10 @@ def nrl_training_backends() -> list[TrainingBackendSpec]:
                                 "value_head", "skip_optimizer_state"}),
         memory_layout="nrl_backend_megatron.memory_layout:memory_layout",
         # Megatron's mixed-precision optimizer keeps CUDA tensors; the precision-aware one is
-        # Transformer Engine's FusedAdam. The distributed optimizer and its overlaps run on CPUs.
-        twin={"optimizer.bf16": False, "optimizer.fp16": False, "optimizer.use_precision_aware_optimizer": False},
+        # Transformer Engine's FusedAdam, and sequence parallelism needs its norms. The distributed
+        # optimizer and its overlaps run on CPUs.
+        twin={"optimizer.bf16": False, "optimizer.fp16": False, "optimizer.use_precision_aware_optimizer": False,
+              "sequence_parallel": False},
         description="Megatron-Core: tensor/pipeline parallel training, dist_checkpointing",
     )]
 
