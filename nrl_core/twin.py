@@ -45,6 +45,8 @@ SCALE_DOWN: dict[str, str] = {
     "env.*.resources.*": "the environment's model on ranks of its own on this machine",
     "policy.generation.*.max_model_len": "the engine's context, at most the twin's sequence length",
     "policy.generation.max_new_tokens": "16 new tokens",
+    "policy.generation.stop_token_ids": "none: they are ids of the recipe's vocabulary; the tiny model stops at its end "
+                                        "token",
     "policy.generation.*_cfg.*_parallel_size": "each parallelism kind the engine uses, at 2",
     "policy.generation.colocated.resources.*": "one engine on this node, when not colocated",
     "cluster.gpus_per_node": "the twin's ranks, all on this machine",
@@ -261,6 +263,8 @@ def _scale_generation(sets: dict[str, Any], config: Mapping[str, Any], raw: Mapp
         return 0
     if "max_new_tokens" in gen:
         sets["policy.generation.max_new_tokens"] = 16
+    if gen.get("stop_token_ids"):  # ids of the recipe's vocabulary: the tiny model stops at its own end token
+        sets["policy.generation.stop_token_ids"] = None
     section = dict(gen.get(generation.config_key) or {})
     length = min(int(config["policy"]["max_total_sequence_length"]), SEQUENCE_LENGTH)
     written = _value(raw, f"policy.generation.{generation.config_key}.max_model_len")  # not a ${...} that follows
