@@ -21,6 +21,7 @@ import yaml
 from nrl_core.errors import ConfigError
 
 if TYPE_CHECKING:
+    from nrl_core.data.sources import DatasetSource
     from nrl_core.plugins import PluginManager
 
 #: Every key a twin may set, as a pattern over dotted paths (``*`` spans one or more characters,
@@ -121,11 +122,9 @@ def tiny_family(model_name: str) -> str | None:
     return next((family for family, pattern in FAMILY_NAMES if re.search(pattern, lowered)), None)
 
 
-def recipe_algorithm(path: Path, pm: PluginManager) -> str:
-    """The installed algorithm whose section ``path`` sets (one line when none or several do)."""
-    from nrl_core.config.loader import load_with_defaults
-
-    raw = load_with_defaults(path)
+def recipe_algorithm(raw: Mapping[str, Any], path: Path, pm: PluginManager) -> str:
+    """The installed algorithm whose section the recipe at ``path`` (``raw``: as read, its
+    defaults merged) sets; one line when none or several do."""
     specs = pm.algorithms()
     found = [name for name in specs.names() if specs.get(name, "algorithm").section in raw]
     if len(found) > 1 and "grpo" in found:  # PPO and distillation recipes inherit GRPO's section
@@ -145,10 +144,10 @@ def write_twin(recipe: Path, out: Path, pm: PluginManager, *, algorithm: str | N
     from nrl_core.config.loader import load_with_defaults
 
     recipe = recipe.expanduser().resolve()
-    algorithm = algorithm or recipe_algorithm(recipe, pm)
+    raw = load_with_defaults(recipe)
+    algorithm = algorithm or recipe_algorithm(raw, recipe, pm)
     spec = pm.algorithms().get(algorithm, "algorithm")
     config = load_and_validate(str(recipe), [], pm, algorithm=algorithm, backend_checks=False)
-    raw = load_with_defaults(recipe)
     out.mkdir(parents=True, exist_ok=True)
     choice = choose_backends(config, pm, generation=spec.generates, warn=False)
     sets: dict[str, Any] = {}
@@ -172,7 +171,7 @@ def write_twin(recipe: Path, out: Path, pm: PluginManager, *, algorithm: str | N
     for key, value in {"val_period": steps, "val_at_start": False, "val_at_end": False, **VALIDATION}.items():
         if key in algo_cfg:
             sets[f"{spec.section}.{key}"] = value
-    for key, value in (getattr(spec, "twin", None) or {}).items():
+    for key, value in spec.twin.items():
         sets[f"{spec.section}.{key}"] = value
     engine = _scale_generation(sets, config, raw, choice.generation) if spec.generates else 0
     sets["cluster.num_nodes"] = 1
@@ -221,8 +220,8 @@ def _value(config: Mapping[str, Any], key: str) -> Any:
 def _scale_model(sets: dict[str, Any], section: str, cfg: Mapping[str, Any], raw_section: Mapping[str, Any],
                  training: Any, model: Path | None, *, data_parallel: bool = True) -> int:
     """Set a policy-shaped section's model, precision, sizes and parallelism; its ranks."""
-    family = tiny_family(str(cfg["model_name"]))
     if model is None:
+        family = tiny_family(str(cfg["model_name"]))
         if family is None:
             raise ConfigError(f"{section}.model_name", f"no tiny model of {cfg['model_name']}'s family here (nrl "
                                                        "builds llama, qwen2, qwen3, qwen3_moe, qwen2_moe); pass "
@@ -246,7 +245,7 @@ def _scale_model(sets: dict[str, Any], section: str, cfg: Mapping[str, Any], raw
     for key, value in backend.items():
         if key.endswith("_parallel_size") and isinstance(value, int) and value > 1:
             sets[f"{section}.{spelled}.{key}"] = scaled[key] = 2
-    for key, value in (getattr(training, "twin", None) or {}).items():
+    for key, value in training.twin.items():
         sets[f"{section}.{spelled}.{key}"] = value
     replica = training.model_parallel_size(scaled)
     experts = max([v for k, v in scaled.items() if k.startswith("expert") and k.endswith("_parallel_size")] or [1])
@@ -285,18 +284,16 @@ def _scale_data(sets: dict[str, Any], config: Mapping[str, Any], raw: Mapping[st
                 pm: PluginManager) -> None:
     """Stand-ins of the recipe's data under ``out/data``: a named dataset's rows in its hub columns,
     a local file's in its configured columns; generated data, fewer examples."""
+    from nrl_core.data.sources import resolve_datasets, uses_dataset_layout
+
     data = config["data"]
-    raw_data = raw.get("data") or {}
-    for part in ("train", "validation"):
-        entries = raw_data.get(part)
-        if entries is None:
-            continue
-        listed = isinstance(entries, list)
-        for index, entry in enumerate(entries if listed else [entries]):
-            merged = {**(data.get("default") or {}), **entry}
-            key = f"data.{part}[{index}].data_path" if listed else f"data.{part}.data_path"
-            sets[key] = str(_dataset_stand_in(merged, out / "data" / f"{part}{index}.parquet", pm, key))
-    if raw_data.get("train") is None:
+    train, val = resolve_datasets(data, None, pm.datasets(), warn=False)  # data.default filled in
+    for source in (*train, *val):
+        part, index = re.fullmatch(r"data\.(train|validation)\[(\d+)\]", source.key_path).groups()  # type: ignore[union-attr]
+        listed = isinstance((raw.get("data") or {}).get(part), list)  # as the recipe writes it
+        key = f"{source.key_path}.data_path" if listed else f"data.{part}.data_path"
+        sets[key] = str(_dataset_stand_in(source, out / "data" / f"{part}{index}.parquet"))
+    if not uses_dataset_layout(data):
         for key, part in (("train_data_path", "train"), ("val_data_path", "validation")):
             if data.get(key):
                 path = out / "data" / f"{part}.jsonl"
@@ -309,17 +306,15 @@ def _scale_data(sets: dict[str, Any], config: Mapping[str, Any], raw: Mapping[st
                 sets[f"data.generate.{key}"] = count
 
 
-def _dataset_stand_in(entry: Mapping[str, Any], path: Path, pm: PluginManager, key: str) -> Path:
+def _dataset_stand_in(source: DatasetSource, path: Path) -> Path:
     from nrl_core.contracts import import_object
 
-    name = entry.get("dataset_name")
-    spec = pm.datasets().get(name, key.rsplit(".", 1)[0] + ".dataset_name")
-    if not spec.stand_in:
-        raise ConfigError(key.rsplit(".", 1)[0] + ".dataset_name",
-                          f"dataset '{name}' ({spec.distribution}) gives no stand-in rows (DatasetSpec.stand_in); "
-                          "point data_path at a small local file with its columns")
-    row = import_object(spec.stand_in)
-    rows = [row(problem, answer, wrong, entry) for problem, answer, wrong in _problems(path.stem)]
+    if not source.spec.stand_in:
+        raise ConfigError(f"{source.key_path}.dataset_name",
+                          f"dataset '{source.name}' ({source.spec.distribution}) gives no stand-in rows "
+                          "(DatasetSpec.stand_in); point data_path at a small local file with its columns")
+    row = import_object(source.spec.stand_in)
+    rows = [row(problem, answer, wrong, source.entry) for problem, answer, wrong in _problems(path.stem)]
     import datasets
 
     path.parent.mkdir(parents=True, exist_ok=True)
