@@ -35,6 +35,7 @@ class ModelShape:
     qk_norm: bool = False
     qkv_bias: bool = False
     shared_expert_gate: bool = False
+    sandwich_norms: bool = False
 
     @classmethod
     def from_hf_config(cls, cfg: Mapping[str, Any]) -> ModelShape:
@@ -55,7 +56,8 @@ class ModelShape:
             experts_per_token=int(get("num_experts_per_tok") or 0) if experts else 0,
             expert_intermediate=int(get("moe_intermediate_size") or get("intermediate_size") or 0) if experts else 0,
             shared_expert_intermediate=int(get("shared_expert_intermediate_size") or 0) if experts else 0,
-            qk_norm=family.startswith("qwen3"),  # a norm over each head's queries and keys
+            qk_norm=family.startswith(("qwen3", "gemma3")),  # a norm over each head's queries and keys
+            sandwich_norms=family.startswith(("gemma2", "gemma3")),  # norms after each sublayer as well
             qkv_bias=family.startswith("qwen2") or bool(get("attention_bias")),
             shared_expert_gate=family == "qwen2_moe")  # a sigmoid gate on the shared expert
 
@@ -94,7 +96,7 @@ class ModelShape:
     def layer_params(self) -> int:
         """One layer's parameters outside its routed experts (attention, norms, router, shared
         expert, or the dense MLP)."""
-        norms = 2 * self.hidden
+        norms = (4 if self.sandwich_norms else 2) * self.hidden
         if not self.experts:
             return self.attention_params + self.dense_mlp_params + norms
         shared = 3 * self.hidden * self.shared_expert_intermediate + (self.hidden if self.shared_expert_gate else 0)

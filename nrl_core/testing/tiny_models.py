@@ -1,10 +1,14 @@
 """Tiny random-init Hugging Face causal LMs with a locally trained tokenizer.
 
 No model hub is reachable where nrl is tested, so tests, examples and benchmarks build their models
-here: a byte-level BPE tokenizer trained on an arithmetic corpus and a Llama-, Qwen2- or
-Qwen3-shaped model, saved with ``save_pretrained`` so every engine (transformers, vLLM, the
+here: a byte-level BPE tokenizer trained on an arithmetic corpus and a Llama-, Mistral-, Qwen2-,
+Qwen3- or Gemma 3-shaped model, saved with ``save_pretrained`` so every engine (transformers, vLLM, the
 Megatron converter) loads it from disk exactly as it would a real checkpoint. The same family,
 size and seed always give the same files, and a build is cached under a directory keyed by them.
+
+Gemma 3 (text) alternates sliding-window and full-attention layers, scales its embeddings,
+normalises queries and keys, and ties its output layer to the embeddings, as the hub's do; its
+window is short enough that the tests' sequences cross it.
 
 Two mixture-of-experts families: ``qwen3_moe`` (every layer routes each token to 2 of 8 experts,
 top-k probabilities renormalised) and ``qwen2_moe`` (the same plus a sigmoid-gated shared expert,
@@ -21,7 +25,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-DENSE_FAMILIES = ("llama", "qwen2", "qwen3")
+DENSE_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3")
+#: Hugging Face ``model_type`` values that are a family here under another name.
+MODEL_TYPES = {"gemma3_text": "gemma3"}
 MOE_FAMILIES = ("qwen3_moe", "qwen2_moe")
 FAMILIES = DENSE_FAMILIES + MOE_FAMILIES
 
@@ -97,19 +103,35 @@ def model_config(family: str, size: str = "tiny", vocab_size: int = 512, **overr
         raise ValueError(f"unknown family '{family}'; choose one of {', '.join(FAMILIES)}")
     if size not in SIZES:
         raise ValueError(f"unknown size '{size}'; choose one of {', '.join(SIZES)}")
-    from transformers import LlamaConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig
+    from transformers import (
+        Gemma3TextConfig,
+        LlamaConfig,
+        MistralConfig,
+        Qwen2Config,
+        Qwen2MoeConfig,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
     common: dict[str, Any] = dict(
         vocab_size=vocab_size, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2, pad_token_id=3,
         rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=10000.0,
     )
+    head_dim = SIZES[size]["hidden_size"] // SIZES[size]["num_attention_heads"]
     if family == "llama":
         cfg = LlamaConfig(**common, **SIZES[size])
+    elif family == "mistral":
+        cfg = MistralConfig(**common, **SIZES[size], head_dim=head_dim, sliding_window=None)
+    elif family == "gemma3":
+        layers = SIZES[size]["num_hidden_layers"]
+        cfg = Gemma3TextConfig(**dict(common, tie_word_embeddings=True), **SIZES[size], head_dim=head_dim,
+                               query_pre_attn_scalar=head_dim, sliding_window=16,
+                               layer_types=["full_attention" if (i + 1) % 2 == 0 else "sliding_attention"
+                                            for i in range(layers)])
     elif family == "qwen2":
         cfg = Qwen2Config(**common, **SIZES[size], use_sliding_window=False)
     elif family == "qwen3":
-        cfg = Qwen3Config(**common, **SIZES[size], use_sliding_window=False,
-                          head_dim=SIZES[size]["hidden_size"] // SIZES[size]["num_attention_heads"])
+        cfg = Qwen3Config(**common, **SIZES[size], use_sliding_window=False, head_dim=head_dim)
     else:
         moe = dict(MOE_SIZES[size], num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
                    output_router_logits=False, router_aux_loss_coef=0.0,

@@ -26,7 +26,7 @@ GPU_SIZE = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidde
             "vocab_size": 512, "tie_word_embeddings": False, "max_position_embeddings": 4096}
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "gemma3", "qwen3_moe", "qwen2_moe"])
 def test_the_parameter_count_from_the_config_alone_is_the_models(family: str) -> None:
     """Counted from config.json, without weights: exactly what transformers builds."""
     from transformers import AutoConfig, AutoModelForCausalLM

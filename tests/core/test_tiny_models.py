@@ -10,7 +10,8 @@ from nrl_core.testing.tiny_models import build_tiny_model, cached_tiny_model
 
 
 @pytest.mark.parametrize("family, model_type", [("llama", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3"),
-                                               ("qwen3_moe", "qwen3_moe"), ("qwen2_moe", "qwen2_moe")])
+                                               ("qwen3_moe", "qwen3_moe"), ("qwen2_moe", "qwen2_moe"),
+                                               ("mistral", "mistral"), ("gemma3", "gemma3_text")])
 def test_family_loads_and_generates(family, model_type):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

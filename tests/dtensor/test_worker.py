@@ -112,6 +112,24 @@ def test_packed_dynamic_chunked_equal_padded(mode):
     assert torch.allclose(gather_shards(other.get_logprobs(batch), batch), gather_shards(padded.get_logprobs(batch), batch), atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_sliding_window_layers_keep_their_window(packed):
+    """Gemma 3's local layers see only the last ``sliding_window`` tokens. The backend's own
+    attention, padded or packed, gives the logprobs of transformers' SDPA forward (which builds the
+    banded mask, as vLLM applies the window) for sequences well past the window."""
+    from transformers import AutoModelForCausalLM
+
+    from nrl_core.api import hf_logprobs
+
+    batch = make_batch(max_len=48, min_len=24, seed=2)
+    over = dict(sequence_packing={"enabled": True, "train_mb_tokens": 96, "logprob_mb_tokens": 96,
+                                  "sequence_length_round": 4}) if packed else {}
+    w = worker(family="gemma3", max_total_sequence_length=48, **over)
+    plain = AutoModelForCausalLM.from_pretrained(w.policy["model_name"], dtype=torch.float32, attn_implementation="sdpa")
+    assert plain.config.sliding_window < 24 and "sliding_attention" in plain.config.layer_types
+    assert (hf_logprobs(plain.eval(), batch, 1.0) - gather_shards(w.get_logprobs(batch), batch)).abs().max() < 1e-5
+
+
 def test_weights_out_and_hf_export_reload(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -339,17 +357,18 @@ def test_a_batch_on_another_device_than_the_logprobs_fails_in_check_mode(monkeyp
         w.train(make_batch(), NLLLoss())
 
 
-@pytest.mark.parametrize("save_optimizer", [True, False])
-def test_safetensors_checkpoints_hold_the_weights_by_hf_name_and_resume_exactly(tmp_path, save_optimizer):
+@pytest.mark.parametrize(("family", "save_optimizer"), [("llama", True), ("llama", False), ("gemma3", True)])
+def test_safetensors_checkpoints_hold_the_weights_by_hf_name_and_resume_exactly(tmp_path, family, save_optimizer):
     """checkpointing.model_save_format: safetensors (NeMo RL's DTensor format): the weights are
     safetensors shards under their Hugging Face names, the optimizer DCP shards beside them; a
-    resume is exact, through either load path, and the marker records the format."""
+    resume is exact, through either load path, and the marker records the format. Gemma 3 ties
+    its output layer to the embeddings: the tied weight is written once, as save_pretrained does."""
     import json
 
     from safetensors import safe_open
 
     batch = make_batch()
-    a = fsdp_worker()
+    a = fsdp_worker(family=family)
     a.train(batch, NLLLoss())
     path = tmp_path / "ck"
     a.save_checkpoint(str(path), CheckpointOptions(model_save_format="safetensors", save_optimizer=save_optimizer))
@@ -363,10 +382,11 @@ def test_safetensors_checkpoints_hold_the_weights_by_hf_name_and_resume_exactly(
             for name, p in a.model.hf.named_parameters()}
     assert set(live) <= set(names) and all(torch.equal(names[n], t) for n, t in live.items())
     assert "model.layers.0.self_attn.q_proj.weight" in names
+    assert ("lm_head.weight" in names) is (family == "llama")
     saved, expected = params(a), a.train(batch, NLLLoss())["loss"]
     stepped = params(a)
     for parallel_load in (True, False):
-        b = fsdp_worker()
+        b = fsdp_worker(family=family)
         b.load_checkpoint(str(path), CheckpointOptions(fully_parallel_load=parallel_load))
         assert all(torch.equal(x, y) for x, y in zip(params(b), saved)) and b.step == 1
         assert b.train(batch, NLLLoss())["loss"] == expected

@@ -49,6 +49,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from nrl_backend_dtensor.safe_load import dcp_load, load_file
+from nrl_backend_dtensor.sharded_load import tied_parameters
 from nrl_core.api import (
     CheckpointOptions,
     NrlError,
@@ -189,7 +190,7 @@ class CheckpointIO:
         from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
         live = self._live(self._options(), with_optim)
-        writes = [(_hf_names(live["model"]), {"storage_writer": HuggingFaceStorageWriter(os.path.join(path, SAFETENSORS_DIR),
+        writes = [(_hf_names(live["model"], self._ties()), {"storage_writer": HuggingFaceStorageWriter(os.path.join(path, SAFETENSORS_DIR),
                                                                               save_distributed=True)},
                    self.state.async_group)]
         if with_optim:
@@ -327,14 +328,20 @@ class CheckpointIO:
         full = load_file(os.path.join(path, CONSOLIDATED), map_location="cpu")
         return self._shard_like_live(full["model"], full["optim"] if with_optim else None)
 
-    @staticmethod
-    def _read_safetensors(path: str, staged: dict[str, Any], *, no_dist: bool) -> None:
+    def _ties(self) -> dict[str, str]:
+        """Tied parameters (the output layer that is the input embedding) to their first names."""
+        return tied_parameters(self.state.model)
+
+    def _read_safetensors(self, path: str, staged: dict[str, Any], *, no_dist: bool) -> None:
         """The weights from safetensors (a format that holds tensors only: nothing in it runs),
         the optimizer through the safe DCP reader."""
         from torch.distributed.checkpoint import HuggingFaceStorageReader
 
-        dcp.load(_hf_names(staged["model"]), storage_reader=HuggingFaceStorageReader(os.path.join(path, SAFETENSORS_DIR)),
-                 no_dist=no_dist)
+        ties = self._ties()
+        dcp.load(_hf_names(staged["model"], ties),
+                 storage_reader=HuggingFaceStorageReader(os.path.join(path, SAFETENSORS_DIR)), no_dist=no_dist)
+        for name, source in ties.items():  # written once, under its first name
+            staged["model"][name] = staged["model"][source]
         if "optim" in staged:
             optim = {"optim": staged["optim"]}
             dcp_load(optim, os.path.join(path, OPTIM_DIR), no_dist=no_dist)
@@ -386,10 +393,11 @@ class CheckpointIO:
         return self._shard_like_live(model_sd, optim_sd)
 
 
-def _hf_names(model_sd: dict[str, Any]) -> dict[str, Any]:
+def _hf_names(model_sd: dict[str, Any], ties: dict[str, str]) -> dict[str, Any]:
     """The same tensors keyed by their Hugging Face names: the worker's module holds the HF model
-    as ``hf``, and the safetensors files name what ``from_pretrained`` would."""
-    return {key.removeprefix("hf."): value for key, value in model_sd.items()}
+    as ``hf``, and the safetensors files name what ``from_pretrained`` would, a tied weight once
+    (as ``save_pretrained`` writes it)."""
+    return {key.removeprefix("hf."): value for key, value in model_sd.items() if key not in ties}
 
 
 def _shard_like(full: Any, live: Any, where: str = "") -> Any:

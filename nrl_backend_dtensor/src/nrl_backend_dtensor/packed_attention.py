@@ -5,8 +5,10 @@ block-diagonal mask is correct but the CPU SDPA kernel computes that mask densel
 for (row length)^2 scores however short its sequences are, and packing saves little. This
 attention splits every row at its position resets and runs causal SDPA on each segment: cost
 proportional to the sum of squared sequence lengths, no mask materialised. For an unpacked row
-(one reset) it is plain causal SDPA. Registered with transformers' attention and mask interfaces
-under :data:`NAME`, it is what the DTensor backend loads models with.
+(one reset) it is plain causal SDPA. A sliding-window layer (Gemma 3's local layers, Mistral's)
+keeps its window: a segment longer than it gets the banded causal mask transformers would build.
+Registered with transformers' attention and mask interfaces under :data:`NAME`, it is what the
+DTensor backend loads models with.
 """
 
 from __future__ import annotations
@@ -38,16 +40,29 @@ def packed_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                       **kwargs)
     gqa = query.shape[1] != key.shape[1]
+    window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
     rows = []
     # split, not slicing: the backward of one split is one concatenation, while each slice's
     # backward would write a zero tensor the size of the whole row
     for b, (q, k, v) in enumerate(zip(query.split(1), key.split(1), value.split(1))):
         sizes = [e - s for s, e in _segments(position_ids[b if position_ids.shape[0] > 1 else 0])]
-        parts = [F.scaled_dot_product_attention(qs, ks, vs, dropout_p=dropout, is_causal=True, scale=scaling,
-                                                enable_gqa=gqa)
+        parts = [_causal_sdpa(qs, ks, vs, window, dropout=dropout, scale=scaling, enable_gqa=gqa)
                  for qs, ks, vs in zip(q.split(sizes, dim=2), k.split(sizes, dim=2), v.split(sizes, dim=2))]
         rows.append(torch.cat(parts, dim=2))
     return torch.cat(rows, dim=0).transpose(1, 2).contiguous(), None
+
+
+def _causal_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, window: int | None,
+                 **sdpa: Any) -> torch.Tensor:
+    """Causal SDPA over one segment; with a ``window``, position i sees j only when
+    ``i - window < j <= i`` (transformers' and vLLM's sliding window)."""
+    length = query.shape[2]
+    if not window or length <= window:
+        return F.scaled_dot_product_attention(query, key, value, is_causal=True, dropout_p=sdpa.pop("dropout"),
+                                              **sdpa)
+    i = torch.arange(length, device=query.device)
+    band = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=band, dropout_p=sdpa.pop("dropout"), **sdpa)
 
 
 def _no_mask(*args: Any, **kwargs: Any) -> None:

@@ -87,6 +87,19 @@ def why_not_sharded(model: nn.Module, index: dict[str, str]) -> str | None:
     return None
 
 
+def tied_parameters(model: nn.Module) -> dict[str, str]:
+    """Each parameter name that is another parameter (tied embeddings) to the name it is first
+    found under, which is the one a checkpoint holds."""
+    first: dict[int, str] = {}
+    ties = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            ties[name] = first[id(param)]
+        else:
+            first[id(param)] = name
+    return ties
+
+
 def _own_slice(param: torch.Tensor) -> tuple[slice, ...] | None:
     """The region of the global tensor this rank's local part is, when it is one slice."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -108,9 +121,13 @@ def load_own_shards(model: nn.Module, model_dir: str, index: dict[str, str], dev
 
     # the buffers as built (and where FSDP put them): to_empty would leave them uninitialised
     buffers = [(module, name, b) for module in model.modules() for name, b in module._buffers.items() if b is not None]
+    ties = tied_parameters(model)
     model.to_empty(device=device)
     for module, name, buffer in buffers:
         module._buffers[name] = buffer
+    for name, source in ties.items():  # to_empty gives each module its own tensor: tie them again
+        owner, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(owner), attr, model.get_parameter(source))
     stats = LoadStats(path="sharded")
     handles: dict[str, Any] = {}
 
