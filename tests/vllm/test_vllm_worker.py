@@ -233,6 +233,62 @@ def test_dummy_load_format_refuses_to_generate_until_the_first_refit(model_dir, 
     assert token_ids == hf_greedy(hf_model(model_dir), prompts)
 
 
+def _trainer_refit_gap(rank: int, world_size: int, family: str) -> float:
+    """The largest |engine - trainer| logprob of tokens the engine sampled after a refit of
+    changed weights from a DTensor worker, into an engine started on placeholder weights."""
+    import sys
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from nrl_backend_dtensor.worker import DTensorPolicyWorker
+    from nrl_core.contracts import TokenBatch
+    from nrl_core.testing.distributed import gather_shards
+    from nrl_core.testing.tiny_models import cached_tiny_model
+    from nrl_gen_vllm.worker import VllmGenerationWorker
+    from tests.vllm.helpers import generation_config
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dtensor"))
+    from common import make_config
+
+    model_dir = cached_tiny_model(family, "small")
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    prompts = [tokenizer(f"Q: What is {a} + {b}? Think it through, step by step, then answer.\nA:").input_ids
+               for a, b in ((3, 4), (12, 7), (40, 2))]
+    worker = VllmGenerationWorker(generation_config(model_dir, load_format="dummy"))  # first: it sets up torch.distributed
+    try:
+        trainer = DTensorPolicyWorker(make_config(model_name=str(model_dir), max_total_sequence_length=128), 0, 1)
+        torch.manual_seed(0)
+        with torch.no_grad():
+            for param in trainer.model.parameters():
+                param.add_(0.05 * torch.randn_like(param))
+        refit(trainer, worker, bucket_bytes=256 * 1024)
+        out = worker.generate(prompts * 2)
+        sequences = [p + list(ids) for p, ids in zip(prompts * 2, out.token_ids)]
+        ids = torch.full((len(sequences), max(map(len, sequences))), 3)
+        for i, sequence in enumerate(sequences):
+            ids[i, :len(sequence)] = torch.tensor(sequence)
+        batch = TokenBatch(input_ids=ids, input_lengths=torch.tensor([len(s) for s in sequences]), fields={})
+        ours = gather_shards(trainer.get_logprobs(batch), batch)
+    finally:
+        worker.shutdown()
+    return max(abs(float(ours[i, len(p) + j]) - lp) for i, (p, lps) in enumerate(zip(prompts * 2, out.logprobs))
+               for j, lp in enumerate(lps))
+
+
+@pytest.mark.slow
+def test_a_tied_output_layer_follows_its_embedding_at_refit() -> None:
+    """Gemma 3 ties its output layer to the input embedding, and a trainer sends that weight once.
+    vLLM's CPU GEMM packs the output layer's weight when it loads; before, a refit updated the
+    embedding while the packed copy kept the weights of before (placeholder ones on the first
+    refit), and the engine sampled from another model than the trainer's. The engine's logprobs
+    of what it samples are now the trainer's, past Gemma 3's sliding window as well."""
+    from nrl_core.testing.distributed import run_distributed
+
+    gap, = run_distributed(_trainer_refit_gap, 1, "gemma3")
+    assert gap < LOGPROB_TOLERANCE
+
+
 def test_load_format_defaults_to_dummy_and_refuses_other_loaders() -> None:
     from nrl_core.errors import ConfigError
 

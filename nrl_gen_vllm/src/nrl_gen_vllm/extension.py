@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -58,6 +58,41 @@ def _quiet_rotary_reload_warning() -> None:
         reload_logger.addFilter(RotaryCacheFilter())
 
 
+def tied_names(model: torch.nn.Module) -> dict[str, list[str]]:
+    """Each parameter name of ``model`` to the other names of the same tensor (the output layer
+    tied to the input embedding: ``model.embed_tokens.weight`` -> ``["lm_head.weight"]``)."""
+    first: dict[int, str] = {}
+    ties: dict[str, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            ties.setdefault(first[id(param)], []).append(name)
+        else:
+            first[id(param)] = name
+    return ties
+
+
+def with_tied_names(named: Iterable[tuple[str, torch.Tensor]],
+                    ties: dict[str, list[str]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``named``, each tensor followed by the names tied to it, each name once.
+
+    A trainer sends a tied weight once (``save_pretrained`` and the state dicts of FSDP do). The
+    layerwise reload then sees no weights for the tied layer and puts its kernel tensors back
+    without processing them; where that processing makes a second copy (vLLM's CPU GEMM packs the
+    output layer's weight), the engine kept computing logits from the weights of before the
+    refit. Sending the tensor under each of its names lets every layer load and process it.
+    """
+    done: set[str] = set()
+    for name, tensor in named:
+        if name in done:  # the stream names a tied weight itself: already loaded with its source
+            continue
+        done.add(name)
+        yield name, tensor
+        for tied in ties.get(name, ()):
+            if tied not in done:
+                done.add(tied)
+                yield tied, tensor
+
+
 class NrlWorkerExtension:
     """Mixed into vLLM's worker class; ``self`` is the worker (``model_runner``, ``vllm_config``)."""
 
@@ -83,6 +118,7 @@ class NrlWorkerExtension:
         _quiet_rotary_reload_warning()
         model = self.model_runner.model
         counter = RefitReadCounter() if getattr(self, "_nrl_count_reads", False) else None
+        named = with_tied_names(named, tied_names(model))
         with set_current_vllm_config(self.vllm_config), reloading(), counter or contextlib.nullcontext():
             initialize_layerwise_reload(model)
             try:
