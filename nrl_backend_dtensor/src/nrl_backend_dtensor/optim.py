@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import logging
 import math
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -10,7 +12,10 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from nrl_backend_dtensor.fused_adam import TE_FUSED_ADAM, FusedAdam
 from nrl_core.api import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 def _import_dotted(name: str, key_path: str) -> Any:
@@ -21,10 +26,31 @@ def _import_dotted(name: str, key_path: str) -> Any:
         raise ConfigError(key_path, f"cannot import '{name}'; give a dotted path like 'torch.optim.AdamW'") from None
 
 
+def _optimizer_class(name: str) -> Any:
+    """The class ``name`` names; TE's FusedAdam runs as nrl's torch version where TE is not installed."""
+    if name == TE_FUSED_ADAM and importlib.util.find_spec("transformer_engine") is None:
+        log.warning("policy.optimizer.name: Transformer Engine is not installed here, so its FusedAdam update "
+                    "runs in torch ops (nrl_backend_dtensor.fused_adam)")
+        return FusedAdam
+    return _import_dotted(name, "policy.optimizer.name")
+
+
+def _torch_values(kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """NeMo RL's optimizer kwargs spell dtypes as strings (``torch.bfloat16``); read them as torch's."""
+    resolved = {}
+    for key, value in kwargs.items():
+        if isinstance(value, str) and value.startswith("torch."):
+            value = getattr(torch, value.removeprefix("torch."), None)
+            if value is None:
+                raise ConfigError(f"policy.optimizer.kwargs.{key}", f"torch has no '{kwargs[key]}'")
+        resolved[key] = value
+    return resolved
+
+
 def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: Mapping[str, Any]) -> torch.optim.Optimizer:
     """``{name: "torch.optim.AdamW", kwargs: {...}}`` -> the optimizer over ``params``."""
-    cls = _import_dotted(cfg.get("name", "torch.optim.AdamW"), "policy.optimizer.name")
-    kwargs = dict(cfg.get("kwargs") or {})
+    cls = _optimizer_class(cfg.get("name", "torch.optim.AdamW"))
+    kwargs = _torch_values(dict(cfg.get("kwargs") or {}))
     try:
         return cls(list(params), **kwargs)
     except (TypeError, ValueError) as exc:
