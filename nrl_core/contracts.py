@@ -207,6 +207,8 @@ class GenerationBackendSpec:
     ``policy.generation.<config_key>`` (``vllm_cfg``). ``worker`` is the import path of a
     :class:`GenerationWorker` class; ``config_check`` and start-up overlap as for
     :class:`TrainingBackendSpec` (a colocated engine's modules are imported early in the training workers).
+    ``twin`` (optional, in no contract version) maps keys under ``policy.generation`` to the values
+    a CPU twin sets where the recipe sets them (``nrl twin``): engine arguments that pick GPU kernels.
     """
 
     name: str
@@ -218,6 +220,7 @@ class GenerationBackendSpec:
     config_check: str | None = None
     capabilities: frozenset[str] = frozenset()
     description: str = ""
+    twin: Mapping[str, Any] = field(default_factory=dict)
     preload: InitVar[Sequence[str] | None] = None
 
     def __post_init__(self, preload: Sequence[str] | None) -> None:

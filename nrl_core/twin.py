@@ -36,6 +36,11 @@ SCALE_DOWN: dict[str, str] = {
     "S.*.*_parallel_size": "each parallelism kind the recipe uses, at 2",
     "S.*.sequence_parallel": "the training backend's CPU twin keys: Megatron's sequence parallelism needs "
                              "Transformer Engine's norms, which need CUDA",
+    "S.*.moe_token_dispatcher_type": "the training backend's CPU twin keys: Megatron's alltoall and flex "
+                                     "dispatchers need CUDA streams; unset, it is allgather on a CPU and "
+                                     "alltoall on GPUs",
+    "policy.generation.*_kwargs.*": "the generation backend's CPU twin keys (engine arguments that pick GPU "
+                                    "kernels, left to the engine's own choice)",
     "S.*.optimizer.*": "the training backend's CPU twin keys (what a CPU lacks, such as a mixed-precision "
                            "optimizer that keeps CUDA tensors)",
     "S.train_global_batch_size": "8 sequences a step",
@@ -82,8 +87,9 @@ SEQUENCE_LENGTH = 1024  # the tiny models' context; long prompt templates need m
 BATCH = {"train_global_batch_size": 8, "train_micro_batch_size": 2, "logprob_batch_size": 2}
 VALIDATION = {"max_val_samples": 8, "val_batch_size": 8, "val_batches": 1, "val_global_batch_size": 8}
 #: Tiny families by the name fragments of their hub ids; the first match wins.
-FAMILY_NAMES = (("qwen3_moe", r"qwen3.*(moe|-a\d+b|\d+ba\d+b)"), ("qwen2_moe", r"qwen(1\.5|2)[-_]?moe"),
-                ("qwen3", r"qwen3"), ("qwen2", r"qwen2|distill-qwen"), ("llama", r"llama"))
+FAMILY_NAMES = (("qwen3_moe", r"qwen3(?!\.\d|-?next).*(moe|-a\d+b|\d+ba\d+b)"), ("qwen2_moe", r"qwen(1\.5|2)[-_]?moe"),
+                ("qwen3", r"qwen3(?!\.\d|-?next)"), ("qwen2", r"qwen2|distill-qwen"), ("llama", r"llama"),
+                ("gemma3", r"gemma-?3(?!n)"), ("mistral", r"mistral-(7b|nemo)"))
 
 
 @dataclass(frozen=True)
@@ -114,9 +120,10 @@ def tiny_family(model_name: str) -> str | None:
     ``model_type``, or a hub id's name."""
     config = Path(model_name).expanduser() / "config.json"
     if config.is_file():
-        from nrl_core.testing.tiny_models import FAMILIES
+        from nrl_core.testing.tiny_models import FAMILIES, MODEL_TYPES
 
         model_type = json.loads(config.read_text()).get("model_type")
+        model_type = MODEL_TYPES.get(model_type, model_type)
         return model_type if model_type in FAMILIES else None
     lowered = model_name.lower()
     return next((family for family, pattern in FAMILY_NAMES if re.search(pattern, lowered)), None)
@@ -223,9 +230,11 @@ def _scale_model(sets: dict[str, Any], section: str, cfg: Mapping[str, Any], raw
     if model is None:
         family = tiny_family(str(cfg["model_name"]))
         if family is None:
+            from nrl_core.testing.tiny_models import FAMILIES
+
             raise ConfigError(f"{section}.model_name", f"no tiny model of {cfg['model_name']}'s family here (nrl "
-                                                       "builds llama, qwen2, qwen3, qwen3_moe, qwen2_moe); pass "
-                                                       "--model DIR, a small Hugging Face model of that family")
+                                                       f"builds {', '.join(FAMILIES)}); pass --model DIR, a small "
+                                                       "Hugging Face model of that family")
         from nrl_core.testing.tiny_models import cached_tiny_model
 
         model = cached_tiny_model(family, size="small")
@@ -264,6 +273,9 @@ def _scale_generation(sets: dict[str, Any], config: Mapping[str, Any], raw: Mapp
         sets["policy.generation.max_new_tokens"] = 16
     if gen.get("stop_token_ids"):  # ids of the recipe's vocabulary: the tiny model stops at its own end token
         sets["policy.generation.stop_token_ids"] = None
+    for key, value in generation.twin.items():
+        if _value(raw, f"policy.generation.{key}") not in (_MISSING, None, value):
+            sets[f"policy.generation.{key}"] = value
     section = dict(gen.get(generation.config_key) or {})
     length = min(int(config["policy"]["max_total_sequence_length"]), SEQUENCE_LENGTH)
     written = _value(raw, f"policy.generation.{generation.config_key}.max_model_len")  # not a ${...} that follows

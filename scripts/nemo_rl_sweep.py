@@ -1,6 +1,6 @@
 """``nrl config check`` over every NeMo RL config of a checkout: how many pass, and each refusal.
 
-    python scripts/nemo_rl_sweep.py PATH/TO/NeMo-RL [--show-passing] [--twins write|train [--limit N]]
+    python scripts/nemo_rl_sweep.py PATH/TO/NeMo-RL [--show-passing] [--twins write|train [--start M] [--limit N]]
 
 Reads ``examples/configs/*.yaml`` and ``examples/configs/recipes/llm/**/*.yaml`` (the sweep
 docs/configuration.md reports), checks each in this process from the checkout's root (so the
@@ -10,7 +10,8 @@ per refusal, grouped by the refusal with the configs it stopped. Nothing is load
 ``--twins write`` then writes the CPU twin of each passing config (``nrl twin --write-only``, in
 this process) and counts those written and those refused, with each refusal's line; ``--twins
 train`` trains each written twin for 2 steps (``nrl twin``, a process each, joining the Ray at
-``RAY_ADDRESS`` if set) and counts those that finish. ``--limit N`` takes the first N passing.
+``RAY_ADDRESS`` if set) and counts those that finish. ``--start M`` skips the first M passing,
+``--limit N`` takes N of them.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ def main() -> int:
     parser.add_argument("--show-passing", action="store_true", help="also list the configs that pass")
     parser.add_argument("--twins", choices=("write", "train"), default=None,
                         help="also write (or write and train) the CPU twin of each passing config")
-    parser.add_argument("--limit", type=int, default=None, help="twins of the first N passing configs only")
+    parser.add_argument("--start", type=int, default=0, help="twins from the M-th passing config on")
+    parser.add_argument("--limit", type=int, default=None, help="twins of N passing configs only")
     args = parser.parse_args()
     checkout = args.checkout.resolve()
     paths = configs(checkout)
@@ -75,7 +77,8 @@ def main() -> int:
         for name in passing:
             print(f"    {name}")
     if args.twins:
-        twins(checkout, passing[:args.limit], train=args.twins == "train")
+        chosen = passing[args.start:][:args.limit]
+        twins(checkout, chosen, train=args.twins == "train")
     return 0
 
 

@@ -35,6 +35,8 @@ NEUTRAL: Mapping[str, Neutral] = {
     "grpo.val_num_generations_per_prompt": Neutral((1,), "validation samples one response per prompt"),
     "policy.sequence_packing.microbatch_order": Neutral(("packer",), "micro-batches run in the packer's order"),
     "policy.megatron_cfg.cuda_graph_impl": Neutral(("none",), "Megatron trains without CUDA graphs"),
+    "policy.draft.enabled": Neutral((False,), "no draft model trains beside the policy (NeMo RL trains an Eagle-3 "
+                                              "draft for vLLM's speculative decoding)"),
 }
 
 REASONS: Mapping[str, str] = {

@@ -72,7 +72,11 @@ def test_a_key_outside_the_table_is_not_a_scale_down_key():
 
 @pytest.mark.parametrize(("name", "family"), [
     ("meta-llama/Llama-3.2-1B-Instruct", "llama"), ("Qwen/Qwen2.5-1.5B", "qwen2"), ("Qwen/Qwen3-8B-Base", "qwen3"),
-    ("Qwen/Qwen3-30B-A3B", "qwen3_moe"), ("Qwen/Qwen3-235B-A22B", "qwen3_moe"), ("Qwen/Qwen1.5-MoE-A2.7B", "qwen2_moe"), ("google/gemma-3-1b-it", None),
+    ("Qwen/Qwen3-30B-A3B", "qwen3_moe"), ("Qwen/Qwen3-235B-A22B", "qwen3_moe"), ("Qwen/Qwen1.5-MoE-A2.7B", "qwen2_moe"), ("google/gemma-3-1b-it", "gemma3"),
+    ("google/gemma-3-27b-it", "gemma3"), ("google/gemma-3n-E4B-it", None), ("google/gemma-4-E2B-it", None),
+    ("mistralai/Mistral-Nemo-Instruct-2407", "mistral"), ("mistralai/Mistral-Medium-3.5-128B", None),
+    # Qwen3.5 and Qwen3-Next are other architectures (linear-attention layers), not Qwen3's
+    ("Qwen/Qwen3.5-9B-Base", None), ("Qwen/Qwen3.5-35B-A3B-Base", None), ("Qwen/Qwen3-Next-80B-A3B-Instruct", None),
     ("deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B", "qwen2"), ("moonshotai/Moonlight-16B-A3B", None)])
 def test_a_hub_name_names_its_tiny_family(name, family):
     assert tiny_family(name) == family
@@ -81,10 +85,55 @@ def test_a_hub_name_names_its_tiny_family(name, family):
 def test_a_family_without_a_tiny_model_is_one_line_naming_the_way_out(tmp_path, pm):
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(f"defaults: {REPO / 'examples' / 'configs' / 'grpo_tiny_cpu.yaml'}\n"
-                      "policy: {model_name: google/gemma-3-1b-it}\n")
-    with pytest.raises(NrlError, match=r"^policy.model_name: no tiny model of google/gemma-3-1b-it's family .* "
+                      "policy: {model_name: openai/gpt-oss-20b}\n")
+    with pytest.raises(NrlError, match=r"^policy.model_name: no tiny model of openai/gpt-oss-20b's family .* "
                                        r"pass --model DIR"):
         write_twin(recipe, tmp_path / "twin", pm)
+
+
+def test_a_recipe_with_no_or_two_algorithm_sections_is_one_line_asking_for_one(tmp_path, pm):
+    base = REPO / "examples" / "configs" / "sft_tiny_cpu.yaml"
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"defaults: {base}\ndpo: {{reference_policy_kl_penalty: 0.1}}\n")
+    with pytest.raises(NrlError, match=r"^twin: recipe.yaml sets the section of dpo, sft of the installed "
+                                       r"algorithms .*; pass --algorithm NAME$"):
+        write_twin(recipe, tmp_path / "twin", pm)
+    recipe.write_text("policy: {model_name: meta-llama/Llama-3.2-1B}\n")
+    with pytest.raises(NrlError, match=r"^twin: recipe.yaml sets the section of none of the installed algorithms"):
+        write_twin(recipe, tmp_path / "twin", pm)
+
+
+def test_a_dataset_without_stand_in_rows_is_one_line_naming_the_way_out(tmp_path, pm, monkeypatch):
+    """A third party's dataset that gives no ``DatasetSpec.stand_in``: its twin cannot make up rows."""
+    from nrl_core.api import DatasetSpec, hookimpl
+
+    class Datasets:
+        @hookimpl
+        def nrl_datasets(self):
+            return [DatasetSpec(name="PlainSet", format="nrl_data_nemo_rl.formats:gsm8k", distribution="nrl-plain-set",
+                                hub="example/plain-set")]
+
+    monkeypatch.chdir(NEMO_RL)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"defaults: {NEMO_RL / 'configs' / 'grpo_math_1B.yaml'}\n"
+                      "data: {train: {dataset_name: PlainSet}}\n")
+    with pm.registered(Datasets(), name="plain-set"), \
+            pytest.raises(NrlError, match=r"^data.train\[0\].dataset_name: dataset 'PlainSet' \(nrl-plain-set\) gives no "
+                                          r"stand-in rows \(DatasetSpec.stand_in\); point data_path at a small local"):
+        write_twin(recipe, tmp_path / "twin", pm)
+
+
+def test_gpu_kernel_choices_are_left_to_the_engines_in_the_twin(tmp_path, pm, monkeypatch):
+    """NeMo RL's Qwen3-30B-A3B recipe picks Megatron's alltoall dispatcher and vLLM's Triton MoE
+    kernels, neither of which runs on a CPU: its twin leaves both to the backends' own choice
+    (TrainingBackendSpec.twin, GenerationBackendSpec.twin); a recipe that picks nothing gets no key."""
+    monkeypatch.chdir(NEMO_RL)
+    moe = write_twin(NEMO_RL / "configs" / "recipes" / "llm" / "performance" / "grpo-qwen3-30ba3b-4n8g.yaml",
+                     tmp_path / "moe", pm)
+    assert moe.overrides["policy.generation.vllm_kwargs.moe_backend"] == "auto"
+    assert moe.overrides["policy.megatron_cfg.moe_token_dispatcher_type"] is None
+    dense = write_twin(NEMO_RL / "configs" / "grpo_math_1B_megatron.yaml", tmp_path / "dense", pm)
+    assert not [key for key in dense.overrides if "_kwargs." in key]
 
 
 def test_the_docs_give_every_scale_down_key_its_reason():

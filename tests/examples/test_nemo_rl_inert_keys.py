@@ -76,6 +76,10 @@ def test_a_value_nrl_does_not_compute_is_refused_in_one_line(capsys):
     assert main(["config", "check", GRPO_1B, "policy.sequence_packing.microbatch_order=largest_first"]) == 2
     assert re.fullmatch(r"error: policy\.sequence_packing\.microbatch_order: 'largest_first' is a NeMo RL feature "
                         r"nrl lacks: .*", capsys.readouterr().err.strip())
+    # NeMo RL's Eagle-3 recipes train a draft model: refused, where it used to be named as inert
+    assert main(["config", "check", GRPO_1B, "policy.draft.enabled=true"]) == 2
+    assert capsys.readouterr().err.strip().startswith("error: policy.draft.enabled: True is a NeMo RL feature nrl "
+                                                      "lacks: in nrl no draft model trains beside the policy")
 
 
 @pytest.mark.parametrize("start, due", [(-1, [2, 4, 6]), (0, [2, 4, 6]), (3, [4, 6]), (6, [6]), (7, [])])

@@ -21,4 +21,6 @@ def nrl_generation_backends() -> list[GenerationBackendSpec]:
         capabilities=frozenset({"streaming", "adapter_refit", "in_flight_updates", "pipelined_import",
                                  "partial_import"}),
         description="vllm.LLM rollouts; refit through vLLM's layerwise reload",
+        # NeMo RL's MoE recipes pick vLLM's Triton MoE kernels, which have no CPU build
+        twin={"vllm_kwargs.moe_backend": "auto"},
     )]
