@@ -59,27 +59,26 @@ def _quiet_rotary_reload_warning() -> None:
 
 
 def tied_names(model: torch.nn.Module) -> dict[str, list[str]]:
-    """Each parameter name of ``model`` to the other names of the same tensor (the output layer
-    tied to the input embedding: ``model.embed_tokens.weight`` -> ``["lm_head.weight"]``)."""
-    first: dict[int, str] = {}
-    ties: dict[str, list[str]] = {}
+    """Each parameter name of ``model`` that shares its tensor with others to those other names
+    (the output layer tied to the input embedding: ``model.embed_tokens.weight`` <->
+    ``lm_head.weight``). Names are vLLM's, which for text models are the checkpoint's."""
+    groups: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
-        if id(param) in first:
-            ties.setdefault(first[id(param)], []).append(name)
-        else:
-            first[id(param)] = name
-    return ties
+        groups.setdefault(id(param), []).append(name)
+    return {name: [other for other in group if other != name] for group in groups.values() if len(group) > 1
+            for name in group}
 
 
 def with_tied_names(named: Iterable[tuple[str, torch.Tensor]],
                     ties: dict[str, list[str]]) -> Iterator[tuple[str, torch.Tensor]]:
     """``named``, each tensor followed by the names tied to it, each name once.
 
-    A trainer sends a tied weight once (``save_pretrained`` and the state dicts of FSDP do). The
-    layerwise reload then sees no weights for the tied layer and puts its kernel tensors back
-    without processing them; where that processing makes a second copy (vLLM's CPU GEMM packs the
-    output layer's weight), the engine kept computing logits from the weights of before the
-    refit. Sending the tensor under each of its names lets every layer load and process it.
+    nrl's training backends send a tied weight once (their refit lists parameters, where a shared
+    tensor appears once). The layerwise reload then sees no weights for the tied layer and puts
+    its kernel tensors back without processing them; where that processing makes a second copy
+    (vLLM's CPU GEMM packs the output layer's weight), the engine kept computing logits from the
+    weights of before the refit. Sending the tensor under each of its names lets every layer load
+    and process it.
     """
     done: set[str] = set()
     for name, tensor in named:
