@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 TE_FUSED_ADAM = "transformer_engine.pytorch.optimizers.fused_adam.FusedAdam"
-STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MOMENT_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class FusedAdam(torch.optim.Optimizer):
@@ -23,7 +23,10 @@ class FusedAdam(torch.optim.Optimizer):
     Each step reads the moments and the master weights in float32, updates them there, and stores
     them back in their dtypes, as TE's kernel does. ``store_param_remainders`` is TE's way of
     keeping an fp32 master copy of bfloat16 weights in two extra bytes; its values are those of an
-    fp32 master copy, which is what is kept here.
+    fp32 master copy, which is what is kept here (TE ignores it without master weights, as here).
+    Float16 and FP8 moments need the per-tensor scaling of TE's kernels and are refused. The
+    optimizer state is laid out as torch's Adam lays it out, not as TE's: a checkpoint written with
+    one resumes only with the same one.
     """
 
     def __init__(self, params: Iterable[Any], *, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
@@ -40,14 +43,14 @@ class FusedAdam(torch.optim.Optimizer):
         if use_decoupled_grad:
             raise ValueError("use_decoupled_grad: reads Megatron's param.decoupled_grad, which this backend "
                              "does not set; set use_decoupled_grad: false")
-        for name, dtype in (("exp_avg_dtype", exp_avg_dtype), ("exp_avg_sq_dtype", exp_avg_sq_dtype),
-                            ("master_weight_dtype", master_weight_dtype)):
-            if dtype not in STATE_DTYPES:
-                raise ValueError(f"{name}: {dtype} needs Transformer Engine's kernels (FP8 optimizer state); "
-                                 "use torch.float32, torch.bfloat16 or torch.float16")
-        if store_param_remainders and not master_weights:
-            raise ValueError("store_param_remainders: keeps master weights' low bits, so it needs "
-                             "master_weights: true")
+        del store_param_remainders  # the values of an fp32 master copy, kept as one (class docstring)
+        for name, dtype in (("exp_avg_dtype", exp_avg_dtype), ("exp_avg_sq_dtype", exp_avg_sq_dtype)):
+            if dtype not in MOMENT_DTYPES:
+                raise ValueError(f"{name}: {dtype} moments need Transformer Engine's per-tensor scaling, which "
+                                 "its kernels do on GPUs; use torch.bfloat16 or torch.float32")
+        if master_weights and master_weight_dtype != torch.float32:
+            raise ValueError(f"master_weight_dtype: master weights are float32 in TE's FusedAdam, got "
+                             f"{master_weight_dtype}; use torch.float32")
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay,
                     "bias_correction": bias_correction, "adam_w_mode": adam_w_mode}
         super().__init__(params, defaults)

@@ -27,12 +27,23 @@ def _import_dotted(name: str, key_path: str) -> Any:
 
 
 def _optimizer_class(name: str) -> Any:
-    """The class ``name`` names; TE's FusedAdam runs as nrl's torch version where TE is not installed."""
-    if name == TE_FUSED_ADAM and importlib.util.find_spec("transformer_engine") is None:
-        log.warning("policy.optimizer.name: Transformer Engine is not installed here, so its FusedAdam update "
-                    "runs in torch ops (nrl_backend_dtensor.fused_adam)")
+    """The class ``name`` names; TE's FusedAdam runs as nrl's torch version where Transformer
+    Engine cannot run it (not installed, no CUDA device, or an import that fails)."""
+    if name == TE_FUSED_ADAM and not _transformer_engine_runs():
+        log.warning("policy.optimizer.name: Transformer Engine cannot run here (not installed, or no CUDA device), "
+                    "so its FusedAdam update runs in torch ops (nrl_backend_dtensor.fused_adam)")
         return FusedAdam
     return _import_dotted(name, "policy.optimizer.name")
+
+
+def _transformer_engine_runs() -> bool:
+    if importlib.util.find_spec("transformer_engine") is None or not torch.cuda.is_available():
+        return False
+    try:
+        importlib.import_module("transformer_engine.pytorch")
+    except Exception:  # noqa: BLE001 - a build without its CUDA libraries fails in many ways
+        return False
+    return True
 
 
 def _torch_values(kwargs: Mapping[str, Any]) -> dict[str, Any]:
