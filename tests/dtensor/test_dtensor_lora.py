@@ -148,6 +148,20 @@ def test_checkpoints_hold_only_the_adapters_and_resume_exactly(tmp_path) -> None
         wider.load_checkpoint(str(tmp_path / "ckpt"), OPTIONS)
 
 
+@pytest.mark.parametrize("parallel_load", [True, False])
+def test_adapters_of_a_tied_model_resume_from_safetensors(tmp_path, parallel_load) -> None:
+    """Gemma 3 ties its output layer to the embeddings, both frozen under LoRA: the safetensors
+    checkpoint holds the adapters, and a resume is exact through either load path."""
+    options = CheckpointOptions(model_save_format="safetensors", fully_parallel_load=parallel_load)
+    a = lora_worker(family="gemma3")
+    a.train(make_batch(), NLLLoss())
+    a.save_checkpoint(str(tmp_path / "ckpt"), options)
+    expected = a.train(make_batch(), NLLLoss())["loss"]
+    b = lora_worker(family="gemma3")
+    b.load_checkpoint(str(tmp_path / "ckpt"), options)
+    assert b.train(make_batch(), NLLLoss())["loss"] == expected
+
+
 def test_a_checkpoint_of_adapters_for_another_base_is_refused(tmp_path) -> None:
     from nrl_core.testing.tiny_models import cached_tiny_model
 

@@ -341,7 +341,8 @@ class CheckpointIO:
         dcp.load(_hf_names(staged["model"], ties),
                  storage_reader=HuggingFaceStorageReader(os.path.join(path, SAFETENSORS_DIR)), no_dist=no_dist)
         for name, source in ties.items():  # written once, under its first name
-            staged["model"][name] = staged["model"][source]
+            if source in staged["model"]:  # else frozen (LoRA): neither name was written, the live value stays
+                staged["model"][name] = staged["model"][source]
         if "optim" in staged:
             optim = {"optim": staged["optim"]}
             dcp_load(optim, os.path.join(path, OPTIM_DIR), no_dist=no_dist)
