@@ -47,6 +47,8 @@ SCALE_DOWN: dict[str, str] = {
     "S.train_micro_batch_size": "2 sequences a micro-batch",
     "S.logprob_batch_size": "2 sequences a micro-batch",
     "S.max_total_sequence_length": "at most 1024 tokens, the tiny models' context",
+    "data.max_input_seq_length": "the twin's sequence length less its responses: the tiny tokenizer spends a "
+                                 "token on most letters, so a recipe's prompt template takes many more tokens",
     "S.max_model_len": "the model's context, at most the twin's sequence length",
     "env.*.resources.*": "the environment's model on ranks of its own on this machine",
     "policy.generation.*.max_model_len": "the engine's context, at most the twin's sequence length",
@@ -83,6 +85,7 @@ SCALE_DOWN: dict[str, str] = {
 
 STEPS = 2
 WORLD_LIMIT = 4
+NEW_TOKENS = 16  # a twin's responses: enough to be scored, few enough to be quick
 SEQUENCE_LENGTH = 1024  # the tiny models' context; long prompt templates need most of it (a token for most letters)
 BATCH = {"train_global_batch_size": 8, "train_micro_batch_size": 2, "logprob_batch_size": 2}
 VALIDATION = {"max_val_samples": 8, "val_batch_size": 8, "val_batches": 1, "val_global_batch_size": 8}
@@ -184,6 +187,10 @@ def write_twin(recipe: Path, out: Path, pm: PluginManager, *, algorithm: str | N
     sets["cluster.num_nodes"] = 1
     sets["cluster.gpus_per_node"] = world + engine
     _scale_data(sets, config, raw, out, pm)
+    prompt_room = min(int(config["policy"].get("max_total_sequence_length") or 0), SEQUENCE_LENGTH) - NEW_TOKENS
+    limit = config["data"].get("max_input_seq_length")
+    if isinstance(limit, int) and spec.generates and limit < prompt_room:
+        sets["data.max_input_seq_length"] = prompt_room
     for name, env in (raw.get("env") or {}).items():  # the recipe's environments, not every installed one
         if isinstance(env, Mapping) and "num_workers" in env:
             sets[f"env.{name}.num_workers"] = 1
@@ -270,7 +277,7 @@ def _scale_generation(sets: dict[str, Any], config: Mapping[str, Any], raw: Mapp
     if not gen or generation is None:
         return 0
     if "max_new_tokens" in gen:
-        sets["policy.generation.max_new_tokens"] = 16
+        sets["policy.generation.max_new_tokens"] = NEW_TOKENS
     if gen.get("stop_token_ids"):  # ids of the recipe's vocabulary: the tiny model stops at its own end token
         sets["policy.generation.stop_token_ids"] = None
     for key, value in generation.twin.items():
