@@ -80,6 +80,19 @@ def test_resuming_from_a_checkpoint_reproduces_the_next_step(learning, tmp_path)
     assert strip(resumed[0]) == strip(metrics(learning)[16])
 
 
+def test_a_step_whose_responses_are_all_filtered_trains_nothing_and_the_run_goes_on(tmp_path):
+    """One-token responses are all cut at the limit, and ppo.overlong_filtering drops every one:
+    NeMo RL's loss is zero then and its run goes on; so does nrl's, training neither model."""
+    proc = run_nrl(tmp_path, RECIPE, "ppo", [f"policy.model_name={teacher_model()}", "ppo.max_num_steps=2",
+                                             "ppo.val_period=0", "ppo.val_at_start=false", "ppo.overlong_filtering=true",
+                                             "policy.generation.max_new_tokens=1", "checkpointing.enabled=false"])
+    assert_ok(proc)
+    assert proc.stderr.count("every response was filtered out") == 2
+    rows = metrics(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2] and all(r["train/truncated_fraction"] == 1.0 for r in rows)
+    assert not [key for r in rows for key in r if key.startswith("train/critic/")]
+
+
 def test_the_critic_explains_more_of_the_return_as_it_trains(tmp_path):
     """Rewards from the tiny reward model, a function of the text: the critic learns to predict
     them, and the policy to raise them."""

@@ -19,6 +19,7 @@ takes its rollouts, as in NeMo RL.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -32,7 +33,6 @@ from nrl_core.api import (
     AsyncRollouts,
     DatumSpec,
     Generation,
-    NrlError,
     PhaseTimer,
     Policy,
     RewardKL,
@@ -54,6 +54,8 @@ from nrl_core.api import (
     rollout_batch,
     validates_greedily,
 )
+
+logger = logging.getLogger(__name__)
 
 
 class PPO(AlgorithmRun):
@@ -142,15 +144,17 @@ class PPO(AlgorithmRun):
                 batch.fields["reference_logprobs"] = self.policy.get_reference_logprobs(batch)
         metrics = self.mask_mismatched(batch)
         mask = batch.fields["token_mask"] * batch.fields["sample_mask"].unsqueeze(1)
-        if not bool((mask > 0).any()):
-            raise NrlError(f"PPO step {self.state.step + 1}: no response token is left to train on after "
-                           "ppo.overlong_filtering and ppo.seq_logprob_error_threshold; loosen them")
-        token_rewards = terminal_rewards(rewards, mask) - self.reward_kl(batch.fields)
-        advantages, returns = advantages_and_returns(token_rewards, batch.fields[OLD_VALUES], mask, self.gae)
-        batch.fields["advantages"], batch.fields[RETURNS] = advantages.float(), returns.float()
-        metrics.update(self.advantage_metrics(batch, mask))
-        with timer("training"):
-            metrics.update(self.train(batch, train_policy=self.state.step >= int(self.cfg["policy_training_start_step"])))
+        if bool((mask > 0).any()):
+            token_rewards = terminal_rewards(rewards, mask) - self.reward_kl(batch.fields)
+            advantages, returns = advantages_and_returns(token_rewards, batch.fields[OLD_VALUES], mask, self.gae)
+            batch.fields["advantages"], batch.fields[RETURNS] = advantages.float(), returns.float()
+            metrics.update(self.advantage_metrics(batch, mask))
+            with timer("training"):
+                metrics.update(self.train(batch,
+                                          train_policy=self.state.step >= int(self.cfg["policy_training_start_step"])))
+        else:  # NeMo RL's loss is zero here and its step changes nothing the gradients drive: skipped
+            logger.warning("PPO step %d: every response was filtered out (ppo.overlong_filtering, "
+                           "ppo.seq_logprob_error_threshold), so this step trains neither model", self.state.step + 1)
         return {"train/reward": float(rewards.mean()),
                 "train/response_length": float(batch.fields["response_lengths"].mean()),
                 "train/truncated_fraction": float(batch.fields["truncated"].mean()),
