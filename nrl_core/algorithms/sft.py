@@ -10,6 +10,7 @@ from nrl_core.algorithms.base import AlgorithmRun
 from nrl_core.algorithms.loss import NLLLoss
 from nrl_core.algorithms.runtime import Runtime
 from nrl_core.algorithms.setup import PhaseTimer, load_tokenizer
+from nrl_core.config.checks import data_parallel_size
 from nrl_core.contracts import logprob_temperature
 from nrl_core.data import DatumSpec, LengthLimits, prepare_data, sft_batch
 from nrl_core.errors import NrlError
@@ -37,6 +38,7 @@ class SFT(AlgorithmRun):
         self.loss_fn = NLLLoss()
         super().__init__(config, batch_size=int(config["policy"]["train_global_batch_size"]), train_data=data.train,
                          runtime=runtime)
+        self.dp_size = data_parallel_size(config, self.choice.training, self.runtime.plugins)
 
     def step(self, examples: Sequence[DatumSpec]) -> dict[str, float]:
         timer = PhaseTimer()
@@ -52,7 +54,11 @@ class SFT(AlgorithmRun):
         size = int(self.cfg["val_global_batch_size"])
         total, tokens = 0.0, 0.0
         for start in range(0, min(len(self.val_data), size * int(self.cfg["val_batches"])), size):
-            batch = sft_batch(self.val_data[start:start + size], self.tokenizer.pad_token_id)
+            examples = list(self.val_data[start:start + size])
+            # a last (or only) batch that does not divide over the data-parallel ranks gets copies
+            # of its first example that count for nothing
+            batch = sft_batch(examples + examples[:1] * (-len(examples) % self.dp_size), self.tokenizer.pad_token_id)
+            batch.fields["token_mask"][len(examples):] = 0
             logprobs = self.policy.get_logprobs(batch)
             mask = batch.fields["token_mask"]
             total -= float((logprobs * mask).sum())

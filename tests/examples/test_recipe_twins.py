@@ -8,7 +8,8 @@ below is an exact equality; in bfloat16 vLLM's and HF's kernels round differentl
 lacks (Megatron's mixed-precision optimizer). On top of the twin this test sets its own: the
 arithmetic task and short sequences (fast, and the refit check compares greedy answers the
 training changes), and a learning rate that changes them within two steps. GRPO twins train two
-steps and check the refit end to end (tests/e2e/test_grpo_matrix.py), SFT twins train one.
+steps and check the refit end to end (tests/e2e/test_grpo_matrix.py), SFT twins train one and
+validate on three examples (a batch that does not divide over their two data-parallel ranks).
 """
 
 from __future__ import annotations
@@ -60,8 +61,10 @@ def cpu_twin(recipe: Path, model: Path, out: Path) -> tuple[Path, list[str]]:
     if twin.algorithm == "grpo":
         overrides += [*CHANGES_WEIGHTS[training.name], "policy.generation.max_new_tokens=8",
                       "policy.generation.vllm_cfg.enforce_eager=true"]
-    else:
-        overrides += ["sft.val_period=0"]
+    else:  # validation at the step, over 3 examples: a batch that does not divide over 2 data-parallel ranks
+        overrides += ["sft.val_period=1", "sft.val_batches=1", "sft.val_global_batch_size=8",
+                      "++data.generate={num_train: 64, num_val: 3, min_operand: 0, max_operand: 19, ops: ['+', '-'], "
+                      "seed: 0}"]
     return twin.config, overrides + TWIN_EXTRAS.get(recipe.stem, [])
 
 
@@ -77,7 +80,7 @@ def test_recipe_twin_runs(recipe, tmp_path, model):
     else:
         proc = run_nrl(tmp_path, twin, "sft", [*overrides, "checkpointing.enabled=false"])
         assert_ok(proc)
-        assert [r["step"] for r in metrics(tmp_path)] == [1]
+        assert [r["step"] for r in metrics(tmp_path)] == [1] and metrics(tmp_path)[0]["val/loss"] > 0
 
 
 @pytest.fixture(scope="module")
