@@ -6,9 +6,10 @@ Qwen3- or Gemma 3-shaped model, saved with ``save_pretrained`` so every engine (
 Megatron converter) loads it from disk exactly as it would a real checkpoint. The same family,
 size and seed always give the same files, and a build is cached under a directory keyed by them.
 
-Gemma 3 (text) alternates sliding-window and full-attention layers, scales its embeddings,
-normalises queries and keys, and ties its output layer to the embeddings, as the hub's do; its
-window is short enough that the tests' sequences cross it.
+Gemma 3 (text) has the hub models' sliding-window and full-attention layers (here alternating,
+so that a two-layer model has both; the hub's have five local layers to a global one), scaled
+embeddings, query and key norms, and an output layer tied to the embeddings; its window is short
+enough that the tests' sequences cross it.
 
 Two mixture-of-experts families: ``qwen3_moe`` (every layer routes each token to 2 of 8 experts,
 top-k probabilities renormalised) and ``qwen2_moe`` (the same plus a sigmoid-gated shared expert,
