@@ -59,14 +59,15 @@ def _quiet_rotary_reload_warning() -> None:
 
 
 def tied_names(model: torch.nn.Module) -> dict[str, list[str]]:
-    """Each parameter name of ``model`` that shares its tensor with others to those other names
-    (the output layer tied to the input embedding: ``model.embed_tokens.weight`` <->
-    ``lm_head.weight``). Names are vLLM's, which for text models are the checkpoint's."""
+    """For an output layer tied to the input embedding, each of the two names to the other
+    (``model.embed_tokens.weight`` <-> ``lm_head.weight``). Names are vLLM's, which for text models
+    are the checkpoint's. Other shared tensors are vLLM's own aliases (a MoE layer's experts hold
+    its router), not checkpoint names, and are left out."""
     groups: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         groups.setdefault(id(param), []).append(name)
-    return {name: [other for other in group if other != name] for group in groups.values() if len(group) > 1
-            for name in group}
+    return {name: [other for other in group if other != name] for group in groups.values()
+            if len(group) > 1 and any(n.endswith("lm_head.weight") for n in group) for name in group}
 
 
 def with_tied_names(named: Iterable[tuple[str, torch.Tensor]],
