@@ -236,9 +236,6 @@ def test_dummy_load_format_refuses_to_generate_until_the_first_refit(model_dir, 
 def _trainer_refit_gap(rank: int, world_size: int, family: str) -> float:
     """The largest |engine - trainer| logprob of tokens the engine sampled after a refit of
     changed weights from a DTensor worker, into an engine started on placeholder weights."""
-    import sys
-    from pathlib import Path
-
     from transformers import AutoTokenizer
 
     from nrl_backend_dtensor.worker import DTensorPolicyWorker
@@ -246,10 +243,8 @@ def _trainer_refit_gap(rank: int, world_size: int, family: str) -> float:
     from nrl_core.testing.distributed import gather_shards
     from nrl_core.testing.tiny_models import cached_tiny_model
     from nrl_gen_vllm.worker import VllmGenerationWorker
+    from tests.dtensor.common import make_config
     from tests.vllm.helpers import generation_config
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dtensor"))
-    from common import make_config
 
     model_dir = cached_tiny_model(family, "small")
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))

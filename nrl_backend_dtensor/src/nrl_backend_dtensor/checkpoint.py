@@ -190,7 +190,7 @@ class CheckpointIO:
         from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
         live = self._live(self._options(), with_optim)
-        writes = [(_hf_names(live["model"], self._ties()), {"storage_writer": HuggingFaceStorageWriter(os.path.join(path, SAFETENSORS_DIR),
+        writes = [(_hf_names(live["model"], tied_parameters(self.state.model)), {"storage_writer": HuggingFaceStorageWriter(os.path.join(path, SAFETENSORS_DIR),
                                                                               save_distributed=True)},
                    self.state.async_group)]
         if with_optim:
@@ -328,16 +328,12 @@ class CheckpointIO:
         full = load_file(os.path.join(path, CONSOLIDATED), map_location="cpu")
         return self._shard_like_live(full["model"], full["optim"] if with_optim else None)
 
-    def _ties(self) -> dict[str, str]:
-        """Tied parameters (the output layer that is the input embedding) to their first names."""
-        return tied_parameters(self.state.model)
-
     def _read_safetensors(self, path: str, staged: dict[str, Any], *, no_dist: bool) -> None:
         """The weights from safetensors (a format that holds tensors only: nothing in it runs),
         the optimizer through the safe DCP reader."""
         from torch.distributed.checkpoint import HuggingFaceStorageReader
 
-        ties = self._ties()
+        ties = tied_parameters(self.state.model)
         dcp.load(_hf_names(staged["model"], ties),
                  storage_reader=HuggingFaceStorageReader(os.path.join(path, SAFETENSORS_DIR)), no_dist=no_dist)
         for name, source in ties.items():  # written once, under its first name

@@ -46,7 +46,7 @@ def packed_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
     # backward would write a zero tensor the size of the whole row
     for b, (q, k, v) in enumerate(zip(query.split(1), key.split(1), value.split(1))):
         sizes = [e - s for s, e in _segments(position_ids[b if position_ids.shape[0] > 1 else 0])]
-        parts = [_causal_sdpa(qs, ks, vs, window, dropout=dropout, scale=scaling, enable_gqa=gqa)
+        parts = [_causal_sdpa(qs, ks, vs, window, dropout_p=dropout, scale=scaling, enable_gqa=gqa)
                  for qs, ks, vs in zip(q.split(sizes, dim=2), k.split(sizes, dim=2), v.split(sizes, dim=2))]
         rows.append(torch.cat(parts, dim=2))
     return torch.cat(rows, dim=0).transpose(1, 2).contiguous(), None
@@ -58,11 +58,10 @@ def _causal_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, wi
     ``i - window < j <= i`` (transformers' and vLLM's sliding window)."""
     length = query.shape[2]
     if not window or length <= window:
-        return F.scaled_dot_product_attention(query, key, value, is_causal=True, dropout_p=sdpa.pop("dropout"),
-                                              **sdpa)
+        return F.scaled_dot_product_attention(query, key, value, is_causal=True, **sdpa)
     i = torch.arange(length, device=query.device)
     band = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)
-    return F.scaled_dot_product_attention(query, key, value, attn_mask=band, dropout_p=sdpa.pop("dropout"), **sdpa)
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=band, **sdpa)
 
 
 def _no_mask(*args: Any, **kwargs: Any) -> None:
