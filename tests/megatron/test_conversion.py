@@ -6,6 +6,7 @@ and ``NRL_MEGATRON_CHECKPOINT_DIR``; with ``convert_on_each_node`` each node con
 from __future__ import annotations
 
 import io
+import json
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -62,14 +63,47 @@ def counting_checkpoint_reads() -> Iterator[list[int]]:
         filesystem.FileSystem.create_stream = saved
 
 
+@contextmanager
+def counting_conversion_memory() -> Iterator[dict[str, Any]]:
+    """What the conversion holds: the bytes of parameters given memory at once (their peak, and
+    each part's), and every HF tensor it reads, counted as it goes."""
+    from nrl_backend_megatron.convert import sharded
+
+    seen: dict[str, Any] = {"live": 0, "peak": 0, "parts": [], "reads": []}
+    give, open_ = sharded._give_memory, sharded.SafetensorsReader.open
+
+    def counted_give(model: Any, name: str, device: str = "cpu") -> Any:
+        param = give(model, name, device)
+        seen["live"] += param.nbytes if device != "meta" else -param.nbytes
+        seen["peak"] = max(seen["peak"], seen["live"])
+        return param
+
+    @contextmanager
+    def counted_open(self: Any) -> Iterator[Any]:
+        seen["parts"].append(seen["live"])
+        with open_(self) as get:
+            yield lambda name: seen["reads"].append(name) or get(name)
+
+    sharded._give_memory, sharded.SafetensorsReader.open = counted_give, counted_open
+    try:
+        yield seen
+    finally:
+        sharded._give_memory, sharded.SafetensorsReader.open = give, open_
+
+
 def world1(rank: int, world: int, path: str) -> dict[str, Any]:
+    from safetensors import safe_open
+
     from nrl_backend_megatron.worker import MegatronPolicyWorker
 
-    with counting_checkpoint_reads() as read:
+    with counting_checkpoint_reads() as read, counting_conversion_memory() as conversion:
         w = MegatronPolicyWorker(make_config(path), rank, world)
     batch = make_batch()
+    with safe_open(str(Path(path) / "model.safetensors"), "pt") as f:
+        hf = {name: f.get_slice(name).get_shape() for name in f.keys()}
     return {"converted": w.conversion.converted, "path": str(w.conversion.path), "read": read[0],
-            "logprobs": gather_shards(w.get_logprobs(batch), batch)}
+            "logprobs": gather_shards(w.get_logprobs(batch), batch), "conversion": conversion,
+            "model_bytes": sum(p.nbytes for p in w.model.parameters()), "hf": sorted(hf)}
 
 
 def world2(rank: int, world: int, path: str, elsewhere: str) -> dict[str, Any]:
@@ -117,7 +151,9 @@ def test_tp1_conversion_loads_at_tp2_and_pp2_each_rank_reading_its_part(runs) ->
     one, two = runs
     total = _size(one["path"])
     assert one["converted"] and all(not r[f"{t}/converted"] for r in two for t in ("tp2", "pp2"))
-    assert Path(one["path"]).name == "nrl_megatron" and (Path(one["path"]) / "metadata.json").is_file()
+    parts = json.loads((Path(one["path"]) / "parts.json").read_text())["parts"]  # saved part by part
+    assert Path(one["path"]).name == "nrl_megatron" and len(parts) == 5  # embedding, 2 layers, final norm, head
+    assert all((Path(one["path"]) / part["dir"] / "metadata.json").is_file() for part in parts)
     print(f"\nconversion {total} B; read by TP1 {one['read']}, TP2 {[r['tp2/read'] for r in two]}, "
           f"PP2 {[r['pp2/read'] for r in two]}")
     assert one["read"] >= total  # TP=1 reads every stored chunk (each read also parses the chunk's own header)
@@ -127,6 +163,19 @@ def test_tp1_conversion_loads_at_tp2_and_pp2_each_rank_reading_its_part(runs) ->
         assert all(read < 0.6 * one["read"] for read in reads), tag
         assert sum(reads) >= one["read"], tag
         assert (two[0][f"{tag}/logprobs"] - one["logprobs"]).abs().max() < 1e-5, tag
+
+
+@pytest.mark.slow
+def test_the_conversion_holds_one_part_at_a_time_and_reads_each_hf_tensor_once(runs) -> None:
+    """Counted, so it holds at any size: the parameters given memory at once never exceed the
+    largest part (one decoder layer, or one module outside them), which is less than the model,
+    and each HF tensor is read exactly once."""
+    one, _ = runs
+    seen = one["conversion"]
+    assert seen["live"] == 0 and all(live == 0 for live in seen["parts"])  # each part dropped before the next
+    assert len(seen["parts"]) == 5  # embedding, 2 layers, final norm, head
+    assert 0 < seen["peak"] < 0.5 * one["model_bytes"]
+    assert sorted(seen["reads"]) == one["hf"]
 
 
 @pytest.mark.slow

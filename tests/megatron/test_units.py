@@ -3,7 +3,9 @@ caching and its failure modes, layout checks, weight mapping round trip."""
 
 from __future__ import annotations
 
+import json
 import logging
+import shutil
 from pathlib import Path
 
 import pytest
@@ -159,6 +161,30 @@ def test_bad_conversions_are_one_line_errors(tmp_path: Path) -> None:
     (partial / "__0_0.distcp").write_bytes(b"junk")
     with pytest.raises(cd.CheckpointDirError, match="incomplete"):
         cd.ensure_converted(partial, _ident(), _writer(b"1", []))
+
+
+def _parts_writer(out: Path) -> None:
+    """A conversion saved part by part: each part a checkpoint of its own, listed in parts.json."""
+    for name in ("part-00000", "part-00001"):
+        (out / name).mkdir()
+        (out / name / cd.DIST_METADATA).write_text("{}")
+        (out / name / "__0_0.distcp").write_bytes(b"1" * 8)
+    (out / cd.PARTS).write_text(json.dumps({"parts": [{"dir": "part-00000", "keys": ["a"]},
+                                                      {"dir": "part-00001", "keys": ["b"]}]}))
+
+
+def test_a_conversion_in_parts_is_verified_part_by_part(tmp_path: Path) -> None:
+    target = tmp_path / "m"
+    assert cd.ensure_converted(target, _ident(), _parts_writer).converted
+    assert not cd.ensure_converted(target, _ident(), _parts_writer).converted  # reused
+    shutil.rmtree(target / "part-00001")
+    with pytest.raises(cd.CheckpointDirError, match=r"corrupt \(part-00001/__0_0.distcp missing or truncated\)"):
+        cd.require_converted(target, _ident(), rank=1)
+    listed = tmp_path / "listed"
+    cd.ensure_converted(listed, _ident(), _parts_writer)
+    (listed / cd.PARTS).write_text(json.dumps({"parts": [{"dir": "part-00002", "keys": ["c"]}]}))
+    with pytest.raises(cd.CheckpointDirError, match=r"corrupt \(parts.json missing or truncated\)"):
+        cd.require_converted(listed, _ident(), rank=1)
 
 
 def test_a_rank_that_cannot_see_the_conversion_names_the_directory_and_the_variable(tmp_path: Path) -> None:

@@ -45,7 +45,8 @@ MARKER = "nrl_conversion_complete.json"
 CONVERSION_DIRNAME = "nrl_megatron"
 NEMO_RL_DIRNAME = "iter_0000000"  # what NeMo RL's converter writes into the same model directory
 DIST_METADATA = "metadata.json"  # megatron.core.dist_checkpointing's own "this is a checkpoint" file
-FORMAT_VERSION = 2  # 1: one full model.safetensors (every rank read all of it); 2: sharded
+FORMAT_VERSION = 2  # 1: one full model.safetensors (every rank read all of it); 2: sharded, in one or in parts
+PARTS = "parts.json"  # a conversion saved part by part: each part's directory and the keys it holds
 
 
 class CheckpointDirError(NrlError):
@@ -134,9 +135,15 @@ def verify(path: Path, expected: Mapping[str, Any]) -> None:
     recorded = meta.get("files") or {}
     found = _files(path)
     bad = sorted(name for name, size in recorded.items() if found.get(name) != size)
-    if bad or DIST_METADATA not in recorded:
-        raise CheckpointDirError(f"converted checkpoint {path} is corrupt ({(bad or [DIST_METADATA])[0]} missing or "
-                                 f"truncated); {hint}")
+    required = [DIST_METADATA]
+    if PARTS in recorded and not bad:
+        try:
+            required = [f"{part['dir']}/{DIST_METADATA}" for part in json.loads((path / PARTS).read_text())["parts"]]
+        except (OSError, ValueError, KeyError, TypeError):
+            bad = [PARTS]
+    missing = bad or [name for name in required if name not in recorded]
+    if missing:
+        raise CheckpointDirError(f"converted checkpoint {path} is corrupt ({missing[0]} missing or truncated); {hint}")
 
 
 def require_converted(target: Path, expected: Mapping[str, Any], rank: int) -> Conversion:

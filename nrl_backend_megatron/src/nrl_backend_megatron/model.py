@@ -161,7 +161,10 @@ def build_gpt_model(hf_config: Any, config: Any, *, pre_process: bool, post_proc
 
         value_head.attach(model, kind, hf_config.hidden_size, config.params_dtype)
     if getattr(model, "rotary_pos_emb", None) is not None:
-        model.rotary_pos_emb.inv_freq = hf_inv_freq(hf_config).to(model.rotary_pos_emb.inv_freq.device)
+        device = model.rotary_pos_emb.inv_freq.device  # a meta build (the conversion) keeps real frequencies
+        with torch.device("cpu"):
+            frequencies = hf_inv_freq(hf_config)
+        model.rotary_pos_emb.inv_freq = frequencies.to("cpu" if device.type == "meta" else device)
     if config.recompute_granularity is not None:
         from nrl_backend_megatron.memory import keep_gradients_through_recompute
 

@@ -22,7 +22,7 @@ has HF's ``score`` where a causal LM has ``lm_head``: Megatron's ``output_layer.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -162,15 +162,36 @@ def head_names(cfg: Any) -> dict[str, str]:
 
 def hf_to_megatron(hf: Mapping[str, torch.Tensor], cfg: Any) -> dict[str, torch.Tensor]:
     """A full HF state dict → the canonical full Megatron state dict (local-spec names)."""
-    out: dict[str, torch.Tensor] = {"embedding.word_embeddings.weight": hf["model.embed_tokens.weight"],
-                                    "decoder.final_layernorm.weight": hf["model.norm.weight"]}
-    for megatron, hf_name in head_names(cfg).items():
-        out[megatron] = hf[hf_name]
-    for i in range(cfg.num_hidden_layers):
-        h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
-        for rule in layer_rules(cfg, i):
-            out[m + rule.megatron] = _join(rule, [hf[h + name] for name in rule.hf], cfg)
-    return out
+    return {name: megatron_tensor(name, hf.__getitem__, cfg) for name in canonical_shapes(cfg)}
+
+
+def megatron_sources(name: str, cfg: Any) -> tuple[str, ...]:
+    """The HF tensors that canonical Megatron tensor ``name`` is made of."""
+    fixed = {"embedding.word_embeddings.weight": "model.embed_tokens.weight",
+             "decoder.final_layernorm.weight": "model.norm.weight", **head_names(cfg)}
+    if name in fixed:
+        return (fixed[name],)
+    rule, index = _layer_rule(name, cfg)
+    return tuple(f"model.layers.{index}.{hf}" for hf in rule.hf)
+
+
+def megatron_tensor(name: str, get: Callable[[str], torch.Tensor], cfg: Any) -> torch.Tensor:
+    """Canonical Megatron tensor ``name``, made of the HF tensors ``get`` reads (one at a time, so a
+    conversion can stream a checkpoint instead of holding it)."""
+    parts = [get(hf) for hf in megatron_sources(name, cfg)]
+    if len(parts) == 1 and not name.startswith("decoder.layers."):
+        return parts[0]
+    return _join(_layer_rule(name, cfg)[0], parts, cfg)
+
+
+def _layer_rule(name: str, cfg: Any) -> tuple[Rule, int]:
+    prefix, _, rest = name.partition(".layers.")
+    index, _, suffix = rest.partition(".")
+    if prefix == "decoder" and index.isdigit() and int(index) < cfg.num_hidden_layers:
+        for rule in layer_rules(cfg, int(index)):
+            if rule.megatron == suffix:
+                return rule, int(index)
+    raise KeyError(f"no HF name for Megatron parameter '{name}'")
 
 
 def megatron_to_hf_items(name: str, tensor: torch.Tensor, cfg: Any) -> Iterator[tuple[str, torch.Tensor]]:
@@ -185,16 +206,9 @@ def megatron_to_hf_items(name: str, tensor: torch.Tensor, cfg: Any) -> Iterator[
     if name in heads:
         yield heads[name], tensor
         return
-    prefix, _, rest = name.partition(".layers.")
-    index, _, suffix = rest.partition(".")
-    if prefix != "decoder" or not index.isdigit() or int(index) >= cfg.num_hidden_layers:
-        raise KeyError(f"no HF name for Megatron parameter '{name}'")
-    for rule in layer_rules(cfg, int(index)):
-        if rule.megatron == suffix:
-            for hf_suffix, part in zip(rule.hf, _split(rule, tensor, cfg)):
-                yield f"model.layers.{index}.{hf_suffix}", part
-            return
-    raise KeyError(f"no HF name for Megatron parameter '{name}'")
+    rule, index = _layer_rule(name, cfg)
+    for hf_suffix, part in zip(rule.hf, _split(rule, tensor, cfg)):
+        yield f"model.layers.{index}.{hf_suffix}", part
 
 
 def megatron_to_hf(mg: Mapping[str, torch.Tensor], cfg: Any) -> dict[str, torch.Tensor]:

@@ -1,13 +1,15 @@
 """The one-time conversion as a sharded Megatron checkpoint, and loading one rank's part of it.
 
 Rank 0 converts once: a child process (a world of one, so that Megatron's collective save has a
-world to itself while the run's ranks wait) reads the HF safetensors, builds the whole model at
-tensor/pipeline/expert parallel 1, and saves it with ``megatron.core.dist_checkpointing``. A run
-that is itself a world of one converts in its own process (:func:`save_conversion`), sparing the
-child's imports. Every
-rank of every layout (TP, PP, EP) then loads from it with its own model's
-``sharded_state_dict()``: Megatron maps each local parameter to its slice of the global tensor,
-and the reader fetches only the stored chunks that overlap it.
+world to itself while the run's ranks wait) builds the model at tensor/pipeline/expert parallel 1
+on the meta device and converts it part by part (one decoder layer, or one module outside the
+layers): a part is given memory, read from the HF safetensors, saved with
+``megatron.core.dist_checkpointing`` into a directory of its own and dropped, so the converter
+holds one part at a time, never the model. A run that is itself a world of one converts in its
+own process (:func:`save_conversion`), sparing the child's imports. Every rank of every layout
+(TP, PP, EP) then loads from it with its own model's ``sharded_state_dict()``: Megatron maps each
+local parameter to its slice of the global tensor, and the reader fetches only the stored chunks
+that overlap it.
 
 Why the chunking (:func:`fine_grained`): the reader reads whole stored chunks, and a model saved at
 TP=1 would store each matrix as one chunk, so a TP=2 rank would read all of it to keep half. Each
@@ -18,19 +20,21 @@ replicated tensors (norms) and the checkpoint's index.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
 import socket
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from nrl_backend_megatron.checkpoint_dir import PARTS
 from nrl_core.api import NrlError
 
 __all__ = ["CHUNKS_PER_AXIS", "convert_in_subprocess", "fine_grained", "load_hf_state", "load_shard",
@@ -109,15 +113,18 @@ def write_sharded(model_path: str, out_dir: str, megatron_cfg: Mapping[str, Any]
 
 def save_conversion(model_path: str, out_dir: str, megatron_cfg: Mapping[str, Any], overrides: Mapping[str, Any],
                     trust_remote_code: bool) -> None:
-    """Build the whole model from the HF checkpoint and save it, fine-grained, with
-    dist_checkpointing; needs Megatron's parallel state at TP=PP=EP=1 in a world of one. The
-    random states are put back afterwards: building the model draws from them."""
+    """Convert the HF checkpoint one part at a time and save each part, fine-grained, with
+    dist_checkpointing: the model is built on the meta device, and a part (one decoder layer, or
+    one module outside the layers) is given memory, read from the safetensors files, saved and
+    dropped before the next, so the peak is a part, not the model. Needs Megatron's parallel state
+    at TP=PP=EP=1 in a world of one. The random states are put back afterwards: building the
+    model draws from them."""
     from megatron.core import dist_checkpointing, tensor_parallel
     from transformers import AutoConfig
 
-    from nrl_backend_megatron.convert.mapping import hf_to_megatron, tied_embeddings
+    from nrl_backend_megatron.convert.mapping import megatron_tensor
     from nrl_backend_megatron.model import ParallelLayout, build_gpt_model, transformer_config
-    from nrl_backend_megatron.weights import load_full_state
+    from nrl_backend_megatron.weights import canonical_param_names
 
     tracker = tensor_parallel.get_cuda_rng_tracker()
     saved_tracker, saved_cpu = tracker.get_states(), torch.get_rng_state()
@@ -125,18 +132,116 @@ def save_conversion(model_path: str, out_dir: str, megatron_cfg: Mapping[str, An
         hf_config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
         for key, value in overrides.items():
             setattr(hf_config, key, value)
-        state = hf_to_megatron(load_hf_state(model_path), hf_config)
-        dtype = next((t.dtype for t in state.values() if t.is_floating_point()), torch.float32)
+        reader = SafetensorsReader(model_path)
+        dtype = reader.floating_dtype()
         config = transformer_config(hf_config, ParallelLayout(), params_dtype=dtype, bf16=dtype == torch.bfloat16,
                                     fp16=dtype == torch.float16, moe=megatron_cfg)
-        model = build_gpt_model(hf_config, config, pre_process=True, post_process=True)
-        with torch.no_grad():
-            load_full_state(model, state, 0, 1, tied_embeddings(hf_config))
-        del state
-        dist_checkpointing.save(fine_grained(model.sharded_state_dict()), out_dir)
+        with torch.device("meta"):
+            model = build_gpt_model(hf_config, config, pre_process=True, post_process=True)
+        canonical = {name: canon for canon, (name, _) in canonical_param_names(model).items()}
+        parts: list[dict[str, Any]] = []
+        for index, (group, names) in enumerate(_parts(model)):
+            with reader.open() as get, torch.no_grad():
+                for name in names:
+                    tensor, param = megatron_tensor(canonical[name], get, hf_config), _give_memory(model, name)
+                    if tuple(tensor.shape) != tuple(param.shape):
+                        raise NrlError(f"shape mismatch for '{canonical[name]}': checkpoint {tuple(tensor.shape)} vs "
+                                       f"model {tuple(param.shape)}")
+                    param.copy_(tensor)
+            sharded = {k: v for k, v in model.sharded_state_dict(metadata=dict(PER_LAYER)).items() if _part_of(k) == group}
+            keys = sorted({v.key for v in sharded.values()})
+            directory = f"part-{index:05d}"
+            (Path(out_dir) / directory).mkdir()
+            dist_checkpointing.save(fine_grained(sharded), str(Path(out_dir) / directory))
+            del sharded
+            for name in names:
+                _give_memory(model, name, "meta")
+            parts.append({"dir": directory, "keys": keys})
+        (Path(out_dir) / PARTS).write_text(json.dumps({"parts": parts}, indent=1))
     finally:
         tracker.set_states(saved_tracker)
         torch.set_rng_state(saved_cpu)
+
+
+# Each decoder layer under keys of its own (Megatron stacks identical layers into one tensor by
+# default), so that a part holds whole tensors and every load of a part is checked for coverage.
+PER_LAYER = {"non_homogeneous_layers": True}  # copied at each use: Megatron adds its groups to the dict
+
+
+def _part_of(name: str) -> str:
+    """The part a parameter (or sharded state entry) of the whole model belongs to: its decoder
+    layer, else its module."""
+    if name.startswith("decoder.layers."):
+        return ".".join(name.split(".")[:3])
+    return name.rsplit(".", 1)[0]
+
+
+def _parts(model: Any) -> list[tuple[str, list[str]]]:
+    groups: dict[str, list[str]] = {}
+    for name, _ in model.named_parameters():
+        groups.setdefault(_part_of(name), []).append(name)
+    return list(groups.items())
+
+
+def _give_memory(model: Any, name: str, device: str = "cpu") -> torch.nn.Parameter:
+    """Replace parameter ``name`` by one of the same shape, dtype and attributes on ``device``
+    (uninitialised on the CPU; none on the meta device)."""
+    module_name, _, attr = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    old = module._parameters[attr]
+    new = torch.nn.Parameter(torch.empty(old.shape, dtype=old.dtype, device=device), requires_grad=old.requires_grad)
+    new.__dict__.update(old.__dict__)
+    module._parameters[attr] = new
+    return new
+
+
+class SafetensorsReader:
+    """The tensors of an HF checkpoint's ``*.safetensors`` files, read one at a time. Files are
+    mapped only while a part is read (:meth:`open`), so the process does not keep the whole
+    checkpoint mapped as it goes."""
+
+    def __init__(self, path: str) -> None:
+        from safetensors import safe_open
+
+        self.path, self.files = path, sorted(Path(path).glob("*.safetensors"))
+        if not self.files:
+            raise NrlError(f"no *.safetensors files in {path}; the Megatron backend converts safetensors checkpoints")
+        self.where: dict[str, Path] = {}
+        for file in self.files:
+            with safe_open(str(file), "pt") as f:
+                self.where.update(dict.fromkeys(f.keys(), file))
+
+    def floating_dtype(self) -> torch.dtype:
+        """The dtype of the checkpoint's first floating-point tensor (float32 when there is none)."""
+        from safetensors import safe_open
+
+        for file in self.files:
+            with safe_open(str(file), "pt") as f:
+                for key in f.keys():
+                    dtype = f.get_slice(key).get_dtype()
+                    if dtype in _FLOATING:
+                        return _FLOATING[dtype]
+        return torch.float32
+
+    @contextlib.contextmanager
+    def open(self) -> Iterator[Callable[[str], torch.Tensor]]:
+        from safetensors import safe_open
+
+        with contextlib.ExitStack() as stack:
+            handles: dict[Path, Any] = {}
+
+            def get(name: str) -> torch.Tensor:
+                if name not in self.where:
+                    raise NrlError(f"no tensor '{name}' in the safetensors files of {self.path}")
+                file = self.where[name]
+                if file not in handles:
+                    handles[file] = stack.enter_context(safe_open(str(file), "pt"))
+                return handles[file].get_tensor(name)
+
+            yield get
+
+
+_FLOATING = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
 
 
 def convert_in_subprocess(model_path: str, out_dir: Path, megatron_cfg: Mapping[str, Any],
@@ -172,10 +277,16 @@ def load_shard(model: Any, path: Path, sharded: Any = None, fresh: tuple[str, ..
 
     safe_dist_checkpointing()  # an imported Megatron-LM directory is someone else's: nothing of it runs
     start_load(path)
+    parts = (path / PARTS).is_file()
+    if parts:  # saved with each layer under keys of its own
+        sharded = model.sharded_state_dict(metadata=dict(PER_LAYER))
     sharded = sharded if sharded is not None else model.sharded_state_dict()
+    wanted = {k: v for k, v in sharded.items() if k not in fresh}
     try:
-        state = dist_checkpointing.load({"model": {k: v for k, v in sharded.items() if k not in fresh}},
-                                        str(path), common_strategy=_model_tensors_only())
+        if parts:
+            state = {"model": _load_parts(wanted, path)}
+        else:
+            state = dist_checkpointing.load({"model": wanted}, str(path), common_strategy=_model_tensors_only())
     except BaseException:
         if refusal() is not None:
             raise refusal() from None
@@ -185,6 +296,24 @@ def load_shard(model: Any, path: Path, sharded: Any = None, fresh: tuple[str, ..
     if missing or (fresh and result.unexpected_keys):
         raise NrlError(f"{path} does not match the model: missing {missing[:4]}, unexpected "
                        f"{sorted(result.unexpected_keys)[:4]}")
+
+
+def _load_parts(wanted: dict[str, Any], path: Path) -> dict[str, Any]:
+    """``wanted`` (a model's sharded state) from a conversion saved part by part: each part loads
+    the entries whose keys it holds (on every rank, so a rank that holds none of a part's keys
+    still takes part in its collective load); an entry no part holds is refused."""
+    from megatron.core import dist_checkpointing
+
+    parts = json.loads((path / PARTS).read_text())["parts"]
+    held = {key: part["dir"] for part in parts for key in part["keys"]}
+    missing = sorted({v.key for v in wanted.values()} - held.keys())
+    if missing:
+        raise NrlError(f"{path} does not match the model: it holds no {missing[:4]}; delete it to convert again")
+    state: dict[str, Any] = {}
+    for part in parts:
+        subset = {k: v for k, v in wanted.items() if held[v.key] == part["dir"]}
+        state.update(dist_checkpointing.load(subset, str(path / part["dir"]), common_strategy=_model_tensors_only()))
+    return state
 
 
 def _model_tensors_only() -> Any:
