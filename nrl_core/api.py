@@ -181,6 +181,7 @@ _SECTIONS: dict[str, dict[str, str]] = {
         "iter_buckets": "nrl_core.refit.buckets",
         "parse_dtype": "nrl_core.refit.buckets",
         "plain_config": "nrl_core.refit.adapters",
+        "shared_file": "nrl_core.refit.shm_space",
         "spec_of": "nrl_core.refit.buckets",
         "verified_stream": "nrl_core.refit.manifest",
         "verify_manifest": "nrl_core.refit.manifest:verify",

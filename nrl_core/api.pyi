@@ -159,6 +159,7 @@ from nrl_core.refit.manifest import RefitError as RefitError
 from nrl_core.refit.manifest import TornRefitError as TornRefitError
 from nrl_core.refit.manifest import verified_stream as verified_stream
 from nrl_core.refit.manifest import verify as verify_manifest
+from nrl_core.refit.shm_space import shared_file as shared_file
 from nrl_core.schema import Field as Field
 from nrl_core.schema import Section as Section
 from nrl_core.sdk import ReferenceWeights as ReferenceWeights
@@ -372,6 +373,7 @@ __all__ = [
     "set_rng_state",
     "sft_processor",
     "shaping_problem",
+    "shared_file",
     "spec_of",
     "staging_dir",
     "stop_string_end",

@@ -32,13 +32,13 @@ import datetime
 import glob
 import os
 import pickle
-import tempfile
 import uuid
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from nrl_core.refit.buckets import Bucket, dtype_name, parse_dtype, tensor_nbytes
+from nrl_core.refit.shm_space import reserve, shm_dir
 
 if TYPE_CHECKING:
     import torch
@@ -188,7 +188,7 @@ def views_of(flat: torch.Tensor, layout: PackedLayout) -> Bucket:
 
 
 def _shm_dir() -> str:
-    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+    return shm_dir()
 
 
 @dataclass(frozen=True)
@@ -207,17 +207,19 @@ def _map(path: str, nbytes: int) -> torch.Tensor:
 
 
 def _map_for_writing(path: str, nbytes: int) -> torch.Tensor:
-    """:func:`_map` for a buffer the sender is about to fill, after checking the space: ``/dev/shm``
+    """:func:`_map` for a buffer the sender is about to fill, its space reserved first: ``/dev/shm``
     hands out pages on first write, and a process that writes past its free space dies of SIGBUS."""
-    from nrl_core.errors import NrlError
-
     held = os.path.getsize(path) if os.path.exists(path) else 0
-    stat = os.statvfs(os.path.dirname(path))
-    free = stat.f_bavail * stat.f_frsize + held
-    if nbytes > free:
-        raise NrlError(f"refit: {os.path.dirname(path)} has {free / 2**20:.1f} MiB free but the next weight bucket needs "
-                       f"{nbytes / 2**20:.1f} MiB (shared-memory refits keep a copy of the whole model there); give it "
-                       f"more space (docker run --shm-size=...) or set policy.refit.transport: broadcast")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        reserve(fd, path, nbytes, "refit: the next weight bucket (shared-memory refits keep a copy of the whole "
+                "model there)", held)
+    except BaseException:
+        if not held:
+            _unlink(path)
+        raise
+    finally:
+        os.close(fd)
     return _map(path, nbytes)
 
 

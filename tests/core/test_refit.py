@@ -220,10 +220,53 @@ def test_shared_memory_too_small_is_a_clear_error_before_anything_is_written(mon
     full = os.statvfs_result((4096, 4096, 10, 0, 0, 10, 0, 0, 0, 255))  # no free blocks
     monkeypatch.setattr(os, "statvfs", lambda path: full)
     sink = RecordingSink()
-    with pytest.raises(NrlError, match=r"has 0.0 MiB free but the next weight bucket needs .*--shm-size"):
+    with pytest.raises(NrlError, match=r"^refit: the next weight bucket .* has 0.0 MiB free but needs .*--shm-size"):
         refit(RandomWeightSource(SHAPES, seed=9), sink, transport="shared_memory", bucket_bytes=2048)
     assert sink.weight_version == 0 and sink.received == {}
     assert set(glob.glob("/dev/shm/nrl-refit-*")) <= before
+
+
+def test_a_shared_file_is_reserved_whole_or_refused_in_one_line_leaving_nothing(monkeypatch) -> None:
+    """``NRL_SHM_FREE_BYTES`` caps the free space the check sees (a budget, or a small /dev/shm
+    here); a file that fits is backed before the first write, one that does not is removed."""
+    from nrl_core.refit.shm_space import FREE_BYTES_VARIABLE, shared_file, shm_dir
+
+    before = set(os.listdir(shm_dir()))
+    with shared_file(3 * 4096, "nrl-test-shm-", "test") as path:
+        assert os.path.getsize(path) == 3 * 4096 and os.stat(path).st_blocks * 512 >= 3 * 4096  # backed, not sparse
+    assert set(os.listdir(shm_dir())) == before
+    monkeypatch.setenv(FREE_BYTES_VARIABLE, str(2**20))
+    with pytest.raises(NrlError) as err, shared_file(2 * 2**20, "nrl-test-shm-", "the async engine's refit"):
+        pass
+    assert str(err.value).startswith(f"the async engine's refit: {shm_dir()} has 1.0 MiB free but needs 2.0 MiB")
+    assert "\n" not in str(err.value) and set(os.listdir(shm_dir())) == before
+
+
+def test_space_the_kernel_refuses_after_the_check_is_one_line_too() -> None:
+    """The free-space check can pass and the allocation still fail (another process took the
+    space meanwhile): here a file-size limit the kernel enforces makes ``posix_fallocate`` fail, in
+    a child process so the limit stays there. One line, and no file left."""
+    import subprocess
+    import sys
+
+    from nrl_core.refit.shm_space import shm_dir
+
+    program = (
+        "import os, resource, signal\n"
+        "from nrl_core.errors import NrlError\n"
+        "from nrl_core.refit.shm_space import shared_file\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (2**20, resource.RLIM_INFINITY))\n"
+        "try:\n"
+        "    with shared_file(4 * 2**20, 'nrl-test-limit-', 'the async engine\\'s refit'):\n"
+        "        print('reserved')\n"
+        "except NrlError as exc:\n"
+        "    print(exc)\n")
+    before = set(os.listdir(shm_dir()))
+    out = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("the async engine's refit: ") and "needs 4.0 MiB" in out.stdout, out.stdout
+    assert out.stdout.count("\n") == 1 and set(os.listdir(shm_dir())) == before
 
 
 def test_buffers_of_a_killed_sender_are_removed_by_the_next_pool() -> None:

@@ -8,12 +8,15 @@ weights every rank agrees on."""
 from __future__ import annotations
 
 import functools
+import glob
+import os
 
 import pytest
 
 from nrl_core.algorithms.refit_orchestrator import choose_transport, refit
 from nrl_core.cluster import WorkerGroup
 from nrl_core.cluster._host import WorkerHost
+from nrl_core.refit.shm_space import FREE_BYTES_VARIABLE, shm_dir
 from nrl_core.testing.refit_host import perturb_weights
 from tests.launch import driving_the_shared_ray
 from tests.vllm.helpers import generation_config, hf_greedy, hf_model
@@ -55,10 +58,19 @@ def _generate(group: WorkerGroup, prompts, engine_size: int):
     return [t for o in outs for t in o.token_ids]
 
 
-def _refit_in_place(group: WorkerGroup, seed: int) -> None:
-    group.call(WorkerHost.execute, functools.partial(_perturb, seed=seed))
+def _set_env(worker, name: str, value: str | None) -> None:
+    """``WorkerHost.execute`` target: set (or, with None, remove) an environment variable."""
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+
+
+def _refit_in_place(group: WorkerGroup, seed: int | None, versions: tuple[int, int] = (1, 1)) -> None:
+    if seed is not None:
+        group.call(WorkerHost.execute, functools.partial(_perturb, seed=seed))
     reports = group.call(WorkerHost.nrl_refit_local, choose_transport("same_process", "in_process"), BUCKET, "float32")
-    assert [r.version for r in reports] == [1, 1]
+    assert tuple(r.version for r in reports) == versions
 
 
 @pytest.mark.parametrize("tp, async_engine", [(1, False), (2, False), (2, True)], ids=["tp1", "tp2", "tp2-async"])
@@ -69,8 +81,22 @@ def test_colocated_engines_in_a_two_rank_world(model_dir, prompts, tp, async_eng
     colocated ``async_engine: true`` recipes), refit in process on each rank reaching both."""
     group = _colocated(model_dir, tp, async_engine)
     try:
-        assert _generate(group, prompts, tp) == hf_greedy(hf_model(model_dir), prompts)
-        _refit_in_place(group, seed=21)
+        before = hf_greedy(hf_model(model_dir), prompts)
+        assert _generate(group, prompts, tp) == before
+        if async_engine:  # its refit goes through one /dev/shm file: too small is one line, nothing lands
+            files = set(glob.glob(os.path.join(shm_dir(), "nrl-async-refit-*")))
+            group.call(WorkerHost.execute, functools.partial(_perturb, seed=21))
+            group.call(WorkerHost.execute, functools.partial(_set_env, name=FREE_BYTES_VARIABLE, value=str(4096)))
+            with pytest.raises(Exception, match=r"the async engine's refit: \S+ has 0.0 MiB free but needs "):
+                group.call(WorkerHost.nrl_refit_local, choose_transport("same_process", "in_process"), BUCKET,
+                           "float32")
+            group.call(WorkerHost.execute, functools.partial(_set_env, name=FREE_BYTES_VARIABLE, value=None))
+            assert set(glob.glob(os.path.join(shm_dir(), "nrl-async-refit-*"))) == files
+            assert _generate(group, prompts, tp) == before  # the engine still has the weights it had
+            # the engine's first rank loads for both workers; its follower counted the refused refit too
+            _refit_in_place(group, seed=None, versions=(1, 2))
+        else:
+            _refit_in_place(group, seed=21)
         assert _generate(group, prompts, tp) == hf_greedy(hf_model(model_dir, perturb_seed=21), prompts)
     finally:
         group.call(WorkerHost.nrl_generation_call, "shutdown")

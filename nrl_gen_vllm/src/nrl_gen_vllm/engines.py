@@ -166,26 +166,22 @@ class AsyncEngine:
         their next tokens are computed from a KV cache of the new weights; otherwise they keep the
         KV their earlier tokens left (requests are salted with their start version, so no later
         request reuses those blocks), and the prefix cache is reset once no request holds blocks."""
-        import os
-        import tempfile
-
         import torch
+
+        from nrl_core.api import shared_file
 
         layout, offset = [], 0
         for name, tensor in named:
             nbytes = tensor.numel() * tensor.element_size()
             layout.append([name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), offset, nbytes])
             offset += nbytes
-        fd, path = tempfile.mkstemp(prefix="nrl-async-refit-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-        try:
-            os.ftruncate(fd, max(offset, 1))
+        # reserved before the first byte: a /dev/shm too small is one line, not a SIGBUS mid-copy
+        with shared_file(offset, "nrl-async-refit-", "the async engine's refit") as path:
             data = torch.from_file(path, shared=True, size=max(offset, 1), dtype=torch.uint8)
             for (_name, tensor), (_, _, _, start, nbytes) in zip(named, layout):
                 data[start:start + nbytes].copy_(tensor.detach().contiguous().view(-1).view(torch.uint8))
+            del data
             self._run(self._load(path, layout, version, in_flight, recompute_kv_cache))
-        finally:
-            os.close(fd)
-            os.unlink(path)
 
     async def _load(self, path: str, layout: list[list[Any]], version: int, in_flight: bool,
                     recompute_kv_cache: bool) -> None:
