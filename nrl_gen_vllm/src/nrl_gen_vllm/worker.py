@@ -8,7 +8,6 @@ as HF-named buckets (see :mod:`nrl_core.refit`); they are staged and checked aga
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import logging
 import os
@@ -43,6 +42,7 @@ from nrl_gen_vllm.engine_args import user_engine_kwargs
 from nrl_gen_vllm.engines import AsyncEngine, FollowerEngine, SyncEngine
 from nrl_gen_vllm.kv_cache import KvCacheSize, kv_cache_space
 from nrl_gen_vllm.partial import experts_elsewhere
+from nrl_gen_vllm.placement import engine_placement
 from nrl_gen_vllm.sampling import VllmSampling, base_seed
 from nrl_gen_vllm.threads import keep_process_threads
 
@@ -78,46 +78,6 @@ def _distributed_engine(tp: int, rank: int, world_size: int) -> bool:
         raise ConfigError("policy.generation.vllm_cfg.tensor_parallel_size",
                           f"{tp} does not divide the {world_size} ranks that host the engines")
     return True
-
-
-_GROUP_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-def _engine_spawn_env(rank: int, tp: int) -> dict[str, str]:
-    """What the processes an async engine spawns must see, from its first rank: this generation
-    group's own ``torch.distributed`` variables removed (vLLM's executor forms the engine's group),
-    the engine's devices (each Ray actor sees only its own GPU: gathered over the group), and on the
-    CPU no thread binding (vLLM's automatic binding wants a NUMA node per worker). Collective."""
-    import torch
-    import torch.distributed as dist
-
-    env = {name: "" for name in _GROUP_VARIABLES}
-    if torch.cuda.is_available():
-        every: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(every, os.environ.get("CUDA_VISIBLE_DEVICES", str(torch.cuda.current_device())))
-        first = rank - rank % tp
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(every[first:first + tp])
-    elif "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
-    return env
-
-
-@contextlib.contextmanager
-def _engine_local_rank() -> Iterator[None]:
-    """vLLM picks ``cuda:LOCAL_RANK``; a Ray actor usually sees only its own GPU, which is then
-    ``cuda:0`` whatever the rank's place on the node."""
-    import torch
-
-    saved = os.environ.get("LOCAL_RANK")
-    if torch.cuda.is_available() and torch.cuda.device_count() == 1:
-        os.environ["LOCAL_RANK"] = "0"
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop("LOCAL_RANK", None)
-        else:
-            os.environ["LOCAL_RANK"] = saved
 
 
 def _is_cpu() -> bool:
@@ -197,17 +157,16 @@ class VllmGenerationWorker:
             logger.info("vLLM engine %d: KV cache %s", self.engine_index, self.kv_cache.describe())
             engine_kwargs["kv_cache_memory_bytes"] = self.kv_cache.nbytes
         colocated = bool((generation.get("colocated") or {}).get("enabled"))
-        spawn_env: dict[str, str] = {}
-        self.follower = False
+        self.follower = spawns_workers = external_launcher = False
         if self.async_engine and self.tp > 1:
             # vLLM's own executor starts the engine's tp workers from its first rank, on the devices
             # of the engine's ranks (colocated: the training ranks'); the other ranks hold their
             # place and follow
             engine_kwargs["distributed_executor_backend"] = "mp"
-            spawn_env = _engine_spawn_env(rank, self.tp)
-            self.follower = rank % self.tp != 0
+            spawns_workers, self.follower = True, rank % self.tp != 0
         elif _distributed_engine(self.tp, rank, world_size):
             engine_kwargs["distributed_executor_backend"] = "external_launcher"
+            external_launcher = True
             if _is_cpu():
                 cpu_shm.use_unique_names()
         if int(vcfg.get("expert_parallel_size") or 1) > 1:  # the engine's ranks split the experts
@@ -218,11 +177,16 @@ class VllmGenerationWorker:
         # Sleep mode frees the engine's memory for training between generations (colocated only);
         # vLLM offers it on GPUs, where it also needs its own allocator.
         self.sleep_mode = colocated and current_platform.is_sleep_mode_available()
+        placement = engine_placement(rank, self.tp, spawns_workers=spawns_workers, external_launcher=external_launcher,
+                                     sleep_mode=self.sleep_mode)
+        engine_kwargs = {**placement.engine_kwargs, **engine_kwargs}  # what the recipe sets wins
+        for warning in placement.warnings:
+            logger.warning("vLLM engine %d: %s", self.engine_index, warning)
         tokenizer = (policy.get("tokenizer") or {}).get("name") or self.model_dir
         start = time.perf_counter()
         mark("vllm_engine_start", rank=rank)
         try:
-            with _engine_local_rank(), keep_process_threads(), environment(spawn_env):
+            with keep_process_threads(), environment(placement.env):
                 self._engine = FollowerEngine() if self.follower else (AsyncEngine if self.async_engine else SyncEngine)(
                     model=self.model_dir,
                     tokenizer=tokenizer,

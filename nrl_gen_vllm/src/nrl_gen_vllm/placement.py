@@ -1,0 +1,80 @@
+"""What a vLLM engine's processes must see on GPUs inside Ray actors, decided in one place.
+
+Why: Ray gives each actor its own GPU (``CUDA_VISIBLE_DEVICES`` of one device), while vLLM assumes
+a process that starts its tensor-parallel workers itself, on devices it can all see. So:
+
+* an engine rank in its own actor (vLLM's ``external_launcher``, and the first rank of an async
+  engine) sees its one GPU as ``cuda:0``: ``LOCAL_RANK`` is 0, whatever the rank's place on the node;
+* an async engine's workers, which its first rank spawns, see the devices of all the engine's
+  ranks (gathered over the generation group) and number them 0..tp-1 themselves;
+* vLLM's custom all-reduce exchanges CUDA IPC handles with peer devices it expects to see, which
+  an actor that sees one GPU cannot: it is off for ``external_launcher`` engines at tensor
+  parallel 2+ (``vllm_kwargs.disable_custom_all_reduce`` still overrides);
+* sleep mode's allocator refuses ``expandable_segments:True`` in ``PYTORCH_CUDA_ALLOC_CONF``,
+  common in NeMo RL's recipes: the setting is removed for the engine, with one warning.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
+#: This generation group's own torch.distributed variables, hidden from an async engine's spawned
+#: workers: vLLM's executor forms the engine's group itself.
+GROUP_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The environment around the engine's construction (a value of ``""`` removes the variable)
+    and the engine arguments that follow from where it runs."""
+
+    env: dict[str, str] = field(default_factory=dict)
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    warnings: tuple[str, ...] = ()
+
+
+def engine_placement(rank: int, tp: int, *, spawns_workers: bool, external_launcher: bool, sleep_mode: bool) -> Placement:
+    """The placement of engine rank ``rank`` of tensor parallel ``tp``. ``spawns_workers``: an
+    async engine at tp 2+, whose first rank starts the workers (collective over the generation
+    group: every rank must call it). ``external_launcher``: each rank is one of the engine's workers."""
+    import torch
+
+    env: dict[str, str] = {}
+    kwargs: dict[str, Any] = {}
+    warnings: list[str] = []
+    cuda = torch.cuda.is_available()
+    if spawns_workers:
+        env.update(dict.fromkeys(GROUP_VARIABLES, ""))
+        if cuda:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(_engine_devices(rank, tp))
+        elif "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"  # vLLM's automatic binding wants a NUMA node per worker
+    if cuda and torch.cuda.device_count() == 1 and not spawns_workers:
+        env["LOCAL_RANK"] = "0"  # vLLM picks cuda:LOCAL_RANK; the actor's one GPU is cuda:0
+    if cuda and external_launcher and tp > 1:
+        kwargs["disable_custom_all_reduce"] = True
+    conf = os.environ.get(ALLOC_CONF, "")
+    if cuda and sleep_mode and "expandable_segments:true" in conf.replace(" ", "").lower():
+        kept = ",".join(part for part in conf.split(",") if not part.replace(" ", "").lower().startswith("expandable_segments"))
+        env[ALLOC_CONF] = kept
+        warnings.append(f"{ALLOC_CONF}: expandable_segments removed for the vLLM engine (its sleep mode's allocator "
+                        f"refuses it); {ALLOC_CONF} is now {kept!r} there")
+    return Placement(env, kwargs, tuple(warnings))
+
+
+def _engine_devices(rank: int, tp: int) -> list[str]:
+    """The devices of the engine's ``tp`` ranks, each rank's own as its actor sees it. Collective."""
+    import torch
+    import torch.distributed as dist
+
+    own = os.environ.get("CUDA_VISIBLE_DEVICES") or str(torch.cuda.current_device())
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, own)
+    first = rank - rank % tp
+    return every[first:first + tp]
