@@ -227,7 +227,8 @@ def _collective(source: Any, sinks: list[Any], transport: TransportChoice, bucke
     loads, sent to it alone. A sink's refusal of the manifest comes before anything is sent."""
     from nrl_core.cluster._host import InFlightWorkerHost, WorkerHost
 
-    options: dict[str, Any] = {"world_size": 1 + len(sinks)}
+    key = _group_key(source, sinks)
+    options: dict[str, Any] = {"world_size": 1 + len(sinks), "group_key": key, "reuse": key in _FORMED_GROUPS}
     if timeout_s is not None:
         options["timeout_s"] = float(timeout_s)
     manifest = source.call(WorkerHost.nrl_refit_manifest, dtype)
@@ -253,11 +254,30 @@ def _collective(source: Any, sinks: list[Any], transport: TransportChoice, bucke
                                          backpressure=STREAM_BACKPRESSURE):
                 pass  # a collective sender yields no handles; this waits for it and surfaces its errors
         except BaseException:
+            _FORMED_GROUPS.discard(key)  # its members dropped it: the next refit forms it again
             _gather_quietly(pending)
             raise
-        return manifest_bytes(manifest), [int(v) for v in _gather(pending)]
+        try:
+            versions = [int(v) for v in _gather(pending)]
+        except BaseException:
+            _FORMED_GROUPS.discard(key)
+            raise
+        _FORMED_GROUPS.add(key)
+        return manifest_bytes(manifest), versions
     finally:
         _cleanup(source, [ExportedWeights(transport=transport, session=session, manifest=[], handles=[])])
+
+
+#: The collective refit groups formed in this run, by :func:`_group_key`: each is formed at its
+#: first refit and reused by the next ones, and forgotten when a refit through it fails.
+_FORMED_GROUPS: set[str] = set()
+
+
+def _group_key(source: Any, sinks: list[Any]) -> str:
+    """The sender and receivers of a collective refit, by their actors: the same key from refit
+    to refit of a run, another for other actors."""
+    infos = [endpoint.group.infos[endpoint.rank] for endpoint in (source, *sinks)]
+    return "-".join(info.worker_id or f"{info.node_id}:{info.pid}" for info in infos)
 
 
 def _wants(sinks: list[Any], manifest: list[Any], in_flight: bool) -> dict[tuple[Any, int], list[str] | None]:

@@ -303,6 +303,9 @@ class WorkerHost(RefitEndpoints):
         if callable(shutdown):
             shutdown()
         self.worker = None
+        from nrl_core.refit.transports import release_refit_groups
+
+        release_refit_groups()  # NCCL communicators live until destroyed
         try:
             import torch.distributed as dist
 

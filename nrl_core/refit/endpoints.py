@@ -374,10 +374,11 @@ class RefitEndpoints:
 
     @dispatch(Fanout.RANK0, Gather.NONE)
     def nrl_refit_release(self) -> None:
-        """Free the shared-memory buffers this process keeps for refits (at shutdown)."""
-        from nrl_core.refit.transports import release_shared_buffers
+        """Free the shared-memory buffers and the refit groups this process keeps (at shutdown)."""
+        from nrl_core.refit.transports import release_refit_groups, release_shared_buffers
 
         release_shared_buffers()
+        release_refit_groups()
 
     @dispatch(Fanout.ALL)
     def nrl_refit_local(self, transport: TransportChoice, bucket_bytes: int, dtype: str | None,

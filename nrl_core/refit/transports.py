@@ -28,6 +28,7 @@ bytes. A collective transport (``broadcast``) returns no handles: its two halves
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import glob
 import os
@@ -406,8 +407,9 @@ def broadcast_backend(cuda: bool) -> str:
 
 
 class _Group:
-    """A private group for one refit (never the default group: training owns that one), on the
-    backend the sender chose; every tensor it carries lives on :attr:`device`."""
+    """A private group of a sender and its receivers (never the default group: training owns that
+    one), on the backend the sender chose; every tensor it carries lives on :attr:`device`. With
+    a ``group_key`` in the session's options it lasts from refit to refit (:func:`_group_for`)."""
 
     def __init__(self, session: RefitSession, rank: int) -> None:
         import torch
@@ -436,6 +438,16 @@ class _Group:
             self._pg = dist.ProcessGroupGloo(store, rank, size, timeout)
         self._bopts = dist.BroadcastOptions()
         self._bopts.rootRank = 0
+        self.shape = (backend, size, rank)
+        _GROUPS_FORMED["count"] += 1
+
+    def destroy(self) -> None:
+        """Free the communicator (NCCL's, which lives until shut down) and the store."""
+        shutdown = getattr(self._pg, "shutdown", None)
+        if callable(shutdown):
+            with contextlib.suppress(Exception):
+                shutdown()
+        self._pg = self._store = None
 
     def broadcast(self, tensor: torch.Tensor) -> None:
         self._pg.broadcast([tensor], self._bopts).wait()
@@ -445,6 +457,50 @@ class _Group:
 
     def receive(self, tensor: torch.Tensor) -> None:
         self._pg.recv([tensor], 0, 0).wait()
+
+
+_LASTING: dict[str, _Group] = {}  # group key -> this process's group, formed at the key's first refit
+_GROUPS_FORMED = {"count": 0}
+
+
+def _group_for(session: RefitSession, rank: int) -> _Group:
+    """This process's group for ``session``: formed anew (replacing one of the same key), or, when
+    the driver says the key's group is formed (``reuse``), the one formed then. A group is made
+    once per run and sender-receiver set, not once per refit: forming one costs seconds on NCCL,
+    and NCCL communicators live until destroyed."""
+    key = session.options.get("group_key")
+    if key and session.options.get("reuse"):
+        group = _LASTING.get(key)
+        wanted = (str(session.options.get("backend", "gloo")), int(session.options["world_size"]), rank)
+        if group is None or group.shape != wanted:
+            from nrl_core.refit.manifest import RefitError
+
+            raise RefitError(f"refit rejected, weights unchanged; rank {rank} of the refit group {key} does not hold "
+                             "it (its process was restarted?); restart the run")
+        return group
+    group = _Group(session, rank)
+    if key:
+        drop_group(key)
+        _LASTING[key] = group
+    return group
+
+
+def drop_group(key: str | None) -> None:
+    """Destroy this process's group of ``key`` (a refit through it failed, or the run ends)."""
+    group = _LASTING.pop(key, None) if key else None
+    if group is not None:
+        group.destroy()
+
+
+def release_refit_groups() -> None:
+    """Destroy every group this process holds for refits (at shutdown)."""
+    for key in list(_LASTING):
+        drop_group(key)
+
+
+def broadcast_groups_formed() -> int:
+    """How many refit groups this process has formed: what shows a group lasting across refits."""
+    return _GROUPS_FORMED["count"]
 
 
 def split_by_skips(bucket: Bucket, receivers: Iterable[int],
@@ -476,11 +532,19 @@ def _packed(bucket: Bucket, layout: PackedLayout, device: torch.device) -> torch
 
 class _BroadcastSender:
     def __init__(self, session: RefitSession) -> None:
-        self._group = _Group(session, rank=0)
+        self._key = session.options.get("group_key")
+        self._group = _group_for(session, rank=0)
         self._receivers = range(1, int(session.options["world_size"]))
         self._skips = {int(rank): frozenset(names) for rank, names in (session.options.get("skips") or {}).items()}
 
     def send(self, bucket: Bucket) -> None:
+        try:
+            self._send(bucket)
+        except BaseException:
+            drop_group(self._key)  # a stream cut part-way leaves the group out of step
+            raise
+
+    def _send(self, bucket: Bucket) -> None:
         import torch
 
         device = self._group.device
@@ -501,7 +565,11 @@ class _BroadcastSender:
     def close(self) -> None:
         import torch
 
-        self._group.broadcast(torch.zeros(2, dtype=torch.int64, device=self._group.device))  # end of stream
+        try:
+            self._group.broadcast(torch.zeros(2, dtype=torch.int64, device=self._group.device))  # end of stream
+        except BaseException:
+            drop_group(self._key)
+            raise
 
 
 _RECEIVED = {"bytes": 0}
@@ -518,10 +586,20 @@ def broadcast_bytes_received() -> int:
 class _BroadcastReceiver:
     def __init__(self, session: RefitSession) -> None:
         self._rank = int(session.options["rank"])
-        self._group = _Group(session, rank=self._rank)
+        self._key = session.options.get("group_key")
+        self._group = _group_for(session, rank=self._rank)
         _RECEIVED["bytes"] = 0
 
     def buckets(self, handles: Iterable[Any]) -> Iterator[Bucket]:
+        ended = False
+        try:
+            yield from self._buckets()
+            ended = True
+        finally:
+            if not ended:  # a failure here, or a reader that stopped early: the group is out of step
+                drop_group(self._key)
+
+    def _buckets(self) -> Iterator[Bucket]:
         import torch
 
         device = self._group.device
@@ -575,6 +653,8 @@ class BroadcastTransport:
         backend = session.options.get("backend") or broadcast_backend(torch.cuda.is_available())
         size = int(session.options.get("world_size", 2))
         port = session.options.get("port")
+        if session.options.get("reuse"):  # the group formed at an earlier refit carries this one
+            return session.with_options(host=host, port=port or 0, world_size=size, backend=backend)
         if not port:
             timeout = datetime.timedelta(seconds=float(session.options.get("timeout_s", 600)))
             store = dist.TCPStore(host, 0, size, True, timeout=timeout, wait_for_workers=False)

@@ -352,6 +352,53 @@ def test_refit_between_worker_groups(ray_groups, transport) -> None:
     assert source.call(WorkerHost.execute, lambda worker: worker.exports, on=0) == exports + 1
 
 
+def _groups_formed(worker: Any) -> tuple[int, int]:
+    """``WorkerHost.execute`` target: refit groups this process formed, and holds now."""
+    from nrl_core.refit import transports
+
+    return transports.broadcast_groups_formed(), len(transports._LASTING)
+
+
+@pytest.mark.slow
+def test_a_broadcast_group_lasts_from_refit_to_refit_and_is_formed_again_after_a_failure(ray_groups) -> None:
+    """Forming the group costs seconds on NCCL and its communicator lives until destroyed: it is
+    formed once for a sender and its receivers, reused by every later refit, dropped by every
+    member when a refit through it fails (the next one forms it again) and destroyed at release."""
+    from nrl_core.cluster._host import WorkerHost
+
+    source, sinks = ray_groups
+
+    def formed() -> list[tuple[int, int]]:
+        return [source.call(WorkerHost.execute, _groups_formed, on=0), *sinks.call(WorkerHost.execute, _groups_formed)]
+
+    refit(source.endpoint(0), _sinks(sinks), transport="broadcast", bucket_bytes=2048)
+    first = formed()
+    assert all(held >= 1 for _, held in first)
+    for _ in range(3):
+        refit(source.endpoint(0), _sinks(sinks), transport="broadcast", bucket_bytes=2048)
+        assert sinks.call("checksums") == [source.call("checksums", on=0)] * 2
+    assert formed() == first  # three refits, no group formed
+    source.call(WorkerHost.execute, fail_export_after(1))
+    try:
+        with pytest.raises(Exception, match="the training side failed mid-export"):
+            refit(source.endpoint(0), _sinks(sinks), transport="broadcast", bucket_bytes=2048)
+    finally:
+        source.call(WorkerHost.execute, lambda worker: delattr(worker, "export_weights"))
+    refit(source.endpoint(0), _sinks(sinks), transport="broadcast", bucket_bytes=2048)
+    assert [count for count, _ in formed()] == [count + 1 for count, _ in first]  # formed once more
+    assert sinks.call("checksums") == [source.call("checksums", on=0)] * 2
+    from nrl_core.algorithms import refit_orchestrator
+
+    try:
+        source.call(WorkerHost.nrl_refit_release)
+        sinks.call(WorkerHost.nrl_refit_release, on=[0, 1])
+        assert [held for _, held in formed()] == [0, 0, 0]
+    finally:
+        refit_orchestrator._FORMED_GROUPS.clear()  # release is for shutdown: this driver forgets the groups too
+    refit(source.endpoint(0), _sinks(sinks), transport="broadcast", bucket_bytes=2048)  # formed again
+    assert [count for count, _ in formed()] == [count + 2 for count, _ in first]
+
+
 @pytest.mark.slow
 def test_refit_rejects_sinks_both_inside_and_outside_the_source_actor(ray_groups) -> None:
     source, sinks = ray_groups
