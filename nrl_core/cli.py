@@ -146,6 +146,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
     config = load_and_validate(args.config, args.overrides, runtime.plugins, algorithm=args.algorithm,
                                backend_checks=False)
     choice = choose_backends(config, runtime.plugins, generation=spec.generates, warn=False)  # the run warns
+    from nrl_core.plan import check_plan
+
+    check_plan(config, runtime.plugins)  # a run that cannot fit where it runs: one line before anything starts
     with runtime.policy_launched_early(config, spec, choice.training, choice.generation):  # they import meanwhile
         with long_lived_objects(freeze=False):  # imports torch and transformers: no collection while they load
             check_selected_backends(config, runtime.plugins, algorithm=args.algorithm)

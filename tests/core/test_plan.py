@@ -85,7 +85,7 @@ def test_lora_trains_adapters_only_and_keeps_no_reference_copy(gpu_size: Path) -
     assert "reference weights (host copy of own shards)" not in lora
 
 
-def test_a_cpu_run_that_cannot_fit_is_refused_at_check_in_one_line(gpu_size: Path, capsys) -> None:
+def test_a_cpu_run_that_cannot_fit_is_refused_at_check_and_at_train_in_one_line(gpu_size: Path, capsys, monkeypatch) -> None:
     """A local model on a machine without GPUs runs on its CPU: the ranks share its memory."""
     if torch.cuda.is_available():
         pytest.skip("on a GPU machine the devices are the GPUs")
@@ -96,6 +96,16 @@ def test_a_cpu_run_that_cannot_fit_is_refused_at_check_in_one_line(gpu_size: Pat
     assert code == 2 and len(err) == 1, err
     assert err[0].startswith("error: memory: policy: predicted ") and "for its 2 ranks on this machine" in err[0]
     assert "policy.train_micro_batch_size" in err[0]
+    # nrl train refuses it the same way, before it launches any worker
+    from nrl_core.algorithms.runtime import Runtime
+
+    def launched(*args, **kwargs):
+        raise AssertionError("nrl train launched workers for a run that cannot fit")
+
+    monkeypatch.setattr(Runtime, "policy_launched_early", launched)
+    code = main(["train", "sft", "--config", str(SFT), f"policy.model_name={gpu_size}", *big])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(err) == 1 and err[0].startswith("error: memory: policy: predicted "), err
     small = gpu_size.parent / "two-layers"
     small.mkdir()
     (small / "config.json").write_text(json.dumps({**GPU_SIZE, "num_hidden_layers": 2}))
