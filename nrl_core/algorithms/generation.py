@@ -235,7 +235,7 @@ class Generation:
         if self.colocated:
             transport = choose_transport("same_process", opts["transport"])
             report = combine_reports(self.hosts.call(WorkerHost.nrl_refit_local, transport,
-                                                     opts["bucket_bytes"], opts["dtype"], self.partial))
+                                                     opts["bucket_bytes"], opts["dtype"], self.partial, self.pipelined))
         else:
             drains = None
             if self.policy.world_size > 1:

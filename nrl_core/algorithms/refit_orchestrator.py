@@ -85,12 +85,12 @@ def refit(source: Any, sink: Any | Sequence[Any], transport: str | None = None,
     source's process. ``timeout_s`` bounds a collective transport's own group (``distributed_timeout_minutes``).
     ``in_flight``: the sinks (ranks of other actors) import beside the generation they may be
     streaming, in their hosts' in-flight thread, so the new weights land mid-generation.
-    ``pipelined``: the sinks declare ``pipelined_import``; over ``shared_memory`` (one node, not in
-    flight) they load each chunk of a bucket while the source writes the next, and a transfer that
-    fails part-way leaves them refusing to generate until a refit succeeds
-    (:class:`~nrl_core.refit.manifest.TornRefitError`). Other transports import atomically: a
-    collective one would leave the sender and the other receivers waiting in the group when one
-    receiver stops reading early.
+    ``pipelined``: the sinks declare ``pipelined_import``; in the source's process they load each
+    bucket as it is exported, over ``shared_memory`` (one node, not in flight) each chunk of a
+    bucket while the source writes the next, and a transfer that fails part-way leaves them
+    refusing to generate until a refit succeeds (:class:`~nrl_core.refit.manifest.TornRefitError`).
+    Other transports import atomically: a collective one would leave the sender and the other
+    receivers waiting in the group when one receiver stops reading early.
     ``partial``: the sinks declare ``partial_import``; each gets only the tensors its
     ``refit_wants`` names (the broadcast transport sends it only those).
 
@@ -106,8 +106,8 @@ def refit(source: Any, sink: Any | Sequence[Any], transport: str | None = None,
     ranks = [_is_group_rank(x) for x in (source, *sinks)]
     if not any(ranks):
         local = refit_dtype(dtype)
-        reports = [refit_local(source, s, choose_transport("same_process", transport), bucket_bytes, local, partial)
-                   for s in sinks]
+        reports = [refit_local(source, s, choose_transport("same_process", transport), bucket_bytes, local, partial,
+                               pipelined) for s in sinks]
         return combine_reports(reports, concurrent=False)
     if not all(ranks):
         raise TypeError("refit: source and sinks must be all local objects or all worker group ranks "
@@ -135,7 +135,8 @@ def _refit_ranks(source: Any, sinks: list[Any], override: str | None, bucket_byt
             raise ValueError("refit: the sinks must all live in the source's actor (colocated) or all in other "
                              "actors; a sharded training backend exports once per refit")
         transport = choose_transport("same_process", override)
-        reports = [source.call(WorkerHost.nrl_refit_local, transport, bucket_bytes, dtype, partial) for _ in sinks]
+        reports = [source.call(WorkerHost.nrl_refit_local, transport, bucket_bytes, dtype, partial, pipelined)
+                   for _ in sinks]
         return RefitReport(bytes=sum(r.bytes for r in reports), seconds=time.perf_counter() - start,
                            version=max(r.version for r in reports), transport=transport.name,
                            placement="same_process")

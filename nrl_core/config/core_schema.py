@@ -113,9 +113,10 @@ REFIT = Section(doc="Moving trained weights into the generation engine.", fields
     "bucket_size_mb": Field(type=NUMBER, default=256.0),
     "verify": Field(type=bool, default=True, doc="check every weight against the manifest"),
     "pipelined": Field(type=bool, default=True,
-                       doc="on one node, engines that declare pipelined_import load each chunk while the next is "
-                           "written; a transfer that fails part-way then leaves them refusing to generate until a "
-                           "refit succeeds (false: stage the whole model first, a failed refit keeps the old weights)"),
+                       doc="on one node and colocated, engines that declare pipelined_import load each chunk while "
+                           "the next is written; a transfer that fails part-way then leaves them refusing to generate "
+                           "until a refit succeeds (false: stage the whole model first, a failed refit keeps the old "
+                           "weights)"),
     "adapters": Field(type=bool, default=False,
                       doc="LoRA: send the adapters alone, the engine applies them to its base model (false: "
                           "merged weights); both backends must declare it (adapter_export, adapter_refit)"),

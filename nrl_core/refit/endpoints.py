@@ -17,11 +17,14 @@ Generation workers that declare ``pipelined_import`` load as the buckets arrive 
 training actor publishes each handle on a same-node channel the moment its bucket is written
 (:meth:`RefitEndpoints.nrl_refit_export_streamed`, :mod:`nrl_core.refit.channel`) and the
 generation actors, called at the same moment, load bucket k while bucket k+1 is exported
-(:meth:`RefitEndpoints.nrl_refit_import_streamed`).
+(:meth:`RefitEndpoints.nrl_refit_import_streamed`). In one process (colocated) such a worker
+loads each bucket as the training worker exports it (:func:`refit_local`), so the engine's device
+never holds a second copy of the model.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -140,10 +143,31 @@ def local_wants(sink: Any, manifest: list[WeightSpec], partial: bool) -> list[st
     return list(sink.refit_wants(list(manifest)))
 
 
+class _Held:
+    """An iterator its consumer cannot close: a sharded source's export gathers collectively, so
+    it must run to its end on every rank, also after this rank's import stopped reading."""
+
+    def __init__(self, items: Iterable[Any]) -> None:
+        self._items = iter(items)
+
+    def __iter__(self) -> _Held:
+        return self
+
+    def __next__(self) -> Any:
+        return next(self._items)
+
+    def drain(self) -> None:
+        for _ in self._items:
+            pass
+
+
 def refit_local(source: Any, sink: Any, transport: TransportChoice, bucket_bytes: int, dtype: str,
-                partial: bool = False) -> RefitReport:
+                partial: bool = False, pipelined: bool = False) -> RefitReport:
     """Both halves in this process (``in_process``, or ``shared_memory`` to exercise its path);
-    ``partial``: the sink declares ``partial_import`` and gets only what it names."""
+    ``partial``: the sink declares ``partial_import`` and gets only what it names. ``pipelined``:
+    the sink declares ``pipelined_import`` and loads each bucket as it is exported, so no second
+    copy of the model is staged; a failure part-way leaves it refusing to generate until a refit
+    succeeds, and this rank's export still runs to its end (a sharded source's is collective)."""
     if transport.collective:
         raise ValueError(f"the {transport.name} transport needs the sender and the receiver in different processes")
     start = time.perf_counter()
@@ -156,8 +180,14 @@ def refit_local(source: Any, sink: Any, transport: TransportChoice, bucket_bytes
         drain_export(source, bucket_bytes, dtype)  # colocated ranks of a sharded source export together
         raise
     try:
-        handles = send_handles(source, transport, session, bucket_bytes, dtype)
-        version = receive_into(sink, transport, session, handles, manifest, wants=wants)
+        handles = _Held(send_handles(source, transport, session, bucket_bytes, dtype))
+        try:
+            version = receive_into(sink, transport, session, handles, manifest, pipelined=pipelined, wants=wants)
+        except BaseException:
+            if pipelined:
+                with contextlib.suppress(Exception):
+                    handles.drain()
+            raise
     finally:
         built.cleanup(session)
     return RefitReport(bytes=manifest_bytes(manifest), seconds=time.perf_counter() - start, version=version,
@@ -382,8 +412,8 @@ class RefitEndpoints:
 
     @dispatch(Fanout.ALL)
     def nrl_refit_local(self, transport: TransportChoice, bucket_bytes: int, dtype: str | None,
-                        partial: bool = False) -> RefitReport:
+                        partial: bool = False, pipelined: bool = False) -> RefitReport:
         self.record_call("refit")
         return refit_local(self._refit_from(), self._refit_into(), transport, bucket_bytes,
-                           refit_dtype(dtype), partial)
+                           refit_dtype(dtype), partial, pipelined)
 

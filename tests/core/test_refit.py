@@ -101,6 +101,51 @@ def test_in_process_refit_hands_tensors_over_by_reference() -> None:
     assert sink.checksums() == source.checksums()
 
 
+def test_a_pipelined_local_refit_loads_as_exported_and_a_failed_one_still_ends_the_export() -> None:
+    """In one process a sink that declares ``pipelined_import`` loads each bucket as it is
+    exported (the export is not over when the first tensor lands). When it stops part-way, the
+    export still runs to its end: a sharded source's ranks gather collectively, and a rank that
+    stopped would leave the others waiting."""
+    from nrl_core.refit.endpoints import refit_local
+    from nrl_core.refit.manifest import TornRefitError
+    from nrl_core.testing.refit_host import PipelinedRecordingSink
+
+    class CountingSource(RandomWeightSource):
+        """Counts the buckets it exports, and the tensors the sink had loaded before each."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.exported, self.loaded_before = 0, []
+
+        def export_weights(self, bucket_bytes: int, dtype: str):
+            for bucket in super().export_weights(bucket_bytes, dtype):
+                self.loaded_before.append(sink.loaded)
+                self.exported += 1
+                yield bucket
+
+    class StopsAfter(PipelinedRecordingSink):
+        def import_weights_pipelined(self, buckets, manifest):
+            def cut():
+                for k, bucket in enumerate(buckets):
+                    if k == 1:
+                        raise RuntimeError("the engine stopped reading")
+                    yield bucket
+            return super().import_weights_pipelined(cut(), manifest)
+
+    transport = choose_transport("same_process")
+    source, sink = CountingSource(SHAPES, seed=4), PipelinedRecordingSink()
+    refit_local(source, sink, transport, 2048, "float32", pipelined=True)
+    assert sink.checksums() == source.checksums() and source.exported > 2
+    assert source.loaded_before[1] > 0  # bucket 1 was made after bucket 0's tensors loaded
+    stopped = StopsAfter()
+    source, sink = CountingSource(SHAPES, seed=5), stopped
+    with pytest.raises(TornRefitError, match="failed after .* tensors: the engine stopped reading"):
+        refit_local(source, sink, transport, 2048, "float32", pipelined=True)
+    full, sink = CountingSource(SHAPES, seed=5), PipelinedRecordingSink()
+    refit_local(full, sink, transport, 2048, "float32", pipelined=True)
+    assert source.exported == full.exported  # the failed refit's export still ran to its end
+
+
 def test_shared_memory_in_one_process_round_trips_bf16_and_cleans_up() -> None:
     source, sink = RandomWeightSource(SHAPES, seed=2, dtype="bfloat16"), RecordingSink()
     before = set(glob.glob("/dev/shm/nrl-refit-*"))

@@ -65,6 +65,36 @@ def test_colocated_refit_in_process(actors, model_dir, prompts) -> None:
     assert out.weight_version == report.version == 1
 
 
+def test_colocated_pipelined_refit_loads_as_the_training_side_exports_and_a_torn_one(actors, model_dir,
+                                                                                     prompts) -> None:
+    """Colocated, an engine that declares ``pipelined_import`` loads each bucket as the training
+    worker exports it, so no second copy of the model is staged on its device. The proof: a
+    source that fails after two buckets leaves the engine torn (tensors reached it before the
+    export ended, which a staged refit never allows); it refuses to generate in one line until a
+    refit succeeds, then equals HF again."""
+    from nrl_core.refit.manifest import TornRefitError
+
+    colocated, _ = actors
+    colocated.call(WorkerHost.execute, functools.partial(perturb_hosted_source, seed=16, fresh_from=str(model_dir)))
+    report = refit(colocated.endpoint(0), colocated.endpoint(0), bucket_bytes=256 * 1024, pipelined=True)
+    assert (report.transport, report.placement) == ("in_process", "same_process")
+    expected = hf_greedy(hf_model(model_dir, perturb_seed=16), prompts)
+    assert _greedy(colocated, prompts).token_ids == expected
+    colocated.call(WorkerHost.execute, fail_export_after(2))
+    try:
+        with pytest.raises(TornRefitError, match=r"^vLLM engine 0: the pipelined refit to version \d+ failed after "
+                                                 r"[1-9]\d* of \d+ tensors reached the engine \(the training side "
+                                                 r"failed mid-export\)"):
+            refit(colocated.endpoint(0), colocated.endpoint(0), bucket_bytes=256 * 1024, pipelined=True)
+    finally:
+        colocated.call(WorkerHost.execute, lambda worker: delattr(worker, "export_weights"))
+    with pytest.raises(TornRefitError, match=r"^vLLM engine 0: generate with torn weights: "):
+        _greedy(colocated, prompts)
+    report = refit(colocated.endpoint(0), colocated.endpoint(0), bucket_bytes=256 * 1024, pipelined=True)
+    out = _greedy(colocated, prompts)
+    assert out.token_ids == expected and out.weight_version == report.version
+
+
 @pytest.mark.parametrize("transport, seed", [(None, 12), ("broadcast", 13)])
 def test_non_colocated_refit_across_processes(actors, model_dir, prompts, transport, seed) -> None:
     colocated, separate = actors
