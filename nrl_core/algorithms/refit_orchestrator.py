@@ -85,12 +85,12 @@ def refit(source: Any, sink: Any | Sequence[Any], transport: str | None = None,
     source's process. ``timeout_s`` bounds a collective transport's own group (``distributed_timeout_minutes``).
     ``in_flight``: the sinks (ranks of other actors) import beside the generation they may be
     streaming, in their hosts' in-flight thread, so the new weights land mid-generation.
-    ``pipelined``: the sinks declare ``pipelined_import``; in the source's process they load each
-    bucket as it is exported, over ``shared_memory`` (one node, not in flight) each chunk of a
-    bucket while the source writes the next, and a transfer that fails part-way leaves them
-    refusing to generate until a refit succeeds (:class:`~nrl_core.refit.manifest.TornRefitError`).
-    Other transports import atomically: a collective one would leave the sender and the other
-    receivers waiting in the group when one receiver stops reading early.
+    ``pipelined``: the sinks declare ``pipelined_import`` and load as the weights arrive (not in
+    flight): in the source's process each bucket as it is exported, over ``broadcast`` each bucket
+    as it is received (a sink that fails part-way reads the rest, so the group finishes), over
+    ``shared_memory`` (one node) each chunk of a bucket while the source writes the next. A transfer
+    that fails part-way leaves them refusing to generate until a refit succeeds
+    (:class:`~nrl_core.refit.manifest.TornRefitError`).
     ``partial``: the sinks declare ``partial_import``; each gets only the tensors its
     ``refit_wants`` names (the broadcast transport sends it only those).
 
@@ -144,7 +144,8 @@ def _refit_ranks(source: Any, sinks: list[Any], override: str | None, bucket_byt
     placement = "same_node" if all(s.node_id == source_node for s in sinks) else "cross_node"
     transport = choose_transport(placement, override)
     if transport.collective:
-        nbytes, versions = _collective(source, sinks, transport, bucket_bytes, dtype, timeout_s, in_flight, partial)
+        nbytes, versions = _collective(source, sinks, transport, bucket_bytes, dtype, timeout_s, in_flight, partial,
+                                       pipelined and not in_flight)
     elif pipelined and not in_flight and transport.name == PIPELINED_TRANSPORT:
         nbytes, versions = _stream_import(source, sinks, transport, bucket_bytes, dtype, timeout_s, partial)
     else:
@@ -223,9 +224,11 @@ def _gather_quietly(calls: list[tuple[Any, Any]]) -> None:
 
 def _collective(source: Any, sinks: list[Any], transport: TransportChoice, bucket_bytes: int, dtype: str | None,
                 timeout_s: float | None = None, in_flight: bool = False,
-                partial: bool = False) -> tuple[int, list[int]]:
+                partial: bool = False, pipelined: bool = False) -> tuple[int, list[int]]:
     """One sender, every sink receiving at once: broadcast, except (``partial``) what only one sink
-    loads, sent to it alone. A sink's refusal of the manifest comes before anything is sent."""
+    loads, sent to it alone. A sink's refusal of the manifest comes before anything is sent.
+    ``pipelined``: each sink loads every bucket as it arrives; one that fails part-way reads the
+    rest of the stream, so the sender and the other sinks finish."""
     from nrl_core.cluster._host import InFlightWorkerHost, WorkerHost
 
     key = _group_key(source, sinks)
@@ -247,7 +250,7 @@ def _collective(source: Any, sinks: list[Any], transport: TransportChoice, bucke
         endpoint = InFlightWorkerHost.nrl_refit_receive_in_flight if in_flight else WorkerHost.nrl_refit_receive
         pending = [(group, group.call_async(endpoint, on=ranks, per_rank_args=[
                         (transport, session.with_options(rank=receive_rank[(group, r)], skips={}), manifest,
-                         wants.get((group, r)))
+                         wants.get((group, r)), pipelined)
                         for r in ranks]))
                    for group, ranks in _by_group(sinks).items()]
         try:

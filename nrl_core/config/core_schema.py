@@ -113,8 +113,8 @@ REFIT = Section(doc="Moving trained weights into the generation engine.", fields
     "bucket_size_mb": Field(type=NUMBER, default=256.0),
     "verify": Field(type=bool, default=True, doc="check every weight against the manifest"),
     "pipelined": Field(type=bool, default=True,
-                       doc="on one node and colocated, engines that declare pipelined_import load each chunk while "
-                           "the next is written; a transfer that fails part-way then leaves them refusing to generate "
+                       doc="engines that declare pipelined_import load each bucket as it arrives (colocated, over "
+                           "broadcast, and over shared memory each chunk while the next is written); a transfer that fails part-way then leaves them refusing to generate "
                            "until a refit succeeds (false: stage the whole model first, a failed refit keeps the old "
                            "weights)"),
     "adapters": Field(type=bool, default=False,

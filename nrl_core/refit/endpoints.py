@@ -116,14 +116,23 @@ def receive_into(sink: Any, transport: TransportChoice, session: RefitSession, h
     caller: other receivers may still be reading the same handles."""
     receiver = transport.build().receiver(session)
     load = sink.import_weights_pipelined if pipelined else sink.import_weights
+    held = None
     try:
         buckets = receiver.buckets(handles)
+        if pipelined and transport.collective:  # the sender and the other receivers go on to the end
+            buckets = held = _Held(buckets)
         if wants is not None:
             part = wanted_part(manifest, wants)
             kept = {spec.name for spec in part}
             buckets = _without(buckets, frozenset(spec.name for spec in manifest if spec.name not in kept))
             manifest = part
-        return int(load(buckets, manifest))
+        try:
+            return int(load(buckets, manifest))
+        except BaseException:
+            if held is not None:  # read the rest of the stream: a receiver that stops blocks the group
+                with contextlib.suppress(Exception):
+                    held.drain()
+            raise
     finally:
         receiver.close()
 
@@ -391,10 +400,11 @@ class RefitEndpoints:
 
     @dispatch(Fanout.DP)
     def nrl_refit_receive(self, transport: TransportChoice, session: RefitSession, manifest: list[WeightSpec],
-                          wants: list[str] | None = None) -> int:
+                          wants: list[str] | None = None, pipelined: bool = False) -> int:
         """The receiving half of a collective transport (the bytes arrive out of band); the new
-        weight version. ``wants``: what :meth:`nrl_refit_wants` answered for this rank."""
-        return receive_into(self._refit_into(), transport, session, (), manifest, wants=wants)
+        weight version. ``wants``: what :meth:`nrl_refit_wants` answered for this rank;
+        ``pipelined``: load each bucket as it arrives (the sink declares ``pipelined_import``)."""
+        return receive_into(self._refit_into(), transport, session, (), manifest, pipelined=pipelined, wants=wants)
 
     @dispatch(Fanout.ALL, Gather.NONE)
     def nrl_refit_drain(self, bucket_bytes: int, dtype: str | None) -> None:

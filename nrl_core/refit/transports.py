@@ -534,6 +534,7 @@ class _BroadcastSender:
     def __init__(self, session: RefitSession) -> None:
         self._key = session.options.get("group_key")
         self._group = _group_for(session, rank=0)
+        self._failed = False
         self._receivers = range(1, int(session.options["world_size"]))
         self._skips = {int(rank): frozenset(names) for rank, names in (session.options.get("skips") or {}).items()}
 
@@ -541,6 +542,7 @@ class _BroadcastSender:
         try:
             self._send(bucket)
         except BaseException:
+            self._failed = True
             drop_group(self._key)  # a stream cut part-way leaves the group out of step
             raise
 
@@ -565,6 +567,8 @@ class _BroadcastSender:
     def close(self) -> None:
         import torch
 
+        if self._failed:  # the group is gone with the failure, which is what the caller sees
+            return
         try:
             self._group.broadcast(torch.zeros(2, dtype=torch.int64, device=self._group.device))  # end of stream
         except BaseException:

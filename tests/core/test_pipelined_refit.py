@@ -268,15 +268,51 @@ def test_a_source_that_dies_mid_export_ends_the_sinks_wait_at_once(ray_groups, t
     assert not _channel_files(others)  # the sink that saw the exporter gone removed its channel
 
 
+def _shift_weights(worker: Any) -> None:
+    """``WorkerHost.execute`` target: the source's weights change (a training step's stand-in)."""
+    for tensor in worker.tensors.values():
+        tensor.add_(1.0)
+
+
+def _stop_reading_after_first_bucket(worker: Any) -> None:
+    """``WorkerHost.execute`` target: this sink's next pipelined import stops after one bucket."""
+    real = type(worker).import_weights_pipelined.__get__(worker)
+
+    def import_weights_pipelined(buckets: Any, manifest: Any) -> int:
+        def cut() -> Iterator[Any]:
+            for k, bucket in enumerate(buckets):
+                if k == 1:
+                    raise RuntimeError("the engine stopped reading")
+                yield bucket
+        del worker.import_weights_pipelined  # once
+        return real(cut(), manifest)
+
+    worker.import_weights_pipelined = import_weights_pipelined
+
+
 @pytest.mark.slow
-def test_the_broadcast_transport_imports_atomically_even_when_asked_to_pipeline(ray_groups) -> None:
-    """A receiver that stopped reading a collective early would leave the sender and the other
-    receivers waiting in the group: pipelining runs over shared memory only."""
+def test_broadcast_receivers_load_as_it_arrives_and_one_that_stops_still_lets_the_group_finish(ray_groups) -> None:
+    """Over the broadcast group each pipelined sink loads a bucket as it arrives. One that stops
+    part-way reads the rest of the stream, so the sender and the other sink finish: that one has
+    every weight, the stopped one is torn until the next refit, which goes through the same group."""
     from nrl_core.cluster._host import WorkerHost
+    from nrl_core.refit.manifest import TornRefitError
 
     source, sinks = ray_groups
     sinks.call(WorkerHost.execute, lambda worker: setattr(worker, "loaded", 0))
     report = refit(source.endpoint(0), _sinks(sinks), transport="broadcast", bucket_bytes=2048, pipelined=True)
     assert report.transport == "broadcast"
-    assert sinks.call(WorkerHost.execute, lambda worker: worker.loaded) == [0, 0]  # import_weights, not pipelined
+    tensors = len(RandomWeightSource(SHAPES).weight_manifest("float32"))
+    assert sinks.call(WorkerHost.execute, lambda worker: worker.loaded) == [tensors, tensors]  # as they came
+    assert sinks.call("checksums") == [source.call("checksums", on=0)] * 2
+    source.call(WorkerHost.execute, _shift_weights, on=0)  # new weights: a torn sink then holds a mix
+    sinks.call(WorkerHost.execute, _stop_reading_after_first_bucket, on=0)
+    with pytest.raises(TornRefitError, match="the engine stopped reading"):  # a group left waiting: a timeout
+        refit(source.endpoint(0), _sinks(sinks), transport="broadcast", bucket_bytes=2048, pipelined=True,
+              timeout_s=60)
+    torn = sinks.call(WorkerHost.execute, lambda worker: worker.torn)
+    assert torn[0] and "the engine stopped reading" in torn[0] and torn[1] is None
+    assert sinks.call("checksums", on=1) == source.call("checksums", on=0)  # the other sink got it all
+    refit(source.endpoint(0), _sinks(sinks), transport="broadcast", bucket_bytes=2048, pipelined=True)
+    assert sinks.call(WorkerHost.execute, lambda worker: worker.torn) == [None, None]
     assert sinks.call("checksums") == [source.call("checksums", on=0)] * 2

@@ -95,6 +95,33 @@ def test_colocated_pipelined_refit_loads_as_the_training_side_exports_and_a_torn
     assert out.token_ids == expected and out.weight_version == report.version
 
 
+def test_a_pipelined_broadcast_refit_loads_as_it_arrives_and_a_torn_one(actors, model_dir, prompts) -> None:
+    """Over the broadcast group an engine that declares ``pipelined_import`` loads each bucket as it
+    arrives: a sender that fails after two buckets leaves it torn (tensors reached it before the
+    stream ended), refusing to generate until a refit through the same group succeeds."""
+    from nrl_core.cluster import WorkerRaisedError
+    from nrl_core.refit.manifest import TornRefitError
+
+    colocated, separate = actors
+    separate.call(WorkerHost.execute, functools.partial(perturb_hosted_source, seed=17, fresh_from=str(model_dir)))
+    refit(separate.endpoint(0), colocated.endpoint(0), transport="broadcast", bucket_bytes=256 * 1024, pipelined=True)
+    expected = hf_greedy(hf_model(model_dir, perturb_seed=17), prompts)
+    assert _greedy(colocated, prompts).token_ids == expected
+    separate.call(WorkerHost.execute, fail_export_after(2))
+    try:
+        with pytest.raises((WorkerRaisedError, TornRefitError), match="the training side failed mid-export"):
+            refit(separate.endpoint(0), colocated.endpoint(0), transport="broadcast", bucket_bytes=256 * 1024,
+                  pipelined=True)
+    finally:
+        separate.call(WorkerHost.execute, lambda worker: delattr(worker, "export_weights"))
+    with pytest.raises(TornRefitError, match=r"^vLLM engine 0: generate with torn weights: the pipelined refit"):
+        _greedy(colocated, prompts)
+    report = refit(separate.endpoint(0), colocated.endpoint(0), transport="broadcast", bucket_bytes=256 * 1024,
+                   pipelined=True)
+    out = _greedy(colocated, prompts)
+    assert out.token_ids == expected and out.weight_version == report.version
+
+
 @pytest.mark.parametrize("transport, seed", [(None, 12), ("broadcast", 13)])
 def test_non_colocated_refit_across_processes(actors, model_dir, prompts, transport, seed) -> None:
     colocated, separate = actors
