@@ -148,7 +148,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
     choice = choose_backends(config, runtime.plugins, generation=spec.generates, warn=False)  # the run warns
     from nrl_core.plan import check_plan
 
-    check_plan(config, runtime.plugins)  # a run that cannot fit where it runs: one line before anything starts
+    # a run on this machine that cannot fit: one line before anything starts, not an out-of-memory
+    # minutes in (torch is imported by now; a cluster's devices are not the driver's to measure)
+    check_plan(config, runtime.plugins, here_only=True)
     with runtime.policy_launched_early(config, spec, choice.training, choice.generation):  # they import meanwhile
         with long_lived_objects(freeze=False):  # imports torch and transformers: no collection while they load
             check_selected_backends(config, runtime.plugins, algorithm=args.algorithm)

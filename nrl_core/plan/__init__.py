@@ -49,6 +49,7 @@ class Devices:
     source: str
     shared_by: int = 1
     kind: str = "cuda"
+    here: bool = False  # the run's devices are this machine's (a local run), not a figure given or assumed
 
 
 @dataclass(frozen=True)
@@ -80,13 +81,14 @@ def detect_devices(runs_here: bool, ranks_here: int, given_gib: float | None = N
 
     if torch.cuda.is_available():
         total = torch.cuda.get_device_properties(0).total_memory
-        return Devices(total, f"{total / GiB:.0f} GiB each (detected: {torch.cuda.get_device_name(0)})")
+        return Devices(total, f"{total / GiB:.0f} GiB each (detected: {torch.cuda.get_device_name(0)})",
+                       here=runs_here)
     if runs_here:
         import psutil
 
         total = psutil.virtual_memory().total
         return Devices(total, f"this machine's {total / GiB:.0f} GiB, shared by its {ranks_here} training "
-                              f"ranks (a run without GPUs)", shared_by=ranks_here, kind="cpu")
+                              f"ranks (a run without GPUs)", shared_by=ranks_here, kind="cpu", here=True)
     return Devices(None, f"not known here; {ASSUMED_DEVICE_GIB} GiB each assumed for the table, nothing refused")
 
 
@@ -178,13 +180,22 @@ def _engine_role(policy: Mapping[str, Any], generation: Mapping[str, Any], spec:
                       placement=f"{topo.num_engines} engines of {topo.engine_size} ranks")
 
 
-def check_plan(config: Mapping[str, Any], pm: Any, *, device_gib: float | None = None) -> MemoryPlan | str:
+def check_plan(config: Mapping[str, Any], pm: Any, *, device_gib: float | None = None,
+               here_only: bool = False) -> MemoryPlan | str:
     """For ``nrl config check``: the plan, or why there is none (a model whose config is not
-    here). Raises the one-line refusal when it cannot fit."""
+    here). Raises the one-line refusal when it cannot fit. ``here_only`` (``nrl train``, which has
+    no way to say otherwise): refuse only a run whose devices are this machine's, not a cluster's
+    measured on the driver."""
     try:
         plan = plan_memory(config, pm, device_gib=device_gib)
     except NrlError as exc:  # the model's config not here, a plugin's layout that does not import
         return f"no memory plan: {exc}"
+    except Exception as exc:  # a plan the planner cannot make (a config it does not model) blocks no run
+        if not here_only:
+            raise
+        return f"no memory plan: {type(exc).__name__}: {exc}"
+    if here_only and not plan.devices.here:
+        return plan
     problem = refusal(plan)
     if problem is not None:
         raise NrlError(f"memory: {problem}")

@@ -115,6 +115,7 @@ def receive_into(sink: Any, transport: TransportChoice, session: RefitSession, h
     then gets only those tensors and a manifest of only those. Leaves the transport's cleanup to the
     caller: other receivers may still be reading the same handles."""
     receiver = transport.build().receiver(session)
+    pipelined = pipelined and hasattr(sink, "import_weights_pipelined")  # adapter sinks import atomically
     load = sink.import_weights_pipelined if pipelined else sink.import_weights
     held = None
     try:
@@ -128,7 +129,7 @@ def receive_into(sink: Any, transport: TransportChoice, session: RefitSession, h
             manifest = part
         try:
             return int(load(buckets, manifest))
-        except BaseException:
+        except Exception:
             if held is not None:  # read the rest of the stream: a receiver that stops blocks the group
                 with contextlib.suppress(Exception):
                     held.drain()
@@ -192,7 +193,7 @@ def refit_local(source: Any, sink: Any, transport: TransportChoice, bucket_bytes
         handles = _Held(send_handles(source, transport, session, bucket_bytes, dtype))
         try:
             version = receive_into(sink, transport, session, handles, manifest, pipelined=pipelined, wants=wants)
-        except BaseException:
+        except Exception:
             if pipelined:
                 with contextlib.suppress(Exception):
                     handles.drain()

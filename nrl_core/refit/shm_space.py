@@ -34,7 +34,11 @@ def free_bytes(directory: str) -> int:
     stat = os.statvfs(directory)
     free = stat.f_bavail * stat.f_frsize
     cap = os.environ.get(FREE_BYTES_VARIABLE, "").strip()
-    return min(free, int(cap)) if cap else free
+    if not cap:
+        return free
+    if not cap.isdigit():
+        raise NrlError(f"{FREE_BYTES_VARIABLE}={cap!r}: not a number of bytes; set it to one or unset it")
+    return min(free, int(cap))
 
 
 def space_error(directory: str, needed: int, free: int, what: str) -> NrlError:

@@ -441,12 +441,13 @@ class _Group:
         self.shape = (backend, size, rank)
         _GROUPS_FORMED["count"] += 1
 
-    def destroy(self) -> None:
-        """Free the communicator (NCCL's, which lives until shut down) and the store."""
-        shutdown = getattr(self._pg, "shutdown", None)
-        if callable(shutdown):
+    def destroy(self, failed: bool = False) -> None:
+        """Free the communicator (NCCL's lives until shut down) and the store: after a failure
+        ``abort``, which does not wait on peers that may be gone; else ``shutdown``."""
+        end = getattr(self._pg, "abort" if failed else "shutdown", None)
+        if callable(end):
             with contextlib.suppress(Exception):
-                shutdown()
+                end()
         self._pg = self._store = None
 
     def broadcast(self, tensor: torch.Tensor) -> None:
@@ -480,22 +481,29 @@ def _group_for(session: RefitSession, rank: int) -> _Group:
         return group
     group = _Group(session, rank)
     if key:
-        drop_group(key)
+        drop_group(key, failed=False)  # the members form it anew: the driver saw a refit through it fail
         _LASTING[key] = group
     return group
 
 
-def drop_group(key: str | None) -> None:
-    """Destroy this process's group of ``key`` (a refit through it failed, or the run ends)."""
-    group = _LASTING.pop(key, None) if key else None
+def drop_group(key: str | None, group: _Group | None = None, failed: bool = True) -> None:
+    """Destroy ``group`` (a refit through it failed), forgetting it under ``key`` only if it is
+    the one held there: a late failure of an old refit must not destroy the group a newer one
+    formed under the same key. Without ``group``: whatever ``key`` holds (the run ends)."""
+    if not key:
+        if group is not None:
+            group.destroy(failed)
+        return
+    if group is None or _LASTING.get(key) is group:
+        group = _LASTING.pop(key, None)
     if group is not None:
-        group.destroy()
+        group.destroy(failed)
 
 
 def release_refit_groups() -> None:
     """Destroy every group this process holds for refits (at shutdown)."""
     for key in list(_LASTING):
-        drop_group(key)
+        drop_group(key, failed=False)
 
 
 def broadcast_groups_formed() -> int:
@@ -543,7 +551,7 @@ class _BroadcastSender:
             self._send(bucket)
         except BaseException:
             self._failed = True
-            drop_group(self._key)  # a stream cut part-way leaves the group out of step
+            drop_group(self._key, self._group)  # a stream cut part-way leaves the group out of step
             raise
 
     def _send(self, bucket: Bucket) -> None:
@@ -572,7 +580,7 @@ class _BroadcastSender:
         try:
             self._group.broadcast(torch.zeros(2, dtype=torch.int64, device=self._group.device))  # end of stream
         except BaseException:
-            drop_group(self._key)
+            drop_group(self._key, self._group)
             raise
 
 
@@ -601,7 +609,7 @@ class _BroadcastReceiver:
             ended = True
         finally:
             if not ended:  # a failure here, or a reader that stopped early: the group is out of step
-                drop_group(self._key)
+                drop_group(self._key, self._group)
 
     def _buckets(self) -> Iterator[Bucket]:
         import torch

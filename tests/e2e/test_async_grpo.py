@@ -150,11 +150,11 @@ def _strike_mid_run(tmp_path: Path, model: Path, pick_victim, sig: int, *overrid
     return text, exited_after, victim
 
 
-def _title(pid: int) -> str:
+def _title(pid: int, limit: int | None = 120) -> str:
     """A process's title (its command line, as vLLM and Ray set it), for naming what was left."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:120]
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:limit]
     except OSError:
         return "?"
 
@@ -194,7 +194,7 @@ def _awaited_title(root: int, prefix: str, within_s: float = 30.0, untitled: str
         if len(found) == 1:
             return found[0]
         if time.monotonic() > deadline:
-            fallback = [pid for pid in tree if untitled and untitled in _title(pid)]
+            fallback = [pid for pid in tree if untitled and untitled in _title(pid, limit=None)]
             if not found and len(fallback) == 1:
                 return fallback[0]
             raise AssertionError(f"{len(found)} processes titled {prefix} under pid {root}; its tree: "

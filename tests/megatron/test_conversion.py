@@ -69,8 +69,8 @@ def counting_conversion_memory() -> Iterator[dict[str, Any]]:
     each part's), and every HF tensor it reads, counted as it goes."""
     from nrl_backend_megatron.convert import sharded
 
-    seen: dict[str, Any] = {"live": 0, "peak": 0, "parts": [], "reads": []}
-    give, open_ = sharded._give_memory, sharded.SafetensorsReader.open
+    seen: dict[str, Any] = {"live": 0, "peak": 0, "parts": [], "reads": [], "warnings": []}
+    give, open_, warn = sharded._give_memory, sharded.SafetensorsReader.open, sharded.logger.warning
 
     def counted_give(model: Any, name: str, device: str = "cpu") -> Any:
         param = give(model, name, device)
@@ -85,10 +85,11 @@ def counting_conversion_memory() -> Iterator[dict[str, Any]]:
             yield lambda name: seen["reads"].append(name) or get(name)
 
     sharded._give_memory, sharded.SafetensorsReader.open = counted_give, counted_open
+    sharded.logger.warning = lambda message, *args: seen["warnings"].append(message % args)
     try:
         yield seen
     finally:
-        sharded._give_memory, sharded.SafetensorsReader.open = give, open_
+        sharded._give_memory, sharded.SafetensorsReader.open, sharded.logger.warning = give, open_, warn
 
 
 def world1(rank: int, world: int, path: str) -> dict[str, Any]:
@@ -167,15 +168,16 @@ def test_tp1_conversion_loads_at_tp2_and_pp2_each_rank_reading_its_part(runs) ->
 
 @pytest.mark.slow
 def test_the_conversion_holds_one_part_at_a_time_and_reads_each_hf_tensor_once(runs) -> None:
-    """Counted, so it holds at any size: the parameters given memory at once never exceed the
-    largest part (one decoder layer, or one module outside them), which is less than the model,
-    and each HF tensor is read exactly once."""
+    """Counted, so it holds at any size: the model is built on the meta device, the parameters
+    given memory at once never exceed the largest part (one decoder layer, or one module outside
+    them), which is less than the model, and each HF tensor is read exactly once."""
     one, _ = runs
     seen = one["conversion"]
     assert seen["live"] == 0 and all(live == 0 for live in seen["parts"])  # each part dropped before the next
     assert len(seen["parts"]) == 5  # embedding, 2 layers, final norm, head
     assert 0 < seen["peak"] < 0.5 * one["model_bytes"]
     assert sorted(seen["reads"]) == one["hf"]
+    assert not seen["warnings"]  # built on the meta device: no parameter had memory before its part
 
 
 @pytest.mark.slow

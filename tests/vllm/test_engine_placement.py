@@ -49,11 +49,13 @@ def test_an_engine_at_tensor_parallel_2_in_two_actors_of_one_gpu_each() -> None:
         assert launcher["engine_kwargs"] == {"disable_custom_all_reduce": True}
         [warning] = launcher["warnings"]
         assert warning.startswith("PYTORCH_CUDA_ALLOC_CONF: expandable_segments removed for the vLLM engine")
+        assert launcher["allocator_settings"] == "expandable_segments:False"  # this process's allocator too
         spawning = placed["spawning"]  # the first rank starts both workers; vLLM numbers them 0 and 1
         assert spawning["env"]["CUDA_VISIBLE_DEVICES"] == "3,5"
         assert all(spawning["env"][name] == "" for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"))
         assert spawning["engine_kwargs"] == {} and spawning["warnings"] == ()  # not colocated: no sleep mode
-        assert placed["one_gpu"] == {"env": {"LOCAL_RANK": "0"}, "engine_kwargs": {}, "warnings": ()}
+        assert placed["one_gpu"] == {"env": {"LOCAL_RANK": "0"}, "engine_kwargs": {}, "warnings": (),
+                                     "allocator_settings": None}
 
 
 def test_on_the_cpu_nothing_of_it_applies_but_thread_binding() -> None:
@@ -62,5 +64,6 @@ def test_on_the_cpu_nothing_of_it_applies_but_thread_binding() -> None:
     placed = run_distributed(_cpu, 2)
     for rank in range(2):
         assert placed[rank]["engine_kwargs"] == {} and placed[rank]["warnings"] == ()
+        assert placed[rank]["allocator_settings"] is None
         assert placed[rank]["env"]["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
         assert "CUDA_VISIBLE_DEVICES" not in placed[rank]["env"] and "PYTORCH_CUDA_ALLOC_CONF" not in placed[rank]["env"]

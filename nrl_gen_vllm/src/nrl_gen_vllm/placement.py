@@ -3,15 +3,18 @@
 Why: Ray gives each actor its own GPU (``CUDA_VISIBLE_DEVICES`` of one device), while vLLM assumes
 a process that starts its tensor-parallel workers itself, on devices it can all see. So:
 
-* an engine rank in its own actor (vLLM's ``external_launcher``, and the first rank of an async
-  engine) sees its one GPU as ``cuda:0``: ``LOCAL_RANK`` is 0, whatever the rank's place on the node;
-* an async engine's workers, which its first rank spawns, see the devices of all the engine's
-  ranks (gathered over the generation group) and number them 0..tp-1 themselves;
+* an engine rank in its own actor (vLLM's ``external_launcher``, or an engine of one rank) sees
+  its one GPU as ``cuda:0``: ``LOCAL_RANK`` is 0, whatever the rank's place on the node;
+* an async engine's workers at tensor parallel 2+, which its first rank spawns, see the devices
+  of all the engine's ranks (gathered over the generation group) and number them 0..tp-1
+  themselves, so this group's ``LOCAL_RANK`` is hidden from them;
 * vLLM's custom all-reduce exchanges CUDA IPC handles with peer devices it expects to see, which
   an actor that sees one GPU cannot: it is off for ``external_launcher`` engines at tensor
   parallel 2+ (``vllm_kwargs.disable_custom_all_reduce`` still overrides);
 * sleep mode's allocator refuses ``expandable_segments:True`` in ``PYTORCH_CUDA_ALLOC_CONF``,
-  common in NeMo RL's recipes: the setting is removed for the engine, with one warning.
+  common in NeMo RL's recipes: the setting is removed from what the engine's processes see, and
+  turned off in this process's allocator (which read the variable when CUDA started), with one
+  warning.
 """
 
 from __future__ import annotations
@@ -37,6 +40,13 @@ class Placement:
     env: dict[str, str] = field(default_factory=dict)
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     warnings: tuple[str, ...] = ()
+    allocator_settings: str | None = None  # for this process's CUDA allocator, set before the engine starts
+
+    def apply_allocator_settings(self) -> None:
+        import torch
+
+        if self.allocator_settings and torch.cuda.is_available():
+            torch.cuda.memory._set_allocator_settings(self.allocator_settings)
 
 
 def engine_placement(rank: int, tp: int, *, spawns_workers: bool, external_launcher: bool, sleep_mode: bool) -> Placement:
@@ -60,12 +70,14 @@ def engine_placement(rank: int, tp: int, *, spawns_workers: bool, external_launc
     if cuda and external_launcher and tp > 1:
         kwargs["disable_custom_all_reduce"] = True
     conf = os.environ.get(ALLOC_CONF, "")
+    allocator = None
     if cuda and sleep_mode and "expandable_segments:true" in conf.replace(" ", "").lower():
         kept = ",".join(part for part in conf.split(",") if not part.replace(" ", "").lower().startswith("expandable_segments"))
         env[ALLOC_CONF] = kept
+        allocator = "expandable_segments:False"
         warnings.append(f"{ALLOC_CONF}: expandable_segments removed for the vLLM engine (its sleep mode's allocator "
-                        f"refuses it); {ALLOC_CONF} is now {kept!r} there")
-    return Placement(env, kwargs, tuple(warnings))
+                        f"refuses it) and turned off in this process; {ALLOC_CONF} is now {kept!r} there")
+    return Placement(env, kwargs, tuple(warnings), allocator)
 
 
 def _engine_devices(rank: int, tp: int) -> list[str]:

@@ -182,6 +182,7 @@ class VllmGenerationWorker:
         engine_kwargs = {**placement.engine_kwargs, **engine_kwargs}  # what the recipe sets wins
         for warning in placement.warnings:
             logger.warning("vLLM engine %d: %s", self.engine_index, warning)
+        placement.apply_allocator_settings()
         tokenizer = (policy.get("tokenizer") or {}).get("name") or self.model_dir
         start = time.perf_counter()
         mark("vllm_engine_start", rank=rank)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -39,6 +40,8 @@ from nrl_core.api import NrlError
 
 __all__ = ["CHUNKS_PER_AXIS", "convert_in_subprocess", "fine_grained", "load_hf_state", "load_shard",
            "save_conversion", "write_sharded"]
+
+logger = logging.getLogger(__name__)
 
 CHUNKS_PER_AXIS = 8
 # torchrun-style variables of the rank that spawns the converter; the converter is its own world
@@ -136,8 +139,17 @@ def save_conversion(model_path: str, out_dir: str, megatron_cfg: Mapping[str, An
         dtype = reader.floating_dtype()
         config = transformer_config(hf_config, ParallelLayout(), params_dtype=dtype, bf16=dtype == torch.bfloat16,
                                     fp16=dtype == torch.float16, moe=megatron_cfg)
+        # Megatron's layers name the CUDA device themselves unless told to initialise on the CPU, and
+        # Transformer Engine's unless told to use the meta device: then nothing escapes the context
+        config.use_cpu_initialization, config.perform_initialization = True, False
+        if hasattr(config, "init_model_with_meta_device"):
+            config.init_model_with_meta_device = True
         with torch.device("meta"):
             model = build_gpt_model(hf_config, config, pre_process=True, post_process=True)
+        held = sorted(name for name, param in model.named_parameters() if not param.is_meta)
+        if held:
+            logger.warning("the conversion built %d parameters with memory (%s, ...) instead of on the meta device; "
+                           "it holds them until their part is saved", len(held), held[0])
         canonical = {name: canon for canon, (name, _) in canonical_param_names(model).items()}
         parts: list[dict[str, Any]] = []
         for index, (group, names) in enumerate(_parts(model)):
@@ -148,6 +160,7 @@ def save_conversion(model_path: str, out_dir: str, megatron_cfg: Mapping[str, An
                         raise NrlError(f"shape mismatch for '{canonical[name]}': checkpoint {tuple(tensor.shape)} vs "
                                        f"model {tuple(param.shape)}")
                     param.copy_(tensor)
+                    del tensor, param  # the part's last tensor (and the file it maps) not kept into the next
             sharded = {k: v for k, v in model.sharded_state_dict(metadata=dict(PER_LAYER)).items() if _part_of(k) == group}
             keys = sorted({v.key for v in sharded.values()})
             directory = f"part-{index:05d}"
@@ -211,16 +224,17 @@ class SafetensorsReader:
             with safe_open(str(file), "pt") as f:
                 self.where.update(dict.fromkeys(f.keys(), file))
 
-    def floating_dtype(self) -> torch.dtype:
-        """The dtype of the checkpoint's first floating-point tensor (float32 when there is none)."""
+    def floating_dtype(self, name: str = "model.embed_tokens.weight") -> torch.dtype:
+        """The dtype of tensor ``name`` (the embedding's: the model's precision), else of the first
+        floating-point tensor, else float32."""
         from safetensors import safe_open
 
-        for file in self.files:
-            with safe_open(str(file), "pt") as f:
-                for key in f.keys():
-                    dtype = f.get_slice(key).get_dtype()
-                    if dtype in _FLOATING:
-                        return _FLOATING[dtype]
+        keys = [name] if name in self.where else []
+        for key in keys + sorted(self.where):
+            with safe_open(str(self.where[key]), "pt") as f:
+                dtype = f.get_slice(key).get_dtype()
+            if dtype in _FLOATING:
+                return _FLOATING[dtype]
         return torch.float32
 
     @contextlib.contextmanager
@@ -302,13 +316,20 @@ def _load_parts(wanted: dict[str, Any], path: Path) -> dict[str, Any]:
     """``wanted`` (a model's sharded state) from a conversion saved part by part: each part loads
     the entries whose keys it holds (on every rank, so a rank that holds none of a part's keys
     still takes part in its collective load); an entry no part holds is refused."""
+    import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
     parts = json.loads((path / PARTS).read_text())["parts"]
     held = {key: part["dir"] for part in parts for key in part["keys"]}
     missing = sorted({v.key for v in wanted.values()} - held.keys())
-    if missing:
-        raise NrlError(f"{path} does not match the model: it holds no {missing[:4]}; delete it to convert again")
+    problem = f"{path} does not match the model: it holds no {missing[:4]}; delete it to convert again" \
+        if missing else None
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:  # every rank stops, none waits
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, problem)
+        problem = next((p for p in every if p), None)
+    if problem:
+        raise NrlError(problem)
     state: dict[str, Any] = {}
     for part in parts:
         subset = {k: v for k, v in wanted.items() if held[v.key] == part["dir"]}
