@@ -40,9 +40,9 @@ class ChannelAddress:
 
 def channel_directory() -> str:
     """``/dev/shm`` where it is writable (the same answer on every process of a node)."""
-    from nrl_core.refit.transports import _shm_dir
+    from nrl_core.refit.shm_space import shm_dir
 
-    return _shm_dir()
+    return shm_dir()
 
 
 def remove_channel(address: ChannelAddress) -> None:

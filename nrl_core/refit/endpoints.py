@@ -117,23 +117,15 @@ def receive_into(sink: Any, transport: TransportChoice, session: RefitSession, h
     receiver = transport.build().receiver(session)
     pipelined = pipelined and hasattr(sink, "import_weights_pipelined")  # adapter sinks import atomically
     load = sink.import_weights_pipelined if pipelined else sink.import_weights
-    held = None
     try:
-        buckets = receiver.buckets(handles)
-        if pipelined and transport.collective:  # the sender and the other receivers go on to the end
-            buckets = held = _Held(buckets)
-        if wants is not None:
-            part = wanted_part(manifest, wants)
-            kept = {spec.name for spec in part}
-            buckets = _without(buckets, frozenset(spec.name for spec in manifest if spec.name not in kept))
-            manifest = part
-        try:
+        # a receiver that stops part-way reads the rest: the sender and the other receivers go on to the end
+        with _read_to_the_end(receiver.buckets(handles), pipelined and transport.collective) as buckets:
+            if wants is not None:
+                part = wanted_part(manifest, wants)
+                kept = {spec.name for spec in part}
+                buckets = _without(buckets, frozenset(spec.name for spec in manifest if spec.name not in kept))
+                manifest = part
             return int(load(buckets, manifest))
-        except Exception:
-            if held is not None:  # read the rest of the stream: a receiver that stops blocks the group
-                with contextlib.suppress(Exception):
-                    held.drain()
-            raise
     finally:
         receiver.close()
 
@@ -154,8 +146,7 @@ def local_wants(sink: Any, manifest: list[WeightSpec], partial: bool) -> list[st
 
 
 class _Held:
-    """An iterator its consumer cannot close: a sharded source's export gathers collectively, so
-    it must run to its end on every rank, also after this rank's import stopped reading."""
+    """An iterator its consumer cannot close (it has no ``close`` for a generator to pass on)."""
 
     def __init__(self, items: Iterable[Any]) -> None:
         self._items = iter(items)
@@ -166,9 +157,23 @@ class _Held:
     def __next__(self) -> Any:
         return next(self._items)
 
-    def drain(self) -> None:
-        for _ in self._items:
-            pass
+
+@contextlib.contextmanager
+def _read_to_the_end(items: Iterable[Any], needed: bool) -> Iterator[Iterable[Any]]:
+    """``items`` for a consumer that may fail part-way; when ``needed``, the rest is read after its
+    failure: a collective stream (a sharded source's export gathers, a broadcast group) must run
+    to its end on every rank, also after this rank's import stopped reading."""
+    if not needed:
+        yield items
+        return
+    held = _Held(items)
+    try:
+        yield held
+    except Exception:
+        with contextlib.suppress(Exception):
+            for _ in held:
+                pass
+        raise
 
 
 def refit_local(source: Any, sink: Any, transport: TransportChoice, bucket_bytes: int, dtype: str,
@@ -190,14 +195,8 @@ def refit_local(source: Any, sink: Any, transport: TransportChoice, bucket_bytes
         drain_export(source, bucket_bytes, dtype)  # colocated ranks of a sharded source export together
         raise
     try:
-        handles = _Held(send_handles(source, transport, session, bucket_bytes, dtype))
-        try:
+        with _read_to_the_end(send_handles(source, transport, session, bucket_bytes, dtype), pipelined) as handles:
             version = receive_into(sink, transport, session, handles, manifest, pipelined=pipelined, wants=wants)
-        except Exception:
-            if pipelined:
-                with contextlib.suppress(Exception):
-                    handles.drain()
-            raise
     finally:
         built.cleanup(session)
     return RefitReport(bytes=manifest_bytes(manifest), seconds=time.perf_counter() - start, version=version,

@@ -188,10 +188,6 @@ def views_of(flat: torch.Tensor, layout: PackedLayout) -> Bucket:
 # --------------------------------------------------------------------------- shared_memory
 
 
-def _shm_dir() -> str:
-    return shm_dir()
-
-
 @dataclass(frozen=True)
 class ShmHandle:
     path: str
@@ -297,7 +293,7 @@ def release_shared_buffers() -> None:
 
 class _ShmSender:
     def __init__(self, session: RefitSession) -> None:
-        directory = session.options.get("shm_dir") or _shm_dir()
+        directory = session.options.get("shm_dir") or shm_dir()
         self._reuse = bool(session.options.get("reuse_buffers", True))
         self._prefix = os.path.join(directory, f"nrl-refit-{session.id}-")
         self._pool = _SENDER_POOLS.setdefault(directory, _SenderPool(directory)) if self._reuse else None
@@ -372,7 +368,7 @@ class SharedMemoryTransport:
     name = "shared_memory"
 
     def prepare(self, session: RefitSession) -> RefitSession:
-        return session.with_options(shm_dir=session.options.get("shm_dir") or _shm_dir())
+        return session.with_options(shm_dir=session.options.get("shm_dir") or shm_dir())
 
     def sender(self, session: RefitSession) -> TransportSender:
         return _ShmSender(session)
@@ -381,7 +377,7 @@ class SharedMemoryTransport:
         return _ShmReceiver()
 
     def cleanup(self, session: RefitSession) -> None:
-        directory = session.options.get("shm_dir") or _shm_dir()
+        directory = session.options.get("shm_dir") or shm_dir()
         for path in glob.glob(os.path.join(directory, f"nrl-refit-{session.id}-*")):
             _unlink(path)
 

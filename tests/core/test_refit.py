@@ -180,7 +180,7 @@ def test_smaller_buckets_are_written_into_the_mappings_already_held() -> None:
     try:
         sink = RecordingSink()
         refit(RandomWeightSource(SHAPES, seed=8), sink, transport="shared_memory", bucket_bytes=2**20)  # one bucket
-        pool = transports._SENDER_POOLS[transports._shm_dir()]
+        pool = transports._SENDER_POOLS[transports.shm_dir()]
         sent = {index: flat.data_ptr() for index, flat in pool.maps.items()}
         read = {path: held.flat.data_ptr() for path, held in transports._RECEIVER_MAPS.items()}
         second = RandomWeightSource(SHAPES, seed=9)
@@ -202,7 +202,7 @@ def test_a_receiver_reads_a_pool_file_made_again_under_its_name_not_its_old_mapp
     try:
         sink = RecordingSink()
         refit(RandomWeightSource(SHAPES, seed=10), sink, transport="shared_memory", bucket_bytes=2**20)
-        transports._SENDER_POOLS[transports._shm_dir()].release()  # the sender's side only
+        transports._SENDER_POOLS[transports.shm_dir()].release()  # the sender's side only
         second = RandomWeightSource(SHAPES, seed=11)
         refit(second, sink, transport="shared_memory", bucket_bytes=2**20)  # the same file names and sizes
         assert all(torch.equal(sink.received[name], t) for name, t in second.tensors.items())

@@ -162,26 +162,34 @@ def head_names(cfg: Any) -> dict[str, str]:
 
 def hf_to_megatron(hf: Mapping[str, torch.Tensor], cfg: Any) -> dict[str, torch.Tensor]:
     """A full HF state dict → the canonical full Megatron state dict (local-spec names)."""
-    return {name: megatron_tensor(name, hf.__getitem__, cfg) for name in canonical_shapes(cfg)}
+    table = source_table(cfg)
+    return {name: megatron_tensor(name, hf.__getitem__, cfg, table) for name in table}
 
 
-def megatron_sources(name: str, cfg: Any) -> tuple[str, ...]:
-    """The HF tensors that canonical Megatron tensor ``name`` is made of."""
-    fixed = {"embedding.word_embeddings.weight": "model.embed_tokens.weight",
-             "decoder.final_layernorm.weight": "model.norm.weight", **head_names(cfg)}
-    if name in fixed:
-        return (fixed[name],)
-    rule, index = _layer_rule(name, cfg)
-    return tuple(f"model.layers.{index}.{hf}" for hf in rule.hf)
+def source_table(cfg: Any) -> dict[str, tuple[Rule | None, tuple[str, ...]]]:
+    """Every canonical Megatron tensor, in :func:`canonical_shapes`' order → its layer rule (None:
+    a plain copy) and the HF tensors it is made of. Built once per model: looking a name up in
+    :func:`layer_rules` costs a layer's rules, which a MoE layer has hundreds of."""
+    table: dict[str, tuple[Rule | None, tuple[str, ...]]] = {
+        "embedding.word_embeddings.weight": (None, ("model.embed_tokens.weight",))}
+    for i in range(cfg.num_hidden_layers):
+        for rule in layer_rules(cfg, i):
+            table[f"decoder.layers.{i}.{rule.megatron}"] = (rule, tuple(f"model.layers.{i}.{hf}" for hf in rule.hf))
+    table["decoder.final_layernorm.weight"] = (None, ("model.norm.weight",))
+    table.update({megatron: (None, (hf,)) for megatron, hf in head_names(cfg).items()})
+    return table
 
 
-def megatron_tensor(name: str, get: Callable[[str], torch.Tensor], cfg: Any) -> torch.Tensor:
-    """Canonical Megatron tensor ``name``, made of the HF tensors ``get`` reads (one at a time, so a
-    conversion can stream a checkpoint instead of holding it)."""
-    parts = [get(hf) for hf in megatron_sources(name, cfg)]
-    if len(parts) == 1 and not name.startswith("decoder.layers."):
-        return parts[0]
-    return _join(_layer_rule(name, cfg)[0], parts, cfg)
+def megatron_tensor(name: str, get: Callable[[str], torch.Tensor], cfg: Any,
+                    table: Mapping[str, tuple[Rule | None, tuple[str, ...]]]) -> torch.Tensor:
+    """Canonical Megatron tensor ``name`` (an entry of ``table``, :func:`source_table`), made of the
+    HF tensors ``get`` reads one at a time, so a conversion can stream a checkpoint instead of
+    holding it."""
+    if name not in table:
+        raise KeyError(f"no HF name for Megatron parameter '{name}'")
+    rule, sources = table[name]
+    parts = [get(hf) for hf in sources]
+    return parts[0] if rule is None else _join(rule, parts, cfg)
 
 
 def _layer_rule(name: str, cfg: Any) -> tuple[Rule, int]:

@@ -39,7 +39,7 @@ from nrl_backend_megatron.checkpoint_dir import PARTS
 from nrl_core.api import NrlError
 
 __all__ = ["CHUNKS_PER_AXIS", "convert_in_subprocess", "fine_grained", "load_hf_state", "load_shard",
-           "save_conversion", "write_sharded"]
+           "save_conversion", "sharded_state_for", "write_sharded"]
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +125,7 @@ def save_conversion(model_path: str, out_dir: str, megatron_cfg: Mapping[str, An
     from megatron.core import dist_checkpointing, tensor_parallel
     from transformers import AutoConfig
 
-    from nrl_backend_megatron.convert.mapping import megatron_tensor
+    from nrl_backend_megatron.convert.mapping import megatron_tensor, source_table
     from nrl_backend_megatron.model import ParallelLayout, build_gpt_model, transformer_config
     from nrl_backend_megatron.weights import canonical_param_names
 
@@ -151,11 +151,12 @@ def save_conversion(model_path: str, out_dir: str, megatron_cfg: Mapping[str, An
             logger.warning("the conversion built %d parameters with memory (%s, ...) instead of on the meta device; "
                            "it holds them until their part is saved", len(held), held[0])
         canonical = {name: canon for canon, (name, _) in canonical_param_names(model).items()}
+        table = source_table(hf_config)
         parts: list[dict[str, Any]] = []
         for index, (group, names) in enumerate(_parts(model)):
             with reader.open() as get, torch.no_grad():
                 for name in names:
-                    tensor, param = megatron_tensor(canonical[name], get, hf_config), _give_memory(model, name)
+                    tensor, param = megatron_tensor(canonical[name], get, hf_config, table), _give_memory(model, name)
                     if tuple(tensor.shape) != tuple(param.shape):
                         raise NrlError(f"shape mismatch for '{canonical[name]}': checkpoint {tuple(tensor.shape)} vs "
                                        f"model {tuple(param.shape)}")
@@ -291,13 +292,10 @@ def load_shard(model: Any, path: Path, sharded: Any = None, fresh: tuple[str, ..
 
     safe_dist_checkpointing()  # an imported Megatron-LM directory is someone else's: nothing of it runs
     start_load(path)
-    parts = (path / PARTS).is_file()
-    if parts:  # saved with each layer under keys of its own
-        sharded = model.sharded_state_dict(metadata=dict(PER_LAYER))
-    sharded = sharded if sharded is not None else model.sharded_state_dict()
+    sharded = sharded if sharded is not None else sharded_state_for(model, path)
     wanted = {k: v for k, v in sharded.items() if k not in fresh}
     try:
-        if parts:
+        if (path / PARTS).is_file():
             state = {"model": _load_parts(wanted, path)}
         else:
             state = dist_checkpointing.load({"model": wanted}, str(path), common_strategy=_model_tensors_only())
@@ -310,6 +308,14 @@ def load_shard(model: Any, path: Path, sharded: Any = None, fresh: tuple[str, ..
     if missing or (fresh and result.unexpected_keys):
         raise NrlError(f"{path} does not match the model: missing {missing[:4]}, unexpected "
                        f"{sorted(result.unexpected_keys)[:4]}")
+
+
+def sharded_state_for(model: Any, path: Path) -> Any:
+    """``model``'s sharded state as the checkpoint at ``path`` keys it: a conversion in parts keeps
+    each decoder layer under keys of its own, every other checkpoint Megatron's default."""
+    if (path / PARTS).is_file():
+        return model.sharded_state_dict(metadata=dict(PER_LAYER))
+    return model.sharded_state_dict()
 
 
 def _load_parts(wanted: dict[str, Any], path: Path) -> dict[str, Any]:
@@ -330,10 +336,12 @@ def _load_parts(wanted: dict[str, Any], path: Path) -> dict[str, Any]:
         problem = next((p for p in every if p), None)
     if problem:
         raise NrlError(problem)
+    by_part: dict[str, dict[str, Any]] = {part["dir"]: {} for part in parts}
+    for k, v in wanted.items():
+        by_part[held[v.key]][k] = v
     state: dict[str, Any] = {}
-    for part in parts:
-        subset = {k: v for k, v in wanted.items() if held[v.key] == part["dir"]}
-        state.update(dist_checkpointing.load(subset, str(path / part["dir"]), common_strategy=_model_tensors_only()))
+    for directory, subset in by_part.items():
+        state.update(dist_checkpointing.load(subset, str(path / directory), common_strategy=_model_tensors_only()))
     return state
 
 
