@@ -93,6 +93,7 @@ _SECTIONS: dict[str, dict[str, str]] = {
         "Field": "nrl_core.schema",
         "GRPO_SCHEMA": "nrl_core.algorithms.grpo_config:GRPO",
         "load_and_validate": "nrl_core.algorithms.installed",
+        "has_recurrent_layers": "nrl_core.config.model_config",
         "local_model_config": "nrl_core.config.model_config",
         "model_config": "nrl_core.config.models",
         "read_model_config": "nrl_core.config.model_config",

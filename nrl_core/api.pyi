@@ -48,6 +48,7 @@ from nrl_core.cluster import init_ray as init_ray
 from nrl_core.config.checks import check_in_flight as check_in_flight
 from nrl_core.config.checks import run_backend_check as run_backend_check
 from nrl_core.config.loader import value_at as value_at
+from nrl_core.config.model_config import has_recurrent_layers as has_recurrent_layers
 from nrl_core.config.model_config import local_model_config as local_model_config
 from nrl_core.config.model_config import read_model_config as read_model_config
 from nrl_core.config.models import model_config as model_config
@@ -321,6 +322,7 @@ __all__ = [
     "generation_spec",
     "group_advantages",
     "guard_enabled",
+    "has_recurrent_layers",
     "head_has_bias",
     "hf_logprobs",
     "hf_model",

@@ -304,7 +304,8 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--family", default="llama", choices=FAMILIES)
     tiny.add_argument("--size", default="small", choices=("tiny", "small", "bench", "gpu"),
                       help="llama: tiny 0.14M parameters (16-wide heads: vLLM on CPU refuses it), "
-                           "small 0.92M, bench 25.7M, gpu 0.69B (the GPU acceptance run, memory benchmarks)")
+                           "small 0.92M, bench 25.7M, gpu 0.69B (the GPU acceptance run, memory benchmarks); "
+                           "gemma4, gpt_oss and nemotron_h*: tiny and small only")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--layers", type=int, default=None,
                       help="decoder layers instead of the size's (a shallower student for distillation)")

@@ -92,7 +92,9 @@ VALIDATION = {"max_val_samples": 8, "val_batch_size": 8, "val_batches": 1, "val_
 #: Tiny families by the name fragments of their hub ids; the first match wins.
 FAMILY_NAMES = (("qwen3_moe", r"qwen3(?!\.\d|-?next).*(moe|-a\d+b|\d+ba\d+b)"), ("qwen2_moe", r"qwen(1\.5|2)[-_]?moe"),
                 ("qwen3", r"qwen3(?!\.\d|-?next)"), ("qwen2", r"qwen2|distill-qwen"), ("llama", r"llama"),
-                ("gemma3", r"gemma-?3(?!n)"), ("mistral", r"mistral-(7b|nemo)"))
+                ("gemma3", r"gemma-?3(?!n)"), ("gemma4", r"gemma-?4"), ("mistral", r"mistral-(7b|nemo)"),
+                ("gpt_oss", r"gpt-oss"), ("nemotron_h_moe", r"nemotron-3-(nano|super)"),
+                ("nemotron_h", r"nemotron-(h|nano-\d+b-v2)\b"))
 
 
 @dataclass(frozen=True)

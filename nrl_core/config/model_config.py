@@ -13,7 +13,7 @@ from typing import Any
 
 from nrl_core.errors import ConfigError
 
-__all__ = ["local_model_config", "read_model_config"]
+__all__ = ["has_recurrent_layers", "local_model_config", "read_model_config"]
 
 
 def read_model_config(model_dir: str, *, trust_remote_code: bool = False,
@@ -43,3 +43,12 @@ def local_model_config(config: Mapping[str, Any]) -> Any | None:
         return None
     return read_model_config(model_dir, trust_remote_code=bool(policy.get("trust_remote_code")),
                              overrides=policy.get("hf_config_overrides"))
+
+
+def has_recurrent_layers(hf_config: Any) -> bool:
+    """Whether the model has Mamba or linear-attention layers (Nemotron-H, Qwen3.5): layers whose
+    state runs along the sequence, so engines must reset it where a sequence starts."""
+    text = getattr(hf_config, "text_config", None) or hf_config
+    kinds = [*(getattr(text, "layers_block_type", None) or []), *(getattr(text, "layer_types", None) or [])]
+    pattern = str(getattr(text, "hybrid_override_pattern", None) or "")
+    return any(kind in ("mamba", "linear_attention") for kind in kinds) or "M" in pattern

@@ -11,6 +11,18 @@ so that a two-layer model has both; the hub's have five local layers to a global
 embeddings, query and key norms, and an output layer tied to the embeddings; its window is short
 enough that the tests' sequences cross it.
 
+Newer families, at ``tiny`` and ``small`` only (the sizes of twins and tests), each with the
+features its hub models are chosen for, so a twin trains what the recipe would:
+
+* ``gemma4``: Gemma 4 (text): Gemma 3's alternating sliding and full attention with small
+  per-layer input embeddings, the feature of the E2B/E4B models;
+* ``gpt_oss``: gpt-oss: every layer a mixture of experts with biased, clamped SwiGLU experts,
+  attention sinks and alternating sliding and full attention;
+* ``nemotron_h``: Nemotron-H (Nemotron Nano 2): a hybrid of Mamba-2 layers, attention and
+  squared-ReLU MLP layers, each its own block;
+* ``nemotron_h_moe``: Nemotron 3 (Nano, Super): the same hybrid with mixture-of-experts blocks of
+  squared-ReLU experts and a shared expert in place of the MLPs.
+
 Two mixture-of-experts families: ``qwen3_moe`` (every layer routes each token to 2 of 8 experts,
 top-k probabilities renormalised) and ``qwen2_moe`` (the same plus a sigmoid-gated shared expert,
 top-k probabilities not renormalised, q/k/v biases). Their attention heads are 32 wide because
@@ -28,9 +40,12 @@ from typing import Any
 
 DENSE_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3")
 #: Hugging Face ``model_type`` values that are a family here under another name.
-MODEL_TYPES = {"gemma3_text": "gemma3"}
+MODEL_TYPES = {"gemma3_text": "gemma3", "gemma4_text": "gemma4"}
 MOE_FAMILIES = ("qwen3_moe", "qwen2_moe")
-FAMILIES = DENSE_FAMILIES + MOE_FAMILIES
+NEWER_FAMILIES = ("gemma4", "gpt_oss", "nemotron_h", "nemotron_h_moe")
+FAMILIES = DENSE_FAMILIES + MOE_FAMILIES + NEWER_FAMILIES
+#: The sizes the newer families come in; their layouts need four layers to show each block kind.
+NEWER_SIZES = ("tiny", "small")
 
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>"]
 CHAT_TEMPLATE = (
@@ -104,6 +119,8 @@ def model_config(family: str, size: str = "tiny", vocab_size: int = 512, **overr
         raise ValueError(f"unknown family '{family}'; choose one of {', '.join(FAMILIES)}")
     if size not in SIZES:
         raise ValueError(f"unknown size '{size}'; choose one of {', '.join(SIZES)}")
+    if family in NEWER_FAMILIES and size not in NEWER_SIZES:
+        raise ValueError(f"family '{family}' comes in sizes {', '.join(NEWER_SIZES)}, not '{size}'")
     from transformers import (
         Gemma3TextConfig,
         LlamaConfig,
@@ -119,7 +136,9 @@ def model_config(family: str, size: str = "tiny", vocab_size: int = 512, **overr
         rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=10000.0,
     )
     head_dim = SIZES[size]["hidden_size"] // SIZES[size]["num_attention_heads"]
-    if family == "llama":
+    if family in NEWER_FAMILIES:
+        cfg = _newer_config(family, size, common)
+    elif family == "llama":
         cfg = LlamaConfig(**common, **SIZES[size])
     elif family == "mistral":
         cfg = MistralConfig(**common, **SIZES[size], head_dim=head_dim, sliding_window=None)
@@ -145,6 +164,41 @@ def model_config(family: str, size: str = "tiny", vocab_size: int = 512, **overr
     for key, value in overrides.items():
         setattr(cfg, key, value)
     return cfg
+
+
+def _newer_config(family: str, size: str, common: dict[str, Any]) -> Any:
+    """A newer family's config: 32-wide heads (vLLM's CPU attention needs 32 and up), four layers
+    at ``small`` so that every block kind appears, two at ``tiny``."""
+    from transformers import Gemma4TextConfig, GptOssConfig, NemotronHConfig
+
+    hidden, layers = (128, 4) if size == "small" else (64, 2)
+    alternating = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    attention = dict(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=hidden // 32,
+                     num_key_value_heads=max(1, hidden // 64), head_dim=32)
+    rope = {"rope_type": "default", "rope_theta": 10000.0}
+    # gpt-oss keeps its hub models' YaRN scaling (vLLM's gpt-oss reads its factor)
+    yarn = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+            "original_max_position_embeddings": 32, "truncate": False}  # 32 x 32: the tiny context
+    if family == "gemma4":
+        return Gemma4TextConfig(**dict(common, tie_word_embeddings=True), **attention, intermediate_size=3 * hidden,
+                                sliding_window=16, layer_types=alternating, vocab_size_per_layer_input=common["vocab_size"],
+                                hidden_size_per_layer_input=16,
+                                rope_parameters={"sliding_attention": rope, "full_attention": rope})
+    if family == "gpt_oss":
+        return GptOssConfig(**{k: v for k, v in common.items() if k != "rope_theta"}, **attention,
+                            intermediate_size=hidden // 2, num_local_experts=8, num_experts_per_tok=2,
+                            sliding_window=16, layer_types=alternating, rope_parameters=yarn,
+                            router_aux_loss_coef=0.0)
+    blocks = (["mamba", "attention", "mamba", "mlp"] if size == "small" else ["mamba", "attention"])
+    if family == "nemotron_h_moe":
+        blocks = [("moe" if block == "mlp" else block) for block in blocks] + (["moe"] if size == "tiny" else [])
+    mamba = dict(mamba_num_heads=hidden // 32, mamba_head_dim=32, ssm_state_size=16, n_groups=1, chunk_size=16,
+                 conv_kernel=4, expand=1)
+    moe = dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=hidden // 2,
+               moe_shared_expert_intermediate_size=hidden // 2, n_group=1, topk_group=1)
+    return NemotronHConfig(**{k: v for k, v in common.items() if k not in ("rope_theta", "rms_norm_eps")},
+                           **dict(attention, num_hidden_layers=len(blocks)), layers_block_type=blocks,
+                           intermediate_size=3 * hidden, layer_norm_epsilon=1e-6, **mamba, **moe)
 
 
 def build_tiny_model(out_dir: str | os.PathLike[str], family: str = "llama", size: str = "tiny", seed: int = 0,
@@ -182,6 +236,9 @@ def cached_tiny_model(family: str = "llama", size: str = "tiny", seed: int = 0, 
     """Like :func:`build_tiny_model` but built once per (family, size, seed, overrides) under
     ``cache_dir`` (default ``$NRL_TEST_CACHE`` or the system temp dir) and reused."""
     spec = {"family": family, "size": size, "seed": seed, "overrides": config_overrides, "v": 1}
+    if family in NEWER_FAMILIES:  # their configs may still change, and a changed one must rebuild; the
+        # older families' directory names are in checkpoint fixtures (tests/reliability), so they stay
+        spec["config"] = model_config(family, size, **config_overrides).to_json_string()
     if init_std is not None:
         spec["init_std"] = init_std
     key = json.dumps(spec, sort_keys=True)

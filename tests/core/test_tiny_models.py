@@ -11,7 +11,9 @@ from nrl_core.testing.tiny_models import build_tiny_model, cached_tiny_model
 
 @pytest.mark.parametrize("family, model_type", [("llama", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3"),
                                                ("qwen3_moe", "qwen3_moe"), ("qwen2_moe", "qwen2_moe"),
-                                               ("mistral", "mistral"), ("gemma3", "gemma3_text")])
+                                               ("mistral", "mistral"), ("gemma3", "gemma3_text"),
+                                               ("gemma4", "gemma4_text"), ("gpt_oss", "gpt_oss"),
+                                               ("nemotron_h", "nemotron_h"), ("nemotron_h_moe", "nemotron_h")])
 def test_family_loads_and_generates(family, model_type):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -81,3 +83,24 @@ def test_the_cli_writes_a_shallower_model_with_the_same_tokenizer(tmp_path):
     assert half["num_hidden_layers"] == 2 < full["num_hidden_layers"]
     assert half["hidden_size"] == full["hidden_size"] and half["vocab_size"] == full["vocab_size"]
     assert (tmp_path / "half" / "tokenizer.json").read_text() == (tmp_path / "full" / "tokenizer.json").read_text()
+
+
+@pytest.mark.parametrize("family, blocks", [("nemotron_h", ["mamba", "attention", "mamba", "mlp"]),
+                                            ("nemotron_h_moe", ["mamba", "attention", "mamba", "moe"])])
+def test_a_nemotron_h_twin_model_has_every_block_kind_of_its_hub_models(family, blocks):
+    """Nano 2's hybrid has Mamba-2, attention and MLP blocks; Nemotron 3 has experts for MLPs."""
+    from transformers import AutoConfig
+
+    from nrl_core.config.model_config import has_recurrent_layers
+
+    cfg = AutoConfig.from_pretrained(cached_tiny_model(family, "small"))
+    kinds = {"linear_attention": "mamba", "full_attention": "attention"}
+    assert [kinds.get(kind, kind) for kind in cfg.layers_block_type] == blocks
+    assert has_recurrent_layers(cfg) and cfg.head_dim == 32
+
+
+def test_the_newer_families_refuse_the_larger_sizes():
+    from nrl_core.testing.tiny_models import model_config
+
+    with pytest.raises(ValueError, match="family 'gpt_oss' comes in sizes tiny, small, not 'bench'"):
+        model_config("gpt_oss", "bench")

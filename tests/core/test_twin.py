@@ -73,7 +73,11 @@ def test_a_key_outside_the_table_is_not_a_scale_down_key():
 @pytest.mark.parametrize(("name", "family"), [
     ("meta-llama/Llama-3.2-1B-Instruct", "llama"), ("Qwen/Qwen2.5-1.5B", "qwen2"), ("Qwen/Qwen3-8B-Base", "qwen3"),
     ("Qwen/Qwen3-30B-A3B", "qwen3_moe"), ("Qwen/Qwen3-235B-A22B", "qwen3_moe"), ("Qwen/Qwen1.5-MoE-A2.7B", "qwen2_moe"), ("google/gemma-3-1b-it", "gemma3"),
-    ("google/gemma-3-27b-it", "gemma3"), ("google/gemma-3n-E4B-it", None), ("google/gemma-4-E2B-it", None),
+    ("google/gemma-3-27b-it", "gemma3"), ("google/gemma-3n-E4B-it", None), ("google/gemma-4-E2B-it", "gemma4"),
+    ("google/gemma-4-26B-A4B-it", "gemma4"), ("openai/gpt-oss-20b", "gpt_oss"),
+    ("nvidia/NVIDIA-Nemotron-Nano-12B-v2", "nemotron_h"), ("nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16", "nemotron_h_moe"),
+    ("nvidia/NVIDIA-Nemotron-3-Super-120B-A12B-BF16", "nemotron_h_moe"),
+    ("nvidia/NVIDIA-Nemotron-3.5-Lightning-30B-A3B-BF16", None),
     ("mistralai/Mistral-Nemo-Instruct-2407", "mistral"), ("mistralai/Mistral-Medium-3.5-128B", None),
     # Qwen3.5 and Qwen3-Next are other architectures (linear-attention layers), not Qwen3's
     ("Qwen/Qwen3.5-9B-Base", None), ("Qwen/Qwen3.5-35B-A3B-Base", None), ("Qwen/Qwen3-Next-80B-A3B-Instruct", None),
@@ -85,8 +89,9 @@ def test_a_hub_name_names_its_tiny_family(name, family):
 def test_a_family_without_a_tiny_model_is_one_line_naming_the_way_out(tmp_path, pm):
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(f"defaults: {REPO / 'examples' / 'configs' / 'grpo_tiny_cpu.yaml'}\n"
-                      "policy: {model_name: openai/gpt-oss-20b}\n")
-    with pytest.raises(NrlError, match=r"^policy.model_name: no tiny model of openai/gpt-oss-20b's family .* "
+                      "policy: {model_name: moonshotai/Moonlight-16B-A3B-Instruct}\n")
+    with pytest.raises(NrlError, match=r"^policy.model_name: no tiny model of moonshotai/Moonlight-16B-A3B-Instruct's "
+                                       r"family .* "
                                        r"pass --model DIR"):
         write_twin(recipe, tmp_path / "twin", pm)
 

@@ -40,6 +40,13 @@ def test_bytes_per_token_is_k_and_v_of_every_layer(model_dir) -> None:
     assert kv_bytes_per_token(hf, 4, torch.bfloat16) == 2 * 4 * 1 * 32 * 2  # ... and replicated past their count
 
 
+def test_layers_of_different_shapes_get_the_default_space() -> None:
+    """Gemma 4's layers differ in head width, and transformers refuses to give one global value."""
+    from nrl_core.testing.tiny_models import cached_tiny_model
+
+    assert kv_bytes_per_token(read_model_config(str(cached_tiny_model("gemma4", "small"))), 1, torch.float32) is None
+
+
 def test_derived_size_covers_the_largest_batch(model_dir) -> None:
     hf = read_model_config(str(model_dir))
     per_token = 2 * 4 * 2 * 32 * 4

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import statistics
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -284,6 +285,19 @@ def test_a_tied_output_layer_follows_its_embedding_at_refit() -> None:
     assert gap < LOGPROB_TOLERANCE
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gemma4", "nemotron_h"])
+def test_newer_families_sample_from_the_trainers_weights_after_refit(family: str) -> None:
+    """Each newer family's engine, refit from a DTensor trainer, samples from the trainer's model:
+    Gemma 4's per-layer scalars (buffers, not parameters) travel with the weights; Nemotron-H's
+    Mamba layers run in vLLM's CPU build (with prefix caching off, which it caches only in chunked
+    prefill's steps)."""
+    from nrl_core.testing.distributed import run_distributed
+
+    gap, = run_distributed(_trainer_refit_gap, 1, family)
+    assert gap < LOGPROB_TOLERANCE
+
+
 def test_load_format_defaults_to_dummy_and_refuses_other_loaders() -> None:
     from nrl_core.errors import ConfigError
 
@@ -299,3 +313,17 @@ def test_an_engine_built_without_lora_refuses_an_adapter(engine) -> None:
     tensors = [("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight", torch.zeros(8, 64))]
     with pytest.raises(RefitError, match="built without LoRA; set policy.refit.adapters: true"):
         engine.import_adapter([tensors], manifest_of(tensors), {"r": 8})
+
+
+@pytest.mark.parametrize("family, refusal", [("nemotron_h_moe", "squared-ReLU; its engine needs a GPU"),
+                                             ("gpt_oss", "after a refit as the trainer computes it")])
+def test_models_the_cpu_engine_cannot_serve_are_refused_in_one_line(family: str, refusal: str) -> None:
+    from transformers import AutoConfig
+
+    from nrl_core.errors import ConfigError
+    from nrl_core.testing.tiny_models import cached_tiny_model
+    from nrl_gen_vllm.checks import check_cpu_model
+
+    with pytest.raises(ConfigError, match=rf"^policy\.model_name: vLLM's CPU build .*{re.escape(refusal)}"):
+        check_cpu_model(AutoConfig.from_pretrained(cached_tiny_model(family)))
+    check_cpu_model(AutoConfig.from_pretrained(cached_tiny_model("nemotron_h")))

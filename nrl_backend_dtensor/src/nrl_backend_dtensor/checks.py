@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from nrl_core.api import ConfigError, PluginError, import_object, local_model_config
+from nrl_core.api import ConfigError, PluginError, has_recurrent_layers, import_object, local_model_config
 
 KEY = "policy.dtensor_config"
 # Optimizer keywords that choose a device implementation; a CPU stand-in parameter cannot judge them.
@@ -26,6 +26,7 @@ def check_config(config: Mapping[str, Any]) -> None:
     hf_config = local_model_config(config)
     if hf_config is not None:
         check_heads(int(section["tensor_parallel_size"]), hf_config)
+        check_packing(policy, hf_config)
     if section["custom_parallel_plan"]:
         resolve_parallel_plan(section["custom_parallel_plan"])
     if section["lora_cfg"]["enabled"]:
@@ -53,6 +54,15 @@ def check_heads(tp_size: int, hf_config: Any) -> None:
         heads = getattr(hf_config, name, None)
         if heads is not None and heads % tp_size:
             raise ConfigError(f"{KEY}.tensor_parallel_size", f"{tp_size} does not divide the model's {name}={heads}")
+
+
+def check_packing(policy: Mapping[str, Any], hf_config: Any) -> None:
+    """Packed sequences share a row; transformers' Mamba and linear-attention layers would carry
+    their state from one sequence into the next (they have no per-sequence resets on this path)."""
+    if policy["sequence_packing"]["enabled"] and has_recurrent_layers(hf_config):
+        raise ConfigError("policy.sequence_packing.enabled",
+                          f"a {hf_config.model_type} model has Mamba or linear-attention layers, whose state the "
+                          "dtensor backend cannot reset between packed sequences; set it to false")
 
 
 def resolve_parallel_plan(path: str) -> Callable[..., Any]:

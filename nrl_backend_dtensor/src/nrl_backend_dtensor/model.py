@@ -75,7 +75,7 @@ def load_hf_model(model_name: str, config: Any, *, trust_remote_code: bool = Fal
     try:
         return auto.from_pretrained(model_name, config=config, dtype=torch.float32,
                                                     trust_remote_code=trust_remote_code,
-                                                    attn_implementation=register())
+                                                    attn_implementation=register(config))
     except Exception as exc:  # noqa: BLE001
         raise NrlError(f"policy.model_name: cannot load the weights in '{model_name}': "
                        f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
@@ -91,7 +91,7 @@ def build_hf_model_on_meta(config: Any, *, trust_remote_code: bool = False) -> n
 
     with parameters_on_meta():
         return AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=trust_remote_code,
-                                                attn_implementation=register())
+                                                attn_implementation=register(config))
 
 
 def _chunk_logprobs(hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor, temperature: float) -> torch.Tensor:

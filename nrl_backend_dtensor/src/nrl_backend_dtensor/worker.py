@@ -25,6 +25,7 @@ import torch.distributed as dist
 from nrl_backend_dtensor import lora
 from nrl_backend_dtensor import weights as weights_io
 from nrl_backend_dtensor.checkpoint import CheckpointIO, TrainState
+from nrl_backend_dtensor.checks import check_packing
 from nrl_backend_dtensor.microbatch import ModelInputs, model_inputs
 from nrl_backend_dtensor.model import LogprobModel, build_hf_model_on_meta, hf_name, load_hf_config, load_hf_model
 from nrl_backend_dtensor.moe import RouterMetrics, check_tensor_parallel
@@ -109,6 +110,7 @@ class DTensorPolicyWorker(TrainingEngine):
         if checkpoint is None and not self.cpu_offload:
             hf_model.to(self.device)
         check_tensor_parallel(self.hf_config, self.layout.tp_size)
+        check_packing(self.policy, self.hf_config)
         self.router_metrics = RouterMetrics.attach(hf_model)
         apply_tensor_parallel(hf_model, self.layout, sequence_parallel=self.sequence_parallel,
                               custom_plan=self.dcfg.get("custom_parallel_plan"))
@@ -135,12 +137,14 @@ class DTensorPolicyWorker(TrainingEngine):
         # DCP async saves talk on their own group, with the main group's timeout (not torch's default)
         async_group = dist.new_group(backend="gloo", timeout=main_group_timeout())
         self.dp_rank, self.dp_size, self.dp_group = self.layout.dp_rank, self.layout.dp_size, self.layout.dp_group
+        buffers = weights_io.buffer_names(self.model)
         self.checkpoint_io = CheckpointIO(TrainState(
             model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
             get_step=lambda: self.step, set_step=functools.partial(setattr, self, "step"),
             architecture={"model_type": self.hf_config.model_type,
                           "architectures": list(getattr(self.hf_config, "architectures", None) or [])},
-            param_shapes={**{s.name: list(s.shape) for s in self.weight_manifest("float32")},
+            # parameters only: what a checkpoint of an earlier release recorded (buffers travel at refit)
+            param_shapes={**{s.name: list(s.shape) for s in self.weight_manifest("float32") if s.name not in buffers},
                           **(lora.adapter_shapes(self.model) if self.lora else {})},
             async_group=async_group, frozen_in_checkpoints=self.lora is None,
             base_model=base_model_identity(model_name) if self.lora is not None else None))

@@ -87,8 +87,11 @@ def kv_bytes_per_token(hf_config: Any, tensor_parallel_size: int, dtype: torch.d
     heads = getattr(text, "num_attention_heads", None)
     if not layers or not heads:
         return None
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    try:
+        kv_heads = getattr(text, "num_key_value_heads", None) or heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    except RuntimeError:  # layers of different shapes (Gemma 4): transformers refuses one global value
+        return None
     heads_per_rank = max(1, kv_heads // tensor_parallel_size)
     return 2 * int(layers) * heads_per_rank * int(head_dim) * torch.empty((), dtype=dtype).element_size()
 

@@ -26,6 +26,8 @@ from nrl_core.api import (
     TornRefitError,
     WeightSpec,
     dtype_name,
+    has_recurrent_layers,
+    local_model_config,
     parse_dtype,
     resolve_precision,
     spec_of,
@@ -36,7 +38,7 @@ from nrl_core.api import timeline_mark as mark
 from nrl_core.api import verify_manifest as verify
 from nrl_gen_vllm import cpu_shm
 from nrl_gen_vllm.checkpoint import check_against_checkpoint, checkpoint_shapes
-from nrl_gen_vllm.checks import engine_start_error
+from nrl_gen_vllm.checks import check_cpu_model, engine_start_error
 from nrl_gen_vllm.cpu_sampler import use_eager_rank_count
 from nrl_gen_vllm.engine_args import user_engine_kwargs
 from nrl_gen_vllm.engines import AsyncEngine, FollowerEngine, SyncEngine
@@ -150,6 +152,12 @@ class VllmGenerationWorker:
             # rewound, which CPU generators cannot do: whole prompts only (vLLM does the same for MLA).
             engine_kwargs["enable_chunked_prefill"] = False
             engine_kwargs["max_num_batched_tokens"] = max(self.max_model_len, 8192)
+            hf_config = local_model_config(config)
+            if hf_config is not None:
+                check_cpu_model(hf_config)
+            if hf_config is not None and has_recurrent_layers(hf_config):
+                # vLLM caches a recurrent layer's prefixes only in chunked prefill's steps
+                engine_kwargs["enable_prefix_caching"] = False
         if _is_cpu() and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
             self.kv_cache = kv_cache_space(config, max_model_len=self.max_model_len, tensor_parallel_size=self.tp,
                                            engines=max(1, world_size // self.tp), dtype=self.dtype,
