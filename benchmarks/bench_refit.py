@@ -177,12 +177,13 @@ def _phases(src: Any, sink: Any, repeats: int) -> dict[str, float]:
 
     from nrl_core.algorithms.refit_orchestrator import refit
     from nrl_core.cluster._host import WorkerHost
+    from nrl_core.refit.plan import RefitPlan
 
     sink.call(WorkerHost.execute, _probe_stream, on=0)
     rows: dict[str, list[float]] = {"start": [], "stream": [], "finish": [], "round_trip": []}
     for _ in range(repeats):
         begin = time.time()
-        refit(src.endpoint(0), sink.endpoint(0), bucket_bytes=BUCKET, pipelined=True)
+        refit(src.endpoint(0), sink.endpoint(0), RefitPlan(bucket_bytes=BUCKET, mode="pipelined"))
         done = time.time()
         marks = sink.call(WorkerHost.execute, _stream_marks, on=0)
         rows["start"].append(marks["first"] - begin)
@@ -203,6 +204,7 @@ def measure(name: str, repeats: int, cross: bool) -> dict:
     from nrl_core.algorithms.refit_orchestrator import refit
     from nrl_core.refit.buckets import manifest_bytes
     from nrl_core.refit.hf_source import HFWeightSource
+    from nrl_core.refit.plan import RefitPlan
     from nrl_core.testing.tiny_models import cached_tiny_model
     from nrl_gen_vllm.worker import VllmGenerationWorker
 
@@ -216,7 +218,7 @@ def measure(name: str, repeats: int, cross: bool) -> dict:
     worker = VllmGenerationWorker(_config(model_dir))
     best = _best_in_turns({"memcpy": _timed(lambda: [dst[k].copy_(v) for k, v in state.items()]),
                            "vllm_reload": _timed(lambda: _reload(worker, items)),
-                           "nrl_in_process": _timed(lambda: refit(source, worker, bucket_bytes=BUCKET))}, repeats)
+                           "nrl_in_process": _timed(lambda: refit(source, worker, RefitPlan(bucket_bytes=BUCKET)))}, repeats)
     worker.shutdown()
     row = {"bytes": nbytes, "tensors": len(items), **{key: nbytes / seconds for key, seconds in best.items()}}
     if cross:
@@ -229,10 +231,8 @@ def measure(name: str, repeats: int, cross: bool) -> dict:
                            init_kwargs={"config": _config(model_dir)}, distributed_backend="none")
         best = _best_in_turns({"vllm_reload_in_actor": lambda: sink.call(WorkerHost.execute, _reload_in_actor, on=0),
                                "vllm_reload_beside_export": lambda: _reload_beside_export(src, sink),
-                               "nrl_cross_process": _timed(lambda: refit(src.endpoint(0), sink.endpoint(0),
-                                                                         bucket_bytes=BUCKET)),
-                               "nrl_pipelined": _timed(lambda: refit(src.endpoint(0), sink.endpoint(0),
-                                                                     bucket_bytes=BUCKET, pipelined=True))},
+                               "nrl_cross_process": _timed(lambda: refit(src.endpoint(0), sink.endpoint(0), RefitPlan(bucket_bytes=BUCKET))),
+                               "nrl_pipelined": _timed(lambda: refit(src.endpoint(0), sink.endpoint(0), RefitPlan(bucket_bytes=BUCKET, mode="pipelined")))},
                               repeats)
         row.update({key: nbytes / seconds for key, seconds in best.items()})
         row["pipelined_phases_s"] = _phases(src, sink, repeats)

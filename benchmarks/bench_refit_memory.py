@@ -4,9 +4,9 @@ One process holds the training side and a vLLM engine, as a colocated rank does.
 side hands out copies (``GatheredSource``: what a sharded backend's export is, full tensors
 gathered for the bucket), so whatever the engine keeps of them is memory the refit adds. A
 sampler thread reads the process's RSS every few milliseconds; the figure is the peak above the
-RSS before the refit. ``pipelined`` is ``refit(..., pipelined=True)`` (the engine declares
+RSS before the refit. ``pipelined`` is a plan in ``RefitMode.PIPELINED`` (the engine declares
 ``pipelined_import``: each bucket loads before the next is exported); ``staged`` is the same refit
-with ``pipelined=False`` (every bucket kept until the manifest check, then loaded), the reference
+in ``RefitMode.STAGED`` (every bucket kept until the manifest check, then loaded), the reference
 in the same run. Runs alternate; prints each run, the medians against the model's bytes and the
 bucket, and one JSON line.
 
@@ -54,17 +54,18 @@ def _one(mode: str, model_dir: str, bucket: int) -> dict[str, int]:
 
     from nrl_core.algorithms.refit_orchestrator import refit
     from nrl_core.refit.buckets import manifest_bytes
+    from nrl_core.refit.plan import RefitPlan
     from nrl_gen_vllm.worker import VllmGenerationWorker
 
     config = {"policy": {"model_name": model_dir, "precision": "float32", "max_total_sequence_length": 256, "seed": 0,
                          "generation": {"max_new_tokens": 8, "vllm_cfg": {"enforce_eager": True}}}}
     worker = VllmGenerationWorker(config)
     source = GatheredSource(model_dir)
-    refit(source, worker, bucket_bytes=bucket, pipelined=True)
+    refit(source, worker, RefitPlan(bucket_bytes=bucket, mode="pipelined"))
     gc.collect()
     baseline = psutil.Process().memory_info().rss
     with PeakRss() as peak:
-        refit(source, worker, bucket_bytes=bucket, pipelined=mode == "pipelined")
+        refit(source, worker, RefitPlan(bucket_bytes=bucket, mode="pipelined" if mode == "pipelined" else "staged"))
     worker.shutdown()
     return {"peak_above_baseline": peak.peak - baseline, "model_bytes": manifest_bytes(source.weight_manifest("float32"))}
 

@@ -28,14 +28,15 @@ from typing import TYPE_CHECKING, Any
 from nrl_core.algorithms.handoff import DeviceHandOff
 from nrl_core.algorithms.policy import Policy
 from nrl_core.algorithms.policy_launch import launch_generation
-from nrl_core.algorithms.refit_orchestrator import choose_transport, refit, refit_options
+from nrl_core.algorithms.refit_orchestrator import refit
 from nrl_core.cluster._host import WorkerHost
 from nrl_core.cluster.worker_group import method_name
 from nrl_core.config.topology import cluster_topology
 from nrl_core.contracts import GenerationBackendSpec, GenerationOutput, GenerationWorker, InFlightUpdater
 from nrl_core.dispatch import Fanout, dispatch_of
 from nrl_core.errors import NrlError
-from nrl_core.refit.report import RefitReport, combine_reports
+from nrl_core.refit.plan import RefitMode, RefitPlan
+from nrl_core.refit.report import RefitReport
 from nrl_core.timeline import mark
 
 if TYPE_CHECKING:
@@ -75,7 +76,6 @@ class Generation:
         self.colocated = topology.colocated
         self.engine_size = topology.engine_size
         self.num_engines = topology.num_engines
-        self.refit_options = refit_options(config)
         self.hand_off = DeviceHandOff(policy, offload_weights=bool(generation["colocated"]["offload_weights"]))
         dropped = False
         if self.colocated:
@@ -94,10 +94,7 @@ class Generation:
                 raise
             self._index_ranks()
         self.adapters = bool(config["policy"]["refit"]["adapters"])
-        # adapter-only refits go through the engine's import_adapter, which is atomic
-        self.pipelined = (bool(config["policy"]["refit"]["pipelined"]) and "pipelined_import" in spec.capabilities
-                          and not self.adapters)
-        self.partial = "partial_import" in spec.capabilities  # each engine rank gets only what it loads
+        self.refit_plan = RefitPlan.for_run(config, spec.capabilities, timeout_s=policy.timeout_s)
         if self.adapters:  # LoRA: the engines hold the base model; every refit sends the adapters alone
             adapter_config = self.policy.group.call(WorkerHost.nrl_adapter_config)
             self.policy.group.call(WorkerHost.nrl_refit_adapters, adapter_config)
@@ -227,22 +224,18 @@ class Generation:
     def update_weights(self, *, in_flight: bool = False) -> RefitReport:
         """Move the policy's current weights into every engine.
 
-        Colocated, every training rank loads its own engine in process (exporting full tensors is
-        collective for sharded backends, so all ranks export at once). Otherwise rank 0 exports
+        Colocated, every training rank loads its own engine in process. Otherwise rank 0 exports
         for the engines while the other training ranks run the same export and drop the result;
         ``in_flight``, the engines import beside the generation they may be streaming."""
-        opts = self.refit_options
+        plan = self.refit_plan.with_mode(RefitMode.IN_FLIGHT) if in_flight else self.refit_plan
         if self.colocated:
-            transport = choose_transport("same_process", opts["transport"])
-            report = combine_reports(self.hosts.call(WorkerHost.nrl_refit_local, transport,
-                                                     opts["bucket_bytes"], opts["dtype"], self.partial, self.pipelined))
+            ranks = [self.hosts.endpoint(r) for r in self.ranks]
+            report = refit(ranks, ranks, plan)
         else:
             drains = None
             if self.policy.world_size > 1:
-                drains = self.policy.drain_export(opts["bucket_bytes"], opts["dtype"])
-            report = refit(self.policy.rank0, [self.hosts.endpoint(r) for r in self.ranks], transport=opts["transport"],
-                           bucket_bytes=opts["bucket_bytes"], dtype=opts["dtype"], timeout_s=self.policy.timeout_s,
-                           in_flight=in_flight, pipelined=self.pipelined, partial=self.partial)
+                drains = self.policy.drain_export(plan.bucket_bytes, plan.dtype)
+            report = refit(self.policy.rank0, [self.hosts.endpoint(r) for r in self.ranks], plan)
             if drains is not None:
                 drains()
         logger.info("refit: %.1f MB in %.2fs over %s (weights v%d)", report.bytes / 1e6, report.seconds,

@@ -8,14 +8,16 @@ they are (same process -> ``in_process``, same node -> ``shared_memory``, otherw
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from nrl_core.errors import ConfigError
 from nrl_core.plugins import PluginManager, get_plugin_manager
-from nrl_core.refit.buckets import DEFAULT_BUCKET_BYTES, bucket_bytes_from_gb, manifest_bytes
+from nrl_core.refit.buckets import manifest_bytes
 from nrl_core.refit.endpoints import STREAM_BACKPRESSURE, ExportedWeights, refit_local
+from nrl_core.refit.plan import DEFAULT_PLAN, RefitPlan
 from nrl_core.refit.report import RefitReport, combine_reports
 from nrl_core.refit.transports import PLACEMENTS, RefitSession, TransportChoice
 
@@ -49,31 +51,9 @@ def choose_transport(placement: str, override: str | None = None,
                                      f"(installed: {', '.join(registry.names()) or 'none'})")
 
 
-def refit_options(config: Mapping[str, Any]) -> dict[str, Any]:
-    """``transport``, ``bucket_bytes`` and ``dtype`` for :func:`refit` from a validated config:
-    ``policy.refit.transport`` (null: by placement), the bucket size from
-    ``policy.refit_buffer_size_gb`` (NeMo RL's spelling, GiB) when set, else
-    ``policy.refit.bucket_size_mb`` (MiB), and the dtype from ``policy.precision`` (null: each
-    weight owner's default precision, resolved where the weights are)."""
-    policy = config.get("policy", {}) or {}
-    section = policy.get("refit") or {}
-    gb = policy.get("refit_buffer_size_gb")
-    mb = section.get("bucket_size_mb")
-    if gb:
-        bucket_bytes = bucket_bytes_from_gb(gb)
-    elif mb:
-        bucket_bytes = bucket_bytes_from_gb(mb / 1024)
-    else:
-        bucket_bytes = DEFAULT_BUCKET_BYTES
-    return {"transport": section.get("transport"), "bucket_bytes": bucket_bytes,
-            "dtype": policy.get("precision")}
-
-
-def refit(source: Any, sink: Any | Sequence[Any], transport: str | None = None,
-          bucket_bytes: int = DEFAULT_BUCKET_BYTES, dtype: str | None = "float32",
-          timeout_s: float | None = None, in_flight: bool = False, pipelined: bool = False,
-          partial: bool = False) -> RefitReport:
-    """Move ``source``'s weights into ``sink`` (several sinks for data-parallel generation).
+def refit(source: Any | Sequence[Any], sink: Any | Sequence[Any], plan: RefitPlan = DEFAULT_PLAN) -> RefitReport:
+    """Move ``source``'s weights into ``sink`` (several sinks for data-parallel generation), as
+    ``plan`` says (:class:`~nrl_core.refit.plan.RefitPlan`: transport, mode, delivery, sizes).
 
     Either all are local objects (a :class:`~nrl_core.contracts.TrainingWorker`-like source with
     ``weight_manifest``/``export_weights``, :class:`~nrl_core.contracts.GenerationWorker` sinks),
@@ -81,38 +61,37 @@ def refit(source: Any, sink: Any | Sequence[Any], transport: str | None = None,
     <nrl_core.cluster.worker_group.WorkerGroup.endpoint>`), called through the groups like any
     other worker call: a rank that dies or raises is one error naming it.
 
-    ``dtype`` None is the source's default precision (``policy.precision`` null), resolved in the
-    source's process. ``timeout_s`` bounds a collective transport's own group (``distributed_timeout_minutes``).
-    ``in_flight``: the sinks (ranks of other actors) import beside the generation they may be
-    streaming, in their hosts' in-flight thread, so the new weights land mid-generation.
-    ``pipelined``: the sinks declare ``pipelined_import`` and load as the weights arrive (not in
-    flight): in the source's process each bucket as it is exported, over ``broadcast`` each bucket
-    as it is received (a sink that fails part-way reads the rest, so the group finishes), over
-    ``shared_memory`` (one node) each chunk of a bucket while the source writes the next. A transfer
-    that fails part-way leaves them refusing to generate until a refit succeeds
-    (:class:`~nrl_core.refit.manifest.TornRefitError`).
-    ``partial``: the sinks declare ``partial_import``; each gets only the tensors its
-    ``refit_wants`` names (the broadcast transport sends it only those).
+    Colocated: ``source`` is every training rank and ``sink`` the same ranks, each hosting a rank
+    of an engine: every rank loads its own engine in process, all at once (exporting full tensors
+    is collective for a sharded backend). Otherwise one source rank exports for every sink.
 
     Raises :class:`~nrl_core.refit.manifest.RefitError` (sinks keep their old weights) when what
     arrives does not match the source's manifest.
     """
     from nrl_core.refit.buckets import refit_dtype
 
-    dtype = None if dtype is None else refit_dtype(dtype)
+    plan = dataclasses.replace(plan, dtype=None if plan.dtype is None else refit_dtype(plan.dtype))
+    sources = list(source) if isinstance(source, (list, tuple)) else [source]
     sinks = list(sink) if isinstance(sink, (list, tuple)) else [sink]
-    if not sinks:
-        raise ValueError("refit needs at least one sink")
-    ranks = [_is_group_rank(x) for x in (source, *sinks)]
+    if not sinks or not sources:
+        raise ValueError("refit needs a source and at least one sink")
+    ranks = [_is_group_rank(x) for x in (*sources, *sinks)]
     if not any(ranks):
-        local = refit_dtype(dtype)
-        reports = [refit_local(source, s, choose_transport("same_process", transport), bucket_bytes, local, partial,
-                               pipelined) for s in sinks]
+        if len(sources) != 1:
+            raise ValueError("refit: local objects have one source")
+        transport = choose_transport("same_process", plan.transport)
+        reports = [refit_local(sources[0], s, transport, plan.bucket_bytes, refit_dtype(plan.dtype), plan.wanted,
+                               plan.pipelined) for s in sinks]
         return combine_reports(reports, concurrent=False)
     if not all(ranks):
         raise TypeError("refit: source and sinks must be all local objects or all worker group ranks "
                         "(WorkerGroup.endpoint)")
-    return _refit_ranks(source, sinks, transport, bucket_bytes, dtype, timeout_s, in_flight, pipelined, partial)
+    if sources == sinks:
+        return _refit_colocated(sources, plan)
+    if len(sources) != 1 or any(s in sources for s in sinks):
+        raise ValueError("refit: colocated, the sinks are the source ranks themselves; otherwise one source rank "
+                         "exports for sinks in other actors (a sharded training backend exports once per refit)")
+    return _refit_ranks(sources[0], sinks, plan)
 
 
 def _is_group_rank(obj: Any) -> bool:
@@ -121,35 +100,30 @@ def _is_group_rank(obj: Any) -> bool:
     return isinstance(obj, GroupRank)
 
 
-def _refit_ranks(source: Any, sinks: list[Any], override: str | None, bucket_bytes: int, dtype: str | None,
-                 timeout_s: float | None = None, in_flight: bool = False, pipelined: bool = False,
-                 partial: bool = False) -> RefitReport:
+def _refit_colocated(ranks: list[Any], plan: RefitPlan) -> RefitReport:
+    """Every rank loads the engine rank it hosts, in process, all at once."""
     from nrl_core.cluster._host import WorkerHost
 
+    if plan.in_flight:
+        raise ValueError("refit: in-flight weight updates need engines in actors of their own (not colocated)")
+    transport = choose_transport("same_process", plan.transport)
+    reports = [report for group, on in _by_group(ranks).items()
+               for report in group.call(WorkerHost.nrl_refit_local, transport, plan.bucket_bytes, plan.dtype,
+                                        plan.wanted, plan.pipelined, on=on)]
+    return combine_reports(reports)
+
+
+def _refit_ranks(source: Any, sinks: list[Any], plan: RefitPlan) -> RefitReport:
     start = time.perf_counter()
-    colocated = [s == source for s in sinks]
-    if any(colocated):
-        if in_flight:
-            raise ValueError("refit: in-flight weight updates need engines in actors of their own (not colocated)")
-        if not all(colocated):
-            raise ValueError("refit: the sinks must all live in the source's actor (colocated) or all in other "
-                             "actors; a sharded training backend exports once per refit")
-        transport = choose_transport("same_process", override)
-        reports = [source.call(WorkerHost.nrl_refit_local, transport, bucket_bytes, dtype, partial, pipelined)
-                   for _ in sinks]
-        return RefitReport(bytes=sum(r.bytes for r in reports), seconds=time.perf_counter() - start,
-                           version=max(r.version for r in reports), transport=transport.name,
-                           placement="same_process")
     source_node = source.node_id
     placement = "same_node" if all(s.node_id == source_node for s in sinks) else "cross_node"
-    transport = choose_transport(placement, override)
+    transport = choose_transport(placement, plan.transport)
     if transport.collective:
-        nbytes, versions = _collective(source, sinks, transport, bucket_bytes, dtype, timeout_s, in_flight, partial,
-                                       pipelined and not in_flight)
-    elif pipelined and not in_flight and transport.name == PIPELINED_TRANSPORT:
-        nbytes, versions = _stream_import(source, sinks, transport, bucket_bytes, dtype, timeout_s, partial)
+        nbytes, versions = _collective(source, sinks, transport, plan)
+    elif plan.pipelined and transport.name == PIPELINED_TRANSPORT:
+        nbytes, versions = _stream_import(source, sinks, transport, plan)
     else:
-        nbytes, versions = _export_import(source, sinks, transport, bucket_bytes, dtype, in_flight, partial)
+        nbytes, versions = _export_import(source, sinks, transport, plan)
     return RefitReport(bytes=nbytes * len(sinks), seconds=time.perf_counter() - start, version=max(versions),
                        transport=transport.name, placement=placement)
 
@@ -170,16 +144,15 @@ def _gather(calls: list[tuple[Any, Any]]) -> list[Any]:
     return [value for group, futures in calls for value in group.get(futures)]
 
 
-def _export_import(source: Any, sinks: list[Any], transport: TransportChoice, bucket_bytes: int, dtype: str | None,
-                   in_flight: bool = False, partial: bool = False) -> tuple[int, list[int]]:
+def _export_import(source: Any, sinks: list[Any], transport: TransportChoice, plan: RefitPlan) -> tuple[int, list[int]]:
     """The source exports once; every sink imports the same handles, concurrently. The sinks'
     calls take the export's object ref, so Ray starts them when it is done."""
     from nrl_core.cluster._host import InFlightWorkerHost, WorkerHost
 
-    exported = source.call_async(WorkerHost.nrl_refit_export, transport, bucket_bytes, dtype)
+    exported = source.call_async(WorkerHost.nrl_refit_export, transport, plan.bucket_bytes, plan.dtype)
     try:
-        endpoint = InFlightWorkerHost.nrl_refit_import_in_flight if in_flight else WorkerHost.nrl_refit_import
-        imports = [(group, group.call_async(endpoint, exported.refs[0], partial, on=ranks))
+        endpoint = InFlightWorkerHost.nrl_refit_import_in_flight if plan.in_flight else WorkerHost.nrl_refit_import
+        imports = [(group, group.call_async(endpoint, exported.refs[0], plan.wanted, on=ranks))
                    for group, ranks in _by_group(sinks).items()]
         try:
             weights = source.get(exported)  # an export that failed is the source's error, not the engines'
@@ -192,18 +165,18 @@ def _export_import(source: Any, sinks: list[Any], transport: TransportChoice, bu
         _cleanup(source, [exported.refs[0]])
 
 
-def _stream_import(source: Any, sinks: list[Any], transport: TransportChoice, bucket_bytes: int, dtype: str | None,
-                   timeout_s: float | None, partial: bool = False) -> tuple[int, list[int]]:
+def _stream_import(source: Any, sinks: list[Any], transport: TransportChoice, plan: RefitPlan) -> tuple[int, list[int]]:
     """A pipelined refit on one node: the source publishes each bucket's handle on a channel as it
     writes it, and every sink, called at the same moment, loads each bucket as it is published."""
     from nrl_core.cluster._host import WorkerHost
     from nrl_core.refit.channel import ChannelAddress
 
     channel = ChannelAddress(RefitSession().id)
-    exported = source.call_async(WorkerHost.nrl_refit_export_streamed, transport, channel, bucket_bytes, dtype)
+    exported = source.call_async(WorkerHost.nrl_refit_export_streamed, transport, channel, plan.bucket_bytes,
+                                 plan.dtype)
     try:
         imports = [(group, group.call_async(WorkerHost.nrl_refit_import_streamed, transport, channel, [exported.refs[0]],
-                                            float(timeout_s or DEFAULT_WAIT_S), partial, on=ranks))
+                                            float(plan.timeout_s or DEFAULT_WAIT_S), plan.wanted, on=ranks))
                    for group, ranks in _by_group(sinks).items()]
         try:
             nbytes = int(source.get(exported))
@@ -222,39 +195,38 @@ def _gather_quietly(calls: list[tuple[Any, Any]]) -> None:
     ray.wait([ref for _, futures in calls for ref in futures.refs], num_returns=sum(len(f.refs) for _, f in calls))
 
 
-def _collective(source: Any, sinks: list[Any], transport: TransportChoice, bucket_bytes: int, dtype: str | None,
-                timeout_s: float | None = None, in_flight: bool = False,
-                partial: bool = False, pipelined: bool = False) -> tuple[int, list[int]]:
-    """One sender, every sink receiving at once: broadcast, except (``partial``) what only one sink
-    loads, sent to it alone. A sink's refusal of the manifest comes before anything is sent.
-    ``pipelined``: each sink loads every bucket as it arrives; one that fails part-way reads the
-    rest of the stream, so the sender and the other sinks finish."""
+def _collective(source: Any, sinks: list[Any], transport: TransportChoice, plan: RefitPlan) -> tuple[int, list[int]]:
+    """One sender, every sink receiving at once: broadcast, except (each rank its wanted tensors)
+    what only one sink loads, sent to it alone. A sink's refusal of the manifest comes before
+    anything is sent. Pipelined: each sink loads every bucket as it arrives; one that fails
+    part-way reads the rest of the stream, so the sender and the other sinks finish."""
     from nrl_core.cluster._host import InFlightWorkerHost, WorkerHost
 
     key = _group_key(source, sinks)
     options: dict[str, Any] = {"world_size": 1 + len(sinks), "group_key": key, "reuse": key in _FORMED_GROUPS}
-    if timeout_s is not None:
-        options["timeout_s"] = float(timeout_s)
-    manifest = source.call(WorkerHost.nrl_refit_manifest, dtype)
+    if plan.timeout_s is not None:
+        options["timeout_s"] = float(plan.timeout_s)
+    manifest = source.call(WorkerHost.nrl_refit_manifest, plan.dtype)
     receive_rank = {(s.group, s.rank): i + 1 for i, s in enumerate(sinks)}
     try:
-        wants = _wants(sinks, manifest, in_flight) if partial else {}
+        wants = _wants(sinks, manifest, plan.in_flight) if plan.wanted else {}
     except BaseException:
-        source.call(WorkerHost.nrl_refit_drain, bucket_bytes, dtype)  # the other training ranks' export ends
+        source.call(WorkerHost.nrl_refit_drain, plan.bucket_bytes, plan.dtype)  # the other training ranks' export ends
         raise
     names = {spec.name for spec in manifest}
     options["skips"] = {receive_rank[sink]: sorted(names.difference(wanted)) for sink, wanted in wants.items()
                         if wanted is not None}
     session = source.call(WorkerHost.nrl_refit_prepare, transport, RefitSession(options=options))
     try:
-        endpoint = InFlightWorkerHost.nrl_refit_receive_in_flight if in_flight else WorkerHost.nrl_refit_receive
+        endpoint = InFlightWorkerHost.nrl_refit_receive_in_flight if plan.in_flight else WorkerHost.nrl_refit_receive
         pending = [(group, group.call_async(endpoint, on=ranks, per_rank_args=[
                         (transport, session.with_options(rank=receive_rank[(group, r)], skips={}), manifest,
-                         wants.get((group, r)), pipelined)
+                         wants.get((group, r)), plan.pipelined)
                         for r in ranks]))
                    for group, ranks in _by_group(sinks).items()]
         try:
-            for _ in source.group.stream(WorkerHost.nrl_refit_send, transport, session, bucket_bytes, dtype, on=source.rank,
+            for _ in source.group.stream(WorkerHost.nrl_refit_send, transport, session, plan.bucket_bytes, plan.dtype,
+                                         on=source.rank,
                                          backpressure=STREAM_BACKPRESSURE):
                 pass  # a collective sender yields no handles; this waits for it and surfaces its errors
         except BaseException:

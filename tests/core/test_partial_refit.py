@@ -10,6 +10,7 @@ import torch
 
 from nrl_core.algorithms.refit_orchestrator import refit
 from nrl_core.refit import RefitError
+from nrl_core.refit.plan import RefitPlan
 from nrl_core.refit.transports import split_by_skips
 from nrl_core.testing.refit_host import PartialRecordingSink, RandomWeightSource
 
@@ -43,12 +44,12 @@ def test_what_one_receiver_loads_goes_to_it_alone_and_the_rest_to_all() -> None:
 def test_in_one_process_a_partial_sink_gets_only_what_it_names() -> None:
     source = RandomWeightSource(SHAPES, seed=3)
     sink = PartialRecordingSink(PARTS, rank=1)
-    report = refit(source, sink, bucket_bytes=4096, partial=True)
+    report = refit(source, sink, RefitPlan(bucket_bytes=4096, delivery="wanted"))
     assert report.version == 1 and sink.asked == 1
     assert sorted(sink.received) == sorted(_owned(1))
     assert all(torch.equal(sink.received[name], source.tensors[name]) for name in _owned(1))
     whole = PartialRecordingSink(PARTS, rank=1)
-    refit(source, whole, bucket_bytes=4096)  # a refit that is not partial: the whole model, as before
+    refit(source, whole, RefitPlan(bucket_bytes=4096))  # a refit that is not partial: the whole model, as before
     assert sorted(whole.received) == sorted(SHAPES) and whole.asked == 0
 
 
@@ -57,7 +58,7 @@ def test_a_sink_naming_a_tensor_the_source_does_not_send_is_refused_before_anyth
     sink.refit_wants = lambda manifest: ["embed.weight", "layers.9.w"]  # type: ignore[method-assign]
     with pytest.raises(RefitError, match=r"^refit rejected, weights unchanged; the engine asks for 1 tensors the "
                                          r"training side does not send: layers\.9\.w"):
-        refit(RandomWeightSource(SHAPES), sink, partial=True)
+        refit(RandomWeightSource(SHAPES), sink, RefitPlan(delivery="wanted"))
     assert sink.weight_version == 0 and sink.received == {}
 
 
@@ -82,8 +83,7 @@ def test_each_rank_gets_and_receives_only_its_part(groups, transport) -> None:
     from nrl_core.cluster._host import WorkerHost
 
     source, sinks = groups
-    report = refit(source.endpoint(0), [sinks.endpoint(0), sinks.endpoint(1)], transport=transport,
-                   bucket_bytes=8192, partial=True)
+    report = refit(source.endpoint(0), [sinks.endpoint(0), sinks.endpoint(1)], RefitPlan(transport=transport, bucket_bytes=8192, delivery="wanted"))
     assert report.transport == (transport or "shared_memory")
     expected = source.call("checksums", on=0)
     for rank, received in enumerate(sinks.call("checksums")):
@@ -102,16 +102,14 @@ def test_a_rank_naming_an_unknown_tensor_is_refused_in_one_line_and_nothing_chan
     sinks.call(WorkerHost.execute, _ask_for_a_missing_tensor, on=1)
     try:
         with pytest.raises(RefitError, match=r"asks for 1 tensors the training side does not send: layers\.7\.w"):
-            refit(source.endpoint(0), [sinks.endpoint(0), sinks.endpoint(1)], transport=transport,
-                  bucket_bytes=8192, partial=True)
+            refit(source.endpoint(0), [sinks.endpoint(0), sinks.endpoint(1)], RefitPlan(transport=transport, bucket_bytes=8192, delivery="wanted"))
     finally:
         sinks.call(WorkerHost.execute, lambda worker: delattr(worker, "refit_wants"), on=1)
     if transport == "broadcast":  # refused before anything was sent: neither rank loaded
         assert sinks.call(WorkerHost.execute, lambda worker: worker.weight_version) == versions
     else:  # each rank decides for itself: the other one loaded
         assert sinks.call(WorkerHost.execute, lambda worker: worker.weight_version) == [versions[0] + 1, versions[1]]
-    refit(source.endpoint(0), [sinks.endpoint(0), sinks.endpoint(1)], transport=transport, bucket_bytes=8192,
-          partial=True)
+    refit(source.endpoint(0), [sinks.endpoint(0), sinks.endpoint(1)], RefitPlan(transport=transport, bucket_bytes=8192, delivery="wanted"))
 
 
 @pytest.mark.slow
@@ -126,8 +124,7 @@ def test_a_tensor_the_manifest_never_named_still_reaches_every_rank_and_is_refus
     source.call(WorkerHost.execute, _send_an_unlisted_tensor)
     try:
         with pytest.raises(RefitError, match=r"refit rejected, weights unchanged; unexpected 1: layers\.9\.w"):
-            refit(source.endpoint(0), [sinks.endpoint(0), sinks.endpoint(1)], transport=transport,
-                  bucket_bytes=8192, partial=True)
+            refit(source.endpoint(0), [sinks.endpoint(0), sinks.endpoint(1)], RefitPlan(transport=transport, bucket_bytes=8192, delivery="wanted"))
     finally:
         source.call(WorkerHost.execute, lambda worker: delattr(worker, "export_weights"))
     assert sinks.call(WorkerHost.execute, lambda worker: worker.weight_version) == versions
@@ -156,8 +153,7 @@ def test_a_rank_that_loads_nothing_receives_nothing(groups) -> None:
     source, sinks = groups
     sinks.call(WorkerHost.execute, _load_nothing, on=1)
     try:
-        refit(source.endpoint(0), [sinks.endpoint(0), sinks.endpoint(1)], transport="broadcast", bucket_bytes=8192,
-              partial=True)
+        refit(source.endpoint(0), [sinks.endpoint(0), sinks.endpoint(1)], RefitPlan(transport="broadcast", bucket_bytes=8192, delivery="wanted"))
         assert sinks.call(WorkerHost.execute, _received_bytes) == [_nbytes(_owned(0)), 0]
     finally:
         sinks.call(WorkerHost.execute, lambda worker: delattr(worker, "refit_wants"), on=1)

@@ -18,6 +18,7 @@ from nrl_core.algorithms.refit_orchestrator import refit
 from nrl_core.refit.buckets import iter_buckets, manifest_bytes
 from nrl_core.refit.channel import ChannelAddress, ChannelReader, ChannelWriter, channel_directory, remove_channel
 from nrl_core.refit.manifest import RefitError, TornRefitError, verified_stream
+from nrl_core.refit.plan import RefitPlan
 from nrl_core.refit.transports import RefitSession
 from nrl_core.testing.refit_host import RandomWeightSource
 from tests.core.test_refit import ray_groups_of
@@ -214,7 +215,7 @@ def test_sinks_load_the_first_bucket_before_the_export_ends_and_receive_every_te
     others = set(_channel_files())
     source, sinks = ray_groups
     with _held_export(source, sinks, str(tmp_path / "first-tensor"), "continue"):
-        report = refit(source.endpoint(0), _sinks(sinks), bucket_bytes=2048, pipelined=True)
+        report = refit(source.endpoint(0), _sinks(sinks), RefitPlan(bucket_bytes=2048, mode="pipelined"))
     assert (report.transport, report.placement) == ("shared_memory", "same_node")
     assert sinks.call("checksums") == [source.call("checksums", on=0)] * 2
     assert report.bytes == 2 * manifest_bytes(RandomWeightSource(SHAPES).weight_manifest("float32"))
@@ -231,11 +232,11 @@ def test_an_export_that_fails_part_way_tears_the_sinks_until_the_next_refit(ray_
     with _held_export(source, sinks, str(tmp_path / "first-tensor"), "raise"):
         with pytest.raises(WorkerRaisedError, match=r"source\[rank 0\] pid \d+: nrl_refit_export_streamed\(\) raised "
                                                     r"RuntimeError: the training side failed mid-export"):
-            refit(source.endpoint(0), _sinks(sinks), bucket_bytes=2048, pipelined=True)
+            refit(source.endpoint(0), _sinks(sinks), RefitPlan(bucket_bytes=2048, mode="pipelined"))
     torn = sinks.call(WorkerHost.execute, lambda worker: worker.torn)
     assert all(t and "the exporting side raised RuntimeError: the training side failed mid-export" in t for t in torn)
     assert all(n > 0 for n in sinks.call(WorkerHost.execute, lambda worker: worker.loaded))
-    refit(source.endpoint(0), _sinks(sinks), bucket_bytes=2048, pipelined=True)  # the next refit restores them
+    refit(source.endpoint(0), _sinks(sinks), RefitPlan(bucket_bytes=2048, mode="pipelined"))  # the next refit restores them
     assert sinks.call(WorkerHost.execute, lambda worker: worker.torn) == [None, None]
     assert sinks.call("checksums") == [source.call("checksums", on=0)] * 2
     assert not _channel_files(others)
@@ -258,7 +259,7 @@ def test_a_source_that_dies_mid_export_ends_the_sinks_wait_at_once(ray_groups, t
         doomed.call(WorkerHost.execute, _hold_after_first_bucket(marker, "die"))
         start = time.monotonic()
         with pytest.raises(WorkerDiedError, match=r"^doomed-source\[rank 0\] pid \d+ died"):
-            refit(doomed.endpoint(0), _sinks(sinks), bucket_bytes=2048, pipelined=True, timeout_s=300)
+            refit(doomed.endpoint(0), _sinks(sinks), RefitPlan(bucket_bytes=2048, mode="pipelined", timeout_s=300))
         assert time.monotonic() - start < 120
         torn = sinks.call(WorkerHost.execute, lambda worker: worker.torn)
         assert all(t and "ended without finishing its weights" in t for t in torn)
@@ -300,7 +301,7 @@ def test_broadcast_receivers_load_as_it_arrives_and_one_that_stops_still_lets_th
 
     source, sinks = ray_groups
     sinks.call(WorkerHost.execute, lambda worker: setattr(worker, "loaded", 0))
-    report = refit(source.endpoint(0), _sinks(sinks), transport="broadcast", bucket_bytes=2048, pipelined=True)
+    report = refit(source.endpoint(0), _sinks(sinks), RefitPlan(transport="broadcast", bucket_bytes=2048, mode="pipelined"))
     assert report.transport == "broadcast"
     tensors = len(RandomWeightSource(SHAPES).weight_manifest("float32"))
     assert sinks.call(WorkerHost.execute, lambda worker: worker.loaded) == [tensors, tensors]  # as they came
@@ -308,11 +309,10 @@ def test_broadcast_receivers_load_as_it_arrives_and_one_that_stops_still_lets_th
     source.call(WorkerHost.execute, _shift_weights, on=0)  # new weights: a torn sink then holds a mix
     sinks.call(WorkerHost.execute, _stop_reading_after_first_bucket, on=0)
     with pytest.raises(TornRefitError, match="the engine stopped reading"):  # a group left waiting: a timeout
-        refit(source.endpoint(0), _sinks(sinks), transport="broadcast", bucket_bytes=2048, pipelined=True,
-              timeout_s=60)
+        refit(source.endpoint(0), _sinks(sinks), RefitPlan(transport="broadcast", bucket_bytes=2048, mode="pipelined", timeout_s=60))
     torn = sinks.call(WorkerHost.execute, lambda worker: worker.torn)
     assert torn[0] and "the engine stopped reading" in torn[0] and torn[1] is None
     assert sinks.call("checksums", on=1) == source.call("checksums", on=0)  # the other sink got it all
-    refit(source.endpoint(0), _sinks(sinks), transport="broadcast", bucket_bytes=2048, pipelined=True)
+    refit(source.endpoint(0), _sinks(sinks), RefitPlan(transport="broadcast", bucket_bytes=2048, mode="pipelined"))
     assert sinks.call(WorkerHost.execute, lambda worker: worker.torn) == [None, None]
     assert sinks.call("checksums") == [source.call("checksums", on=0)] * 2

@@ -14,6 +14,7 @@ from nrl_core.contracts import DataProcessorSpec, DatasetGeneratorSpec, MetricSi
 from nrl_core.data import DatumSpec, load_data_splits
 from nrl_core.logging import MetricLogger
 from nrl_core.plugins import get_plugin_manager
+from nrl_core.refit.plan import RefitPlan
 from nrl_core.testing.refit_host import RandomWeightSource, RecordingSink
 
 RECORDED: list[tuple[int, dict]] = []
@@ -74,7 +75,7 @@ def test_third_party_transport_is_chosen_by_name_and_moves_the_weights():
         assert choose_transport("same_process").name == "in_process"  # the core's stays the default
         source = RandomWeightSource({"a.weight": (4, 3), "b.bias": (5,)})
         sink = RecordingSink()
-        report = refit(source, sink, transport="copying", bucket_bytes=64)
+        report = refit(source, sink, RefitPlan(transport="copying", bucket_bytes=64))
     assert report.transport == "copying" and sink.weight_version == 1
     for name, tensor in source.tensors.items():
         assert torch.equal(sink.received[name], tensor)

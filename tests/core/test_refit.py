@@ -11,12 +11,13 @@ from typing import Any
 import pytest
 import torch
 
-from nrl_core.algorithms.refit_orchestrator import choose_transport, refit, refit_options
+from nrl_core.algorithms.refit_orchestrator import choose_transport, refit
 from nrl_core.contracts import WeightSpec
 from nrl_core.errors import ConfigError, NrlError
 from nrl_core.refit import RefitError, iter_buckets, verify
 from nrl_core.refit.buckets import manifest_bytes
 from nrl_core.refit.endpoints import receive_into, send_handles
+from nrl_core.refit.plan import RefitMode, RefitPlan
 from nrl_core.refit.transports import (
     RefitSession,
     SharedMemoryTransport,
@@ -73,11 +74,25 @@ def test_transport_choice_by_placement_and_override() -> None:
         choose_transport("same_node", "carrier_pigeon")
 
 
-def test_refit_options_read_nemo_rl_and_nrl_spellings() -> None:
-    opts = refit_options({"policy": {"precision": "bfloat16", "refit_buffer_size_gb": 0.5,
-                                     "refit": {"transport": "shared_memory", "bucket_size_mb": 64}}})
-    assert opts == {"transport": "shared_memory", "bucket_bytes": 2**29, "dtype": "bfloat16"}
-    assert refit_options({"policy": {"refit": {"bucket_size_mb": 64}}})["bucket_bytes"] == 64 * 2**20
+def test_the_run_plan_reads_nemo_rl_and_nrl_spellings() -> None:
+    plan = RefitPlan.for_run({"policy": {"precision": "bfloat16", "refit_buffer_size_gb": 0.5,
+                                         "refit": {"transport": "shared_memory", "bucket_size_mb": 64}}})
+    assert (plan.transport, plan.bucket_bytes, plan.dtype) == ("shared_memory", 2**29, "bfloat16")
+    assert RefitPlan.for_run({"policy": {"refit": {"bucket_size_mb": 64}}}).bucket_bytes == 64 * 2**20
+
+
+def test_the_run_plan_pipelines_and_delivers_what_the_engines_declare() -> None:
+    """Pipelined only when asked and the engines can, never for adapter-only refits (the engines'
+    adapter import is atomic); each rank its wanted tensors when the engines declare it."""
+    config = {"policy": {"refit": {"pipelined": True, "adapters": False}}}
+    both = frozenset({"pipelined_import", "partial_import"})
+    assert (RefitPlan.for_run(config, both).mode, RefitPlan.for_run(config, both).delivery) == ("pipelined", "wanted")
+    assert RefitPlan.for_run(config).mode == RefitMode.STAGED and RefitPlan.for_run(config).delivery == "whole"
+    assert RefitPlan.for_run({"policy": {"refit": {"pipelined": False}}}, both).mode == RefitMode.STAGED
+    assert RefitPlan.for_run({"policy": {"refit": {"pipelined": True, "adapters": True}}}, both).mode == "staged"
+    assert RefitPlan.for_run(config, both, timeout_s=5.0).with_mode("in_flight").in_flight
+    with pytest.raises(ValueError, match="'sideways' is not a valid RefitMode"):
+        RefitPlan(mode="sideways")
 
 
 # --------------------------------------------------------------------------- transports
@@ -94,7 +109,7 @@ def test_in_process_refit_hands_tensors_over_by_reference() -> None:
         return original(iter(buckets), manifest)
 
     sink.import_weights = spy  # type: ignore[method-assign]
-    report = refit(source, sink, bucket_bytes=4096)
+    report = refit(source, sink, RefitPlan(bucket_bytes=4096))
     assert report.transport == "in_process" and report.version == 1
     assert report.bytes == manifest_bytes(source.weight_manifest("float32"))
     assert set(seen) == {t.data_ptr() for t in source.tensors.values()}  # no copy on the way
@@ -149,7 +164,7 @@ def test_a_pipelined_local_refit_loads_as_exported_and_a_failed_one_still_ends_t
 def test_shared_memory_in_one_process_round_trips_bf16_and_cleans_up() -> None:
     source, sink = RandomWeightSource(SHAPES, seed=2, dtype="bfloat16"), RecordingSink()
     before = set(glob.glob("/dev/shm/nrl-refit-*"))
-    report = refit(source, sink, transport="shared_memory", bucket_bytes=4096, dtype="bfloat16")
+    report = refit(source, sink, RefitPlan(transport="shared_memory", bucket_bytes=4096, dtype="bfloat16"))
     assert report.transport == "shared_memory" and sink.buckets > 2
     for name, tensor in source.tensors.items():
         assert torch.equal(sink.received[name], tensor) and sink.received[name].dtype == torch.bfloat16
@@ -159,11 +174,11 @@ def test_shared_memory_in_one_process_round_trips_bf16_and_cleans_up() -> None:
 
 def test_shared_memory_buffers_are_reused_across_refits() -> None:
     sink = RecordingSink()
-    refit(RandomWeightSource(SHAPES, seed=5), sink, transport="shared_memory", bucket_bytes=4096)
+    refit(RandomWeightSource(SHAPES, seed=5), sink, RefitPlan(transport="shared_memory", bucket_bytes=4096))
     pool = sorted(glob.glob(f"/dev/shm/nrl-refit-pool-{os.getpid()}-*"))
     inodes = [os.stat(p).st_ino for p in pool]
     second = RandomWeightSource(SHAPES, seed=6)
-    refit(second, sink, transport="shared_memory", bucket_bytes=4096)
+    refit(second, sink, RefitPlan(transport="shared_memory", bucket_bytes=4096))
     assert sorted(glob.glob(f"/dev/shm/nrl-refit-pool-{os.getpid()}-*")) == pool and pool
     assert [os.stat(p).st_ino for p in pool] == inodes  # the same files, rewritten
     assert all(torch.equal(sink.received[name], t) for name, t in second.tensors.items())
@@ -179,12 +194,12 @@ def test_smaller_buckets_are_written_into_the_mappings_already_held() -> None:
     release_shared_buffers()
     try:
         sink = RecordingSink()
-        refit(RandomWeightSource(SHAPES, seed=8), sink, transport="shared_memory", bucket_bytes=2**20)  # one bucket
+        refit(RandomWeightSource(SHAPES, seed=8), sink, RefitPlan(transport="shared_memory", bucket_bytes=2**20))  # one bucket
         pool = transports._SENDER_POOLS[transports.shm_dir()]
         sent = {index: flat.data_ptr() for index, flat in pool.maps.items()}
         read = {path: held.flat.data_ptr() for path, held in transports._RECEIVER_MAPS.items()}
         second = RandomWeightSource(SHAPES, seed=9)
-        refit(second, sink, transport="shared_memory", bucket_bytes=2048)  # several, each smaller
+        refit(second, sink, RefitPlan(transport="shared_memory", bucket_bytes=2048))  # several, each smaller
         assert len(pool.maps) > len(sent) == len(read) == 1
         assert {index: pool.maps[index].data_ptr() for index in sent} == sent
         assert {path: transports._RECEIVER_MAPS[path].flat.data_ptr() for path in read} == read
@@ -201,10 +216,10 @@ def test_a_receiver_reads_a_pool_file_made_again_under_its_name_not_its_old_mapp
     release_shared_buffers()
     try:
         sink = RecordingSink()
-        refit(RandomWeightSource(SHAPES, seed=10), sink, transport="shared_memory", bucket_bytes=2**20)
+        refit(RandomWeightSource(SHAPES, seed=10), sink, RefitPlan(transport="shared_memory", bucket_bytes=2**20))
         transports._SENDER_POOLS[transports.shm_dir()].release()  # the sender's side only
         second = RandomWeightSource(SHAPES, seed=11)
-        refit(second, sink, transport="shared_memory", bucket_bytes=2**20)  # the same file names and sizes
+        refit(second, sink, RefitPlan(transport="shared_memory", bucket_bytes=2**20))  # the same file names and sizes
         assert all(torch.equal(sink.received[name], t) for name, t in second.tensors.items())
     finally:
         release_shared_buffers()
@@ -266,7 +281,7 @@ def test_shared_memory_too_small_is_a_clear_error_before_anything_is_written(mon
     monkeypatch.setattr(os, "statvfs", lambda path: full)
     sink = RecordingSink()
     with pytest.raises(NrlError, match=r"^refit: the next weight bucket .* has 0.0 MiB free but needs .*--shm-size"):
-        refit(RandomWeightSource(SHAPES, seed=9), sink, transport="shared_memory", bucket_bytes=2048)
+        refit(RandomWeightSource(SHAPES, seed=9), sink, RefitPlan(transport="shared_memory", bucket_bytes=2048))
     assert sink.weight_version == 0 and sink.received == {}
     assert set(glob.glob("/dev/shm/nrl-refit-*")) <= before
 
@@ -328,7 +343,7 @@ def test_missing_tensor_is_rejected_and_shared_memory_is_cleaned_up() -> None:
     manifest = source.weight_manifest("float32") + [WeightSpec(name="lost.weight", shape=(4,), dtype="float32")]
     source.weight_manifest = lambda dtype: manifest  # type: ignore[method-assign]
     with pytest.raises(RefitError, match="lost.weight"):
-        refit(source, sink, transport="shared_memory", bucket_bytes=2048)
+        refit(source, sink, RefitPlan(transport="shared_memory", bucket_bytes=2048))
     assert sink.weight_version == 0
     release_shared_buffers()
     assert set(glob.glob("/dev/shm/nrl-refit-*")) <= before
@@ -389,7 +404,7 @@ def test_refit_between_worker_groups(ray_groups, transport) -> None:
     source, sinks = ray_groups
     assert len({info.pid for group in ray_groups for info in group.infos}) == 3
     exports = source.call(WorkerHost.execute, lambda worker: worker.exports, on=0)
-    report = refit(source.endpoint(0), _sinks(sinks), transport=transport, bucket_bytes=2048)
+    report = refit(source.endpoint(0), _sinks(sinks), RefitPlan(transport=transport, bucket_bytes=2048))
     assert report.transport == (transport or "shared_memory") and report.placement == "same_node"
     assert sinks.call("checksums") == [source.call("checksums", on=0)] * 2
     assert report.bytes == 2 * manifest_bytes(RandomWeightSource(SHAPES).weight_manifest("float32"))
@@ -416,20 +431,20 @@ def test_a_broadcast_group_lasts_from_refit_to_refit_and_is_formed_again_after_a
     def formed() -> list[tuple[int, int]]:
         return [source.call(WorkerHost.execute, _groups_formed, on=0), *sinks.call(WorkerHost.execute, _groups_formed)]
 
-    refit(source.endpoint(0), _sinks(sinks), transport="broadcast", bucket_bytes=2048)
+    refit(source.endpoint(0), _sinks(sinks), RefitPlan(transport="broadcast", bucket_bytes=2048))
     first = formed()
     assert all(held >= 1 for _, held in first)
     for _ in range(3):
-        refit(source.endpoint(0), _sinks(sinks), transport="broadcast", bucket_bytes=2048)
+        refit(source.endpoint(0), _sinks(sinks), RefitPlan(transport="broadcast", bucket_bytes=2048))
         assert sinks.call("checksums") == [source.call("checksums", on=0)] * 2
     assert formed() == first  # three refits, no group formed
     source.call(WorkerHost.execute, fail_export_after(1))
     try:
         with pytest.raises(Exception, match="the training side failed mid-export"):
-            refit(source.endpoint(0), _sinks(sinks), transport="broadcast", bucket_bytes=2048)
+            refit(source.endpoint(0), _sinks(sinks), RefitPlan(transport="broadcast", bucket_bytes=2048))
     finally:
         source.call(WorkerHost.execute, lambda worker: delattr(worker, "export_weights"))
-    refit(source.endpoint(0), _sinks(sinks), transport="broadcast", bucket_bytes=2048)
+    refit(source.endpoint(0), _sinks(sinks), RefitPlan(transport="broadcast", bucket_bytes=2048))
     assert [count for count, _ in formed()] == [count + 1 for count, _ in first]  # formed once more
     assert sinks.call("checksums") == [source.call("checksums", on=0)] * 2
     from nrl_core.algorithms import refit_orchestrator
@@ -440,14 +455,14 @@ def test_a_broadcast_group_lasts_from_refit_to_refit_and_is_formed_again_after_a
         assert [held for _, held in formed()] == [0, 0, 0]
     finally:
         refit_orchestrator._FORMED_GROUPS.clear()  # release is for shutdown: this driver forgets the groups too
-    refit(source.endpoint(0), _sinks(sinks), transport="broadcast", bucket_bytes=2048)  # formed again
+    refit(source.endpoint(0), _sinks(sinks), RefitPlan(transport="broadcast", bucket_bytes=2048))  # formed again
     assert [count for count, _ in formed()] == [count + 2 for count, _ in first]
 
 
 @pytest.mark.slow
 def test_refit_rejects_sinks_both_inside_and_outside_the_source_actor(ray_groups) -> None:
     source, sinks = ray_groups
-    with pytest.raises(ValueError, match="all live in the source's actor"):
+    with pytest.raises(ValueError, match="colocated, the sinks are the source ranks themselves; otherwise one source"):
         refit(source.endpoint(0), [source.endpoint(0), sinks.endpoint(0)])
     with pytest.raises(TypeError, match="all local objects or all worker group ranks"):
         refit(source.endpoint(0), RecordingSink())
@@ -466,12 +481,12 @@ def test_failed_export_leaves_the_engines_untouched_and_names_the_source_rank(ra
     try:
         with pytest.raises(WorkerRaisedError, match=r"source\[rank 0\] pid \d+: nrl_refit_\w+\(\) raised "
                                                     r"RuntimeError: the training side failed mid-export"):
-            refit(source.endpoint(0), _sinks(sinks), transport=transport, bucket_bytes=2048)
+            refit(source.endpoint(0), _sinks(sinks), RefitPlan(transport=transport, bucket_bytes=2048))
     finally:
         source.call(WorkerHost.execute, lambda worker: delattr(worker, "export_weights"))
     assert sinks.call("checksums") == checksums
     assert sinks.call(WorkerHost.execute, lambda worker: worker.weight_version) == versions
-    refit(source.endpoint(0), _sinks(sinks), transport=transport, bucket_bytes=2048)  # the next refit goes through
+    refit(source.endpoint(0), _sinks(sinks), RefitPlan(transport=transport, bucket_bytes=2048))  # the next refit goes through
     assert sinks.call("checksums") == [source.call("checksums", on=0)] * 2
 
 
@@ -490,7 +505,7 @@ def test_an_engine_that_dies_during_a_refit_is_named_in_one_line(ray_groups) -> 
     try:
         ray.kill(doomed.actors[0], no_restart=True)
         with pytest.raises(WorkerDiedError, match=r"^doomed\[rank 0\] pid \d+ died .*during nrl_refit_import\(\)"):
-            refit(source.endpoint(0), [doomed.endpoint(0)], bucket_bytes=2048)
+            refit(source.endpoint(0), [doomed.endpoint(0)], RefitPlan(bucket_bytes=2048))
         assert source.call("checksums", on=0)  # the training side is untouched and answers
         source.call(WorkerHost.nrl_refit_release)
     finally:

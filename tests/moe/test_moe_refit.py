@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from nrl_core.algorithms.loss import NLLLoss
-from nrl_core.algorithms.refit_orchestrator import refit_options
 from nrl_core.refit.buckets import iter_buckets
+from nrl_core.refit.plan import RefitPlan
 from nrl_core.testing.tiny_models import cached_tiny_model
 from tests.e2e.facades import chat_prompts, training_batch
 from tests.launch import driving_the_shared_ray
@@ -165,7 +165,7 @@ def test_grpo_then_refit_of_trained_experts(recipe, lr, transport, aux_loss, mod
         assert experts == {f"model.layers.{i}.mlp.experts.{e}.{p}_proj.weight" for i in range(cfg.num_hidden_layers)
                            for e in range(cfg.num_experts) for p in ("gate", "up", "down")}
         buckets = list(iter_buckets(((s.name, torch.empty(s.shape, device="meta")) for s in manifest),
-                                    refit_options(config)["bucket_bytes"]))
+                                    RefitPlan.for_run(config).bucket_bytes))
         assert max(sum(".mlp.experts." in n for n, _ in b) for b in buckets) == len(experts)
 
         for step in range(3):

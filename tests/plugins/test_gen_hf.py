@@ -21,6 +21,7 @@ from nrl_core.errors import ConfigError, NrlError  # noqa: E402
 from nrl_core.refit import RefitError  # noqa: E402
 from nrl_core.refit.endpoints import refit_local  # noqa: E402
 from nrl_core.refit.hf_source import HFWeightSource  # noqa: E402
+from nrl_core.refit.plan import RefitPlan
 from nrl_core.testing.conformance import generation_backend_suite, scenarios  # noqa: E402
 from nrl_core.testing.refit_host import perturb_weights  # noqa: E402
 from nrl_core.testing.tiny_models import cached_tiny_model  # noqa: E402
@@ -174,7 +175,7 @@ def test_dummy_load_format_waits_for_the_first_refit(model_dir, reference, promp
     assert worker.weight_version == -1
     with pytest.raises(NrlError, match="import_weights first"):
         worker.generate(prompts)
-    assert refit(HFWeightSource(model_dir), worker, bucket_bytes=scenarios.BUCKET_BYTES).version == 0
+    assert refit(HFWeightSource(model_dir), worker, RefitPlan(bucket_bytes=scenarios.BUCKET_BYTES)).version == 0
     assert worker.generate(prompts, greedy=True).token_ids == scenarios.hf_greedy(reference, prompts, 8)
 
 
@@ -200,7 +201,7 @@ def test_a_moe_refit_lands_in_the_fused_expert_parameters():
     assert worker.layout.fused, "the tiny Qwen3-MoE should have fused experts"
     trained = hf_model(moe_dir)
     perturb_weights(trained, seed=5)
-    refit(HFWeightSource(trained), worker, bucket_bytes=scenarios.BUCKET_BYTES)
+    refit(HFWeightSource(trained), worker, RefitPlan(bucket_bytes=scenarios.BUCKET_BYTES))
     loaded = worker.model.state_dict()
     for name, tensor in trained.state_dict().items():
         assert torch.equal(loaded[name], tensor), name
@@ -225,7 +226,7 @@ def test_a_refit_named_for_another_model_is_refused_before_loading(model_dir, pr
     trained = hf_model(model_dir)
     perturb_weights(trained, seed=3)
     with pytest.raises(RefitError, match="model.norm.weight") as info:
-        refit(Renamed(trained), worker, bucket_bytes=scenarios.BUCKET_BYTES)
+        refit(Renamed(trained), worker, RefitPlan(bucket_bytes=scenarios.BUCKET_BYTES))
     assert "model.final_norm.weight" in str(info.value) and "\n" not in str(info.value)
     assert worker.weight_version == 0 and worker.generate(prompts, greedy=True).token_ids == before
 

@@ -16,6 +16,7 @@ import pytest
 from nrl_core.algorithms.refit_orchestrator import choose_transport, refit
 from nrl_core.cluster import WorkerGroup
 from nrl_core.cluster._host import WorkerHost
+from nrl_core.refit.plan import RefitPlan
 from nrl_core.refit.shm_space import FREE_BYTES_VARIABLE, shm_dir
 from nrl_core.testing.refit_host import perturb_weights
 from tests.launch import driving_the_shared_ray
@@ -110,7 +111,7 @@ def test_tensor_parallel_engine_in_its_own_group_refits_from_another_actor(model
     try:
         assert _generate(engine, prompts, 2) == hf_greedy(hf_model(model_dir), prompts)
         source.call(WorkerHost.execute, functools.partial(_perturb, seed=22))
-        report = refit(source.endpoint(0), [engine.endpoint(0), engine.endpoint(1)], bucket_bytes=BUCKET)
+        report = refit(source.endpoint(0), [engine.endpoint(0), engine.endpoint(1)], RefitPlan(bucket_bytes=BUCKET))
         assert report.transport == "shared_memory" and report.version == 1
         assert _generate(engine, prompts, 2) == hf_greedy(hf_model(model_dir, perturb_seed=22), prompts)
     finally:

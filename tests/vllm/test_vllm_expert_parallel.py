@@ -25,6 +25,7 @@ from transformers import AutoConfig
 
 from nrl_core.algorithms.refit_orchestrator import refit
 from nrl_core.cluster._host import WorkerHost
+from nrl_core.refit.plan import RefitPlan
 from nrl_core.testing.refit_host import perturb_hosted_source
 from nrl_core.testing.tiny_models import cached_tiny_model
 from tests.launch import driving_the_shared_ray
@@ -119,8 +120,7 @@ def test_each_engine_rank_reads_only_what_it_holds_of_a_moe_refit(model, source,
         engine.call(WorkerHost.execute, _count_reads, **first_rank_only)
         seed = 31 + expert_parallel + async_engine
         source.call(WorkerHost.execute, functools.partial(perturb_hosted_source, seed=seed, fresh_from=str(model)))
-        report = refit(source.endpoint(0), [engine.endpoint(0), engine.endpoint(1)], bucket_bytes=256 * 1024,
-                       pipelined=True, partial=True)
+        report = refit(source.endpoint(0), [engine.endpoint(0), engine.endpoint(1)], RefitPlan(bucket_bytes=256 * 1024, mode="pipelined", delivery="wanted"))
         assert report.transport == "shared_memory" and report.version == 1
         assert _greedy(engine) == hf_greedy(hf_model(model, perturb_seed=seed), PROMPTS)
 
@@ -140,8 +140,7 @@ def test_each_engine_rank_reads_only_what_it_holds_of_a_moe_refit(model, source,
 
         # Across nodes (the broadcast transport): each rank receives only the tensors it loads.
         source.call(WorkerHost.execute, functools.partial(perturb_hosted_source, seed=seed + 10, fresh_from=str(model)))
-        report = refit(source.endpoint(0), [engine.endpoint(0), engine.endpoint(1)], transport="broadcast",
-                       bucket_bytes=256 * 1024, partial=True)
+        report = refit(source.endpoint(0), [engine.endpoint(0), engine.endpoint(1)], RefitPlan(transport="broadcast", bucket_bytes=256 * 1024, delivery="wanted"))
         assert report.transport == "broadcast" and report.version == 2
         assert _greedy(engine) == hf_greedy(hf_model(model, perturb_seed=seed + 10), PROMPTS)
         received = engine.call(WorkerHost.execute, _received)

@@ -14,6 +14,7 @@ import pytest
 from nrl_core.algorithms.refit_orchestrator import refit
 from nrl_core.cluster._host import WorkerHost
 from nrl_core.refit.hf_source import HFWeightSource
+from nrl_core.refit.plan import RefitPlan
 from nrl_core.testing.refit_host import fail_export_after, perturb_hosted_source
 from tests.launch import driving_the_shared_ray
 from tests.vllm.helpers import generation_config, hf_greedy, hf_model
@@ -58,7 +59,7 @@ def test_two_identically_built_workers_sample_identically(actors, engine, model_
 def test_colocated_refit_in_process(actors, model_dir, prompts) -> None:
     colocated, _ = actors
     colocated.call(WorkerHost.execute, functools.partial(perturb_hosted_source, seed=11))
-    report = refit(colocated.endpoint(0), colocated.endpoint(0), bucket_bytes=256 * 1024)
+    report = refit(colocated.endpoint(0), colocated.endpoint(0), RefitPlan(bucket_bytes=256 * 1024))
     assert (report.transport, report.placement) == ("in_process", "same_process")
     out = _greedy(colocated, prompts)
     assert out.token_ids == hf_greedy(hf_model(model_dir, perturb_seed=11), prompts)
@@ -76,7 +77,7 @@ def test_colocated_pipelined_refit_loads_as_the_training_side_exports_and_a_torn
 
     colocated, _ = actors
     colocated.call(WorkerHost.execute, functools.partial(perturb_hosted_source, seed=16, fresh_from=str(model_dir)))
-    report = refit(colocated.endpoint(0), colocated.endpoint(0), bucket_bytes=256 * 1024, pipelined=True)
+    report = refit(colocated.endpoint(0), colocated.endpoint(0), RefitPlan(bucket_bytes=256 * 1024, mode="pipelined"))
     assert (report.transport, report.placement) == ("in_process", "same_process")
     expected = hf_greedy(hf_model(model_dir, perturb_seed=16), prompts)
     assert _greedy(colocated, prompts).token_ids == expected
@@ -85,12 +86,12 @@ def test_colocated_pipelined_refit_loads_as_the_training_side_exports_and_a_torn
         with pytest.raises(TornRefitError, match=r"^vLLM engine 0: the pipelined refit to version \d+ failed after "
                                                  r"[1-9]\d* of \d+ tensors reached the engine \(the training side "
                                                  r"failed mid-export\)"):
-            refit(colocated.endpoint(0), colocated.endpoint(0), bucket_bytes=256 * 1024, pipelined=True)
+            refit(colocated.endpoint(0), colocated.endpoint(0), RefitPlan(bucket_bytes=256 * 1024, mode="pipelined"))
     finally:
         colocated.call(WorkerHost.execute, lambda worker: delattr(worker, "export_weights"))
     with pytest.raises(TornRefitError, match=r"^vLLM engine 0: generate with torn weights: "):
         _greedy(colocated, prompts)
-    report = refit(colocated.endpoint(0), colocated.endpoint(0), bucket_bytes=256 * 1024, pipelined=True)
+    report = refit(colocated.endpoint(0), colocated.endpoint(0), RefitPlan(bucket_bytes=256 * 1024, mode="pipelined"))
     out = _greedy(colocated, prompts)
     assert out.token_ids == expected and out.weight_version == report.version
 
@@ -104,20 +105,18 @@ def test_a_pipelined_broadcast_refit_loads_as_it_arrives_and_a_torn_one(actors, 
 
     colocated, separate = actors
     separate.call(WorkerHost.execute, functools.partial(perturb_hosted_source, seed=17, fresh_from=str(model_dir)))
-    refit(separate.endpoint(0), colocated.endpoint(0), transport="broadcast", bucket_bytes=256 * 1024, pipelined=True)
+    refit(separate.endpoint(0), colocated.endpoint(0), RefitPlan(transport="broadcast", bucket_bytes=256 * 1024, mode="pipelined"))
     expected = hf_greedy(hf_model(model_dir, perturb_seed=17), prompts)
     assert _greedy(colocated, prompts).token_ids == expected
     separate.call(WorkerHost.execute, fail_export_after(2))
     try:
         with pytest.raises((WorkerRaisedError, TornRefitError), match="the training side failed mid-export"):
-            refit(separate.endpoint(0), colocated.endpoint(0), transport="broadcast", bucket_bytes=256 * 1024,
-                  pipelined=True)
+            refit(separate.endpoint(0), colocated.endpoint(0), RefitPlan(transport="broadcast", bucket_bytes=256 * 1024, mode="pipelined"))
     finally:
         separate.call(WorkerHost.execute, lambda worker: delattr(worker, "export_weights"))
     with pytest.raises(TornRefitError, match=r"^vLLM engine 0: generate with torn weights: the pipelined refit"):
         _greedy(colocated, prompts)
-    report = refit(separate.endpoint(0), colocated.endpoint(0), transport="broadcast", bucket_bytes=256 * 1024,
-                   pipelined=True)
+    report = refit(separate.endpoint(0), colocated.endpoint(0), RefitPlan(transport="broadcast", bucket_bytes=256 * 1024, mode="pipelined"))
     out = _greedy(colocated, prompts)
     assert out.token_ids == expected and out.weight_version == report.version
 
@@ -127,7 +126,7 @@ def test_non_colocated_refit_across_processes(actors, model_dir, prompts, transp
     colocated, separate = actors
     separate.call(WorkerHost.execute, functools.partial(perturb_hosted_source, seed=seed, fresh_from=str(model_dir)))
     before = _greedy(colocated, prompts)
-    report = refit(separate.endpoint(0), colocated.endpoint(0), transport=transport, bucket_bytes=256 * 1024)
+    report = refit(separate.endpoint(0), colocated.endpoint(0), RefitPlan(transport=transport, bucket_bytes=256 * 1024))
     assert report.transport == (transport or "shared_memory") and report.placement == "same_node"
     out = _greedy(colocated, prompts)
     assert out.token_ids == hf_greedy(hf_model(model_dir, perturb_seed=seed), prompts) != before.token_ids
@@ -143,7 +142,7 @@ def test_pipelined_refit_across_processes_and_a_torn_one(actors, model_dir, prom
 
     colocated, separate = actors
     separate.call(WorkerHost.execute, functools.partial(perturb_hosted_source, seed=14, fresh_from=str(model_dir)))
-    report = refit(separate.endpoint(0), colocated.endpoint(0), bucket_bytes=256 * 1024, pipelined=True)
+    report = refit(separate.endpoint(0), colocated.endpoint(0), RefitPlan(bucket_bytes=256 * 1024, mode="pipelined"))
     assert (report.transport, report.placement) == ("shared_memory", "same_node")
     out = _greedy(colocated, prompts)
     assert out.token_ids == hf_greedy(hf_model(model_dir, perturb_seed=14), prompts)
@@ -154,14 +153,14 @@ def test_pipelined_refit_across_processes_and_a_torn_one(actors, model_dir, prom
     try:
         with pytest.raises(WorkerRaisedError, match="nrl_refit_export_streamed.. raised RuntimeError: the training "
                                                     "side failed mid-export"):
-            refit(separate.endpoint(0), colocated.endpoint(0), bucket_bytes=256 * 1024, pipelined=True)
+            refit(separate.endpoint(0), colocated.endpoint(0), RefitPlan(bucket_bytes=256 * 1024, mode="pipelined"))
     finally:
         separate.call(WorkerHost.execute, lambda worker: delattr(worker, "export_weights"))
     with pytest.raises(TornRefitError, match=r"^vLLM engine 0: generate with torn weights: the "
                                                 r"pipelined refit to version \d+ failed after [1-9]\d* of \d+ tensors "
                                                 r"reached the engine .*the exporting side raised RuntimeError"):
         _greedy(colocated, prompts)
-    report = refit(separate.endpoint(0), colocated.endpoint(0), bucket_bytes=256 * 1024, pipelined=True)
+    report = refit(separate.endpoint(0), colocated.endpoint(0), RefitPlan(bucket_bytes=256 * 1024, mode="pipelined"))
     out = _greedy(colocated, prompts)
     assert out.token_ids == hf_greedy(hf_model(model_dir, perturb_seed=15), prompts)
     assert out.weight_version == report.version

@@ -16,6 +16,7 @@ from nrl_core.plugins import get_plugin_manager
 from nrl_core.refit import RefitError
 from nrl_core.refit.buckets import manifest_of
 from nrl_core.refit.hf_source import HFWeightSource
+from nrl_core.refit.plan import RefitPlan
 from tests.vllm.helpers import hf_greedy, hf_model, hf_token_logprobs
 
 LOGPROB_TOLERANCE = 1e-3
@@ -38,7 +39,7 @@ class EditedSource(HFWeightSource):
 def restore_checkpoint(engine, model_dir):
     """Put the checkpoint's weights back after a test that changed them."""
     yield
-    refit(HFWeightSource(model_dir), engine, bucket_bytes=2**20)
+    refit(HFWeightSource(model_dir), engine, RefitPlan(bucket_bytes=2**20))
 
 
 def test_plugin_registers_vllm_backend_and_schema() -> None:
@@ -59,14 +60,14 @@ def test_refit_with_changed_weights_matches_hf(engine, model_dir, prompts, resto
     before = engine.generate(prompts, greedy=True).token_ids
     trained = hf_model(model_dir, perturb_seed=7)
     version = engine.weight_version
-    report = refit(HFWeightSource(trained), engine, bucket_bytes=256 * 1024)
+    report = refit(HFWeightSource(trained), engine, RefitPlan(bucket_bytes=256 * 1024))
     assert report.version == version + 1 == engine.weight_version and report.transport == "in_process"
     after = engine.generate(prompts, greedy=True)
     assert after.weight_version == version + 1
     assert after.token_ids == hf_greedy(trained, prompts)
     assert after.token_ids != before
     # a refit that changes nothing leaves the output unchanged (but is still a new version)
-    refit(HFWeightSource(trained), engine, transport="shared_memory", bucket_bytes=256 * 1024)
+    refit(HFWeightSource(trained), engine, RefitPlan(transport="shared_memory", bucket_bytes=256 * 1024))
     assert engine.generate(prompts, greedy=True).token_ids == after.token_ids
     assert engine.weight_version == version + 2
 
@@ -117,7 +118,7 @@ def test_bad_refit_names_keys_and_keeps_old_weights(engine, model_dir, prompts, 
     version = engine.weight_version
     source = EditedSource(hf_model(model_dir, perturb_seed=9), edit)  # changed weights: a load would show
     with pytest.raises(RefitError, match=key.replace(".", r"\.")):
-        refit(source, engine, bucket_bytes=256 * 1024)
+        refit(source, engine, RefitPlan(bucket_bytes=256 * 1024))
     assert engine.weight_version == version
     assert engine.generate(prompts, greedy=True).token_ids == before
 
@@ -212,7 +213,7 @@ def _dummy_engine_before_and_after_refit(rank: int, world_size: int, model_dir: 
             refused = ""
         except NrlError as exc:
             refused = str(exc)
-        report = refit(HFWeightSource(model_dir), worker, bucket_bytes=256 * 1024)
+        report = refit(HFWeightSource(model_dir), worker, RefitPlan(bucket_bytes=256 * 1024))
         out = worker.generate(prompts, greedy=True)
         return version_before, refused, report.version, out.weight_version, out.token_ids
     finally:
@@ -258,7 +259,7 @@ def _trainer_refit_gap(rank: int, world_size: int, family: str) -> float:
         with torch.no_grad():
             for param in trainer.model.parameters():
                 param.add_(0.05 * torch.randn_like(param))
-        refit(trainer, worker, bucket_bytes=256 * 1024)
+        refit(trainer, worker, RefitPlan(bucket_bytes=256 * 1024))
         out = worker.generate(prompts * 2)
         sequences = [p + list(ids) for p, ids in zip(prompts * 2, out.token_ids)]
         ids = torch.full((len(sequences), max(map(len, sequences))), 3)

@@ -358,6 +358,7 @@ def _partial_imports(engine: Any, original: Any, trained: Any, prompts: list[lis
     One rank: a backend that leaves tensors out only at several ranks (expert parallelism) needs its
     own test of that (nrl's vLLM plugin: tests/vllm/test_vllm_expert_parallel.py)."""
     from nrl_core.algorithms.refit_orchestrator import refit
+    from nrl_core.refit.plan import RefitPlan
 
     out: dict[str, Any] = {}
     manifest = trained.weight_manifest("float32")
@@ -366,9 +367,9 @@ def _partial_imports(engine: Any, original: Any, trained: Any, prompts: list[lis
     out["partial/wants_type"] = type(wants).__name__
     out["partial/wants_outside_manifest"] = sorted(set(wants) - names)[:8]
     version = engine.weight_version
-    out["partial/original_version"] = refit(original, engine, bucket_bytes=BUCKET_BYTES, partial=True).version - version
+    out["partial/original_version"] = refit(original, engine, RefitPlan(bucket_bytes=BUCKET_BYTES, delivery="wanted")).version - version
     out["partial/original"] = engine.generate(prompts, greedy=True).token_ids
-    refit(trained, engine, bucket_bytes=BUCKET_BYTES, partial=True)
+    refit(trained, engine, RefitPlan(bucket_bytes=BUCKET_BYTES, delivery="wanted"))
     out["partial/trained"] = engine.generate(prompts, greedy=True).token_ids
     return out
 
@@ -386,6 +387,7 @@ def generation_refit(rank: int, world_size: int, config: dict[str, Any], worker_
     from nrl_core.algorithms.refit_orchestrator import refit
     from nrl_core.contracts import GenerationWorker, import_object
     from nrl_core.refit.hf_source import HFWeightSource
+    from nrl_core.refit.plan import RefitPlan
     from nrl_core.testing.refit_host import perturb_weights
 
     _set_env(env)
@@ -396,7 +398,7 @@ def generation_refit(rank: int, world_size: int, config: dict[str, Any], worker_
     out["is_generation_worker"] = isinstance(engine, GenerationWorker)
     out["initial_version"] = engine.weight_version
     if engine.weight_version < 0:  # placeholder weights: the core loads the policy's before generating
-        refit(HFWeightSource(config["policy"]["model_name"]), engine, bucket_bytes=BUCKET_BYTES)
+        refit(HFWeightSource(config["policy"]["model_name"]), engine, RefitPlan(bucket_bytes=BUCKET_BYTES))
     first = engine.generate(prompts, greedy=True)
     out["before"] = first.token_ids
     out["before/logprob_lengths"] = [len(lp) == len(ids) for lp, ids in zip(first.logprobs, first.token_ids)]
@@ -415,7 +417,7 @@ def generation_refit(rank: int, world_size: int, config: dict[str, Any], worker_
         model.save_pretrained(os.path.join(root, "trained"))
         source = HFWeightSource(model)
         trained_dir = os.path.join(root, "trained")
-    report = refit(source, engine, bucket_bytes=BUCKET_BYTES)
+    report = refit(source, engine, RefitPlan(bucket_bytes=BUCKET_BYTES))
     out["refit_version"] = report.version
     out["version1"] = engine.weight_version
     out["after"] = engine.generate(prompts, greedy=True).token_ids
@@ -431,7 +433,7 @@ def generation_refit(rank: int, world_size: int, config: dict[str, Any], worker_
             items = [item for bucket in source.export_weights(bucket_bytes, dtype) for item in bucket]
             yield items[:-1]
 
-    out["bad_refit"] = _error_of(lambda: refit(DroppedTensor(), engine, bucket_bytes=BUCKET_BYTES))
+    out["bad_refit"] = _error_of(lambda: refit(DroppedTensor(), engine, RefitPlan(bucket_bytes=BUCKET_BYTES)))
     out["version_after_bad_refit"] = engine.weight_version
     out["after_bad_refit"] = engine.generate(prompts, greedy=True).token_ids
 
