@@ -127,8 +127,11 @@ def tiny_family(model_name: str) -> str | None:
     if config.is_file():
         from nrl_core.testing.tiny_models import FAMILIES, MODEL_TYPES
 
-        model_type = json.loads(config.read_text()).get("model_type")
-        model_type = MODEL_TYPES.get(model_type, model_type)
+        raw = json.loads(config.read_text())
+        model_type = MODEL_TYPES.get(raw.get("model_type"), raw.get("model_type"))
+        if model_type == "nemotron_h" and ("moe" in (raw.get("layers_block_type") or [])
+                                           or "E" in str(raw.get("hybrid_override_pattern") or "")):
+            model_type = "nemotron_h_moe"  # Nemotron 3: the same model type, with experts
         return model_type if model_type in FAMILIES else None
     lowered = model_name.lower()
     return next((family for family, pattern in FAMILY_NAMES if re.search(pattern, lowered)), None)

@@ -47,7 +47,9 @@ def local_model_config(config: Mapping[str, Any]) -> Any | None:
 
 def has_recurrent_layers(hf_config: Any) -> bool:
     """Whether the model has Mamba or linear-attention layers (Nemotron-H, Qwen3.5): layers whose
-    state runs along the sequence, so engines must reset it where a sequence starts."""
+    state runs along the sequence, so engines must reset it where a sequence starts. It reads the
+    config's per-layer kinds (``layers_block_type``, ``layer_types``) and Nemotron-H's
+    ``hybrid_override_pattern``; a model that names its recurrent layers otherwise is not seen."""
     text = getattr(hf_config, "text_config", None) or hf_config
     kinds = [*(getattr(text, "layers_block_type", None) or []), *(getattr(text, "layer_types", None) or [])]
     pattern = str(getattr(text, "hybrid_override_pattern", None) or "")

@@ -14,8 +14,8 @@ enough that the tests' sequences cross it.
 Newer families, at ``tiny`` and ``small`` only (the sizes of twins and tests), each with the
 features its hub models are chosen for, so a twin trains what the recipe would:
 
-* ``gemma4``: Gemma 4 (text): Gemma 3's alternating sliding and full attention with small
-  per-layer input embeddings, the feature of the E2B/E4B models;
+* ``gemma4``: Gemma 4 (text, dense): Gemma 3's alternating sliding and full attention, the full
+  layers' heads wider, with small per-layer input embeddings, the feature of the E2B/E4B models;
 * ``gpt_oss``: gpt-oss: every layer a mixture of experts with biased, clamped SwiGLU experts,
   attention sinks and alternating sliding and full attention;
 * ``nemotron_h``: Nemotron-H (Nemotron Nano 2): a hybrid of Mamba-2 layers, attention and
@@ -121,6 +121,8 @@ def model_config(family: str, size: str = "tiny", vocab_size: int = 512, **overr
         raise ValueError(f"unknown size '{size}'; choose one of {', '.join(SIZES)}")
     if family in NEWER_FAMILIES and size not in NEWER_SIZES:
         raise ValueError(f"family '{family}' comes in sizes {', '.join(NEWER_SIZES)}, not '{size}'")
+    if family in NEWER_FAMILIES and "num_hidden_layers" in overrides:
+        raise ValueError(f"family '{family}' has a fixed layout of layer kinds; its depth cannot be changed")
     from transformers import (
         Gemma3TextConfig,
         LlamaConfig,
@@ -167,8 +169,9 @@ def model_config(family: str, size: str = "tiny", vocab_size: int = 512, **overr
 
 
 def _newer_config(family: str, size: str, common: dict[str, Any]) -> Any:
-    """A newer family's config: 32-wide heads (vLLM's CPU attention needs 32 and up), four layers
-    at ``small`` so that every block kind appears, two at ``tiny``."""
+    """A newer family's config: 32-wide heads (vLLM's CPU attention needs 32 and up; Gemma 4's
+    full-attention layers 64, twice its sliding ones, as its hub models' are wider), four layers at
+    ``small`` so that every block kind appears, fewer at ``tiny``."""
     from transformers import Gemma4TextConfig, GptOssConfig, NemotronHConfig
 
     hidden, layers = (128, 4) if size == "small" else (64, 2)
@@ -181,7 +184,8 @@ def _newer_config(family: str, size: str, common: dict[str, Any]) -> Any:
             "original_max_position_embeddings": 32, "truncate": False}  # 32 x 32: the tiny context
     if family == "gemma4":
         return Gemma4TextConfig(**dict(common, tie_word_embeddings=True), **attention, intermediate_size=3 * hidden,
-                                sliding_window=16, layer_types=alternating, vocab_size_per_layer_input=common["vocab_size"],
+                                sliding_window=16, layer_types=alternating, global_head_dim=64,
+                                vocab_size_per_layer_input=common["vocab_size"],
                                 hidden_size_per_layer_input=16,
                                 rope_parameters={"sliding_attention": rope, "full_attention": rope})
     if family == "gpt_oss":

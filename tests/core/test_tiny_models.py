@@ -104,3 +104,10 @@ def test_the_newer_families_refuse_the_larger_sizes():
 
     with pytest.raises(ValueError, match="family 'gpt_oss' comes in sizes tiny, small, not 'bench'"):
         model_config("gpt_oss", "bench")
+
+
+def test_a_newer_family_refuses_another_depth():
+    from nrl_core.testing.tiny_models import model_config
+
+    with pytest.raises(ValueError, match="family 'nemotron_h' has a fixed layout of layer kinds"):
+        model_config("nemotron_h", "small", num_hidden_layers=2)

@@ -86,6 +86,14 @@ def test_a_hub_name_names_its_tiny_family(name, family):
     assert tiny_family(name) == family
 
 
+@pytest.mark.parametrize("family", ["nemotron_h", "nemotron_h_moe", "gemma4", "llama"])
+def test_a_local_model_names_its_tiny_family(family):
+    """Nemotron 3 has Nemotron-H's model type; its experts make it the other family."""
+    from nrl_core.testing.tiny_models import cached_tiny_model
+
+    assert tiny_family(str(cached_tiny_model(family))) == family
+
+
 def test_a_family_without_a_tiny_model_is_one_line_naming_the_way_out(tmp_path, pm):
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(f"defaults: {REPO / 'examples' / 'configs' / 'grpo_tiny_cpu.yaml'}\n"

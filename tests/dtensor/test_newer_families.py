@@ -76,3 +76,14 @@ def test_a_checkpoint_records_parameters_and_refit_also_sends_buffers() -> None:
     recorded = set(worker.checkpoint_io.state.param_shapes)
     assert sent - recorded == {name for name in sent if name.endswith("gate.e_score_correction_bias")} != set()
     assert recorded < sent
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "gemma3", "qwen3_moe", "qwen2_moe"])
+def test_the_older_families_send_no_buffers(family: str) -> None:
+    """Their buffers (rotary tables, Gemma 3's embedding scale) are derived, not checkpointed: a
+    refit of them sends what it sent before buffers travelled."""
+    from transformers import AutoModelForCausalLM
+
+    from nrl_backend_dtensor.weights import buffer_names
+
+    assert buffer_names(AutoModelForCausalLM.from_pretrained(cached_tiny_model(family))) == set()

@@ -317,7 +317,7 @@ def test_an_engine_built_without_lora_refuses_an_adapter(engine) -> None:
 
 
 @pytest.mark.parametrize("family, refusal", [("nemotron_h_moe", "squared-ReLU; its engine needs a GPU"),
-                                             ("gpt_oss", "after a refit as the trainer computes it")])
+                                             ("gpt_oss", "does not compute gpt-oss as the trainer does")])
 def test_models_the_cpu_engine_cannot_serve_are_refused_in_one_line(family: str, refusal: str) -> None:
     from transformers import AutoConfig
 

@@ -59,7 +59,7 @@ def check_heads(tp_size: int, hf_config: Any) -> None:
 def check_packing(policy: Mapping[str, Any], hf_config: Any) -> None:
     """Packed sequences share a row; transformers' Mamba and linear-attention layers would carry
     their state from one sequence into the next (they have no per-sequence resets on this path)."""
-    if policy["sequence_packing"]["enabled"] and has_recurrent_layers(hf_config):
+    if (policy.get("sequence_packing") or {}).get("enabled") and has_recurrent_layers(hf_config):
         raise ConfigError("policy.sequence_packing.enabled",
                           f"a {hf_config.model_type} model has Mamba or linear-attention layers, whose state the "
                           "dtensor backend cannot reset between packed sequences; set it to false")

@@ -58,7 +58,7 @@ def packed_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
     for b, (q, k, v) in enumerate(zip(query.split(1), key.split(1), value.split(1))):
         sizes = [e - s for s, e in _segments(position_ids[b if position_ids.shape[0] > 1 else 0])]
         parts = [_causal_sdpa(qs, ks, vs, window, dropout_p=dropout, scale=scaling, enable_gqa=gqa) if sinks is None
-                 else _causal_with_sinks(qs, ks, vs, window, sinks, scaling)
+                 else _causal_with_sinks(qs, ks, vs, window, sinks, scaling, dropout)
                  for qs, ks, vs in zip(q.split(sizes, dim=2), k.split(sizes, dim=2), v.split(sizes, dim=2))]
         rows.append(torch.cat(parts, dim=2))
     return torch.cat(rows, dim=0).transpose(1, 2).contiguous(), None
@@ -77,7 +77,7 @@ def _causal_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, wi
 
 
 def _causal_with_sinks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, window: int | None,
-                       sinks: torch.Tensor, scale: float | None) -> torch.Tensor:
+                       sinks: torch.Tensor, scale: float | None, dropout: float = 0.0) -> torch.Tensor:
     """Causal attention over one segment whose softmax also spans one sink logit per head."""
     length, groups = query.shape[2], query.shape[1] // key.shape[1]
     key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
@@ -89,7 +89,7 @@ def _causal_with_sinks(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     scores = scores.masked_fill(~allowed, float("-inf"))
     sink = sinks.to(scores.dtype).reshape(1, -1, 1, 1).expand(*scores.shape[:3], 1)
     probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
-    return probs.to(value.dtype) @ value
+    return F.dropout(probs, p=dropout).to(value.dtype) @ value
 
 
 def _no_mask(*args: Any, **kwargs: Any) -> None:

@@ -175,8 +175,8 @@ def engine_start_error(exc: BaseException, config: Mapping[str, Any], *, cpu: bo
 
 def check_cpu_model(hf_config: Any) -> None:
     """Models vLLM's CPU build cannot serve as nrl needs: Nemotron-H's squared-ReLU experts (it runs
-    gated ones only, and would fail deep inside the engine's start), and gpt-oss, whose CPU experts
-    after a weight update give logprobs far from the trainer's (measured by
+    gated ones only, and would fail deep inside the engine's start), and gpt-oss, whose logprobs on
+    the CPU build differ from the trainer's, far more after a weight update (measured by
     tests/vllm/test_vllm_worker.py's refit check before it was refused)."""
     text = getattr(hf_config, "text_config", None) or hf_config
     model_type = getattr(text, "model_type", None)
@@ -185,6 +185,5 @@ def check_cpu_model(hf_config: Any) -> None:
         raise ConfigError("policy.model_name", "vLLM's CPU build runs only gated (SwiGLU) experts and this "
                                                "nemotron_h model's experts are squared-ReLU; its engine needs a GPU")
     if model_type == "gpt_oss":
-        raise ConfigError("policy.model_name", "vLLM's CPU build does not serve gpt-oss after a refit as the "
-                                               "trainer computes it (its experts' logprobs differ); its engine "
-                                               "needs a GPU")
+        raise ConfigError("policy.model_name", "vLLM's CPU build does not compute gpt-oss as the trainer does "
+                                               "(logprobs differ, far more after a refit); its engine needs a GPU")
