@@ -155,9 +155,8 @@ class VllmGenerationWorker:
             hf_config = local_model_config(config)
             if hf_config is not None:
                 check_cpu_model(hf_config)
-            if hf_config is not None and has_recurrent_layers(hf_config):
-                # vLLM caches a recurrent layer's prefixes only in chunked prefill's steps
-                engine_kwargs["enable_prefix_caching"] = False
+                if has_recurrent_layers(hf_config):  # vLLM caches their prefixes only in chunked prefill's steps
+                    engine_kwargs["enable_prefix_caching"] = False
         if _is_cpu() and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
             self.kv_cache = kv_cache_space(config, max_model_len=self.max_model_len, tensor_parallel_size=self.tp,
                                            engines=max(1, world_size // self.tp), dtype=self.dtype,
