@@ -179,6 +179,7 @@ _SECTIONS: dict[str, dict[str, str]] = {
         "checkpoint_layout": "nrl_core.refit.hf_source",
         "dtype_name": "nrl_core.refit.buckets",
         "HFWeightSource": "nrl_core.refit.hf_source",
+        "is_owned_region": "nrl_core.refit.slices",
         "iter_buckets": "nrl_core.refit.buckets",
         "parse_dtype": "nrl_core.refit.buckets",
         "plain_config": "nrl_core.refit.adapters",
@@ -186,6 +187,7 @@ _SECTIONS: dict[str, dict[str, str]] = {
         "spec_of": "nrl_core.refit.buckets",
         "verified_stream": "nrl_core.refit.manifest",
         "verify_manifest": "nrl_core.refit.manifest:verify",
+        "WeightSlice": "nrl_core.refit.slices",
     },
     "Generation backend kit": {
         "derive_seed": "nrl_core.generation_kit",

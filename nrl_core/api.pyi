@@ -161,6 +161,8 @@ from nrl_core.refit.manifest import TornRefitError as TornRefitError
 from nrl_core.refit.manifest import verified_stream as verified_stream
 from nrl_core.refit.manifest import verify as verify_manifest
 from nrl_core.refit.shm_space import shared_file as shared_file
+from nrl_core.refit.slices import WeightSlice as WeightSlice
+from nrl_core.refit.slices import is_owned_region as is_owned_region
 from nrl_core.schema import Field as Field
 from nrl_core.schema import Section as Section
 from nrl_core.sdk import ReferenceWeights as ReferenceWeights
@@ -285,6 +287,7 @@ __all__ = [
     "TrainingWorkerBase",
     "UnsafeCheckpointError",
     "ValueScorer",
+    "WeightSlice",
     "WeightSpec",
     "WorkerError",
     "all_gather",
@@ -332,6 +335,7 @@ __all__ = [
     "in_flight_section",
     "init_local_group",
     "init_ray",
+    "is_owned_region",
     "iter_buckets",
     "last_token_values",
     "load_and_validate",

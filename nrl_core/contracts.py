@@ -129,8 +129,11 @@ TRAINING_FLAGS: Mapping[str, str] = {
 The others are Protocols marked with :func:`~nrl_core.contract_marks.capability` (below), and
 :data:`TRAINING_CAPABILITIES` holds both."""
 
-GENERATION_FLAGS: Mapping[str, str] = {}
-"""The same for generation backends (every generation capability adds methods)."""
+GENERATION_FLAGS: Mapping[str, str] = {
+    "sliced_import": "partial_import where a rank loads a block of a tensor (its rows or columns under tensor "
+                     "parallelism): refit_wants may name a WeightSlice, and the rank receives only the block",
+}
+"""The same for generation backends."""
 
 
 def _check_capabilities(kind: str, name: str, declared: frozenset[str], known: Mapping[str, str]) -> None:
@@ -1056,13 +1059,15 @@ class PartialImporter(Protocol):
     then hands its imports only those tensors and a manifest of only those, whatever the transport;
     the broadcast transport sends a tensor only one rank loads to that rank alone."""
 
-    def refit_wants(self, manifest: list[WeightSpec]) -> list[str]:
+    def refit_wants(self, manifest: list[WeightSpec]) -> list[Any]:
         """The names in ``manifest`` (the whole model's) this rank loads; called before the rank
         loads anything (over a collective transport, before anything is sent), so a manifest the
         engine cannot take may raise :class:`~nrl_core.refit.manifest.RefitError` here. A name
         outside ``manifest`` is refused.
         The imports that follow (``import_weights``, ``import_weights_pipelined``) get a manifest of
-        exactly these names."""
+        exactly these names. A worker that also declares ``sliced_import`` may name a
+        :class:`~nrl_core.refit.slices.WeightSlice` instead of a name: it then receives only that
+        block, handed as a tensor of the manifest's shape that refuses reads outside the block."""
 
 
 @capability("adapter_refit", role="generation", since=9,

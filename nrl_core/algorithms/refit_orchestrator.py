@@ -16,7 +16,7 @@ from typing import Any
 from nrl_core.errors import ConfigError
 from nrl_core.plugins import PluginManager, get_plugin_manager
 from nrl_core.refit.buckets import manifest_bytes
-from nrl_core.refit.endpoints import STREAM_BACKPRESSURE, ExportedWeights, refit_local
+from nrl_core.refit.endpoints import STREAM_BACKPRESSURE, ExportedWeights, refit_local, slices_of
 from nrl_core.refit.plan import DEFAULT_PLAN, RefitPlan
 from nrl_core.refit.report import RefitReport, combine_reports
 from nrl_core.refit.transports import PLACEMENTS, RefitSession, TransportChoice
@@ -214,13 +214,15 @@ def _collective(source: Any, sinks: list[Any], transport: TransportChoice, plan:
         source.call(WorkerHost.nrl_refit_drain, plan.bucket_bytes, plan.dtype)  # the other training ranks' export ends
         raise
     names = {spec.name for spec in manifest}
-    options["skips"] = {receive_rank[sink]: sorted(names.difference(wanted)) for sink, wanted in wants.items()
+    options["skips"] = {receive_rank[sink]: sorted(names.difference(_names(wanted))) for sink, wanted in wants.items()
                         if wanted is not None}
+    options["slices"] = {receive_rank[sink]: slices for sink, wanted in wants.items()
+                         if (slices := slices_of(wanted))}
     session = source.call(WorkerHost.nrl_refit_prepare, transport, RefitSession(options=options))
     try:
         endpoint = InFlightWorkerHost.nrl_refit_receive_in_flight if plan.in_flight else WorkerHost.nrl_refit_receive
         pending = [(group, group.call_async(endpoint, on=ranks, per_rank_args=[
-                        (transport, session.with_options(rank=receive_rank[(group, r)], skips={}), manifest,
+                        (transport, session.with_options(rank=receive_rank[(group, r)], skips={}, slices={}), manifest,
                          wants.get((group, r)), plan.pipelined)
                         for r in ranks]))
                    for group, ranks in _by_group(sinks).items()]
@@ -256,7 +258,11 @@ def _group_key(source: Any, sinks: list[Any]) -> str:
     return "-".join(info.worker_id or f"{info.node_id}:{info.pid}" for info in infos)
 
 
-def _wants(sinks: list[Any], manifest: list[Any], in_flight: bool) -> dict[tuple[Any, int], list[str] | None]:
+def _names(wanted: list[Any]) -> set[str]:
+    return {entry if isinstance(entry, str) else entry.name for entry in wanted}
+
+
+def _wants(sinks: list[Any], manifest: list[Any], in_flight: bool) -> dict[tuple[Any, int], list[Any] | None]:
     """What each sink loads of ``manifest`` (its worker's ``refit_wants``), checked against it:
     a sink naming a tensor the source does not send is refused before anything is sent (the caller
     then runs the source's export for the other training ranks, whose export is collective)."""
@@ -265,7 +271,7 @@ def _wants(sinks: list[Any], manifest: list[Any], in_flight: bool) -> dict[tuple
 
     endpoint = InFlightWorkerHost.nrl_refit_wants_in_flight if in_flight else WorkerHost.nrl_refit_wants
     calls = [(group, ranks, group.call_async(endpoint, manifest, on=ranks)) for group, ranks in _by_group(sinks).items()]
-    wants: dict[tuple[Any, int], list[str] | None] = {}
+    wants: dict[tuple[Any, int], list[Any] | None] = {}
     for group, ranks, futures in calls:
         for rank, names in zip(ranks, group.get(futures)):
             if names is not None:

@@ -37,6 +37,7 @@ from nrl_core.refit.adapters import AdapterSink, AdapterSource
 from nrl_core.refit.buckets import iter_buckets, manifest_bytes, refit_dtype
 from nrl_core.refit.channel import ChannelAddress, ChannelReader, ChannelWriter, remove_channel
 from nrl_core.refit.report import RefitReport
+from nrl_core.refit.slices import Region, WeightSlice, as_owned, check_slice
 from nrl_core.refit.transports import RefitSession, TransportChoice
 from nrl_core.timeline import mark
 
@@ -84,19 +85,31 @@ def send_handles(source: Any, transport: TransportChoice, session: RefitSession,
         sender.close()
 
 
-def wanted_part(manifest: list[WeightSpec], wants: Iterable[str], who: str = "the engine") -> list[WeightSpec]:
+def wanted_part(manifest: list[WeightSpec], wants: Iterable[str | WeightSlice],
+                who: str = "the engine") -> list[WeightSpec]:
     """The entries of ``manifest`` named in ``wants`` (what a
-    :class:`~nrl_core.contracts.PartialImporter` rank loads); a name outside the manifest is a
-    :class:`~nrl_core.refit.manifest.RefitError` before anything is sent."""
+    :class:`~nrl_core.contracts.PartialImporter` rank loads: a name, or with ``sliced_import`` a
+    :class:`~nrl_core.refit.slices.WeightSlice` of one); a name outside the manifest, or a block
+    outside its tensor, is a :class:`~nrl_core.refit.manifest.RefitError` before anything is sent."""
     from nrl_core.refit.manifest import RefitError
 
-    wanted = set(wants)
+    wants = list(wants)
+    wanted = {entry if isinstance(entry, str) else entry.name for entry in wants}
     unknown = sorted(wanted - {spec.name for spec in manifest})
     if unknown:
         raise RefitError(f"refit rejected, weights unchanged; {who} asks for {len(unknown)} tensors the training "
                          f"side does not send: {', '.join(unknown[:8])} (its refit_wants must name manifest "
                          f"entries)", extra=unknown)
+    specs = {spec.name: spec for spec in manifest}
+    for entry in wants:
+        if isinstance(entry, WeightSlice):
+            check_slice(entry, specs[entry.name], who)
     return [spec for spec in manifest if spec.name in wanted]
+
+
+def slices_of(wants: Iterable[str | WeightSlice] | None) -> dict[str, Region]:
+    """The blocks among ``wants``, by name (a name wanted whole is not among them)."""
+    return {entry.name: entry.region for entry in wants or () if isinstance(entry, WeightSlice)}
 
 
 def _without(buckets: Iterable[Any], unwanted: frozenset[str]) -> Iterator[Any]:
@@ -107,12 +120,14 @@ def _without(buckets: Iterable[Any], unwanted: frozenset[str]) -> Iterator[Any]:
 
 
 def receive_into(sink: Any, transport: TransportChoice, session: RefitSession, handles: Iterable[Any],
-                 manifest: list[WeightSpec], pipelined: bool = False, wants: Iterable[str] | None = None) -> int:
+                 manifest: list[WeightSpec], pipelined: bool = False,
+                 wants: Iterable[str | WeightSlice] | None = None) -> int:
     """Rebuild the buckets from ``handles`` and hand them to ``sink.import_weights`` (``pipelined``:
     to ``sink.import_weights_pipelined``, which loads them as they arrive); the version.
 
     ``wants``: the names of ``manifest`` the sink loads (``refit_wants``, partial import); the sink
-    then gets only those tensors and a manifest of only those. Leaves the transport's cleanup to the
+    then gets only those tensors and a manifest of only those, and each block it named
+    (``sliced_import``) as an :class:`~nrl_core.refit.slices.OwnedRegion` of the manifest's shape. Leaves the transport's cleanup to the
     caller: other receivers may still be reading the same handles."""
     receiver = transport.build().receiver(session)
     pipelined = pipelined and hasattr(sink, "import_weights_pipelined")  # adapter sinks import atomically
@@ -125,6 +140,9 @@ def receive_into(sink: Any, transport: TransportChoice, session: RefitSession, h
                 kept = {spec.name for spec in part}
                 buckets = _without(buckets, frozenset(spec.name for spec in manifest if spec.name not in kept))
                 manifest = part
+                slices = slices_of(wants)
+                if slices:  # each block handed as a tensor of the whole shape that holds only the block
+                    buckets = as_owned(buckets, slices, {spec.name: spec.shape for spec in part})
             return int(load(buckets, manifest))
     finally:
         receiver.close()
@@ -137,7 +155,7 @@ def drain_export(source: Any, bucket_bytes: int, dtype: str) -> None:
         pass
 
 
-def local_wants(sink: Any, manifest: list[WeightSpec], partial: bool) -> list[str] | None:
+def local_wants(sink: Any, manifest: list[WeightSpec], partial: bool) -> list[str | WeightSlice] | None:
     """What ``sink`` loads of ``manifest`` when the refit is ``partial`` (its backend declares
     ``partial_import``), else None: everything. Adapter-only refits send everything."""
     if not partial or isinstance(sink, AdapterSink):
@@ -363,7 +381,7 @@ class RefitEndpoints:
                             wants=local_wants(sink, manifest, partial))
 
     @dispatch(Fanout.DP)
-    def nrl_refit_wants(self, manifest: list[WeightSpec]) -> list[str] | None:
+    def nrl_refit_wants(self, manifest: list[WeightSpec]) -> list[str | WeightSlice] | None:
         """What this actor's generation worker loads of ``manifest`` (``refit_wants``), for a
         collective transport's sender; None: everything (an adapter-only refit)."""
         return local_wants(self._refit_into(), manifest, partial=True)
@@ -400,7 +418,7 @@ class RefitEndpoints:
 
     @dispatch(Fanout.DP)
     def nrl_refit_receive(self, transport: TransportChoice, session: RefitSession, manifest: list[WeightSpec],
-                          wants: list[str] | None = None, pipelined: bool = False) -> int:
+                          wants: list[str | WeightSlice] | None = None, pipelined: bool = False) -> int:
         """The receiving half of a collective transport (the bytes arrive out of band); the new
         weight version. ``wants``: what :meth:`nrl_refit_wants` answered for this rank;
         ``pipelined``: load each bucket as it arrives (the sink declares ``pipelined_import``)."""

@@ -23,7 +23,8 @@ bytes. A collective transport (``broadcast``) returns no handles: its two halves
   the CPU; each bucket is a header, its pickled layouts, one flat ``uint8`` buffer broadcast of
   the tensors more than one receiver loads, and one sent point to point to each receiver with
   tensors only it loads (``session.options["skips"]``: a rank of vLLM's expert parallelism gets
-  its own experts only), all on the group's device. Works across nodes.
+  its own experts only) or its block of (``session.options["slices"]``: a tensor-parallel rank
+  gets its rows or columns), all on the group's device. Works across nodes.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from nrl_core.refit.buckets import Bucket, dtype_name, parse_dtype, tensor_nbytes
 from nrl_core.refit.shm_space import reserve, shm_dir
+from nrl_core.refit.slices import Region, cut
 
 if TYPE_CHECKING:
     import torch
@@ -507,20 +509,25 @@ def broadcast_groups_formed() -> int:
     return _GROUPS_FORMED["count"]
 
 
-def split_by_skips(bucket: Bucket, receivers: Iterable[int],
-                   skips: dict[int, frozenset[str]]) -> tuple[Bucket, dict[int, Bucket]]:
+def split_by_skips(bucket: Bucket, receivers: Iterable[int], skips: dict[int, frozenset[str]],
+                   slices: dict[int, dict[str, Region]] | None = None) -> tuple[Bucket, dict[int, Bucket]]:
     """``bucket``'s tensors to broadcast, and for each receiver the tensors to send it alone: a
     tensor only one receiver loads goes to it alone (``skips``: what each receiver does not load),
     any other to the whole group, so the sender still sends each byte once; a tensor no receiver
-    loads is not sent. A name no receiver skips (one the manifest never named) is broadcast, for
-    every receiver's manifest check to refuse."""
+    loads is not sent. A tensor some receiver loads a block of (``slices``: its
+    :class:`~nrl_core.refit.slices.WeightSlice` regions) goes to each receiver alone, as its block
+    or whole. A name no receiver skips (one the manifest never named) is broadcast, for every
+    receiver's manifest check to refuse."""
     receivers = list(receivers)
+    slices = slices or {}
     shared: Bucket = []
     private: dict[int, Bucket] = {}
     for name, tensor in bucket:
         takers = [r for r in receivers if name not in skips.get(r, ())]
-        if len(takers) == 1 and len(receivers) > 1:
-            private.setdefault(takers[0], []).append((name, tensor))
+        blocks = {r: slices[r][name] for r in takers if name in slices.get(r, {})}
+        if blocks or (len(takers) == 1 and len(receivers) > 1):
+            for r in takers:
+                private.setdefault(r, []).append((name, cut(tensor, blocks[r]) if r in blocks else tensor))
         elif takers:
             shared.append((name, tensor))
     return shared, private
@@ -541,6 +548,8 @@ class _BroadcastSender:
         self._failed = False
         self._receivers = range(1, int(session.options["world_size"]))
         self._skips = {int(rank): frozenset(names) for rank, names in (session.options.get("skips") or {}).items()}
+        self._slices = {int(rank): {name: tuple(map(tuple, region)) for name, region in blocks.items()}
+                        for rank, blocks in (session.options.get("slices") or {}).items()}
 
     def send(self, bucket: Bucket) -> None:
         try:
@@ -554,7 +563,7 @@ class _BroadcastSender:
         import torch
 
         device = self._group.device
-        shared, private = split_by_skips(bucket, self._receivers, self._skips)
+        shared, private = split_by_skips(bucket, self._receivers, self._skips, self._slices)
         layout = layout_of(shared)
         private_layouts = {rank: layout_of(tensors) for rank, tensors in private.items()}
         meta = torch.frombuffer(bytearray(pickle.dumps((layout, private_layouts))), dtype=torch.uint8).to(device)
@@ -645,7 +654,9 @@ class BroadcastTransport:
     ``session.options``: ``world_size`` (1 + generation ranks; default 2), ``rank`` on each
     receiver (1..world_size-1), ``host``/``port`` and ``backend`` (:func:`broadcast_backend`)
     filled in by :meth:`prepare` on the sender, and ``skips`` on the sender (``{rank: names}``,
-    the manifest's tensors a receiver does not load: :class:`~nrl_core.contracts.PartialImporter`).
+    the manifest's tensors a receiver does not load: :class:`~nrl_core.contracts.PartialImporter`)
+    and ``slices`` (``{rank: {name: region}}``, the blocks a receiver loads of the others:
+    ``sliced_import``).
     """
 
     name = "broadcast"

@@ -62,20 +62,39 @@ def test_more_nodes_than_the_cluster_has_is_one_line(cluster_address: str) -> No
     assert "\n" not in message and "'policy' needs 3 node(s)" in message and "the Ray cluster has 2 nodes" in message
 
 
+def _received(worker) -> int:
+    from nrl_core.refit.transports import broadcast_bytes_received
+
+    return broadcast_bytes_received()
+
+
 def test_generation_on_the_other_node_refits_by_broadcast(cluster_address: str, model: Path, tmp_path: Path) -> None:
-    overrides = [f"cluster.ray_address={cluster_address}", "cluster.num_nodes=2", "policy.optimizer.kwargs.lr=5e-3",
-                 "policy.generation.colocated.enabled=false", "policy.generation.colocated.resources.num_nodes=1"]
+    """DTensor at data parallel 2 on the head node, a vLLM engine at tensor parallel 2 on the other.
+    Its ranks learn their blocks from the first refit (whole); from the second each receives only
+    its blocks, at most 0.55 of the model."""
+    overrides = [f"cluster.ray_address={cluster_address}", "cluster.num_nodes=2", "cluster.gpus_per_node=2",
+                 "policy.optimizer.kwargs.lr=5e-3", "policy.generation.colocated.enabled=false",
+                 "policy.generation.colocated.resources.num_nodes=1",
+                 "policy.generation.colocated.resources.gpus_per_node=2",
+                 "policy.generation.vllm_cfg.tensor_parallel_size=2"]
     with policy_and_generation(model, overrides) as (_, policy, generation):
-        (train_node,), (generation_node,) = _nodes(policy.group), _nodes(generation.hosts)
+        train_nodes, generation_nodes = set(_nodes(policy.group)), set(_nodes(generation.hosts))
         head = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and "node:__internal_head__" in n["Resources"])
-        assert (train_node, generation_node != head) == (head, True)  # training takes the first node, the head
+        assert train_nodes == {head} and len(generation_nodes) == 1 and head not in generation_nodes
+        assert policy.group.world_size == generation.hosts.world_size == 2
         assert policy.group.rendezvous_dir is None  # the TCP store, as across real nodes
         prompts = chat_prompts(model)
         before = generation.generate(prompts, greedy=True)
+        total = sum(spec.nbytes for spec in policy.group.call(WorkerHost.nrl_refit_manifest, "float32"))
         for step in range(3):
             policy.train(training_batch(step), NLLLoss())
-        report = generation.update_weights()
-        assert (report.transport, report.placement) == ("broadcast", "cross_node")
+            report = generation.update_weights()
+            assert (report.transport, report.placement) == ("broadcast", "cross_node")
+            received = generation.hosts.call(WorkerHost.execute, _received)
+            if step == 0:  # the ranks learn their blocks
+                assert received == [total, total]
+            else:
+                assert all(0.45 * total < r <= 0.55 * total for r in received), (received, total)
         after = generation.generate(prompts, greedy=True)
         policy.export_hf(str(tmp_path / "trained"))
         assert after.token_ids == hf_greedy(hf_model(tmp_path / "trained"), prompts, max_new_tokens=8)

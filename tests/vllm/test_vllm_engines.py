@@ -18,7 +18,7 @@ from nrl_core.cluster import WorkerGroup
 from nrl_core.cluster._host import WorkerHost
 from nrl_core.refit.plan import RefitPlan
 from nrl_core.refit.shm_space import FREE_BYTES_VARIABLE, shm_dir
-from nrl_core.testing.refit_host import perturb_weights
+from nrl_core.testing.refit_host import perturb_hosted_source, perturb_weights
 from tests.launch import driving_the_shared_ray
 from tests.vllm.helpers import generation_config, hf_greedy, hf_model
 
@@ -114,7 +114,50 @@ def test_tensor_parallel_engine_in_its_own_group_refits_from_another_actor(model
         report = refit(source.endpoint(0), [engine.endpoint(0), engine.endpoint(1)], RefitPlan(bucket_bytes=BUCKET))
         assert report.transport == "shared_memory" and report.version == 1
         assert _generate(engine, prompts, 2) == hf_greedy(hf_model(model_dir, perturb_seed=22), prompts)
+        _each_rank_receives_its_blocks(engine, source, model_dir, prompts)
     finally:
         source.call(WorkerHost.nrl_refit_release)
         source.shutdown()
         engine.shutdown()
+
+
+def _received(worker) -> int:
+    from nrl_core.refit.transports import broadcast_bytes_received
+
+    return broadcast_bytes_received()
+
+
+def _shrink_block(worker, name: str) -> None:
+    """Make rank 0 name half of the block its loaders read of ``name``: a rank that names too little."""
+    (a, b), *rest = worker._blocks[name]
+    worker._blocks[name] = [[a, (a + b) // 2], *rest]
+
+
+def _each_rank_receives_its_blocks(engine, source, model_dir, prompts) -> None:
+    """Its first refit taught each rank the block of each tensor its loaders read (sliced_import):
+    over the broadcast transport (across nodes) each now receives its blocks only, at most 0.55 of
+    the model (norms and the single key/value head are whole on both). A rank that names less than
+    its loaders read fails the refit in one line, refuses to generate, and its next refit comes
+    whole and teaches it again."""
+    from nrl_core.refit.manifest import RefitError
+
+    total = sum(spec.nbytes for spec in source.call(WorkerHost.nrl_refit_manifest, "float32"))
+    wanted = RefitPlan(transport="broadcast", bucket_bytes=BUCKET, delivery="wanted")
+    source.call(WorkerHost.execute, functools.partial(perturb_hosted_source, seed=23, fresh_from=str(model_dir)))
+    assert refit(source.endpoint(0), [engine.endpoint(0), engine.endpoint(1)], wanted).version == 2
+    received = engine.call(WorkerHost.execute, _received)
+    assert 0.45 * total < received[0] <= 0.55 * total and 0.45 * total < received[1] <= 0.55 * total, (received, total)
+    assert _generate(engine, prompts, 2) == hf_greedy(hf_model(model_dir, perturb_seed=23), prompts)
+    # through shared memory (one node) each rank is handed views of its blocks alone
+    one_node = RefitPlan(bucket_bytes=BUCKET, delivery="wanted")
+    assert refit(source.endpoint(0), [engine.endpoint(0), engine.endpoint(1)], one_node).transport == "shared_memory"
+
+    engine.call(WorkerHost.execute, functools.partial(_shrink_block, name="model.layers.0.mlp.down_proj.weight"), on=0)
+    source.call(WorkerHost.execute, functools.partial(perturb_hosted_source, seed=24, fresh_from=str(model_dir)))
+    with pytest.raises(RefitError, match=r"read model\.layers\.0\.mlp\.down_proj\.weight outside the block it named"):
+        refit(source.endpoint(0), [engine.endpoint(0), engine.endpoint(1)], wanted)
+    with pytest.raises(Exception, match="generate with torn weights: the refit to version 4 failed while loading"):
+        engine.call(WorkerHost.nrl_generation_call, "generate", [prompts[0]], on=0)  # rank 1 loaded: it would wait
+    refit(source.endpoint(0), [engine.endpoint(0), engine.endpoint(1)], wanted)
+    assert engine.call(WorkerHost.execute, _received)[0] > 0.95 * total  # rank 0 learns again from a whole refit
+    assert _generate(engine, prompts, 2) == hf_greedy(hf_model(model_dir, perturb_seed=24), prompts)

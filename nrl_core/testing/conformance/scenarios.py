@@ -365,7 +365,8 @@ def _partial_imports(engine: Any, original: Any, trained: Any, prompts: list[lis
     names = {spec.name for spec in manifest}
     wants = engine.refit_wants(list(manifest))
     out["partial/wants_type"] = type(wants).__name__
-    out["partial/wants_outside_manifest"] = sorted(set(wants) - names)[:8]
+    named = {entry if isinstance(entry, str) else getattr(entry, "name", repr(entry)) for entry in wants}
+    out["partial/wants_outside_manifest"] = sorted(named - names)[:8]
     version = engine.weight_version
     out["partial/original_version"] = refit(original, engine, RefitPlan(bucket_bytes=BUCKET_BYTES, delivery="wanted")).version - version
     out["partial/original"] = engine.generate(prompts, greedy=True).token_ids

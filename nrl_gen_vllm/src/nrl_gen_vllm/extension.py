@@ -117,7 +117,8 @@ class NrlWorkerExtension:
 
         _quiet_rotary_reload_warning()
         model = self.model_runner.model
-        counter = RefitReadCounter() if getattr(self, "_nrl_count_reads", False) else None
+        learns = getattr(self, "_nrl_learn_regions", False)
+        counter = RefitReadCounter() if getattr(self, "_nrl_count_reads", False) or learns else None
         named = with_tied_names(named, tied_names(model))
         with set_current_vllm_config(self.vllm_config), reloading(), counter or contextlib.nullcontext():
             initialize_layerwise_reload(model)
@@ -127,6 +128,8 @@ class NrlWorkerExtension:
                 finalize_layerwise_reload(model, self.model_config)
                 if counter is not None:
                     self._nrl_refit_reads = dict(counter.bytes_read)
+            if learns and counter is not None:  # a refit that failed teaches nothing
+                self._nrl_refit_regions = {name: box for name, box in counter.regions.items() if box is not None}
         return len(loaded) if loaded is not None else -1
 
     @torch.no_grad()
@@ -145,6 +148,18 @@ class NrlWorkerExtension:
         (:class:`~nrl_gen_vllm.refit_reads.RefitReadCounter`); :meth:`nrl_refit_reads` returns them."""
         self._nrl_count_reads = enabled
         self._nrl_refit_reads = {}
+
+    def nrl_learn_refit_regions(self, enabled: bool = True) -> None:
+        """From the next refit on, record the block of each tensor this rank's loaders read
+        (:attr:`~nrl_gen_vllm.refit_reads.RefitReadCounter.regions`); :meth:`nrl_refit_regions`
+        returns those of the last refit that loaded (learning anew forgets those learned before)."""
+        self._nrl_learn_regions = enabled
+        if enabled:
+            self._nrl_refit_regions = {}
+
+    def nrl_refit_regions(self) -> dict[str, list[list[int]]]:
+        """``[start, stop]`` per dimension of each tensor read in part (a tensor read whole is left out)."""
+        return dict(getattr(self, "_nrl_refit_regions", {}))
 
     def nrl_refit_reads(self) -> dict[str, int]:
         """Bytes of each tensor of the last counted refit (a failed one too) that this rank copied

@@ -19,7 +19,7 @@ def nrl_generation_backends() -> list[GenerationBackendSpec]:
         parallel_size_keys=("tensor_parallel_size",),
         config_check="nrl_gen_vllm.checks:check_config",
         capabilities=frozenset({"streaming", "adapter_refit", "in_flight_updates", "pipelined_import",
-                                 "partial_import"}),
+                                 "partial_import", "sliced_import"}),
         description="vllm.LLM rollouts; refit through vLLM's layerwise reload",
         # NeMo RL's MoE recipes pick vLLM's Triton MoE kernels, which have no CPU build
         twin={"vllm_kwargs.moe_backend": "auto"},

@@ -43,7 +43,7 @@ from nrl_gen_vllm.cpu_sampler import use_eager_rank_count
 from nrl_gen_vllm.engine_args import user_engine_kwargs
 from nrl_gen_vllm.engines import AsyncEngine, FollowerEngine, SyncEngine
 from nrl_gen_vllm.kv_cache import KvCacheSize, kv_cache_space
-from nrl_gen_vllm.partial import experts_elsewhere
+from nrl_gen_vllm.partial import experts_elsewhere, sliced_wants
 from nrl_gen_vllm.placement import engine_placement
 from nrl_gen_vllm.sampling import VllmSampling, base_seed
 from nrl_gen_vllm.threads import keep_process_threads
@@ -222,6 +222,11 @@ class VllmGenerationWorker:
         self._engine.label(self._state.weight_version)
         self._engine.use_tqdm = bool(vcfg.get("use_tqdm"))
         self._elsewhere = self._experts_elsewhere(engine_kwargs.get("enable_expert_parallel", False))
+        # a rank of a tensor-parallel engine learns its blocks from its first refit (partial.py)
+        self._learns_blocks = self.tp > 1 and not self.async_engine and not self.follower
+        self._blocks: dict[str, Any] | None = None
+        if self._learns_blocks:
+            self._engine.collective_rpc("nrl_learn_refit_regions", args=(True,))
         self.in_flight = self.recompute_kv_cache = False  # configure_in_flight sets them
         mark("vllm_engine_ready", rank=rank, tensor_parallel=self.tp, follower=self.follower)
         if self.follower:
@@ -351,7 +356,25 @@ class VllmGenerationWorker:
         check_against_checkpoint(manifest, self._checkpoint, self.model_dir)
         if self.follower:
             return []
-        return [spec.name for spec in manifest if spec.name not in self._elsewhere]
+        wanted = [spec.name for spec in manifest if spec.name not in self._elsewhere]
+        return sliced_wants(manifest, wanted, self._learned_blocks()) if self._learns_blocks else wanted
+
+    def _learned_blocks(self) -> dict[str, Any]:
+        """The blocks this rank's loaders read at its first refit (empty before it); learning stops
+        once they are known."""
+        if self._blocks is None:
+            (learned,) = self._engine.collective_rpc("nrl_refit_regions")
+            if learned:
+                self._blocks = learned
+                self._engine.collective_rpc("nrl_learn_refit_regions", args=(False,))
+        return self._blocks or {}
+
+    def _forget_blocks(self) -> None:
+        """After a failed refit (one whose loaders read outside a block, among others): the next
+        refit comes whole, and the blocks are learned again from it."""
+        if self._learns_blocks and self._blocks is not None:
+            self._blocks = None
+            self._engine.collective_rpc("nrl_learn_refit_regions", args=(True,))
 
     def _check_layout(self, manifest: list[WeightSpec]) -> None:
         """:func:`check_against_checkpoint` against what this rank loads when ``manifest`` is its
@@ -376,8 +399,15 @@ class VllmGenerationWorker:
         verify([spec_of(name, tensor) for name, tensor in staged], manifest)
         self._check_layout(manifest)
         version = self._state.weight_version + 1
-        # the engine drops the KV cached with the old weights (in flight: as configure_in_flight says)
-        self._engine.load_weights(staged, version, self.in_flight, self.recompute_kv_cache)
+        try:  # the engine drops the KV cached with the old weights (in flight: as configure_in_flight says)
+            self._engine.load_weights(staged, version, self.in_flight, self.recompute_kv_cache)
+        except Exception as exc:
+            self._forget_blocks()
+            if not self._engine.streams_weights:  # the async engine refuses before loading, or loads atomically
+                raise
+            # checked before loading, so a loader failed part-way: the weights are a mix
+            self._torn = f"the refit to version {version} failed while loading ({exc})"
+            raise TornRefitError(f"vLLM engine {self.engine_index}: {self._torn}") from exc
         del staged
         self._torn = None
         self._state.weight_version = version
@@ -408,6 +438,7 @@ class VllmGenerationWorker:
         try:
             self._engine.load_weights(counted(), version)
         except BaseException as exc:
+            self._forget_blocks()
             if handed == 0:  # nothing reached the engine: it holds what it held
                 if isinstance(exc, Exception) and (not isinstance(exc, RefitError) or isinstance(exc, TornRefitError)):
                     raise RefitError(f"vLLM engine {self.engine_index}: refit rejected, weights unchanged; {exc}") from exc

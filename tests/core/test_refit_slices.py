@@ -1,0 +1,82 @@
+"""Blocks of refit tensors (``sliced_import``): what a rank names, what the broadcast transport
+cuts for it, and the tensor it is handed, which reads inside its block and refuses outside it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nrl_core.contracts import WeightSpec
+from nrl_core.refit.endpoints import slices_of, wanted_part
+from nrl_core.refit.manifest import RefitError
+from nrl_core.refit.slices import OwnedRegion, WeightSlice, as_owned, cut
+from nrl_core.refit.transports import split_by_skips
+
+FULL = torch.arange(48.0).view(8, 6)
+ROWS = ((4, 8), (0, 6))  # a column-parallel rank's half
+COLUMNS = ((0, 8), (0, 3))  # a row-parallel rank's half
+
+
+def owned(region):
+    return OwnedRegion("w", cut(FULL, region).clone(), region, FULL.shape)
+
+
+@pytest.mark.parametrize("region, inside, outside", [
+    (ROWS, lambda t: t.narrow(0, 4, 4), lambda t: t.narrow(0, 3, 2)),
+    (COLUMNS, lambda t: t.narrow(1, 0, 3), lambda t: t[:, 2:4]),
+    (ROWS, lambda t: t.chunk(2)[1], lambda t: t.chunk(2)[0]),
+    (ROWS, lambda t: t.unsqueeze(0).unbind()[0][5:7], lambda t: t.unsqueeze(0).unbind()[0]),
+    (COLUMNS, lambda t: t.t()[1], lambda t: t.t()[4]),
+    (ROWS, lambda t: t[6], lambda t: t[1]),
+])
+def test_a_block_reads_inside_and_refuses_outside(region, inside, outside) -> None:
+    tensor = owned(region)
+    assert tensor.shape == FULL.shape and tensor.dtype == FULL.dtype
+    view = inside(tensor)
+    assert type(view) is torch.Tensor and torch.equal(view.clone(), inside(FULL))
+    into = torch.empty(view.shape)
+    into.copy_(view)
+    assert torch.equal(into, inside(FULL))
+    for read in (lambda t: t.clone(), lambda t: torch.empty(t.shape).copy_(t), lambda t: t.sum(),
+                 lambda t: t.to(torch.float64)):
+        with pytest.raises(RefitError, match=r"^refit failed: this engine rank read w outside the block it named"):
+            read(outside(tensor))
+
+
+def test_a_block_that_is_the_whole_tensor_is_the_tensor_itself_and_a_wrong_block_is_refused() -> None:
+    assert OwnedRegion("w", FULL, ((0, 8), (0, 6)), FULL.shape) is FULL
+    with pytest.raises(RefitError, match=r"w arrived as \[8, 6\], not the block \[\(4, 8\), \(0, 6\)\]"):
+        OwnedRegion("w", FULL, ROWS, FULL.shape)
+
+
+def test_as_owned_hands_blocks_whether_the_transport_cut_them_or_not() -> None:
+    shapes = {"w": (8, 6), "norm": (6,)}
+    norm = torch.ones(6)
+    for sent in (cut(FULL, ROWS).clone(), FULL):
+        [[(name, tensor), (other, whole)]] = list(as_owned([[("w", sent), ("norm", norm)]], {"w": ROWS}, shapes))
+        assert (name, other) == ("w", "norm") and tensor.shape == (8, 6) and whole is norm
+        assert torch.equal(tensor.narrow(0, 4, 4).clone(), FULL[4:])
+
+
+def test_wanted_part_checks_each_block_against_its_tensor() -> None:
+    manifest = [WeightSpec(name="w", shape=(8, 6), dtype="float32"), WeightSpec(name="norm", shape=(6,), dtype="float32")]
+    wants = [WeightSlice("w", ROWS), "norm"]
+    assert wanted_part(manifest, wants) == manifest and slices_of(wants) == {"w": ROWS}
+    for bad in (WeightSlice("w", ((4, 9), (0, 6))), WeightSlice("w", ((0, 4),)), WeightSlice("w", ((5, 4), (0, 6)))):
+        with pytest.raises(RefitError, match=r"^refit rejected, weights unchanged; rank 1 asks for w\[.*which is not a "
+                                             r"block of its shape \[8, 6\]"):
+            wanted_part(manifest, [bad], who="rank 1")
+
+
+def test_the_broadcast_sender_sends_each_rank_its_block_and_shared_tensors_once() -> None:
+    norm, expert = torch.ones(6), torch.zeros(4, 4)
+    bucket = [("w", FULL), ("norm", norm), ("expert", expert)]
+    skips = {1: frozenset(), 2: frozenset({"expert"})}
+    slices = {1: {"w": ((0, 4), (0, 6))}, 2: {"w": ROWS}}
+    shared, private = split_by_skips(bucket, [1, 2], skips, slices)
+    assert [name for name, _ in shared] == ["norm"]  # both load it whole: broadcast once
+    assert [name for name, _ in private[1]] == ["w", "expert"] and [name for name, _ in private[2]] == ["w"]
+    assert torch.equal(private[1][0][1], FULL[:4]) and torch.equal(private[2][0][1], FULL[4:])
+    # a rank that wants whole what another wants a block of gets it whole, alone
+    shared, private = split_by_skips(bucket, [1, 2], skips, {2: {"w": ROWS}})
+    assert private[1][0][1] is FULL and torch.equal(private[2][0][1], FULL[4:])
