@@ -10,7 +10,12 @@ in ``RefitMode.STAGED`` (every bucket kept until the manifest check, then loaded
 in the same run. Runs alternate; prints each run, the medians against the model's bytes and the
 bucket, and one JSON line.
 
-    OMP_NUM_THREADS=1 python benchmarks/bench_refit_memory.py [--size bench] [--layers 24] [--bucket-mb 16] [--rounds 3]
+``--engine async``: vLLM's async engine, whose workers run in a child process (the tensors reach
+it through ``/dev/shm`` files, in parts when pipelined). The figure is then the peak PSS of this
+process and its children (``process_tree_sampler.py``: shared-memory pages counted once) above the
+tree's PSS before the refit.
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_refit_memory.py [--engine sync|async] [--size bench] [--layers 24] [--bucket-mb 16] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -48,26 +53,37 @@ class GatheredSource:
             yield [(name, tensor.clone()) for name, tensor in bucket]
 
 
-def _one(mode: str, model_dir: str, bucket: int) -> dict[str, int]:
+def _one(mode: str, model_dir: str, bucket: int, engine: str = "sync") -> dict[str, int]:
     """One refit of ``mode`` in this fresh process, after a first refit (the one-time allocations)."""
     import psutil
+    from process_tree_sampler import TreeSampler
 
     from nrl_core.algorithms.refit_orchestrator import refit
     from nrl_core.refit.buckets import manifest_bytes
     from nrl_core.refit.plan import RefitPlan
     from nrl_gen_vllm.worker import VllmGenerationWorker
 
+    vllm_cfg = {"enforce_eager": True, "async_engine": engine == "async"}
     config = {"policy": {"model_name": model_dir, "precision": "float32", "max_total_sequence_length": 256, "seed": 0,
-                         "generation": {"max_new_tokens": 8, "vllm_cfg": {"enforce_eager": True}}}}
+                         "generation": {"max_new_tokens": 8, "vllm_cfg": vllm_cfg}}}
     worker = VllmGenerationWorker(config)
     source = GatheredSource(model_dir)
     refit(source, worker, RefitPlan(bucket_bytes=bucket, mode="pipelined"))
     gc.collect()
-    baseline = psutil.Process().memory_info().rss
-    with PeakRss() as peak:
-        refit(source, worker, RefitPlan(bucket_bytes=bucket, mode="pipelined" if mode == "pipelined" else "staged"))
+    plan = RefitPlan(bucket_bytes=bucket, mode="pipelined" if mode == "pipelined" else "staged")
+    if engine == "async":  # the engine's workers in a child process: the tree's PSS
+        sampler = TreeSampler(os.getpid(), interval=0.02, mem_interval=0.02)
+        baseline = sampler.sample().pss
+        with sampler:
+            refit(source, worker, plan)
+        peak = max(sample.pss for sample in sampler.samples if sample.pss is not None)
+    else:
+        baseline = psutil.Process().memory_info().rss
+        with PeakRss() as sampled:
+            refit(source, worker, plan)
+        peak = sampled.peak
     worker.shutdown()
-    return {"peak_above_baseline": peak.peak - baseline, "model_bytes": manifest_bytes(source.weight_manifest("float32"))}
+    return {"peak_above_baseline": peak - baseline, "model_bytes": manifest_bytes(source.weight_manifest("float32"))}
 
 
 def main() -> None:
@@ -76,12 +92,13 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--bucket-mb", type=float, default=16.0)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--engine", choices=("sync", "async"), default="sync")
     parser.add_argument("--one", choices=MODES, help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     args = parser.parse_args()
     bucket = int(args.bucket_mb * 2**20)
     if args.one:
-        print(json.dumps(_one(args.one, args.model, bucket)))
+        print(json.dumps(_one(args.one, args.model, bucket, args.engine)))
         return
     import subprocess
 
@@ -93,7 +110,8 @@ def main() -> None:
     for round_ in range(args.rounds):
         for mode in MODES:
             proc = subprocess.run([sys.executable, __file__, "--one", mode, "--model", model_dir, "--bucket-mb",
-                                   str(args.bucket_mb)], capture_output=True, text=True, check=True)
+                                   str(args.bucket_mb), "--engine", args.engine], capture_output=True, text=True,
+                                  check=True)
             result = json.loads(proc.stdout.strip().splitlines()[-1])
             model_bytes = result["model_bytes"]
             peaks[mode].append(result["peak_above_baseline"])

@@ -67,6 +67,26 @@ def _set_env(worker, name: str, value: str | None) -> None:
         os.environ[name] = value
 
 
+def _small_parts(worker) -> None:
+    """The async engine's refits in parts of 256 KiB, counted (this process holds the engine)."""
+    from nrl_gen_vllm import engines
+
+    whole, seen = engines._parts, []
+
+    def counted(named, part_bytes):
+        for part in whole(named, part_bytes):
+            seen.append(len(part))
+            yield part
+
+    engines.PART_BYTES, engines._parts, engines.PARTS_SEEN = (256 * 1024, 256 * 1024), counted, seen
+
+
+def _parts_loaded(worker) -> int:
+    from nrl_gen_vllm import engines
+
+    return len(engines.PARTS_SEEN)
+
+
 def _refit_in_place(group: WorkerGroup, seed: int | None, versions: tuple[int, int] = (1, 1)) -> None:
     if seed is not None:
         group.call(WorkerHost.execute, functools.partial(_perturb, seed=seed))
@@ -96,9 +116,18 @@ def test_colocated_engines_in_a_two_rank_world(model_dir, prompts, tp, async_eng
             assert _generate(group, prompts, tp) == before  # the engine still has the weights it had
             # the engine's first rank loads for both workers; its follower counted the refused refit too
             _refit_in_place(group, seed=None, versions=(1, 2))
+            assert _generate(group, prompts, tp) == hf_greedy(hf_model(model_dir, perturb_seed=21), prompts)
+            # a pipelined refit in parts of 256 KiB: the engine loads each before the next is written
+            group.call(WorkerHost.execute, _small_parts, on=0)
+            group.call(WorkerHost.execute, functools.partial(perturb_hosted_source, seed=26, fresh_from=str(model_dir)))
+            reports = group.call(WorkerHost.nrl_refit_local, choose_transport("same_process", "in_process"), BUCKET,
+                                 "float32", False, True)
+            assert [r.version for r in reports] == [2, 3]
+            assert group.call(WorkerHost.execute, _parts_loaded, on=0) > 8
+            assert _generate(group, prompts, tp) == hf_greedy(hf_model(model_dir, perturb_seed=26), prompts)
         else:
             _refit_in_place(group, seed=21)
-        assert _generate(group, prompts, tp) == hf_greedy(hf_model(model_dir, perturb_seed=21), prompts)
+            assert _generate(group, prompts, tp) == hf_greedy(hf_model(model_dir, perturb_seed=21), prompts)
     finally:
         group.call(WorkerHost.nrl_generation_call, "shutdown")
         group.shutdown()

@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import queue
 import threading
 from collections.abc import Iterable, Iterator, Sequence
@@ -53,12 +54,17 @@ class SyncEngine:
         return self.llm.collective_rpc(method, args=args)
 
     def load_weights(self, named: Iterable[tuple[str, Any]], version: int, in_flight: bool = False,
-                     recompute_kv_cache: bool = False) -> None:
+                     recompute_kv_cache: bool = False, part_bytes: int | None = None) -> None:
         """Hand the tensors to the worker extension by reference (same process; nothing is in
         flight between two calls of this engine), then drop the KV cached with the old weights.
         ``named`` may be a stream that is still arriving: the layerwise reload takes it lazily."""
         self.llm.collective_rpc("nrl_load_weights", args=(named,))
         self.llm.reset_prefix_cache()
+
+    def reached(self) -> bool:
+        """Whether the last :meth:`load_weights` got as far as the engine's weights: each tensor
+        it took went straight to the loaders."""
+        return True
 
     def label(self, version: int) -> None:
         """Every output of this engine is labelled with the version at its call."""
@@ -83,7 +89,7 @@ class SyncEngine:
 
 class AsyncEngine:
     lora_request: Any = None
-    streams_weights = False  # its workers run in another process: the tensors travel in one file
+    streams_weights = True  # its workers run in another process: the tensors travel in parts, in files
 
     def __init__(self, **engine_kwargs: Any) -> None:
         self._loop = asyncio.new_event_loop()
@@ -154,50 +160,66 @@ class AsyncEngine:
     def add_lora(self, request: Any) -> None:
         self._run(self.engine.add_lora(request))
 
-    def load_weights(self, named: list[tuple[str, Any]], version: int, in_flight: bool = False,
-                     recompute_kv_cache: bool = False) -> None:
+    def load_weights(self, named: Iterable[tuple[str, Any]], version: int, in_flight: bool = False,
+                     recompute_kv_cache: bool = False, part_bytes: int | None = None) -> None:
         """The engine runs in another process, and vLLM's RPC encoding does not carry tensors in a
-        list of pairs: pack them into one ``/dev/shm`` file the engine's worker maps, then remove it.
-        The weights get ``version`` as their label.
+        list of pairs: the tensors go in parts of about ``part_bytes`` (the refit's bucket; kept
+        within :data:`PART_BYTES`, and a larger tensor is a part of its own), each packed into one
+        ``/dev/shm`` file the engine's workers map and load before the next part is written (one
+        layerwise reload spans the parts). A part's space is reserved before its first byte: a
+        ``/dev/shm`` too small is one line, not a SIGBUS mid-copy. The weights get ``version`` as
+        their label. ``named`` may be a stream that is still arriving.
 
         ``in_flight``: requests may be running, so the load lands between two engine steps: the
-        scheduler pauses keeping its requests, the weights load, and it resumes.
-        ``recompute_kv_cache`` then preempts the requests in flight and resets the prefix cache, so
-        their next tokens are computed from a KV cache of the new weights; otherwise they keep the
-        KV their earlier tokens left (requests are salted with their start version, so no later
-        request reuses those blocks), and the prefix cache is reset once no request holds blocks."""
-        import torch
-
-        from nrl_core.api import shared_file
-
-        layout, offset = [], 0
-        for name, tensor in named:
-            nbytes = tensor.numel() * tensor.element_size()
-            layout.append([name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), offset, nbytes])
-            offset += nbytes
-        # reserved before the first byte: a /dev/shm too small is one line, not a SIGBUS mid-copy
-        with shared_file(offset, "nrl-async-refit-", "the async engine's refit") as path:
-            data = torch.from_file(path, shared=True, size=max(offset, 1), dtype=torch.uint8)
-            for (_name, tensor), (_, _, _, start, nbytes) in zip(named, layout):
-                data[start:start + nbytes].copy_(tensor.detach().contiguous().view(-1).view(torch.uint8))
-            del data
-            self._run(self._load(path, layout, version, in_flight, recompute_kv_cache))
-
-    async def _load(self, path: str, layout: list[list[Any]], version: int, in_flight: bool,
-                    recompute_kv_cache: bool) -> None:
-        if not in_flight:
-            await self.engine.collective_rpc("nrl_load_weights_from_file", args=(path, layout))
-            await self.engine.reset_prefix_cache()  # cached KV was computed with the old weights
-            await self.engine.update_weight_version(str(version))
-            return
+        scheduler pauses keeping its requests, the weights load, and it resumes; the tensors go in
+        one part, so the pause covers the load and not the transfer, and a refit that fails leaves
+        the requests nothing torn. ``recompute_kv_cache`` then preempts the requests in flight and
+        resets the prefix cache, so their next tokens are computed from a KV cache of the new
+        weights; otherwise they keep the KV their earlier tokens left (requests are salted with
+        their start version, so no later request reuses those blocks), and the prefix cache is
+        reset once no request holds blocks."""
+        self.parts_loaded = 0
+        low, high = PART_BYTES
+        parts = [list(named)] if in_flight else _parts(named, min(max(part_bytes or high, low), high))
+        begun = succeeded = False
         try:
-            await self.engine.pause_generation(mode="keep", clear_cache=recompute_kv_cache)
-            await self.engine.collective_rpc("nrl_load_weights_from_file", args=(path, layout))
-            if not recompute_kv_cache:
-                await self.engine.reset_prefix_cache()  # refused (False) while a request holds blocks
-            await self.engine.update_weight_version(str(version))
+            for part in parts:
+                with _packed_file(part) as (path, layout):
+                    if not begun:
+                        begun = True
+                        self._run(self._begin(in_flight, recompute_kv_cache))
+                    self.parts_loaded += 1
+                    self._run(self.engine.collective_rpc("nrl_load_part_from_file", args=(path, layout)))
+            succeeded = True
         finally:
-            await self.engine.resume_generation()  # also after a failed pause: resuming twice is harmless
+            if begun:
+                self._run(self._end(succeeded, version, in_flight, recompute_kv_cache))
+        if not begun:  # nothing to load: the weights are still the new version
+            self.label(version)
+
+    def reached(self) -> bool:
+        """Whether the last :meth:`load_weights` got as far as the engine's weights."""
+        return self.parts_loaded > 0
+
+    async def _begin(self, in_flight: bool, recompute_kv_cache: bool) -> None:
+        if in_flight:
+            try:
+                await self.engine.pause_generation(mode="keep", clear_cache=recompute_kv_cache)
+            except BaseException:
+                await self.engine.resume_generation()  # resuming after a failed pause is harmless
+                raise
+        await self.engine.collective_rpc("nrl_begin_reload")
+
+    async def _end(self, succeeded: bool, version: int, in_flight: bool, recompute_kv_cache: bool) -> None:
+        try:
+            await self.engine.collective_rpc("nrl_end_reload", args=(succeeded,))
+            if succeeded:
+                if not (in_flight and recompute_kv_cache):
+                    await self.engine.reset_prefix_cache()  # cached KV was computed with the old weights
+                await self.engine.update_weight_version(str(version))
+        finally:
+            if in_flight:
+                await self.engine.resume_generation()
 
     def label(self, version: int) -> None:
         """Label the weights the engine holds now (vLLM tags each sampled token with it)."""
@@ -251,11 +273,14 @@ class FollowerEngine:
     def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
         return []
 
-    def load_weights(self, named: list[tuple[str, Any]], version: int, in_flight: bool = False,
-                     recompute_kv_cache: bool = False) -> None:
+    def load_weights(self, named: Iterable[tuple[str, Any]], version: int, in_flight: bool = False,
+                     recompute_kv_cache: bool = False, part_bytes: int | None = None) -> None:
         """The first rank's engine loads them into every worker."""
 
     def label(self, version: int) -> None: ...
+
+    def reached(self) -> bool:
+        return False
 
     def token_versions(self, seq: Any, version: int) -> list[int]:
         return []
@@ -270,3 +295,42 @@ class FollowerEngine:
     def wake_up(self, tags: list[str]) -> None: ...
 
     def shutdown(self) -> None: ...
+
+
+PART_BYTES = (16 * 2**20, 256 * 2**20)
+"""The least and the most the async engine loads at a time: each RPC and file costs a few
+milliseconds, and a part is whole tensors, so one larger tensor is a part of its own."""
+
+
+def _parts(named: Iterable[tuple[str, Any]], part_bytes: int) -> Iterator[list[tuple[str, Any]]]:
+    part: list[tuple[str, Any]] = []
+    size = 0
+    for name, tensor in named:
+        part.append((name, tensor))
+        size += tensor.numel() * tensor.element_size()
+        if size >= part_bytes:
+            yield part
+            part, size = [], 0
+    if part:
+        yield part
+
+
+@contextlib.contextmanager
+def _packed_file(part: list[tuple[str, Any]]) -> Iterator[tuple[str, list[list[Any]]]]:
+    """``part`` packed into a fresh ``/dev/shm`` file (its space reserved first), removed on exit;
+    the file's path and each tensor's ``[name, dtype, shape, offset, nbytes]``."""
+    import torch
+
+    from nrl_core.api import shared_file
+
+    layout, offset = [], 0
+    for name, tensor in part:
+        nbytes = tensor.numel() * tensor.element_size()
+        layout.append([name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), offset, nbytes])
+        offset += nbytes
+    with shared_file(offset, "nrl-async-refit-", "the async engine's refit") as path:
+        data = torch.from_file(path, shared=True, size=max(offset, 1), dtype=torch.uint8)
+        for (_name, tensor), (_, _, _, start, nbytes) in zip(part, layout):
+            data[start:start + nbytes].copy_(tensor.detach().contiguous().view(-1).view(torch.uint8))
+        del data
+        yield path, layout

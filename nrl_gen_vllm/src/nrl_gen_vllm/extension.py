@@ -70,8 +70,8 @@ def tied_names(model: torch.nn.Module) -> dict[str, list[str]]:
             if len(group) > 1 and any(n.endswith("lm_head.weight") for n in group) for name in group}
 
 
-def with_tied_names(named: Iterable[tuple[str, torch.Tensor]],
-                    ties: dict[str, list[str]]) -> Iterator[tuple[str, torch.Tensor]]:
+def with_tied_names(named: Iterable[tuple[str, torch.Tensor]], ties: dict[str, list[str]],
+                    done: set[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """``named``, each tensor followed by the names tied to it, each name once.
 
     nrl's training backends send a tied weight once (their refit lists parameters, where a shared
@@ -81,7 +81,7 @@ def with_tied_names(named: Iterable[tuple[str, torch.Tensor]],
     weights of before the refit. Sending the tensor under each of its names lets every layer load
     and process it.
     """
-    done: set[str] = set()
+    done = set() if done is None else done  # names already loaded (by earlier parts of the same reload)
     for name, tensor in named:
         if name in done:  # the stream names a tied weight itself: already loaded with its source
             continue
@@ -109,39 +109,71 @@ class NrlWorkerExtension:
         copies the result into the existing kernel tensors, so CUDA graphs and the KV cache stay
         valid. Returns how many model parameters were loaded.
         """
-        from vllm.config import set_current_vllm_config
-        from vllm.model_executor.model_loader.reload.layerwise import (
-            finalize_layerwise_reload,
-            initialize_layerwise_reload,
-        )
-
-        _quiet_rotary_reload_warning()
-        model = self.model_runner.model
-        learns = getattr(self, "_nrl_learn_regions", False)
-        counter = RefitReadCounter() if getattr(self, "_nrl_count_reads", False) or learns else None
-        named = with_tied_names(named, tied_names(model))
-        with set_current_vllm_config(self.vllm_config), reloading(), counter or contextlib.nullcontext():
-            initialize_layerwise_reload(model)
-            try:
-                loaded = model.load_weights(weights=counter.track(named) if counter else iter(named))
-            finally:  # a stream that failed part-way: the layers it never reached get their kernels back
-                finalize_layerwise_reload(model, self.model_config)
-                if counter is not None:
-                    self._nrl_refit_reads = dict(counter.bytes_read)
-            if learns and counter is not None:  # a refit that failed teaches nothing
-                self._nrl_refit_regions = {name: box for name, box in counter.regions.items() if box is not None}
-        return len(loaded) if loaded is not None else -1
+        self.nrl_begin_reload()
+        ok = False
+        try:
+            loaded = self.nrl_load_part(named)
+            ok = True
+        finally:  # a stream that failed part-way: the layers it never reached get their kernels back
+            self.nrl_end_reload(ok)
+        return loaded
 
     @torch.no_grad()
-    def nrl_load_weights_from_file(self, path: str, layout: list[list[Any]]) -> int:
-        """:meth:`nrl_load_weights` for an engine in another process (vLLM's async engine): the
+    def nrl_begin_reload(self) -> None:
+        """Start a reload whose tensors come in parts (:meth:`nrl_load_part`, each part's tensors
+        whole); :meth:`nrl_end_reload` ends it, also after a failure."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
+
+        _quiet_rotary_reload_warning()
+        learns = getattr(self, "_nrl_learn_regions", False)
+        counter = RefitReadCounter() if getattr(self, "_nrl_count_reads", False) or learns else None
+        self._nrl_reload = {"counter": counter, "learns": learns, "done": set(), "loaded": 0,
+                            "ties": tied_names(self.model_runner.model)}
+        with set_current_vllm_config(self.vllm_config), reloading():
+            initialize_layerwise_reload(self.model_runner.model)
+
+    @torch.no_grad()
+    def nrl_load_part(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Load one part of the reload :meth:`nrl_begin_reload` started; how many parameters it loaded."""
+        from vllm.config import set_current_vllm_config
+
+        state = self._nrl_reload
+        counter = state["counter"]
+        named = with_tied_names(named, state["ties"], state["done"])
+        with set_current_vllm_config(self.vllm_config), reloading(), counter or contextlib.nullcontext():
+            loaded = self.model_runner.model.load_weights(weights=counter.track(named) if counter else iter(named))
+        count = len(loaded) if loaded is not None else -1
+        state["loaded"] = -1 if count < 0 or state["loaded"] < 0 else state["loaded"] + count
+        return count
+
+    @torch.no_grad()
+    def nrl_end_reload(self, succeeded: bool = True) -> int:
+        """Finish the reload: the layers no part reached get their kernel tensors back. Returns
+        how many parameters its parts loaded. A reload that failed teaches no blocks."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+
+        state = self._nrl_reload
+        counter = state["counter"]
+        with set_current_vllm_config(self.vllm_config), reloading(), counter or contextlib.nullcontext():
+            finalize_layerwise_reload(self.model_runner.model, self.model_config)
+        if counter is not None:
+            self._nrl_refit_reads = dict(counter.bytes_read)
+            if state["learns"] and succeeded:
+                self._nrl_refit_regions = {name: box for name, box in counter.regions.items() if box is not None}
+        return int(state["loaded"])
+
+    @torch.no_grad()
+    def nrl_load_part_from_file(self, path: str, layout: list[list[Any]]) -> int:
+        """:meth:`nrl_load_part` for an engine in another process (vLLM's async engine): the
         tensors lie packed in the file ``path`` (a ``/dev/shm`` file the caller removes), each at
         ``[name, dtype, shape, offset, nbytes]`` of ``layout``, and are read as views of one mapping."""
         total = max((int(offset) + int(nbytes) for _, _, _, offset, nbytes in layout), default=0)
-        data = torch.from_file(path, shared=True, size=total, dtype=torch.uint8)
+        data = torch.from_file(path, shared=True, size=max(total, 1), dtype=torch.uint8)
         named = [(name, data[offset:offset + nbytes].view(getattr(torch, dtype)).view(shape))
                  for name, dtype, shape, offset, nbytes in layout]
-        return self.nrl_load_weights(named)
+        return self.nrl_load_part(named)
 
     def nrl_count_refit_reads(self, enabled: bool = True) -> None:
         """From the next refit on, count the bytes this rank reads of each tensor

@@ -9,6 +9,7 @@ as HF-named buckets (see :mod:`nrl_core.refit`); they are staged and checked aga
 from __future__ import annotations
 
 import gc
+import itertools
 import logging
 import os
 import time
@@ -403,7 +404,7 @@ class VllmGenerationWorker:
             self._engine.load_weights(staged, version, self.in_flight, self.recompute_kv_cache)
         except Exception as exc:
             self._forget_blocks()
-            if not self._engine.streams_weights:  # the async engine refuses before loading, or loads atomically
+            if not self._engine.reached():  # refused before loading (the async engine's /dev/shm space)
                 raise
             # checked before loading, so a loader failed part-way: the weights are a mix
             self._torn = f"the refit to version {version} failed while loading ({exc})"
@@ -419,9 +420,10 @@ class VllmGenerationWorker:
         engine's checkpoint layout before anything loads, each tensor against ``manifest`` before
         it loads. A failure after the first tensor reached the engine leaves it torn: it raises
         :class:`TornRefitError` here and at every generate until a refit succeeds (each rank of a
-        tensor-parallel engine keeps its own state: a torn refit ends the run). The engines
-        whose workers live in another process (the async engine) stage and load atomically, as do
-        in-flight imports, which must not tear the requests they land in."""
+        tensor-parallel engine keeps its own state: a torn refit ends the run). The async
+        engine, whose workers live in another process, takes the stream in parts the size of its
+        first bucket (within ``engines.PART_BYTES``). In-flight imports stage and load
+        atomically: they must not tear the requests they land in."""
         if not self._engine.streams_weights or self.in_flight:
             return self.import_weights(buckets, manifest)
         self._sleep.require_awake("import_weights", ("weights",))
@@ -429,17 +431,20 @@ class VllmGenerationWorker:
         version = self._state.weight_version + 1
         handed = 0
 
-        def counted() -> Iterator[tuple[str, Any]]:
+        def counted(stream: Iterable[Bucket]) -> Iterator[tuple[str, Any]]:
             nonlocal handed
-            for item in verified_stream(buckets, manifest):
+            for item in verified_stream(stream, manifest):
                 handed += 1
                 yield item
 
         try:
-            self._engine.load_weights(counted(), version)
+            stream = iter(buckets)
+            first = next(stream, [])  # the async engine loads in parts of about a bucket
+            part_bytes = sum(tensor.numel() * tensor.element_size() for _, tensor in first)
+            self._engine.load_weights(counted(itertools.chain([first], stream)), version, part_bytes=part_bytes)
         except BaseException as exc:
             self._forget_blocks()
-            if handed == 0:  # nothing reached the engine: it holds what it held
+            if handed == 0 or not self._engine.reached():  # nothing reached the engine: it holds what it held
                 if isinstance(exc, Exception) and (not isinstance(exc, RefitError) or isinstance(exc, TornRefitError)):
                     raise RefitError(f"vLLM engine {self.engine_index}: refit rejected, weights unchanged; {exc}") from exc
                 raise
