@@ -114,6 +114,50 @@ class PartialRecordingSink(RecordingSink):
                 if self.parts is None or any(part in spec.name for part in self.parts)]
 
 
+class SlicedRecordingSink(RecordingSink):
+    """A :class:`RecordingSink` that declares ``partial_import`` and ``sliced_import``, as a rank of
+    a tensor-parallel engine: rank ``r`` of ``world_size`` names the ``r``-th block of rows of each
+    tensor whose first dimension ``world_size`` divides (the others whole) and keeps exactly what
+    it reads out of what arrives: its blocks (``received``) and the bytes it copied (``copied``).
+    ``overreach``: it also reads the row before its block, which it did not name."""
+
+    def __init__(self, rank: int = 0, world_size: int = 1) -> None:
+        super().__init__(rank, world_size)
+        self.rank, self.world_size, self.copied, self.overreach = rank, world_size, 0, False
+        self.blocks: dict[str, tuple[int, int]] = {}
+
+    def refit_wants(self, manifest: list[Any]) -> list[Any]:
+        from nrl_core.refit.slices import WeightSlice
+
+        wants: list[Any] = []
+        for spec in manifest:
+            rows = spec.shape[0] // self.world_size if spec.shape else 0
+            if self.world_size > 1 and rows and spec.shape[0] % self.world_size == 0:
+                self.blocks[spec.name] = (self.rank * rows, (self.rank + 1) * rows)
+                wants.append(WeightSlice(spec.name, (self.blocks[spec.name], *((0, d) for d in spec.shape[1:]))))
+            else:
+                wants.append(spec.name)
+        return wants
+
+    def import_weights(self, buckets: Any, manifest: list[Any]) -> int:
+        from nrl_core.refit.buckets import spec_of
+        from nrl_core.refit.manifest import verify
+
+        staged = [item for bucket in buckets for item in bucket]
+        verify([spec_of(n, t) for n, t in staged], manifest)
+        received, copied = {}, 0
+        for name, tensor in staged:
+            start, stop = self.blocks.get(name, (0, tensor.shape[0] if tensor.dim() else 0))
+            if self.overreach and start > 0:
+                start -= 1
+            block = tensor[start:stop].clone() if tensor.dim() else tensor.clone()
+            received[name] = block
+            copied += block.numel() * block.element_size()
+        self.received, self.copied = received, copied
+        self.weight_version += 1
+        return self.weight_version
+
+
 def fail_export_after(count: int) -> Any:
     """A ``WorkerHost.execute`` target that makes the hosted weight source raise after ``count``
     buckets of each export (an instance attribute shadowing the method; delete it to undo): a

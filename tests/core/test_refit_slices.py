@@ -80,3 +80,83 @@ def test_the_broadcast_sender_sends_each_rank_its_block_and_shared_tensors_once(
     # a rank that wants whole what another wants a block of gets it whole, alone
     shared, private = split_by_skips(bucket, [1, 2], skips, {2: {"w": ROWS}})
     assert private[1][0][1] is FULL and torch.equal(private[2][0][1], FULL[4:])
+
+
+# ---------------------------------------------------------------- every transport, counted per rank
+
+SHAPES = {"embed.weight": (64, 32), "layers.0.qkv.weight": (96, 32), "layers.0.out.weight": (32, 32),
+          "layers.0.norm.weight": (31,), "lm_head.weight": (64, 32)}
+
+
+def _whole_bytes() -> int:
+    return sum(4 * torch.Size(shape).numel() for shape in SHAPES.values())
+
+
+def _block_bytes(world_size: int) -> int:
+    """What a rank of ``world_size`` loads: its rows of each tensor they divide, the others whole."""
+    return sum(4 * torch.Size(shape).numel() // (world_size if shape[0] % world_size == 0 else 1)
+               for shape in SHAPES.values())
+
+
+def _expected(source, rank: int) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, tensor in source.tensors.items():
+        rows = tensor.shape[0] // 2
+        out[name] = tensor[rank * rows:(rank + 1) * rows] if tensor.shape[0] % 2 == 0 else tensor
+    return out
+
+
+def test_in_one_process_each_rank_copies_out_its_blocks_alone() -> None:
+    from nrl_core.algorithms.refit_orchestrator import refit
+    from nrl_core.refit.plan import RefitPlan
+    from nrl_core.testing.refit_host import RandomWeightSource, SlicedRecordingSink
+
+    source = RandomWeightSource(SHAPES, seed=7)
+    for rank in (0, 1):
+        sink = SlicedRecordingSink(rank=rank, world_size=2)
+        refit(source, sink, RefitPlan(bucket_bytes=4096, delivery="wanted"))
+        assert sink.copied == _block_bytes(2) <= 0.55 * _whole_bytes()
+        assert {name: torch.equal(t, _expected(source, rank)[name]) for name, t in sink.received.items()} == \
+            dict.fromkeys(SHAPES, True)
+    greedy = SlicedRecordingSink(rank=1, world_size=2)
+    greedy.overreach = True
+    with pytest.raises(RefitError, match=r"^refit failed: this engine rank read embed\.weight outside the block it named"):
+        refit(source, greedy, RefitPlan(bucket_bytes=4096, delivery="wanted"))
+
+
+@pytest.fixture(scope="module")
+def groups():
+    from tests.core.test_refit import ray_groups_of
+
+    yield from ray_groups_of("nrl_core.testing.refit_host:SlicedRecordingSink", SHAPES)
+
+
+def _counts(worker) -> tuple[int, int]:
+    from nrl_core.refit.transports import broadcast_bytes_received
+
+    return worker.copied, broadcast_bytes_received()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("transport", ["broadcast", "shared_memory"])
+def test_between_actors_each_rank_receives_and_copies_out_its_blocks_alone(groups, transport) -> None:
+    """Over broadcast (across nodes) each rank receives its blocks and the norm, counted by the
+    transport; over shared memory (one node) both map the same buckets and each copies out its
+    blocks alone."""
+    from nrl_core.algorithms.refit_orchestrator import refit
+    from nrl_core.cluster._host import WorkerHost
+    from nrl_core.refit.plan import RefitPlan
+
+    source, sinks = groups
+    report = refit(source.endpoint(0), [sinks.endpoint(0), sinks.endpoint(1)],
+                   RefitPlan(transport=transport, bucket_bytes=8192, delivery="wanted"))
+    assert report.transport == transport
+    counts = sinks.call(WorkerHost.execute, _counts)
+    assert [copied for copied, _ in counts] == [_block_bytes(2)] * 2 and _block_bytes(2) <= 0.55 * _whole_bytes()
+    if transport == "broadcast":
+        assert [received for _, received in counts] == [_block_bytes(2)] * 2
+    tensors = source.call(WorkerHost.execute, lambda worker: worker.tensors, on=0)
+    for rank, received in enumerate(sinks.call("checksums")):
+        blocks = {name: t[rank * (t.shape[0] // 2):(rank + 1) * (t.shape[0] // 2)] if t.shape[0] % 2 == 0 else t
+                  for name, t in tensors.items()}
+        assert received == {name: float(t.double().sum()) for name, t in blocks.items()}
