@@ -11,8 +11,9 @@ own experts and nothing of the other rank's, under tensor parallelism half of ev
 every attention, embedding and output matrix; norms, routers and (the model has one key/value
 head, which vLLM copies to every rank) the key and value projections whole on both. Under expert
 parallelism each rank names the other rank's experts as not wanted (``refit_wants``, contract 14):
-they never reach its loaders, and a refit over the broadcast transport (across nodes) sends each
-rank only the tensors it wants, counted by the transport.
+they never reach its loaders. Each rank also learns from that first refit the block of each
+tensor its loaders read (``sliced_import``), and a refit over the broadcast transport (across
+nodes) then sends each rank exactly those blocks, counted by the transport.
 """
 
 from __future__ import annotations

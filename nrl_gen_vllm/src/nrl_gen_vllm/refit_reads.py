@@ -1,8 +1,8 @@
 """How many bytes of each refit tensor one engine rank reads.
 
-A refit hands every rank of an engine the whole of each tensor (on one node, views of the same
-shared memory), and vLLM's weight loaders copy out only what the rank holds: its slice under
-tensor parallelism, nothing of another rank's experts under expert parallelism. This counter
+A rank's first refit hands it the whole of each tensor (on one node, views of the same shared
+memory), and vLLM's weight loaders copy out only what the rank holds: its slice under tensor
+parallelism, nothing of another rank's experts under expert parallelism. This counter
 proves that per rank and per tensor: it watches the copies the loaders make while a refit loads
 (``copy_``, ``_to_copy``, ``clone``; vLLM's loaders read through these) and attributes each one
 whose source lies in a refit tensor to that tensor's name. Copies into ``meta`` tensors (vLLM's
