@@ -152,7 +152,7 @@ def _export_import(source: Any, sinks: list[Any], transport: TransportChoice, pl
     exported = source.call_async(WorkerHost.nrl_refit_export, transport, plan.bucket_bytes, plan.dtype)
     try:
         endpoint = InFlightWorkerHost.nrl_refit_import_in_flight if plan.in_flight else WorkerHost.nrl_refit_import
-        imports = [(group, group.call_async(endpoint, exported.refs[0], plan.wanted, on=ranks))
+        imports = [(group, group.call_async(endpoint, exported.refs[0], plan.wanted, plan.streams, on=ranks))
                    for group, ranks in _by_group(sinks).items()]
         try:
             weights = source.get(exported)  # an export that failed is the source's error, not the engines'
@@ -223,7 +223,7 @@ def _collective(source: Any, sinks: list[Any], transport: TransportChoice, plan:
         endpoint = InFlightWorkerHost.nrl_refit_receive_in_flight if plan.in_flight else WorkerHost.nrl_refit_receive
         pending = [(group, group.call_async(endpoint, on=ranks, per_rank_args=[
                         (transport, session.with_options(rank=receive_rank[(group, r)], skips={}, slices={}), manifest,
-                         wants.get((group, r)), plan.pipelined)
+                         wants.get((group, r)), plan.streams)
                         for r in ranks]))
                    for group, ranks in _by_group(sinks).items()]
         try:

@@ -357,13 +357,14 @@ class RefitEndpoints:
         return manifest_bytes(manifest)
 
     @dispatch(Fanout.DP)
-    def nrl_refit_import(self, exported: ExportedWeights, partial: bool = False) -> int:
+    def nrl_refit_import(self, exported: ExportedWeights, partial: bool = False, pipelined: bool = False) -> int:
         """Load an export of another actor into this actor's generation worker; the new version.
-        ``partial``: the worker declares ``partial_import`` and gets only what it names."""
+        ``partial``: the worker declares ``partial_import`` and gets only what it names;
+        ``pipelined``: it loads each bucket as it reads it (``import_weights_pipelined``)."""
         self.record_call("refit")
         sink = self._refit_into()
         return receive_into(sink, exported.transport, exported.session, exported.handles, exported.manifest,
-                            wants=local_wants(sink, exported.manifest, partial))
+                            pipelined=pipelined, wants=local_wants(sink, exported.manifest, partial))
 
     @dispatch(Fanout.DP)
     def nrl_refit_import_streamed(self, transport: TransportChoice, channel: ChannelAddress, export: list[Any],

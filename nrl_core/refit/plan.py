@@ -30,7 +30,8 @@ class RefitMode(StrEnum):
     instead of the model's; a failure part-way leaves the engines refusing to generate until a refit
     succeeds."""
     IN_FLIGHT = "in_flight"
-    """The engines (in actors of their own) import beside the generation they may be streaming."""
+    """The engines (in actors of their own) import beside the generation they may be streaming;
+    bucket by bucket as they arrive when the run's refits are pipelined (``streams_in_flight``)."""
 
 
 class Delivery(StrEnum):
@@ -46,7 +47,8 @@ class Delivery(StrEnum):
 class RefitPlan:
     """A run's refit: ``transport`` overrides the choice by placement (None: by placement);
     ``dtype`` None is each weight owner's default precision; ``timeout_s`` bounds a collective
-    transport's own group. Strings are accepted for ``mode`` and ``delivery``."""
+    transport's own group; ``streams_in_flight``: in-flight imports, too, load each bucket as it
+    arrives (the run's refits are pipelined). Strings are accepted for ``mode`` and ``delivery``."""
 
     transport: str | None = None
     mode: RefitMode = RefitMode.STAGED
@@ -54,6 +56,7 @@ class RefitPlan:
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     dtype: str | None = "float32"
     timeout_s: float | None = None
+    streams_in_flight: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", RefitMode(self.mode))
@@ -66,6 +69,12 @@ class RefitPlan:
     @property
     def in_flight(self) -> bool:
         return self.mode is RefitMode.IN_FLIGHT
+
+    @property
+    def streams(self) -> bool:
+        """Whether the engines load each bucket as it arrives: pipelined, or in flight in a run
+        whose refits are pipelined."""
+        return self.pipelined or (self.in_flight and self.streams_in_flight)
 
     @property
     def wanted(self) -> bool:
@@ -91,6 +100,7 @@ class RefitPlan:
                      and not section.get("adapters"))
         return cls(transport=section.get("transport"), bucket_bytes=bucket_bytes, dtype=policy.get("precision"),
                    timeout_s=timeout_s, mode=RefitMode.PIPELINED if pipelined else RefitMode.STAGED,
+                   streams_in_flight=pipelined,
                    delivery=Delivery.WANTED if "partial_import" in capabilities else Delivery.WHOLE)
 
 

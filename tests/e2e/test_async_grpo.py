@@ -374,6 +374,55 @@ def test_an_in_flight_refit_lands_mid_generation_and_each_token_knows_its_versio
         assert float((weights - 1).abs()[new].max()) < 2e-3 and float((weights - 1).abs()[old].mean()) > 1e-2
 
 
+def _send_an_unlisted_tensor_last(worker) -> None:
+    """A training side whose export ends with a tensor its manifest never named."""
+    real = type(worker).export_weights.__get__(worker)
+
+    def export_weights(bucket_bytes, dtype):
+        yield from real(bucket_bytes, dtype)
+        yield [("model.layers.9.unlisted", torch.ones(8))]
+
+    worker.export_weights = export_weights
+
+
+def test_an_in_flight_refit_torn_part_way_keeps_the_requests_paused_until_a_refit_succeeds(model, ray_session):
+    """The engine takes the in-flight refit in parts (small ones here); a tensor the manifest never
+    named arrives after parts loaded, so the refit is torn, and the requests in flight stay paused
+    (no token from torn weights). The next refit resumes them, and each response's tokens are
+    version 0 and then 1."""
+    from nrl_core.algorithms.grpo import RolloutGroup, merge_groups
+    from nrl_core.algorithms.loss import NLLLoss
+    from nrl_core.cluster._host import WorkerHost
+    from nrl_core.refit.manifest import RefitError
+    from tests.e2e.facades import chat_prompts, policy_and_generation, training_batch
+    from tests.vllm.test_vllm_engines import _parts_loaded, _small_parts
+
+    overrides = ["policy.generation.colocated.enabled=false", "policy.generation.colocated.resources.gpus_per_node=1",
+                 "cluster.gpus_per_node=2", "policy.generation.vllm_cfg.async_engine=true",
+                 "policy.optimizer.kwargs.lr=5e-3", "policy.max_total_sequence_length=256",
+                 "policy.generation.vllm_cfg.max_model_len=256", "policy.generation.max_new_tokens=160",
+                 "policy.generation.vllm_kwargs.max_num_seqs=2", *IN_FLIGHT]
+    with policy_and_generation(model, overrides) as (_, policy, generation):
+        generation.configure_in_flight(recompute_kv_cache=False)
+        generation.hosts.call(WorkerHost.execute, _small_parts, on=0)
+        policy.train(training_batch(0), NLLLoss())
+        generation.mark_stale()
+        prompts = [[5 + i % 400 for i in range(254)]] + chat_prompts(model)
+        stream = generation.generate_groups(prompts, 2)
+        groups = [next(stream)]
+        policy.group.call(WorkerHost.execute, _send_an_unlisted_tensor_last, on=0)
+        with pytest.raises(RefitError, match=r"refit failed part-way: model\.layers\.9\.unlisted: unexpected"):
+            generation.prepare(in_flight=True)
+        policy.group.call(WorkerHost.execute, lambda worker: delattr(worker, "export_weights"), on=0)
+        assert generation.prepare(in_flight=True).version == 1
+        groups += list(stream)
+        # (the host's calls wait behind its stream: counted once the stream is done) both refits in parts
+        assert generation.hosts.call(WorkerHost.execute, _parts_loaded, on=0) > 4
+        rollouts = merge_groups([RolloutGroup(prompt=None, output=o, rewards=[0.0, 0.0]) for _, o in sorted(groups)[1:]])
+        versions = [rollouts.versions_of(i) for i in range(8)]
+        assert all(v == sorted(v) and set(v) <= {0, 1} for v in versions) and any(1 in v for v in versions)
+
+
 def test_in_flight_updates_reach_rollouts_mid_generation_and_the_bound_holds_for_every_token(tmp_path, model):
     """``in_flight_weight_updates``: long responses, so the trainer's refit after step ``t`` lands
     while step ``t + 1``'s rollouts are generating. Some responses then carry two weight versions

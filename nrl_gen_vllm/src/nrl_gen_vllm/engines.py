@@ -171,16 +171,17 @@ class AsyncEngine:
         their label. ``named`` may be a stream that is still arriving.
 
         ``in_flight``: requests may be running, so the load lands between two engine steps: the
-        scheduler pauses keeping its requests, the weights load, and it resumes; the tensors go in
-        one part, so the pause covers the load and not the transfer, and a refit that fails leaves
-        the requests nothing torn. ``recompute_kv_cache`` then preempts the requests in flight and
+        scheduler pauses keeping its requests, the parts load, and it resumes (as NeMo RL's
+        in-flight updates, the pause spans the transfer). A refit that fails after a part loaded
+        leaves the scheduler paused, so no request takes a token from torn weights, until a refit
+        succeeds and resumes it. ``recompute_kv_cache`` then preempts the requests in flight and
         resets the prefix cache, so their next tokens are computed from a KV cache of the new
         weights; otherwise they keep the KV their earlier tokens left (requests are salted with
         their start version, so no later request reuses those blocks), and the prefix cache is
         reset once no request holds blocks."""
         self.parts_loaded = 0
         low, high = PART_BYTES
-        parts = [list(named)] if in_flight else _parts(named, min(max(part_bytes or high, low), high))
+        parts = _parts(named, min(max(part_bytes or high, low), high))
         begun = succeeded = False
         try:
             for part in parts:
@@ -218,7 +219,7 @@ class AsyncEngine:
                     await self.engine.reset_prefix_cache()  # cached KV was computed with the old weights
                 await self.engine.update_weight_version(str(version))
         finally:
-            if in_flight:
+            if in_flight and (succeeded or not self.parts_loaded):  # torn: paused until a refit succeeds
                 await self.engine.resume_generation()
 
     def label(self, version: int) -> None:

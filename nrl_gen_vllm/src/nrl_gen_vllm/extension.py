@@ -154,7 +154,10 @@ class NrlWorkerExtension:
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
 
-        state = self._nrl_reload
+        state = getattr(self, "_nrl_reload", None)
+        if state is None:  # no reload began
+            return 0
+        self._nrl_reload = None
         counter = state["counter"]
         with set_current_vllm_config(self.vllm_config), reloading(), counter or contextlib.nullcontext():
             finalize_layerwise_reload(self.model_runner.model, self.model_config)

@@ -422,9 +422,10 @@ class VllmGenerationWorker:
         :class:`TornRefitError` here and at every generate until a refit succeeds (each rank of a
         tensor-parallel engine keeps its own state: a torn refit ends the run). The async
         engine, whose workers live in another process, takes the stream in parts the size of its
-        first bucket (within ``engines.PART_BYTES``). In-flight imports stage and load
-        atomically: they must not tear the requests they land in."""
-        if not self._engine.streams_weights or self.in_flight:
+        first bucket (within ``engines.PART_BYTES``). In flight, the engine pauses its requests
+        for the whole import; one that fails part-way leaves them paused, so no token comes from
+        torn weights, until a refit succeeds."""
+        if not self._engine.streams_weights:
             return self.import_weights(buckets, manifest)
         self._sleep.require_awake("import_weights", ("weights",))
         self._check_layout(manifest)
@@ -441,7 +442,8 @@ class VllmGenerationWorker:
             stream = iter(buckets)
             first = next(stream, [])  # the async engine loads in parts of about a bucket
             part_bytes = sum(tensor.numel() * tensor.element_size() for _, tensor in first)
-            self._engine.load_weights(counted(itertools.chain([first], stream)), version, part_bytes=part_bytes)
+            self._engine.load_weights(counted(itertools.chain([first], stream)), version, self.in_flight,
+                                      self.recompute_kv_cache, part_bytes=part_bytes)
         except BaseException as exc:
             self._forget_blocks()
             if handed == 0 or not self._engine.reached():  # nothing reached the engine: it holds what it held
