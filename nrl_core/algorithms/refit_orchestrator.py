@@ -16,7 +16,7 @@ from typing import Any
 from nrl_core.errors import ConfigError
 from nrl_core.plugins import PluginManager, get_plugin_manager
 from nrl_core.refit.buckets import manifest_bytes
-from nrl_core.refit.endpoints import STREAM_BACKPRESSURE, ExportedWeights, refit_local, slices_of
+from nrl_core.refit.endpoints import STREAM_BACKPRESSURE, ExportedWeights, names_of, refit_local, slices_of
 from nrl_core.refit.plan import DEFAULT_PLAN, RefitPlan
 from nrl_core.refit.report import RefitReport, combine_reports
 from nrl_core.refit.transports import PLACEMENTS, RefitSession, TransportChoice
@@ -214,7 +214,7 @@ def _collective(source: Any, sinks: list[Any], transport: TransportChoice, plan:
         source.call(WorkerHost.nrl_refit_drain, plan.bucket_bytes, plan.dtype)  # the other training ranks' export ends
         raise
     names = {spec.name for spec in manifest}
-    options["skips"] = {receive_rank[sink]: sorted(names.difference(_names(wanted))) for sink, wanted in wants.items()
+    options["skips"] = {receive_rank[sink]: sorted(names.difference(names_of(wanted))) for sink, wanted in wants.items()
                         if wanted is not None}
     options["slices"] = {receive_rank[sink]: slices for sink, wanted in wants.items()
                          if (slices := slices_of(wanted))}
@@ -256,10 +256,6 @@ def _group_key(source: Any, sinks: list[Any]) -> str:
     to refit of a run, another for other actors."""
     infos = [endpoint.group.infos[endpoint.rank] for endpoint in (source, *sinks)]
     return "-".join(info.worker_id or f"{info.node_id}:{info.pid}" for info in infos)
-
-
-def _names(wanted: list[Any]) -> set[str]:
-    return {entry if isinstance(entry, str) else entry.name for entry in wanted}
 
 
 def _wants(sinks: list[Any], manifest: list[Any], in_flight: bool) -> dict[tuple[Any, int], list[Any] | None]:

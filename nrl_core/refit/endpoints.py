@@ -94,7 +94,7 @@ def wanted_part(manifest: list[WeightSpec], wants: Iterable[str | WeightSlice],
     from nrl_core.refit.manifest import RefitError
 
     wants = list(wants)
-    wanted = {entry if isinstance(entry, str) else entry.name for entry in wants}
+    wanted = names_of(wants)
     unknown = sorted(wanted - {spec.name for spec in manifest})
     if unknown:
         raise RefitError(f"refit rejected, weights unchanged; {who} asks for {len(unknown)} tensors the training "
@@ -105,6 +105,11 @@ def wanted_part(manifest: list[WeightSpec], wants: Iterable[str | WeightSlice],
         if isinstance(entry, WeightSlice):
             check_slice(entry, specs[entry.name], who)
     return [spec for spec in manifest if spec.name in wanted]
+
+
+def names_of(wants: Iterable[str | WeightSlice]) -> set[str]:
+    """The tensors ``wants`` names, whole or a block of."""
+    return {entry if isinstance(entry, str) else entry.name for entry in wants}
 
 
 def slices_of(wants: Iterable[str | WeightSlice] | None) -> dict[str, Region]:

@@ -128,7 +128,7 @@ class NrlWorkerExtension:
         _quiet_rotary_reload_warning()
         learns = getattr(self, "_nrl_learn_regions", False)
         counter = RefitReadCounter() if getattr(self, "_nrl_count_reads", False) or learns else None
-        self._nrl_reload = {"counter": counter, "learns": learns, "done": set(), "loaded": 0,
+        self._nrl_reload = {"counter": counter, "learns": learns, "done": set(),
                             "ties": tied_names(self.model_runner.model)}
         with set_current_vllm_config(self.vllm_config), reloading():
             initialize_layerwise_reload(self.model_runner.model)
@@ -143,20 +143,18 @@ class NrlWorkerExtension:
         named = with_tied_names(named, state["ties"], state["done"])
         with set_current_vllm_config(self.vllm_config), reloading(), counter or contextlib.nullcontext():
             loaded = self.model_runner.model.load_weights(weights=counter.track(named) if counter else iter(named))
-        count = len(loaded) if loaded is not None else -1
-        state["loaded"] = -1 if count < 0 or state["loaded"] < 0 else state["loaded"] + count
-        return count
+        return len(loaded) if loaded is not None else -1
 
     @torch.no_grad()
-    def nrl_end_reload(self, succeeded: bool = True) -> int:
-        """Finish the reload: the layers no part reached get their kernel tensors back. Returns
-        how many parameters its parts loaded. A reload that failed teaches no blocks."""
+    def nrl_end_reload(self, succeeded: bool = True) -> None:
+        """Finish the reload: the layers no part reached get their kernel tensors back. A reload
+        that failed teaches no blocks."""
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
 
         state = getattr(self, "_nrl_reload", None)
         if state is None:  # no reload began
-            return 0
+            return
         self._nrl_reload = None
         counter = state["counter"]
         with set_current_vllm_config(self.vllm_config), reloading(), counter or contextlib.nullcontext():
@@ -165,7 +163,6 @@ class NrlWorkerExtension:
             self._nrl_refit_reads = dict(counter.bytes_read)
             if state["learns"] and succeeded:
                 self._nrl_refit_regions = {name: box for name, box in counter.regions.items() if box is not None}
-        return int(state["loaded"])
 
     @torch.no_grad()
     def nrl_load_part_from_file(self, path: str, layout: list[list[Any]]) -> int:
