@@ -119,20 +119,30 @@ class SlicedRecordingSink(RecordingSink):
     a tensor-parallel engine: rank ``r`` of ``world_size`` names the ``r``-th block of rows of each
     tensor whose first dimension ``world_size`` divides (the others whole) and keeps exactly what
     it reads out of what arrives: its blocks (``received``) and the bytes it copied (``copied``).
+    ``expert_parallel``: as vLLM's expert parallelism, the rank names its contiguous share of a
+    mixture-of-experts layer's experts whole, no other expert, and the router whole (replicated).
     ``overreach``: it also reads the row before its block, which it did not name."""
 
-    def __init__(self, rank: int = 0, world_size: int = 1) -> None:
+    def __init__(self, rank: int = 0, world_size: int = 1, expert_parallel: bool = False) -> None:
         super().__init__(rank, world_size)
         self.rank, self.world_size, self.copied, self.overreach = rank, world_size, 0, False
+        self.expert_parallel = expert_parallel
         self.blocks: dict[str, tuple[int, int]] = {}
 
     def refit_wants(self, manifest: list[Any]) -> list[Any]:
         from nrl_core.refit.slices import WeightSlice
 
+        experts = _experts_per_layer(manifest) if self.expert_parallel else 0
         wants: list[Any] = []
         for spec in manifest:
+            expert = _expert_of(spec.name) if experts else None
+            if expert is not None:
+                if expert * self.world_size // experts == self.rank:
+                    wants.append(spec.name)
+                continue
             rows = spec.shape[0] // self.world_size if spec.shape else 0
-            if self.world_size > 1 and rows and spec.shape[0] % self.world_size == 0:
+            if self.world_size > 1 and rows and spec.shape[0] % self.world_size == 0 and not (
+                    experts and ".mlp.gate." in spec.name):
                 self.blocks[spec.name] = (self.rank * rows, (self.rank + 1) * rows)
                 wants.append(WeightSlice(spec.name, (self.blocks[spec.name], *((0, d) for d in spec.shape[1:]))))
             else:
@@ -156,6 +166,16 @@ class SlicedRecordingSink(RecordingSink):
         self.received, self.copied = received, copied
         self.weight_version += 1
         return self.weight_version
+
+
+def _expert_of(name: str) -> int | None:
+    """The expert index in an HF mixture-of-experts name (``...mlp.experts.<e>.``), else None."""
+    _, marker, rest = name.partition(".mlp.experts.")
+    return int(rest.split(".", 1)[0]) if marker and rest.split(".", 1)[0].isdigit() else None
+
+
+def _experts_per_layer(manifest: list[Any]) -> int:
+    return 1 + max((e for spec in manifest if (e := _expert_of(spec.name)) is not None), default=-1)
 
 
 def fail_export_after(count: int) -> Any:

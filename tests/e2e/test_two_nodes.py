@@ -128,3 +128,101 @@ def test_megatron_training_spans_both_nodes(cluster_address: str, model: Path, t
         assert float((policy.get_logprobs(batch)[:, 1:] * mask).sum()) > first + 1.0
     finally:
         policy.shutdown()
+
+
+_MEGATRON = ["policy.dtensor_config.enabled=false", "policy.megatron_cfg.enabled=true", "policy.optimizer=null"]
+SLICED_SOURCES = {
+    "dtensor-dp2-dense": ("llama", []),
+    "dtensor-dp2-moe": ("qwen3_moe", []),
+    "megatron-tp2-dense": ("llama", [*_MEGATRON, "+policy.megatron_cfg.tensor_model_parallel_size=2"]),
+    # Megatron's tensor parallelism of experts needs sequence parallelism, which needs CUDA here
+    "megatron-pp2-dense": ("llama", [*_MEGATRON, "+policy.megatron_cfg.pipeline_model_parallel_size=2"]),
+    "megatron-pp2-moe": ("qwen3_moe", [*_MEGATRON, "+policy.megatron_cfg.pipeline_model_parallel_size=2"]),
+}
+
+
+def _copied(worker) -> tuple[int, int]:
+    from nrl_core.refit.transports import broadcast_bytes_received
+
+    return worker.copied, broadcast_bytes_received()
+
+
+def _blocks(exported: dict, wants: list) -> dict[str, float]:
+    """Checksums of what ``wants`` names of the exported tensors (a name whole, a block its part)."""
+    from nrl_core.refit.slices import cut
+
+    parts = {want: exported[want] if isinstance(want, str) else cut(exported[want.name], want.region) for want in wants}
+    return {getattr(want, "name", want): float(part.double().sum()) for want, part in parts.items()}
+
+
+@pytest.mark.parametrize("source", list(SLICED_SOURCES))
+def test_each_engine_rank_gets_its_blocks_from_every_training_layout(source: str, cluster_address: str,
+                                                                     tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sinks that name blocks as a tensor-parallel 2 engine does (and, for a mixture of experts,
+    their half of the experts as vLLM's expert parallelism does), fed by each training layout:
+    on the training node over shared memory and broadcast, and on the other node over broadcast,
+    each rank receives and copies out exactly what it named, at most 0.55 of the model, and it
+    equals the policy's export."""
+    from safetensors.torch import load_file
+
+    from nrl_core.algorithms.installed import choose_backends, load_and_validate
+    from nrl_core.algorithms.policy import Policy
+    from nrl_core.algorithms.refit_orchestrator import refit
+    from nrl_core.cluster import WorkerGroup
+    from nrl_core.refit.plan import RefitPlan
+    from nrl_core.refit.slices import region_nbytes
+    from nrl_core.testing.tiny_models import cached_tiny_model
+
+    family, overrides = SLICED_SOURCES[source]
+    monkeypatch.setenv("NRL_MEGATRON_CHECKPOINT_DIR", str(tmp_path / "converted"))
+    config = load_and_validate(str(CONFIG), [
+        f"policy.model_name={cached_tiny_model(family)}", f"cluster.ray_address={cluster_address}",
+        "cluster.num_nodes=2", "cluster.gpus_per_node=2", "policy.train_global_batch_size=8",
+        "policy.train_micro_batch_size=4", "policy.logprob_batch_size=8",
+        # the other node is the engines' (held here by the far sinks), so training takes the head
+        "policy.generation.colocated.enabled=false", "policy.generation.colocated.resources.num_nodes=1",
+        "policy.generation.colocated.resources.gpus_per_node=2", *overrides])
+    # colocated_generation: the training bundles keep room for the near sinks, which share them
+    policy = Policy(config, choose_backends(config).training, colocated_generation=True)
+    kwargs = {"expert_parallel": family == "qwen3_moe"}
+    near = WorkerGroup("nrl_core.testing.refit_host:SlicedRecordingSink", 2, name="near", distributed_backend="none",
+                       init_kwargs=kwargs, placement=make_placement(None, 2, colocate_with=policy.placement))
+    other_node = make_placement(config["cluster"], 2, name="far", nodes=1)
+    far = WorkerGroup("nrl_core.testing.refit_host:SlicedRecordingSink", 2, name="far", distributed_backend="none",
+                      init_kwargs=kwargs, placement=other_node)
+    try:
+        assert policy.world_size == 2 and len(set(_nodes(policy.group))) == 1
+        assert set(_nodes(near)) == set(_nodes(policy.group)) != set(_nodes(far))
+        policy.export_hf(str(tmp_path / "export"))
+        exported = {}
+        for file in (tmp_path / "export").glob("*.safetensors"):
+            exported.update(load_file(str(file)))
+        manifest = policy.group.call(WorkerHost.nrl_refit_manifest, "float32", on=0)
+        total = sum(spec.nbytes for spec in manifest)
+        for sinks, transport, expected in [(near, None, ("shared_memory", "same_node")),
+                                           (near, "broadcast", ("broadcast", "same_node")),
+                                           (far, None, ("broadcast", "cross_node"))]:
+            drain = policy.drain_export(1 << 20, "float32")
+            report = refit(policy.rank0, [sinks.endpoint(0), sinks.endpoint(1)],
+                           RefitPlan(transport=transport, bucket_bytes=1 << 20, delivery="wanted"))
+            drain()
+            assert (report.transport, report.placement) == expected
+            wants = sinks.call("refit_wants", manifest)
+            named = [sum(spec.nbytes if isinstance(want, str) else region_nbytes(want.region, 4)
+                         for want, spec in _named_specs(w, manifest)) for w in wants]
+            counts = sinks.call(WorkerHost.execute, _copied)
+            assert [copied for copied, _ in counts] == named and max(named) <= 0.55 * total, (named, total)
+            if expected[0] == "broadcast":
+                assert [received for _, received in counts] == named
+            assert sinks.call("checksums") == [_blocks(exported, w) for w in wants]
+    finally:
+        for group in (near, far):
+            group.shutdown()
+        other_node.remove()
+        policy.shutdown()
+
+
+def _named_specs(wants: list, manifest: list) -> list:
+    by_name = {spec.name: spec for spec in manifest}
+    return [(want, by_name[want if isinstance(want, str) else want.name]) for want in wants]
