@@ -37,18 +37,19 @@ def nrl_algorithms() -> list[AlgorithmSpec]:
 @hookimpl
 def nrl_refit_transports() -> list[RefitTransportSpec]:
     """The core's transports, the most specific with the highest priority: the orchestrator takes
-    the highest one that works for a placement, so a refit within one process never pays for
-    shared memory."""
+    the highest one that works for a placement and device, so a refit within one process never pays
+    for shared memory, and weights on GPUs never go through host memory by the core's choice."""
     return [
         RefitTransportSpec(name="in_process", transport="nrl_core.refit.transports:InProcessTransport",
                            placements=("same_process",), distribution="nrl-core", priority=30,
                            description="hand tensors over by reference"),
         RefitTransportSpec(name="shared_memory", transport="nrl_core.refit.transports:SharedMemoryTransport",
                            placements=("same_process", "same_node"), distribution="nrl-core", priority=20,
-                           description="one /dev/shm file per bucket, mapped by the receiver"),
+                           devices=("cpu",), description="one /dev/shm file per bucket, mapped by the receiver"),
         RefitTransportSpec(name="broadcast", transport="nrl_core.refit.transports:BroadcastTransport",
                            placements=("same_node", "cross_node"), distribution="nrl-core", priority=10, collective=True,
-                           description="torch.distributed (gloo) broadcast from training rank 0"),
+                           description="torch.distributed broadcast from training rank 0 (NCCL between GPUs, "
+                                       "gloo on the CPU)"),
     ]
 
 

@@ -263,8 +263,10 @@ class RefitTransportSpec:
     """A way to move weight buckets from training to generation, returned by ``nrl_refit_transports``.
 
     ``placements`` lists where it works: ``"same_process"``, ``"same_node"``, ``"cross_node"``.
+    ``devices`` lists where the weights may live: ``"cpu"``, ``"cuda"`` (both when not given).
     Unless the config names one (``policy.refit.transport``), the core picks the transport of
-    highest ``priority`` that works for the placement (the core's own: 30, 20, 10).
+    highest ``priority`` that works for the placement and the device (the core's own: 30, 20, 10;
+    shared memory, a copy through host memory, is the CPU's only).
 
     ``collective`` says how the bytes travel. False (``in_process``, ``shared_memory``): the sender
     turns every bucket into a handle that stays valid until the refit's cleanup, so the training
@@ -280,6 +282,7 @@ class RefitTransportSpec:
     priority: int = 0
     collective: bool = False
     description: str = ""
+    devices: tuple[str, ...] = ("cpu", "cuda")
 
 
 @dataclass(frozen=True, kw_only=True)

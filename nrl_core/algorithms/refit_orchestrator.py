@@ -2,8 +2,9 @@
 
 It works the same whether source and sink are local objects (one process) or Ray actors (the
 training and the generation workers in their own processes): the transport is chosen by where
-they are (same process -> ``in_process``, same node -> ``shared_memory``, otherwise
-``broadcast``) unless the config names one (``policy.refit.transport``).
+they are and where the weights live (same process -> ``in_process``; on the CPU, same node ->
+``shared_memory``, otherwise ``broadcast`` over gloo; between GPUs, on one node or across nodes,
+``broadcast`` over NCCL, device to device) unless the config names one (``policy.refit.transport``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from nrl_core.refit.buckets import manifest_bytes
 from nrl_core.refit.endpoints import STREAM_BACKPRESSURE, ExportedWeights, names_of, refit_local, slices_of
 from nrl_core.refit.plan import DEFAULT_PLAN, RefitPlan
 from nrl_core.refit.report import RefitReport, combine_reports
-from nrl_core.refit.transports import PLACEMENTS, RefitSession, TransportChoice
+from nrl_core.refit.transports import DEVICES, PLACEMENTS, RefitSession, TransportChoice
 
 TRANSPORT_KEY = "policy.refit.transport"
 PIPELINED_TRANSPORT = "shared_memory"
@@ -30,25 +31,39 @@ DEFAULT_WAIT_S = 600.0
 
 
 def choose_transport(placement: str, override: str | None = None,
-                     plugins: PluginManager | None = None) -> TransportChoice:
-    """The transport for ``placement``: ``override`` if given (checked against where it works),
-    else the registered transport of highest priority that works there (among ``plugins``'; this
-    process's when None)."""
+                     plugins: PluginManager | None = None, device: str = "cpu") -> TransportChoice:
+    """The transport for ``placement`` with the weights on ``device`` (``cpu`` or ``cuda``):
+    ``override`` if given (checked against where it works), else the registered transport of
+    highest priority that works there (among ``plugins``'; this process's when None)."""
     if placement not in PLACEMENTS:
         raise ValueError(f"unknown placement '{placement}'; one of {', '.join(PLACEMENTS)}")
+    if device not in DEVICES:
+        raise ValueError(f"unknown device '{device}'; one of {', '.join(DEVICES)}")
     registry = (plugins or get_plugin_manager()).refit_transports()
+    where = f"when training and generation are {placement.replace('_', ' ')}"
     if override:
         spec = registry.get(override, TRANSPORT_KEY)
         if placement not in spec.placements:
-            raise ConfigError(TRANSPORT_KEY, f"transport '{override}' cannot be used when training and generation "
-                                             f"are {placement.replace('_', ' ')} (it works {', '.join(spec.placements)}); "
-                                             f"remove the key to choose automatically")
+            raise ConfigError(TRANSPORT_KEY, f"transport '{override}' cannot be used {where} (it works "
+                                             f"{', '.join(spec.placements)}); remove the key to choose automatically")
+        if device not in spec.devices:
+            raise ConfigError(TRANSPORT_KEY, f"transport '{override}' moves weights on {', '.join(spec.devices)}, and "
+                                             f"this run's are on {device}; remove the key to choose automatically")
         return TransportChoice(spec.name, spec.transport, spec.collective)
     for spec in sorted(registry, key=lambda spec: -spec.priority):
-        if placement in spec.placements:
+        if placement in spec.placements and device in spec.devices:
             return TransportChoice(spec.name, spec.transport, spec.collective)
-    raise ConfigError(TRANSPORT_KEY, f"no installed refit transport works {placement.replace('_', ' ')} "
+    raise ConfigError(TRANSPORT_KEY, f"no installed refit transport works {where} with weights on {device} "
                                      f"(installed: {', '.join(registry.names()) or 'none'})")
+
+
+def placement_of(source: Any, sinks: Sequence[Any]) -> tuple[str, str]:
+    """``(placement, device)`` of a refit between worker group ranks, from where their actors
+    started: ``cuda`` when every one of them has a GPU, since the training side then exports
+    from its device and the engines load onto theirs."""
+    placement = "same_node" if all(s.node_id == source.node_id for s in sinks) else "cross_node"
+    on_gpu = all(rank.group.infos[rank.rank].cuda for rank in (source, *sinks))
+    return placement, "cuda" if on_gpu else "cpu"
 
 
 def refit(source: Any | Sequence[Any], sink: Any | Sequence[Any], plan: RefitPlan = DEFAULT_PLAN) -> RefitReport:
@@ -115,9 +130,8 @@ def _refit_colocated(ranks: list[Any], plan: RefitPlan) -> RefitReport:
 
 def _refit_ranks(source: Any, sinks: list[Any], plan: RefitPlan) -> RefitReport:
     start = time.perf_counter()
-    source_node = source.node_id
-    placement = "same_node" if all(s.node_id == source_node for s in sinks) else "cross_node"
-    transport = choose_transport(placement, plan.transport)
+    placement, device = placement_of(source, sinks)
+    transport = choose_transport(placement, plan.transport, device=device)
     if transport.collective:
         nbytes, versions = _collective(source, sinks, transport, plan)
     elif plan.pipelined and transport.name == PIPELINED_TRANSPORT:

@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     import torch
 
 PLACEMENTS = ("same_process", "same_node", "cross_node")
+DEVICES = ("cpu", "cuda")
 _ALIGN = 64
 
 

@@ -62,7 +62,11 @@ class ExtensionPlugin:
     @hookimpl
     def nrl_refit_transports(self):
         return [RefitTransportSpec(name="copying", transport=f"{__name__}:CopyingTransport",
-                                   placements=("same_process",), distribution="nrl-test")]
+                                   placements=("same_process",), distribution="nrl-test"),
+                # a GPU-only transport (say, CUDA IPC) that outranks the core's between GPUs on a node
+                RefitTransportSpec(name="gpu_direct", transport=f"{__name__}:CopyingTransport",
+                                   placements=("same_node",), devices=("cuda",), priority=25,
+                                   distribution="nrl-test")]
 
     @hookimpl
     def nrl_metric_sinks(self):
@@ -73,6 +77,8 @@ def test_third_party_transport_is_chosen_by_name_and_moves_the_weights():
     with get_plugin_manager().registered(ExtensionPlugin(), name="extension"):
         assert choose_transport("same_process", "copying").name == "copying"
         assert choose_transport("same_process").name == "in_process"  # the core's stays the default
+        assert choose_transport("same_node", device="cuda").name == "gpu_direct"
+        assert choose_transport("same_node", device="cpu").name == "shared_memory"
         source = RandomWeightSource({"a.weight": (4, 3), "b.bias": (5,)})
         sink = RecordingSink()
         report = refit(source, sink, RefitPlan(transport="copying", bucket_bytes=64))

@@ -74,6 +74,47 @@ def test_transport_choice_by_placement_and_override() -> None:
         choose_transport("same_node", "carrier_pigeon")
 
 
+RULE = {  # (placement, device) -> what the core's transports give, for every combination
+    ("same_process", "cpu"): "in_process", ("same_process", "cuda"): "in_process",
+    ("same_node", "cpu"): "shared_memory", ("same_node", "cuda"): "broadcast",  # NCCL: no host memory between GPUs
+    ("cross_node", "cpu"): "broadcast", ("cross_node", "cuda"): "broadcast",
+}
+
+
+@pytest.mark.parametrize("placement, device", list(RULE))
+def test_one_rule_picks_the_transport_from_placement_and_device(placement, device) -> None:
+    assert choose_transport(placement, device=device).name == RULE[(placement, device)]
+
+
+def test_shared_memory_between_gpus_is_refused_in_one_line() -> None:
+    with pytest.raises(ConfigError) as info:
+        choose_transport("same_node", "shared_memory", device="cuda")
+    assert str(info.value) == ("policy.refit.transport: transport 'shared_memory' moves weights on cpu, and this "
+                               "run's are on cuda; remove the key to choose automatically")
+    with pytest.raises(ValueError, match="unknown device 'tpu'"):
+        choose_transport("same_node", device="tpu")
+
+
+def _rank(node: str, cuda: bool) -> Any:
+    from types import SimpleNamespace
+
+    info = SimpleNamespace(cuda=cuda)
+    return SimpleNamespace(node_id=node, rank=0, group=SimpleNamespace(infos=[info]))
+
+
+@pytest.mark.parametrize("source, sinks, expected", [
+    (("a", False), [("a", False), ("a", False)], ("same_node", "cpu")),
+    (("a", True), [("a", True), ("a", True)], ("same_node", "cuda")),
+    (("a", True), [("a", True), ("b", True)], ("cross_node", "cuda")),
+    (("a", True), [("a", False)], ("same_node", "cpu")),  # an engine on the CPU: the weights reach it through host memory
+    (("a", False), [("b", True)], ("cross_node", "cpu")),
+])
+def test_where_a_refit_runs_comes_from_the_actors_nodes_and_devices(source, sinks, expected) -> None:
+    from nrl_core.algorithms.refit_orchestrator import placement_of
+
+    assert placement_of(_rank(*source), [_rank(*sink) for sink in sinks]) == expected
+
+
 def test_the_run_plan_reads_nemo_rl_and_nrl_spellings() -> None:
     plan = RefitPlan.for_run({"policy": {"precision": "bfloat16", "refit_buffer_size_gb": 0.5,
                                          "refit": {"transport": "shared_memory", "bucket_size_mb": 64}}})
