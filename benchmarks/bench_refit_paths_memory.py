@@ -132,7 +132,10 @@ def _in_actors(path: str, model_dir: str, bucket: int) -> dict[str, Any]:
     if path == "in-flight":
         plan = plan.with_mode("in_flight")
     try:
-        refit(source.endpoint(0), engine.endpoint(0), plan)
+        report = refit(source.endpoint(0), engine.endpoint(0), plan)
+        expected = "broadcast" if path == "broadcast" else "shared_memory"
+        if report.transport != expected:  # on a GPU machine the rule picks otherwise: say so, measure nothing
+            raise RuntimeError(f"{path}: the refit went over {report.transport}, not {expected}")
         pid = engine.infos[0].pid
         return _sampled(pid, lambda: refit(source.endpoint(0), engine.endpoint(0), plan))
     finally:

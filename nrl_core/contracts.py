@@ -258,15 +258,20 @@ class EnvironmentSpec:
     resources_key: str | None = None  # contract 11: its section's key of devices it takes from the cluster
 
 
+REFIT_DEVICES = ("cpu", "cuda")
+"""Where a refit's weights live: host memory, or GPUs."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class RefitTransportSpec:
     """A way to move weight buckets from training to generation, returned by ``nrl_refit_transports``.
 
     ``placements`` lists where it works: ``"same_process"``, ``"same_node"``, ``"cross_node"``.
-    ``devices`` lists where the weights may live: ``"cpu"``, ``"cuda"`` (both when not given).
-    Unless the config names one (``policy.refit.transport``), the core picks the transport of
-    highest ``priority`` that works for the placement and the device (the core's own: 30, 20, 10;
-    shared memory, a copy through host memory, is the CPU's only).
+    ``devices`` lists where the weights live when the core may pick it: ``"cpu"``, ``"cuda"``
+    (both when not given). Unless the config names one (``policy.refit.transport``, used wherever
+    its placements allow), the core picks the transport of highest ``priority`` that works for the
+    placement and the device (the core's own: 30, 20, 10; shared memory, a copy through host
+    memory, is picked on the CPU only).
 
     ``collective`` says how the bytes travel. False (``in_process``, ``shared_memory``): the sender
     turns every bucket into a handle that stays valid until the refit's cleanup, so the training
@@ -282,7 +287,12 @@ class RefitTransportSpec:
     priority: int = 0
     collective: bool = False
     description: str = ""
-    devices: tuple[str, ...] = ("cpu", "cuda")
+    devices: tuple[str, ...] = REFIT_DEVICES
+
+    def __post_init__(self) -> None:
+        if isinstance(self.devices, str) or not set(self.devices) <= set(REFIT_DEVICES):
+            raise PluginError(f"refit transport '{self.name}': devices must be a tuple of "
+                              f"{', '.join(map(repr, REFIT_DEVICES))}, got {self.devices!r}")
 
 
 @dataclass(frozen=True, kw_only=True)

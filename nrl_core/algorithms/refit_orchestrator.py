@@ -20,7 +20,7 @@ from nrl_core.refit.buckets import manifest_bytes
 from nrl_core.refit.endpoints import STREAM_BACKPRESSURE, ExportedWeights, names_of, refit_local, slices_of
 from nrl_core.refit.plan import DEFAULT_PLAN, RefitPlan
 from nrl_core.refit.report import RefitReport, combine_reports
-from nrl_core.refit.transports import DEVICES, PLACEMENTS, RefitSession, TransportChoice
+from nrl_core.refit.transports import DEVICES, PLACEMENTS, RefitSession, TransportChoice, broadcast_backend
 
 TRANSPORT_KEY = "policy.refit.transport"
 PIPELINED_TRANSPORT = "shared_memory"
@@ -33,8 +33,9 @@ DEFAULT_WAIT_S = 600.0
 def choose_transport(placement: str, override: str | None = None,
                      plugins: PluginManager | None = None, device: str = "cpu") -> TransportChoice:
     """The transport for ``placement`` with the weights on ``device`` (``cpu`` or ``cuda``):
-    ``override`` if given (checked against where it works), else the registered transport of
-    highest priority that works there (among ``plugins``'; this process's when None)."""
+    ``override`` if given (checked against the placements it works in; a transport named in the
+    config is used on any device), else the registered transport of highest priority whose
+    placements and devices include these (among ``plugins``'; this process's when None)."""
     if placement not in PLACEMENTS:
         raise ValueError(f"unknown placement '{placement}'; one of {', '.join(PLACEMENTS)}")
     if device not in DEVICES:
@@ -46,9 +47,6 @@ def choose_transport(placement: str, override: str | None = None,
         if placement not in spec.placements:
             raise ConfigError(TRANSPORT_KEY, f"transport '{override}' cannot be used {where} (it works "
                                              f"{', '.join(spec.placements)}); remove the key to choose automatically")
-        if device not in spec.devices:
-            raise ConfigError(TRANSPORT_KEY, f"transport '{override}' moves weights on {', '.join(spec.devices)}, and "
-                                             f"this run's are on {device}; remove the key to choose automatically")
         return TransportChoice(spec.name, spec.transport, spec.collective)
     for spec in sorted(registry, key=lambda spec: -spec.priority):
         if placement in spec.placements and device in spec.devices:
@@ -58,12 +56,29 @@ def choose_transport(placement: str, override: str | None = None,
 
 
 def placement_of(source: Any, sinks: Sequence[Any]) -> tuple[str, str]:
-    """``(placement, device)`` of a refit between worker group ranks, from where their actors
-    started: ``cuda`` when every one of them has a GPU, since the training side then exports
-    from its device and the engines load onto theirs."""
+    """``(placement, device)`` of a refit between worker group ranks: ``cuda`` when the training
+    side exports from a GPU and every engine loads onto one in its own process (an engine that
+    takes its weights through host memory, as vLLM's async engine does for its child process,
+    says so: :meth:`~nrl_core.refit.endpoints.RefitEndpoints.nrl_refit_device`)."""
     placement = "same_node" if all(s.node_id == source.node_id for s in sinks) else "cross_node"
-    on_gpu = all(rank.group.infos[rank.rank].cuda for rank in (source, *sinks))
-    return placement, "cuda" if on_gpu else "cpu"
+    return placement, _device_of(source, sinks)
+
+
+def _device_of(source: Any, sinks: Sequence[Any]) -> str:
+    from nrl_core.cluster._host import WorkerHost
+
+    if not all(rank.group.infos[rank.rank].cuda for rank in (source, *sinks)):
+        return "cpu"  # no call to the actors: a CPU run never pays for the question
+    key = _group_key(source, sinks)
+    if key not in _SINK_DEVICES:
+        devices = [device for group, ranks in _by_group(list(sinks)).items()
+                   for device in group.call(WorkerHost.nrl_refit_device, on=ranks)]
+        _SINK_DEVICES[key] = "cuda" if all(d == "cuda" for d in devices) else "cpu"
+    return _SINK_DEVICES[key]
+
+
+#: Where each set of engines of a run loads its weights, asked once (:func:`_device_of`).
+_SINK_DEVICES: dict[str, str] = {}
 
 
 def refit(source: Any | Sequence[Any], sink: Any | Sequence[Any], plan: RefitPlan = DEFAULT_PLAN) -> RefitReport:
@@ -121,7 +136,8 @@ def _refit_colocated(ranks: list[Any], plan: RefitPlan) -> RefitReport:
 
     if plan.in_flight:
         raise ValueError("refit: in-flight weight updates need engines in actors of their own (not colocated)")
-    transport = choose_transport("same_process", plan.transport)
+    device = "cuda" if all(rank.group.infos[rank.rank].cuda for rank in ranks) else "cpu"
+    transport = choose_transport("same_process", plan.transport, device=device)
     reports = [report for group, on in _by_group(ranks).items()
                for report in group.call(WorkerHost.nrl_refit_local, transport, plan.bucket_bytes, plan.dtype,
                                         plan.wanted, plan.pipelined, on=on)]
@@ -133,7 +149,7 @@ def _refit_ranks(source: Any, sinks: list[Any], plan: RefitPlan) -> RefitReport:
     placement, device = placement_of(source, sinks)
     transport = choose_transport(placement, plan.transport, device=device)
     if transport.collective:
-        nbytes, versions = _collective(source, sinks, transport, plan)
+        nbytes, versions = _collective(source, sinks, transport, plan, device)
     elif plan.pipelined and transport.name == PIPELINED_TRANSPORT:
         nbytes, versions = _stream_import(source, sinks, transport, plan)
     else:
@@ -209,7 +225,8 @@ def _gather_quietly(calls: list[tuple[Any, Any]]) -> None:
     ray.wait([ref for _, futures in calls for ref in futures.refs], num_returns=sum(len(f.refs) for _, f in calls))
 
 
-def _collective(source: Any, sinks: list[Any], transport: TransportChoice, plan: RefitPlan) -> tuple[int, list[int]]:
+def _collective(source: Any, sinks: list[Any], transport: TransportChoice, plan: RefitPlan,
+                device: str = "cpu") -> tuple[int, list[int]]:
     """One sender, every sink receiving at once: broadcast, except (each rank its wanted tensors)
     what only one sink loads, sent to it alone. A sink's refusal of the manifest comes before
     anything is sent. Pipelined: each sink loads every bucket as it arrives; one that fails
@@ -217,7 +234,8 @@ def _collective(source: Any, sinks: list[Any], transport: TransportChoice, plan:
     from nrl_core.cluster._host import InFlightWorkerHost, WorkerHost
 
     key = _group_key(source, sinks)
-    options: dict[str, Any] = {"world_size": 1 + len(sinks), "group_key": key, "reuse": key in _FORMED_GROUPS}
+    options: dict[str, Any] = {"world_size": 1 + len(sinks), "group_key": key, "reuse": key in _FORMED_GROUPS,
+                               "backend": broadcast_backend(device == "cuda")}
     if plan.timeout_s is not None:
         options["timeout_s"] = float(plan.timeout_s)
     manifest = source.call(WorkerHost.nrl_refit_manifest, plan.dtype)

@@ -109,7 +109,7 @@ GENERATION = Section(nullable=True, doc="Rollout generation; null for algorithms
 })
 
 REFIT = Section(doc="Moving trained weights into the generation engine.", fields={
-    "transport": Field(type=str, default=None, nullable=True, doc="null: chosen by placement"),
+    "transport": Field(type=str, default=None, nullable=True, doc="null: chosen by placement and device"),
     "bucket_size_mb": Field(type=NUMBER, default=256.0),
     "verify": Field(type=bool, default=True, doc="check every weight against the manifest"),
     "pipelined": Field(type=bool, default=True,

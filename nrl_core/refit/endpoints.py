@@ -320,6 +320,19 @@ class RefitEndpoints:
 
         return str(ray.get_runtime_context().get_node_id())
 
+    @dispatch(Fanout.ALL)
+    def nrl_refit_device(self) -> str:
+        """Where this actor's engine loads refitted weights: ``cuda`` or ``cpu``. A generation
+        worker that takes them through host memory on a GPU machine (vLLM's async engine hands
+        them to its child process in files) says so with a ``refit_device`` attribute; otherwise
+        its process's device."""
+        declared = getattr(self.nrl_refit_sink(), "refit_device", None)
+        if declared in ("cpu", "cuda"):
+            return str(declared)
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
     @dispatch(Fanout.RANK0)
     def nrl_refit_export(self, transport: TransportChoice, bucket_bytes: int, dtype: str | None) -> ExportedWeights:
         """Export the source's weights through a handle-based transport, for any number of

@@ -39,6 +39,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
+from nrl_core.contracts import REFIT_DEVICES
 from nrl_core.refit.buckets import Bucket, dtype_name, parse_dtype, tensor_nbytes
 from nrl_core.refit.shm_space import reserve, shm_dir
 from nrl_core.refit.slices import Region, cut
@@ -47,7 +48,7 @@ if TYPE_CHECKING:
     import torch
 
 PLACEMENTS = ("same_process", "same_node", "cross_node")
-DEVICES = ("cpu", "cuda")
+DEVICES = REFIT_DEVICES
 _ALIGN = 64
 
 

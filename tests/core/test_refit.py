@@ -76,7 +76,7 @@ def test_transport_choice_by_placement_and_override() -> None:
 
 RULE = {  # (placement, device) -> what the core's transports give, for every combination
     ("same_process", "cpu"): "in_process", ("same_process", "cuda"): "in_process",
-    ("same_node", "cpu"): "shared_memory", ("same_node", "cuda"): "broadcast",  # NCCL: no host memory between GPUs
+    ("same_node", "cpu"): "shared_memory", ("same_node", "cuda"): "broadcast",  # NCCL, not /dev/shm, between GPUs
     ("cross_node", "cpu"): "broadcast", ("cross_node", "cuda"): "broadcast",
 }
 
@@ -86,33 +86,59 @@ def test_one_rule_picks_the_transport_from_placement_and_device(placement, devic
     assert choose_transport(placement, device=device).name == RULE[(placement, device)]
 
 
-def test_shared_memory_between_gpus_is_refused_in_one_line() -> None:
-    with pytest.raises(ConfigError) as info:
-        choose_transport("same_node", "shared_memory", device="cuda")
-    assert str(info.value) == ("policy.refit.transport: transport 'shared_memory' moves weights on cpu, and this "
-                               "run's are on cuda; remove the key to choose automatically")
+def test_a_transport_the_config_names_is_used_on_any_device_the_rule_never_picks_it_for() -> None:
+    assert choose_transport("same_node", "shared_memory", device="cuda").name == "shared_memory"
     with pytest.raises(ValueError, match="unknown device 'tpu'"):
         choose_transport("same_node", device="tpu")
 
 
-def _rank(node: str, cuda: bool) -> Any:
-    from types import SimpleNamespace
+def test_a_transport_spec_names_its_devices_from_the_known_ones() -> None:
+    from nrl_core.contracts import RefitTransportSpec
+    from nrl_core.errors import PluginError
 
-    info = SimpleNamespace(cuda=cuda)
-    return SimpleNamespace(node_id=node, rank=0, group=SimpleNamespace(infos=[info]))
+    for devices in (("gpu",), "cuda"):
+        with pytest.raises(PluginError, match=r"refit transport 'x': devices must be a tuple of 'cpu', 'cuda'"):
+            RefitTransportSpec(name="x", transport="m:T", placements=("same_node",), distribution="d", devices=devices)
+
+
+class _Group:
+    """A stand-in worker group: each rank started with or without a GPU, and its engine loads
+    refits on ``loads_on`` (what ``nrl_refit_device`` answers); ``asked`` counts the questions."""
+
+    def __init__(self, node: str, cuda: bool, loads_on: str) -> None:
+        from types import SimpleNamespace
+
+        self.infos = [SimpleNamespace(cuda=cuda, worker_id=f"{node}-{cuda}-{loads_on}-{id(self)}")]
+        self.node, self.loads_on, self.asked = node, loads_on, 0
+
+    def rank(self) -> Any:
+        from types import SimpleNamespace
+
+        return SimpleNamespace(node_id=self.node, rank=0, group=self)
+
+    def call(self, method: Any, on: list[int]) -> list[str]:
+        assert method.__name__ == "nrl_refit_device"
+        self.asked += 1
+        return [self.loads_on for _ in on]
 
 
 @pytest.mark.parametrize("source, sinks, expected", [
-    (("a", False), [("a", False), ("a", False)], ("same_node", "cpu")),
-    (("a", True), [("a", True), ("a", True)], ("same_node", "cuda")),
-    (("a", True), [("a", True), ("b", True)], ("cross_node", "cuda")),
-    (("a", True), [("a", False)], ("same_node", "cpu")),  # an engine on the CPU: the weights reach it through host memory
-    (("a", False), [("b", True)], ("cross_node", "cpu")),
+    (("a", False), [("a", False, "cpu"), ("a", False, "cpu")], ("same_node", "cpu")),
+    (("a", True), [("a", True, "cuda"), ("a", True, "cuda")], ("same_node", "cuda")),
+    (("a", True), [("a", True, "cuda"), ("b", True, "cuda")], ("cross_node", "cuda")),
+    (("a", True), [("a", False, "cpu")], ("same_node", "cpu")),  # an engine on the CPU: through host memory
+    (("a", True), [("b", False, "cpu")], ("cross_node", "cpu")),  # gloo, from the GPU source's host copies
+    (("a", False), [("b", True, "cuda")], ("cross_node", "cpu")),
+    (("a", True), [("a", True, "cuda"), ("a", True, "cpu")], ("same_node", "cpu")),  # one engine loads from files
 ])
 def test_where_a_refit_runs_comes_from_the_actors_nodes_and_devices(source, sinks, expected) -> None:
     from nrl_core.algorithms.refit_orchestrator import placement_of
 
-    assert placement_of(_rank(*source), [_rank(*sink) for sink in sinks]) == expected
+    groups = [_Group(*sink) for sink in sinks]
+    source_rank = _Group(*source, "cuda").rank()
+    assert placement_of(source_rank, [g.rank() for g in groups]) == expected
+    assert placement_of(source_rank, [g.rank() for g in groups]) == expected  # asked once per run
+    assert all(g.asked == (1 if source[1] and all(s[1] for s in sinks) else 0) for g in groups)
 
 
 def test_the_run_plan_reads_nemo_rl_and_nrl_spellings() -> None:

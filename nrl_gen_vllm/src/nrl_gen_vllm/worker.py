@@ -141,6 +141,10 @@ class VllmGenerationWorker:
         self._checkpoint = checkpoint_shapes(self.model_dir)
 
         self.async_engine = bool(vcfg.get("async_engine"))
+        if self.async_engine:
+            # its child process loads refits from /dev/shm parts, so weights received onto a GPU
+            # here would only be a second copy there: the refit rule keeps to host memory
+            self.refit_device = "cpu"
         self.kv_cache: KvCacheSize | None = None  # on CPU, unless VLLM_CPU_KVCACHE_SPACE sets it
         _configure_environment()
         from vllm.platforms import current_platform
