@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nrl_core import stacks, timeline
+from nrl_core import interrupt, stacks, timeline
 from nrl_core.config.core_schema import PHASES
 from nrl_core.errors import NrlError
 from nrl_core.suspects import STATES, RunProcess, ranks_of, run_processes, suspects
@@ -110,7 +110,7 @@ class Watchdog:
     """The run's monitor: enter it around the whole run (it becomes the one :func:`phase` uses)."""
 
     tick_s = 0.5
-    interrupt_after_s = 5.0  # a phase blocked in the driver itself gets SIGINT after its workers were killed
+    interrupt_after_s = 5.0  # a phase blocked in the driver itself is interrupted after its workers were killed
     merge_s = 10.0  # how often the workers' spans are merged into trace.json while the run goes on
 
     def __init__(self, settings: WatchdogSettings, log_dir: Path) -> None:
@@ -138,6 +138,7 @@ class Watchdog:
         (self.log_dir / PID_FILE).write_text(f"{os.getpid()}\n")
         if self.settings.trace:
             timeline.start_trace(self.log_dir / "trace.json")
+        interrupt.install()  # a phase blocked in the driver is ended whatever SIGINT does here
         self._thread = threading.Thread(target=self._watch, name="nrl-watchdog", daemon=True)
         self._thread.start()
         _active = self
@@ -266,7 +267,7 @@ class Watchdog:
         _kill(groups)
         self._phase_ended.clear()
         if not self._phase_ended.wait(self.interrupt_after_s) and any(r is late for r in self._running):
-            signal.pthread_kill(late.thread, signal.SIGINT)  # blocked in itself, not on a worker
+            interrupt.interrupt(late.thread)  # blocked in itself, not on a worker
 
 
 def _plugin_processes(groups: list[Any], processes: list[RunProcess], stuck: list[tuple[RunProcess, str]]) -> str:

@@ -8,8 +8,9 @@ actors again keep answering for a while (a run of 10 steps ended with exit 0, on
 32 steps later, blaming the policy worker). A GCS or raylet that is stopped (SIGSTOP, a
 debugger) is no better, and Ray's own shutdown then waits on it for minutes. So for the Ray it started, the driver watches both processes: a thread polls them,
 and when one is gone, or frozen for :data:`FROZEN_S`, records why (:func:`cluster_failure`) and
-interrupts the main thread with a real SIGINT (``KeyboardInterrupt``, which Ray's blocking calls
-honour; ``_thread.interrupt_main`` alone would not wake a thread blocked in a system call). The CLI
+interrupts the main thread with a real signal (:mod:`nrl_core.interrupt`: a ``KeyboardInterrupt``,
+which Ray's blocking calls honour; ``_thread.interrupt_main`` alone would not wake a thread
+blocked in a system call). The CLI
 prints that reason as its one-line error, and :func:`kill_ray_processes` SIGKILLs every process of
 the local Ray, the node's own and all their descendants (a dead raylet orphans its agents and
 workers; they ignore SIGTERM while waiting for the GCS).
@@ -22,7 +23,6 @@ process itself through ``on_unheeded``, which Ray would have done anyway, later 
 
 from __future__ import annotations
 
-import _thread
 import os
 import signal
 import subprocess
@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from nrl_core import interrupt
 from nrl_core.stacks import process_state
 from nrl_core.suspects import STATES
 from nrl_core.suspects import descendants as _descendants
@@ -61,6 +62,7 @@ def watch_local_ray(processes: Sequence[tuple[str, subprocess.Popen[Any]]], *, i
     thread when the main thread has not called :func:`stop_watching` within :data:`GRACE_S` of the
     interrupt; it is expected to end the process."""
     global _failure, _stop
+    interrupt.install()  # the main thread is interrupted whatever SIGINT does in this process
     stop_watching()
     _failure = None
     _stop = stop = threading.Event()
@@ -109,10 +111,7 @@ def frozen(processes: Sequence[subprocess.Popen[Any]]) -> bool:
 
 
 def _interrupt_main_thread() -> None:
-    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-        signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
-    else:  # a host that handles SIGINT its own way: only set Python's pending-interrupt flag
-        _thread.interrupt_main()
+    interrupt.interrupt()
 
 
 def stop_watching() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -83,6 +84,24 @@ def test_a_hang_inside_a_step_names_the_innermost_phase_and_its_knob(tmp_path: P
                         time.sleep(0.2)  # each in time
                 time.sleep(60)  # stuck in the step itself
     assert "phase 'step' did not finish" in str(info.value)
+
+
+@pytest.mark.parametrize("sigint", [signal.SIG_IGN, lambda signum, frame: None], ids=["ignored", "a-library-handler"])
+def test_a_hang_is_interrupted_whatever_sigint_does_in_this_process(tmp_path: Path, sigint: object) -> None:
+    """A job started in the background inherits SIGINT ignored, and libraries install handlers
+    that swallow it: the watchdog's own signal still ends the blocked phase, and SIGINT is left
+    as it was (nrl_core.interrupt)."""
+    saved = signal.signal(signal.SIGINT, sigint)  # type: ignore[arg-type]
+    try:
+        started = time.monotonic()
+        with pytest.raises(HangError, match="phase 'training' did not finish"):
+            with fast(tmp_path, floor_s=0.3):
+                with phase("training"):
+                    time.sleep(30)
+        assert time.monotonic() - started < 15
+        assert signal.getsignal(signal.SIGINT) is sigint  # the interrupt came on the driver's own signal
+    finally:
+        signal.signal(signal.SIGINT, saved)
 
 
 def test_bad_values_are_one_line_errors_naming_the_key() -> None:
