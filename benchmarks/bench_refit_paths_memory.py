@@ -48,21 +48,15 @@ def _config(model_dir: str, async_engine: bool) -> dict[str, Any]:
 
 def largest_layer_bytes(model_dir: str) -> int:
     """The bytes of the largest module vLLM reloads at once: a decoder layer, or a top-level module."""
-    import glob
+    import math
 
-    from safetensors import safe_open
+    from nrl_gen_vllm.checkpoint import checkpoint_shapes
 
     modules: dict[str, int] = {}
-    for file in glob.glob(os.path.join(model_dir, "*.safetensors")):
-        with safe_open(file, "pt") as handle:
-            for name in handle.keys():
-                tensor = handle.get_slice(name)
-                nbytes = 4  # float32 refits
-                for size in tensor.get_shape():
-                    nbytes *= size
-                parts = name.split(".")
-                module = ".".join(parts[:3]) if len(parts) > 3 and parts[1] == "layers" else ".".join(parts[:-1])
-                modules[module] = modules.get(module, 0) + nbytes
+    for name, shape in checkpoint_shapes(model_dir).items():
+        parts = name.split(".")
+        module = ".".join(parts[:3]) if len(parts) > 3 and parts[1] == "layers" else ".".join(parts[:-1])
+        modules[module] = modules.get(module, 0) + 4 * math.prod(shape)  # float32 refits
     return max(modules.values())
 
 

@@ -14,13 +14,14 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from nrl_core.contracts import REFIT_DEVICES
 from nrl_core.errors import ConfigError
 from nrl_core.plugins import PluginManager, get_plugin_manager
 from nrl_core.refit.buckets import manifest_bytes
 from nrl_core.refit.endpoints import STREAM_BACKPRESSURE, ExportedWeights, names_of, refit_local, slices_of
 from nrl_core.refit.plan import DEFAULT_PLAN, RefitPlan
 from nrl_core.refit.report import RefitReport, combine_reports
-from nrl_core.refit.transports import DEVICES, PLACEMENTS, RefitSession, TransportChoice, broadcast_backend
+from nrl_core.refit.transports import PLACEMENTS, RefitSession, TransportChoice, broadcast_backend
 
 TRANSPORT_KEY = "policy.refit.transport"
 PIPELINED_TRANSPORT = "shared_memory"
@@ -38,8 +39,8 @@ def choose_transport(placement: str, override: str | None = None,
     placements and devices include these (among ``plugins``'; this process's when None)."""
     if placement not in PLACEMENTS:
         raise ValueError(f"unknown placement '{placement}'; one of {', '.join(PLACEMENTS)}")
-    if device not in DEVICES:
-        raise ValueError(f"unknown device '{device}'; one of {', '.join(DEVICES)}")
+    if device not in REFIT_DEVICES:
+        raise ValueError(f"unknown device '{device}'; one of {', '.join(REFIT_DEVICES)}")
     registry = (plugins or get_plugin_manager()).refit_transports()
     where = f"when training and generation are {placement.replace('_', ' ')}"
     if override:
@@ -67,7 +68,7 @@ def placement_of(source: Any, sinks: Sequence[Any]) -> tuple[str, str]:
 def _device_of(source: Any, sinks: Sequence[Any]) -> str:
     from nrl_core.cluster._host import WorkerHost
 
-    if not all(rank.group.infos[rank.rank].cuda for rank in (source, *sinks)):
+    if not _on_gpus([source, *sinks]):
         return "cpu"  # no call to the actors: a CPU run never pays for the question
     key = _group_key(source, sinks)
     if key not in _SINK_DEVICES:
@@ -75,6 +76,11 @@ def _device_of(source: Any, sinks: Sequence[Any]) -> str:
                    for device in group.call(WorkerHost.nrl_refit_device, on=ranks)]
         _SINK_DEVICES[key] = "cuda" if all(d == "cuda" for d in devices) else "cpu"
     return _SINK_DEVICES[key]
+
+
+def _on_gpus(ranks: Sequence[Any]) -> bool:
+    """Whether every one of ``ranks`` started with a GPU (as its actor recorded)."""
+    return all(rank.group.infos[rank.rank].cuda for rank in ranks)
 
 
 #: Where each set of engines of a run loads its weights, asked once (:func:`_device_of`).
@@ -136,8 +142,7 @@ def _refit_colocated(ranks: list[Any], plan: RefitPlan) -> RefitReport:
 
     if plan.in_flight:
         raise ValueError("refit: in-flight weight updates need engines in actors of their own (not colocated)")
-    device = "cuda" if all(rank.group.infos[rank.rank].cuda for rank in ranks) else "cpu"
-    transport = choose_transport("same_process", plan.transport, device=device)
+    transport = choose_transport("same_process", plan.transport, device="cuda" if _on_gpus(ranks) else "cpu")
     reports = [report for group, on in _by_group(ranks).items()
                for report in group.call(WorkerHost.nrl_refit_local, transport, plan.bucket_bytes, plan.dtype,
                                         plan.wanted, plan.pipelined, on=on)]

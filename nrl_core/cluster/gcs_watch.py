@@ -78,7 +78,7 @@ def watch_local_ray(processes: Sequence[tuple[str, subprocess.Popen[Any]]], *, i
                 return
             _failure = (f"cluster: the local Ray's {how}; the run cannot continue without it (complete "
                         "checkpoints are intact: rerun to resume)")
-            _interrupt_main_thread()
+            interrupt.interrupt()
             if not stop.wait(GRACE_S):
                 on_unheeded(_failure)
             return
@@ -108,10 +108,6 @@ def frozen(processes: Sequence[subprocess.Popen[Any]]) -> bool:
     """Whether any of ``processes`` is stopped now: Ray's graceful shutdown would wait on it (for
     minutes), so its processes are killed instead."""
     return any(process.poll() is None and process_state(process.pid) in FROZEN_STATES for process in processes)
-
-
-def _interrupt_main_thread() -> None:
-    interrupt.interrupt()
 
 
 def stop_watching() -> None:

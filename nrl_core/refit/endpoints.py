@@ -326,8 +326,10 @@ class RefitEndpoints:
         worker that takes them through host memory on a GPU machine (vLLM's async engine hands
         them to its child process in files) says so with a ``refit_device`` attribute; otherwise
         its process's device."""
+        from nrl_core.contracts import REFIT_DEVICES
+
         declared = getattr(self.nrl_refit_sink(), "refit_device", None)
-        if declared in ("cpu", "cuda"):
+        if declared in REFIT_DEVICES:
             return str(declared)
         import torch
 

@@ -39,7 +39,6 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
-from nrl_core.contracts import REFIT_DEVICES
 from nrl_core.refit.buckets import Bucket, dtype_name, parse_dtype, tensor_nbytes
 from nrl_core.refit.shm_space import reserve, shm_dir
 from nrl_core.refit.slices import Region, cut
@@ -48,7 +47,6 @@ if TYPE_CHECKING:
     import torch
 
 PLACEMENTS = ("same_process", "same_node", "cross_node")
-DEVICES = REFIT_DEVICES
 _ALIGN = 64
 
 

@@ -19,6 +19,7 @@ from nrl_core.algorithms.loss import NLLLoss
 from nrl_core.cluster import init_ray, make_placement, shutdown_ray
 from nrl_core.cluster._host import WorkerHost
 from nrl_core.errors import NrlError
+from tests.core.test_refit_slices import _counts as copied_and_received
 from tests.e2e.facades import CONFIG, chat_prompts, policy_and_generation, training_batch
 from tests.vllm.helpers import hf_greedy, hf_model
 
@@ -141,12 +142,6 @@ SLICED_SOURCES = {
 }
 
 
-def _copied(worker) -> tuple[int, int]:
-    from nrl_core.refit.transports import broadcast_bytes_received
-
-    return worker.copied, broadcast_bytes_received()
-
-
 def _blocks(exported: dict, wants: list) -> dict[str, float]:
     """Checksums of what ``wants`` names of the exported tensors (a name whole, a block its part)."""
     from nrl_core.refit.slices import cut
@@ -211,7 +206,7 @@ def test_each_engine_rank_gets_its_blocks_from_every_training_layout(source: str
             wants = sinks.call("refit_wants", manifest)
             named = [sum(spec.nbytes if isinstance(want, str) else region_nbytes(want.region, 4)
                          for want, spec in _named_specs(w, manifest)) for w in wants]
-            counts = sinks.call(WorkerHost.execute, _copied)
+            counts = sinks.call(WorkerHost.execute, copied_and_received)
             assert [copied for copied, _ in counts] == named and max(named) <= 0.55 * total, (named, total)
             if expected[0] == "broadcast":
                 assert [received for _, received in counts] == named
