@@ -32,6 +32,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from typing import Any
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -78,15 +79,19 @@ def _sampled(pid: int, run: Any) -> dict[str, Any]:
     """Each refit's peak PSS above the PSS before it, and what the last left above the first's start."""
     from process_tree_sampler import TreeSampler
 
-    peaks = []
+    peaks, uss_peaks, seconds = [], [], []
     start = TreeSampler(pid).sample().pss
     for _ in range(REFITS):
         sampler = TreeSampler(pid, interval=0.02, mem_interval=0.02)
-        baseline = sampler.sample().pss
+        baseline = sampler.sample()
         with sampler:
+            began = time.perf_counter()
             run()
-        peaks.append(max(sampler.peak("pss"), baseline) - baseline)
-    return {"peaks": peaks, "retained": TreeSampler(pid).sample().pss - start}
+            seconds.append(time.perf_counter() - began)
+        peaks.append(max(sampler.peak("pss"), baseline.pss) - baseline.pss)
+        uss_peaks.append(max(sampler.peak("uss"), baseline.uss) - baseline.uss)
+    return {"peaks": peaks, "uss_peaks": uss_peaks, "seconds": seconds,
+            "retained": TreeSampler(pid).sample().pss - start}
 
 
 def _colocated(path: str, model_dir: str, bucket: int) -> dict[str, Any]:
@@ -172,7 +177,9 @@ def main() -> None:
             result = json.loads(proc.stdout.strip().splitlines()[-1])
             results[path].append(result)
             print(f"round {round_ + 1} {path}: peaks " + ", ".join(f"{p / 2**20:.1f}" for p in result["peaks"])
-                  + f" MiB, retained {result['retained'] / 2**20:.1f} MiB", flush=True)
+                  + " MiB (USS " + ", ".join(f"{p / 2**20:.1f}" for p in result["uss_peaks"])
+                  + f"), retained {result['retained'] / 2**20:.1f} MiB, seconds "
+                  + ", ".join(f"{t:.2f}" for t in result["seconds"]), flush=True)
 
     def mib(values: list[int]) -> str:
         return f"{statistics.median(values) / 2**20:.1f} ({', '.join(f'{v / 2**20:.1f}' for v in values)})"

@@ -120,8 +120,8 @@ def slices_of(wants: Iterable[str | WeightSlice] | None) -> dict[str, Region]:
 def _without(buckets: Iterable[Any], unwanted: frozenset[str]) -> Iterator[Any]:
     """The buckets less the tensors named in ``unwanted`` (a transport that sent them anyway); what
     the manifest never named still passes, for the manifest check to refuse."""
-    for bucket in buckets:
-        yield [(name, tensor) for name, tensor in bucket if name not in unwanted]
+    # a map keeps no bucket between items: one kept while the next is received would hold its buffer
+    return map(lambda bucket: [(name, tensor) for name, tensor in bucket if name not in unwanted], buckets)
 
 
 def receive_into(sink: Any, transport: TransportChoice, session: RefitSession, handles: Iterable[Any],

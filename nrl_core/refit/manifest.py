@@ -88,29 +88,38 @@ class TornRefitError(RefitError):
     holds a mix of versions and refuses to generate until a refit succeeds."""
 
 
+def _verified_bucket(bucket: list[tuple[str, torch.Tensor]], expected: dict[str, WeightSpec], seen: set[str],
+                     what: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """:func:`verified_stream` of one bucket, in a frame of its own: none of its tensors is kept
+    once it is done."""
+    from nrl_core.refit.buckets import spec_of
+
+    for name, tensor in bucket:
+        want = expected.get(name)
+        spec = spec_of(name, tensor)
+        differs = "" if want is None else _difference(spec, want)
+        problem = ("unexpected" if want is None else "sent more than once" if name in seen else
+                   f"wrong shape or dtype ({differs})" if differs else "")
+        if problem:
+            raise TornRefitError(f"{what} failed part-way: {name}: {problem}", extra=[name] if want is None else [],
+                                 duplicate=[name] if problem.startswith("sent") else [],
+                                 mismatched=[name] if problem.startswith("wrong") else [])
+        seen.add(name)
+        yield name, tensor
+        del tensor
+
+
 def verified_stream(buckets: Iterable[list[tuple[str, torch.Tensor]]], manifest: Iterable[WeightSpec],
                     *, what: str = "refit") -> Iterator[tuple[str, torch.Tensor]]:
     """Each tensor of ``buckets`` as it arrives, once it is proven to be the manifest's: a known
     name, not seen before, the manifest's shape and dtype; at the end, every name arrived. What a
     pipelined import loads from (:class:`~nrl_core.contracts.PipelinedImporter`): a bad tensor
     raises :class:`TornRefitError` before it reaches the engine, but after the ones before it did."""
-    from nrl_core.refit.buckets import spec_of
-
     expected = {spec.name: spec for spec in manifest}
     seen: set[str] = set()
     for bucket in buckets:
-        for name, tensor in bucket:
-            want = expected.get(name)
-            spec = spec_of(name, tensor)
-            differs = "" if want is None else _difference(spec, want)
-            problem = ("unexpected" if want is None else "sent more than once" if name in seen else
-                       f"wrong shape or dtype ({differs})" if differs else "")
-            if problem:
-                raise TornRefitError(f"{what} failed part-way: {name}: {problem}", extra=[name] if want is None else [],
-                                     duplicate=[name] if problem.startswith("sent") else [],
-                                     mismatched=[name] if problem.startswith("wrong") else [])
-            seen.add(name)
-            yield name, tensor
+        yield from _verified_bucket(bucket, expected, seen, what)
+        del bucket  # a bucket kept while the next is received holds its buffer: two in memory, not one
     missing = sorted(set(expected) - seen)
     if missing:
         raise TornRefitError(f"{what} failed part-way: missing {len(missing)}: {_listing(missing)}", missing=missing)

@@ -237,14 +237,15 @@ def as_owned(buckets: Iterable[list[tuple[str, torch.Tensor]]], slices: Mapping[
     """The buckets with each tensor named in ``slices`` handed as an :class:`OwnedRegion` of its
     manifest shape (``shapes``). A transport may deliver the block or the whole tensor (one that
     cannot cut); anything else is refused before the bucket reaches the engine."""
-    for bucket in buckets:
-        out = []
-        for name, tensor in bucket:
-            region = slices.get(name)
-            if region is not None and name in shapes:
-                shape = tuple(shapes[name])
-                if tuple(tensor.shape) == shape and not is_whole(region, shape):
-                    tensor = cut(tensor, region)
-                tensor = OwnedRegion(name, tensor, region, shape)
-            out.append((name, tensor))
-        yield out
+    # a map keeps no bucket between items: one kept while the next is received would hold its buffer
+    return map(lambda bucket: [(name, _owned(name, tensor, slices, shapes)) for name, tensor in bucket], buckets)
+
+
+def _owned(name: str, tensor: torch.Tensor, slices: Mapping[str, Region], shapes: Mapping[str, Sequence[int]]) -> Any:
+    region = slices.get(name)
+    if region is None or name not in shapes:
+        return tensor
+    shape = tuple(shapes[name])
+    if tuple(tensor.shape) == shape and not is_whole(region, shape):
+        tensor = cut(tensor, region)
+    return OwnedRegion(name, tensor, region, shape)

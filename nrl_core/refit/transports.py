@@ -324,20 +324,23 @@ class _ShmSender:
 
 class _ShmReceiver:
     def buckets(self, handles: Iterable[Any]) -> Iterator[Bucket]:
-        for handle in handles:
-            stat = _check_exists(handle)
-            if handle.reused:  # the sender rewrites this file next refit: keep all of it mapped
-                file = (stat.st_dev, stat.st_ino)
-                held = _RECEIVER_MAPS.get(handle.path)
-                if held is None or held.file != file or held.flat.numel() < handle.layout.nbytes:
-                    held = _RECEIVER_MAPS[handle.path] = _HeldMapping(file, _map(handle.path, stat.st_size))
-                flat = held.flat
-            else:  # other receivers may read the same file: the sender's cleanup removes it
-                flat = _map(handle.path, handle.layout.nbytes)
-            yield views_of(flat, handle.layout)
+        # yielded from a call, so this frame keeps none of it: a mapping only the bucket holds goes with it
+        return map(_mapped_views, handles)
 
     def close(self) -> None:
         pass
+
+
+def _mapped_views(handle: ShmHandle) -> Bucket:
+    stat = _check_exists(handle)
+    if handle.reused:  # the sender rewrites this file next refit: keep all of it mapped
+        file = (stat.st_dev, stat.st_ino)
+        held = _RECEIVER_MAPS.get(handle.path)
+        if held is None or held.file != file or held.flat.numel() < handle.layout.nbytes:
+            held = _RECEIVER_MAPS[handle.path] = _HeldMapping(file, _map(handle.path, stat.st_size))
+        return views_of(held.flat, handle.layout)
+    # other receivers may read the same file: the sender's cleanup removes it
+    return views_of(_map(handle.path, handle.layout.nbytes), handle.layout)
 
 
 def _check_exists(handle: ShmHandle) -> os.stat_result:
@@ -617,31 +620,42 @@ class _BroadcastReceiver:
                 drop_group(self._key, self._group)
 
     def _buckets(self) -> Iterator[Bucket]:
+        while (layouts := self._next_layouts()) is not None:
+            # yielded from a call, so this frame keeps none of it: a sink that drops the bucket frees
+            # its buffers before the next one's are allocated (one bucket in memory, not two)
+            yield self._receive(*layouts)
+
+    def _next_layouts(self) -> tuple[PackedLayout, PackedLayout | None, int] | None:
+        """The next bucket's layout, this rank's private part's, and the broadcast's bytes; None at the end."""
         import torch
 
         device = self._group.device
-        while True:
-            header = torch.zeros(2, dtype=torch.int64, device=device)
-            self._group.broadcast(header)
-            meta_len, nbytes = (int(v) for v in header.tolist())
-            if meta_len == 0:
-                return
-            meta = torch.empty(meta_len, dtype=torch.uint8, device=device)
-            self._group.broadcast(meta)
-            layouts: tuple[PackedLayout, dict[int, PackedLayout]] = pickle.loads(meta.cpu().numpy().tobytes())
-            layout, private_layouts = layouts
-            bucket: Bucket = []
-            if layout.entries:
-                flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
-                self._group.broadcast(flat)
-                bucket.extend(views_of(flat, layout))
-            mine = private_layouts.get(self._rank)
-            if mine is not None:
-                own = torch.empty(mine.nbytes, dtype=torch.uint8, device=device)
-                self._group.receive(own)
-                bucket.extend(views_of(own, mine))
-            _RECEIVED["bytes"] += sum(tensor_nbytes(tensor) for _, tensor in bucket)
-            yield bucket
+        header = torch.zeros(2, dtype=torch.int64, device=device)
+        self._group.broadcast(header)
+        meta_len, nbytes = (int(v) for v in header.tolist())
+        if meta_len == 0:
+            return None
+        meta = torch.empty(meta_len, dtype=torch.uint8, device=device)
+        self._group.broadcast(meta)
+        layouts: tuple[PackedLayout, dict[int, PackedLayout]] = pickle.loads(meta.cpu().numpy().tobytes())
+        layout, private_layouts = layouts
+        return layout, private_layouts.get(self._rank), nbytes
+
+    def _receive(self, layout: PackedLayout, mine: PackedLayout | None, nbytes: int) -> Bucket:
+        import torch
+
+        device = self._group.device
+        bucket: Bucket = []
+        if layout.entries:
+            flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            self._group.broadcast(flat)
+            bucket.extend(views_of(flat, layout))
+        if mine is not None:
+            own = torch.empty(mine.nbytes, dtype=torch.uint8, device=device)
+            self._group.receive(own)
+            bucket.extend(views_of(own, mine))
+        _RECEIVED["bytes"] += sum(tensor_nbytes(tensor) for _, tensor in bucket)
+        return bucket
 
     def close(self) -> None:
         pass

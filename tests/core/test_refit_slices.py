@@ -3,6 +3,8 @@ cuts for it, and the tensor it is handed, which reads inside its block and refus
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -160,3 +162,30 @@ def test_between_actors_each_rank_receives_and_copies_out_its_blocks_alone(group
         blocks = {name: t[rank * (t.shape[0] // 2):(rank + 1) * (t.shape[0] // 2)] if t.shape[0] % 2 == 0 else t
                   for name, t in tensors.items()}
         assert received == {name: float(t.double().sum()) for name, t in blocks.items()}
+
+
+def test_the_receiving_filters_keep_no_bucket_while_the_next_arrives() -> None:
+    """``_without`` and ``as_owned`` between a receiver and the sink: a bucket the sink dropped is
+    gone before the next is received (issue 59: one bucket in memory, not two)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from nrl_core.refit.endpoints import _without
+    from nrl_core.refit.slices import as_owned
+
+    buffers: list[StorageWeakRef] = []
+    alive: list[int] = []
+
+    def bucket(index: int) -> list[tuple[str, torch.Tensor]]:
+        flat = torch.zeros(32)
+        buffers.append(StorageWeakRef(flat.untyped_storage()))
+        return [(f"w{index}", flat[:16].view(4, 4)), (f"x{index}", flat[16:].view(4, 4))]
+
+    def received() -> Iterator[list[tuple[str, torch.Tensor]]]:
+        for index in range(3):
+            alive.append(sum(not ref.expired() for ref in buffers))
+            yield bucket(index)
+
+    slices = {f"w{i}": ((0, 2), (0, 4)) for i in range(3)}
+    for handed in as_owned(_without(received(), frozenset({"x1"})), slices, {f"w{i}": (4, 4) for i in range(3)}):
+        del handed  # the sink is done with it
+    assert alive == [0, 0, 0]

@@ -7,6 +7,7 @@ worker already defines ``update_weights`` (and may grow more): an extension must
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -16,6 +17,7 @@ import torch
 from nrl_gen_vllm.cpu_moe import process_experts_on_reload, reloading, translate_expert_ids
 from nrl_gen_vllm.cpu_sampler import use_eager_rank_count
 from nrl_gen_vllm.refit_reads import RefitReadCounter
+from nrl_gen_vllm.released import released
 
 
 def _prepare_worker_process() -> None:
@@ -70,6 +72,19 @@ def tied_names(model: torch.nn.Module) -> dict[str, list[str]]:
             if len(group) > 1 and any(n.endswith("lm_head.weight") for n in group) for name in group}
 
 
+def _file_part(path: str, layout: list[list[Any]]) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """The tensors packed in ``path`` as one bucket of views of one mapping, yielded from a call so
+    that nothing here keeps them."""
+    yield _file_views(path, layout)
+
+
+def _file_views(path: str, layout: list[list[Any]]) -> list[tuple[str, torch.Tensor]]:
+    total = max((int(offset) + int(nbytes) for _, _, _, offset, nbytes in layout), default=0)
+    data = torch.from_file(path, shared=True, size=max(total, 1), dtype=torch.uint8)
+    return [(name, data[offset:offset + nbytes].view(getattr(torch, dtype)).view(shape))
+            for name, dtype, shape, offset, nbytes in layout]
+
+
 def with_tied_names(named: Iterable[tuple[str, torch.Tensor]], ties: dict[str, list[str]],
                     done: set[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """``named``, each tensor followed by the names tied to it, each name once.
@@ -91,6 +106,7 @@ def with_tied_names(named: Iterable[tuple[str, torch.Tensor]], ties: dict[str, l
             if tied not in done:
                 done.add(tied)
                 yield tied, tensor
+        del tensor  # not kept while the next arrives (released.py)
 
 
 class NrlWorkerExtension:
@@ -169,11 +185,9 @@ class NrlWorkerExtension:
         """:meth:`nrl_load_part` for an engine in another process (vLLM's async engine): the
         tensors lie packed in the file ``path`` (a ``/dev/shm`` file the caller removes), each at
         ``[name, dtype, shape, offset, nbytes]`` of ``layout``, and are read as views of one mapping."""
-        total = max((int(offset) + int(nbytes) for _, _, _, offset, nbytes in layout), default=0)
-        data = torch.from_file(path, shared=True, size=max(total, 1), dtype=torch.uint8)
-        named = [(name, data[offset:offset + nbytes].view(getattr(torch, dtype)).view(shape))
-                 for name, dtype, shape, offset, nbytes in layout]
-        return self.nrl_load_part(named)
+        # the tensors vLLM keeps past the part (a module it has not all of yet) get copies of their
+        # own once it is loaded, so the mapping goes before the next part's (released.py)
+        return self.nrl_load_part(itertools.chain.from_iterable(released(_file_part(path, layout))))
 
     def nrl_count_refit_reads(self, enabled: bool = True) -> None:
         """From the next refit on, count the bytes this rank reads of each tensor

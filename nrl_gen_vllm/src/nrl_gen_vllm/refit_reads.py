@@ -67,7 +67,23 @@ class RefitReadCounter(TorchDispatchMode):
             if tensor is handed:
                 self._roots[name] = (tensor.storage_offset(), tuple(tensor.shape), tensor.element_size(),
                                      tensor.is_contiguous())
+            del tensor, storage  # not kept while the next arrives (released.py)
             yield name, handed
+            del handed
+
+    def moved(self, storage_address: int, offset: int, tensor: torch.Tensor) -> None:
+        """``tensor``, tracked at element ``offset`` of the storage at ``storage_address``, now has
+        a storage of its own (:mod:`nrl_gen_vllm.released`): its reads are still its name's."""
+        entry = self._spans.get(storage_address)
+        start = offset * tensor.element_size()
+        name = next((span[2] for span in entry[1] if span[0] == start), None) if entry else None
+        if name is None:
+            return
+        storage = tensor.untyped_storage()
+        self._spans[storage.data_ptr()] = (StorageWeakRef(storage), [(0, _extent(tensor), name)])
+        if name in self._roots:
+            _, shape, element_size, _ = self._roots[name]
+            self._roots[name] = (0, shape, element_size, True)
 
     def _source_name(self, tensor: Any) -> str | None:
         if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":

@@ -46,6 +46,7 @@ from nrl_gen_vllm.engines import AsyncEngine, FollowerEngine, SyncEngine
 from nrl_gen_vllm.kv_cache import KvCacheSize, kv_cache_space
 from nrl_gen_vllm.partial import experts_elsewhere, sliced_wants
 from nrl_gen_vllm.placement import engine_placement
+from nrl_gen_vllm.released import released
 from nrl_gen_vllm.sampling import VllmSampling, base_seed
 from nrl_gen_vllm.threads import keep_process_threads
 
@@ -441,13 +442,16 @@ class VllmGenerationWorker:
             for item in verified_stream(stream, manifest):
                 handed += 1
                 yield item
+                del item  # kept past the yield, it would keep its bucket's buffer while the next arrives
 
         try:
-            stream = iter(buckets)
+            stream = released(buckets)
             first = next(stream, [])  # the async engine loads in parts of about a bucket
             part_bytes = sum(tensor.numel() * tensor.element_size() for _, tensor in first)
-            self._engine.load_weights(counted(itertools.chain([first], stream)), version, self.in_flight,
-                                      self.recompute_kv_cache, part_bytes=part_bytes)
+            stream = itertools.chain([first], stream)
+            del first
+            self._engine.load_weights(counted(stream), version, self.in_flight, self.recompute_kv_cache,
+                                      part_bytes=part_bytes)
         except BaseException as exc:
             self._forget_blocks()
             if handed == 0 or not self._engine.reached():  # nothing reached the engine: it holds what it held
