@@ -104,3 +104,24 @@ def test_a_buffer_its_transport_keeps_is_not_copied_out_of() -> None:
     kept = [tensor for name, tensor in verified_stream(released(kept_mapping()), _manifest(1)) if name.endswith("second")]
     assert kept[0].untyped_storage().data_ptr() == mapping.untyped_storage().data_ptr()
     assert torch.equal(kept[0], mapping[32:].view(4, 8))
+
+
+def test_a_mapped_file_is_copied_out_of_only_when_it_ends_with_the_bucket(tmp_path) -> None:
+    """A file's pages stay until the file is removed, so copying out of its mapping frees nothing,
+    unless the file goes with the bucket (the async engine's parts, removed once loaded)."""
+    path = str(tmp_path / "part")
+    torch.arange(64.0).numpy().tofile(path)
+
+    def mapped() -> Iterator[list[tuple[str, torch.Tensor]]]:
+        yield _file_bucket(path)
+
+    for ends, copied in ((False, False), (True, True)):
+        kept = [tensor for name, tensor in verified_stream(released(mapped(), files_end_with_the_bucket=ends),
+                                                           _manifest(1)) if name.endswith("second")]
+        assert (kept[0].untyped_storage().filename is None) is copied
+        assert torch.equal(kept[0], torch.arange(32.0, 64.0).view(4, 8))
+
+
+def _file_bucket(path: str) -> list[tuple[str, torch.Tensor]]:
+    data = torch.from_file(path, shared=True, size=64, dtype=torch.float32)
+    return [("b0.first", data[:32].view(4, 8)), ("b0.second", data[32:].view(4, 8))]

@@ -28,21 +28,23 @@ _REFERENCES_OF_OURS = 3
 variable and ``sys.getrefcount``'s argument."""
 
 
-def released(buckets: Iterable[Bucket]) -> Iterator[Bucket]:
+def released(buckets: Iterable[Bucket], files_end_with_the_bucket: bool = False) -> Iterator[Bucket]:
     """``buckets``, each as aliases of its storage; once the next bucket is asked for, the tensors
-    still referenced get copies of their own where that frees the rest of their buffer (a buffer
-    the transport keeps, such as a mapped file it reuses, is left as it is). What hands the
-    buckets must keep none of them between its yields (the core's receivers do not)."""
+    still referenced get copies of their own where that frees the rest of their buffer. A buffer
+    something else keeps (shared memory's receiver keeps its mapped files) is left as it is, and so
+    is a mapped file, whose pages stay until the file is removed, unless
+    ``files_end_with_the_bucket`` (the async engine's parts, each removed once loaded). What hands
+    the buckets must keep none of them between its yields (the core's receivers do not)."""
     for bucket in buckets:
         handed = [(name, _alias(tensor)) for name, tensor in bucket]
         del bucket
         yield handed
         tensors = [tensor for _, tensor in handed]
         handed.clear()  # the consumer's stale reference to this list no longer holds the tensors
-        _release(tensors)
+        _release(tensors, files_end_with_the_bucket)
 
 
-def _release(tensors: list[Any]) -> None:
+def _release(tensors: list[Any], files_end_with_the_bucket: bool) -> None:
     groups: dict[int, tuple[torch.UntypedStorage, list[Any]]] = {}
     for tensor in tensors:
         data = _data(tensor)
@@ -53,6 +55,8 @@ def _release(tensors: list[Any]) -> None:
     for storage, group in groups.values():
         if torch._C._storage_Use_Count(storage._cdata) > len(group) + 1:
             continue  # something besides these tensors keeps the buffer: copying them frees nothing
+        if storage.filename is not None and not files_end_with_the_bucket:
+            continue  # the file keeps its pages until its owner removes it
         held = [tensor for tensor in group if sys.getrefcount(tensor) > _REFERENCES_OF_OURS]
         if held and sum(_nbytes(tensor) for tensor in held) < storage.nbytes():
             for tensor in held:
