@@ -45,12 +45,7 @@ def released(buckets: Iterable[Bucket], files_end_with_the_bucket: bool = False)
 
 
 def _release(tensors: list[Any], files_end_with_the_bucket: bool) -> None:
-    groups: dict[int, tuple[torch.UntypedStorage, list[Any]]] = {}
-    for tensor in tensors:
-        data = _data(tensor)
-        if isinstance(data, torch.Tensor) and type(data) is torch.Tensor:
-            storage = data.untyped_storage()
-            groups.setdefault(storage.data_ptr(), (storage, []))[1].append(tensor)
+    groups = _by_storage(tensors)
     tensors.clear()
     for storage, group in groups.values():
         if torch._C._storage_Use_Count(storage._cdata) > len(group) + 1:
@@ -61,6 +56,18 @@ def _release(tensors: list[Any], files_end_with_the_bucket: bool) -> None:
         if held and sum(_nbytes(tensor) for tensor in held) < storage.nbytes():
             for tensor in held:
                 _own_copy(tensor)
+
+
+def _by_storage(tensors: list[Any]) -> dict[int, tuple[torch.UntypedStorage, list[Any]]]:
+    """``tensors`` by the storage they lie in, built in a frame of its own: a loop variable left
+    behind would count as a holder of the last tensor."""
+    groups: dict[int, tuple[torch.UntypedStorage, list[Any]]] = {}
+    for tensor in tensors:
+        data = _data(tensor)
+        if isinstance(data, torch.Tensor) and type(data) is torch.Tensor:
+            storage = data.untyped_storage()
+            groups.setdefault(storage.data_ptr(), (storage, []))[1].append(tensor)
+    return groups
 
 
 def _data(tensor: Any) -> Any:
