@@ -187,7 +187,8 @@ class NrlWorkerExtension:
         ``[name, dtype, shape, offset, nbytes]`` of ``layout``, and are read as views of one mapping."""
         # the tensors vLLM keeps past the part (a module it has not all of yet) get copies of their
         # own once it is loaded, so the mapping goes before the next part's (released.py)
-        return self.nrl_load_part(itertools.chain.from_iterable(released(_file_part(path, layout), files_end_with_the_bucket=True)))
+        parts = released(_file_part(path, layout), files_end_with_the_bucket=True)
+        return self.nrl_load_part(itertools.chain.from_iterable(parts))
 
     def nrl_count_refit_reads(self, enabled: bool = True) -> None:
         """From the next refit on, count the bytes this rank reads of each tensor

@@ -11,6 +11,7 @@ which vLLM would stage anyway.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -99,10 +100,8 @@ def _own_copy(tensor: Any) -> None:
     if not isinstance(tensor, torch.Tensor) or type(tensor) is not torch.Tensor:
         return
     address, offset = tensor.untyped_storage().data_ptr(), tensor.storage_offset()
-    if isinstance(_get_current_dispatch_mode(), RefitReadCounter):  # the copy is no read of the rank's loaders
-        with _pop_mode_temporarily() as counter, torch.no_grad():
-            tensor.set_(tensor.clone())
-        counter.moved(address, offset, tensor)
-        return
-    with torch.no_grad():
+    counting = isinstance(_get_current_dispatch_mode(), RefitReadCounter)  # the copy is no read of the loaders
+    with _pop_mode_temporarily() if counting else contextlib.nullcontext() as counter, torch.no_grad():
         tensor.set_(tensor.clone())
+    if counting:
+        counter.moved(address, offset, tensor)
