@@ -14,7 +14,13 @@ a process that starts its tensor-parallel workers itself, on devices it can all 
 * sleep mode's allocator refuses ``expandable_segments:True`` in ``PYTORCH_CUDA_ALLOC_CONF``,
   common in NeMo RL's recipes: the setting is removed from what the engine's processes see, and
   turned off in this process's allocator (which read the variable when CUDA started), with one
-  warning.
+  warning;
+* a model vLLM loads from its ahead-of-time compile cache does not see the weights a refit loads
+  into a mixture-of-experts layer: on vLLM 0.32 (CPU, Qwen3-MoE at tensor parallel 2), every run
+  after the first generated with its starting weights while training scored the refit ones, and
+  the first step's logprobs disagreed. Every nrl engine takes refits, so ``VLLM_USE_AOT_COMPILE``
+  is 0 for all of them: torch.compile still runs, with Inductor's own cache (one warning when the
+  variable asked for 1).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
+AOT_COMPILE = "VLLM_USE_AOT_COMPILE"
 #: This generation group's own torch.distributed variables, hidden from an async engine's spawned
 #: workers: vLLM's executor forms the engine's group itself.
 GROUP_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -77,6 +84,10 @@ def engine_placement(rank: int, tp: int, *, spawns_workers: bool, external_launc
         allocator = "expandable_segments:False"
         warnings.append(f"{ALLOC_CONF}: expandable_segments removed for the vLLM engine (its sleep mode's allocator "
                         f"refuses it) and turned off in this process; {ALLOC_CONF} is now {kept!r} there")
+    if os.environ.get(AOT_COMPILE, "").strip() == "1":
+        warnings.append(f"{AOT_COMPILE}=1 ignored for the vLLM engine: a model loaded from vLLM's ahead-of-time "
+                        "compile cache does not see refit weights; torch.compile still runs")
+    env[AOT_COMPILE] = "0"
     return Placement(env, kwargs, tuple(warnings), allocator)
 
 
