@@ -34,8 +34,8 @@ SCALE_DOWN: dict[str, str] = {
     "S.tokenizer.name": "that model's tokenizer",
     "S.precision": "float32: the CPU's kernels",
     "S.*.*_parallel_size": "each parallelism kind the recipe uses, at 2",
-    "S.*.sequence_parallel": "the training backend's CPU twin keys: Megatron's sequence parallelism needs "
-                             "Transformer Engine's norms, which need CUDA",
+    "S.*.sequence_parallel": "the training backend's CPU twin keys, where a backend cannot split the sequence on a "
+                             "CPU (Megatron's can since nrl-backend-megatron 0.11.0, and keeps the recipe's)",
     "S.*.moe_token_dispatcher_type": "the training backend's CPU twin keys: Megatron's alltoall and flex "
                                      "dispatchers need CUDA streams; unset, it is allgather on a CPU and "
                                      "alltoall on GPUs",

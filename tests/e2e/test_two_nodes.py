@@ -136,10 +136,14 @@ SLICED_SOURCES = {
     "dtensor-dp2-dense": ("llama", []),
     "dtensor-dp2-moe": ("qwen3_moe", []),
     "megatron-tp2-dense": ("llama", [*_MEGATRON, "+policy.megatron_cfg.tensor_model_parallel_size=2"]),
-    # Megatron's tensor parallelism of experts needs sequence parallelism, which needs CUDA here
+    # experts under Megatron's tensor parallelism need sequence parallelism, and two key/value heads
+    "megatron-tp2-moe": ("qwen3_moe", [*_MEGATRON, "+policy.megatron_cfg.tensor_model_parallel_size=2",
+                                       "+policy.megatron_cfg.sequence_parallel=true"]),
     "megatron-pp2-dense": ("llama", [*_MEGATRON, "+policy.megatron_cfg.pipeline_model_parallel_size=2"]),
     "megatron-pp2-moe": ("qwen3_moe", [*_MEGATRON, "+policy.megatron_cfg.pipeline_model_parallel_size=2"]),
 }
+
+TENSOR_PARALLEL_MODEL = {"megatron-tp2-moe": {"num_key_value_heads": 2}}  # the tiny MoE model has one
 
 
 def _blocks(exported: dict, wants: list) -> dict[str, float]:
@@ -172,7 +176,8 @@ def test_each_engine_rank_gets_its_blocks_from_every_training_layout(source: str
     family, overrides = SLICED_SOURCES[source]
     monkeypatch.setenv("NRL_MEGATRON_CHECKPOINT_DIR", str(tmp_path / "converted"))
     config = load_and_validate(str(CONFIG), [
-        f"policy.model_name={cached_tiny_model(family)}", f"cluster.ray_address={cluster_address}",
+        f"policy.model_name={cached_tiny_model(family, **TENSOR_PARALLEL_MODEL.get(source, {}))}",
+        f"cluster.ray_address={cluster_address}",
         "cluster.num_nodes=2", "cluster.gpus_per_node=2", "policy.train_global_batch_size=8",
         "policy.train_micro_batch_size=4", "policy.logprob_batch_size=8",
         # the other node is the engines' (held here by the far sinks), so training takes the head

@@ -47,10 +47,10 @@ EXPECTED: dict[str, str | None] = {
     "ppo_math_1B_megatron.yaml": None,
     "recipes/llm/ppo-qwen2.5-1.5b-gsm8k-1n8g-automodel-valuetp2sp.yaml": None,
     "recipes/llm/ppo-qwen2.5-1.5b-gsm8k-1n8g-automodel-noncolocated-async.yaml": None,
-    # NeMo RL's Megatron critics use sequence parallelism: GPU-only (Transformer Engine), and nrl's Megatron value
-    # head does not take it yet
+    # NeMo RL's Megatron critic with sequence parallelism (which the value head takes) stops at the
+    # policy's context parallelism
     "recipes/llm/ppo-qwen2.5-1.5b-gsm8k-1n8g-megatron-valuetp2sp-dynbatch.yaml":
-        "error: value.megatron_cfg.sequence_parallel: sequence parallelism needs Transformer Engine and CUDA",
+        "error: policy.megatron_cfg.context_parallel_size: 2 needs Transformer Engine and CUDA",
     "recipes/llm/ppo-dsr1-7b-math-8n8g-megatron.yaml":
         "error: policy.megatron_cfg.context_parallel_size: 2 needs Transformer Engine and CUDA",
     "recipes/llm/grpo-llama3.2-1b-instruct-1n8g-fsdp2tp1.v3.yaml": None,

@@ -32,7 +32,8 @@ def trained(rank: int, world: int, path: str, ckpt: str, layouts: list[str]) -> 
     from nrl_core.contracts import CheckpointOptions
 
     batch, out = make_batch(), {}
-    shapes = {"tp1": {}, "dp2": {}, "tp2": {"tensor_model_parallel_size": 2}, "pp2": {"pipeline_model_parallel_size": 2}}
+    shapes = {"tp1": {}, "dp2": {}, "tp2": {"tensor_model_parallel_size": 2}, "pp2": {"pipeline_model_parallel_size": 2},
+              "tp2sp": {"tensor_model_parallel_size": 2, "sequence_parallel": True}}
     for layout in layouts:
         w = MegatronPolicyWorker(config(path, **shapes[layout]), rank, world)
         base = {n: p.detach().clone() for n, p in w.model.named_parameters() if not n.startswith("lora.")}
@@ -65,14 +66,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], list
     path = str(cached_tiny_model("llama"))
     root = tmp_path_factory.mktemp("megatron-lora")
     (one,) = run_world(trained, 1, path, str(root / "one"), ["tp1"])
-    two = run_world(trained, 2, path, str(root / "two"), ["pp2", "tp2", "dp2"])
+    two = run_world(trained, 2, path, str(root / "two"), ["pp2", "tp2", "tp2sp", "dp2"])
     return one, two, root
 
 
 @pytest.mark.slow
 def test_only_the_adapters_train_and_the_reference_is_the_base(runs) -> None:
     one, two, _ = runs
-    for result, layouts in ((one, ["tp1"]), *((rank, ["tp2", "pp2", "dp2"]) for rank in two)):
+    for result, layouts in ((one, ["tp1"]), *((rank, ["tp2", "tp2sp", "pp2", "dp2"]) for rank in two)):
         for layout in layouts:
             trainable = result[f"{layout}/trainable"]
             assert trainable and all(n.startswith("lora.") for n in trainable)
@@ -83,7 +84,7 @@ def test_only_the_adapters_train_and_the_reference_is_the_base(runs) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2"])
+@pytest.mark.parametrize("layout", ["tp2", "tp2sp", "pp2", "dp2"])
 def test_lora_trains_the_same_at_tp2_pp2_and_dp2_as_at_tp1(runs, layout: str) -> None:
     one, two, _ = runs
     for rank in two:
@@ -137,11 +138,9 @@ def test_bad_peft_sections_are_one_line() -> None:
     from nrl_core.errors import ConfigError
 
     with pytest.raises(ConfigError, match="'q_proj' is not a Megatron linear layer name"):
-        check_section({"target_modules": ["q_proj"]}, sequence_parallel=False, transformer_engine=False)
-    with pytest.raises(ConfigError, match="sequence_parallel"):
-        check_section({}, sequence_parallel=True, transformer_engine=False)
+        check_section({"target_modules": ["q_proj"]}, transformer_engine=False)
     with pytest.raises(ConfigError, match="Transformer Engine"):
-        check_section({}, sequence_parallel=False, transformer_engine=True)
+        check_section({}, transformer_engine=True)
 
 
 @pytest.mark.slow

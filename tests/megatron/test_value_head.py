@@ -33,6 +33,7 @@ from nrl_core.testing.tiny_models import cached_tiny_model, model_config  # noqa
 PAD = 3  # the tiny models' pad id: make_batch and preference_batch pad with it
 RM = {"enabled": True, "reward_model_type": "bradley_terry"}
 STEPS = 4
+TP2 = {"tensor_model_parallel_size": 2}
 
 
 def pairs(count: int, seed: int = 0) -> list[PreferencePair]:
@@ -148,14 +149,22 @@ def world2(rank: int, world: int, classifier_dir: str, causal_dir: str, ckpt: st
 
     out: dict[str, Any] = {}
     batch = make_batch()
-    for tag, megatron in (("tp2", {"tensor_model_parallel_size": 2}), ("pp2", {"pipeline_model_parallel_size": 2})):
+    for tag, megatron in (("tp2", TP2), ("pp2", {"pipeline_model_parallel_size": 2})):
         w = MegatronPolicyWorker(value_config(classifier_dir, megatron), rank, world)
         out[f"{tag}/values"] = gather_shards(w.get_values(batch), batch)
 
-    w = MegatronPolicyWorker(value_config(causal_dir, {"tensor_model_parallel_size": 2}), rank, world)
-    out["fresh/head"] = head_of(w)
+    # sequence parallelism: the head gathers the sequence, its gradient is each rank's own slice
+    w = MegatronPolicyWorker(value_config(causal_dir, {**TP2, "sequence_parallel": True}), rank, world)
     train = preference_batch(pairs(4, seed=1), PAD)
+    out["sp/values"] = gather_shards(w.get_values(batch), batch)
+    out["sp/losses"] = [w.train(train, BradleyTerryLoss())["loss"] for _ in range(STEPS)]
+    out["sp/head"] = head_of(w)
+
+    w = MegatronPolicyWorker(value_config(causal_dir, TP2), rank, world)
+    out["fresh/head"] = head_of(w)
+    out["fresh/values"] = gather_shards(w.get_values(batch), batch)
     out["losses"] = [w.train(train, BradleyTerryLoss())["loss"] for _ in range(STEPS)]
+    out["head"] = head_of(w)
     w.save_checkpoint(ckpt)
     saved = head_of(w)
     w.train(train, BradleyTerryLoss())
@@ -201,6 +210,13 @@ def test_bradley_terry_training_lowers_the_loss_and_tensor_parallel_training_mat
     losses = w1["losses"]
     assert losses[-1] < losses[0]
     assert w2[0]["losses"] == pytest.approx(losses, abs=1e-5)
+
+
+def test_sequence_parallel_values_and_training_equal_tensor_parallel_alone(w2) -> None:
+    for rank in w2:
+        assert (rank["sp/values"] - rank["fresh/values"]).abs().max() < 1e-5
+        assert rank["sp/losses"] == pytest.approx(rank["losses"], abs=1e-5)
+        assert (rank["sp/head"] - rank["head"]).abs().max() < 1e-5
 
 
 def test_a_checkpoint_holds_the_head(w2) -> None:
@@ -265,7 +281,6 @@ def policy_of(model: str, megatron: dict | None = None, **policy: Any) -> tuple[
 
 @pytest.mark.parametrize("megatron, key", [
     ({"peft": {"enabled": True}}, "policy.megatron_cfg.peft.enabled"),
-    ({"sequence_parallel": True}, "policy.megatron_cfg.sequence_parallel"),
     ({"pretrained_checkpoint": "/nowhere"}, "policy.megatron_cfg.pretrained_checkpoint"),
 ])
 def test_what_a_value_head_does_not_support_is_refused_in_one_line(megatron: dict, key: str) -> None:

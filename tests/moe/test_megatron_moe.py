@@ -91,7 +91,7 @@ def _arch(family: str) -> Any:
     ({"moe_router_topk": 9}, "qwen3_moe", "moe_router_topk: must be between 1 and the model's 8"),
     ({"moe_router_topk": 1}, "qwen3_moe", "moe_router_topk: top-1 routing of a model that renormalises"),
     ({"expert_model_parallel_size": 2}, "llama", "needs a mixture-of-experts model"),
-    ({"tensor_model_parallel_size": 2}, "qwen3_moe", "tensor_model_parallel_size: 2 with a mixture-of-experts model"),
+    ({"tensor_model_parallel_size": 2}, "qwen3_moe", "sequence_parallel: a mixture-of-experts model at tensor_model"),
 ])
 def test_impossible_moe_settings_are_one_line_errors(keys: dict, family: str, match: str) -> None:
     from nrl_backend_megatron.moe import check_moe_section
@@ -119,12 +119,13 @@ def test_nemo_rl_moe_keys_are_ignored_for_a_dense_model() -> None:
     assert moe_config_kwargs(_arch("llama"), section, on_gpu=False) == {}
 
 
-def test_tensor_parallel_moe_needs_sequence_parallel_on_gpu() -> None:
+@pytest.mark.parametrize("on_gpu", [True, False])
+def test_tensor_parallel_moe_needs_sequence_parallel(on_gpu: bool) -> None:
     from nrl_backend_megatron.moe import check_moe_section
 
     with pytest.raises(ConfigError, match="sequence_parallel: a mixture-of-experts model at tensor_model_parallel_size 2"):
-        check_moe_section(_section(tensor_model_parallel_size=2), _arch("qwen3_moe"), on_gpu=True)
-    check_moe_section(_section(tensor_model_parallel_size=2, sequence_parallel=True), _arch("qwen3_moe"), on_gpu=True)
+        check_moe_section(_section(tensor_model_parallel_size=2), _arch("qwen3_moe"), on_gpu=on_gpu)
+    check_moe_section(_section(tensor_model_parallel_size=2, sequence_parallel=True), _arch("qwen3_moe"), on_gpu=on_gpu)
 
 
 def test_dispatcher_default_follows_the_machine() -> None:
@@ -232,6 +233,19 @@ def test_expert_parallel_export_gathers_a_layer_per_projection(w2: list[dict[str
     """48 expert tensors live on two ranks; gathering them takes one all-gather per MoE layer and
     projection (fc1, fc2), each carrying every local expert, not one transfer per expert."""
     assert [r["export_gathers"] for r in w2] == [2 * 2, 2 * 2]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["tp2sp", "tp2sp_ep2"])
+def test_tensor_and_sequence_parallel_experts_equal_data_parallel(w2: list[dict[str, Any]], layout: str) -> None:
+    """Tensor parallel 2 with sequence parallelism, as Megatron-Core runs a mixture of experts
+    under tensor parallelism, without Transformer Engine: the same logprobs, steps and router
+    statistics as data parallel on the same model (two key/value heads to split)."""
+    for r in w2:
+        assert float((r[f"{layout}/logprobs"] - r["kv2/logprobs"]).abs().max()) < 1e-5
+        for ours, ref in zip(r[f"{layout}/metrics"], r["kv2/metrics"]):
+            for key in ("loss", "grad_norm", "moe/load_balance", "moe/expert_load_max", "moe/expert_load_min"):
+                assert ours[key] == pytest.approx(ref[key], abs=1e-4), key
 
 
 @pytest.mark.slow

@@ -44,7 +44,7 @@ def check_config(config: Mapping[str, Any]) -> None:
         from nrl_backend_megatron.lora import check_section
 
         # Transformer Engine's layers are only known where the workers run; they check again
-        check_section(section["peft"], sequence_parallel=bool(section["sequence_parallel"]), transformer_engine=False)
+        check_section(section["peft"], transformer_engine=False)
     elif policy["refit"]["adapters"]:
         raise ConfigError("policy.refit.adapters", "adapter-only refit sends LoRA adapters, and this run trains "
                                                    "full weights; enable policy.megatron_cfg.peft or set it false")
@@ -68,9 +68,8 @@ def check_config(config: Mapping[str, Any]) -> None:
 
 def check_value_head(policy: Mapping[str, Any], section: Mapping[str, Any], hf_config: Any) -> None:
     """A value head (``policy.reward_model_cfg``) where the backend builds one as tested, one line
-    otherwise: not with LoRA (adapters are not placed on the head), sequence parallelism (it needs
-    Transformer Engine, which the CPU tests lack), a mixture-of-experts model or a Megatron
-    checkpoint to start from (untested); and the checkpoint's own head (``hf_config``, None when
+    otherwise: not with LoRA (adapters are not placed on the head), a mixture-of-experts model or a
+    Megatron checkpoint to start from (untested); and the checkpoint's own head (``hf_config``, None when
     the model is not local) of the kind asked for."""
     from nrl_backend_megatron.value_head import check_source
     from nrl_core.api import value_head_type
@@ -83,10 +82,6 @@ def check_value_head(policy: Mapping[str, Any], section: Mapping[str, Any], hf_c
     why = "with a value head (policy.reward_model_cfg.enabled) is not supported by the Megatron backend"
     if (section.get("peft") or {}).get("enabled"):
         raise ConfigError(f"{KEY}.peft.enabled", f"LoRA {why}; train the full weights")
-    if section.get("sequence_parallel"):
-        raise ConfigError(f"{KEY}.sequence_parallel", "sequence parallelism needs Transformer Engine and CUDA (Megatron's "
-                                                      "local layers have no sequence-parallel norms), and with a value "
-                                                      "head it is not supported by the Megatron backend yet; set it false")
     if section.get("pretrained_checkpoint"):
         raise ConfigError(f"{KEY}.pretrained_checkpoint", f"starting from a Megatron checkpoint {why}; start from "
                                                           "the Hugging Face model (policy.model_name)")

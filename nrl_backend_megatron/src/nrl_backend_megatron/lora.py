@@ -11,7 +11,10 @@ the partial ``dh`` of each slice is summed over TP and A's gradient is whole and
 rank. For a row-parallel base (``linear_proj``, ``linear_fc2``: input split, output summed) A is
 split like the base's columns ``[r, in/TP]`` and B replicated ``[out, r]``: the partial ``A x``
 is summed over TP (Megatron's reduce-from-TP region), then every rank computes the whole ``B h``.
-A is drawn from one seeded generator per layer and sliced, so the adapters start the same at any
+Under sequence parallelism the column-parallel base's input and the row-parallel base's output are
+a slice of the sequence: ``h`` is gathered along it (column) or reduce-scattered (row) instead, so
+the replicated A (column) or B (row) sees only its rank's tokens, and its gradient is marked for
+the sum over TP that Megatron gives sequence-parallel weights. A is drawn from one seeded generator per layer and sliced, so the adapters start the same at any
 layout; B starts at zero, so step 0 is the base model.
 
 The adapters hang off the model as ``model.lora`` (so DDP and the optimizer see them, and only
@@ -43,7 +46,7 @@ def enabled(section: Mapping[str, Any] | None) -> bool:
     return bool((section or {}).get("enabled"))
 
 
-def check_section(section: Mapping[str, Any], *, sequence_parallel: bool, transformer_engine: bool) -> None:
+def check_section(section: Mapping[str, Any], *, transformer_engine: bool) -> None:
     """What this implementation does not do, in one line each."""
     for name in section.get("target_modules") or []:
         if name not in TARGETS and not any(ch in name for ch in "*?"):
@@ -55,9 +58,6 @@ def check_section(section: Mapping[str, Any], *, sequence_parallel: bool, transf
         raise ConfigError(f"{KEY}.lora_A_init_method", "use 'xavier' or 'uniform'")
     if section.get("lora_dtype") not in (None, "None"):
         raise ConfigError(f"{KEY}.lora_dtype", "the adapters take the model's dtype; set it to null")
-    if sequence_parallel:
-        raise ConfigError(f"{KEY}.enabled", "LoRA with sequence_parallel is not supported yet; set "
-                                             "policy.megatron_cfg.sequence_parallel: false")
     if transformer_engine:
         raise ConfigError(f"{KEY}.enabled", "LoRA on Transformer Engine's fused layer-norm linears is not supported "
                                              "yet; run LoRA on the dtensor backend (policy.dtensor_cfg.lora_cfg)")
@@ -104,6 +104,9 @@ class Adapter(nn.Module):
         self.B = nn.Parameter(torch.zeros(out_local, rank, dtype=dtype, device=device))  # row: out is whole
         sharded, dim = (self.A, 1) if self.row else (self.B, 0)
         set_tensor_model_parallel_attributes(sharded, True, dim, 1)
+        self.sequence_parallel = bool(getattr(base, "sequence_parallel", False)) and tp_size > 1
+        replicated = self.B if self.row else self.A
+        replicated.sequence_parallel = self.sequence_parallel  # its gradient: this rank's tokens only
         self.dropout = nn.Dropout(float(section.get("dropout") or 0.0))
         self.post = section.get("dropout_position", "post") == "post"
         self.disabled = False
@@ -111,11 +114,16 @@ class Adapter(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from megatron.core.tensor_parallel.mappings import (
             copy_to_tensor_model_parallel_region,
+            gather_from_sequence_parallel_region,
             reduce_from_tensor_model_parallel_region,
+            reduce_scatter_to_sequence_parallel_region,
         )
 
         h = nn.functional.linear(x if self.post else self.dropout(x), self.A)
-        h = reduce_from_tensor_model_parallel_region(h) if self.row else copy_to_tensor_model_parallel_region(h)
+        if self.sequence_parallel:
+            h = reduce_scatter_to_sequence_parallel_region(h) if self.row else gather_from_sequence_parallel_region(h)
+        else:
+            h = reduce_from_tensor_model_parallel_region(h) if self.row else copy_to_tensor_model_parallel_region(h)
         out = nn.functional.linear(h, self.B) * self.scale
         return self.dropout(out) if self.post else out
 

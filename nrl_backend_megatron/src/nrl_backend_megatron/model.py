@@ -21,6 +21,7 @@ from nrl_backend_megatron.convert.families import family_of, head_dim, head_kind
 from nrl_backend_megatron.convert.mapping import tied_embeddings
 from nrl_backend_megatron.memory import recompute_kwargs
 from nrl_backend_megatron.moe import moe_config_kwargs
+from nrl_backend_megatron.norms import SequenceParallelTorchNorm, with_sequence_parallel_norms
 from nrl_core.api import ConfigError
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -113,7 +114,8 @@ def transformer_config(hf_config: Any, layout: ParallelLayout, *, params_dtype: 
 
 
 def layer_spec(hf_config: Any, config: Any = None) -> Any:
-    """Transformer Engine's layer spec when usable, else the local spec with packed-sequence attention.
+    """Transformer Engine's layer spec when usable, else the local spec with packed-sequence attention
+    and norms that allow sequence parallelism (:mod:`~nrl_backend_megatron.norms`).
 
     A model with experts gets a block spec (one layer spec per layer: MoE where ``moe_layer_freq``
     says so, the dense MLP elsewhere), which needs the ``TransformerConfig``.
@@ -126,14 +128,20 @@ def layer_spec(hf_config: Any, config: Any = None) -> Any:
         if not te_available():
             for spec in block.layer_specs:
                 _use_packed_attention(spec)
+            with_sequence_parallel_norms(block)
         return block
     if te_available():
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=family.qk_norm)
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
-    return _use_packed_attention(get_gpt_layer_local_spec(qk_layernorm=family.qk_norm, normalization="RMSNorm"))
+    spec = get_gpt_layer_local_spec(qk_layernorm=family.qk_norm, normalization="RMSNorm")
+    with_sequence_parallel_norms(_use_packed_attention(spec))
+    # the block spelled out, so that its final norm is the local layers' own too
+    return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config),
+                                      layer_norm=SequenceParallelTorchNorm)
 
 
 def _use_packed_attention(spec: Any) -> Any:

@@ -64,11 +64,6 @@ def check_moe_section(section: Mapping[str, Any], hf_config: Any, on_gpu: bool) 
     if ep < 1 or experts % ep:
         raise ConfigError(f"{KEY}.expert_model_parallel_size", f"{ep} does not divide the model's {experts} experts")
     tp = int(section.get("tensor_model_parallel_size") or 1)
-    if tp > 1 and not on_gpu:
-        raise ConfigError(f"{KEY}.tensor_model_parallel_size",
-                          f"{tp} with a mixture-of-experts model needs sequence parallelism, which Megatron-Core's "
-                          "norm without Transformer Engine does not support; set 1 here (expert_model_parallel_size "
-                          "splits the experts)")
     if tp > 1 and not section.get("sequence_parallel"):
         raise ConfigError(f"{KEY}.sequence_parallel", f"a mixture-of-experts model at tensor_model_parallel_size {tp} "
                                                       "needs sequence_parallel: true (Megatron-Core refuses MoE with "

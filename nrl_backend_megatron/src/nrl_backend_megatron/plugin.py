@@ -25,11 +25,11 @@ def nrl_training_backends() -> list[TrainingBackendSpec]:
                                 "value_head", "skip_optimizer_state"}),
         memory_layout="nrl_backend_megatron.memory_layout:memory_layout",
         # Megatron's mixed-precision optimizer keeps CUDA tensors; the precision-aware one is
-        # Transformer Engine's FusedAdam, and sequence parallelism needs its norms; the alltoall and
-        # flex MoE dispatchers use CUDA streams (unset: allgather on a CPU, alltoall on GPUs). The
-        # distributed optimizer and its overlaps run on CPUs.
+        # Transformer Engine's FusedAdam; the alltoall and flex MoE dispatchers use CUDA streams
+        # (unset: allgather on a CPU, alltoall on GPUs). The distributed optimizer and its overlaps,
+        # and sequence parallelism (norms.py), run on CPUs.
         twin={"optimizer.bf16": False, "optimizer.fp16": False, "optimizer.use_precision_aware_optimizer": False,
-              "sequence_parallel": False, "moe_token_dispatcher_type": None},
+              "moe_token_dispatcher_type": None},
         description="Megatron-Core: tensor/pipeline parallel training, dist_checkpointing",
     )]
 

@@ -6,12 +6,12 @@ Hugging Face's ``score`` layer (``nn.Linear(hidden, 1)``; a bias only for ``regr
 token classifier has), held whole by every tensor-parallel rank of the last pipeline stage: its
 parameters carry no ``tensor_model_parallel`` attribute, so export, checkpoints and the gradient
 norm treat them as they treat a norm weight (replicated). Each rank computes the same values from
-the same (full-sequence) hidden states, so its gradients need no reduction over the group.
+the same (full-sequence) hidden states, so its gradients need no reduction over the group. Under
+sequence parallelism each rank holds a slice of the sequence; the head gathers the whole first,
+and its backward keeps each rank's own slice of the (identical) gradient rather than summing it.
 
 ``GPTModel`` calls it where it calls the output layer and transposes its ``[s, b, 1]`` output to
-``[b, s, 1]``; the worker squeezes that to ``[b, s]`` float32. Sequence parallelism (hidden states
-split along the sequence) is refused with a value head (checks.py): it needs Transformer Engine,
-which the CPU tests cannot run, so the gather it would need is untested.
+``[b, s, 1]``; the worker squeezes that to ``[b, s]`` float32.
 """
 
 from __future__ import annotations
@@ -27,16 +27,20 @@ from nrl_core.api import ConfigError, head_has_bias, value_model_config
 class ValueHead(torch.nn.Module):
     """HF's ``score`` layer, called as Megatron's output layer is (see the module docstring)."""
 
-    sequence_parallel = False  # GPTModel reads it (inference only); refused with a value head
-
-    def __init__(self, hidden: int, bias: bool, dtype: torch.dtype, device: torch.device | None = None) -> None:
+    def __init__(self, hidden: int, bias: bool, dtype: torch.dtype, device: torch.device | None = None,
+                 sequence_parallel: bool = False) -> None:
         super().__init__()
+        self.sequence_parallel = sequence_parallel  # GPTModel reads it too (inference only)
         self.weight = torch.nn.Parameter(torch.zeros(1, hidden, dtype=dtype, device=device))
         self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype, device=device)) if bias else None
 
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor | None = None,
                 runtime_gather_output: bool | None = None) -> tuple[torch.Tensor, None]:
         """``[s, b, h]`` -> ``([s, b, 1], None)``; ``weight`` (tied embeddings) never applies."""
+        if self.sequence_parallel:
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
         return torch.nn.functional.linear(hidden, self.weight, self.bias), None
 
 
@@ -44,7 +48,8 @@ def attach(model: Any, kind: str, hidden: int, dtype: torch.dtype) -> None:
     """Replace the last stage's output layer by a :class:`ValueHead` of ``kind`` (zeros: loaded
     from a classifier checkpoint or :func:`initialise`d)."""
     device = next(model.parameters()).device  # where GPTModel built this stage
-    model.output_layer = ValueHead(hidden, head_has_bias(kind), dtype, device)
+    model.output_layer = ValueHead(hidden, head_has_bias(kind), dtype, device,
+                                   sequence_parallel=bool(model.config.sequence_parallel))
 
 
 @torch.no_grad()

@@ -61,7 +61,6 @@ from nrl_backend_megatron.weights import iter_full_tensors
 from nrl_core.api import (
     KINDS,
     CheckpointOptions,
-    ConfigError,
     Consume,
     ForwardRequest,
     MicroBatch,
@@ -151,10 +150,6 @@ class MegatronPolicyWorker(TrainingEngine):
         self.device = model_device()
         check_moe_section(self.cfg, hf_config, te_available())
         check_recompute(self.cfg, hf_config, transformer_engine=te_available())
-        if self.layout.sequence_parallel and self.layout.tp > 1 and not te_available():  # the check passes it: a
-            raise ConfigError("policy.megatron_cfg.sequence_parallel",  # login node need not have CUDA
-                              "needs Transformer Engine with CUDA where the workers run (Megatron-Core's own "
-                              "norm refuses sequence parallelism); install it there, or set it to false")
         self.empty_unused_memory_level = int(self.cfg.get("empty_unused_memory_level") or 0)
         self.cache_empties: Counter[str] = Counter()  # where the level emptied the CUDA cache (memory.py)
         check_layout(self.layout, world_size, hf_config)
@@ -263,8 +258,7 @@ class MegatronPolicyWorker(TrainingEngine):
         self.model = model
         self.adapters = None
         if lora.enabled(self.cfg.get("peft")):
-            lora.check_section(self.cfg["peft"], sequence_parallel=self.layout.sequence_parallel,
-                               transformer_engine=te_available())
+            lora.check_section(self.cfg["peft"], transformer_engine=te_available())
             self.adapters = lora.attach(model, self.cfg["peft"], int(self.policy["seed"]), self.tp_rank, self.layout.tp)
             self._adapter_shapes = lora.global_shapes(self.adapters, self.layout.tp, self.pp_group, self.layout.pp)
         self.router_metrics = None
