@@ -157,13 +157,14 @@ def world2(rank: int, world: int, classifier_dir: str, causal_dir: str, ckpt: st
     w = MegatronPolicyWorker(value_config(causal_dir, {**TP2, "sequence_parallel": True}), rank, world)
     train = preference_batch(pairs(4, seed=1), PAD)
     out["sp/values"] = gather_shards(w.get_values(batch), batch)
-    out["sp/losses"] = [w.train(train, BradleyTerryLoss())["loss"] for _ in range(STEPS)]
+    out["sp/metrics"] = [w.train(train, BradleyTerryLoss()) for _ in range(STEPS)]
     out["sp/head"] = head_of(w)
 
     w = MegatronPolicyWorker(value_config(causal_dir, TP2), rank, world)
     out["fresh/head"] = head_of(w)
     out["fresh/values"] = gather_shards(w.get_values(batch), batch)
-    out["losses"] = [w.train(train, BradleyTerryLoss())["loss"] for _ in range(STEPS)]
+    metrics = [w.train(train, BradleyTerryLoss()) for _ in range(STEPS)]
+    out["losses"], out["grad_norms"] = [m["loss"] for m in metrics], [m["grad_norm"] for m in metrics]
     out["head"] = head_of(w)
     w.save_checkpoint(ckpt)
     saved = head_of(w)
@@ -215,7 +216,8 @@ def test_bradley_terry_training_lowers_the_loss_and_tensor_parallel_training_mat
 def test_sequence_parallel_values_and_training_equal_tensor_parallel_alone(w2) -> None:
     for rank in w2:
         assert (rank["sp/values"] - rank["fresh/values"]).abs().max() < 1e-5
-        assert rank["sp/losses"] == pytest.approx(rank["losses"], abs=1e-5)
+        assert [m["loss"] for m in rank["sp/metrics"]] == pytest.approx(rank["losses"], abs=1e-5)
+        assert [m["grad_norm"] for m in rank["sp/metrics"]] == pytest.approx(rank["grad_norms"], abs=1e-5)
         assert (rank["sp/head"] - rank["head"]).abs().max() < 1e-5
 
 

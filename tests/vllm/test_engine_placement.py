@@ -2,9 +2,8 @@
 two gloo ranks stand in for the engine's two actors, each seeing only the GPU Ray gave it (3 and
 5). What each rank's engine gets: ``LOCAL_RANK`` 0 on its own one GPU (vLLM's external launcher),
 or, for an async engine whose first rank spawns the workers, both GPUs visible and this group's
-rank variables hidden; custom all-reduce off where a rank sees one GPU; NeMo RL's common
-``expandable_segments:True`` removed for sleep mode with one warning naming the variable; and
-vLLM's ahead-of-time compile cache off everywhere (a model loaded from it misses refits)."""
+rank variables hidden; custom all-reduce off where a rank sees one GPU; and NeMo RL's common
+``expandable_segments:True`` removed for sleep mode with one warning naming the variable."""
 
 from __future__ import annotations
 
@@ -46,8 +45,7 @@ def test_an_engine_at_tensor_parallel_2_in_two_actors_of_one_gpu_each() -> None:
     ranks = run_distributed(_placements, 2)
     for placed in ranks:
         launcher = placed["launcher"]
-        assert launcher["env"] == {"LOCAL_RANK": "0", "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512",
-                                   "VLLM_USE_AOT_COMPILE": "0"}
+        assert launcher["env"] == {"LOCAL_RANK": "0", "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}
         assert launcher["engine_kwargs"] == {"disable_custom_all_reduce": True}
         [warning] = launcher["warnings"]
         assert warning.startswith("PYTORCH_CUDA_ALLOC_CONF: expandable_segments removed for the vLLM engine")
@@ -56,8 +54,8 @@ def test_an_engine_at_tensor_parallel_2_in_two_actors_of_one_gpu_each() -> None:
         assert spawning["env"]["CUDA_VISIBLE_DEVICES"] == "3,5"
         assert all(spawning["env"][name] == "" for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"))
         assert spawning["engine_kwargs"] == {} and spawning["warnings"] == ()  # not colocated: no sleep mode
-        assert placed["one_gpu"] == {"env": {"LOCAL_RANK": "0", "VLLM_USE_AOT_COMPILE": "0"}, "engine_kwargs": {},
-                                     "warnings": (), "allocator_settings": None}
+        assert placed["one_gpu"] == {"env": {"LOCAL_RANK": "0"}, "engine_kwargs": {}, "warnings": (),
+                                     "allocator_settings": None}
 
 
 def test_on_the_cpu_nothing_of_it_applies_but_thread_binding() -> None:
@@ -69,18 +67,16 @@ def test_on_the_cpu_nothing_of_it_applies_but_thread_binding() -> None:
         assert placed[rank]["allocator_settings"] is None
         assert placed[rank]["env"]["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
         assert "CUDA_VISIBLE_DEVICES" not in placed[rank]["env"] and "PYTORCH_CUDA_ALLOC_CONF" not in placed[rank]["env"]
-        assert placed[rank]["env"]["VLLM_USE_AOT_COMPILE"] == "0"
 
 
-def _asked_for_aot(rank: int, world: int) -> dict[str, Any]:
-    from nrl_gen_vllm.placement import engine_placement
 
-    os.environ["VLLM_USE_AOT_COMPILE"] = "1"
-    return asdict(engine_placement(rank, 1, spawns_workers=False, external_launcher=False, sleep_mode=False))
+def test_ahead_of_time_compilation_is_off_for_the_process_and_asking_for_it_is_one_warning(
+        monkeypatch) -> None:
+    from nrl_gen_vllm.placement import without_ahead_of_time_compilation
 
-
-def test_ahead_of_time_compilation_asked_for_is_refused_with_one_warning() -> None:
-    [placed] = run_distributed(_asked_for_aot, 1)
-    assert placed["env"]["VLLM_USE_AOT_COMPILE"] == "0"
-    [warning] = placed["warnings"]
+    monkeypatch.delenv("VLLM_USE_AOT_COMPILE", raising=False)
+    assert without_ahead_of_time_compilation() is None and os.environ["VLLM_USE_AOT_COMPILE"] == "0"
+    monkeypatch.setenv("VLLM_USE_AOT_COMPILE", "1")
+    warning = without_ahead_of_time_compilation()
+    assert os.environ["VLLM_USE_AOT_COMPILE"] == "0"
     assert warning.startswith("VLLM_USE_AOT_COMPILE=1 ignored for the vLLM engine") and "\n" not in warning

@@ -133,6 +133,16 @@ def test_consistently_misnamed_weights_are_rejected_against_the_checkpoint(engin
     assert engine.generate(prompts, greedy=True).token_ids == before
 
 
+def test_ahead_of_time_compilation_stays_off_after_the_engine_starts(engine, prompts) -> None:
+    """A model loaded from vLLM's ahead-of-time compile cache misses refits of its experts. vLLM
+    reads the setting at every forward pass and caches it once its engine has started, so it must
+    hold for the whole process, not only while the engine is built."""
+    import vllm.envs
+
+    engine.generate(prompts[:1], greedy=True)
+    assert vllm.envs.VLLM_USE_AOT_COMPILE is False
+
+
 def test_seeded_sampling_is_reproducible(engine, prompts) -> None:
     state = engine.sampling_state()
     first = engine.generate(prompts * 2)

@@ -14,7 +14,9 @@ is summed over TP (Megatron's reduce-from-TP region), then every rank computes t
 Under sequence parallelism the column-parallel base's input and the row-parallel base's output are
 a slice of the sequence: ``h`` is gathered along it (column) or reduce-scattered (row) instead, so
 the replicated A (column) or B (row) sees only its rank's tokens, and its gradient is marked for
-the sum over TP that Megatron gives sequence-parallel weights. A is drawn from one seeded generator per layer and sliced, so the adapters start the same at any
+the sum over TP that Megatron gives sequence-parallel weights.
+
+A is drawn from one seeded generator per layer and sliced, so the adapters start the same at any
 layout; B starts at zero, so step 0 is the base model.
 
 The adapters hang off the model as ``model.lora`` (so DDP and the optimizer see them, and only

@@ -113,12 +113,13 @@ def transformer_config(hf_config: Any, layout: ParallelLayout, *, params_dtype: 
     )
 
 
-def layer_spec(hf_config: Any, config: Any = None) -> Any:
+def layer_spec(hf_config: Any, config: Any) -> Any:
     """Transformer Engine's layer spec when usable, else the local spec with packed-sequence attention
     and norms that allow sequence parallelism (:mod:`~nrl_backend_megatron.norms`).
 
-    A model with experts gets a block spec (one layer spec per layer: MoE where ``moe_layer_freq``
-    says so, the dense MLP elsewhere), which needs the ``TransformerConfig``.
+    Both come as a block spec, built from the ``TransformerConfig``: one layer spec per layer of
+    this pipeline stage (for a model with experts, MoE where ``moe_layer_freq`` says so, the dense
+    MLP elsewhere) and the final norm.
     """
     family = family_of(hf_config)
     if num_experts(hf_config):

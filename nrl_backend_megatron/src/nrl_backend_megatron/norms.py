@@ -28,6 +28,8 @@ class SequenceParallelTorchNorm:
             raise ValueError(f"normalization {config.normalization!r}: torch's norms are {', '.join(kinds)}")
         if config.layernorm_zero_centered_gamma:
             raise ValueError("layernorm_zero_centered_gamma needs Transformer Engine's norms")
+        # persist_layer_norm and memory_efficient_layer_norm choose Apex's and Transformer Engine's
+        # kernels; torch's norm has one kernel, so they do not apply here
         norm = kinds[config.normalization](normalized_shape=hidden_size, eps=eps)
         for weight in norm.parameters():
             weight.sequence_parallel = bool(config.sequence_parallel)

@@ -15,12 +15,9 @@ a process that starts its tensor-parallel workers itself, on devices it can all 
   common in NeMo RL's recipes: the setting is removed from what the engine's processes see, and
   turned off in this process's allocator (which read the variable when CUDA started), with one
   warning;
-* a model vLLM loads from its ahead-of-time compile cache does not see the weights a refit loads
-  into a mixture-of-experts layer: on vLLM 0.32 (CPU, Qwen3-MoE at tensor parallel 2), every run
-  after the first generated with its starting weights while training scored the refit ones, and
-  the first step's logprobs disagreed. Every nrl engine takes refits, so ``VLLM_USE_AOT_COMPILE``
-  is 0 for all of them: torch.compile still runs, with Inductor's own cache (one warning when the
-  variable asked for 1).
+* a model vLLM loads from its ahead-of-time compile cache misses refits of its experts, and every
+  nrl engine takes refits: :func:`without_ahead_of_time_compilation` turns it off for the whole
+  process (vLLM reads the variable at every forward pass, and caches it after start-up).
 """
 
 from __future__ import annotations
@@ -84,11 +81,19 @@ def engine_placement(rank: int, tp: int, *, spawns_workers: bool, external_launc
         allocator = "expandable_segments:False"
         warnings.append(f"{ALLOC_CONF}: expandable_segments removed for the vLLM engine (its sleep mode's allocator "
                         f"refuses it) and turned off in this process; {ALLOC_CONF} is now {kept!r} there")
-    if os.environ.get(AOT_COMPILE, "").strip() == "1":
-        warnings.append(f"{AOT_COMPILE}=1 ignored for the vLLM engine: a model loaded from vLLM's ahead-of-time "
-                        "compile cache does not see refit weights; torch.compile still runs")
-    env[AOT_COMPILE] = "0"
     return Placement(env, kwargs, tuple(warnings), allocator)
+
+
+def without_ahead_of_time_compilation() -> str | None:
+    """Turn vLLM's ahead-of-time compilation off in this process, before its first engine;
+    torch.compile and Inductor's cache still run. The warning to log when the environment asked
+    for it, else None."""
+    asked = os.environ.get(AOT_COMPILE, "").strip() == "1"
+    os.environ[AOT_COMPILE] = "0"
+    if asked:
+        return (f"{AOT_COMPILE}=1 ignored for the vLLM engine: a model loaded from vLLM's ahead-of-time compile "
+                "cache misses refits of its experts; torch.compile still runs")
+    return None
 
 
 def _engine_devices(rank: int, tp: int) -> list[str]:
