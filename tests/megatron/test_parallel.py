@@ -94,12 +94,13 @@ def world2(rank: int, world: int, path: str, ckpt: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     batch, loss = make_batch(), NLLLoss()
 
-    def run(tag: str, megatron: dict) -> MegatronPolicyWorker:
+    def run(tag: str, megatron: dict, export: bool = True) -> MegatronPolicyWorker:
         w = MegatronPolicyWorker(make_config(path, megatron=megatron), rank, world)
         out[f"{tag}/logprobs"] = gather_shards(w.get_logprobs(batch), batch)
-        out[f"{tag}/export"] = {n: t for bucket in w.export_weights(20_000, "float32") for n, t in bucket}
-        out[f"{tag}/buckets"] = [sum(t.numel() * 4 for _, t in b) for b in w.export_weights(20_000, "float32")]
-        out[f"{tag}/manifest"] = w.weight_manifest("float32")
+        if export:  # the initial weights, before training
+            out[f"{tag}/export"] = {n: t for bucket in w.export_weights(20_000, "float32") for n, t in bucket}
+            out[f"{tag}/buckets"] = [sum(t.numel() * 4 for _, t in b) for b in w.export_weights(20_000, "float32")]
+            out[f"{tag}/manifest"] = w.weight_manifest("float32")
         out[f"{tag}/metrics"] = [w.train(batch, loss) for _ in range(3)]
         out[f"{tag}/optimizer_bytes"] = optimizer_bytes(w)
         return w
@@ -121,7 +122,7 @@ def world2(rank: int, world: int, path: str, ckpt: str) -> dict[str, Any]:
     run("pp2", {"pipeline_model_parallel_size": 2})
     # sequence parallelism without Transformer Engine: nrl's norms mark their weights for the
     # tensor-parallel all-reduce of their partial gradients (without it, the second step differs)
-    run("tp2sp", {"tensor_model_parallel_size": 2, "sequence_parallel": True})
+    run("tp2sp", {"tensor_model_parallel_size": 2, "sequence_parallel": True}, export=False)
     w = run("tp2", {"tensor_model_parallel_size": 2})
 
     # Which strategy wrappers the knobs select (spies around Megatron's own classes).
@@ -319,7 +320,7 @@ def test_loss_falls(w1_baseline) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["tp2", "tp2sp", "pp2"])
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
 def test_export_gathers_full_hf_tensors(w2, layout: str) -> None:
     """Sharded weights gathered back (TP all-gather, PP broadcast) are the HF file's, bit for bit."""
     from safetensors.torch import load_file

@@ -97,7 +97,7 @@ def megatron_world1(rank: int, world: int, paths: dict[str, str]) -> dict[str, A
 def megatron_world2(rank: int, world: int, paths: dict[str, str], ckpt: str) -> dict[str, Any]:
     """Expert parallel 2 (Qwen3-MoE): logprobs, training, export gathered over EP ranks, and a
     checkpoint saved at EP=2 resumed at EP=1 (same world: data parallel 2); tensor parallel 2 with
-    sequence parallelism, with and without expert parallelism, against data parallel 2."""
+    sequence parallelism and expert parallel 2 against data parallel 2."""
     from nrl_backend_megatron.worker import MegatronPolicyWorker
 
     out: dict[str, Any] = {}
@@ -120,9 +120,8 @@ def megatron_world2(rank: int, world: int, paths: dict[str, str], ckpt: str) -> 
     out["ep1/next_loss"] = w.train(batch, loss)["loss"]
 
     # tensor parallel 2 needs a model with two key/value heads, and a reference of its own
-    sequence_parallel = {"tensor_model_parallel_size": 2, "sequence_parallel": True}
-    for tag, megatron in (("kv2", {}), ("tp2sp", sequence_parallel),
-                          ("tp2sp_ep2", {**sequence_parallel, "expert_model_parallel_size": 2})):
+    for tag, megatron in (("kv2", {}), ("tp2sp_ep2", {"tensor_model_parallel_size": 2, "sequence_parallel": True,
+                                                     "expert_model_parallel_size": 2})):
         w = MegatronPolicyWorker(make_config(paths["qwen3_moe_kv2"], megatron=megatron), rank, world)
         out[f"{tag}/logprobs"] = gather_shards(w.get_logprobs(batch), batch)
         out[f"{tag}/metrics"] = [w.train(batch, loss) for _ in range(3)]
