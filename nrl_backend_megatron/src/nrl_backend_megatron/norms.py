@@ -37,18 +37,14 @@ class SequenceParallelTorchNorm:
 
 
 def with_sequence_parallel_norms(spec: Any) -> Any:
-    """``spec`` (a module spec, its submodules or a list of them), with every torch norm of
-    Megatron-Core's local spec replaced by :class:`SequenceParallelTorchNorm`, in place."""
-    from megatron.core.transformer.spec_utils import ModuleSpec
+    """``spec`` (a module spec, its submodules or a list of them: dataclasses all, a norm being a
+    field's value), with every torch norm of Megatron-Core's local spec replaced by
+    :class:`SequenceParallelTorchNorm`, in place."""
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     if isinstance(spec, list):
         for item in spec:
             with_sequence_parallel_norms(item)
-    elif isinstance(spec, ModuleSpec):
-        if spec.module is WrappedTorchNorm:
-            spec.module = SequenceParallelTorchNorm
-        with_sequence_parallel_norms(spec.submodules)
     elif dataclasses.is_dataclass(spec) and not isinstance(spec, type):
         for field in dataclasses.fields(spec):
             value = getattr(spec, field.name)
