@@ -102,7 +102,12 @@ def _describe_data(data: dict[str, Any], plugins: Any) -> list[str]:
     from nrl_core.data.sources import describe_datasets, resolve_datasets, uses_dataset_layout
 
     if not uses_dataset_layout(data):
-        return []
+        where = data.get("train_data_path") or data.get("dataset_name")
+        if not where:
+            return []
+        kind = "generator" if where in plugins.dataset_generators() else "local"
+        validation = f", validation local {data['val_data_path']}" if data.get("val_data_path") else ""
+        return [f"data: train {kind} {where}{validation}; processor {data['processor']}"]
     train, val = resolve_datasets(data, None, plugins.datasets(), warn=False)
     prompts = any(source.spec.kind == "prompt" for source in (*train, *val))
     return describe_datasets(train, val, data["processor"] if prompts else None)

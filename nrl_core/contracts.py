@@ -246,7 +246,11 @@ class EnvironmentSpec:
     (none for a single reward), so a config whose estimator needs them is checked before it runs.
     ``resources_key`` (contract 11) names the key of its section, NeMo RL's ``resources``
     (``gpus_per_node``, ``num_nodes``), whose devices it takes from the cluster for workers of its
-    own (a reward model): training gets the rest, as with generation that is not colocated."""
+    own (a reward model): training gets the rest, as with generation that is not colocated.
+    ``runner_data`` (optional, in no contract version) is for an environment NeMo RL runs with a
+    script of its own that draws the prompts and reads no ``data`` section (the sliding puzzle's):
+    the import path of a function ``(env_section, config) -> {data key: value}`` giving that data.
+    A recipe that names the environment only in ``env`` trains on it, as under NeMo RL."""
 
     name: str
     environment: str
@@ -256,6 +260,7 @@ class EnvironmentSpec:
     reward_components: tuple[str, ...] = ()
     multi_turn: bool = False  # its environment offers ``step`` (contract 6): episodes of many turns
     resources_key: str | None = None  # contract 11: its section's key of devices it takes from the cluster
+    runner_data: str | None = None
 
 
 REFIT_DEVICES = ("cpu", "cuda")

@@ -74,3 +74,31 @@ def test_generated_puzzles_are_seeded_never_solved_and_carry_their_first_move():
         assert board.render() in record["problem"]
     with pytest.raises(TypeError, match="size must be at least 2"):
         puzzle_splits(size=1)
+
+
+def test_nemo_rl_s_recipe_trains_on_the_puzzles_its_runner_draws_not_on_the_math_data_it_inherits(caplog):
+    """NeMo RL's grpo_sliding_puzzle.yaml inherits OpenMathInstruct-2 from grpo_math_1B.yaml, which its
+    runner never reads: it draws puzzles from env.sliding_puzzle_game.cfg.game_config. nrl does the same."""
+    from pathlib import Path
+
+    from nrl_core.config import load_and_validate
+    from nrl_core.data.splits import load_data_splits
+    from nrl_core.plugins import get_plugin_manager
+
+    recipe = Path(__file__).resolve().parents[1] / "examples" / "nemo_rl_configs" / "configs" / "grpo_sliding_puzzle.yaml"
+    pm = get_plugin_manager()
+    config = load_and_validate(str(recipe), ["grpo.max_num_steps=3", "grpo.max_val_samples=4"], pm, algorithm="grpo")
+    data = config["data"]
+    assert (data["dataset_name"], data["processor"], data["env_name"]) == ("sliding_puzzle", "sliding_puzzle",
+                                                                          "sliding_puzzle_game")
+    assert data["train"] is None and data["generate"] == {"num_train": 32 * 3, "num_val": 4, "size": 5,
+                                                          "shuffle_moves": 10, "seed": 42, "solve": False}
+    assert config["policy"]["generation"]["stop_strings"] == ["</action>"]  # NeMo RL's datums stop there
+    assert "OpenMathInstruct-2 is not read" in caplog.text
+    splits = load_data_splits(data, pm)
+    assert len(splits.train) == 96 and len(splits.val) == 4
+    assert all(json.loads(r["game_state"])["size"] in range(2, 6) and "Board:" in r["problem"] for r in splits.train)
+    # a config that names the puzzle data (nrl's own twin of the recipe) keeps its own
+    ours = load_and_validate(str(recipe.parents[4] / "examples" / "configs" / "grpo_sliding_puzzle_tiny_cpu.yaml"),
+                             [], pm, algorithm="grpo")
+    assert ours["data"]["generate"] == {"num_train": 1024, "num_val": 128, "size": 2, "shuffle_moves": 3, "seed": 0}

@@ -8,7 +8,7 @@ NRL_CONTRACT = 14  # the plugin contract this distribution is written for (docs/
 
 SCHEMA = Section(doc="NeMo RL's sliding puzzle game (env.sliding_puzzle_game).", fields={
     "cfg": Section(doc="the game", fields={
-        "game_config": Section(doc="how puzzles are drawn (NeMo RL's recipe; nrl draws them in data.generate)", fields={
+        "game_config": Section(doc="how puzzles are drawn (for a recipe that names no puzzle data, as NeMo RL's runner draws them)", fields={
             "size": Field(type=int, default=4, minimum=2, doc="the largest board size"),
             "shuffle_moves": Field(type=int, default=100, minimum=1, doc="the most shuffle moves"),
         }),
@@ -21,6 +21,7 @@ SCHEMA = Section(doc="NeMo RL's sliding puzzle game (env.sliding_puzzle_game).",
 def nrl_environments() -> list[EnvironmentSpec]:
     return [EnvironmentSpec(name="sliding_puzzle_game", environment="nrl_env_sliding_puzzle.environment:SlidingPuzzleEnvironment",
                             config_schema=SCHEMA, distribution="nrl-env-sliding-puzzle", multi_turn=True,
+                            runner_data="nrl_env_sliding_puzzle.data:runner_data",
                             description="slide tiles until the board is solved, one move per turn (multi-turn)")]
 
 
