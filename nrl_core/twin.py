@@ -94,7 +94,8 @@ FAMILY_NAMES = (("qwen3_moe", r"qwen3(?!\.\d|-?next).*(moe|-a\d+b|\d+ba\d+b)"), 
                 ("qwen3", r"qwen3(?!\.\d|-?next)"), ("qwen2", r"qwen2|distill-qwen"), ("llama", r"llama"),
                 ("gemma3", r"gemma-?3(?!n)"), ("gemma4", r"gemma-?4"), ("mistral", r"mistral-(7b|nemo)"),
                 ("gpt_oss", r"gpt-oss"), ("nemotron_h_moe", r"nemotron-3-(nano|super)"),
-                ("nemotron_h", r"nemotron-(h|nano-\d+b-v2)\b"))
+                ("nemotron_h", r"nemotron-(h|nano-\d+b-v2)\b"), ("deepseek_v3", r"moonlight|deepseek-v3(?!\.\d)"),
+                ("glm4_moe_lite", r"glm-4\.7-flash"))
 
 
 @dataclass(frozen=True)
@@ -263,9 +264,12 @@ def _scale_model(sets: dict[str, Any], section: str, cfg: Mapping[str, Any], raw
     spelled = next((name for name in (*training.config_aliases, training.config_key) if name in raw_section),
                    training.config_key)  # the recipe's spelling (dtensor_cfg), so the twin overrides it
     scaled = dict(backend)
-    for key, value in backend.items():
+    written = raw_section.get(spelled) if isinstance(raw_section.get(spelled), Mapping) else {}
+    for key, value in {**written, **backend}.items():  # a size the backend accepts without effect is scaled too
         if key.endswith("_parallel_size") and isinstance(value, int) and value > 1:
-            sets[f"{section}.{spelled}.{key}"] = scaled[key] = 2
+            sets[f"{section}.{spelled}.{key}"] = 2
+            if key in scaled:
+                scaled[key] = 2
     for key, value in training.twin.items():
         sets[f"{section}.{spelled}.{key}"] = value
     replica = training.model_parallel_size(scaled)

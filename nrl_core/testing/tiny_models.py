@@ -42,7 +42,7 @@ DENSE_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3")
 #: Hugging Face ``model_type`` values that are a family here under another name.
 MODEL_TYPES = {"gemma3_text": "gemma3", "gemma4_text": "gemma4"}
 MOE_FAMILIES = ("qwen3_moe", "qwen2_moe")
-NEWER_FAMILIES = ("gemma4", "gpt_oss", "nemotron_h", "nemotron_h_moe")
+NEWER_FAMILIES = ("gemma4", "gpt_oss", "nemotron_h", "nemotron_h_moe", "deepseek_v3", "glm4_moe_lite")
 FAMILIES = DENSE_FAMILIES + MOE_FAMILIES + NEWER_FAMILIES
 #: The sizes the newer families come in; their layouts need four layers to show each block kind.
 NEWER_SIZES = ("tiny", "small")
@@ -174,6 +174,8 @@ def _newer_config(family: str, size: str, common: dict[str, Any]) -> Any:
     ``small`` so that every block kind appears, fewer at ``tiny``."""
     from transformers import Gemma4TextConfig, GptOssConfig, NemotronHConfig
 
+    if family in ("deepseek_v3", "glm4_moe_lite"):
+        return _latent_attention_config(family, size, common)
     hidden, layers = (128, 4) if size == "small" else (64, 2)
     alternating = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
     attention = dict(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=hidden // 32,
@@ -203,6 +205,32 @@ def _newer_config(family: str, size: str, common: dict[str, Any]) -> Any:
     return NemotronHConfig(**{k: v for k, v in common.items() if k not in ("rope_theta", "rms_norm_eps")},
                            **dict(attention, num_hidden_layers=len(blocks)), layers_block_type=blocks,
                            intermediate_size=3 * hidden, layer_norm_epsilon=1e-6, **mamba, **moe)
+
+
+def _latent_attention_config(family: str, size: str, common: dict[str, Any]) -> Any:
+    """DeepSeek-V3 (Moonlight's family) or GLM-4.7-Flash: multi-head latent attention and
+    mixture-of-experts layers after a dense first one, routed as their hub models route (sigmoid
+    scores with a correction bias, ``noaux_tc``). The latent and rotary widths are the hub models'
+    (512 and 64): vLLM's CPU kernel for latent attention is built for those only. GLM's queries go
+    through a low-rank projection as its hub model's do; Moonlight's do not."""
+    from transformers import DeepseekV3Config, Glm4MoeLiteConfig
+
+    hidden, layers = (128, 4) if size == "small" else (64, 2)
+    shape = dict(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=hidden // 32,
+                 num_key_value_heads=hidden // 32, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32,
+                 v_head_dim=32, intermediate_size=3 * hidden, moe_intermediate_size=hidden // 2, n_routed_experts=8,
+                 n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1, norm_topk_prob=True,
+                 routed_scaling_factor=2.5, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    base = {k: v for k, v in common.items() if k != "rope_theta"}
+    if family == "deepseek_v3":
+        config = DeepseekV3Config(**base, **shape, q_lora_rank=None, first_k_dense_replace=1)
+    else:
+        config = Glm4MoeLiteConfig(**base, **shape, q_lora_rank=64,
+                                   mlp_layer_types=["dense"] + ["sparse"] * (layers - 1))
+        config.first_k_dense_replace = 1  # what vLLM reads, and the hub model's config.json says
+    config.topk_method, config.scoring_func = "noaux_tc", "sigmoid"  # what vLLM reads to build the router's bias
+    config.num_nextn_predict_layers = 0  # no multi-token prediction layers, as in Moonlight's checkpoint
+    return config
 
 
 def build_tiny_model(out_dir: str | os.PathLike[str], family: str = "llama", size: str = "tiny", seed: int = 0,

@@ -13,7 +13,8 @@ from nrl_core.testing.tiny_models import build_tiny_model, cached_tiny_model
                                                ("qwen3_moe", "qwen3_moe"), ("qwen2_moe", "qwen2_moe"),
                                                ("mistral", "mistral"), ("gemma3", "gemma3_text"),
                                                ("gemma4", "gemma4_text"), ("gpt_oss", "gpt_oss"),
-                                               ("nemotron_h", "nemotron_h"), ("nemotron_h_moe", "nemotron_h")])
+                                               ("nemotron_h", "nemotron_h"), ("nemotron_h_moe", "nemotron_h"),
+                                               ("deepseek_v3", "deepseek_v3"), ("glm4_moe_lite", "glm4_moe_lite")])
 def test_family_loads_and_generates(family, model_type):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -81,12 +81,14 @@ def test_a_key_outside_the_table_is_not_a_scale_down_key():
     ("mistralai/Mistral-Nemo-Instruct-2407", "mistral"), ("mistralai/Mistral-Medium-3.5-128B", None),
     # Qwen3.5 and Qwen3-Next are other architectures (linear-attention layers), not Qwen3's
     ("Qwen/Qwen3.5-9B-Base", None), ("Qwen/Qwen3.5-35B-A3B-Base", None), ("Qwen/Qwen3-Next-80B-A3B-Instruct", None),
-    ("deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B", "qwen2"), ("moonshotai/Moonlight-16B-A3B", None)])
+    ("deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B", "qwen2"), ("moonshotai/Moonlight-16B-A3B", "deepseek_v3"),
+    ("deepseek-ai/DeepSeek-V3-0324", "deepseek_v3"), ("deepseek-ai/DeepSeek-V3.2", None),
+    ("zai-org/GLM-4.7-Flash", "glm4_moe_lite")])
 def test_a_hub_name_names_its_tiny_family(name, family):
     assert tiny_family(name) == family
 
 
-@pytest.mark.parametrize("family", ["nemotron_h", "nemotron_h_moe", "gemma4", "llama"])
+@pytest.mark.parametrize("family", ["nemotron_h", "nemotron_h_moe", "gemma4", "llama", "deepseek_v3", "glm4_moe_lite"])
 def test_a_local_model_names_its_tiny_family(family):
     """Nemotron 3 has Nemotron-H's model type; its experts make it the other family."""
     from nrl_core.testing.tiny_models import cached_tiny_model
@@ -97,8 +99,8 @@ def test_a_local_model_names_its_tiny_family(family):
 def test_a_family_without_a_tiny_model_is_one_line_naming_the_way_out(tmp_path, pm):
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(f"defaults: {REPO / 'examples' / 'configs' / 'grpo_tiny_cpu.yaml'}\n"
-                      "policy: {model_name: moonshotai/Moonlight-16B-A3B-Instruct}\n")
-    with pytest.raises(NrlError, match=r"^policy.model_name: no tiny model of moonshotai/Moonlight-16B-A3B-Instruct's "
+                      "policy: {model_name: mistralai/Mistral-Medium-3.5-128B}\n")
+    with pytest.raises(NrlError, match=r"^policy.model_name: no tiny model of mistralai/Mistral-Medium-3.5-128B's "
                                        r"family .* "
                                        r"pass --model DIR"):
         write_twin(recipe, tmp_path / "twin", pm)

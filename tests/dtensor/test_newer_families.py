@@ -34,7 +34,8 @@ def test_packed_rows_of_a_model_with_attention_sinks_equal_each_sequence_alone()
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("family", ["gemma4", "gpt_oss", "nemotron_h", "nemotron_h_moe"])
+@pytest.mark.parametrize("family", ["gemma4", "gpt_oss", "nemotron_h", "nemotron_h_moe", "deepseek_v3",
+                                    "glm4_moe_lite"])
 def test_refit_sends_exactly_the_tensors_the_checkpoint_holds(family: str) -> None:
     """Gemma 4's ``layer_scalar`` is a buffer, not a parameter; an engine that never got it would
     keep its placeholder."""

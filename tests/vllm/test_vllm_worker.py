@@ -327,7 +327,9 @@ def test_an_engine_built_without_lora_refuses_an_adapter(engine) -> None:
 
 
 @pytest.mark.parametrize("family, refusal", [("nemotron_h_moe", "squared-ReLU; its engine needs a GPU"),
-                                             ("gpt_oss", "does not compute gpt-oss as the trainer does")])
+                                             ("gpt_oss", "does not compute gpt-oss as the trainer does"),
+                                             ("deepseek_v3", "does not compute deepseek_v3's latent attention"),
+                                             ("glm4_moe_lite", "does not compute glm4_moe_lite's latent attention")])
 def test_models_the_cpu_engine_cannot_serve_are_refused_in_one_line(family: str, refusal: str) -> None:
     from transformers import AutoConfig
 
