@@ -167,6 +167,32 @@ def _cmd_train(args: argparse.Namespace) -> int:
         return int(call_with_runtime(run, config, runtime) or 0)
 
 
+def _warm_start(twin: Any, recipe: Any, out: Any, args: argparse.Namespace) -> tuple[int, Any]:
+    """A twin whose rewards must differ starts from its tiny model after a short SFT
+    (nrl_core/twin_warm_start.py), run in a process of its own; the exit code and the twin."""
+    import subprocess
+
+    from nrl_core.config import load_and_validate
+    from nrl_core.plugins import get_plugin_manager
+    from nrl_core.twin import write_twin
+    from nrl_core.twin_warm_start import exported, needs_warm_start, warm_start
+
+    pm = get_plugin_manager()
+    if not needs_warm_start(load_and_validate(str(twin.config), [], pm, algorithm=twin.algorithm)):
+        return 0, twin
+    sft = warm_start(twin.config, twin.algorithm, out / "warm_start", pm)
+    import ray
+
+    ray.shutdown()  # the environment's workers, which picked the answer format; the SFT starts its own cluster
+    print(f"warm start: {sft} (dynamic sampling keeps only prompts whose rewards differ; a random-init model's "
+          "never do)")
+    code = subprocess.run([sys.executable, "-m", "nrl_core.cli", "train", "sft", "--config", str(sft)]).returncode
+    if code:
+        return code, twin
+    return 0, write_twin(recipe, out, pm, algorithm=args.algorithm, model=exported(out / "warm_start"),
+                         steps=args.steps)
+
+
 def _cmd_twin(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -180,6 +206,10 @@ def _cmd_twin(args: argparse.Namespace) -> int:
     print(f"twin: {twin.config} ({twin.algorithm}, {len(twin.overrides)} scale-down keys, each with its reason there)")
     if args.write_only:
         return 0
+    if not args.model:
+        code, twin = _warm_start(twin, recipe, out, args)
+        if code:
+            return code
     return _cmd_train(argparse.Namespace(algorithm=twin.algorithm, config=str(twin.config), overrides=[]))
 
 

@@ -30,7 +30,8 @@ if TYPE_CHECKING:
 #: ``teacher``, PPO's ``value``, or an environment's model: ``env.reward_model``), ``A`` for the
 #: algorithm's own section.
 SCALE_DOWN: dict[str, str] = {
-    "S.model_name": "a tiny random-init model of the recipe's family, built here",
+    "S.model_name": "a tiny random-init model of the recipe's family, built here (after a short SFT warm start when "
+                    "dynamic sampling needs rewards that differ: nrl_core/twin_warm_start.py)",
     "S.tokenizer.name": "that model's tokenizer",
     "S.precision": "float32: the CPU's kernels",
     "S.*.*_parallel_size": "each parallelism kind the recipe uses, at 2",
@@ -67,6 +68,8 @@ SCALE_DOWN: dict[str, str] = {
     "A.val_batch_size": "8 validation samples a batch",
     "A.val_batches": "one validation batch",
     "A.val_global_batch_size": "8 validation samples a batch",
+    "A.dynamic_sampling_max_gen_batches": "at least 40 generation batches, with dynamic sampling: the recipe's limit "
+                                          "counts batches of its many prompts, the twin's batches have a few",
     "A.*": "the algorithm's own CPU twin keys (AlgorithmSpec.twin), such as prompts a step",
     "data.train_data_path": "the stand-in of the recipe's data",
     "data.val_data_path": "the stand-in of the recipe's validation data",
@@ -85,6 +88,7 @@ SCALE_DOWN: dict[str, str] = {
 
 STEPS = 2
 WORLD_LIMIT = 4
+DYNAMIC_SAMPLING_BATCHES = 40  # of the twin's few prompts each: enough for the warm-started tiny model's groups
 NEW_TOKENS = 16  # a twin's responses: enough to be scored, few enough to be quick
 SEQUENCE_LENGTH = 1024  # the tiny models' context; long prompt templates need most of it (a token for most letters)
 BATCH = {"train_global_batch_size": 8, "train_micro_batch_size": 2, "logprob_batch_size": 2}
@@ -189,6 +193,9 @@ def write_twin(recipe: Path, out: Path, pm: PluginManager, *, algorithm: str | N
             sets[f"{spec.section}.{key}"] = value
     for key, value in spec.twin.items():
         sets[f"{spec.section}.{key}"] = value
+    if algo_cfg.get("use_dynamic_sampling"):
+        limit = int(algo_cfg.get("dynamic_sampling_max_gen_batches") or 0)
+        sets[f"{spec.section}.dynamic_sampling_max_gen_batches"] = max(limit, DYNAMIC_SAMPLING_BATCHES)
     engine = _scale_generation(sets, config, raw, choice.generation) if spec.generates else 0
     sets["cluster.num_nodes"] = 1
     sets["cluster.gpus_per_node"] = world + engine

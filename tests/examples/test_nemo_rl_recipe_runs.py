@@ -48,3 +48,18 @@ def test_the_twin_of_grpo_math_1b_trains_on_its_dataset_and_validates_on_the_sha
     # the recipe's checkpointing.model_save_format: safetensors, the weights under their HF names
     [checkpoint] = (tmp_path / "checkpoints").glob("step_1/policy")
     assert list((checkpoint / "model").glob("*.safetensors")) and (checkpoint / "optim").is_dir()
+
+
+def test_a_twin_with_dynamic_sampling_starts_from_its_warm_start_and_finds_groups_whose_rewards_differ(tmp_path):
+    """NeMo RL's DAPO recipe for Gemma 4 keeps only prompts whose rewards differ. From the tiny
+    model as built, no prompt had such rewards in ten generation batches; after the warm start
+    (nrl_core/twin_warm_start.py) the twin fills its step."""
+    recipe = CHECKOUT / "configs" / "recipes" / "llm" / "dapo-gemma4-e2b-it-1n8g-fsdp2-automodel.yaml"
+    proc = nrl(["twin", str(recipe), "--out", str(tmp_path), "--steps", "1"], cwd=CHECKOUT, join_shared_ray=True)
+    assert_ok(proc)
+    warm = tmp_path / "warm_start"
+    assert f"model_name: {warm / 'checkpoints' / 'hf_export'}" in (tmp_path / "twin.yaml").read_text()
+    sft = [json.loads(line) for line in (warm / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert sft[-1]["step"] == 120 and sft[-1]["train/loss"] < sft[0]["train/loss"] / 5
+    step, = metrics(tmp_path)
+    assert step["dynamic_sampling/kept_fraction"] > 0 and 0 < step["env/accuracy"] < 1

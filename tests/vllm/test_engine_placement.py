@@ -80,3 +80,28 @@ def test_ahead_of_time_compilation_is_off_for_the_process_and_asking_for_it_is_o
     warning = without_ahead_of_time_compilation()
     assert os.environ["VLLM_USE_AOT_COMPILE"] == "0"
     assert warning.startswith("VLLM_USE_AOT_COMPILE=1 ignored for the vLLM engine") and "\n" not in warning
+
+
+def test_pinned_cpu_code_paths_get_compile_caches_of_their_own_unless_the_environment_names_them(
+        monkeypatch, tmp_path) -> None:
+    """A compiled engine loaded from a cache written under other CPU pins sampled from NaN logits
+    (the tests pin AVX2, other runs on the same host do not)."""
+    from nrl_gen_vllm.placement import CPU_PINS, compile_caches_per_cpu_pins
+
+    for name in (*CPU_PINS, "TORCHINDUCTOR_CACHE_DIR", "VLLM_CACHE_ROOT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert compile_caches_per_cpu_pins() == {} and "VLLM_CACHE_ROOT" not in os.environ  # unpinned: the defaults
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    avx2 = compile_caches_per_cpu_pins()
+    assert avx2["VLLM_CACHE_ROOT"] == str(tmp_path / "vllm" / "pinned-aten-avx2")
+    assert avx2["TORCHINDUCTOR_CACHE_DIR"].endswith("torchinductor_pinned-aten-avx2")
+    assert all(os.environ[name] == value for name, value in avx2.items())
+    for name in avx2:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    both = compile_caches_per_cpu_pins()
+    assert both["VLLM_CACHE_ROOT"].endswith("pinned-aten-avx2-onednn-avx2") and both != avx2
+    monkeypatch.setenv("VLLM_CACHE_ROOT", "/mine")
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    assert set(compile_caches_per_cpu_pins()) == {"TORCHINDUCTOR_CACHE_DIR"} and os.environ["VLLM_CACHE_ROOT"] == "/mine"

@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -94,6 +96,28 @@ def without_ahead_of_time_compilation() -> str | None:
         return (f"{AOT_COMPILE}=1 ignored for the vLLM engine: a model loaded from vLLM's ahead-of-time compile "
                 "cache misses refits of its experts; torch.compile still runs")
     return None
+
+
+#: Settings that pin the CPU code paths of torch, oneDNN and MKL below what the machine offers.
+CPU_PINS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_CBWR")
+
+
+def compile_caches_per_cpu_pins() -> dict[str, str]:
+    """Give compiled engines of each setting of :data:`CPU_PINS` caches of their own, unless the
+    environment names the caches. Inductor's and vLLM's compile caches are keyed by the code, not
+    by these settings: an engine compiled unpinned and loaded from the cache under
+    ``ATEN_CPU_CAPABILITY=avx2`` sampled from NaN logits, and the other way round it corrupted the
+    heap (seen on one host, where the tests pin AVX2 and the demo does not). The caches set."""
+    pins = [f"{name.split('_')[0]}-{os.environ[name]}" for name in CPU_PINS if os.environ.get(name, "").strip()]
+    if not pins:
+        return {}
+    tag = "pinned-" + "-".join(pins).lower()
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    chosen = {"TORCHINDUCTOR_CACHE_DIR": str(Path(tempfile.gettempdir()) / f"torchinductor_{tag}"),
+              "VLLM_CACHE_ROOT": str(cache / "vllm" / tag)}
+    chosen = {name: value for name, value in chosen.items() if not os.environ.get(name)}
+    os.environ.update(chosen)
+    return chosen
 
 
 def _engine_devices(rank: int, tp: int) -> list[str]:

@@ -45,7 +45,7 @@ from nrl_gen_vllm.engine_args import user_engine_kwargs
 from nrl_gen_vllm.engines import AsyncEngine, FollowerEngine, SyncEngine
 from nrl_gen_vllm.kv_cache import KvCacheSize, kv_cache_space
 from nrl_gen_vllm.partial import experts_elsewhere, sliced_wants
-from nrl_gen_vllm.placement import engine_placement, without_ahead_of_time_compilation
+from nrl_gen_vllm.placement import compile_caches_per_cpu_pins, engine_placement, without_ahead_of_time_compilation
 from nrl_gen_vllm.released import released
 from nrl_gen_vllm.sampling import VllmSampling, base_seed
 from nrl_gen_vllm.threads import keep_process_threads
@@ -60,8 +60,10 @@ _FINISH = {"stop": "stop", "length": "length"}
 def _configure_environment() -> None:
     """vLLM's in-process engine core: it starts in seconds on CPU, keeps tensors handed to
     ``collective_rpc`` by reference, and is what the ``external_launcher`` executor requires.
-    No ahead-of-time compilation (:mod:`~nrl_gen_vllm.placement`)."""
+    No ahead-of-time compilation, and compile caches of their own under pinned CPU code paths
+    (:mod:`~nrl_gen_vllm.placement`)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    compile_caches_per_cpu_pins()
     warning = without_ahead_of_time_compilation()
     if warning:
         logger.warning(warning)
