@@ -181,9 +181,9 @@ def _warm_start(twin: Any, recipe: Any, out: Any, args: argparse.Namespace) -> t
     if not needs_warm_start(load_and_validate(str(twin.config), [], pm, algorithm=twin.algorithm)):
         return 0, twin
     sft = warm_start(twin.config, twin.algorithm, out / "warm_start", pm)
-    import ray
+    from nrl_core.cluster import shutdown_ray
 
-    ray.shutdown()  # the environment's workers, which picked the answer format; the SFT starts its own cluster
+    shutdown_ray()  # the environment's workers, which picked the answer format; the SFT starts its own cluster
     print(f"warm start: {sft} (dynamic sampling keeps only prompts whose rewards differ; a random-init model's "
           "never do)")
     code = subprocess.run([sys.executable, "-m", "nrl_core.cli", "train", "sft", "--config", str(sft)]).returncode
@@ -197,7 +197,7 @@ def _cmd_twin(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from nrl_core.plugins import get_plugin_manager
-    from nrl_core.twin import write_twin
+    from nrl_core.twin import mismatch_note, write_twin
 
     recipe = Path(args.config)
     out = Path(args.out or Path("twins") / recipe.stem)
@@ -210,7 +210,11 @@ def _cmd_twin(args: argparse.Namespace) -> int:
         code, twin = _warm_start(twin, recipe, out, args)
         if code:
             return code
-    return _cmd_train(argparse.Namespace(algorithm=twin.algorithm, config=str(twin.config), overrides=[]))
+    code = _cmd_train(argparse.Namespace(algorithm=twin.algorithm, config=str(twin.config), overrides=[]))
+    note = mismatch_note(out / "logs") if code == 0 else None
+    if note:
+        print(f"warning: {note}", file=sys.stderr)
+    return code
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:

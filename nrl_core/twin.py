@@ -98,7 +98,7 @@ FAMILY_NAMES = (("qwen3_moe", r"qwen3(?!\.\d|-?next).*(moe|-a\d+b|\d+ba\d+b)"), 
                 ("qwen3", r"qwen3(?!\.\d|-?next)"), ("qwen2", r"qwen2|distill-qwen"), ("llama", r"llama"),
                 ("gemma3", r"gemma-?3(?!n)"), ("gemma4", r"gemma-?4"), ("mistral", r"mistral-(7b|nemo)"),
                 ("gpt_oss", r"gpt-oss"), ("nemotron_h_moe", r"nemotron-3-(nano|super)"),
-                ("nemotron_h", r"nemotron-(h|nano-\d+b-v2)\b"), ("deepseek_v3", r"moonlight|deepseek-v3(?!\.\d)"),
+                ("nemotron_h", r"nemotron-(h|nano-\d+b-v2)\b"), ("deepseek_v3", r"moonlight|deepseek-v3(?!\.[2-9])"),
                 ("glm4_moe_lite", r"glm-4\.7-flash"))
 
 
@@ -111,6 +111,27 @@ class Twin:
     algorithm: str
     overrides: dict[str, Any]
     sections: tuple[str, ...] = ("policy",)
+
+
+MISMATCH_LIMIT = 1.05  # train/token_mult_prob_error above this: the engine samples from other weights than training's
+
+
+def mismatch_note(log_dir: Path) -> str | None:
+    """A one-line warning when the twin's engine and trainer disagreed on the logprobs of what the
+    engine sampled (``train/token_mult_prob_error`` near 1 when a refit carried every weight and
+    both compute the same model, in the twin's float32); None when they agreed. The twin still
+    trained, so it is a warning: sampling cut by top_p or top_k raises the metric too."""
+    metrics = log_dir / "metrics.jsonl"
+    if not metrics.is_file():
+        return None
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    errors = [(float(r["train/token_mult_prob_error"]), r.get("step")) for r in rows if "train/token_mult_prob_error" in r]
+    worst = max(errors, default=None, key=lambda e: (e[0] != e[0], e[0]))  # a NaN is the worst of all
+    if worst is None or worst[0] <= MISMATCH_LIMIT:
+        return None
+    return (f"twin: the engine's logprobs are not the trainer's: train/token_mult_prob_error {worst[0]:.3g} at step "
+            f"{worst[1]} (about 1 when the refit carried every weight and both compute the same model; top_p or top_k "
+            "below their neutral values raise it too)")
 
 
 def documented(key: str, *, algorithm: str, model_sections: tuple[str, ...] = ()) -> str | None:

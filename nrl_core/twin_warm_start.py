@@ -43,7 +43,11 @@ def answer_format(config: Mapping[str, Any], pm: PluginManager) -> str:
     spec = pm.environments().get(name, "data.env_name")
     section = (config.get("env") or {}).get(name) or spec.config_schema.validate({}, f"env.{name}")
     section = {key: value for key, value in section.items() if key in spec.config_schema.fields}  # not the core's
-    environment = import_object(spec.environment)(section)
+    try:
+        environment = import_object(spec.environment)(section)
+    except Exception as exc:  # one that needs more than its section (a reward model's devices)
+        raise ConfigError(f"env.{name}", f"cannot start here to pick the warm start's answer format ({exc}); pass "
+                                         "--model DIR, a model that answers in its format") from exc
     refused = ""
     try:
         for form in FORMATS:
@@ -73,6 +77,9 @@ def warm_start(twin_config: Path, algorithm: str, out: Path, pm: PluginManager) 
     config = load_and_validate(str(twin_config), [], pm, algorithm=algorithm)
     form = answer_format(config, pm)
     data = prepare_data(config["data"], load_tokenizer(config), pm)
+    if any("ground_truth" not in datum.metadata for datum in data.train):
+        raise ConfigError("data.processor", f"'{config['data']['processor']}' gives its prompts no ground_truth, which "
+                                            "the warm start answers; pass --model DIR, a model that answers its prompts")
     rows = [{"input": datum.prompt_text, "output": form.format(answer=datum.metadata["ground_truth"])}
             for datum in data.train]
     out.mkdir(parents=True, exist_ok=True)

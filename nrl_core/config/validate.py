@@ -18,7 +18,8 @@ from nrl_core.config.core_schema import CORE_SCHEMA, ENV_CALL_TIMEOUT
 from nrl_core.config.models import model_config, model_section_owners, renamed_error
 from nrl_core.config.nemo_rl import refuse_missing_algorithm, with_nemo_rl_keys
 from nrl_core.config.nemo_rl_inert import named_inert_keys
-from nrl_core.contracts import EnvironmentSpec, GenerationBackendSpec, TrainingBackendSpec, import_object
+from nrl_core.config.runner_data import draw_runner_data
+from nrl_core.contracts import GenerationBackendSpec, TrainingBackendSpec
 from nrl_core.errors import ConfigError, PluginError
 from nrl_core.plugins import PluginManager
 from nrl_core.schema import Field, Section, note_inert, warn_inert_keys_once
@@ -296,39 +297,7 @@ def _resolve_episode_environment(raw: Mapping[str, Any], config: dict[str, Any],
         data["env_name"] = named[0]
         spec = registry.get(named[0], "env")
         if spec.runner_data:
-            _draw_runner_data(config, named[0], spec)
-
-
-def _draw_runner_data(config: dict[str, Any], name: str, spec: EnvironmentSpec) -> None:
-    """NeMo RL trains such a recipe with the environment's own script, which draws the prompts and
-    reads no ``data`` section; so does nrl, unless the config already names that data. Its data
-    keys replace the config's, its other keys fill only what the config leaves unset."""
-    drawn = import_object(spec.runner_data)(config["env"][name], config)  # type: ignore[arg-type]
-    data = config["data"]
-    if data.get("dataset_name") == drawn.get("data.dataset_name"):
-        return
-    unread = ", ".join(str(e.get("dataset_name")) for e in data.get("train") or []) or data.get("dataset_name") \
-        or data.get("train_data_path")
-    data.update(train=None, validation=None, train_data_path=None, val_data_path=None, prompt_file=None,
-                system_prompt_file=None, dataset_name=None)
-    for key, value in drawn.items():
-        *parents, last = key.split(".")
-        node = config
-        for parent in parents:
-            node = node[parent]
-        if key.startswith("data."):
-            node[last] = {**value, **(node.get(last) or {})} if isinstance(value, Mapping) else value
-        elif node.get(last) is None:
-            node[last] = value
-    message = (f"data: {name}'s recipes train on what NeMo RL's own script for it draws ("
-               + ", ".join(f"{k}={v}" for k, v in drawn.items() if not isinstance(v, Mapping))
-               + f"), not on the data section{f' ({unread} is not read)' if unread else ''}")
-    if message not in _NOTED:  # validation runs more than once per command
-        _NOTED.add(message)
-        logger.warning(message)
-
-
-_NOTED: set[str] = set()
+            draw_runner_data(config, named[0], spec)
 
 
 def _check_uninstalled_sections(config: dict[str, Any], pm: PluginManager) -> None:

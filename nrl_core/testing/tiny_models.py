@@ -211,7 +211,7 @@ def _latent_attention_config(family: str, size: str, common: dict[str, Any]) -> 
     """DeepSeek-V3 (Moonlight's family) or GLM-4.7-Flash: multi-head latent attention and
     mixture-of-experts layers after a dense first one, routed as their hub models route (sigmoid
     scores with a correction bias, ``noaux_tc``). The latent and rotary widths are the hub models'
-    (512 and 64): vLLM's CPU kernel for latent attention is built for those only. GLM's queries go
+    (512 and 64), the only ones vLLM's latent-attention kernels are built for. GLM's queries go
     through a low-rank projection as its hub model's do; Moonlight's do not."""
     from transformers import DeepseekV3Config, Glm4MoeLiteConfig
 

@@ -8,6 +8,7 @@ most, and at most four training ranks.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -82,7 +83,8 @@ def test_a_key_outside_the_table_is_not_a_scale_down_key():
     # Qwen3.5 and Qwen3-Next are other architectures (linear-attention layers), not Qwen3's
     ("Qwen/Qwen3.5-9B-Base", None), ("Qwen/Qwen3.5-35B-A3B-Base", None), ("Qwen/Qwen3-Next-80B-A3B-Instruct", None),
     ("deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B", "qwen2"), ("moonshotai/Moonlight-16B-A3B", "deepseek_v3"),
-    ("deepseek-ai/DeepSeek-V3-0324", "deepseek_v3"), ("deepseek-ai/DeepSeek-V3.2", None),
+    ("deepseek-ai/DeepSeek-V3-0324", "deepseek_v3"), ("deepseek-ai/DeepSeek-V3.1", "deepseek_v3"),
+    ("deepseek-ai/DeepSeek-V3.2", None),
     ("zai-org/GLM-4.7-Flash", "glm4_moe_lite")])
 def test_a_hub_name_names_its_tiny_family(name, family):
     assert tiny_family(name) == family
@@ -155,3 +157,22 @@ def test_the_docs_give_every_scale_down_key_its_reason():
     text = (REPO / "docs" / "twin.md").read_text()
     for pattern, why in SCALE_DOWN.items():
         assert f"`{pattern}`" in text and why in text, pattern
+
+
+def test_a_twin_whose_engine_samples_from_other_weights_than_training_is_named_in_one_line(tmp_path):
+    """The GLM-4.7-Flash twin trained with train/token_mult_prob_error 1.33 and said nothing; its
+    engine computed another model than the trainer's."""
+    from nrl_core.twin import mismatch_note
+
+    metrics = tmp_path / "metrics.jsonl"
+    assert mismatch_note(tmp_path) is None  # no run, nothing to say
+    rows = [{"step": 1, "train/token_mult_prob_error": 1.0002}, {"step": 2, "train/token_mult_prob_error": 1.001}]
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert mismatch_note(tmp_path) is None
+    rows += [{"step": 3, "train/token_mult_prob_error": 1.336}, {"step": 3, "val/accuracy": 0.5}]
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    note = mismatch_note(tmp_path)
+    assert note.startswith("twin: the engine's logprobs are not the trainer's: train/token_mult_prob_error 1.34 at "
+                           "step 3") and "\n" not in note
+    metrics.write_text(json.dumps({"step": 1, "train/token_mult_prob_error": float("nan")}) + "\n")
+    assert "token_mult_prob_error nan at step 1" in mismatch_note(tmp_path)

@@ -76,7 +76,8 @@ def test_generated_puzzles_are_seeded_never_solved_and_carry_their_first_move():
         puzzle_splits(size=1)
 
 
-def test_nemo_rl_s_recipe_trains_on_the_puzzles_its_runner_draws_not_on_the_math_data_it_inherits(caplog):
+def test_nemo_rl_s_recipe_trains_on_the_puzzles_its_runner_draws_not_on_the_math_data_it_inherits(caplog,
+                                                                                                   monkeypatch):
     """NeMo RL's grpo_sliding_puzzle.yaml inherits OpenMathInstruct-2 from grpo_math_1B.yaml, which its
     runner never reads: it draws puzzles from env.sliding_puzzle_game.cfg.game_config. nrl does the same."""
     from pathlib import Path
@@ -87,6 +88,7 @@ def test_nemo_rl_s_recipe_trains_on_the_puzzles_its_runner_draws_not_on_the_math
 
     recipe = Path(__file__).resolve().parents[1] / "examples" / "nemo_rl_configs" / "configs" / "grpo_sliding_puzzle.yaml"
     pm = get_plugin_manager()
+    monkeypatch.setattr("nrl_core.config.runner_data._NOTED", set())  # its warning is once per process
     config = load_and_validate(str(recipe), ["grpo.max_num_steps=3", "grpo.max_val_samples=4"], pm, algorithm="grpo")
     data = config["data"]
     assert (data["dataset_name"], data["processor"], data["env_name"]) == ("sliding_puzzle", "sliding_puzzle",
@@ -102,3 +104,6 @@ def test_nemo_rl_s_recipe_trains_on_the_puzzles_its_runner_draws_not_on_the_math
     ours = load_and_validate(str(recipe.parents[4] / "examples" / "configs" / "grpo_sliding_puzzle_tiny_cpu.yaml"),
                              [], pm, algorithm="grpo")
     assert ours["data"]["generate"] == {"num_train": 1024, "num_val": 128, "size": 2, "shuffle_moves": 3, "seed": 0}
+    # a twin's fewer puzzles are kept; a key of another generator is not
+    twin = load_and_validate(str(recipe), ["++data.generate={num_train: 5, min_operand: 0}"], pm, algorithm="grpo")
+    assert twin["data"]["generate"]["num_train"] == 5 and "min_operand" not in twin["data"]["generate"]

@@ -89,19 +89,24 @@ def test_pinned_cpu_code_paths_get_compile_caches_of_their_own_unless_the_enviro
     from nrl_gen_vllm.placement import CPU_PINS, compile_caches_per_cpu_pins
 
     for name in (*CPU_PINS, "TORCHINDUCTOR_CACHE_DIR", "VLLM_CACHE_ROOT"):
-        monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv(name, "recorded")  # so that the test's end restores each as it was
+        monkeypatch.delenv(name)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert compile_caches_per_cpu_pins() == {} and "VLLM_CACHE_ROOT" not in os.environ  # unpinned: the defaults
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
     avx2 = compile_caches_per_cpu_pins()
     assert avx2["VLLM_CACHE_ROOT"] == str(tmp_path / "vllm" / "pinned-aten-avx2")
-    assert avx2["TORCHINDUCTOR_CACHE_DIR"].endswith("torchinductor_pinned-aten-avx2")
+    assert avx2["TORCHINDUCTOR_CACHE_DIR"].endswith("_pinned-aten-avx2")
     assert all(os.environ[name] == value for name, value in avx2.items())
     for name in avx2:
         monkeypatch.delenv(name)
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
     both = compile_caches_per_cpu_pins()
     assert both["VLLM_CACHE_ROOT"].endswith("pinned-aten-avx2-onednn-avx2") and both != avx2
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
     monkeypatch.setenv("VLLM_CACHE_ROOT", "/mine")
-    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())  # what importing vLLM sets
     assert set(compile_caches_per_cpu_pins()) == {"TORCHINDUCTOR_CACHE_DIR"} and os.environ["VLLM_CACHE_ROOT"] == "/mine"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/also-mine")
+    assert compile_caches_per_cpu_pins() == {} and os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/also-mine"

@@ -141,6 +141,8 @@ def test_ahead_of_time_compilation_stays_off_after_the_engine_starts(engine, pro
 
     engine.generate(prompts[:1], greedy=True)
     assert vllm.envs.VLLM_USE_AOT_COMPILE is False
+    # the tests pin AVX2 (tests/conftest.py): the engine's compile cache is that setting's own
+    assert "pinned-aten-avx2" in vllm.envs.VLLM_CACHE_ROOT
 
 
 def test_seeded_sampling_is_reproducible(engine, prompts) -> None:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -108,14 +107,17 @@ def compile_caches_per_cpu_pins() -> dict[str, str]:
     by these settings: an engine compiled unpinned and loaded from the cache under
     ``ATEN_CPU_CAPABILITY=avx2`` sampled from NaN logits, and the other way round it corrupted the
     heap (seen on one host, where the tests pin AVX2 and the demo does not). The caches set."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
     pins = [f"{name.split('_')[0]}-{os.environ[name]}" for name in CPU_PINS if os.environ.get(name, "").strip()]
     if not pins:
         return {}
     tag = "pinned-" + "-".join(pins).lower()
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    chosen = {"TORCHINDUCTOR_CACHE_DIR": str(Path(tempfile.gettempdir()) / f"torchinductor_{tag}"),
-              "VLLM_CACHE_ROOT": str(cache / "vllm" / tag)}
-    chosen = {name: value for name, value in chosen.items() if not os.environ.get(name)}
+    chosen = {"TORCHINDUCTOR_CACHE_DIR": f"{default_cache_dir()}_{tag}", "VLLM_CACHE_ROOT": str(cache / "vllm" / tag)}
+    # importing vLLM sets Inductor's variable to torch's default: that value is no one's choice
+    chosen = {name: value for name, value in chosen.items()
+              if os.environ.get(name, "") in ("", default_cache_dir() if name == "TORCHINDUCTOR_CACHE_DIR" else "")}
     os.environ.update(chosen)
     return chosen
 
