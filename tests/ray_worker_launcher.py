@@ -27,11 +27,12 @@ IMPORT_TIME = ("HF_", "HUGGINGFACE", "TRANSFORMERS", "TORCH", "PYTORCH", "ATEN_"
                "KMP_", "GOMP_", "LD_", "PYTHON", "TRITON", "TOKENIZERS", "NRL_TEST_BREAK", "CUDA", "NVIDIA",
                "VLLM_PLUGINS", "VLLM_TARGET_DEVICE")
 #: ... except these: the forked process applies the first four itself (tests/zygote.py), Python
-#: reads the breakpoint hook when it is called, and a preloaded library is compared by what the
-#: zygote has loaded. vLLM reads its other variables when it uses them, and its logging variables
-#: are applied again after the fork.
+#: reads the breakpoint hook when it is called, a preloaded library is compared by what the
+#: zygote has loaded, and Inductor reads its cache directory whenever it compiles (nrl's vLLM
+#: worker names one per CPU pin, in the process that hosts an engine). vLLM reads its other
+#: variables when it uses them, and its logging variables are applied again after the fork.
 NOT_COMPARED = ("PYTHONPATH", "PYTHONUNBUFFERED", "OMP_NUM_THREADS", "TORCHINDUCTOR_CPP_DYNAMIC_THREADS",
-                "PYTHONBREAKPOINT", "LD_PRELOAD")
+                "PYTHONBREAKPOINT", "LD_PRELOAD", "TORCHINDUCTOR_CACHE_DIR")
 
 
 def import_time_view(environ: dict[str, str]) -> dict[str, str]:
