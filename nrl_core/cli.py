@@ -172,17 +172,17 @@ def _warm_start(twin: Any, recipe: Any, out: Any, args: argparse.Namespace) -> t
     (nrl_core/twin_warm_start.py), run in a process of its own; the exit code and the twin."""
     import subprocess
 
+    from nrl_core.cluster import shutdown_ray
     from nrl_core.config import load_and_validate
     from nrl_core.plugins import get_plugin_manager
     from nrl_core.twin import write_twin
     from nrl_core.twin_warm_start import exported, needs_warm_start, warm_start
 
     pm = get_plugin_manager()
-    if not needs_warm_start(load_and_validate(str(twin.config), [], pm, algorithm=twin.algorithm)):
+    config = load_and_validate(str(twin.config), [], pm, algorithm=twin.algorithm)
+    if not needs_warm_start(config):
         return 0, twin
-    sft = warm_start(twin.config, twin.algorithm, out / "warm_start", pm)
-    from nrl_core.cluster import shutdown_ray
-
+    sft = warm_start(config, twin.config, out / "warm_start", pm)
     shutdown_ray()  # the environment's workers, which picked the answer format; the SFT starts its own cluster
     print(f"warm start: {sft} (dynamic sampling keeps only prompts whose rewards differ; a random-init model's "
           "never do)")

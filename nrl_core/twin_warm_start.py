@@ -34,17 +34,15 @@ def needs_warm_start(config: Mapping[str, Any]) -> bool:
     return bool((config.get("grpo") or {}).get("use_dynamic_sampling"))
 
 
-def answer_format(config: Mapping[str, Any], pm: PluginManager) -> str:
+def answer_format(config: Mapping[str, Any]) -> str:
     """The first of :data:`FORMATS` that the config's environment rewards for a right answer and
     not for a wrong one; one line when none is."""
-    from nrl_core.contracts import EnvSample, import_object
+    from nrl_core.algorithms.setup import build_environment
+    from nrl_core.contracts import EnvSample
 
     name = config["data"]["env_name"]
-    spec = pm.environments().get(name, "data.env_name")
-    section = (config.get("env") or {}).get(name) or spec.config_schema.validate({}, f"env.{name}")
-    section = {key: value for key, value in section.items() if key in spec.config_schema.fields}  # not the core's
     try:
-        environment = import_object(spec.environment)(section)
+        environment = build_environment(config)  # as a run builds it, behind the plugin boundary
     except Exception as exc:  # one that needs more than its section (a reward model's devices)
         raise ConfigError(f"env.{name}", f"cannot start here to pick the warm start's answer format ({exc}); pass "
                                          "--model DIR, a model that answers in its format") from exc
@@ -67,15 +65,13 @@ def answer_format(config: Mapping[str, Any], pm: PluginManager) -> str:
                                      "--model DIR, a model that answers in its format")
 
 
-def warm_start(twin_config: Path, algorithm: str, out: Path, pm: PluginManager) -> Path:
-    """Write the SFT warm start of ``twin_config``'s model under ``out`` (its data and config);
-    the config, whose run exports the model to :func:`exported`."""
+def warm_start(config: Mapping[str, Any], twin_config: Path, out: Path, pm: PluginManager) -> Path:
+    """Write the SFT warm start of the model of ``config`` (the twin at ``twin_config``, validated)
+    under ``out``: its data and config; the config, whose run exports the model to :func:`exported`."""
     from nrl_core.algorithms.setup import load_tokenizer
-    from nrl_core.config import load_and_validate
     from nrl_core.data.processors import prepare_data
 
-    config = load_and_validate(str(twin_config), [], pm, algorithm=algorithm)
-    form = answer_format(config, pm)
+    form = answer_format(config)
     data = prepare_data(config["data"], load_tokenizer(config), pm)
     if any("ground_truth" not in datum.metadata for datum in data.train):
         raise ConfigError("data.processor", f"'{config['data']['processor']}' gives its prompts no ground_truth, which "

@@ -28,13 +28,13 @@ def pm():
 
 @pytest.mark.parametrize(("env", "form"), [("dapo", "Answer: {answer}"), ("math", "Answer: {answer}"),
                                            ("math_multi_reward", "<answer>{answer}</answer>")])
-def test_the_format_is_the_first_one_the_environment_rewards_right_and_not_wrong(env, form, pm):
-    assert answer_format({"data": {"env_name": env}, "env": {}}, pm) == form
+def test_the_format_is_the_first_one_the_environment_rewards_right_and_not_wrong(env, form):
+    assert answer_format({"data": {"env_name": env}, "env": {}}) == form
 
 
-def test_an_environment_that_rewards_no_format_is_one_line(pm):
+def test_an_environment_that_rewards_no_format_is_one_line():
     with pytest.raises(ConfigError, match=r"^env\.code: rewards none of the answer formats .*pass --model DIR"):
-        answer_format({"data": {"env_name": "code"}, "env": {}}, pm)
+        answer_format({"data": {"env_name": "code"}, "env": {}})
 
 
 def test_the_warm_start_learns_the_twins_own_prompts_in_the_environments_format(tmp_path, pm, monkeypatch):
@@ -44,7 +44,7 @@ def test_the_warm_start_learns_the_twins_own_prompts_in_the_environments_format(
     assert needs_warm_start(config)
     assert not needs_warm_start(load_and_validate(str(CHECKOUT / "configs" / "grpo_math_1B.yaml"), [], pm,
                                                   algorithm="grpo"))
-    sft = warm_start(twin.config, "grpo", tmp_path / "warm", pm)
+    sft = warm_start(config, twin.config, tmp_path / "warm", pm)
     from nrl_core.algorithms.setup import load_tokenizer
 
     datums = prepare_data(config["data"], load_tokenizer(config), pm).train

@@ -115,9 +115,8 @@ def compile_caches_per_cpu_pins() -> dict[str, str]:
     tag = "pinned-" + "-".join(pins).lower()
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     chosen = {"TORCHINDUCTOR_CACHE_DIR": f"{default_cache_dir()}_{tag}", "VLLM_CACHE_ROOT": str(cache / "vllm" / tag)}
-    # importing vLLM sets Inductor's variable to torch's default: that value is no one's choice
-    chosen = {name: value for name, value in chosen.items()
-              if os.environ.get(name, "") in ("", default_cache_dir() if name == "TORCHINDUCTOR_CACHE_DIR" else "")}
+    unchosen = {"TORCHINDUCTOR_CACHE_DIR": default_cache_dir()}  # importing vLLM sets it: no one's choice
+    chosen = {name: value for name, value in chosen.items() if os.environ.get(name) in (None, "", unchosen.get(name))}
     os.environ.update(chosen)
     return chosen
 
