@@ -97,7 +97,7 @@ VALIDATION = {"max_val_samples": 8, "val_batch_size": 8, "val_batches": 1, "val_
 FAMILY_NAMES = (("qwen3_moe", r"qwen3(?!\.\d|-?next).*(moe|-a\d+b|\d+ba\d+b)"), ("qwen2_moe", r"qwen(1\.5|2)[-_]?moe"),
                 ("qwen3", r"qwen3(?!\.\d|-?next)"), ("qwen2", r"qwen2|distill-qwen"), ("llama", r"llama"),
                 ("gemma3", r"gemma-?3(?!n)"), ("gemma4", r"gemma-?4"), ("mistral", r"mistral-(7b|nemo)"),
-                ("gpt_oss", r"gpt-oss"), ("nemotron_h_moe", r"nemotron-3-(nano|super)"),
+                ("gpt_oss", r"gpt-oss"), ("nemotron_h_moe", r"nemotron-3(\.5)?-(nano|super|lightning)"),
                 ("nemotron_h", r"nemotron-(h|nano-\d+b-v2)\b"), ("deepseek_v3", r"moonlight|deepseek-v3(?!\.[2-9])"),
                 ("glm4_moe_lite", r"glm-4\.7-flash"))
 

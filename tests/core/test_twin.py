@@ -78,7 +78,7 @@ def test_a_key_outside_the_table_is_not_a_scale_down_key():
     ("google/gemma-4-26B-A4B-it", "gemma4"), ("openai/gpt-oss-20b", "gpt_oss"),
     ("nvidia/NVIDIA-Nemotron-Nano-12B-v2", "nemotron_h"), ("nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16", "nemotron_h_moe"),
     ("nvidia/NVIDIA-Nemotron-3-Super-120B-A12B-BF16", "nemotron_h_moe"),
-    ("nvidia/NVIDIA-Nemotron-3.5-Lightning-30B-A3B-BF16", None),
+    ("nvidia/NVIDIA-Nemotron-3.5-Lightning-30B-A3B-BF16", "nemotron_h_moe"),
     ("mistralai/Mistral-Nemo-Instruct-2407", "mistral"), ("mistralai/Mistral-Medium-3.5-128B", None),
     # Qwen3.5 and Qwen3-Next are other architectures (linear-attention layers), not Qwen3's
     ("Qwen/Qwen3.5-9B-Base", None), ("Qwen/Qwen3.5-35B-A3B-Base", None), ("Qwen/Qwen3-Next-80B-A3B-Instruct", None),

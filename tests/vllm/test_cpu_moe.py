@@ -1,12 +1,20 @@
-"""The pieces behind vLLM expert parallelism on CPU and the per-rank refit read count, without an
-engine: the router's global expert ids as one rank's local slots, and the counter's attribution
-of each copy to the refit tensor it reads from."""
+"""The pieces behind vLLM expert parallelism on CPU, ungated experts and the per-rank refit read
+count, without an engine: the router's global expert ids as one rank's local slots, squared-ReLU
+experts against a token-by-token reference, and the counter's attribution of each copy to the
+refit tensor it reads from."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from nrl_gen_vllm.cpu_moe import local_routing, process_experts_on_reload, translate_expert_ids
+from nrl_gen_vllm.cpu_moe import (
+    local_routing,
+    process_experts_on_reload,
+    run_ungated_experts,
+    translate_expert_ids,
+    ungated_experts,
+)
 from nrl_gen_vllm.refit_reads import RefitReadCounter
 
 
@@ -20,13 +28,36 @@ def test_global_expert_ids_become_local_slots_and_other_ranks_experts_weigh_noth
     assert torch.equal(local_weights, torch.tensor([[0.0, 0.4], [0.7, 0.3], [0.0, 0.0]]))
 
 
+@pytest.mark.parametrize("weighted", [True, False])
+def test_ungated_experts_sum_each_tokens_chosen_experts(weighted: bool) -> None:
+    """Nemotron-H's experts, ``relu(x @ up)^2 @ down``, each token's choices summed with the router's
+    weights (or unweighted, when vLLM scaled the input by them already); a choice of -1 adds nothing."""
+    torch.manual_seed(0)
+    experts, hidden, inner = 4, 8, 6
+    x = torch.randn(5, hidden)
+    w1, w2 = torch.randn(experts, inner, hidden), torch.randn(experts, hidden, inner)
+    b1, b2 = torch.randn(experts, inner), torch.randn(experts, hidden)
+    ids = torch.tensor([[0, 3], [2, 2], [1, -1], [3, 0], [2, 1]], dtype=torch.int32)
+    weights = torch.rand(5, 2)
+    out = torch.full((5, hidden), float("nan"))
+    ungated_experts(out, x, w1, w2, weights, ids, "relu2_no_mul", b1, b2, weighted=weighted)
+    for t in range(5):
+        expected = torch.zeros(hidden)
+        for k in range(2):
+            e = int(ids[t, k])
+            if e >= 0:
+                y = torch.relu(w1[e] @ x[t] + b1[e]).square() @ w2[e].T + b2[e]
+                expected += y * weights[t, k] if weighted else y
+        torch.testing.assert_close(out[t], expected, rtol=1e-5, atol=1e-5)
+
+
 def test_the_vllm_patches_install_once() -> None:
     from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
     from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
 
-    assert translate_expert_ids() and process_experts_on_reload()
+    assert run_ungated_experts() and translate_expert_ids() and process_experts_on_reload()
     apply, setup = CPUUnquantizedExperts.apply, UnquantizedFusedMoEMethod._setup_kernel
-    assert translate_expert_ids() and process_experts_on_reload()
+    assert run_ungated_experts() and translate_expert_ids() and process_experts_on_reload()
     assert CPUUnquantizedExperts.apply is apply and UnquantizedFusedMoEMethod._setup_kernel is setup
 
 

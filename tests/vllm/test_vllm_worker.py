@@ -299,12 +299,15 @@ def test_a_tied_output_layer_follows_its_embedding_at_refit() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["gemma4", "nemotron_h"])
+@pytest.mark.parametrize("family", ["gemma4", "nemotron_h", "nemotron_h_moe", "deepseek_v3", "glm4_moe_lite"])
 def test_newer_families_sample_from_the_trainers_weights_after_refit(family: str) -> None:
     """Each newer family's engine, refit from a DTensor trainer, samples from the trainer's model:
     Gemma 4's per-layer scalars (buffers, not parameters) travel with the weights; Nemotron-H's
     Mamba layers run in vLLM's CPU build (with prefix caching off, which it caches only in chunked
-    prefill's steps)."""
+    prefill's steps), and its squared-ReLU experts run through nrl's ungated path
+    (``nrl_gen_vllm/cpu_moe.py``), reloaded as they are at each refit; DeepSeek-V3's and
+    GLM-4.7-Flash's latent attention rotates its 3-D queries and keys right
+    (``nrl_gen_vllm/cpu_rope.py``: before, only a sequence's first position matched)."""
     from nrl_core.testing.distributed import run_distributed
 
     gap, = run_distributed(_trainer_refit_gap, 1, family)
@@ -328,10 +331,7 @@ def test_an_engine_built_without_lora_refuses_an_adapter(engine) -> None:
         engine.import_adapter([tensors], manifest_of(tensors), {"r": 8})
 
 
-@pytest.mark.parametrize("family, refusal", [("nemotron_h_moe", "squared-ReLU; its engine needs a GPU"),
-                                             ("gpt_oss", "does not compute gpt-oss as the trainer does"),
-                                             ("deepseek_v3", "does not compute deepseek_v3's latent attention"),
-                                             ("glm4_moe_lite", "does not compute glm4_moe_lite's latent attention")])
+@pytest.mark.parametrize("family, refusal", [("gpt_oss", "does not compute gpt-oss as the trainer does")])
 def test_models_the_cpu_engine_cannot_serve_are_refused_in_one_line(family: str, refusal: str) -> None:
     from transformers import AutoConfig
 
@@ -342,3 +342,20 @@ def test_models_the_cpu_engine_cannot_serve_are_refused_in_one_line(family: str,
     with pytest.raises(ConfigError, match=rf"^policy\.model_name: vLLM's CPU build .*{re.escape(refusal)}"):
         check_cpu_model(AutoConfig.from_pretrained(cached_tiny_model(family)))
     check_cpu_model(AutoConfig.from_pretrained(cached_tiny_model("nemotron_h")))
+    for served in ("nemotron_h_moe", "deepseek_v3", "glm4_moe_lite"):
+        check_cpu_model(AutoConfig.from_pretrained(cached_tiny_model(served)))
+
+
+def test_a_refit_vllms_layerwise_reload_cannot_see_is_refused_before_loading(tmp_path) -> None:
+    """vLLM's gpt-oss loader copies its sinks and experts into the parameters directly; a layerwise
+    reload sees only weight-loader calls, so after a refit they kept vLLM's placeholder values
+    (measured: sinks of about 1e-3, and a logprob gap of 2.7 to the trainer). The refit is refused
+    before anything loads; other architectures, and a hub id without a local config, pass."""
+    from nrl_core.testing.tiny_models import cached_tiny_model
+    from nrl_gen_vllm.checkpoint import check_reloadable
+
+    with pytest.raises(RefitError, match=r"^refit rejected, weights unchanged; vLLM's GptOssForCausalLM loader "
+                                         r"writes its attention sinks, expert weights and expert biases directly"):
+        check_reloadable(cached_tiny_model("gpt_oss"))
+    check_reloadable(cached_tiny_model("llama"))
+    check_reloadable(tmp_path / "openai/gpt-oss-20b")

@@ -32,6 +32,28 @@ def checkpoint_shapes(model_dir: str | os.PathLike[str]) -> dict[str, tuple[int,
     return shapes
 
 
+#: Architectures whose vLLM loader (0.32) copies some tensors straight into their parameters rather
+#: than through the parameters' weight loaders. vLLM's layerwise reload, which an nrl refit uses,
+#: sees only weight-loader calls: those tensors would keep the values they had (after a placeholder
+#: start, vLLM's dummy ones) while the rest took the trainer's.
+DIRECT_LOADERS = {"GptOssForCausalLM": "attention sinks, expert weights and expert biases"}
+
+
+def check_reloadable(model_dir: str | os.PathLike[str]) -> None:
+    """Raise :class:`RefitError` before anything loads when the directory's architecture is one of
+    :data:`DIRECT_LOADERS`; a directory without ``config.json`` (a hub id) is not checked."""
+    try:
+        architectures = json.loads((Path(model_dir) / "config.json").read_text()).get("architectures") or []
+    except (OSError, ValueError):
+        return
+    for architecture in architectures:
+        if architecture in DIRECT_LOADERS:
+            raise RefitError(f"refit rejected, weights unchanged; vLLM's {architecture} loader writes its "
+                             f"{DIRECT_LOADERS[architecture]} directly, which vLLM's layerwise reload (how nrl "
+                             "refits an engine) does not see, so they would keep their old values; nrl cannot "
+                             "refit this architecture yet")
+
+
 def _tied(model_dir: str | os.PathLike[str]) -> bool:
     try:
         return bool(json.loads((Path(model_dir) / "config.json").read_text()).get("tie_word_embeddings", False))

@@ -101,3 +101,92 @@ def translate_expert_ids() -> bool:
     apply_with_expert_map._nrl_expert_map = True  # type: ignore[attr-defined]
     experts.apply = apply_with_expert_map
     return True
+
+
+_UNGATED = {"silu_no_mul": torch.nn.functional.silu, "gelu_no_mul": torch.nn.functional.gelu,
+            "gelu_tanh_no_mul": lambda x: torch.nn.functional.gelu(x, approximate="tanh"),
+            "relu2_no_mul": lambda x: torch.square(torch.relu(x))}
+"""The ungated expert activations (``act(x @ up) @ down``, no gate), as vLLM's GPU kernels define them."""
+
+
+@torch.library.custom_op("nrl::ungated_experts", mutates_args=("output",), device_types="cpu")
+def ungated_experts(output: torch.Tensor, hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                    topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: str,
+                    w1_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
+                    weighted: bool = True) -> None:
+    """Experts without a gate (Nemotron-H's squared ReLU), one expert's tokens at a time: ``w1`` is
+    ``[experts, intermediate, hidden]``, ``w2`` ``[experts, hidden, intermediate]``; ``output``
+    gets each token's experts summed, weighted by the router unless it already scaled the input.
+    A custom op, as vLLM's C++ kernel is, so that vLLM's compiled graph calls it whole: which
+    experts a batch reaches is data, which a traced graph cannot branch on."""
+    act = _UNGATED[activation]
+    flat_ids = topk_ids.reshape(-1).long()
+    tokens = torch.arange(hidden_states.shape[0], device=hidden_states.device).repeat_interleave(topk_ids.shape[1])
+    weights = topk_weights.reshape(-1, 1).to(hidden_states.dtype)
+    result = torch.zeros(output.shape, dtype=torch.float32, device=output.device)
+    for expert in torch.unique(flat_ids[flat_ids >= 0]).tolist():
+        chosen = (flat_ids == expert).nonzero(as_tuple=True)[0]
+        rows = tokens[chosen]
+        up = torch.nn.functional.linear(hidden_states[rows], w1[expert], None if w1_bias is None else w1_bias[expert])
+        down = torch.nn.functional.linear(act(up), w2[expert], None if w2_bias is None else w2_bias[expert])
+        result.index_add_(0, rows, (down * weights[chosen] if weighted else down).float())
+    output.copy_(result.to(output.dtype))
+
+
+@ungated_experts.register_fake
+def _(output: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def run_ungated_experts() -> bool:
+    """Let vLLM's CPU MoE layers run ungated experts (Nemotron-H's squared ReLU) through
+    :func:`ungated_experts`: vLLM 0.32 refuses them on the CPU when it builds the layer, and its C++
+    kernel computes gated ones only. The weights stay in checkpoint layout (no prepack), so weight
+    updates load them as they are. False when this vLLM lacks the pieces patched."""
+    try:
+        from vllm.model_executor.layers.fused_moe import config as moe_config
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except ImportError:
+        return False
+    experts = CPUUnquantizedExperts
+    if getattr(experts, "_nrl_ungated", False):  # a class mark: other repairs wrap ``apply`` after this one
+        return True
+    post_init = moe_config.FusedMoEConfig.__post_init__
+
+    def post_init_ungated(self: Any) -> None:
+        # vLLM's refusal is the last statement of __post_init__: past it the config is complete
+        try:
+            post_init(self)
+        except NotImplementedError as error:
+            if "is_act_and_mul=False" not in str(error) or self.activation.value not in _UNGATED:
+                raise
+
+    is_supported, process, apply = experts.is_supported_config, experts.process_weights_after_loading, experts.apply
+
+    def is_supported_config(cls: Any, moe: Any, *args: Any) -> tuple[bool, str | None]:
+        if moe.activation.value in _UNGATED and moe.is_act_and_mul is False:
+            return (True, None) if cls._supports_current_device() else (False, "kernel does not support this device")
+        return is_supported(cls, moe, *args)
+
+    def process_weights_after_loading(self: Any, layer: Any) -> None:
+        if self.moe_config.activation.value in _UNGATED:
+            self._use_zentorch = False
+            return
+        process(self, layer)
+
+    def apply_ungated(self: Any, output: torch.Tensor, hidden_states: torch.Tensor, w1: torch.Tensor,
+                      w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: Any,
+                      *args: Any, **kwargs: Any) -> None:
+        if activation.value not in _UNGATED:
+            return apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, *args, **kwargs)
+        on_input = kwargs.get("apply_router_weight_on_input", args[-1] if args else False)
+        ungated_experts(output, hidden_states, w1, w2, topk_weights, topk_ids, activation.value,
+                        self.w1_bias, self.w2_bias, weighted=not on_input)
+        return None
+
+    moe_config.FusedMoEConfig.__post_init__ = post_init_ungated
+    experts.is_supported_config = staticmethod(is_supported_config)
+    experts.process_weights_after_loading = process_weights_after_loading
+    experts.apply = apply_ungated
+    experts._nrl_ungated = True  # type: ignore[attr-defined]
+    return True

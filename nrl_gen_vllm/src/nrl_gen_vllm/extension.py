@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from nrl_gen_vllm.cpu_moe import process_experts_on_reload, reloading, translate_expert_ids
+from nrl_gen_vllm.cpu_moe import process_experts_on_reload, reloading, run_ungated_experts, translate_expert_ids
+from nrl_gen_vllm.cpu_rope import rotate_three_dimensional_inputs_natively
 from nrl_gen_vllm.cpu_sampler import use_eager_rank_count
 from nrl_gen_vllm.refit_reads import RefitReadCounter
 from nrl_gen_vllm.released import released
@@ -27,6 +28,8 @@ def _prepare_worker_process() -> None:
 
     if current_platform.is_cpu():
         use_eager_rank_count()
+        rotate_three_dimensional_inputs_natively()
+        run_ungated_experts()  # before the expert-id translation, which wraps what it finds
         translate_expert_ids()
         process_experts_on_reload()
 
