@@ -40,6 +40,7 @@ SCALE_DOWN: dict[str, str] = {
     "S.*.moe_token_dispatcher_type": "the training backend's CPU twin keys: Megatron's alltoall and flex "
                                      "dispatchers need CUDA streams; unset, it is allgather on a CPU and "
                                      "alltoall on GPUs",
+    "S.*.moe_enable_deepep": "the training backend's CPU twin keys: DeepEP's dispatcher needs CUDA",
     "policy.generation.*_kwargs.*": "the generation backend's CPU twin keys (engine arguments that pick GPU "
                                     "kernels, left to the engine's own choice)",
     "S.*.optimizer.*": "the training backend's CPU twin keys (what a CPU lacks, such as a mixed-precision "

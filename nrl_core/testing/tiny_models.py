@@ -42,6 +42,8 @@ DENSE_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3")
 #: Hugging Face ``model_type`` values that are a family here under another name.
 MODEL_TYPES = {"gemma3_text": "gemma3", "gemma4_text": "gemma4"}
 MOE_FAMILIES = ("qwen3_moe", "qwen2_moe")
+#: DeepSeek-V3's routing correction bias (a buffer), given random values like the weights.
+ROUTING_BIAS = "e_score_correction_bias"
 NEWER_FAMILIES = ("gemma4", "gpt_oss", "nemotron_h", "nemotron_h_moe", "deepseek_v3", "glm4_moe_lite")
 FAMILIES = DENSE_FAMILIES + MOE_FAMILIES + NEWER_FAMILIES
 #: The sizes the newer families come in; their layouts need four layers to show each block kind.
@@ -257,6 +259,9 @@ def build_tiny_model(out_dir: str | os.PathLike[str], family: str = "llama", siz
             for param in model.parameters():
                 if param.dim() >= 2:
                     param.normal_(0.0, std)
+            for name, buffer in model.named_buffers():
+                if name.endswith(ROUTING_BIAS):  # a trained model's choices lean on it; zeros would hide its path
+                    buffer.normal_(0.0, 0.1)
     finally:
         torch.random.set_rng_state(generator_state)
     model.save_pretrained(str(out), safe_serialization=True)
@@ -271,6 +276,8 @@ def cached_tiny_model(family: str = "llama", size: str = "tiny", seed: int = 0, 
     if family in NEWER_FAMILIES:  # their configs may still change, and a changed one must rebuild; the
         # older families' directory names are in checkpoint fixtures (tests/reliability), so they stay
         spec["config"] = model_config(family, size, **config_overrides).to_json_string()
+        if family in ("deepseek_v3", "glm4_moe_lite"):
+            spec["routing_bias"] = True  # built with a random routing correction bias since nrl-core 1.24
     if init_std is not None:
         spec["init_std"] = init_std
     key = json.dumps(spec, sort_keys=True)

@@ -270,7 +270,7 @@ def test_unsupported_architecture_is_one_line() -> None:
 
     cfg = GPT2Config()
     cfg.architectures = ["GPT2LMHeadModel"]
-    with pytest.raises(ConfigError, match="supported: LlamaForCausalLM, Qwen2ForCausalLM, Qwen2MoeForCausalLM") as err:
+    with pytest.raises(ConfigError, match="supported: DeepseekV3ForCausalLM, Glm4MoeLiteForCausalLM, LlamaForCausalLM, Qwen2") as err:
         family_of(cfg)
     assert "\n" not in str(err.value)
 

@@ -153,3 +153,43 @@ def dtensor_world2(rank: int, world: int, path: str) -> dict[str, Any]:
     out["manifest"] = [(s.name, s.shape) for s in w.weight_manifest("float32")]
     out["metrics"] = [w.train(batch, _loss()) for _ in range(2)]
     return out
+
+
+def latent_paths() -> dict[str, str]:
+    """The tiny multi-head latent attention models (DeepSeek-V3, and GLM-4.7-Flash with low-rank queries)."""
+    from nrl_core.testing.tiny_models import cached_tiny_model
+
+    return {"deepseek_v3": str(cached_tiny_model("deepseek_v3")), "glm4_moe_lite": str(cached_tiny_model("glm4_moe_lite"))}
+
+
+def latent_world1(rank: int, world: int, paths: dict[str, str]) -> dict[str, Any]:
+    """HF parity and export of both latent families, and DeepSeek-V3's single-rank training baseline."""
+    from nrl_backend_megatron.worker import MegatronPolicyWorker
+
+    out: dict[str, Any] = {}
+    batch = make_batch()
+    for name, path in paths.items():
+        w = MegatronPolicyWorker(make_config(path), rank, world)
+        out[f"{name}/logits"] = _logits(w, batch)
+        out[f"{name}/logprobs"] = gather_shards(w.get_logprobs(batch), batch)
+        out[f"{name}/export"] = _export(w)
+        if name == "deepseek_v3":
+            out["metrics"] = [w.train(batch, _loss()) for _ in range(3)]
+            out["trained"] = _export(w)
+    return out
+
+
+def latent_world2(rank: int, world: int, paths: dict[str, str]) -> dict[str, Any]:
+    """DeepSeek-V3 at tensor parallel 2 with sequence parallelism (heads and latent projections split), expert parallel 2 and
+    pipeline parallel 2 (the dense layer on one stage, the routed one on the other)."""
+    from nrl_backend_megatron.worker import MegatronPolicyWorker
+
+    out: dict[str, Any] = {}
+    batch, loss = make_batch(), _loss()
+    for tag, megatron in (("tp2", {"tensor_model_parallel_size": 2, "sequence_parallel": True}), ("ep2", {"expert_model_parallel_size": 2}),
+                          ("pp2", {"pipeline_model_parallel_size": 2})):
+        w = MegatronPolicyWorker(make_config(paths["deepseek_v3"], megatron=megatron), rank, world)
+        out[f"{tag}/logprobs"] = gather_shards(w.get_logprobs(batch), batch)
+        out[f"{tag}/metrics"] = [w.train(batch, loss) for _ in range(3)]
+        out[f"{tag}/trained"] = _export(w)
+    return out

@@ -49,11 +49,20 @@ def _redirect_device_kwarg(fn: Callable[..., Any]) -> Callable[..., Any]:
 def define_missing_te_names() -> None:
     """Megatron-Core's MoE router reads ``moe_utils.te_general_gemm``, which the module only defines
     when Transformer Engine imports; without TE, routing raises ``NameError``. ``None`` is the
-    value the router's own fallback (plain ``torch.mm``) checks for."""
+    value the router's own fallback (plain ``torch.mm``) checks for. Latent attention's own
+    Transformer Engine switch is set from what actually imported."""
     import megatron.core.transformer.moe.moe_utils as moe_utils
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+    # Multi-head latent attention counts TE as present when Megatron's TE extension module imports,
+    # which it does without TE, and then type-checks against its ``TELinear``, a placeholder mock.
+    import importlib.util
+
+    import megatron.core.transformer.multi_latent_attention as latent
+
+    if importlib.util.find_spec("transformer_engine") is None:
+        latent.HAVE_TE = False
 
 
 def active() -> bool:

@@ -88,18 +88,22 @@ def transformer_config(hf_config: Any, layout: ParallelLayout, *, params_dtype: 
     ``policy.megatron_cfg`` section whose ``moe_*`` keys configure a mixture-of-experts model,
     ``recompute`` the one whose ``activation_checkpointing`` and ``recompute_*`` keys set activation
     recompute (:func:`nrl_backend_megatron.memory.recompute_kwargs`; None: none)."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     family = family_of(hf_config)
     on_gpu = te_available()
-    return TransformerConfig(
+    if family.latent:
+        config_class, attention = MLATransformerConfig, latent_attention_kwargs(hf_config)
+    else:
+        config_class, attention = TransformerConfig, dict(
+            num_query_groups=getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads,
+            kv_channels=head_dim(hf_config), qk_layernorm=family.qk_norm)
+    return config_class(
         num_layers=hf_config.num_hidden_layers, hidden_size=hf_config.hidden_size,
-        num_attention_heads=hf_config.num_attention_heads,
-        num_query_groups=getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads,
-        kv_channels=head_dim(hf_config), ffn_hidden_size=hf_config.intermediate_size,
+        num_attention_heads=hf_config.num_attention_heads, **attention, ffn_hidden_size=hf_config.intermediate_size,
         normalization="RMSNorm", layernorm_epsilon=hf_config.rms_norm_eps, gated_linear_unit=True,
         activation_func=torch.nn.functional.silu, add_bias_linear=False, add_qkv_bias=family.qkv_bias,
-        qk_layernorm=family.qk_norm, attention_dropout=0.0, hidden_dropout=0.0,
+        attention_dropout=0.0, hidden_dropout=0.0,
         tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
         context_parallel_size=layout.cp, sequence_parallel=layout.sequence_parallel,
         params_dtype=params_dtype, pipeline_dtype=pipeline_dtype or params_dtype, bf16=bf16, fp16=fp16,
@@ -111,6 +115,28 @@ def transformer_config(hf_config: Any, layout: ParallelLayout, *, params_dtype: 
         expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=1,
         **moe_config_kwargs(hf_config, moe or {}, on_gpu),
     )
+
+
+def latent_attention_kwargs(hf_config: Any) -> dict[str, Any]:
+    """``MLATransformerConfig`` fields of a DeepSeek-V3-style HF config: the latent widths, the
+    rotary part's RoPE (plain or YaRN, as HF scales it), and the query and latent norms (Megatron's
+    ``qk_layernorm`` builds them)."""
+    kind = _rope_type(hf_config)
+    if kind not in ("default", "yarn"):
+        raise ConfigError("policy.model_name", f"RoPE type '{kind}' of latent attention is not supported by the "
+                                               "Megatron backend; supported: default, yarn")
+    kwargs: dict[str, Any] = dict(
+        q_lora_rank=hf_config.q_lora_rank or None, kv_lora_rank=hf_config.kv_lora_rank,
+        qk_head_dim=hf_config.qk_nope_head_dim, qk_pos_emb_head_dim=hf_config.qk_rope_head_dim,
+        v_head_dim=hf_config.v_head_dim, qk_layernorm=True, rotary_base=rope_theta(hf_config),
+        rope_type="rope" if kind == "default" else "yarn")
+    if kind == "yarn":
+        params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+        kwargs.update(rotary_scaling_factor=float(params["factor"]),
+                      original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+                      beta_fast=float(params.get("beta_fast", 32)), beta_slow=float(params.get("beta_slow", 1)),
+                      mscale=float(params.get("mscale", 1.0)), mscale_all_dim=float(params.get("mscale_all_dim", 0.0)))
+    return kwargs
 
 
 def layer_spec(hf_config: Any, config: Any) -> Any:
@@ -146,9 +172,17 @@ def layer_spec(hf_config: Any, config: Any) -> Any:
 
 
 def _use_packed_attention(spec: Any) -> Any:
-    from nrl_backend_megatron.packed_attention import PackedDotProductAttention
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
-    spec.submodules.self_attention.submodules.core_attention = PackedDotProductAttention
+    from nrl_backend_megatron.packed_attention import LatentDotProductAttention, PackedDotProductAttention
+
+    attention = spec.submodules.self_attention
+    latent = isinstance(attention.module, type) and issubclass(attention.module, MLASelfAttention)
+    attention.submodules.core_attention = LatentDotProductAttention if latent else PackedDotProductAttention
+    if latent:
+        from nrl_backend_megatron.latent import use_duplicated_down_projections
+
+        use_duplicated_down_projections(attention)
     return spec
 
 

@@ -22,7 +22,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from nrl_backend_megatron.convert.families import family_of, moe_layers, num_experts
+from nrl_backend_megatron.convert.families import family_of, moe_layers, num_experts, shared_expert_width
 from nrl_core.api import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -116,9 +116,38 @@ def moe_config_kwargs(hf_config: Any, section: Mapping[str, Any], on_gpu: bool) 
         moe_shared_expert_overlap=bool(section.get("moe_shared_expert_overlap")),
         moe_per_layer_logging=bool(section.get("moe_per_layer_logging")),
     )
-    if family.shared_expert:
+    if family.latent:
+        kwargs.update(latent_routing(hf_config, topk))
+    elif family.shared_expert:
         kwargs.update(moe_shared_expert_intermediate_size=int(hf_config.shared_expert_intermediate_size),
                       moe_shared_expert_gate=True)
+    return kwargs
+
+
+def latent_routing(hf_config: Any, topk: int) -> dict[str, Any]:
+    """DeepSeek-V3's routing in Megatron's terms: sigmoid scores; experts chosen on the scores plus a
+    correction bias (a buffer nrl leaves as trained unless ``moe_router_bias_update_rate`` says
+    otherwise) but weighted by the scores alone, renormalised over the top-k and scaled by
+    ``routed_scaling_factor``; top-k within the best ``topk_group`` of ``n_group`` groups."""
+    if not bool(getattr(hf_config, "norm_topk_prob", True)) and topk > 1:
+        raise ConfigError("policy.model_name", "this DeepSeek-V3 model does not renormalise its top-k routing "
+                                               "weights (norm_topk_prob: false), which Megatron's sigmoid router "
+                                               "always does; not supported by the Megatron backend")
+    groups, group_topk = int(getattr(hf_config, "n_group", 1) or 1), int(getattr(hf_config, "topk_group", 1) or 1)
+    kwargs: dict[str, Any] = dict(
+        moe_router_score_function="sigmoid", moe_router_pre_softmax=False, moe_router_enable_expert_bias=True,
+        moe_router_topk_scaling_factor=float(getattr(hf_config, "routed_scaling_factor", 1.0) or 1.0))
+    if groups > 1:
+        # Megatron ranks a group by its best topk // group_topk scores, HF by its best two
+        if topk // group_topk != 2:
+            raise ConfigError("policy.model_name", f"group-limited routing with num_experts_per_tok {topk} and "
+                                                   f"topk_group {group_topk} ranks groups differently in Megatron "
+                                                   "(by the best top-k // topk_group scores, HF by the best two); "
+                                                   "not supported by the Megatron backend")
+        kwargs.update(moe_router_num_groups=groups, moe_router_group_topk=group_topk)
+    width = shared_expert_width(hf_config)
+    if width:
+        kwargs.update(moe_shared_expert_intermediate_size=width, moe_shared_expert_gate=False)
     return kwargs
 
 

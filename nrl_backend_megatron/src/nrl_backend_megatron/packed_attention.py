@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.module import MegatronModule
 
 
 def block_causal_mask(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
@@ -49,16 +50,56 @@ class PackedDotProductAttention(DotProductAttention):
 
     def _per_sequence(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       cu_seqlens: torch.Tensor) -> torch.Tensor:
-        """THD ``[t, heads, dim]`` in, ``[t, 1, heads * dim]`` out, each sequence attending only to
-        itself (trailing padding after the last boundary is one more sequence)."""
-        total = query.shape[0]
-        bounds = cu_seqlens.to("cpu").tolist()
-        sizes = [end - start for start, end in zip(bounds, bounds[1:]) if end > start]
-        if bounds[-1] < total:
-            sizes.append(total - bounds[-1])
-        q, k, v = (t.permute(1, 0, 2).unsqueeze(0) for t in (query, key, value))  # [1, heads, t, dim]
         dropout = self.attention_dropout.p if self.training else 0.0
-        parts = [F.scaled_dot_product_attention(qs, ks, vs, dropout_p=dropout, is_causal=True,
-                                                scale=self.softmax_scale, enable_gqa=q.shape[1] != k.shape[1])
-                 for qs, ks, vs in zip(q.split(sizes, dim=2), k.split(sizes, dim=2), v.split(sizes, dim=2))]
-        return torch.cat(parts, dim=2)[0].permute(1, 0, 2).reshape(total, 1, -1)
+        return per_sequence_attention(query, key, value, cu_seqlens, self.softmax_scale, dropout)
+
+
+def per_sequence_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
+                           scale: float | None, dropout: float) -> torch.Tensor:
+    """THD ``[t, heads, dim]`` in, ``[t, 1, heads * value dim]`` out, each sequence attending only to
+    itself (trailing padding after the last boundary is one more sequence)."""
+    total = query.shape[0]
+    bounds = cu_seqlens.to("cpu").tolist()
+    sizes = [end - start for start, end in zip(bounds, bounds[1:]) if end > start]
+    if bounds[-1] < total:
+        sizes.append(total - bounds[-1])
+    q, k, v = (t.permute(1, 0, 2).unsqueeze(0) for t in (query, key, value))  # [1, heads, t, dim]
+    parts = [F.scaled_dot_product_attention(qs, ks, vs, dropout_p=dropout, is_causal=True, scale=scale,
+                                            enable_gqa=q.shape[1] != k.shape[1])
+             for qs, ks, vs in zip(q.split(sizes, dim=2), k.split(sizes, dim=2), v.split(sizes, dim=2))]
+    return torch.cat(parts, dim=2)[0].permute(1, 0, 2).reshape(total, 1, -1)
+
+
+class LatentDotProductAttention(MegatronModule):
+    """Core attention of multi-head latent attention (DeepSeek-V3) without Transformer Engine.
+
+    Megatron-Core's ``MLASelfAttention`` hands its core attention keys as wide as the queries (the
+    latent and rotary parts) and narrower values, with their widths as ``k_channels`` and
+    ``v_channels``; its local ``DotProductAttention`` accepts neither, so on a machine without
+    Transformer Engine no MLA model could be built. This one runs causal SDPA, per packed
+    sequence as :class:`PackedDotProductAttention` does, or over a padded batch with its mask.
+    """
+
+    def __init__(self, config: Any, layer_number: int, attn_mask_type: Any, attention_type: str,
+                 attention_dropout: float | None = None, softmax_scale: float | None = None,
+                 k_channels: int | None = None, v_channels: int | None = None, **_: Any) -> None:
+        super().__init__(config=config)
+        self.softmax_scale = softmax_scale
+        self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attention_mask: torch.Tensor | None, attn_mask_type: Any = None,
+                attention_bias: torch.Tensor | None = None, packed_seq_params: Any = None) -> torch.Tensor:
+        if attention_bias is not None:
+            raise NotImplementedError("nrl: latent attention without Transformer Engine takes no attention bias")
+        dropout = self.dropout if self.training else 0.0
+        if packed_seq_params is not None:
+            return per_sequence_attention(query, key, value, packed_seq_params.cu_seqlens_q, self.softmax_scale,
+                                          dropout)
+        seq, batch, heads = query.shape[:3]  # SBHD
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, dim]
+        allowed = torch.ones(seq, seq, dtype=torch.bool, device=query.device).tril()
+        if attention_mask is not None:  # Megatron's: True where attention is not allowed
+            allowed = allowed & ~attention_mask.to(torch.bool)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout, scale=self.softmax_scale)
+        return out.permute(2, 0, 1, 3).reshape(seq, batch, -1)

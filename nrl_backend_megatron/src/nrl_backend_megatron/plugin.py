@@ -26,10 +26,10 @@ def nrl_training_backends() -> list[TrainingBackendSpec]:
         memory_layout="nrl_backend_megatron.memory_layout:memory_layout",
         # Megatron's mixed-precision optimizer keeps CUDA tensors; the precision-aware one is
         # Transformer Engine's FusedAdam; the alltoall and flex MoE dispatchers use CUDA streams
-        # (unset: allgather on a CPU, alltoall on GPUs). The distributed optimizer and its overlaps,
-        # and sequence parallelism (norms.py), run on CPUs.
+        # (unset: allgather on a CPU, alltoall on GPUs), DeepEP's too. The distributed optimizer and
+        # its overlaps, and sequence parallelism (norms.py), run on CPUs.
         twin={"optimizer.bf16": False, "optimizer.fp16": False, "optimizer.use_precision_aware_optimizer": False,
-              "moe_token_dispatcher_type": None},
+              "moe_token_dispatcher_type": None, "moe_enable_deepep": False},
         description="Megatron-Core: tensor/pipeline parallel training, dist_checkpointing",
     )]
 

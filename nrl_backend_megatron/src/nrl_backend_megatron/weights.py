@@ -44,9 +44,18 @@ def canonical_name(model: Any, name: str) -> str:
     return canon
 
 
+#: Buffers that are weights of a checkpoint: DeepSeek-V3's routing correction bias, which chooses
+#: experts and is not trained by gradients (Megatron's router keeps it as a buffer).
+WEIGHT_BUFFERS = ("mlp.router.expert_bias",)
+
+
 def canonical_param_names(model: Any) -> dict[str, tuple[str, torch.nn.Parameter]]:
-    """Canonical (global layer and expert index, local-spec) name → (local name, parameter) on this rank."""
-    return {local_name(canonical_name(model, name)): (name, param) for name, param in model.named_parameters()}
+    """Canonical (global layer and expert index, local-spec) name → (local name, parameter) on this
+    rank; the :data:`WEIGHT_BUFFERS` among them too, since checkpoints and refits carry them."""
+    names = {local_name(canonical_name(model, name)): (name, param) for name, param in model.named_parameters()}
+    names.update({canonical_name(model, name): (name, buffer) for name, buffer in model.named_buffers()
+                  if name.endswith(WEIGHT_BUFFERS)})
+    return names
 
 
 def is_expert(canonical: str) -> bool:

@@ -5,7 +5,9 @@ the q/k/v projections, Qwen3 adds per-head RMSNorm on queries and keys. The mixt
 families replace the MLP of their sparse layers by a router and ``num_experts`` SwiGLU experts:
 Qwen3-MoE has Qwen3's attention and renormalises the top-k routing probabilities; Qwen2-MoE has
 Qwen2's attention, keeps the top-k probabilities as they are and adds a shared expert scaled by a
-sigmoid gate.
+sigmoid gate. DeepSeek-V3 (and GLM-4.7-Flash, built like it) replace the attention by multi-head
+latent attention, route by sigmoid scores with a correction bias that chooses experts but does not
+weigh them, and add an ungated shared expert; their first layers are dense.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ class Family:
     qk_norm: bool
     moe: bool = False
     shared_expert: bool = False
+    latent: bool = False  # multi-head latent attention and DeepSeek-V3's routing
 
 
 FAMILIES: dict[str, Family] = {
@@ -33,6 +36,10 @@ FAMILIES: dict[str, Family] = {
     "Qwen3MoeForCausalLM": Family("qwen3_moe", "Qwen3MoeForCausalLM", qkv_bias=False, qk_norm=True, moe=True),
     "Qwen2MoeForCausalLM": Family("qwen2_moe", "Qwen2MoeForCausalLM", qkv_bias=True, qk_norm=False, moe=True,
                                   shared_expert=True),
+    "DeepseekV3ForCausalLM": Family("deepseek_v3", "DeepseekV3ForCausalLM", qkv_bias=False, qk_norm=False, moe=True,
+                                    shared_expert=True, latent=True),
+    "Glm4MoeLiteForCausalLM": Family("glm4_moe_lite", "Glm4MoeLiteForCausalLM", qkv_bias=False, qk_norm=False,
+                                     moe=True, shared_expert=True, latent=True),
 }
 
 
@@ -78,8 +85,13 @@ def head_dim(hf_config: Any) -> int:
 def moe_layers(hf_config: Any) -> list[bool]:
     """Per decoder layer, whether it is a mixture-of-experts layer (HF's rule: not listed in
     ``mlp_only_layers`` and every ``decoder_sparse_step``-th layer); all False for dense families."""
-    if not family_of(hf_config).moe:
+    family = family_of(hf_config)
+    if not family.moe:
         return [False] * hf_config.num_hidden_layers
+    if family.latent:  # DeepSeek-V3's rule: dense below first_k_dense_replace, then every moe_layer_freq-th
+        dense, step = int(getattr(hf_config, "first_k_dense_replace", 0) or 0), int(getattr(hf_config, "moe_layer_freq", 1) or 1)
+        return [int(hf_config.n_routed_experts) > 0 and i >= dense and i % step == 0
+                for i in range(hf_config.num_hidden_layers)]
     experts = int(getattr(hf_config, "num_experts", 0) or 0)
     step = int(getattr(hf_config, "decoder_sparse_step", 1) or 1)
     dense = set(getattr(hf_config, "mlp_only_layers", None) or [])
@@ -88,4 +100,14 @@ def moe_layers(hf_config: Any) -> list[bool]:
 
 def num_experts(hf_config: Any) -> int:
     """Routed experts per MoE layer (0 for a dense model)."""
-    return int(getattr(hf_config, "num_experts", 0) or 0) if any(moe_layers(hf_config)) else 0
+    count = getattr(hf_config, "n_routed_experts", None) if family_of(hf_config).latent else None
+    count = count if count is not None else getattr(hf_config, "num_experts", 0)
+    return int(count or 0) if any(moe_layers(hf_config)) else 0
+
+
+def shared_expert_width(hf_config: Any) -> int:
+    """The shared expert's intermediate width: Qwen2-MoE names it, DeepSeek-V3 counts shared experts
+    of the routed experts' width (Megatron runs them as one)."""
+    if family_of(hf_config).latent:
+        return int(hf_config.n_shared_experts or 0) * int(hf_config.moe_intermediate_size)
+    return int(hf_config.shared_expert_intermediate_size)

@@ -28,7 +28,14 @@ from typing import Any
 
 import torch
 
-from nrl_backend_megatron.convert.families import family_of, head_dim, head_kind, moe_layers
+from nrl_backend_megatron.convert.families import (
+    family_of,
+    head_dim,
+    head_kind,
+    moe_layers,
+    num_experts,
+    shared_expert_width,
+)
 from nrl_core.api import head_has_bias
 
 _TE_RENAMES = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
@@ -100,11 +107,55 @@ def _swiglu(megatron: str, hf: str, width: int, hidden: int) -> list[Rule]:
             Rule(f"{megatron}.linear_fc2.weight", (f"{hf}.down_proj.weight",), "copy", (hidden, width))]
 
 
+def _latent_attention_rules(cfg: Any) -> list[Rule]:
+    """Multi-head latent attention: HF's and Megatron's projections hold the same layouts (the
+    rotary part last in each head's query and in the compressed key-value projection; keys then
+    values per head in the up-projection), so each is a copy under another name."""
+    hidden, heads = cfg.hidden_size, cfg.num_attention_heads
+    q_width = heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+    rules = [Rule("input_layernorm.weight", ("input_layernorm.weight",), "copy", (hidden,))]
+    if cfg.q_lora_rank:
+        rules += [Rule("self_attention.linear_q_down_proj.weight", ("self_attn.q_a_proj.weight",), "copy",
+                       (cfg.q_lora_rank, hidden)),
+                  Rule("self_attention.q_layernorm.weight", ("self_attn.q_a_layernorm.weight",), "copy",
+                       (cfg.q_lora_rank,)),
+                  Rule("self_attention.linear_q_up_proj.weight", ("self_attn.q_b_proj.weight",), "copy",
+                       (q_width, cfg.q_lora_rank))]
+    else:
+        rules.append(Rule("self_attention.linear_q_proj.weight", ("self_attn.q_proj.weight",), "copy", (q_width, hidden)))
+    return rules + [
+        Rule("self_attention.linear_kv_down_proj.weight", ("self_attn.kv_a_proj_with_mqa.weight",), "copy",
+             (cfg.kv_lora_rank + cfg.qk_rope_head_dim, hidden)),
+        Rule("self_attention.kv_layernorm.weight", ("self_attn.kv_a_layernorm.weight",), "copy", (cfg.kv_lora_rank,)),
+        Rule("self_attention.linear_kv_up_proj.weight", ("self_attn.kv_b_proj.weight",), "copy",
+             (heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank)),
+        Rule("self_attention.linear_proj.weight", ("self_attn.o_proj.weight",), "copy", (hidden, heads * cfg.v_head_dim)),
+        Rule("pre_mlp_layernorm.weight", ("post_attention_layernorm.weight",), "copy", (hidden,))]
+
+
+def _latent_moe_rules(cfg: Any) -> list[Rule]:
+    """DeepSeek-V3's experts: the router with its correction bias (a buffer on Megatron's side), the
+    routed experts and one ungated shared expert as wide as the shared experts together."""
+    hidden, experts = cfg.hidden_size, num_experts(cfg)
+    rules = [Rule("mlp.router.weight", ("mlp.gate.weight",), "copy", (experts, hidden)),
+             Rule("mlp.router.expert_bias", ("mlp.gate.e_score_correction_bias",), "copy", (experts,))]
+    for e in range(experts):
+        rules += _swiglu(f"mlp.experts.local_experts.{e}", f"mlp.experts.{e}", cfg.moe_intermediate_size, hidden)
+    if shared_expert_width(cfg):
+        rules += _swiglu("mlp.shared_experts", "mlp.shared_experts", shared_expert_width(cfg), hidden)
+    return rules
+
+
 def layer_rules(cfg: Any, layer: int) -> list[Rule]:
     """Every canonical tensor of decoder layer ``layer``, in export order (attention, then MLP)."""
     family = family_of(cfg)
     dims = _Dims(cfg)
     hidden = cfg.hidden_size
+    if family.latent:
+        rules = _latent_attention_rules(cfg)
+        if not moe_layers(cfg)[layer]:
+            return rules + _swiglu("mlp", "mlp", cfg.intermediate_size, hidden)
+        return rules + _latent_moe_rules(cfg)
     qkv_out = (dims.heads + 2 * dims.groups) * dims.d
     qkv = tuple(f"self_attn.{p}_proj" for p in "qkv")
     rules = [Rule("input_layernorm.weight", ("input_layernorm.weight",), "copy", (hidden,)),
@@ -119,11 +170,11 @@ def layer_rules(cfg: Any, layer: int) -> list[Rule]:
               Rule("pre_mlp_layernorm.weight", ("post_attention_layernorm.weight",), "copy", (hidden,))]
     if not moe_layers(cfg)[layer]:
         return rules + _swiglu("mlp", "mlp", cfg.intermediate_size, hidden)
-    rules.append(Rule("mlp.router.weight", ("mlp.gate.weight",), "copy", (cfg.num_experts, hidden)))
-    for e in range(cfg.num_experts):
+    rules.append(Rule("mlp.router.weight", ("mlp.gate.weight",), "copy", (num_experts(cfg), hidden)))
+    for e in range(num_experts(cfg)):
         rules += _swiglu(f"mlp.experts.local_experts.{e}", f"mlp.experts.{e}", cfg.moe_intermediate_size, hidden)
     if family.shared_expert:
-        rules += _swiglu("mlp.shared_experts", "mlp.shared_expert", cfg.shared_expert_intermediate_size, hidden)
+        rules += _swiglu("mlp.shared_experts", "mlp.shared_expert", shared_expert_width(cfg), hidden)
         rules.append(Rule("mlp.shared_experts.gate_weight", ("mlp.shared_expert_gate.weight",), "copy", (1, hidden)))
     return rules
 

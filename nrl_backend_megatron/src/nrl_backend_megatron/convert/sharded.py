@@ -191,9 +191,14 @@ def _part_of(name: str) -> str:
 
 
 def _parts(model: Any) -> list[tuple[str, list[str]]]:
+    from nrl_backend_megatron.weights import WEIGHT_BUFFERS
+
     groups: dict[str, list[str]] = {}
     for name, _ in model.named_parameters():
         groups.setdefault(_part_of(name), []).append(name)
+    for name, _ in model.named_buffers():
+        if name.endswith(WEIGHT_BUFFERS):
+            groups.setdefault(_part_of(name), []).append(name)
     return list(groups.items())
 
 
@@ -202,6 +207,10 @@ def _give_memory(model: Any, name: str, device: str = "cpu") -> torch.nn.Paramet
     (uninitialised on the CPU; none on the meta device)."""
     module_name, _, attr = name.rpartition(".")
     module = model.get_submodule(module_name)
+    if attr in module._buffers:  # a weight buffer (the routing bias)
+        module._buffers[attr] = torch.empty(module._buffers[attr].shape, dtype=module._buffers[attr].dtype,
+                                            device=device)
+        return module._buffers[attr]
     old = module._parameters[attr]
     new = torch.nn.Parameter(torch.empty(old.shape, dtype=old.dtype, device=device), requires_grad=old.requires_grad)
     new.__dict__.update(old.__dict__)
