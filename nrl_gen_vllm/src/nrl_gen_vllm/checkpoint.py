@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
+from typing import Any
 
 from nrl_core.api import RefitError, WeightSpec
 
@@ -19,17 +21,43 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def checkpoint_shapes(model_dir: str | os.PathLike[str]) -> dict[str, tuple[int, ...]]:
-    """``{name: shape}`` of every tensor in the directory's safetensors files (headers only)."""
+    """``{name: shape}`` of every tensor in the directory's safetensors files (headers only) that a
+    refit carries: not the multi-token-prediction layers (:func:`prediction_layer`)."""
     from safetensors import safe_open
 
     root = Path(model_dir)
     files = sorted(root.glob("*.safetensors"))
+    layers = _config(root).get("num_hidden_layers")
     shapes: dict[str, tuple[int, ...]] = {}
     for path in files:
         with safe_open(str(path), framework="pt") as f:
             for key in f.keys():
-                shapes[key] = tuple(int(d) for d in f.get_slice(key).get_shape())
+                if not prediction_layer(key, layers):
+                    shapes[key] = tuple(int(d) for d in f.get_slice(key).get_shape())
     return shapes
+
+
+_DECODER_LAYER = re.compile(r"^(?:model\.|model\.language_model\.)?layers\.(\d+)\.")
+
+
+def prediction_layer(name: str, num_hidden_layers: int | None) -> bool:
+    """Whether a checkpoint tensor belongs to a multi-token-prediction layer: DeepSeek-V3's and
+    GLM's after the decoder's last (``model.layers.<num_hidden_layers + k>``), Nemotron-H's and
+    Qwen3.5's under ``mtp.``. Trainers load no such layer (transformers drops them), so refits never
+    carry them; vLLM's speculative decoding (``deepseek_mtp`` and its kin) drafts with the ones it
+    read from the checkpoint, as in NeMo RL. A refit that required them was refused every time."""
+    if name.startswith("mtp.") or ".mtp." in name:
+        return True
+    match = _DECODER_LAYER.match(name)
+    return bool(match and num_hidden_layers is not None and int(match.group(1)) >= int(num_hidden_layers))
+
+
+def _config(root: Path) -> dict[str, Any]:
+    try:
+        raw = json.loads((root / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return {**raw, **(raw.get("text_config") or {})}
 
 
 #: Architectures whose vLLM loader (0.32) copies some tensors straight into their parameters rather
