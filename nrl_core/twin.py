@@ -41,6 +41,10 @@ SCALE_DOWN: dict[str, str] = {
                                      "dispatchers need CUDA streams; unset, it is allgather on a CPU and "
                                      "alltoall on GPUs",
     "S.*.moe_enable_deepep": "the training backend's CPU twin keys: DeepEP's dispatcher needs CUDA",
+    "S.*.num_layers_in_first_pipeline_stage": "the recipe's uneven split of its model's layers; the tiny model's "
+                                              "split evenly",
+    "S.*.num_layers_in_last_pipeline_stage": "the recipe's uneven split of its model's layers; the tiny model's "
+                                             "split evenly",
     "policy.generation.*_kwargs.*": "the generation backend's CPU twin keys (engine arguments that pick GPU "
                                     "kernels, left to the engine's own choice)",
     "S.*.optimizer.*": "the training backend's CPU twin keys (what a CPU lacks, such as a mixed-precision "
@@ -99,7 +103,9 @@ FAMILY_NAMES = (("qwen3_moe", r"qwen3(?!\.\d|-?next).*(moe|-a\d+b|\d+ba\d+b)"), 
                 ("qwen3", r"qwen3(?!\.\d|-?next)"), ("qwen2", r"qwen2|distill-qwen"), ("llama", r"llama"),
                 ("gemma3", r"gemma-?3(?!n)"), ("gemma4", r"gemma-?4"), ("mistral", r"mistral-(7b|nemo)"),
                 ("gpt_oss", r"gpt-oss"), ("nemotron_h_moe", r"nemotron-3(\.5)?-(nano|super|lightning)"),
-                ("nemotron_h", r"nemotron-(h|nano-\d+b-v2)\b"), ("deepseek_v3", r"moonlight|deepseek-v3(?!\.[2-9])"),
+                ("nemotron_h", r"nemotron-(h|nano-\d+b-v2)\b"),
+                # NeMo RL's DeepSeek recipes name its guide, which converts DeepSeek-V3, as their model
+                ("deepseek_v3", r"moonlight|deepseek-v3(?!\.[2-9])|nvidia-nemo/rl/.*docs/guides/deepseek\.md"),
                 ("glm4_moe_lite", r"glm-4\.7-flash"))
 
 
@@ -279,7 +285,7 @@ def _scale_model(sets: dict[str, Any], section: str, cfg: Mapping[str, Any], raw
                                                        "Hugging Face model of that family")
         from nrl_core.testing.tiny_models import cached_tiny_model
 
-        model = cached_tiny_model(family, size="small")
+        model = cached_tiny_model(family, size="small", **_prediction_layers(cfg, family))
     sets[f"{section}.model_name"] = str(model)
     if (cfg.get("tokenizer") or {}).get("name"):
         sets[f"{section}.tokenizer.name"] = str(model)
@@ -299,6 +305,8 @@ def _scale_model(sets: dict[str, Any], section: str, cfg: Mapping[str, Any], raw
             sets[f"{section}.{spelled}.{key}"] = 2
             if key in scaled:
                 scaled[key] = 2
+        if key.startswith("num_layers_in_") and key.endswith("_pipeline_stage") and value is not None:
+            sets[f"{section}.{spelled}.{key}"] = None
     for key, value in training.twin.items():
         sets[f"{section}.{spelled}.{key}"] = value
     replica = training.model_parallel_size(scaled)
@@ -307,6 +315,14 @@ def _scale_model(sets: dict[str, Any], section: str, cfg: Mapping[str, Any], raw
         sets[f"{section}.max_model_len"] = SEQUENCE_LENGTH
     groups = 2 if data_parallel and 2 * replica <= WORLD_LIMIT else 1
     return max(replica * groups, experts)
+
+
+def _prediction_layers(cfg: Mapping[str, Any], family: str) -> dict[str, int]:
+    """The tiny model's multi-token-prediction layers: one when the recipe drafts with them
+    (vLLM's ``deepseek_mtp`` speculative decoding), since vLLM refuses to draft with none."""
+    generation = cfg.get("generation") or {}
+    method = str(((generation.get("vllm_kwargs") or {}).get("speculative_config") or {}).get("method") or "")
+    return {"num_nextn_predict_layers": 1} if method.endswith("mtp") and family in ("deepseek_v3", "glm4_moe_lite") else {}
 
 
 def _scale_generation(sets: dict[str, Any], config: Mapping[str, Any], raw: Mapping[str, Any], generation: Any) -> int:

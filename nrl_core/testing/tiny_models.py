@@ -265,7 +265,33 @@ def build_tiny_model(out_dir: str | os.PathLike[str], family: str = "llama", siz
     finally:
         torch.random.set_rng_state(generator_state)
     model.save_pretrained(str(out), safe_serialization=True)
+    if int(getattr(cfg, "num_nextn_predict_layers", 0) or 0) and family in ("deepseek_v3", "glm4_moe_lite"):
+        _append_prediction_layers(out, cfg, seed)
     return out
+
+
+def _append_prediction_layers(out: Path, cfg: Any, seed: int) -> None:
+    """Add DeepSeek-V3's multi-token-prediction layers to a written checkpoint, which transformers
+    neither builds nor saves: layer ``num_hidden_layers + k`` is a decoder layer like the last one
+    (its copy) with the two norms, the projection of ``[embedding; hidden]`` and the shared head vLLM's
+    ``deepseek_mtp`` drafts with. A recipe that drafts with them gets a twin that has them."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = out / "model.safetensors"
+    tensors = load_file(str(path))
+    hidden, last = cfg.hidden_size, cfg.num_hidden_layers - 1
+    generator = torch.Generator().manual_seed(seed + 1)
+    for k in range(int(cfg.num_nextn_predict_layers)):
+        layer = f"model.layers.{cfg.num_hidden_layers + k}."
+        for name in [n for n in tensors if n.startswith(f"model.layers.{last}.")]:
+            tensors[layer + name[len(f"model.layers.{last}."):]] = tensors[name].clone()
+        tensors.update({layer + "enorm.weight": torch.ones(hidden), layer + "hnorm.weight": torch.ones(hidden),
+                        layer + "eh_proj.weight": torch.randn(hidden, 2 * hidden, generator=generator) * 0.08,
+                        layer + "shared_head.norm.weight": torch.ones(hidden),
+                        layer + "shared_head.head.weight": tensors["lm_head.weight"].clone(),
+                        layer + "embed_tokens.weight": tensors["model.embed_tokens.weight"].clone()})
+    save_file(tensors, str(path), metadata={"format": "pt"})
 
 
 def cached_tiny_model(family: str = "llama", size: str = "tiny", seed: int = 0, cache_dir: str | None = None,

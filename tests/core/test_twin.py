@@ -85,6 +85,7 @@ def test_a_key_outside_the_table_is_not_a_scale_down_key():
     ("deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B", "qwen2"), ("moonshotai/Moonlight-16B-A3B", "deepseek_v3"),
     ("deepseek-ai/DeepSeek-V3-0324", "deepseek_v3"), ("deepseek-ai/DeepSeek-V3.1", "deepseek_v3"),
     ("deepseek-ai/DeepSeek-V3.2", None),
+    ("Follow instructions in https://github.com/NVIDIA-NeMo/RL/blob/main/docs/guides/deepseek.md", "deepseek_v3"),
     ("zai-org/GLM-4.7-Flash", "glm4_moe_lite")])
 def test_a_hub_name_names_its_tiny_family(name, family):
     assert tiny_family(name) == family

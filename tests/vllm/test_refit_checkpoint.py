@@ -4,7 +4,6 @@ in the checkpoint (DeepSeek-V3's and GLM's after the last decoder layer, Nemotro
 
 from __future__ import annotations
 
-import json
 import shutil
 
 import pytest
@@ -19,19 +18,16 @@ from nrl_gen_vllm.checkpoint import check_against_checkpoint, checkpoint_shapes,
 
 @pytest.fixture()
 def with_prediction_layers(tmp_path):
-    """The tiny DeepSeek-V3 (2 decoder layers) with a third, prediction layer and an ``mtp.`` tensor."""
-    source = cached_tiny_model("deepseek_v3")
-    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
-        if (source / name).exists():
-            shutil.copy(source / name, tmp_path / name)
-    config = json.loads((tmp_path / "config.json").read_text())
-    config["num_nextn_predict_layers"] = 1
-    (tmp_path / "config.json").write_text(json.dumps(config))
+    """The tiny DeepSeek-V3 built with a prediction layer (what a twin of a recipe that drafts with
+    ``deepseek_mtp`` gets), plus an ``mtp.`` tensor as Nemotron-H and Qwen3.5 name theirs."""
+    source = cached_tiny_model("deepseek_v3", num_nextn_predict_layers=1)
+    for path in source.iterdir():
+        shutil.copy(path, tmp_path / path.name)
     tensors = load_file(str(source / "model.safetensors"))
-    extra = {"model.layers.2.eh_proj.weight": torch.zeros(64, 128), "model.layers.2.enorm.weight": torch.ones(64),
-             "mtp.layers.0.norm.weight": torch.ones(64)}
-    save_file({**tensors, **extra}, str(tmp_path / "model.safetensors"))
-    return tmp_path, tensors
+    assert {"model.layers.2.eh_proj.weight", "model.layers.2.mlp.gate.weight"} <= tensors.keys()  # after layers 0, 1
+    decoder = {n: t for n, t in tensors.items() if not n.startswith("model.layers.2.")}
+    save_file({**tensors, "mtp.layers.0.norm.weight": torch.ones(64)}, str(tmp_path / "model.safetensors"))
+    return tmp_path, decoder
 
 
 def test_prediction_layers_are_the_engines_own(with_prediction_layers) -> None:

@@ -359,3 +359,16 @@ def test_a_refit_vllms_layerwise_reload_cannot_see_is_refused_before_loading(tmp
         check_reloadable(cached_tiny_model("gpt_oss"))
     check_reloadable(cached_tiny_model("llama"))
     check_reloadable(tmp_path / "openai/gpt-oss-20b")
+
+
+def test_speculative_decoding_is_refused_on_the_cpu_engine_in_one_line() -> None:
+    """vLLM's CPU build returns NaN processed logprobs under speculative decoding (measured with
+    deepseek_mtp: 80 to 90 of 128 sampled tokens), which GRPO's importance weights read."""
+    from nrl_core.errors import ConfigError
+    from nrl_gen_vllm.checks import check_cpu_engine_kwargs
+
+    with pytest.raises(ConfigError, match=r"^policy\.generation\.vllm_kwargs\.speculative_config: vLLM's CPU build "
+                                          r"returns NaN logprobs .* its engine needs a GPU, or remove speculative_config$"):
+        check_cpu_engine_kwargs({"speculative_config": {"method": "deepseek_mtp", "num_speculative_tokens": 1}})
+    check_cpu_engine_kwargs({"enable_expert_parallel": False})
+    check_cpu_engine_kwargs(None)

@@ -182,3 +182,15 @@ def check_cpu_model(hf_config: Any) -> None:
     if model_type == "gpt_oss":
         raise ConfigError("policy.model_name", "vLLM's CPU build does not compute gpt-oss as the trainer does "
                                                "(logprobs differ, far more after a refit); its engine needs a GPU")
+
+
+def check_cpu_engine_kwargs(vllm_kwargs: Mapping[str, Any] | None) -> None:
+    """Engine arguments vLLM's CPU build cannot serve as nrl needs: speculative decoding, whose
+    processed logprobs (the mode nrl runs vLLM in) come back NaN there for most sampled tokens
+    (measured with ``deepseek_mtp`` on the tiny DeepSeek-V3: 80 to 90 of 128, against none without
+    it, and none in raw-logprobs mode). GRPO reads them for its importance weights and its
+    mismatch metrics."""
+    if (vllm_kwargs or {}).get("speculative_config"):
+        raise ConfigError("policy.generation.vllm_kwargs.speculative_config",
+                          "vLLM's CPU build returns NaN logprobs for the tokens speculative decoding drafts, which "
+                          "nrl reads; its engine needs a GPU, or remove speculative_config")

@@ -39,7 +39,7 @@ from nrl_core.api import timeline_mark as mark
 from nrl_core.api import verify_manifest as verify
 from nrl_gen_vllm import cpu_shm
 from nrl_gen_vllm.checkpoint import check_against_checkpoint, check_reloadable, checkpoint_shapes
-from nrl_gen_vllm.checks import check_cpu_model, engine_start_error
+from nrl_gen_vllm.checks import check_cpu_engine_kwargs, check_cpu_model, engine_start_error
 from nrl_gen_vllm.cpu_sampler import use_eager_rank_count
 from nrl_gen_vllm.engine_args import user_engine_kwargs
 from nrl_gen_vllm.engines import AsyncEngine, FollowerEngine, SyncEngine
@@ -164,6 +164,7 @@ class VllmGenerationWorker:
             # rewound, which CPU generators cannot do: whole prompts only (vLLM does the same for MLA).
             engine_kwargs["enable_chunked_prefill"] = False
             engine_kwargs["max_num_batched_tokens"] = max(self.max_model_len, 8192)
+            check_cpu_engine_kwargs(generation.get("vllm_kwargs"))
             hf_config = local_model_config(config)
             if hf_config is not None:
                 check_cpu_model(hf_config)
