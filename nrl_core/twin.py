@@ -46,7 +46,8 @@ SCALE_DOWN: dict[str, str] = {
     "S.*.num_layers_in_last_pipeline_stage": "the recipe's uneven split of its model's layers; the tiny model's "
                                              "split evenly",
     "policy.generation.*_kwargs.*": "the generation backend's CPU twin keys (engine arguments that pick GPU "
-                                    "kernels, left to the engine's own choice)",
+                                    "kernels, left to the engine's own choice; speculative decoding, whose "
+                                    "logprobs vLLM's CPU build returns as NaN, off)",
     "S.*.optimizer.*": "the training backend's CPU twin keys (what a CPU lacks, such as a mixed-precision "
                            "optimizer that keeps CUDA tensors)",
     "S.train_global_batch_size": "8 sequences a step",

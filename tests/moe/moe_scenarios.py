@@ -173,22 +173,24 @@ def latent_world1(rank: int, world: int, paths: dict[str, str]) -> dict[str, Any
         out[f"{name}/logits"] = _logits(w, batch)
         out[f"{name}/logprobs"] = gather_shards(w.get_logprobs(batch), batch)
         out[f"{name}/export"] = _export(w)
-        if name == "deepseek_v3":
-            out["metrics"] = [w.train(batch, _loss()) for _ in range(3)]
-            out["trained"] = _export(w)
+        out[f"{name}/metrics"] = [w.train(batch, _loss()) for _ in range(3)]
+        out[f"{name}/trained"] = _export(w)
     return out
 
 
 def latent_world2(rank: int, world: int, paths: dict[str, str]) -> dict[str, Any]:
-    """DeepSeek-V3 at tensor parallel 2 with sequence parallelism (heads and latent projections split), expert parallel 2 and
-    pipeline parallel 2 (the dense layer on one stage, the routed one on the other)."""
+    """DeepSeek-V3 at tensor parallel 2 with sequence parallelism (heads split, down-projections
+    whole), expert parallel 2 and pipeline parallel 2 (the dense layer on one stage, the routed one
+    on the other); GLM-4.7-Flash, whose queries have a down-projection and a norm too, at TP 2."""
     from nrl_backend_megatron.worker import MegatronPolicyWorker
 
     out: dict[str, Any] = {}
     batch, loss = make_batch(), _loss()
-    for tag, megatron in (("tp2", {"tensor_model_parallel_size": 2, "sequence_parallel": True}), ("ep2", {"expert_model_parallel_size": 2}),
-                          ("pp2", {"pipeline_model_parallel_size": 2})):
-        w = MegatronPolicyWorker(make_config(paths["deepseek_v3"], megatron=megatron), rank, world)
+    tp2 = {"tensor_model_parallel_size": 2, "sequence_parallel": True}
+    for tag, family, megatron in (("tp2", "deepseek_v3", tp2), ("ep2", "deepseek_v3", {"expert_model_parallel_size": 2}),
+                                  ("pp2", "deepseek_v3", {"pipeline_model_parallel_size": 2}),
+                                  ("glm_tp2", "glm4_moe_lite", tp2)):
+        w = MegatronPolicyWorker(make_config(paths[family], megatron=megatron), rank, world)
         out[f"{tag}/logprobs"] = gather_shards(w.get_logprobs(batch), batch)
         out[f"{tag}/metrics"] = [w.train(batch, loss) for _ in range(3)]
         out[f"{tag}/trained"] = _export(w)

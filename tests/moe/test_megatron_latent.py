@@ -81,18 +81,44 @@ def test_the_routing_bias_chooses_experts(w1) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["tp2", "ep2", "pp2"])
-def test_parallel_layouts_equal_one_rank(w1, w2, layout: str) -> None:
+@pytest.mark.parametrize("layout, family", [("tp2", "deepseek_v3"), ("ep2", "deepseek_v3"), ("pp2", "deepseek_v3"),
+                                            ("glm_tp2", "glm4_moe_lite")])
+def test_parallel_layouts_equal_one_rank(w1, w2, layout: str, family: str) -> None:
     """Logprobs, three training steps and the trained weights, against the single rank. Before
     nrl built the down-projections whole (``nrl_backend_megatron/latent.py``), TP 2 trained the
     key-value down-projection on partial gradients: grad norms 0.2% off, that weight 0.06 off.
     The weights' tolerance is Adam's at a learning rate of 1e-2, which turns reduction-order
     differences of near-zero gradients into parts of a step (data parallel 2 alone shows 1e-4)."""
     rank0 = w2[0]
-    assert (rank0[f"{layout}/logprobs"] - w1["deepseek_v3/logprobs"]).abs().max() < 1e-5
-    for ours, theirs in zip(rank0[f"{layout}/metrics"], w1["metrics"]):
+    assert (rank0[f"{layout}/logprobs"] - w1[f"{family}/logprobs"]).abs().max() < 1e-5
+    for ours, theirs in zip(rank0[f"{layout}/metrics"], w1[f"{family}/metrics"]):
         assert abs(ours["loss"] - theirs["loss"]) < 1e-4  # the bug: 1.3e-3 at step 2
         assert abs(ours["grad_norm"] - theirs["grad_norm"]) < 1e-4
-    assert w1["metrics"][-1]["loss"] < w1["metrics"][0]["loss"]
-    for name, tensor in w1["trained"].items():
+    assert w1[f"{family}/metrics"][-1]["loss"] < w1[f"{family}/metrics"][0]["loss"]
+    for name, tensor in w1[f"{family}/trained"].items():
         assert torch.allclose(rank0[f"{layout}/trained"][name], tensor, atol=5e-3), name
+
+
+def test_a_latent_model_at_tensor_parallel_without_sequence_parallelism_is_refused() -> None:
+    """Each rank would see the whole sequence and keep only its own heads' rotary gradient."""
+    from types import SimpleNamespace
+
+    from nrl_backend_megatron.latent import DuplicatedLinear
+
+    config = SimpleNamespace(tensor_model_parallel_size=2, sequence_parallel=False, use_cpu_initialization=True,
+                             params_dtype=torch.float32, perform_initialization=False)
+    with pytest.raises(ValueError, match="needs sequence_parallel: true"):
+        DuplicatedLinear(8, 4, config=config, init_method=None)
+    config.sequence_parallel = True
+    assert DuplicatedLinear(8, 4, config=config, init_method=None).weight.sequence_parallel
+
+
+def test_transformer_engines_fused_latent_norms_have_their_local_names() -> None:
+    """With Transformer Engine, Megatron's latent layer spec fuses the query and latent norms into
+    the up-projections; their weights must still convert as ``q_layernorm`` and ``kv_layernorm``."""
+    from nrl_backend_megatron.convert.mapping import local_name
+
+    prefix = "decoder.layers.1.self_attention."
+    assert local_name(prefix + "linear_q_up_proj.layer_norm_weight") == prefix + "q_layernorm.weight"
+    assert local_name(prefix + "linear_kv_up_proj.layer_norm_weight") == prefix + "kv_layernorm.weight"
+    assert local_name(prefix + "linear_kv_up_proj.weight") == prefix + "linear_kv_up_proj.weight"

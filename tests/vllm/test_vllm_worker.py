@@ -361,6 +361,25 @@ def test_a_refit_vllms_layerwise_reload_cannot_see_is_refused_before_loading(tmp
     check_reloadable(tmp_path / "openai/gpt-oss-20b")
 
 
+def test_a_hub_ids_architecture_is_read_from_the_local_cache_only(tmp_path, monkeypatch) -> None:
+    """The gpt-oss refusal also finds a hub id (the common case on a GPU) when its config is in the
+    Hugging Face cache; an id the cache lacks is not looked up on the network."""
+    import huggingface_hub.constants
+
+    from nrl_gen_vllm.checkpoint import check_reloadable, model_architectures
+
+    snapshot = tmp_path / "models--openai--gpt-oss-20b" / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text('{"architectures": ["GptOssForCausalLM"]}')
+    (tmp_path / "models--openai--gpt-oss-20b" / "refs").mkdir()
+    (tmp_path / "models--openai--gpt-oss-20b" / "refs" / "main").write_text("abc123")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    assert model_architectures("openai/gpt-oss-20b") == ["GptOssForCausalLM"]
+    with pytest.raises(RefitError, match="vLLM's GptOssForCausalLM loader writes"):
+        check_reloadable("openai/gpt-oss-20b")
+    assert model_architectures("openai/gpt-oss-120b") == []
+
+
 def test_speculative_decoding_is_refused_on_the_cpu_engine_in_one_line() -> None:
     """vLLM's CPU build returns NaN processed logprobs under speculative decoding (measured with
     deepseek_mtp: 80 to 90 of 128 sampled tokens), which GRPO's importance weights read."""

@@ -28,6 +28,9 @@ class DuplicatedLinear(torch.nn.Module):
         super().__init__()
         if bias:
             raise ValueError("nrl: latent attention's down-projections have no bias")
+        if config.tensor_model_parallel_size > 1 and not config.sequence_parallel:
+            # each rank would see the whole sequence and keep only its own heads' rotary gradient
+            raise ValueError("nrl: latent attention at tensor_model_parallel_size > 1 needs sequence_parallel: true")
         device = None if config.use_cpu_initialization else torch.cuda.current_device()  # None: a meta build stays meta
         self.weight = torch.nn.Parameter(torch.empty(output_size, input_size, dtype=config.params_dtype, device=device))
         if config.perform_initialization and not self.weight.is_meta:

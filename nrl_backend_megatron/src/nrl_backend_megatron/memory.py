@@ -88,14 +88,14 @@ def check_recompute(section: Mapping[str, Any], hf_config: Any = None, *, transf
                                                       "(moe_grouped_gemm), which nrl's Megatron backend does not run "
                                                       "(its experts are SequentialMLP); use 'moe' instead")
     if "mla_up_proj" in chosen:
-        raise ConfigError(f"{KEY}.recompute_modules", "'mla_up_proj' needs multi-latent attention, which no model "
-                                                      "nrl's Megatron backend converts has; remove it")
+        raise ConfigError(f"{KEY}.recompute_modules", "'mla_up_proj' (multi-latent attention's up-projections) is "
+                                                      "not recomputed by nrl's Megatron backend yet; remove it")
     if "layernorm" in chosen and not transformer_engine:
         raise ConfigError(f"{KEY}.recompute_modules", "'layernorm' needs Transformer Engine with CUDA (Megatron-Core "
                                                       "0.16 recomputes norms through Transformer Engine's FP8 state), "
                                                       "not available here; use 'core_attn' or 'mlp'")
     if "shared_experts" in chosen and section.get("moe_shared_expert_overlap") and \
-            getattr(hf_config, "shared_expert_intermediate_size", None):
+            (getattr(hf_config, "shared_expert_intermediate_size", None) or getattr(hf_config, "n_shared_experts", None)):
         raise ConfigError(f"{KEY}.recompute_modules", "'shared_experts' cannot be recomputed with "
                                                       "moe_shared_expert_overlap (Megatron-Core refuses it); set one "
                                                       "of them off")

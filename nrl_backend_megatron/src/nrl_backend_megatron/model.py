@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from nrl_backend_megatron.convert.families import family_of, head_dim, head_kind, num_experts
+from nrl_backend_megatron.convert.families import family_of, head_dim, head_kind, moe_layers, num_experts
 from nrl_backend_megatron.convert.mapping import tied_embeddings
 from nrl_backend_megatron.memory import recompute_kwargs
 from nrl_backend_megatron.moe import moe_config_kwargs
@@ -125,6 +125,14 @@ def latent_attention_kwargs(hf_config: Any) -> dict[str, Any]:
     if kind not in ("default", "yarn"):
         raise ConfigError("policy.model_name", f"RoPE type '{kind}' of latent attention is not supported by the "
                                                "Megatron backend; supported: default, yarn")
+    if getattr(hf_config, "rope_interleave", True) is False:
+        raise ConfigError("policy.model_name", "this latent-attention model rotates its rotary dimensions in halves "
+                                               "(rope_interleave: false); Megatron's latent attention rotates "
+                                               "interleaved pairs, so it is not supported by the Megatron backend")
+    if not any(moe_layers(hf_config)):
+        raise ConfigError("policy.model_name", "a latent-attention model without experts is not supported by the "
+                                               "Megatron backend (its layer spec builds latent attention only for "
+                                               "mixture-of-experts models)")
     kwargs: dict[str, Any] = dict(
         q_lora_rank=hf_config.q_lora_rank or None, kv_lora_rank=hf_config.kv_lora_rank,
         qk_head_dim=hf_config.qk_nope_head_dim, qk_pos_emb_head_dim=hf_config.qk_rope_head_dim,

@@ -118,6 +118,8 @@ def moe_config_kwargs(hf_config: Any, section: Mapping[str, Any], on_gpu: bool) 
     )
     if family.latent:
         kwargs.update(latent_routing(hf_config, topk))
+        # HF's and vLLM's DeepSeek-V3 score the router in float32; a bf16 run would route otherwise
+        kwargs["moe_router_dtype"] = section.get("moe_router_dtype") or "fp32"
     elif family.shared_expert:
         kwargs.update(moe_shared_expert_intermediate_size=int(hf_config.shared_expert_intermediate_size),
                       moe_shared_expert_gate=True)

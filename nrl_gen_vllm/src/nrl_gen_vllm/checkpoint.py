@@ -67,14 +67,30 @@ def _config(root: Path) -> dict[str, Any]:
 DIRECT_LOADERS = {"GptOssForCausalLM": "attention sinks, expert weights and expert biases"}
 
 
-def check_reloadable(model_dir: str | os.PathLike[str]) -> None:
-    """Raise :class:`RefitError` before anything loads when the directory's architecture is one of
-    :data:`DIRECT_LOADERS`; a directory without ``config.json`` (a hub id) is not checked."""
+def model_architectures(model: str | os.PathLike[str]) -> list[str]:
+    """The architectures a model's ``config.json`` names: a directory's, or a hub id's from the local
+    Hugging Face cache (never the network); none when neither has it."""
+    path = Path(model) / "config.json"
+    if not path.is_file():
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            cached = try_to_load_from_cache(str(model), "config.json")
+        except Exception:  # noqa: BLE001 - not a repo id: nothing cached under it
+            return []
+        if not isinstance(cached, str):
+            return []
+        path = Path(cached)
     try:
-        architectures = json.loads((Path(model_dir) / "config.json").read_text()).get("architectures") or []
+        return list(json.loads(path.read_text()).get("architectures") or [])
     except (OSError, ValueError):
-        return
-    for architecture in architectures:
+        return []
+
+
+def check_reloadable(model: str | os.PathLike[str]) -> None:
+    """Raise :class:`RefitError` before anything loads when the model's architecture is one of
+    :data:`DIRECT_LOADERS` (a directory, or a hub id through the local cache)."""
+    for architecture in model_architectures(model):
         if architecture in DIRECT_LOADERS:
             raise RefitError(f"refit rejected, weights unchanged; vLLM's {architecture} loader writes its "
                              f"{DIRECT_LOADERS[architecture]} directly, which vLLM's layerwise reload (how nrl "

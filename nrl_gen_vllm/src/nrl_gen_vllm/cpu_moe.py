@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import inspect
 from collections.abc import Iterator
 from typing import Any
 
@@ -95,8 +96,9 @@ def translate_expert_ids() -> bool:
                                           "input (top-1 routing) is not supported; set "
                                           "policy.generation.vllm_cfg.expert_parallel_size: 1")
             topk_ids, topk_weights = local_routing(topk_ids, topk_weights, expert_map)
+        # the ids are local now: what runs below (the kernel, or nrl's ungated experts) maps nothing again
         apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
-              expert_map, *args, **kwargs)
+              None, *args, **kwargs)
 
     apply_with_expert_map._nrl_expert_map = True  # type: ignore[attr-defined]
     experts.apply = apply_with_expert_map
@@ -162,6 +164,7 @@ def run_ungated_experts() -> bool:
                 raise
 
     is_supported, process, apply = experts.is_supported_config, experts.process_weights_after_loading, experts.apply
+    signature = inspect.signature(apply)
 
     def is_supported_config(cls: Any, moe: Any, *args: Any) -> tuple[bool, str | None]:
         if moe.activation.value in _UNGATED and moe.is_act_and_mul is False:
@@ -174,14 +177,17 @@ def run_ungated_experts() -> bool:
             return
         process(self, layer)
 
-    def apply_ungated(self: Any, output: torch.Tensor, hidden_states: torch.Tensor, w1: torch.Tensor,
-                      w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: Any,
-                      *args: Any, **kwargs: Any) -> None:
+    def apply_ungated(self: Any, *args: Any, **kwargs: Any) -> None:
+        given = signature.bind(self, *args, **kwargs).arguments
+        activation = given["activation"]
         if activation.value not in _UNGATED:
-            return apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, *args, **kwargs)
-        on_input = kwargs.get("apply_router_weight_on_input", args[-1] if args else False)
-        ungated_experts(output, hidden_states, w1, w2, topk_weights, topk_ids, activation.value,
-                        self.w1_bias, self.w2_bias, weighted=not on_input)
+            return apply(self, *args, **kwargs)
+        topk_ids, topk_weights = given["topk_ids"], given["topk_weights"]
+        if given.get("expert_map") is not None:  # not translated yet (translate_expert_ids passes None after)
+            topk_ids, topk_weights = local_routing(topk_ids, topk_weights, given["expert_map"])
+        ungated_experts(given["output"], given["hidden_states"], given["w1"], given["w2"], topk_weights, topk_ids,
+                        activation.value, self.w1_bias, self.w2_bias,
+                        weighted=not given.get("apply_router_weight_on_input", False))
         return None
 
     moe_config.FusedMoEConfig.__post_init__ = post_init_ungated

@@ -3,10 +3,12 @@
 vLLM's CPU kernel (``ops.rotary_embedding``) is right for queries and keys laid out as
 ``[tokens, heads * head_size]``, which is how most models call it, and wrong for a
 ``[tokens, heads, head_size]`` tensor: it rotates the first head's worth of each row only, with
-the wrong stride between tokens. Multi-head latent attention (DeepSeek-V3, Moonlight,
-GLM-4.7-Flash) calls it that way, on views of its rotary part, so the engine's logprobs matched
-the trainer's only at a sequence's first position, where the rotation is the identity. Such
-calls take vLLM's own PyTorch implementation instead, written back in place as the kernel would.
+the wrong stride between tokens. Multi-head latent attention calls it that way, on views of its
+rotary part, when its RoPE is plain (Moonlight, GLM-4.7-Flash, nrl's tiny DeepSeek-V3; the YaRN
+of DeepSeek-V3's own checkpoints takes vLLM's PyTorch path already), so the engine's logprobs
+matched the trainer's only at a sequence's first position, where the rotation is the identity.
+Such calls take vLLM's own PyTorch implementation instead, written back in place as the kernel
+would.
 """
 
 from __future__ import annotations

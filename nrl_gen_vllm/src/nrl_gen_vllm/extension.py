@@ -29,7 +29,7 @@ def _prepare_worker_process() -> None:
     if current_platform.is_cpu():
         use_eager_rank_count()
         rotate_three_dimensional_inputs_natively()
-        run_ungated_experts()  # before the expert-id translation, which wraps what it finds
+        run_ungated_experts()  # either order: the translation hands on local ids and no map
         translate_expert_ids()
         process_experts_on_reload()
 

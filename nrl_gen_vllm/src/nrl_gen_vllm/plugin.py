@@ -22,5 +22,7 @@ def nrl_generation_backends() -> list[GenerationBackendSpec]:
                                  "partial_import", "sliced_import"}),
         description="vllm.LLM rollouts; refit through vLLM's layerwise reload",
         # NeMo RL's MoE recipes pick vLLM's Triton MoE kernels, which have no CPU build
-        twin={"vllm_kwargs.moe_backend": "auto"},
+        # a twin leaves kernel choices to the engine, and drafts nothing: vLLM's CPU build returns NaN
+        # processed logprobs under speculative decoding (checks.check_cpu_engine_kwargs)
+        twin={"vllm_kwargs.moe_backend": "auto", "vllm_kwargs.speculative_config": None},
     )]

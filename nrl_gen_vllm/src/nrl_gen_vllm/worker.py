@@ -409,9 +409,9 @@ class VllmGenerationWorker:
         the engine keeps its previous weights (nothing was loaded yet).
         """
         self._sleep.require_awake("import_weights", ("weights",))
+        self._check_layout(manifest)  # before any bucket is taken
         staged: list[tuple[str, Any]] = [item for bucket in buckets for item in bucket]
         verify([spec_of(name, tensor) for name, tensor in staged], manifest)
-        self._check_layout(manifest)
         version = self._state.weight_version + 1
         try:  # the engine drops the KV cached with the old weights (in flight: as configure_in_flight says)
             self._engine.load_weights(staged, version, self.in_flight, self.recompute_kv_cache)

@@ -88,6 +88,8 @@ def moe_layers(hf_config: Any) -> list[bool]:
     family = family_of(hf_config)
     if not family.moe:
         return [False] * hf_config.num_hidden_layers
+    if family.latent and getattr(hf_config, "mlp_layer_types", None):  # GLM's list, as transformers reads it
+        return [kind == "sparse" for kind in hf_config.mlp_layer_types]
     if family.latent:  # DeepSeek-V3's rule: dense below first_k_dense_replace, then every moe_layer_freq-th
         dense, step = int(getattr(hf_config, "first_k_dense_replace", 0) or 0), int(getattr(hf_config, "moe_layer_freq", 1) or 1)
         return [int(hf_config.n_routed_experts) > 0 and i >= dense and i % step == 0

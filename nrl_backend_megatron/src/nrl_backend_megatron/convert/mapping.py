@@ -39,7 +39,11 @@ from nrl_backend_megatron.convert.families import (
 from nrl_core.api import head_has_bias
 
 _TE_RENAMES = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
-               "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
+               "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+               # latent attention: Transformer Engine's spec fuses its query and latent norms into the
+               # up-projections that follow them
+               "self_attention.q_layernorm.weight": "self_attention.linear_q_up_proj.layer_norm_weight",
+               "self_attention.kv_layernorm.weight": "self_attention.linear_kv_up_proj.layer_norm_weight"}
 
 
 def te_name(local_name: str) -> str:
