@@ -323,7 +323,9 @@ def _prediction_layers(cfg: Mapping[str, Any], family: str) -> dict[str, int]:
     (vLLM's ``deepseek_mtp`` speculative decoding), since vLLM refuses to draft with none."""
     generation = cfg.get("generation") or {}
     method = str(((generation.get("vllm_kwargs") or {}).get("speculative_config") or {}).get("method") or "")
-    return {"num_nextn_predict_layers": 1} if method.endswith("mtp") and family in ("deepseek_v3", "glm4_moe_lite") else {}
+    from nrl_core.testing.tiny_models import LATENT_FAMILIES
+
+    return {"num_nextn_predict_layers": 1} if method.endswith("mtp") and family in LATENT_FAMILIES else {}
 
 
 def _scale_generation(sets: dict[str, Any], config: Mapping[str, Any], raw: Mapping[str, Any], generation: Any) -> int:

@@ -42,6 +42,8 @@ DENSE_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3")
 #: Hugging Face ``model_type`` values that are a family here under another name.
 MODEL_TYPES = {"gemma3_text": "gemma3", "gemma4_text": "gemma4"}
 MOE_FAMILIES = ("qwen3_moe", "qwen2_moe")
+#: The families with multi-head latent attention, DeepSeek-V3's routing and its prediction layers.
+LATENT_FAMILIES = ("deepseek_v3", "glm4_moe_lite")
 #: DeepSeek-V3's routing correction bias (a buffer), given random values like the weights.
 ROUTING_BIAS = "e_score_correction_bias"
 NEWER_FAMILIES = ("gemma4", "gpt_oss", "nemotron_h", "nemotron_h_moe", "deepseek_v3", "glm4_moe_lite")
@@ -176,7 +178,7 @@ def _newer_config(family: str, size: str, common: dict[str, Any]) -> Any:
     ``small`` so that every block kind appears, fewer at ``tiny``."""
     from transformers import Gemma4TextConfig, GptOssConfig, NemotronHConfig
 
-    if family in ("deepseek_v3", "glm4_moe_lite"):
+    if family in LATENT_FAMILIES:
         return _latent_attention_config(family, size, common)
     hidden, layers = (128, 4) if size == "small" else (64, 2)
     alternating = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
@@ -265,7 +267,7 @@ def build_tiny_model(out_dir: str | os.PathLike[str], family: str = "llama", siz
     finally:
         torch.random.set_rng_state(generator_state)
     model.save_pretrained(str(out), safe_serialization=True)
-    if int(getattr(cfg, "num_nextn_predict_layers", 0) or 0) and family in ("deepseek_v3", "glm4_moe_lite"):
+    if int(getattr(cfg, "num_nextn_predict_layers", 0) or 0) and family in LATENT_FAMILIES:
         _append_prediction_layers(out, cfg, seed)
     return out
 
@@ -302,7 +304,7 @@ def cached_tiny_model(family: str = "llama", size: str = "tiny", seed: int = 0, 
     if family in NEWER_FAMILIES:  # their configs may still change, and a changed one must rebuild; the
         # older families' directory names are in checkpoint fixtures (tests/reliability), so they stay
         spec["config"] = model_config(family, size, **config_overrides).to_json_string()
-        if family in ("deepseek_v3", "glm4_moe_lite"):
+        if family in LATENT_FAMILIES:
             spec["routing_bias"] = True  # built with a random routing correction bias since nrl-core 1.24
     if init_std is not None:
         spec["init_std"] = init_std

@@ -352,13 +352,13 @@ def test_a_refit_vllms_layerwise_reload_cannot_see_is_refused_before_loading(tmp
     (measured: sinks of about 1e-3, and a logprob gap of 2.7 to the trainer). The refit is refused
     before anything loads; other architectures, and a hub id without a local config, pass."""
     from nrl_core.testing.tiny_models import cached_tiny_model
-    from nrl_gen_vllm.checkpoint import check_reloadable
+    from nrl_gen_vllm.checkpoint import check_reloadable, model_architectures
 
     with pytest.raises(RefitError, match=r"^refit rejected, weights unchanged; vLLM's GptOssForCausalLM loader "
                                          r"writes its attention sinks, expert weights and expert biases directly"):
-        check_reloadable(cached_tiny_model("gpt_oss"))
-    check_reloadable(cached_tiny_model("llama"))
-    check_reloadable(tmp_path / "openai/gpt-oss-20b")
+        check_reloadable(model_architectures(cached_tiny_model("gpt_oss")))
+    check_reloadable(model_architectures(cached_tiny_model("llama")))
+    check_reloadable(model_architectures(tmp_path / "openai/gpt-oss-20b"))
 
 
 def test_a_hub_ids_architecture_is_read_from_the_local_cache_only(tmp_path, monkeypatch) -> None:
@@ -376,7 +376,7 @@ def test_a_hub_ids_architecture_is_read_from_the_local_cache_only(tmp_path, monk
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
     assert model_architectures("openai/gpt-oss-20b") == ["GptOssForCausalLM"]
     with pytest.raises(RefitError, match="vLLM's GptOssForCausalLM loader writes"):
-        check_reloadable("openai/gpt-oss-20b")
+        check_reloadable(model_architectures("openai/gpt-oss-20b"))
     assert model_architectures("openai/gpt-oss-120b") == []
 
 

@@ -57,11 +57,11 @@ def define_missing_te_names() -> None:
         moe_utils.te_general_gemm = None
     # Multi-head latent attention counts TE as present when Megatron's TE extension module imports,
     # which it does without TE, and then type-checks against its ``TELinear``, a placeholder mock.
-    import importlib.util
-
     import megatron.core.transformer.multi_latent_attention as latent
 
-    if importlib.util.find_spec("transformer_engine") is None:
+    from nrl_backend_megatron.model import transformer_engine_installed
+
+    if not transformer_engine_installed():
         latent.HAVE_TE = False
 
 

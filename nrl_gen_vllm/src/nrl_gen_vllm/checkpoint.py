@@ -27,7 +27,8 @@ def checkpoint_shapes(model_dir: str | os.PathLike[str]) -> dict[str, tuple[int,
 
     root = Path(model_dir)
     files = sorted(root.glob("*.safetensors"))
-    layers = _config(root).get("num_hidden_layers")
+    config = _config(root)
+    layers = config.get("num_hidden_layers", (config.get("text_config") or {}).get("num_hidden_layers"))
     shapes: dict[str, tuple[int, ...]] = {}
     for path in files:
         with safe_open(str(path), framework="pt") as f:
@@ -53,11 +54,11 @@ def prediction_layer(name: str, num_hidden_layers: int | None) -> bool:
 
 
 def _config(root: Path) -> dict[str, Any]:
+    """A model directory's ``config.json``; empty when it has none."""
     try:
-        raw = json.loads((root / "config.json").read_text())
+        return json.loads((root / "config.json").read_text())
     except (OSError, ValueError):
         return {}
-    return {**raw, **(raw.get("text_config") or {})}
 
 
 #: Architectures whose vLLM loader (0.32) copies some tensors straight into their parameters rather
@@ -70,8 +71,8 @@ DIRECT_LOADERS = {"GptOssForCausalLM": "attention sinks, expert weights and expe
 def model_architectures(model: str | os.PathLike[str]) -> list[str]:
     """The architectures a model's ``config.json`` names: a directory's, or a hub id's from the local
     Hugging Face cache (never the network); none when neither has it."""
-    path = Path(model) / "config.json"
-    if not path.is_file():
+    root = Path(model)
+    if not (root / "config.json").is_file():
         try:
             from huggingface_hub import try_to_load_from_cache
 
@@ -80,17 +81,14 @@ def model_architectures(model: str | os.PathLike[str]) -> list[str]:
             return []
         if not isinstance(cached, str):
             return []
-        path = Path(cached)
-    try:
-        return list(json.loads(path.read_text()).get("architectures") or [])
-    except (OSError, ValueError):
-        return []
+        root = Path(cached).parent
+    return list(_config(root).get("architectures") or [])
 
 
-def check_reloadable(model: str | os.PathLike[str]) -> None:
-    """Raise :class:`RefitError` before anything loads when the model's architecture is one of
-    :data:`DIRECT_LOADERS` (a directory, or a hub id through the local cache)."""
-    for architecture in model_architectures(model):
+def check_reloadable(architectures: list[str]) -> None:
+    """Raise :class:`RefitError` before anything loads when one of the model's architectures
+    (:func:`model_architectures`) is among :data:`DIRECT_LOADERS`."""
+    for architecture in architectures:
         if architecture in DIRECT_LOADERS:
             raise RefitError(f"refit rejected, weights unchanged; vLLM's {architecture} loader writes its "
                              f"{DIRECT_LOADERS[architecture]} directly, which vLLM's layerwise reload (how nrl "
@@ -99,10 +97,7 @@ def check_reloadable(model: str | os.PathLike[str]) -> None:
 
 
 def _tied(model_dir: str | os.PathLike[str]) -> bool:
-    try:
-        return bool(json.loads((Path(model_dir) / "config.json").read_text()).get("tie_word_embeddings", False))
-    except OSError:
-        return False
+    return bool(_config(Path(model_dir)).get("tie_word_embeddings", False))
 
 
 def check_against_checkpoint(manifest: list[WeightSpec], checkpoint: dict[str, tuple[int, ...]],

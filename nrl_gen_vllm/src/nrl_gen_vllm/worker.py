@@ -38,7 +38,7 @@ from nrl_core.api import environment_variables as environment
 from nrl_core.api import timeline_mark as mark
 from nrl_core.api import verify_manifest as verify
 from nrl_gen_vllm import cpu_shm
-from nrl_gen_vllm.checkpoint import check_against_checkpoint, check_reloadable, checkpoint_shapes
+from nrl_gen_vllm.checkpoint import check_against_checkpoint, check_reloadable, checkpoint_shapes, model_architectures
 from nrl_gen_vllm.checks import check_cpu_engine_kwargs, check_cpu_model, engine_start_error
 from nrl_gen_vllm.cpu_sampler import use_eager_rank_count
 from nrl_gen_vllm.engine_args import user_engine_kwargs
@@ -146,6 +146,7 @@ class VllmGenerationWorker:
         self.max_model_len = int(vcfg.get("max_model_len") or policy.get("max_total_sequence_length") or 512)
         self.sleep_level = int(vcfg.get("sleep_level") or 1)
         self._checkpoint = checkpoint_shapes(self.model_dir)
+        self._architectures = model_architectures(self.model_dir)  # read once: every refit checks them
 
         self.async_engine = bool(vcfg.get("async_engine"))
         if self.async_engine:
@@ -392,7 +393,7 @@ class VllmGenerationWorker:
     def _check_layout(self, manifest: list[WeightSpec]) -> None:
         """:func:`check_against_checkpoint` against what this rank loads when ``manifest`` is its
         part (:meth:`refit_wants`), else against the whole checkpoint."""
-        check_reloadable(self.model_dir)
+        check_reloadable(self._architectures)
         names = {spec.name for spec in manifest}
         if self.follower and not names:
             return
