@@ -79,9 +79,11 @@ def check_names_known(config: Mapping[str, Any]) -> None:
 def user_engine_kwargs(config: Mapping[str, Any], nrl_kwargs: Mapping[str, Any]) -> dict[str, Any]:
     """The user's arguments to add to the engine's, refused in one line where they would replace
     one nrl sets (``nrl_kwargs``: what nrl passes besides the fixed ones, such as whole-prompt
-    prefill on CPU, which seeded sampling needs); those that repeat nrl's value are left to nrl."""
+    prefill on CPU, which seeded sampling needs); those that repeat nrl's value are left to nrl,
+    and so are those set to None (YAML's null: the engine's own choice)."""
     check_user_engine_kwargs(config)
-    given = {k: v for k, v in (config["policy"]["generation"].get("vllm_kwargs") or {}).items() if k not in SET_BY_NRL}
+    given = {k: v for k, v in (config["policy"]["generation"].get("vllm_kwargs") or {}).items()
+             if k not in SET_BY_NRL and v is not None}
     for name in given:
         if name in nrl_kwargs:
             raise ConfigError(f"{KEY}.{name}", f"nrl sets this vLLM argument itself on this engine (to "

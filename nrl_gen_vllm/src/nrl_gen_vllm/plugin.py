@@ -23,6 +23,8 @@ def nrl_generation_backends() -> list[GenerationBackendSpec]:
         description="vllm.LLM rollouts; refit through vLLM's layerwise reload",
         # NeMo RL's MoE recipes pick vLLM's Triton MoE kernels, which have no CPU build
         # a twin leaves kernel choices to the engine, and drafts nothing: vLLM's CPU build returns NaN
-        # processed logprobs under speculative decoding (checks.check_cpu_engine_kwargs)
-        twin={"vllm_kwargs.moe_backend": "auto", "vllm_kwargs.speculative_config": None},
+        # processed logprobs under speculative decoding (checks.check_cpu_engine_kwargs); the CPU
+        # engine prefills whole prompts, which seeded sampling needs, and sizes its batch for that
+        twin={"vllm_kwargs.moe_backend": "auto", "vllm_kwargs.speculative_config": None,
+              "vllm_kwargs.enable_chunked_prefill": None, "vllm_kwargs.max_num_batched_tokens": None},
     )]
