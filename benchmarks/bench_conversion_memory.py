@@ -38,13 +38,13 @@ def _whole(model_dir: str, out_dir: str) -> None:
 
     from nrl_backend_megatron.convert.mapping import hf_to_megatron, tied_embeddings
     from nrl_backend_megatron.convert.sharded import fine_grained, load_hf_state
-    from nrl_backend_megatron.model import ParallelLayout, build_gpt_model, transformer_config
+    from nrl_backend_megatron.model import ParallelLayout, build_model, transformer_config
     from nrl_backend_megatron.weights import load_full_state
 
     hf_config = AutoConfig.from_pretrained(model_dir)
     state = hf_to_megatron(load_hf_state(model_dir), hf_config)
     config = transformer_config(hf_config, ParallelLayout(), params_dtype=torch.float32, bf16=False, fp16=False, moe={})
-    model = build_gpt_model(hf_config, config, pre_process=True, post_process=True)
+    model = build_model(hf_config, config, pre_process=True, post_process=True)
     with torch.no_grad():
         load_full_state(model, state, 0, 1, tied_embeddings(hf_config))
     del state

@@ -286,7 +286,7 @@ def _scale_model(sets: dict[str, Any], section: str, cfg: Mapping[str, Any], raw
                                                        "Hugging Face model of that family")
         from nrl_core.testing.tiny_models import cached_tiny_model
 
-        model = cached_tiny_model(family, size="small", **_prediction_layers(cfg, family))
+        model = cached_tiny_model(family, size="small", **_prediction_layers(cfg, family), **_latent_experts(cfg))
     sets[f"{section}.model_name"] = str(model)
     if (cfg.get("tokenizer") or {}).get("name"):
         sets[f"{section}.tokenizer.name"] = str(model)
@@ -316,6 +316,16 @@ def _scale_model(sets: dict[str, Any], section: str, cfg: Mapping[str, Any], raw
         sets[f"{section}.max_model_len"] = SEQUENCE_LENGTH
     groups = 2 if data_parallel and 2 * replica <= WORLD_LIMIT else 1
     return max(replica * groups, experts)
+
+
+#: Hub models whose experts compute in a latent space: Nemotron 3 Super (hidden 4096 to 1024,
+#: NVIDIA's deployment guide). Their tiny model's experts read half its hidden width.
+LATENT_EXPERT_MODELS = re.compile(r"nemotron-3-super", re.IGNORECASE)
+
+
+def _latent_experts(cfg: Mapping[str, Any]) -> dict[str, int]:
+    """The tiny model's latent expert width (``moe_latent_size``) when the recipe's model has one."""
+    return {"moe_latent_size": 64} if LATENT_EXPERT_MODELS.search(str(cfg["model_name"])) else {}
 
 
 def _prediction_layers(cfg: Mapping[str, Any], family: str) -> dict[str, int]:

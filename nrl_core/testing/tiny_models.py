@@ -202,7 +202,7 @@ def _newer_config(family: str, size: str, common: dict[str, Any]) -> Any:
     blocks = (["mamba", "attention", "mamba", "mlp"] if size == "small" else ["mamba", "attention"])
     if family == "nemotron_h_moe":
         blocks = [("moe" if block == "mlp" else block) for block in blocks] + (["moe"] if size == "tiny" else [])
-    mamba = dict(mamba_num_heads=hidden // 32, mamba_head_dim=32, ssm_state_size=16, n_groups=1, chunk_size=16,
+    mamba = dict(mamba_num_heads=hidden // 32, mamba_head_dim=32, ssm_state_size=16, n_groups=2, chunk_size=16,
                  conv_kernel=4, expand=1)
     moe = dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=hidden // 2,
                moe_shared_expert_intermediate_size=hidden // 2, n_group=1, topk_group=1)

@@ -91,6 +91,15 @@ def test_a_hub_name_names_its_tiny_family(name, family):
     assert tiny_family(name) == family
 
 
+@pytest.mark.parametrize(("name", "latent"), [("nvidia/NVIDIA-Nemotron-3-Super-120B-A12B-BF16", True),
+                                               ("nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16", False)])
+def test_a_super_recipe_gets_latent_experts(name, latent):
+    """Nemotron 3 Super computes its experts in a latent space; its twin's tiny model does too."""
+    from nrl_core.twin import _latent_experts
+
+    assert _latent_experts({"model_name": name}) == ({"moe_latent_size": 64} if latent else {})
+
+
 @pytest.mark.parametrize("family", ["nemotron_h", "nemotron_h_moe", "gemma4", "llama", "deepseek_v3", "glm4_moe_lite"])
 def test_a_local_model_names_its_tiny_family(family):
     """Nemotron 3 has Nemotron-H's model type; its experts make it the other family."""

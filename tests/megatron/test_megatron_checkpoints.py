@@ -57,7 +57,7 @@ def write_megatron_lm(rank: int, world: int, hf_path: str, root: str) -> None:
     from nrl_backend_megatron import cpu_shim
     from nrl_backend_megatron.convert.mapping import hf_to_megatron
     from nrl_backend_megatron.convert.sharded import load_hf_state
-    from nrl_backend_megatron.model import ParallelLayout, build_gpt_model, transformer_config
+    from nrl_backend_megatron.model import ParallelLayout, build_model, transformer_config
     from nrl_backend_megatron.weights import load_full_state
 
     cpu_shim.install()
@@ -65,7 +65,7 @@ def write_megatron_lm(rank: int, world: int, hf_path: str, root: str) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(0)
     hf = AutoConfig.from_pretrained(hf_path)
     config = transformer_config(hf, ParallelLayout(tp=2), params_dtype=torch.float32)
-    model = build_gpt_model(hf, config, pre_process=True, post_process=True)
+    model = build_model(hf, config, pre_process=True, post_process=True)
     with torch.no_grad():
         load_full_state(model, hf_to_megatron(load_hf_state(hf_path), hf), rank, world, bool(hf.tie_word_embeddings))
     iteration = Path(root) / f"iter_{ITERATION:07d}"

@@ -140,13 +140,13 @@ def _one_step(hf: Any, section: dict[str, Any], trainable: str | None = None) ->
     names contain it train (as LoRA freezes the base model)."""
     from megatron.core import tensor_parallel
 
-    from nrl_backend_megatron.model import ParallelLayout, build_gpt_model, transformer_config
+    from nrl_backend_megatron.model import ParallelLayout, build_model, transformer_config
 
     tensor_parallel.model_parallel_cuda_manual_seed(0)
     torch.manual_seed(0)
     config = transformer_config(hf, ParallelLayout(), params_dtype=torch.float32, moe={},
                                 recompute=validate(section))
-    model = build_gpt_model(hf, config, pre_process=True, post_process=True)
+    model = build_model(hf, config, pre_process=True, post_process=True)
     model.train()
     if trainable is not None:
         for name, param in model.named_parameters():
@@ -173,11 +173,11 @@ def _one_step(hf: Any, section: dict[str, Any], trainable: str | None = None) ->
 def _layernorm_recompute_without_te(hf: Any) -> str:
     """What Megatron-Core 0.16 does with selective 'layernorm' recompute on the local spec (the
     check refuses it; here it is set past the check)."""
-    from nrl_backend_megatron.model import ParallelLayout, build_gpt_model, transformer_config
+    from nrl_backend_megatron.model import ParallelLayout, build_model, transformer_config
 
     config = transformer_config(hf, ParallelLayout(), params_dtype=torch.float32)
     config.recompute_granularity, config.recompute_modules = "selective", ["layernorm"]
-    model = build_gpt_model(hf, config, pre_process=True, post_process=True)
+    model = build_model(hf, config, pre_process=True, post_process=True)
     try:
         model(torch.ones(1, 4, dtype=torch.long), torch.arange(4)[None], None).sum().backward()
     except Exception as exc:  # noqa: BLE001

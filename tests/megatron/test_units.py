@@ -270,7 +270,7 @@ def test_unsupported_architecture_is_one_line() -> None:
 
     cfg = GPT2Config()
     cfg.architectures = ["GPT2LMHeadModel"]
-    with pytest.raises(ConfigError, match="supported: DeepseekV3ForCausalLM, Glm4MoeLiteForCausalLM, LlamaForCausalLM, Qwen2") as err:
+    with pytest.raises(ConfigError, match="supported: DeepseekV3ForCausalLM, Glm4MoeLiteForCausalLM, LlamaForCausalLM, NemotronHForCausalLM, Qwen2") as err:
         family_of(cfg)
     assert "\n" not in str(err.value)
 
@@ -336,7 +336,7 @@ def _built_parameter_dtypes(rank: int, world: int, family: str) -> dict:
     from megatron.core import tensor_parallel
 
     from nrl_backend_megatron import cpu_shim
-    from nrl_backend_megatron.model import ParallelLayout, build_gpt_model, transformer_config
+    from nrl_backend_megatron.model import ParallelLayout, build_model, transformer_config
     from nrl_backend_megatron.parallel import init_model_parallel
 
     cpu_shim.install()
@@ -346,7 +346,7 @@ def _built_parameter_dtypes(rank: int, world: int, family: str) -> dict:
 
     hf = AutoConfig.from_pretrained(cached_tiny_model(family))
     config = transformer_config(hf, ParallelLayout(), params_dtype=torch.bfloat16, bf16=True)
-    model = build_gpt_model(hf, config, pre_process=True, post_process=True)
+    model = build_model(hf, config, pre_process=True, post_process=True)
     return {name: str(p.dtype) for name, p in model.named_parameters() if p.dtype != torch.bfloat16}
 
 

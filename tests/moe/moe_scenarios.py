@@ -164,6 +164,12 @@ def latent_paths() -> dict[str, str]:
 
 def latent_world1(rank: int, world: int, paths: dict[str, str]) -> dict[str, Any]:
     """HF parity and export of both latent families, and DeepSeek-V3's single-rank training baseline."""
+    return _one_rank_baselines(rank, world, paths, trained=True)
+
+
+def _one_rank_baselines(rank: int, world: int, paths: dict[str, str], trained: bool = False) -> dict[str, Any]:
+    """Per model: logits and logprobs, the export before training, three steps' metrics (and the
+    export after them)."""
     from nrl_backend_megatron.worker import MegatronPolicyWorker
 
     out: dict[str, Any] = {}
@@ -174,7 +180,8 @@ def latent_world1(rank: int, world: int, paths: dict[str, str]) -> dict[str, Any
         out[f"{name}/logprobs"] = gather_shards(w.get_logprobs(batch), batch)
         out[f"{name}/export"] = _export(w)
         out[f"{name}/metrics"] = [w.train(batch, _loss()) for _ in range(3)]
-        out[f"{name}/trained"] = _export(w)
+        if trained:
+            out[f"{name}/trained"] = _export(w)
     return out
 
 
@@ -194,4 +201,46 @@ def latent_world2(rank: int, world: int, paths: dict[str, str]) -> dict[str, Any
         out[f"{tag}/logprobs"] = gather_shards(w.get_logprobs(batch), batch)
         out[f"{tag}/metrics"] = [w.train(batch, loss) for _ in range(3)]
         out[f"{tag}/trained"] = _export(w)
+    return out
+
+
+def hybrid_paths() -> dict[str, str]:
+    """The small Nemotron-H models (Mamba, attention and MLP layers; Nemotron 3's experts in place of
+    the MLP, and Nemotron 3 Super's experts in a latent space): the small size has every layer
+    kind, and two Mamba groups so tensor parallelism splits them."""
+    from nrl_core.testing.tiny_models import cached_tiny_model
+
+    return {"nemotron_h": str(cached_tiny_model("nemotron_h", size="small")),
+            "nemotron_h_moe": str(cached_tiny_model("nemotron_h_moe", size="small")),
+            "nemotron_h_moe_latent": str(cached_tiny_model("nemotron_h_moe", size="small", moe_latent_size=64))}
+
+
+def hybrid_world1(rank: int, world: int, paths: dict[str, str]) -> dict[str, Any]:
+    """HF parity, export before training and a three-step baseline of each Nemotron-H model, and
+    Nemotron-H's logprobs with sequence packing (each sequence's Mamba state starts afresh)."""
+    from nrl_backend_megatron.worker import MegatronPolicyWorker
+
+    out = _one_rank_baselines(rank, world, paths)
+    batch = make_batch()
+    packing = {"enabled": True, "train_mb_tokens": 64, "logprob_mb_tokens": 64}
+    w = MegatronPolicyWorker(make_config(paths["nemotron_h"], sequence_packing=packing), rank, world)
+    out["nemotron_h/packed_logprobs"] = gather_shards(w.get_logprobs(batch), batch)
+    return out
+
+
+def hybrid_world2(rank: int, world: int, paths: dict[str, str]) -> dict[str, Any]:
+    """Nemotron 3 Super's layout at tensor parallel 2 with sequence parallelism (Mamba's fused
+    projection and convolution split part by part, the latent projections whole on each rank),
+    Nemotron 3 at expert parallel 2, Nemotron-H at pipeline parallel 2."""
+    from nrl_backend_megatron.worker import MegatronPolicyWorker
+
+    out: dict[str, Any] = {}
+    batch, loss = make_batch(), _loss()
+    for tag, family, megatron in (("tp2", "nemotron_h_moe_latent", {"tensor_model_parallel_size": 2,
+                                                                    "sequence_parallel": True}),
+                                  ("ep2", "nemotron_h_moe", {"expert_model_parallel_size": 2}),
+                                  ("pp2", "nemotron_h", {"pipeline_model_parallel_size": 2})):
+        w = MegatronPolicyWorker(make_config(paths[family], megatron=megatron), rank, world)
+        out[f"{tag}/logprobs"] = gather_shards(w.get_logprobs(batch), batch)
+        out[f"{tag}/metrics"] = [w.train(batch, loss) for _ in range(3)]
     return out

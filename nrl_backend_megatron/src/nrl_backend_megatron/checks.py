@@ -35,8 +35,12 @@ def check_config(config: Mapping[str, Any]) -> None:
     if hf_config is not None:
         # what needs CUDA is checked where the worker runs: configs are often checked on a login node
         check_moe_section(section, hf_config, on_gpu=True)
-        family_of(hf_config)
-        hf_inv_freq(hf_config)  # refuses RoPE variants the backend cannot reproduce
+        if family_of(hf_config).hybrid:
+            from nrl_backend_megatron.hybrid import check_hybrid
+
+            check_hybrid(hf_config, layout.tp)
+        else:
+            hf_inv_freq(hf_config)  # refuses RoPE variants the backend cannot reproduce
     check_value_head(policy, section, hf_config)
     # Transformer Engine with CUDA is only known where the workers run (they check again); not installed, never
     check_recompute(section, hf_config, transformer_engine=transformer_engine_installed())

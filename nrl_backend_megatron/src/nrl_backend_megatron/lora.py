@@ -87,11 +87,15 @@ class Adapter(nn.Module):
         super().__init__()
         from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
+        from nrl_backend_megatron.weights import tp_parts
+
         self.row = canonical.rsplit(".", 1)[-1] in ROW_PARALLEL
         self.canonical = canonical
         rank = int(section["dim"])
         self.scale = float(section["alpha"]) / rank
         out_local, in_local = base.weight.shape
+        # the parts B's rows are sliced from, as the base's output is ([gate; up] for a gated MLP)
+        self.tp_parts = None if self.row else tp_parts(f"{canonical}.weight", base.weight, out_local * tp_size)
         dtype, device = base.weight.dtype, base.weight.device
         full_in = in_local * tp_size if self.row else in_local
         a_full = torch.empty(rank, full_in, dtype=torch.float32)
@@ -224,6 +228,7 @@ def full_adapters(adapters: Adapters, tp_group: Any, tp_size: int, pp_group: Any
     over TP, then exchanged between pipeline stages (adapters are small). Collective."""
     import torch.distributed as dist
 
+    from nrl_backend_megatron.hybrid import join_parts
     from nrl_core.api import all_gather
 
     mine = {}
@@ -234,11 +239,8 @@ def full_adapters(adapters: Adapters, tp_group: Any, tp_size: int, pp_group: Any
                 a = torch.cat(all_gather(a.contiguous(), group=tp_group), dim=1)
             else:
                 parts = all_gather(b.contiguous(), group=tp_group)
-                if adapter.canonical.endswith("linear_fc1"):  # each rank holds [gate_slice; up_slice]
-                    gates, ups = zip(*(torch.chunk(p, 2, 0) for p in parts))
-                    b = torch.cat([torch.cat(gates, 0), torch.cat(ups, 0)], 0)
-                else:
-                    b = torch.cat(parts, dim=0)
+                # each rank holds its slice of each part (of a gated MLP: [gate_slice; up_slice])
+                b = torch.cat(parts, dim=0) if adapter.tp_parts is None else join_parts(parts, adapter.tp_parts, 0)
         mine[adapter.canonical] = (a.float().cpu(), b.float().cpu())
     if pp_size == 1:
         return mine

@@ -92,17 +92,26 @@ def transformer_config(hf_config: Any, layout: ParallelLayout, *, params_dtype: 
 
     family = family_of(hf_config)
     on_gpu = te_available()
-    if family.latent:
+    shape: dict[str, Any] = dict(ffn_hidden_size=hf_config.intermediate_size, gated_linear_unit=True,
+                                 activation_func=torch.nn.functional.silu)
+    if family.hybrid:
+        from nrl_backend_megatron.hybrid import check_hybrid, transformer_config_kwargs
+
+        check_hybrid(hf_config, layout.tp)
+        config_class, attention = TransformerConfig, {}
+        shape = transformer_config_kwargs(hf_config)
+    elif family.latent:
         config_class, attention = MLATransformerConfig, latent_attention_kwargs(hf_config)
     else:
         config_class, attention = TransformerConfig, dict(
             num_query_groups=getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads,
             kv_channels=head_dim(hf_config), qk_layernorm=family.qk_norm)
+    if "layernorm_epsilon" not in shape:
+        shape["layernorm_epsilon"] = hf_config.rms_norm_eps
     return config_class(
         num_layers=hf_config.num_hidden_layers, hidden_size=hf_config.hidden_size,
-        num_attention_heads=hf_config.num_attention_heads, **attention, ffn_hidden_size=hf_config.intermediate_size,
-        normalization="RMSNorm", layernorm_epsilon=hf_config.rms_norm_eps, gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu, add_bias_linear=False, add_qkv_bias=family.qkv_bias,
+        num_attention_heads=hf_config.num_attention_heads, **attention, **shape,
+        normalization="RMSNorm", add_bias_linear=False, add_qkv_bias=family.qkv_bias,
         attention_dropout=0.0, hidden_dropout=0.0,
         tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
         context_parallel_size=layout.cp, sequence_parallel=layout.sequence_parallel,
@@ -194,28 +203,40 @@ def _use_packed_attention(spec: Any) -> Any:
     return spec
 
 
-def build_gpt_model(hf_config: Any, config: Any, *, pre_process: bool, post_process: bool) -> Any:
-    """The (possibly pipeline-stage) ``GPTModel`` with HF-exact RoPE frequencies; for an HF
-    classifier config (a value model, :func:`~nrl_backend_megatron.convert.families.head_kind`) its
-    last stage has a :class:`~nrl_backend_megatron.value_head.ValueHead` where the output layer was."""
+def build_model(hf_config: Any, config: Any, *, pre_process: bool, post_process: bool) -> Any:
+    """The (possibly pipeline-stage) model: a ``GPTModel`` with HF-exact RoPE frequencies, or for
+    Nemotron-H a ``MambaModel`` (:mod:`~nrl_backend_megatron.hybrid`); for an HF classifier config
+    (a value model, :func:`~nrl_backend_megatron.convert.families.head_kind`) its last stage has a
+    :class:`~nrl_backend_megatron.value_head.ValueHead` where the output layer was."""
     from megatron.core.models.gpt.gpt_model import GPTModel
 
+    if family_of(hf_config).hybrid:
+        from nrl_backend_megatron.hybrid import build_hybrid_model
+
+        model = build_hybrid_model(hf_config, config, pre_process=pre_process, post_process=post_process,
+                                   on_gpu=te_available())
+        return _finish(model, hf_config, config, post_process)
     model = GPTModel(
         config=config, transformer_layer_spec=layer_spec(hf_config, config), vocab_size=hf_config.vocab_size,
         max_sequence_length=hf_config.max_position_embeddings, pre_process=pre_process, post_process=post_process,
         parallel_output=True, share_embeddings_and_output_weights=tied_embeddings(hf_config),
         position_embedding_type="rope", rotary_base=int(rope_theta(hf_config)),
     )
-    kind = head_kind(hf_config)
-    if kind is not None and post_process:
-        from nrl_backend_megatron import value_head
-
-        value_head.attach(model, kind, hf_config.hidden_size, config.params_dtype)
     if getattr(model, "rotary_pos_emb", None) is not None:
         device = model.rotary_pos_emb.inv_freq.device  # a meta build (the conversion) keeps real frequencies
         with torch.device("cpu"):
             frequencies = hf_inv_freq(hf_config)
         model.rotary_pos_emb.inv_freq = frequencies.to("cpu" if device.type == "meta" else device)
+    return _finish(model, hf_config, config, post_process)
+
+
+def _finish(model: Any, hf_config: Any, config: Any, post_process: bool) -> Any:
+    """What every model gets: the value head, recompute's gradients, parameters in their dtype."""
+    kind = head_kind(hf_config)
+    if kind is not None and post_process:
+        from nrl_backend_megatron import value_head
+
+        value_head.attach(model, kind, hf_config.hidden_size, config.params_dtype)
     if config.recompute_granularity is not None:
         from nrl_backend_megatron.memory import keep_gradients_through_recompute
 

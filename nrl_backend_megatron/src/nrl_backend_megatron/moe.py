@@ -61,6 +61,9 @@ def check_moe_section(section: Mapping[str, Any], hf_config: Any, on_gpu: bool) 
                               "experts, set it to 1")
         return
     experts = num_experts(hf_config)
+    if section.get("moe_shared_expert_overlap") and getattr(hf_config, "moe_latent_size", None):
+        raise ConfigError(f"{KEY}.moe_shared_expert_overlap", "Megatron-Core does not overlap the shared expert with "
+                                                              "experts in a latent space (moe_latent_size); set it false")
     if ep < 1 or experts % ep:
         raise ConfigError(f"{KEY}.expert_model_parallel_size", f"{ep} does not divide the model's {experts} experts")
     tp = int(section.get("tensor_model_parallel_size") or 1)
@@ -116,9 +119,9 @@ def moe_config_kwargs(hf_config: Any, section: Mapping[str, Any], on_gpu: bool) 
         moe_shared_expert_overlap=bool(section.get("moe_shared_expert_overlap")),
         moe_per_layer_logging=bool(section.get("moe_per_layer_logging")),
     )
-    if family.latent:
+    if family.latent or family.hybrid:  # Nemotron 3 routes as DeepSeek-V3 does
         kwargs.update(latent_routing(hf_config, topk))
-        # HF's and vLLM's DeepSeek-V3 score the router in float32; a bf16 run would route otherwise
+        # HF's and vLLM's DeepSeek-V3 and Nemotron 3 score the router in float32; bf16 would route otherwise
         kwargs["moe_router_dtype"] = section.get("moe_router_dtype") or "fp32"
     elif family.shared_expert:
         kwargs.update(moe_shared_expert_intermediate_size=int(hf_config.shared_expert_intermediate_size),

@@ -2,8 +2,10 @@
 
 A rank holds a pipeline stage (a contiguous range of decoder layers, plus the embedding on the
 first stage and the output layer on the last) and, of each tensor-parallel parameter, the slice
-along its ``partition_dim``. The gated MLP input ``linear_fc1`` is the exception: each rank holds
-``[gate_slice; up_slice]``, so gate and up are split separately. Export gathers across the
+along its ``partition_dim``. A tensor fused of parts is the exception: each rank holds its slice of
+every part, one after the other (the gated MLP input ``linear_fc1`` holds ``[gate_slice;
+up_slice]``, Mamba's input projection its slice of each of five parts), so parts are split
+separately. Export gathers across the
 tensor-parallel group (all-gather) and then the pipeline group (broadcast from the owning stage),
 so every rank sees every full tensor: a collective, every rank must iterate.
 
@@ -24,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from nrl_backend_megatron.convert.mapping import local_name
+from nrl_backend_megatron.hybrid import join_parts, slice_parts
 from nrl_core.api import all_gather, broadcast
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
@@ -63,8 +66,12 @@ def is_expert(canonical: str) -> bool:
     return _EXPERT.match(canonical) is not None
 
 
-def _is_gated_fc1(name: str) -> bool:
-    return name.endswith("linear_fc1.weight")
+def tp_parts(name: str, param: torch.Tensor, full_rows: int) -> tuple[int, ...] | None:
+    """The parts a tensor-parallel slice is cut from, each split over the ranks (None: one part):
+    what :mod:`~nrl_backend_megatron.hybrid` recorded, else ``[gate; up]`` for a gated MLP input."""
+    if hasattr(param, "nrl_tp_parts"):
+        return param.nrl_tp_parts
+    return (full_rows // 2, full_rows // 2) if name.endswith("linear_fc1.weight") else None
 
 
 def shard(full: torch.Tensor, param: torch.Tensor, name: str, tp_rank: int, tp_size: int) -> torch.Tensor:
@@ -72,9 +79,9 @@ def shard(full: torch.Tensor, param: torch.Tensor, name: str, tp_rank: int, tp_s
     if tp_size == 1 or not getattr(param, "tensor_model_parallel", False) or is_expert(name):
         return full
     dim = param.partition_dim
-    if _is_gated_fc1(name):
-        gate, up = torch.chunk(full, 2, dim=0)
-        return torch.cat([torch.chunk(gate, tp_size, 0)[tp_rank], torch.chunk(up, tp_size, 0)[tp_rank]], 0)
+    parts = tp_parts(name, param, full.shape[dim])
+    if parts is not None:
+        return slice_parts(full, parts, dim, tp_rank, tp_size)
     return torch.chunk(full, tp_size, dim=dim)[tp_rank]
 
 
@@ -83,9 +90,9 @@ def unshard(local: torch.Tensor, param: torch.Tensor, name: str, tp_group: Any, 
     if tp_size == 1 or not getattr(param, "tensor_model_parallel", False) or is_expert(name):
         return local
     parts = all_gather(local, group=tp_group)
-    if _is_gated_fc1(name):
-        gates, ups = zip(*(torch.chunk(p, 2, 0) for p in parts))
-        return torch.cat([torch.cat(gates, 0), torch.cat(ups, 0)], 0)
+    split = tp_parts(name, param, local.shape[param.partition_dim] * tp_size)
+    if split is not None:
+        return join_parts(parts, split, param.partition_dim)
     return torch.cat(parts, dim=param.partition_dim)
 
 

@@ -45,7 +45,7 @@ from nrl_backend_megatron.convert.families import head_kind
 from nrl_backend_megatron.convert.megatron_checkpoint import MegatronCheckpointError, check_tensors, locate_checked
 from nrl_backend_megatron.convert.sharded import convert_in_subprocess, load_shard, save_conversion, sharded_state_for
 from nrl_backend_megatron.memory import check_recompute, empty_unused_memory
-from nrl_backend_megatron.model import DTYPES, build_gpt_model, te_available, transformer_config
+from nrl_backend_megatron.model import DTYPES, build_model, te_available, transformer_config
 from nrl_backend_megatron.moe import RouterMetrics, check_moe_section, freeze_router, is_moe, mark_experts_parallel
 from nrl_backend_megatron.optim import (
     build_optimizer,
@@ -239,7 +239,7 @@ class MegatronPolicyWorker(TrainingEngine):
             self.hf_config, self.layout, params_dtype=dtype, pipeline_dtype=pipeline_dtype,
             bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, moe=self.cfg, recompute=self.cfg)
         self.hf_config_dropout()
-        model = build_gpt_model(self.hf_config, self.tconfig, pre_process=self.is_first_stage,
+        model = build_model(self.hf_config, self.tconfig, pre_process=self.is_first_stage,
                                 post_process=self.is_last_stage).to(self.device)
         sharded = sharded_state_for(model, self.conversion.path)
         if self.cfg.get("pretrained_checkpoint"):

@@ -7,7 +7,9 @@ Qwen3-MoE has Qwen3's attention and renormalises the top-k routing probabilities
 Qwen2's attention, keeps the top-k probabilities as they are and adds a shared expert scaled by a
 sigmoid gate. DeepSeek-V3 (and GLM-4.7-Flash, built like it) replace the attention by multi-head
 latent attention, route by sigmoid scores with a correction bias that chooses experts but does not
-weigh them, and add an ungated shared expert; their first layers are dense.
+weigh them, and add an ungated shared expert; their first layers are dense. Nemotron-H is not
+Llama-shaped: each of its layers is one Mamba-2 mixer, attention (no RoPE) or a squared-ReLU MLP,
+with its own pre-norm (``nrl_backend_megatron.hybrid``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ class Family:
     moe: bool = False
     shared_expert: bool = False
     latent: bool = False  # multi-head latent attention and DeepSeek-V3's routing
+    hybrid: bool = False  # Mamba, attention and MLP layers in a pattern (Nemotron-H: hybrid.py)
 
 
 FAMILIES: dict[str, Family] = {
@@ -40,6 +43,7 @@ FAMILIES: dict[str, Family] = {
                                     shared_expert=True, latent=True),
     "Glm4MoeLiteForCausalLM": Family("glm4_moe_lite", "Glm4MoeLiteForCausalLM", qkv_bias=False, qk_norm=False,
                                      moe=True, shared_expert=True, latent=True),
+    "NemotronHForCausalLM": Family("nemotron_h", "NemotronHForCausalLM", qkv_bias=False, qk_norm=False, hybrid=True),
 }
 
 
@@ -86,6 +90,10 @@ def moe_layers(hf_config: Any) -> list[bool]:
     """Per decoder layer, whether it is a mixture-of-experts layer (HF's rule: not listed in
     ``mlp_only_layers`` and every ``decoder_sparse_step``-th layer); all False for dense families."""
     family = family_of(hf_config)
+    if family.hybrid:  # Nemotron 3: the pattern's mixture-of-experts layers
+        from nrl_backend_megatron.hybrid import layer_pattern
+
+        return [kind == "E" for kind in layer_pattern(hf_config)]
     if not family.moe:
         return [False] * hf_config.num_hidden_layers
     if family.latent and getattr(hf_config, "mlp_layer_types", None):  # GLM's list, as transformers reads it
@@ -102,14 +110,17 @@ def moe_layers(hf_config: Any) -> list[bool]:
 
 def num_experts(hf_config: Any) -> int:
     """Routed experts per MoE layer (0 for a dense model)."""
-    count = getattr(hf_config, "n_routed_experts", None) if family_of(hf_config).latent else None
+    family = family_of(hf_config)
+    count = getattr(hf_config, "n_routed_experts", None) if family.latent or family.hybrid else None
     count = count if count is not None else getattr(hf_config, "num_experts", 0)
     return int(count or 0) if any(moe_layers(hf_config)) else 0
 
 
 def shared_expert_width(hf_config: Any) -> int:
     """The shared expert's intermediate width: Qwen2-MoE names it, DeepSeek-V3 counts shared experts
-    of the routed experts' width (Megatron runs them as one)."""
+    of the routed experts' width (Megatron runs them as one), Nemotron 3 names it too."""
+    if family_of(hf_config).hybrid:
+        return int(getattr(hf_config, "moe_shared_expert_intermediate_size", 0) or 0)
     if family_of(hf_config).latent:
         return int(hf_config.n_shared_experts or 0) * int(hf_config.moe_intermediate_size)
     return int(hf_config.shared_expert_intermediate_size)

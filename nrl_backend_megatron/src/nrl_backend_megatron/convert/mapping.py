@@ -22,6 +22,7 @@ has HF's ``score`` where a causal LM has ``lm_head``: Megatron's ``output_layer.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -46,9 +47,15 @@ _TE_RENAMES = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_w
                "self_attention.kv_layernorm.weight": "self_attention.linear_kv_up_proj.layer_norm_weight"}
 
 
+# a Mamba layer's pre-norm, which Transformer Engine's spec fuses into the mixer's input projection
+_MAMBA_NORM, _MAMBA_TE_NORM = re.compile(r"(layers\.\d+\.)norm\.weight$"), re.compile(r"(layers\.\d+\.)mixer\.in_proj\.layer_norm_weight$")
+
+
 def te_name(local_name: str) -> str:
     """The Transformer Engine spec's name for a local-spec parameter name of a dense layer (a MoE
     layer keeps its ``pre_mlp_layernorm`` apart from the experts, so its names do not change)."""
+    if _MAMBA_NORM.search(local_name):
+        return _MAMBA_NORM.sub(r"\1mixer.in_proj.layer_norm_weight", local_name)
     for old, new in _TE_RENAMES.items():
         if local_name.endswith(old):
             return local_name[: -len(old)] + new
@@ -57,6 +64,8 @@ def te_name(local_name: str) -> str:
 
 def local_name(any_name: str) -> str:
     """Inverse of :func:`te_name`."""
+    if _MAMBA_TE_NORM.search(any_name):
+        return _MAMBA_TE_NORM.sub(r"\1norm.weight", any_name)
     for old, new in _TE_RENAMES.items():
         if any_name.endswith(new):
             return any_name[: -len(new)] + old
@@ -150,11 +159,63 @@ def _latent_moe_rules(cfg: Any) -> list[Rule]:
     return rules
 
 
+def _hybrid_rules(cfg: Any, layer: int) -> list[Rule]:
+    """A Nemotron-H layer: its pre-norm, then a Mamba mixer (same layouts on both sides), attention,
+    an ungated MLP or Nemotron 3's experts; HF names all four ``mixer``."""
+    from nrl_backend_megatron.hybrid import layer_pattern, mamba_dims
+
+    hidden, kind = cfg.hidden_size, layer_pattern(cfg)[layer]
+    if kind == "M":
+        d = mamba_dims(cfg)
+        rules = [Rule("norm.weight", ("norm.weight",), "copy", (hidden,)),
+                 Rule("mixer.in_proj.weight", ("mixer.in_proj.weight",), "copy",
+                      (2 * d["inner"] + 2 * d["groups"] * d["state"] + d["heads"], hidden)),
+                 Rule("mixer.conv1d.weight", ("mixer.conv1d.weight",), "copy", (d["conv_channels"], 1, d["kernel"]))]
+        if getattr(cfg, "use_conv_bias", True):
+            rules.append(Rule("mixer.conv1d.bias", ("mixer.conv1d.bias",), "copy", (d["conv_channels"],)))
+        return rules + [Rule(f"mixer.{n}", (f"mixer.{n}",), "copy", (d["heads"],)) for n in ("A_log", "D", "dt_bias")] + [
+            Rule("mixer.norm.weight", ("mixer.norm.weight",), "copy", (d["inner"],)),
+            Rule("mixer.out_proj.weight", ("mixer.out_proj.weight",), "copy", (hidden, d["inner"]))]
+    if kind == "*":
+        dims = _Dims(cfg)
+        return [Rule("input_layernorm.weight", ("norm.weight",), "copy", (hidden,)),
+                Rule("self_attention.linear_qkv.weight", tuple(f"mixer.{p}_proj.weight" for p in "qkv"), "qkv",
+                     ((dims.heads + 2 * dims.groups) * dims.d, hidden)),
+                Rule("self_attention.linear_proj.weight", ("mixer.o_proj.weight",), "copy", (hidden, dims.heads * dims.d))]
+    if kind == "-":
+        return [Rule("pre_mlp_layernorm.weight", ("norm.weight",), "copy", (hidden,)),
+                *_squared_relu("mlp", "mixer", cfg.intermediate_size, hidden)]
+    # Nemotron 3's experts: DeepSeek-V3's router (a correction bias, a buffer on Megatron's side),
+    # squared-ReLU routed experts and one shared expert
+    # (Nemotron 3 Super's experts read and write a latent width, projected from and to the hidden one)
+    experts, latent = num_experts(cfg), getattr(cfg, "moe_latent_size", None)
+    rules = [Rule("pre_mlp_layernorm.weight", ("norm.weight",), "copy", (hidden,)),
+             Rule("mlp.router.weight", ("mixer.gate.weight",), "copy", (experts, hidden)),
+             Rule("mlp.router.expert_bias", ("mixer.gate.e_score_correction_bias",), "copy", (experts,))]
+    if latent:
+        rules += [Rule("mlp.fc1_latent_proj.weight", ("mixer.fc1_latent_proj.weight",), "copy", (latent, hidden)),
+                  Rule("mlp.fc2_latent_proj.weight", ("mixer.fc2_latent_proj.weight",), "copy", (hidden, latent))]
+    for e in range(experts):
+        rules += _squared_relu(f"mlp.experts.local_experts.{e}", f"mixer.experts.{e}", cfg.moe_intermediate_size,
+                               latent or hidden)
+    if shared_expert_width(cfg):
+        rules += _squared_relu("mlp.shared_experts", "mixer.shared_experts", shared_expert_width(cfg), hidden)
+    return rules
+
+
+def _squared_relu(megatron: str, hf: str, width: int, hidden: int) -> list[Rule]:
+    """An ungated MLP: ``up_proj`` is Megatron's ``linear_fc1``, ``down_proj`` its ``linear_fc2``."""
+    return [Rule(f"{megatron}.linear_fc1.weight", (f"{hf}.up_proj.weight",), "copy", (width, hidden)),
+            Rule(f"{megatron}.linear_fc2.weight", (f"{hf}.down_proj.weight",), "copy", (hidden, width))]
+
+
 def layer_rules(cfg: Any, layer: int) -> list[Rule]:
     """Every canonical tensor of decoder layer ``layer``, in export order (attention, then MLP)."""
     family = family_of(cfg)
     dims = _Dims(cfg)
     hidden = cfg.hidden_size
+    if family.hybrid:
+        return _hybrid_rules(cfg, layer)
     if family.latent:
         rules = _latent_attention_rules(cfg)
         if not moe_layers(cfg)[layer]:
@@ -215,6 +276,29 @@ def head_names(cfg: Any) -> dict[str, str]:
     return {} if tied_embeddings(cfg) else {"output_layer.weight": "lm_head.weight"}
 
 
+@dataclass(frozen=True)
+class _Names:
+    """Where a family keeps its embedding, layers and final norm, on each side."""
+
+    embedding: str
+    layers: str
+    hf_norm: str
+    norm: str
+
+
+_LLAMA_NAMES = _Names("model.embed_tokens.weight", "model.layers", "model.norm.weight", "decoder.final_layernorm.weight")
+_HYBRID_NAMES = _Names("backbone.embeddings.weight", "backbone.layers", "backbone.norm_f.weight", "decoder.final_norm.weight")
+
+
+def _names(cfg: Any) -> _Names:
+    return _HYBRID_NAMES if family_of(cfg).hybrid else _LLAMA_NAMES
+
+
+def hf_embedding_name(cfg: Any) -> str:
+    """The HF name of the input embedding."""
+    return _names(cfg).embedding
+
+
 def hf_to_megatron(hf: Mapping[str, torch.Tensor], cfg: Any) -> dict[str, torch.Tensor]:
     """A full HF state dict → the canonical full Megatron state dict (local-spec names)."""
     table = source_table(cfg)
@@ -225,12 +309,13 @@ def source_table(cfg: Any) -> dict[str, tuple[Rule | None, tuple[str, ...]]]:
     """Every canonical Megatron tensor, in :func:`canonical_shapes`' order → its layer rule (None:
     a plain copy) and the HF tensors it is made of. Built once per model: looking a name up in
     :func:`layer_rules` costs a layer's rules, which a MoE layer has hundreds of."""
+    names = _names(cfg)
     table: dict[str, tuple[Rule | None, tuple[str, ...]]] = {
-        "embedding.word_embeddings.weight": (None, ("model.embed_tokens.weight",))}
+        "embedding.word_embeddings.weight": (None, (names.embedding,))}
     for i in range(cfg.num_hidden_layers):
         for rule in layer_rules(cfg, i):
-            table[f"decoder.layers.{i}.{rule.megatron}"] = (rule, tuple(f"model.layers.{i}.{hf}" for hf in rule.hf))
-    table["decoder.final_layernorm.weight"] = (None, ("model.norm.weight",))
+            table[f"decoder.layers.{i}.{rule.megatron}"] = (rule, tuple(f"{names.layers}.{i}.{hf}" for hf in rule.hf))
+    table[names.norm] = (None, (names.hf_norm,))
     table.update({megatron: (None, (hf,)) for megatron, hf in head_names(cfg).items()})
     return table
 
@@ -259,11 +344,12 @@ def _layer_rule(name: str, cfg: Any) -> tuple[Rule, int]:
 
 def megatron_to_hf_items(name: str, tensor: torch.Tensor, cfg: Any) -> Iterator[tuple[str, torch.Tensor]]:
     """One full canonical Megatron tensor → its HF tensor(s) (qkv and fc1 unfuse into several)."""
+    names = _names(cfg)
     if name == "embedding.word_embeddings.weight":
-        yield "model.embed_tokens.weight", tensor
+        yield names.embedding, tensor
         return
-    if name == "decoder.final_layernorm.weight":
-        yield "model.norm.weight", tensor
+    if name == names.norm:
+        yield names.hf_norm, tensor
         return
     heads = head_names(cfg) if head_kind(cfg) else {"output_layer.weight": "lm_head.weight"}  # tied: still named
     if name in heads:
@@ -271,7 +357,7 @@ def megatron_to_hf_items(name: str, tensor: torch.Tensor, cfg: Any) -> Iterator[
         return
     rule, index = _layer_rule(name, cfg)
     for hf_suffix, part in zip(rule.hf, _split(rule, tensor, cfg)):
-        yield f"model.layers.{index}.{hf_suffix}", part
+        yield f"{names.layers}.{index}.{hf_suffix}", part
 
 
 def megatron_to_hf(mg: Mapping[str, torch.Tensor], cfg: Any) -> dict[str, torch.Tensor]:
@@ -289,7 +375,7 @@ def canonical_shapes(cfg: Any) -> dict[str, tuple[int, ...]]:
     for i in range(cfg.num_hidden_layers):
         for rule in layer_rules(cfg, i):
             shapes[f"decoder.layers.{i}.{rule.megatron}"] = rule.shape
-    shapes["decoder.final_layernorm.weight"] = (hidden,)
+    shapes[_names(cfg).norm] = (hidden,)
     rows = 1 if head_kind(cfg) else vocab
     for name in head_names(cfg):
         shapes[name] = (rows, hidden) if name.endswith(".weight") else (rows,)

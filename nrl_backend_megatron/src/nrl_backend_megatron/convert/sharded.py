@@ -126,7 +126,7 @@ def save_conversion(model_path: str, out_dir: str, megatron_cfg: Mapping[str, An
     from transformers import AutoConfig
 
     from nrl_backend_megatron.convert.mapping import megatron_tensor, source_table
-    from nrl_backend_megatron.model import ParallelLayout, build_gpt_model, transformer_config
+    from nrl_backend_megatron.model import ParallelLayout, build_model, transformer_config
     from nrl_backend_megatron.weights import canonical_param_names
 
     tracker = tensor_parallel.get_cuda_rng_tracker()
@@ -145,7 +145,7 @@ def save_conversion(model_path: str, out_dir: str, megatron_cfg: Mapping[str, An
         if hasattr(config, "init_model_with_meta_device"):
             config.init_model_with_meta_device = True
         with torch.device("meta"):
-            model = build_gpt_model(hf_config, config, pre_process=True, post_process=True)
+            model = build_model(hf_config, config, pre_process=True, post_process=True)
         held = sorted(name for name, param in model.named_parameters() if not param.is_meta)
         if held:
             logger.warning("the conversion built %d parameters with memory (%s, ...) instead of on the meta device; "
