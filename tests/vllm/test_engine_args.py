@@ -76,6 +76,9 @@ def test_an_argument_nrl_sets_on_this_engine_only_is_refused_there() -> None:
     assert str(caught.value) == ("policy.generation.vllm_kwargs.enable_chunked_prefill: nrl sets this vLLM argument "
                                  "itself on this engine (to False); remove it")
     assert user_engine_kwargs(config, {}) == {"enable_chunked_prefill": True, "max_num_seqs": 8}
+    # null (a twin's setting, or a user's): the engine's own choice, which nrl's is on this engine
+    config["policy"]["generation"]["vllm_kwargs"] = {"enable_chunked_prefill": None, "max_num_batched_tokens": None}
+    assert user_engine_kwargs(config, {"enable_chunked_prefill": False, "max_num_batched_tokens": 8192}) == {}
 
 
 def test_an_argument_vllm_lacks_is_refused_at_check_and_at_engine_start() -> None:
