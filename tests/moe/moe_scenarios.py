@@ -225,6 +225,12 @@ def hybrid_world1(rank: int, world: int, paths: dict[str, str]) -> dict[str, Any
     packing = {"enabled": True, "train_mb_tokens": 64, "logprob_mb_tokens": 64}
     w = MegatronPolicyWorker(make_config(paths["nemotron_h"], sequence_packing=packing), rank, world)
     out["nemotron_h/packed_logprobs"] = gather_shards(w.get_logprobs(batch), batch)
+    # full recompute: each layer runs again in backward (a Mamba mixer's forwards counted)
+    w = MegatronPolicyWorker(make_config(paths["nemotron_h"], megatron={"activation_checkpointing": True}), rank, world)
+    calls = [0]
+    w.model.decoder.layers[0].mixer.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    out["nemotron_h/recomputed_metrics"] = [w.train(batch, _loss()) for _ in range(3)]
+    out["nemotron_h/mixer_forwards"] = calls[0]
     return out
 
 
@@ -242,5 +248,6 @@ def hybrid_world2(rank: int, world: int, paths: dict[str, str]) -> dict[str, Any
                                   ("pp2", "nemotron_h", {"pipeline_model_parallel_size": 2})):
         w = MegatronPolicyWorker(make_config(paths[family], megatron=megatron), rank, world)
         out[f"{tag}/logprobs"] = gather_shards(w.get_logprobs(batch), batch)
+        out[f"{tag}/export"] = _export(w)  # gathered part by part at TP 2
         out[f"{tag}/metrics"] = [w.train(batch, loss) for _ in range(3)]
     return out

@@ -50,6 +50,11 @@ def mamba_dims(hf_config: Any) -> dict[str, int]:
 def transformer_config_kwargs(hf_config: Any) -> dict[str, Any]:
     """The ``TransformerConfig`` fields of a Nemotron-H config; what Megatron's stack cannot build
     the same way is a one-line refusal."""
+    fixed = {"conv_kernel": 4, "use_conv_bias": True, "mamba_hidden_act": "silu"}  # what Megatron's mixer builds
+    for key, value in fixed.items():
+        if getattr(hf_config, key, value) != value:
+            raise ConfigError("policy.model_name", f"Nemotron-H with {key}={getattr(hf_config, key)!r} is not supported "
+                                                   f"by the Megatron backend (Megatron's Mamba mixer builds {value!r})")
     if str(getattr(hf_config, "mlp_hidden_act", "relu2")) != "relu2":
         raise ConfigError("policy.model_name", f"Nemotron-H MLP activation {hf_config.mlp_hidden_act!r} is not "
                                                "supported by the Megatron backend; supported: relu2")
@@ -97,33 +102,13 @@ def check_hybrid(hf_config: Any, tp: int) -> None:
                               f"and groups over tensor-parallel ranks")
 
 
-class LatentSequentialMLP:
-    """Megatron's ``SequentialMLP`` with experts that read and write the latent width
-    (``moe_latent_size``, Nemotron 3 Super): Megatron builds the latent projections around the
-    experts, but its ``SequentialMLP`` builds them at the hidden width (only its grouped-GEMM
-    experts take the latent one)."""
-
-    def __new__(cls, num_local_experts: int, config: Any, submodules: Any, pg_collection: Any = None) -> Any:
-        import functools
-
-        import megatron.core.transformer.moe.experts as experts
-
-        built_by = experts.MLP
-        experts.MLP = functools.partial(built_by, input_size=config.moe_latent_size)
-        try:
-            return experts.SequentialMLP(num_local_experts, config, submodules, pg_collection=pg_collection)
-        finally:
-            experts.MLP = built_by
-
-
 def _moe_spec(experts: int, *, use_te: bool, latent: bool) -> Any:
-    """nrl's experts: Megatron's ``SequentialMLP`` (names one per expert, as the converter maps them),
-    at the latent width where the model has one."""
+    """nrl's experts: Megatron's ``SequentialMLP`` (names one per expert, as the converter maps them;
+    Megatron builds routed experts at the latent width where the model has one)."""
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
 
     spec = get_moe_module_spec(use_te=use_te, num_experts=experts, moe_grouped_gemm=False)
     if latent:
-        spec.submodules.experts.module = LatentSequentialMLP
         if not use_te:
             # Megatron builds the latent projections as Transformer Engine's duplicated linear, and
             # asserts TE for that alone (its other TE use in the layer is fp8's, which a CPU lacks)
@@ -168,13 +153,17 @@ def stack_spec(on_gpu: bool, experts: int, latent: bool = False) -> Any:
     mixer = ModuleSpec(module=MambaMixer, submodules=MambaMixerSubmodules(in_proj=ColumnParallelLinear,
                                                                           out_proj=RowParallelLinear))
     stack = ModuleSpec(module=MambaStack, submodules=MambaStackSubmodules(
+        # checkpoints name the norms as Transformer Engine's spec does, as Megatron's local GPT spec does
         mamba_layer=ModuleSpec(module=MambaLayer, submodules=MambaLayerSubmodules(
-            norm=SequenceParallelTorchNorm, mixer=mixer, mamba_bda=get_bias_dropout_add)),
+            norm=SequenceParallelTorchNorm, mixer=mixer, mamba_bda=get_bias_dropout_add,
+            sharded_state_dict_keys_map={"norm.": "mixer.in_proj.layer_norm_"})),
         attention_layer=ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
             input_layernorm=gpt.input_layernorm, self_attention=gpt.self_attention,
-            self_attn_bda=get_bias_dropout_add)),
+            self_attn_bda=get_bias_dropout_add,
+            sharded_state_dict_keys_map={"input_layernorm.": "self_attention.linear_qkv.layer_norm_"})),
         mlp_layer=ModuleSpec(module=MLPLayer, submodules=TransformerLayerSubmodules(
-            pre_mlp_layernorm=gpt.pre_mlp_layernorm, mlp=gpt.mlp, mlp_bda=get_bias_dropout_add)),
+            pre_mlp_layernorm=gpt.pre_mlp_layernorm, mlp=gpt.mlp, mlp_bda=get_bias_dropout_add,
+            sharded_state_dict_keys_map={"pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"})),
         moe_layer=ModuleSpec(module=MoETransformerLayer, submodules=TransformerLayerSubmodules(
             pre_mlp_layernorm=gpt.pre_mlp_layernorm, mlp=_moe_spec(experts, use_te=False, latent=latent),
             mlp_bda=get_bias_dropout_add))))
@@ -211,7 +200,36 @@ def build_hybrid_model(hf_config: Any, config: Any, *, pre_process: bool, post_p
         elif type(module).__name__ == "MambaLayer" and hasattr(module.norm, "eps"):
             module.norm.eps = eps
     mark_tensor_parallel_parts(model, hf_config)
+    if config.recompute_granularity == "full":
+        recompute_each_layer(model.decoder)
     return model
+
+
+def recompute_each_layer(stack: Any) -> None:
+    """Full activation recompute (``recompute_granularity: full``) for a ``MambaStack``, which
+    Megatron's stack lacks: each layer keeps only its input, and runs again in backward under
+    Megatron's checkpoint (RNG states restored), as a ``GPTModel``'s block does with
+    ``recompute_method: uniform`` and one layer per group. Selective recompute is the attention
+    and MLP layers' own."""
+    import functools
+
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    for layer in stack.layers:
+        layer.forward = functools.partial(_checkpointed, layer.forward, isinstance(layer, TransformerLayer))
+
+
+def _checkpointed(forward: Any, returns_context: bool, hidden_states: torch.Tensor, **kwargs: Any) -> Any:
+    if not torch.is_grad_enabled():
+        return forward(hidden_states=hidden_states, **kwargs)
+    from megatron.core import tensor_parallel
+
+    def run(hidden: torch.Tensor) -> torch.Tensor:
+        out = forward(hidden_states=hidden, **kwargs)
+        return out[0] if isinstance(out, tuple) else out
+
+    hidden = tensor_parallel.checkpoint(run, False, hidden_states)
+    return (hidden, None) if returns_context else hidden
 
 
 def mark_tensor_parallel_parts(model: Any, hf_config: Any) -> None:

@@ -80,7 +80,8 @@ def user_engine_kwargs(config: Mapping[str, Any], nrl_kwargs: Mapping[str, Any])
     """The user's arguments to add to the engine's, refused in one line where they would replace
     one nrl sets (``nrl_kwargs``: what nrl passes besides the fixed ones, such as whole-prompt
     prefill on CPU, which seeded sampling needs); those that repeat nrl's value are left to nrl,
-    and so are those set to None (YAML's null: the engine's own choice)."""
+    and so are those set to None (YAML's null: not set, so nrl's value where nrl sets one, else
+    vLLM's default)."""
     check_user_engine_kwargs(config)
     given = {k: v for k, v in (config["policy"]["generation"].get("vllm_kwargs") or {}).items()
              if k not in SET_BY_NRL and v is not None}

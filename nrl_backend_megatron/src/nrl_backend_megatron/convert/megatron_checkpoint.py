@@ -182,6 +182,9 @@ def architecture_of_hf(hf_config: Any) -> dict[str, Any]:
     from nrl_backend_megatron.model import rope_theta
 
     family = family_of(hf_config)
+    if family.hybrid:
+        raise MegatronCheckpointError(f"Megatron checkpoints of {family.architecture} (Mamba hybrids) are not read or "
+                                      "written by nrl; start from the Hugging Face model (policy.model_name)")
     experts = num_experts(hf_config) or None
     heads = hf_config.num_attention_heads
     return {"num_layers": hf_config.num_hidden_layers, "hidden_size": hf_config.hidden_size,

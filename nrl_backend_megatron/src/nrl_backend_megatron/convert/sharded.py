@@ -125,7 +125,7 @@ def save_conversion(model_path: str, out_dir: str, megatron_cfg: Mapping[str, An
     from megatron.core import dist_checkpointing, tensor_parallel
     from transformers import AutoConfig
 
-    from nrl_backend_megatron.convert.mapping import megatron_tensor, source_table
+    from nrl_backend_megatron.convert.mapping import hf_embedding_name, megatron_tensor, source_table
     from nrl_backend_megatron.model import ParallelLayout, build_model, transformer_config
     from nrl_backend_megatron.weights import canonical_param_names
 
@@ -136,7 +136,7 @@ def save_conversion(model_path: str, out_dir: str, megatron_cfg: Mapping[str, An
         for key, value in overrides.items():
             setattr(hf_config, key, value)
         reader = SafetensorsReader(model_path)
-        dtype = reader.floating_dtype()
+        dtype = reader.floating_dtype(hf_embedding_name(hf_config))
         config = transformer_config(hf_config, ParallelLayout(), params_dtype=dtype, bf16=dtype == torch.bfloat16,
                                     fp16=dtype == torch.float16, moe=megatron_cfg)
         # Megatron's layers name the CUDA device themselves unless told to initialise on the CPU, and
@@ -234,7 +234,7 @@ class SafetensorsReader:
             with safe_open(str(file), "pt") as f:
                 self.where.update(dict.fromkeys(f.keys(), file))
 
-    def floating_dtype(self, name: str = "model.embed_tokens.weight") -> torch.dtype:
+    def floating_dtype(self, name: str) -> torch.dtype:
         """The dtype of tensor ``name`` (the embedding's: the model's precision), else of the first
         floating-point tensor, else float32."""
         from safetensors import safe_open
