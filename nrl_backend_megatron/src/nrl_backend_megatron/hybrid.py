@@ -185,8 +185,8 @@ def build_hybrid_model(hf_config: Any, config: Any, *, pre_process: bool, post_p
     cpu_mamba.install()
     if not on_gpu:  # the stack's final norm is Transformer Engine's by name
         mamba_block.TENorm = SequenceParallelTorchNorm
-    model = MambaModel(config=config, mamba_stack_spec=stack_spec(on_gpu, num_experts(hf_config) or 1,
-                                                              latent=bool(getattr(hf_config, "moe_latent_size", None))), vocab_size=hf_config.vocab_size,
+    spec = stack_spec(on_gpu, num_experts(hf_config) or 1, latent=bool(getattr(hf_config, "moe_latent_size", None)))
+    model = MambaModel(config=config, mamba_stack_spec=spec, vocab_size=hf_config.vocab_size,
                        max_sequence_length=hf_config.max_position_embeddings, pre_process=pre_process,
                        post_process=post_process, hybrid_override_pattern=layer_pattern(hf_config),
                        share_embeddings_and_output_weights=tied_embeddings(hf_config),
@@ -195,9 +195,7 @@ def build_hybrid_model(hf_config: Any, config: Any, *, pre_process: bool, post_p
     for module in model.modules():
         # Megatron fixes the gated norm's epsilon and builds the Mamba layer's local pre-norm with
         # the norm's default; HF's config sets both
-        if type(module).__name__ == "MambaMixer":
-            module.norm.eps = eps
-        elif type(module).__name__ == "MambaLayer" and hasattr(module.norm, "eps"):
+        if type(module).__name__ in ("MambaMixer", "MambaLayer") and hasattr(module.norm, "eps"):
             module.norm.eps = eps
     mark_tensor_parallel_parts(model, hf_config)
     if config.recompute_granularity == "full":
@@ -247,10 +245,8 @@ def mark_tensor_parallel_parts(model: Any, hf_config: Any) -> None:
             for param in (module.conv1d.weight, module.conv1d.bias):
                 if param is not None:
                     param.nrl_tp_parts = (dims["inner"], grouped, grouped)
-            for param in module.parameters(recurse=False):
-                if not hasattr(param, "partition_dim"):
-                    param.partition_dim = 0
-            for param in (module.conv1d.weight, module.conv1d.bias, module.norm.weight):
+            for param in (*module.parameters(recurse=False), module.conv1d.weight, module.conv1d.bias,
+                          module.norm.weight):
                 if param is not None and not hasattr(param, "partition_dim"):
                     param.partition_dim = 0
         elif isinstance(module, MLP) and not module.config.gated_linear_unit:
