@@ -109,7 +109,21 @@ def world2(rank: int, world: int, path: str, ckpt: str) -> dict[str, Any]:
     # Megatron's distributed optimizer, both overlaps on, as NeMo RL's Megatron recipes train: the
     # same steps with half the optimizer state per rank; its checkpoint resumes bit for bit, here
     # and (w1_from_dp2) at data-parallel 1.
-    w = run("dist", DISTRIBUTED_OPTIMIZER)
+    # what the parameters still hold of their own when DDP allocates its contiguous buffers
+    from megatron.core.distributed import param_and_grad_buffer as pgb
+
+    original_buffer = pgb._ParamAndGradBuffer.__init__
+
+    def counting_buffer(self, ddp_config, param_dtype, grad_dtype, params, *a, **k):
+        out.setdefault("dist/held_at_buffer", []).append(
+            (sum(p.untyped_storage().nbytes() for p in params), max(p.numel() * p.element_size() for p in params)))
+        original_buffer(self, ddp_config, param_dtype, grad_dtype, params, *a, **k)
+
+    pgb._ParamAndGradBuffer.__init__ = counting_buffer
+    try:
+        w = run("dist", DISTRIBUTED_OPTIMIZER)
+    finally:
+        pgb._ParamAndGradBuffer.__init__ = original_buffer
     # its reference: each rank keeps its own range of the parameter buffers, gathered for the pass
     out["dist/reference"] = gather_shards(w.get_reference_logprobs(batch), batch)
     out["dist/reference_bytes"] = w.reference.host_bytes
@@ -311,6 +325,18 @@ def test_the_distributed_optimizer_halves_the_state_and_resumes_exactly_at_eithe
     refused = w1_from_dp2["refused"]
     assert "\n" not in refused and "holds the distributed optimizer's state" in refused
     assert "use_distributed_optimizer: true" in refused
+
+
+@pytest.mark.slow
+def test_the_distributed_optimizer_loads_into_its_buffers_without_a_second_copy(w2) -> None:
+    """When DDP allocates the contiguous buffer the distributed optimizer shards, the parameters it
+    will hold have already let their own storage go (one element each, far below the largest
+    tensor), so a rank never holds its weights twice; they are loaded into the buffer after (the
+    layout's logprobs equal one rank's, above)."""
+    for rank in w2:
+        assert rank["dist/held_at_buffer"]
+        for held, largest in rank["dist/held_at_buffer"]:
+            assert held < largest
 
 
 @pytest.mark.slow

@@ -10,13 +10,18 @@ are refused in one line (:func:`check_recompute`) instead of inside a worker.
 
 ``empty_unused_memory_level`` (0, 1, 2): where NeMo RL's Megatron policy worker calls
 ``torch.cuda.empty_cache()`` and from which level (:data:`EMPTY_CACHE_POINTS`).
+
+:func:`release_storage` frees the weights DDP's contiguous buffer is about to copy, so a rank
+never holds them twice while it loads.
 """
 
 from __future__ import annotations
 
 import gc
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
+
+import torch
 
 from nrl_core.api import ConfigError
 
@@ -132,3 +137,14 @@ def recompute_kwargs(section: Mapping[str, Any] | None, hf_config: Any = None, *
         return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     return dict(recompute_granularity="selective", recompute_method=None, recompute_num_layers=None,
                 recompute_modules=_modules(section))
+
+
+def release_storage(params: Iterable[torch.Tensor]) -> None:
+    """Free each parameter's storage ahead of DDP's contiguous buffer, which would copy it: the
+    parameter keeps its shape, dtype and device over one element with zero strides (a tensor of
+    its own, not a view, as DDP requires), and the checkpoint is loaded into the buffer after."""
+    for param in params:
+        one = torch.empty(1, dtype=param.dtype, device=param.device)
+        stand_in = torch.empty(0, dtype=param.dtype, device=param.device)
+        stand_in.set_(one.untyped_storage(), 0, param.shape, (0,) * param.dim())
+        param.data = stand_in

@@ -44,7 +44,7 @@ from nrl_backend_megatron.convert import canonical_shapes, family_of, megatron_t
 from nrl_backend_megatron.convert.families import head_kind
 from nrl_backend_megatron.convert.megatron_checkpoint import MegatronCheckpointError, check_tensors, locate_checked
 from nrl_backend_megatron.convert.sharded import convert_in_subprocess, load_shard, save_conversion, sharded_state_for
-from nrl_backend_megatron.memory import check_recompute, empty_unused_memory
+from nrl_backend_megatron.memory import check_recompute, empty_unused_memory, release_storage
 from nrl_backend_megatron.model import DTYPES, build_model, te_available, transformer_config
 from nrl_backend_megatron.moe import RouterMetrics, check_moe_section, freeze_router, is_moe, mark_experts_parallel
 from nrl_backend_megatron.optim import (
@@ -241,20 +241,14 @@ class MegatronPolicyWorker(TrainingEngine):
         self.hf_config_dropout()
         model = build_model(self.hf_config, self.tconfig, pre_process=self.is_first_stage,
                                 post_process=self.is_last_stage).to(self.device)
-        sharded = sharded_state_for(model, self.conversion.path)
-        if self.cfg.get("pretrained_checkpoint"):
-            problem = None
-            try:
-                check_tensors(self.conversion.path, sharded, self.model_name)
-            except MegatronCheckpointError as exc:
-                problem = str(exc)
-            _raise_first_problem(problem, MegatronCheckpointError)
-        fresh = self._fresh_head(sharded)
-        load_shard(model, self.conversion.path, sharded, fresh)  # this rank's part only
-        del sharded  # views of the parameters' first storage, which DDP's contiguous buffers replace
-        if fresh:
-            heads.initialise(model, float(getattr(self.hf_config, "initializer_range", 0.02)),
-                                  int(self.policy["seed"]))
+        ddp_section = self.cfg["distributed_data_parallel_config"]
+        opt_section = self.cfg["optimizer"]
+        # The distributed optimizer's DDP copies each trained weight into a contiguous buffer: the
+        # model's own storage goes first and the checkpoint loads into the buffer, so a rank never
+        # holds its weights twice. A LoRA base is frozen, outside the buffer, and loads as it is.
+        into_buffers = bool(opt_section["use_distributed_optimizer"]) and not lora.enabled(self.cfg.get("peft"))
+        if not into_buffers:
+            self._load_weights(model)
         self.model = model
         self.adapters = None
         if lora.enabled(self.cfg.get("peft")):
@@ -267,8 +261,6 @@ class MegatronPolicyWorker(TrainingEngine):
             if self.cfg.get("freeze_moe_router"):
                 freeze_router(model)
             self.router_metrics = RouterMetrics(model, self.tconfig, tp_rank=self.tp_rank, tp_size=self.layout.tp)
-        ddp_section = self.cfg["distributed_data_parallel_config"]
-        opt_section = self.cfg["optimizer"]
         self.ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=ddp_section["grad_reduce_in_fp32"],
             overlap_grad_reduce=ddp_section["overlap_grad_reduce"],
@@ -277,7 +269,11 @@ class MegatronPolicyWorker(TrainingEngine):
             use_distributed_optimizer=opt_section["use_distributed_optimizer"],
             check_for_nan_in_grad=bool(self.cfg.get("check_for_nan_in_grad", True)) and guard_enabled(self.policy),
         )
+        if into_buffers:
+            release_storage(p for p in model.parameters() if p.requires_grad)  # DDP's buffers replace them
         self.ddp = DistributedDataParallel(config=self.tconfig, ddp_config=self.ddp_config, module=model)
+        if into_buffers:
+            self._load_weights(model)  # before the optimizer, whose main weights copy the loaded ones
         self.tconfig.finalize_model_grads_func = finalize_model_grads
         self.tconfig.no_sync_func = self.ddp.no_sync
         self.opt = build_optimizer([self.ddp], self.cfg, precision)
@@ -305,6 +301,24 @@ class MegatronPolicyWorker(TrainingEngine):
                                       "lora_adapters": lora.adapter_shapes(self.adapters)} if self.adapters else {})},
                                  distributed_optimizer=self.ddp_config.use_distributed_optimizer)
         register_exit_finalizer(self.finalize_checkpoint)
+
+    def _load_weights(self, model: Any) -> None:
+        """This rank's part of the converted (or pretrained Megatron) checkpoint, read into
+        ``model``'s parameters in place; a fresh value head is initialised instead of read."""
+        sharded = sharded_state_for(model, self.conversion.path)
+        if self.cfg.get("pretrained_checkpoint"):
+            problem = None
+            try:
+                check_tensors(self.conversion.path, sharded, self.model_name)
+            except MegatronCheckpointError as exc:
+                problem = str(exc)
+            _raise_first_problem(problem, MegatronCheckpointError)
+        fresh = self._fresh_head(sharded)
+        load_shard(model, self.conversion.path, sharded, fresh)  # this rank's part only
+        del sharded  # views of the parameters' storage: none outlives the load
+        if fresh:
+            heads.initialise(model, float(getattr(self.hf_config, "initializer_range", 0.02)),
+                                  int(self.policy["seed"]))
 
     def _fresh_head(self, sharded: Mapping[str, Any]) -> tuple[str, ...]:
         """The value head's keys when the checkpoint is a causal LM's (its ``lm_head`` is no use to
