@@ -153,6 +153,7 @@ _SECTIONS: dict[str, dict[str, str]] = {
         "process_group_backend": "nrl_core.device",
         "publish_dir": "nrl_core.checkpoint.to_hf",
         "ReferenceWeights": "nrl_core.sdk",
+        "init_reference_model": "nrl_core.sdk",
         "resolve_precision": "nrl_core.device",
         "rng_state": "nrl_core.sdk",
         "SafeFileSystemReader": "nrl_core.sdk.safe_dcp",

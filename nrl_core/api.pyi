@@ -170,6 +170,7 @@ from nrl_core.sdk import TrainingWorkerBase as TrainingWorkerBase
 from nrl_core.sdk import base_model_identity as base_model_identity
 from nrl_core.sdk import describe_failure as describe_failure
 from nrl_core.sdk import first_failure as first_failure
+from nrl_core.sdk import init_reference_model as init_reference_model
 from nrl_core.sdk import rng_state as rng_state
 from nrl_core.sdk import set_rng_state as set_rng_state
 from nrl_core.sdk import training_precision as training_precision
@@ -335,6 +336,7 @@ __all__ = [
     "in_flight_section",
     "init_local_group",
     "init_ray",
+    "init_reference_model",
     "is_owned_region",
     "iter_buckets",
     "last_token_values",

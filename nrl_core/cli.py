@@ -76,7 +76,8 @@ def _cmd_config_check(args: argparse.Namespace) -> int:
         print(line)
     from nrl_core.plan import check_plan
 
-    plan = check_plan(config, plugins, device_gib=args.device_memory)  # raises the one-line refusal
+    plan = check_plan(config, plugins, device_gib=args.device_memory,  # raises the one-line refusal
+                      algorithms=_algorithms_of(args, plugins))
     print(plan if isinstance(plan, str) else plan.table())
     return 0
 
@@ -88,13 +89,25 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
     plugins = get_plugin_manager()
     config = load_and_validate(args.config, args.overrides, plugins, algorithm=args.algorithm)
-    plan = plan_memory(config, plugins, device_gib=args.device_memory, model_config=args.model_config)
+    plan = plan_memory(config, plugins, device_gib=args.device_memory, model_config=args.model_config,
+                       algorithms=_algorithms_of(args, plugins))
     print(plan.table())
     problem = refusal(plan)
     if problem is not None:
         print(f"error: memory: {problem}", file=sys.stderr)
         return EXIT_USAGE
     return 0
+
+
+def _algorithms_of(args: argparse.Namespace, plugins: Any) -> list[str]:
+    """The algorithm a command names, else those whose sections the config file sets."""
+    if args.algorithm:
+        return [args.algorithm]
+    from nrl_core.config.loader import load_config
+    from nrl_core.config.validate import algorithm_sections
+
+    raw = load_config(args.config, args.overrides)
+    return [name for section, name in algorithm_sections(plugins).items() if section in raw]
 
 
 def _describe_data(data: dict[str, Any], plugins: Any) -> list[str]:
@@ -155,7 +168,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     # a run on this machine that cannot fit: one line before anything starts, not an out-of-memory
     # minutes in (torch is imported by now; a cluster's devices are not the driver's to measure)
-    check_plan(config, runtime.plugins, here_only=True)
+    check_plan(config, runtime.plugins, here_only=True, algorithms=[args.algorithm])
     with runtime.policy_launched_early(config, spec, choice.training, choice.generation):  # they import meanwhile
         with long_lived_objects(freeze=False):  # imports torch and transformers: no collection while they load
             check_selected_backends(config, runtime.plugins, algorithm=args.algorithm)

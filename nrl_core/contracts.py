@@ -430,7 +430,11 @@ class AlgorithmSpec:
     models), so a dataset of the other kind is refused at check time; optional, in no contract
     version. ``twin`` (optional, in no contract version) maps keys of the algorithm's section to
     the values its CPU twin sets (``nrl twin``), such as prompts a step; steps and validation sizes
-    the core sets itself.
+    the core sets itself. ``reference_policy`` (optional, in no contract version) says whether a run
+    asks its policy for reference logprobs: ``True`` (the default), ``False``, or the import path
+    of a function of the validated config that answers. The policy of a run that never asks keeps
+    no host copy of its initial weights, as NeMo RL's ``init_reference_model=False`` does for SFT
+    (:meth:`uses_reference_policy`; ``nrl plan`` counts the copy by the same answer).
 
     ``nrl train`` launches the policy's training workers before it checks the model and the run
     loads its data, for every algorithm, so their imports overlap; a run that builds no
@@ -452,12 +456,27 @@ class AlgorithmSpec:
     value_sections: tuple[str, ...] = ()
     data_kind: str = "prompt"
     twin: Mapping[str, Any] = field(default_factory=dict)
+    reference_policy: bool | str = True
     early_policy_start: InitVar[bool | None] = None
 
     def __post_init__(self, early_policy_start: bool | None) -> None:
         if early_policy_start is not None:
             _deprecated(f"AlgorithmSpec(early_policy_start=...) of algorithm '{self.name}' has no effect since "
                         f"contract 5 (nrl train starts every algorithm's policy early); remove it")
+        if not isinstance(self.reference_policy, (bool, str)):
+            raise PluginError(f"AlgorithmSpec(reference_policy=...) of algorithm '{self.name}' must be True, False "
+                              f"or the import path of a function of the config, got {self.reference_policy!r}")
+
+    def uses_reference_policy(self, config: Mapping[str, Any]) -> bool:
+        """Whether a run of this algorithm with ``config`` asks its policy for reference logprobs
+        (a function's answer that is not a bool is a one-line ``PluginError``)."""
+        if isinstance(self.reference_policy, bool):
+            return self.reference_policy
+        answer = import_object(self.reference_policy)(config)
+        if not isinstance(answer, bool):
+            raise PluginError(f"'{self.reference_policy}' (algorithm '{self.name}''s reference_policy) returned "
+                              f"{type(answer).__name__}, not a bool")
+        return answer
 
     @property
     def section(self) -> str:

@@ -52,6 +52,7 @@ class AlgorithmRun:
         self.policy = Policy(self.worker_config(config), self.choice.training, generation=self.choice.generation,
                              colocated_generation=colocated_generation(config, generates=with_generation),
                              models_beside=len(spec.model_sections) if spec is not None else 0,
+                             reference_policy=spec is None or spec.uses_reference_policy(config),
                              runtime=self.runtime)
         mark("policy_built")
         epochs, steps = int(self.cfg["max_num_epochs"]), int(self.cfg["max_num_steps"])

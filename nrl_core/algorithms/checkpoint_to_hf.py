@@ -96,7 +96,7 @@ def _export_and_score(config: Mapping[str, Any], training: Any, step: Path, tmp:
     init_ray(config["cluster"])
     policy = None
     try:
-        policy = Policy(config, training, colocated_generation=False)
+        policy = Policy(config, training, colocated_generation=False, reference_policy=False)
         policy.load_checkpoint(str(step / "policy"))
         policy.export_hf(str(tmp))
         return policy.get_logprobs(batch), batch

@@ -18,7 +18,7 @@ from nrl_core.algorithms.advantages import clip_advantages, prompt_group_ids
 from nrl_core.algorithms.async_rollouts import AsyncRollouts
 from nrl_core.algorithms.base import AlgorithmRun
 from nrl_core.algorithms.generation import Generation
-from nrl_core.algorithms.grpo_config import check_grpo, on_policy_ratio
+from nrl_core.algorithms.grpo_config import check_grpo, on_policy_ratio, uses_reference_policy
 from nrl_core.algorithms.loss import GRPO_SEMANTICS_VERSION
 from nrl_core.algorithms.multi_turn import MultiTurnSampler
 from nrl_core.algorithms.rollout_sources import (
@@ -117,7 +117,7 @@ class GRPO(AlgorithmRun):
         with timer("logprobs"):
             if not self.on_policy_ratio or "prev_logprobs" in self.estimator_spec.needs:
                 batch.fields["prev_logprobs"] = self.policy.get_logprobs(batch)
-            if self.config["loss_fn"]["reference_policy_kl_penalty"]:
+            if uses_reference_policy(self.config):
                 batch.fields["reference_logprobs"] = self.policy.get_reference_logprobs(batch)
         batch.fields["advantages"] = self.advantages(rewards, prompt_ids, batch, groups)
         with timer("training"):

@@ -115,6 +115,12 @@ def check_grpo(config: Mapping[str, Any]) -> None:
                           "force_on_policy_ratio: null")
 
 
+def uses_reference_policy(config: Mapping[str, Any]) -> bool:
+    """GRPO asks for reference logprobs only for a KL penalty (in the loss, or in the reward with
+    ``use_kl_in_reward``); without one its policy keeps no copy of the initial weights."""
+    return bool(config["loss_fn"]["reference_policy_kl_penalty"])
+
+
 def on_policy_ratio(config: Mapping[str, Any]) -> bool:
     """Whether the loss takes the previous-policy logprobs from the training forward itself.
 

@@ -37,6 +37,7 @@ from nrl_core.contracts import (
 )
 from nrl_core.plugins import get_plugin_manager
 from nrl_core.process_groups import distributed_timeout_s
+from nrl_core.sdk.reference import without_reference_model
 from nrl_core.sdk.value_head import value_head_type
 
 if TYPE_CHECKING:
@@ -52,14 +53,16 @@ class Policy:
     def __init__(self, config: Mapping[str, Any], spec: TrainingBackendSpec, *, colocated_generation: bool,
                  generation: GenerationBackendSpec | None = None, models_beside: int = 0,
                  beside: Policy | None = None, name: str = "policy", standalone: bool = False,
-                 runtime: Runtime | None = None) -> None:
+                 reference_policy: bool = True, runtime: Runtime | None = None) -> None:
         """Takes the group ``nrl train`` launched early when ``runtime`` holds one, else launches it
         (:mod:`nrl_core.algorithms.policy_launch`), then builds the workers with ``config``.
         ``generation`` is the engine's spec, whose modules colocated workers preload.
         ``models_beside`` is how many models will share this policy's devices; such a model
         (:mod:`nrl_core.config.models`) is built with ``beside=`` that policy and its own ``name``.
         A ``standalone`` group (a model an environment scores with) gets devices of its own from
-        ``config["cluster"]`` and never takes the group ``nrl train`` launched for the policy."""
+        ``config["cluster"]`` and never takes the group ``nrl train`` launched for the policy.
+        Without ``reference_policy`` (a run that never asks for reference logprobs, a model that
+        does not train) the workers keep no copy of the initial weights."""
         self.spec = spec
         self.name = name
         self.runtime = runtime
@@ -86,7 +89,7 @@ class Policy:
         self.placement: Placement = launched.placement
         self.group = launched.group
         try:
-            self.group.start({"config": dict(config)})
+            self.group.start({"config": dict(config) if reference_policy else without_reference_model(config)})
         except BaseException:
             self.placement.remove()
             raise

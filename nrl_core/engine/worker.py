@@ -114,8 +114,14 @@ class TrainingEngine(TrainingWorkerBase):
     def reference_policy(self) -> AbstractContextManager[Any]:
         """Within it the model computes the reference policy (the initial weights swapped in)."""
         if self.reference is None:
-            raise NrlError(f"{self.backend_name} worker rank {self.rank}: this model has no reference policy")
+            raise self.no_reference_policy()
         return self.reference.swapped_in()
+
+    def no_reference_policy(self) -> NrlError:
+        """The one-line error of a reference pass on a worker that keeps no reference weights."""
+        return NrlError(f"{self.backend_name} worker rank {self.rank}: this model keeps no reference policy (a "
+                        "value model, or a run whose algorithm never asks for reference logprobs: "
+                        "AlgorithmSpec.reference_policy)")
 
     def require_output(self, request: ForwardRequest, what: str) -> ForwardRequest:
         """Refuse in one line a request this backend's forward does not answer."""

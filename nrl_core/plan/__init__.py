@@ -11,7 +11,7 @@ a GPU cluster checked on a laptop) the plan is printed with the assumption it ma
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,8 +93,9 @@ def detect_devices(runs_here: bool, ranks_here: int, given_gib: float | None = N
 
 
 def plan_memory(config: Mapping[str, Any], pm: Any, *, device_gib: float | None = None,
-                model_config: str | None = None) -> MemoryPlan:
-    """The plan of a validated ``config`` (see the module docstring)."""
+                model_config: str | None = None, algorithms: Sequence[str] = ()) -> MemoryPlan:
+    """The plan of a validated ``config`` (see the module docstring) for a run of ``algorithms``
+    (the policy's reference copy is counted as they say; none named: counted)."""
     policy = config["policy"]
     model = model_config or policy["model_name"]
     shape = ModelShape.from_model_path(model)
@@ -105,7 +106,7 @@ def plan_memory(config: Mapping[str, Any], pm: Any, *, device_gib: float | None 
         and not (config.get("cluster") or {}).get("ray_address") and not os.environ.get("RAY_ADDRESS")
     devices = detect_devices(runs_here, topo.train_per_node, device_gib)
     train = _training_role("policy", policy, choice.training, topo.train_world, devices.kind, trains=True,
-                           reference=True, placement=f"{topo.train_world} training ranks")
+                           reference=_uses_reference(config, pm, algorithms), placement=f"{topo.train_world} training ranks")
     roles = [training_plan(shape, train)]
     for name, trains in (("critic", True), ("teacher", False)):
         section = config.get(name)
@@ -180,14 +181,21 @@ def _engine_role(policy: Mapping[str, Any], generation: Mapping[str, Any], spec:
                       placement=f"{topo.num_engines} engines of {topo.engine_size} ranks")
 
 
+def _uses_reference(config: Mapping[str, Any], pm: Any, algorithms: Sequence[str]) -> bool:
+    """Whether the policy of a run of ``algorithms`` keeps the reference weights (AlgorithmSpec's
+    ``reference_policy``); when none is named, yes."""
+    specs = [pm.algorithms().get(name, "algorithm") for name in algorithms]
+    return not specs or any(spec.uses_reference_policy(config) for spec in specs)
+
+
 def check_plan(config: Mapping[str, Any], pm: Any, *, device_gib: float | None = None,
-               here_only: bool = False) -> MemoryPlan | str:
+               here_only: bool = False, algorithms: Sequence[str] = ()) -> MemoryPlan | str:
     """For ``nrl config check``: the plan, or why there is none (a model whose config is not
     here). Raises the one-line refusal when it cannot fit. ``here_only`` (``nrl train``, which has
     no way to say otherwise): refuse only a run whose devices are this machine's, not a cluster's
     measured on the driver."""
     try:
-        plan = plan_memory(config, pm, device_gib=device_gib)
+        plan = plan_memory(config, pm, device_gib=device_gib, algorithms=algorithms)
     except NrlError as exc:  # the model's config not here, a plugin's layout that does not import
         return f"no memory plan: {exc}"
     except Exception as exc:  # a plan the planner cannot make (a config it does not model) blocks no run

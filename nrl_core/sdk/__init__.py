@@ -14,8 +14,8 @@ from nrl_core.sdk.base import TrainingWorkerBase, training_precision
 from nrl_core.sdk.failures import describe_failure, first_failure
 from nrl_core.sdk.fingerprint import base_model_identity, weights_fingerprint
 from nrl_core.sdk.hf_export import write_hf_export
-from nrl_core.sdk.reference import ReferenceWeights
+from nrl_core.sdk.reference import ReferenceWeights, init_reference_model
 from nrl_core.sdk.rng import rng_state, set_rng_state
 
 __all__ = ["ReferenceWeights", "TrainingWorkerBase", "base_model_identity", "describe_failure", "first_failure",
-           "rng_state", "set_rng_state", "training_precision", "weights_fingerprint", "write_hf_export"]
+           "init_reference_model", "rng_state", "set_rng_state", "training_precision", "weights_fingerprint", "write_hf_export"]

@@ -8,12 +8,28 @@ at the reference copy itself for the pass (no copy at all)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 
 from nrl_core.device import host_copy
+
+#: The key of the worker's ``policy`` section by which the core says the run never asks for
+#: reference logprobs (an algorithm's ``AlgorithmSpec.reference_policy``). Users do not set it.
+INIT_REFERENCE_KEY = "init_reference_model"
+
+
+def init_reference_model(policy: Mapping[str, Any]) -> bool:
+    """Whether a worker built with this ``policy`` section keeps the reference policy's weights:
+    yes unless the core said the run never asks for them (a worker built outside a run keeps them)."""
+    return bool(policy.get(INIT_REFERENCE_KEY, True))
+
+
+def without_reference_model(config: Mapping[str, Any]) -> dict[str, Any]:
+    """``config`` for workers of a run that never asks for reference logprobs."""
+    return {**config, "policy": {**config["policy"], INIT_REFERENCE_KEY: False}}
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:

@@ -85,6 +85,33 @@ def test_lora_trains_adapters_only_and_keeps_no_reference_copy(gpu_size: Path) -
     assert "reference weights (host copy of own shards)" not in lora
 
 
+def test_the_reference_copy_is_counted_only_for_runs_that_ask_for_reference_logprobs(gpu_size: Path) -> None:
+    """As each algorithm's ``reference_policy`` says: SFT never, GRPO with a KL penalty only; a
+    plan for no named algorithm counts it."""
+    pm = get_plugin_manager()
+    reference = "reference weights (host copy of own shards)"
+    assert reference not in _lines(plan_memory(_config(gpu_size), pm, algorithms=["sft"]))
+    assert reference in _lines(plan_memory(_config(gpu_size), pm))
+
+    def grpo(kl: float) -> dict[str, int]:
+        config = _config(gpu_size, f"loss_fn.reference_policy_kl_penalty={kl}", algorithm="grpo", source=GRPO)
+        return _lines(plan_memory(config, pm, algorithms=["grpo"]))
+
+    assert reference in grpo(0.01) and reference not in grpo(0.0)
+
+
+def test_an_algorithms_reference_answer_must_be_a_bool_in_one_line() -> None:
+    from nrl_core.contracts import AlgorithmSpec
+    from nrl_core.errors import PluginError
+
+    with pytest.raises(PluginError, match="must be True, False or the import path"):
+        AlgorithmSpec(name="x", entry="m:f", distribution="d", reference_policy=1)  # type: ignore[arg-type]
+    spec = AlgorithmSpec(name="x", entry="m:f", distribution="d", reference_policy="builtins:len")
+    with pytest.raises(PluginError, match="returned int, not a bool") as info:
+        spec.uses_reference_policy({"policy": {}})
+    assert "\n" not in str(info.value)
+
+
 def test_a_cpu_run_that_cannot_fit_is_refused_at_check_and_at_train_in_one_line(gpu_size: Path, capsys, monkeypatch) -> None:
     """A local model on a machine without GPUs runs on its CPU: the ranks share its memory."""
     if torch.cuda.is_available():

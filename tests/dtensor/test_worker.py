@@ -70,6 +70,19 @@ def test_loss_falls_and_reference_stays_initial():
     assert not torch.allclose(gather_shards(w.get_logprobs(batch), batch), initial)
 
 
+def test_a_run_that_never_asks_for_the_reference_keeps_no_copy_and_says_so_in_one_line():
+    """The core marks the config of an algorithm with ``reference_policy`` false (SFT): the worker
+    takes no host copy of its weights, and a reference pass is refused in one line."""
+    from nrl_core.sdk.reference import without_reference_model
+
+    w = DTensorPolicyWorker(without_reference_model(make_config()), 0, 1)
+    assert w.reference is None
+    with pytest.raises(NrlError, match="keeps no reference policy") as info:
+        w.get_reference_logprobs(make_batch())
+    assert "\n" not in str(info.value)
+    assert w.train(make_batch(), NLLLoss())["loss"] > 0
+
+
 def test_gradients_reduce_once_per_step_with_the_same_update(monkeypatch):
     """Four micro-batches: FSDP reduces each parameter group's gradients once per optimizer step,
     after the last micro-batch, and the update is bit-identical to reducing after every one."""

@@ -11,6 +11,7 @@ different kernels and reduction orders; measured differences are below 1e-6 on t
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -28,11 +29,18 @@ COMPARED = ("loss", "preference_loss", "sft_loss", "accuracy", "rewards_chosen_m
 def train_dpo(tmp: Path, model: Path, backend: str, *overrides: str) -> list[dict]:
     tmp.mkdir(parents=True, exist_ok=True)
     proc = run_nrl(tmp, RECIPES / f"dpo-tinyllama-1n1cpu-{backend}.yaml", "dpo",
-                   [f"policy.model_name={model}", "checkpointing.enabled=false", *overrides])
+                   [f"policy.model_name={model}", "checkpointing.enabled=false", *overrides],
+                   env={"NRL_TIMELINE": str(tmp / "timeline.jsonl")})
     assert_ok(proc)
     rows = metrics(tmp)
     assert finite(rows)
     return rows
+
+
+def kept_references(run: Path) -> set[int]:
+    """The ranks whose worker took a copy of the reference weights (their timeline marks)."""
+    events = [json.loads(line) for line in (run / "timeline.jsonl").read_text().splitlines()]
+    return {e["rank"] for e in events if e["event"] == "reference_kept"}
 
 
 def test_dtensor_and_megatron_take_the_same_dpo_steps(tmp_path, model):
@@ -50,6 +58,9 @@ def test_dtensor_and_megatron_take_the_same_dpo_steps(tmp_path, model):
         for key in COMPARED:
             assert m[f"train/{key}"] == pytest.approx(d[f"train/{key}"], rel=1e-5, abs=1e-5), (d["step"], key)
     assert dtensor[-1]["train/loss"] < dtensor[0]["train/loss"]
+    # DPO scores with the reference policy: each rank of either backend keeps its weights
+    assert kept_references(tmp_path / "dtensor") == {0}
+    assert kept_references(tmp_path / "megatron") == {0, 1}
     extended = tmp_path / "extended"
     saved = ["checkpointing.enabled=true", "dpo.val_at_end=true"]
     finished = train_dpo(extended, model, "megatron", *steps, *on_megatron, *saved, "dpo.max_num_steps=1")

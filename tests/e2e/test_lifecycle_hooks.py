@@ -28,6 +28,7 @@ def sft(tmp: Path, *overrides: str, stop_after: int | None = None) -> subprocess
     env = {**os.environ, "NRL_PLUGINS": "tests.e2e.lifecycle_recorder", "NRL_STRICT_PLUGINS": "1",
            "NRL_TEST_EVENTS": str(tmp / "events.jsonl"), "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     env.pop("NRL_TEST_STOP_AFTER", None)
+    env["NRL_TIMELINE"] = str(tmp / "timeline.jsonl")
     if stop_after is not None:
         env["NRL_TEST_STOP_AFTER"] = str(stop_after)
     return nrl(["train", "sft", "--config", str(CONFIG), *args], env=env, cwd=tmp, timeout=600, join_shared_ray=True)
@@ -54,6 +55,10 @@ def test_hooks_observe_stop_early_and_a_resume_starts_after_the_stop(tmp_path):
     assert seen[-1] == {"event": "run_end", "status": "stopped", "last_step": 2, "outputs": ["checkpoints", "metrics"]}
     rows = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
     assert [row["recorder/step_squared"] for row in rows] == [1.0, 4.0]
+    # SFT never asks for reference logprobs (AlgorithmSpec.reference_policy): its worker keeps no
+    # copy of the initial weights, as DPO's does (tests/e2e/test_dpo.py)
+    marks = [json.loads(line)["event"] for line in (tmp_path / "timeline.jsonl").read_text().splitlines()]
+    assert "model_loaded" in marks and "reference_kept" not in marks
 
     (tmp_path / "events.jsonl").unlink()
     resumed = sft(tmp_path)

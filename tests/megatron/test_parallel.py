@@ -37,6 +37,8 @@ def _hf_reference(family: str, batch) -> tuple[torch.Tensor, torch.Tensor]:
 # ------------------------------------------------------------------ world of 1: HF parity, caching (packing: test_conformance)
 def world1(rank: int, world: int, paths: dict[str, str]) -> dict[str, Any]:
     from nrl_backend_megatron.worker import MegatronPolicyWorker
+    from nrl_core.errors import NrlError
+    from nrl_core.sdk.reference import without_reference_model
 
     out: dict[str, Any] = {}
     batch = make_batch()
@@ -49,9 +51,15 @@ def world1(rank: int, world: int, paths: dict[str, str]) -> dict[str, Any]:
         out[f"{family}/logprobs"] = gather_shards(w.get_logprobs(batch), batch)
         out[f"{family}/converted"] = w.conversion.converted
         if family == "llama":  # a second worker of the same model reuses the conversion; it is the baseline
-            again = MegatronPolicyWorker(make_config(path), rank, world)
+            # of a run that never asks for reference logprobs (SFT's): no reference copy
+            again = MegatronPolicyWorker(without_reference_model(make_config(path)), rank, world)
             out["again/converted"] = again.conversion.converted
             out["baseline"] = baseline_of(again)
+            out["again/reference"] = again.reference
+            try:
+                again.get_reference_logprobs(batch)
+            except NrlError as exc:
+                out["again/refused"] = str(exc)
     return out
 
 
@@ -325,6 +333,12 @@ def test_the_distributed_optimizer_halves_the_state_and_resumes_exactly_at_eithe
     refused = w1_from_dp2["refused"]
     assert "\n" not in refused and "holds the distributed optimizer's state" in refused
     assert "use_distributed_optimizer: true" in refused
+
+
+@pytest.mark.slow
+def test_a_run_that_never_asks_for_the_reference_keeps_no_copy(w1) -> None:
+    assert w1["again/reference"] is None
+    assert "keeps no reference policy" in w1["again/refused"] and "\n" not in w1["again/refused"]
 
 
 @pytest.mark.slow

@@ -44,6 +44,7 @@ from nrl_core.api import (
     WeightSpec,
     base_model_identity,
     dtype_name,
+    init_reference_model,
     iter_buckets,
     logprob_temperature,
     main_group_timeout,
@@ -131,9 +132,11 @@ class DTensorPolicyWorker(TrainingEngine):
         mark("optimizer_built", rank=self.rank)
         self.step = 0
         # with LoRA the reference policy is the base model: the adapters switched off, no copy; a
-        # value model has no reference policy
-        self.reference = ReferenceWeights(self.model.parameters()) if self.lora is None and not self.value_head \
-            else None
+        # value model has none, nor a run that never asks for reference logprobs
+        self.reference = ReferenceWeights(self.model.parameters()) \
+            if self.lora is None and not self.value_head and init_reference_model(self.policy) else None
+        if self.reference is not None:
+            mark("reference_kept", rank=self.rank)
         # DCP async saves talk on their own group, with the main group's timeout (not torch's default)
         async_group = dist.new_group(backend="gloo", timeout=main_group_timeout())
         self.dp_rank, self.dp_size, self.dp_group = self.layout.dp_rank, self.layout.dp_size, self.layout.dp_group
@@ -217,6 +220,8 @@ class DTensorPolicyWorker(TrainingEngine):
     def reference_policy(self) -> Iterator[None]:
         """The initial weights (swapped in from the host copy, then swapped back; with LoRA the
         base model's: the adapters switched off)."""
+        if self.reference is None and self.lora is None:
+            raise self.no_reference_policy()
         self._reshard()
         with self.reference.swapped_in() if self.reference is not None else lora.adapters_disabled(self.model):
             yield

@@ -75,6 +75,7 @@ from nrl_core.api import (
     check_batch_device,
     guard_enabled,
     host_copy,
+    init_reference_model,
     logprob_temperature,
     model_device,
     move_optimizer_state,
@@ -87,6 +88,7 @@ from nrl_core.api import (
     value_head_type,
 )
 from nrl_core.api import NONFINITE_KEY as NAN_KEY
+from nrl_core.api import timeline_mark as mark
 
 logger = logging.getLogger(__name__)
 
@@ -282,14 +284,15 @@ class MegatronPolicyWorker(TrainingEngine):
         # host: not a second model on the device; copied in and out, since the parameters are
         # views into the DDP buffers
         # with LoRA the reference policy is the base model: the adapters switched off, no copy; a
-        # value model has no reference policy
+        # value model has none, nor a run that never asks for reference logprobs
         self.reference: ReferenceWeights | ShardedReference | None = None
-        if self.adapters is None and not self.value_head:
+        if self.adapters is None and not self.value_head and init_reference_model(self.policy):
             if self.ddp_config.use_distributed_optimizer:  # each data-parallel rank keeps its own range
                 groups = [*self.ddp.bucket_groups, *getattr(self.ddp, "expert_parallel_bucket_groups", [])]
                 self.reference = ShardedReference(groups, self._unbuffered_params())
             else:
                 self.reference = ReferenceWeights(model.parameters(), by_storage=False)
+            mark("reference_kept", rank=self.rank)
         from nrl_backend_megatron.ckpt_io import CheckpointIO, register_exit_finalizer
 
         self.ckpt = CheckpointIO({"model_name": self.model_name, "tp": self.layout.tp, "pp": self.layout.pp,
@@ -455,6 +458,8 @@ class MegatronPolicyWorker(TrainingEngine):
     @contextmanager
     def reference_policy(self) -> Iterator[None]:
         """The initial weights swapped in (with LoRA: the adapters switched off)."""
+        if self.reference is None and self.adapters is None:
+            raise self.no_reference_policy()
         self._sync_params()  # else the pending gather would overwrite the swapped-in weights
         with self.reference.swapped_in() if self.reference is not None else lora.disabled(self.adapters):
             self._empty_unused_memory("reference_swapped_in")

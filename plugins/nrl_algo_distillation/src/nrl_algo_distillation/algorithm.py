@@ -64,7 +64,7 @@ class Distillation(AlgorithmRun):
         teacher_config = model_config(config, "teacher")
         teacher_backend = choose_backends(teacher_config, generation=False).training
         self.teacher = Policy(teacher_config, teacher_backend, colocated_generation=False, beside=self.policy,
-                              name="teacher")
+                              name="teacher", reference_policy=False)  # it never trains
         self.teacher.offload_before_refit()  # inference only: no optimizer state or gradients in use,
         self.teacher.offload_after_refit()  # and its weights leave the devices between its passes
         # a pass over a batch needs whole micro-batches on every data-parallel rank (Megatron's pipeline)

@@ -17,4 +17,4 @@ def nrl_algorithms() -> list[AlgorithmSpec]:
         description="on-policy distillation: the student samples, a teacher's top-k logits teach every token",
         config_schema=DISTILLATION_SCHEMA, config_check="nrl_algo_distillation.config:check_distillation",
         generates=True, model_sections=("teacher",), shared_keys=SHARED_KEYS,
-        twin={"num_prompts_per_step": 8, "num_generations_per_prompt": 1})]
+        twin={"num_prompts_per_step": 8, "num_generations_per_prompt": 1}, reference_policy=False)]

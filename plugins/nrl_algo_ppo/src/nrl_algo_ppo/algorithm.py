@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from nrl_algo_ppo.config import check_ppo, critic_config
+from nrl_algo_ppo.config import check_ppo, critic_config, uses_reference_policy
 from nrl_algo_ppo.gae import GAEConfig, advantages_and_returns, explained_variance, terminal_rewards, token_values
 from nrl_algo_ppo.loss import OLD_VALUES, RETURNS, ClippedValueLoss
 from nrl_core.api import (
@@ -140,7 +140,7 @@ class PPO(AlgorithmRun):
             batch.fields[OLD_VALUES] = self.values(batch)
         with timer("logprobs"):
             batch.fields["prev_logprobs"] = self.policy.get_logprobs(batch)
-            if not self.cfg["skip_reference_policy_logprobs_calculation"]:
+            if uses_reference_policy(self.config):
                 batch.fields["reference_logprobs"] = self.policy.get_reference_logprobs(batch)
         metrics = self.mask_mismatched(batch)
         mask = batch.fields["token_mask"] * batch.fields["sample_mask"].unsqueeze(1)

@@ -80,6 +80,12 @@ SHARED_KEYS: Mapping[str, Section] = {
 }
 
 
+def uses_reference_policy(config: Mapping[str, Any]) -> bool:
+    """PPO asks for reference logprobs unless ``skip_reference_policy_logprobs_calculation``; then
+    its policy keeps no copy of the initial weights."""
+    return not config["ppo"]["skip_reference_policy_logprobs_calculation"]
+
+
 def check_ppo(config: Mapping[str, Any]) -> None:
     """What the schema cannot say: a critic on a backend with a value head, the features nrl's PPO
     does not offer, reward processing that makes sense, divisible batches."""

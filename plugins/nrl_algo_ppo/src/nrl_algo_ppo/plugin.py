@@ -17,4 +17,5 @@ def nrl_algorithms() -> list[AlgorithmSpec]:
         description="PPO: a critic (value model) beside the policy, GAE advantages, clipped policy and value losses",
         config_schema=PPO_SCHEMA, config_check="nrl_algo_ppo.config:check_ppo", generates=True,
         model_sections=("value",), value_sections=("value",), shared_keys=SHARED_KEYS,
-        twin={"num_prompts_per_step": 2, "num_generations_per_prompt": 4})]
+        twin={"num_prompts_per_step": 2, "num_generations_per_prompt": 4},
+        reference_policy="nrl_algo_ppo.config:uses_reference_policy")]

@@ -16,7 +16,7 @@ def nrl_algorithms() -> list[AlgorithmSpec]:
         name="rm", entry="nrl_reward_model.algorithm:main", distribution="nrl-reward-model",
         description="Bradley-Terry reward model: score the chosen response of each preference pair higher",
         config_schema=RM_SCHEMA, config_check="nrl_reward_model.config:check_rm", value_sections=("policy",),
-        data_kind="preference")]
+        data_kind="preference", reference_policy=False)]
 
 
 @hookimpl
