@@ -54,6 +54,7 @@ class GRPO(AlgorithmRun):
         data = prepare_data(config["data"], self.tokenizer, runtime.plugins, limits=prompt_limits(config))
         self.val_data: list[DatumSpec] = (data.val or [])[: config["grpo"]["max_val_samples"]]
         self.on_policy_ratio = on_policy_ratio(config)
+        self.uses_reference = uses_reference_policy(config)  # as the spec told the policy's workers
         self.loss_fn = build_loss(config, force_on_policy_ratio=self.on_policy_ratio)
         estimators, name = get_plugin_manager().advantage_estimators(), config["grpo"]["adv_estimator"]["name"]
         self.estimator_spec = estimators.get(name, "grpo.adv_estimator.name")
@@ -117,7 +118,7 @@ class GRPO(AlgorithmRun):
         with timer("logprobs"):
             if not self.on_policy_ratio or "prev_logprobs" in self.estimator_spec.needs:
                 batch.fields["prev_logprobs"] = self.policy.get_logprobs(batch)
-            if uses_reference_policy(self.config):
+            if self.uses_reference:
                 batch.fields["reference_logprobs"] = self.policy.get_reference_logprobs(batch)
         batch.fields["advantages"] = self.advantages(rewards, prompt_ids, batch, groups)
         with timer("training"):

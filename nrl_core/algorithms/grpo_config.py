@@ -116,9 +116,15 @@ def check_grpo(config: Mapping[str, Any]) -> None:
 
 
 def uses_reference_policy(config: Mapping[str, Any]) -> bool:
-    """GRPO asks for reference logprobs only for a KL penalty (in the loss, or in the reward with
-    ``use_kl_in_reward``); without one its policy keeps no copy of the initial weights."""
-    return bool(config["loss_fn"]["reference_policy_kl_penalty"])
+    """GRPO asks for reference logprobs for a KL penalty (in the loss, or in the reward with
+    ``use_kl_in_reward``), and for an advantage estimator that needs them other than for that
+    penalty (one that takes the KL into the reward reads them only for it); otherwise its policy
+    keeps no copy of the initial weights."""
+    if config["loss_fn"]["reference_policy_kl_penalty"]:
+        return True
+    name = (config["grpo"].get("adv_estimator") or {}).get("name", "grpo")
+    estimator = get_plugin_manager().advantage_estimators().get(name, "grpo.adv_estimator.name")
+    return "reference_logprobs" in estimator.needs and not estimator.uses_kl_in_reward
 
 
 def on_policy_ratio(config: Mapping[str, Any]) -> bool:

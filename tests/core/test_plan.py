@@ -93,11 +93,15 @@ def test_the_reference_copy_is_counted_only_for_runs_that_ask_for_reference_logp
     assert reference not in _lines(plan_memory(_config(gpu_size), pm, algorithms=["sft"]))
     assert reference in _lines(plan_memory(_config(gpu_size), pm))
 
-    def grpo(kl: float) -> dict[str, int]:
-        config = _config(gpu_size, f"loss_fn.reference_policy_kl_penalty={kl}", algorithm="grpo", source=GRPO)
+    def grpo(kl: float, *overrides: str) -> dict[str, int]:
+        config = _config(gpu_size, f"loss_fn.reference_policy_kl_penalty={kl}", *overrides, algorithm="grpo",
+                         source=GRPO)
         return _lines(plan_memory(config, pm, algorithms=["grpo"]))
 
     assert reference in grpo(0.01) and reference not in grpo(0.0)
+    # REINFORCE++ reads the reference only for the KL it moves into the reward
+    plus = ("grpo.adv_estimator.name=reinforce_plus_plus", "loss_fn.use_kl_in_reward=true")
+    assert reference in grpo(0.01, *plus) and reference not in grpo(0.0, *plus)
 
 
 def test_an_algorithms_reference_answer_must_be_a_bool_in_one_line() -> None:

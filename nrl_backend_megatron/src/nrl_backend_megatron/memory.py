@@ -143,8 +143,12 @@ def release_storage(params: Iterable[torch.Tensor]) -> None:
     """Free each parameter's storage ahead of DDP's contiguous buffer, which would copy it: the
     parameter keeps its shape, dtype and device over one element with zero strides (a tensor of
     its own, not a view, as DDP requires), and the checkpoint is loaded into the buffer after."""
+    on_gpu = False
     for param in params:
         one = torch.empty(1, dtype=param.dtype, device=param.device)
         stand_in = torch.empty(0, dtype=param.dtype, device=param.device)
         stand_in.set_(one.untyped_storage(), 0, param.shape, (0,) * param.dim())
         param.data = stand_in
+        on_gpu = on_gpu or param.device.type == "cuda"
+    if on_gpu:  # the freed blocks are many and small, the buffer one: give them back to the driver
+        torch.cuda.empty_cache()

@@ -6,4 +6,4 @@ package imports neither torch nor transformers; :mod:`nrl_gen_hf.worker` does, w
 built, so ``nrl plugins`` and config checks stay fast.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.1.2"
