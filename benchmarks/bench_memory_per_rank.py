@@ -12,7 +12,7 @@ DP-2/DP-1 ratios of the worst rank, and one JSON line. The default model is ``nr
 
 It also prints ``nrl plan``'s prediction for a rank of each world against the measured peak.
 
-    OMP_NUM_THREADS=1 python benchmarks/bench_memory_per_rank.py [--backend dtensor|megatron] [--size gpu] [--layers N]
+    OMP_NUM_THREADS=1 python benchmarks/bench_memory_per_rank.py [--backend dtensor|megatron] [--size gpu] [--layers N] [--no-reference]
 """
 
 from __future__ import annotations
@@ -80,6 +80,10 @@ def bench_policy(model: str, args: argparse.Namespace) -> tuple[Any, dict[str, A
         section = policy[spec.config_key]  # its reduce-scatter and all-gather overlapped, bucket by bucket
         section["optimizer"]["use_distributed_optimizer"] = True
         section["distributed_data_parallel_config"].update(overlap_grad_reduce=True, overlap_param_gather=True)
+    if args.no_reference:  # as an SFT run's workers are built: no reference copy
+        from nrl_core.sdk.reference import INIT_REFERENCE_KEY
+
+        policy[INIT_REFERENCE_KEY] = False
     return spec, policy
 
 
@@ -92,7 +96,8 @@ def predicted(model: str, args: argparse.Namespace, world: int) -> int:
 
     spec, policy = bench_policy(model, args)
     layout = import_object(spec.memory_layout)(policy, world, "cpu")
-    role = TrainingRole("policy", layout, trains=True, micro_tokens=args.micro * args.seq, reference=True)
+    role = TrainingRole("policy", layout, trains=True, micro_tokens=args.micro * args.seq,
+                        reference=not args.no_reference)
     plan = training_plan(ModelShape.from_model_path(model), role)
     return plan.device_bytes + plan.host_bytes
 
@@ -131,6 +136,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=None, help="decoder layers instead of the size's")
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--no-reference", action="store_true",
+                        help="workers keep no reference copy, as an SFT run's (the default keeps one, as DPO's)")
     args = parser.parse_args()
     args.micro = args.batch // 2 or 1
     from nrl_core.testing.tiny_models import cached_tiny_model
