@@ -160,6 +160,7 @@ _SECTIONS: dict[str, dict[str, str]] = {
         "set_rng_state": "nrl_core.sdk",
         "staging_dir": "nrl_core.checkpoint.to_hf",
         "to_device": "nrl_core.device",
+        "trim_host_heap": "nrl_core.device",
         "training_precision": "nrl_core.sdk",
         "TrainingWorkerBase": "nrl_core.sdk",
         "TrainingEngine": "nrl_core.engine",

@@ -118,6 +118,7 @@ from nrl_core.device import move_tensors as move_tensors
 from nrl_core.device import process_group_backend as process_group_backend
 from nrl_core.device import resolve_precision as resolve_precision
 from nrl_core.device import to_device as to_device
+from nrl_core.device import trim_host_heap as trim_host_heap
 from nrl_core.engine import KINDS as KINDS
 from nrl_core.engine import Consume as Consume
 from nrl_core.engine import ForwardRequest as ForwardRequest
@@ -391,6 +392,7 @@ __all__ = [
     "tool_message",
     "training_backend_suite",
     "training_precision",
+    "trim_host_heap",
     "validate_config",
     "validates_greedily",
     "value_at",

@@ -270,6 +270,19 @@ def free_device_cache() -> None:
 # --------------------------------------------------------------------------- precision
 
 
+def trim_host_heap() -> None:
+    """Give the C heap's free pages back to the system. glibc keeps freed memory for reuse, in one
+    arena per thread, so the buffers a checkpoint read frees would otherwise stay in the process
+    (and add up over a load's reader threads) rather than return when the read is done."""
+    import ctypes
+
+    try:
+        trim = ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc: nothing to trim this way
+        return
+    trim(0)
+
+
 def default_precision(device: torch.device | None = None) -> str:
     """``bfloat16`` where the device computes in it natively (CUDA with bf16 support), else ``float32``."""
     import torch

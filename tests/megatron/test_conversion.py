@@ -92,6 +92,31 @@ def counting_conversion_memory() -> Iterator[dict[str, Any]]:
         sharded._give_memory, sharded.SafetensorsReader.open, sharded.logger.warning = give, open_, warn
 
 
+@contextmanager
+def recording_part_loads() -> Iterator[list[str]]:
+    """The order of the load's reads (``read``: one part from dist_checkpointing) and of what goes
+    into the model (``into``: a ``load_state_dict``)."""
+    import torch
+    from megatron.core import dist_checkpointing
+
+    events: list[str] = []
+    read, into = dist_checkpointing.load, torch.nn.Module.load_state_dict
+
+    def recorded_read(*args: Any, **kwargs: Any) -> Any:
+        events.append("read")
+        return read(*args, **kwargs)
+
+    def recorded_into(self: Any, *args: Any, **kwargs: Any) -> Any:
+        events.append("into")
+        return into(self, *args, **kwargs)
+
+    dist_checkpointing.load, torch.nn.Module.load_state_dict = recorded_read, recorded_into
+    try:
+        yield events
+    finally:
+        dist_checkpointing.load, torch.nn.Module.load_state_dict = read, into
+
+
 def world1(rank: int, world: int, path: str) -> dict[str, Any]:
     from safetensors import safe_open
 
@@ -115,8 +140,9 @@ def world2(rank: int, world: int, path: str, elsewhere: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     batch = make_batch()
     for tag, megatron in (("tp2", {"tensor_model_parallel_size": 2}), ("pp2", {"pipeline_model_parallel_size": 2})):
-        with counting_checkpoint_reads() as read:
+        with counting_checkpoint_reads() as read, recording_part_loads() as parts:
             w = MegatronPolicyWorker(make_config(path, megatron=megatron), rank, world)
+        out[f"{tag}/part_loads"] = parts
         out[f"{tag}/converted"] = w.conversion.converted
         out[f"{tag}/read"] = read[0]
         out[f"{tag}/logprobs"] = gather_shards(w.get_logprobs(batch), batch)
@@ -181,6 +207,17 @@ def test_the_conversion_holds_one_part_at_a_time_and_reads_each_hf_tensor_once(r
 
 
 @pytest.mark.slow
+@pytest.mark.slow
+def test_each_part_goes_into_the_model_as_soon_as_it_is_read(runs) -> None:
+    """Some of a part's tensors are new ones (a gated MLP's input projection, read as two halves):
+    held until every part is read they would add up to a large share of the model. Each rank
+    reads a part and puts it into the model before it reads the next."""
+    for rank in runs[1]:
+        for tag in ("tp2", "pp2"):
+            events = rank[f"{tag}/part_loads"]
+            assert len(events) >= 4 and events == ["read", "into"] * (len(events) // 2), (tag, events)
+
+
 def test_each_node_converts_its_own_copy_only_when_asked(runs) -> None:
     one, two = runs
     (reused, path0, lp0), (converted, path1, lp1) = two[0]["per_node"], two[1]["per_node"]

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from nrl_core.api import ConfigError
+from nrl_core.api import ConfigError, trim_host_heap
 
 KEY = "policy.megatron_cfg"
 GRANULARITIES = ("full", "selective")
@@ -152,3 +152,4 @@ def release_storage(params: Iterable[torch.Tensor]) -> None:
         on_gpu = on_gpu or param.device.type == "cuda"
     if on_gpu:  # the freed blocks are many and small, the buffer one: give them back to the driver
         torch.cuda.empty_cache()
+    trim_host_heap()  # and, on the host, the freed pages that glibc would keep

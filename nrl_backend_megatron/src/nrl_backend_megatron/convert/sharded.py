@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from nrl_backend_megatron.checkpoint_dir import PARTS
-from nrl_core.api import NrlError
+from nrl_core.api import NrlError, trim_host_heap
 
 __all__ = ["CHUNKS_PER_AXIS", "convert_in_subprocess", "fine_grained", "load_hf_state", "load_shard",
            "save_conversion", "sharded_state_for", "write_sharded"]
@@ -305,18 +305,19 @@ def load_shard(model: Any, path: Path, sharded: Any = None, fresh: tuple[str, ..
     wanted = {k: v for k, v in sharded.items() if k not in fresh}
     try:
         if (path / PARTS).is_file():
-            state = {"model": _load_parts(wanted, path)}
+            missing, unexpected = _load_parts(model, wanted, path)
         else:
             state = dist_checkpointing.load({"model": wanted}, str(path), common_strategy=_model_tensors_only())
+            result = model.load_state_dict(state["model"], strict=False)
+            missing, unexpected = set(result.missing_keys), set(result.unexpected_keys)
     except BaseException:
         if refusal() is not None:
             raise refusal() from None
         raise
-    result = model.load_state_dict(state["model"], strict=not fresh)
-    missing = sorted(set(result.missing_keys) - set(fresh)) if fresh else []
-    if missing or (fresh and result.unexpected_keys):
-        raise NrlError(f"{path} does not match the model: missing {missing[:4]}, unexpected "
-                       f"{sorted(result.unexpected_keys)[:4]}")
+    missing -= set(fresh)
+    if missing or unexpected:
+        raise NrlError(f"{path} does not match the model: missing {sorted(missing)[:4]}, unexpected "
+                       f"{sorted(unexpected)[:4]}")
 
 
 def sharded_state_for(model: Any, path: Path) -> Any:
@@ -327,10 +328,13 @@ def sharded_state_for(model: Any, path: Path) -> Any:
     return model.sharded_state_dict()
 
 
-def _load_parts(wanted: dict[str, Any], path: Path) -> dict[str, Any]:
-    """``wanted`` (a model's sharded state) from a conversion saved part by part: each part loads
+def _load_parts(model: Any, wanted: dict[str, Any], path: Path) -> tuple[set[str], set[str]]:
+    """``wanted`` (``model``'s sharded state) from a conversion saved part by part: each part loads
     the entries whose keys it holds (on every rank, so a rank that holds none of a part's keys
-    still takes part in its collective load); an entry no part holds is refused."""
+    still takes part in its collective load); an entry no part holds is refused. Each part goes
+    into the model as soon as it is read, since some of its tensors are new ones (a gated MLP's
+    input projection is read as two halves and put together): the model's whole set of those
+    would otherwise be alive at once. Returns the keys the model missed and did not expect."""
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
@@ -348,10 +352,16 @@ def _load_parts(wanted: dict[str, Any], path: Path) -> dict[str, Any]:
     by_part: dict[str, dict[str, Any]] = {part["dir"]: {} for part in parts}
     for k, v in wanted.items():
         by_part[held[v.key]][k] = v
-    state: dict[str, Any] = {}
+    missing: set[str] | None = None
+    unexpected: set[str] = set()
     for directory, subset in by_part.items():
-        state.update(dist_checkpointing.load(subset, str(path / directory), common_strategy=_model_tensors_only()))
-    return state
+        part = dist_checkpointing.load(subset, str(path / directory), common_strategy=_model_tensors_only())
+        result = model.load_state_dict(part, strict=False)
+        del part
+        trim_host_heap()  # the part's read buffers leave the process before the next part's are read
+        missing = set(result.missing_keys) if missing is None else missing & set(result.missing_keys)
+        unexpected |= set(result.unexpected_keys)
+    return missing or set(), unexpected
 
 
 def _model_tensors_only() -> Any:
