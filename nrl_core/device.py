@@ -267,9 +267,6 @@ def free_device_cache() -> None:
         torch.cuda.empty_cache()
 
 
-# --------------------------------------------------------------------------- precision
-
-
 def trim_host_heap() -> None:
     """Give the C heap's free pages back to the system. glibc keeps freed memory for reuse, in one
     arena per thread, so the buffers a checkpoint read frees would otherwise stay in the process
@@ -281,6 +278,9 @@ def trim_host_heap() -> None:
     except (OSError, AttributeError):  # not glibc: nothing to trim this way
         return
     trim(0)
+
+
+# --------------------------------------------------------------------------- precision
 
 
 def default_precision(device: torch.device | None = None) -> str:

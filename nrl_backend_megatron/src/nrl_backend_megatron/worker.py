@@ -248,12 +248,13 @@ class MegatronPolicyWorker(TrainingEngine):
         # The distributed optimizer's DDP copies each trained weight into a contiguous buffer: the
         # model's own storage goes first and the checkpoint loads into the buffer, so a rank never
         # holds its weights twice. A LoRA base is frozen, outside the buffer, and loads as it is.
-        into_buffers = bool(opt_section["use_distributed_optimizer"]) and not lora.enabled(self.cfg.get("peft"))
+        with_lora = lora.enabled(self.cfg.get("peft"))
+        into_buffers = bool(opt_section["use_distributed_optimizer"]) and not with_lora
         if not into_buffers:
             self._load_weights(model)
         self.model = model
         self.adapters = None
-        if lora.enabled(self.cfg.get("peft")):
+        if with_lora:
             lora.check_section(self.cfg["peft"], transformer_engine=te_available())
             self.adapters = lora.attach(model, self.cfg["peft"], int(self.policy["seed"]), self.tp_rank, self.layout.tp)
             self._adapter_shapes = lora.global_shapes(self.adapters, self.layout.tp, self.pp_group, self.layout.pp)
