@@ -141,6 +141,7 @@ _SECTIONS: dict[str, dict[str, str]] = {
         "load_file": "nrl_core.sdk.safe_dcp",
         "logprob_tolerance": "nrl_core.checkpoint.to_hf",
         "main_group_timeout": "nrl_core.process_groups",
+        "map_large_host_allocations": "nrl_core.device",
         "max_logprob_error": "nrl_core.checkpoint.to_hf",
         "model_device": "nrl_core.device",
         "move_optimizer_state": "nrl_core.device",

@@ -112,6 +112,7 @@ from nrl_core.device import all_reduce_values as all_reduce_values
 from nrl_core.device import broadcast as broadcast
 from nrl_core.device import check_batch_device as check_batch_device
 from nrl_core.device import host_copy as host_copy
+from nrl_core.device import map_large_host_allocations as map_large_host_allocations
 from nrl_core.device import model_device as model_device
 from nrl_core.device import move_optimizer_state as move_optimizer_state
 from nrl_core.device import move_tensors as move_tensors
@@ -349,6 +350,7 @@ __all__ = [
     "logprob_temperature",
     "logprob_tolerance",
     "main_group_timeout",
+    "map_large_host_allocations",
     "max_logprob_error",
     "merge_groups",
     "model_config",

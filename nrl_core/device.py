@@ -280,6 +280,26 @@ def trim_host_heap() -> None:
     trim(0)
 
 
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number (malloc.h)
+HOST_MAP_THRESHOLD = 4 << 20  # host allocations this large or larger get pages of their own
+
+
+def map_large_host_allocations() -> None:
+    """Have glibc give each large host allocation pages of its own, returned to the system when
+    freed. By default glibc raises that threshold to the size of the first such buffer freed, so
+    the layer-sized buffers a sharded step gathers, reduces and frees come from the heap instead,
+    where the tensors kept between them fragment it and the freed space stays with the process:
+    a data-parallel rank's peak then carries slack that no sharding removes. Pinning the threshold
+    also keeps the dynamic one from ever rising again."""
+    import ctypes
+
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):  # not glibc: its own allocator's policy applies
+        return
+    mallopt(M_MMAP_THRESHOLD, HOST_MAP_THRESHOLD)
+
+
 # --------------------------------------------------------------------------- precision
 
 

@@ -106,6 +106,29 @@ def test_gradients_reduce_once_per_step_with_the_same_update(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(params(once), params(every)))
 
 
+def test_fsdp_reduces_and_reshards_the_output_head_right_after_its_backward():
+    """Untied, the output head is an FSDP unit of its own: gathered at its forward, and back to its
+    shard (its gradient reduced) once its backward is done, rather than staying gathered, with its
+    whole gradient, until the root's backward ends."""
+    from torch.distributed.fsdp import FSDPModule
+
+    w = fsdp_worker()
+    head = w.model.hf.get_output_embeddings()
+    assert isinstance(head, FSDPModule) and not isinstance(w.model.hf.get_input_embeddings(), FSDPModule)
+    ids = make_batch().input_ids[:2]
+    head_sharded_in_backward = []
+
+    def watch(module, args, out):
+        (out[0] if isinstance(out, tuple) else out).register_hook(
+            lambda grad: head_sharded_in_backward.append(isinstance(head.weight, DTensor)))
+
+    w.model.hf.model.layers[0].register_forward_hook(watch)
+    logprobs = w.model(ids, torch.arange(ids.shape[1]).expand_as(ids))
+    assert not isinstance(head.weight, DTensor)  # kept from its forward to its backward
+    logprobs.sum().backward()
+    assert head_sharded_in_backward == [True]
+
+
 @pytest.mark.parametrize("mode", ["packing", "dynamic", "chunked+checkpointing"])
 def test_packed_dynamic_chunked_equal_padded(mode):
     batch = make_batch(seed=1)

@@ -4,4 +4,4 @@ Import :class:`nrl_backend_dtensor.worker.DTensorPolicyWorker` lazily: this pack
 stays free of torch so listing plugins or checking a config stays cheap.
 """
 
-__version__ = "0.12.0"
+__version__ = "0.13.0"

@@ -2,8 +2,9 @@
 
 Order matters and follows the composable-parallelism recipe: tensor parallelism first (it replaces
 the decoder layers' projection weights with DTensors over the ``tp`` mesh), then activation
-checkpointing, then ``fully_shard`` per decoder layer and at the root over the ``dp`` mesh (skipped
-where it would shard nothing: one data-parallel rank, float32, no CPU offload).
+checkpointing, then ``fully_shard`` per decoder layer, on the output head when it is not tied to the
+input embedding, and at the root over the ``dp`` mesh (skipped where it would shard
+nothing: one data-parallel rank, float32, no CPU offload).
 
 The default plan splits attention heads and MLP columns (q/k/v and gate/up column-wise, o and down
 row-wise). Hugging Face attention reshapes with ``-1`` heads, so local head counts follow from the
@@ -124,10 +125,26 @@ def fsdp_needed(layout: ParallelLayout, *, param_dtype: torch.dtype, cpu_offload
     return layout.dp_size > 1 or param_dtype != torch.float32 or cpu_offload
 
 
+def output_head_unit(hf_model: nn.Module) -> nn.Module | None:
+    """The output head, to be an FSDP unit of its own. Left in the root it stays gathered from the
+    first forward to the end of backward, with its whole gradient, a cost per rank of the
+    vocabulary's size that does not fall with the data-parallel size; on its own its gradient is
+    reduced, and its weights resharded, as soon as its backward is done. The input embedding stays
+    in the root: its gradient comes last in backward anyway, and a unit of its own would gather
+    it a second time for nothing. Tied to the embedding, the head stays with it; a value model's
+    score head is too small to matter."""
+    embed = hf_model.get_input_embeddings()
+    head = hf_model.get_output_embeddings()
+    if embed is None or head is None or getattr(head, "weight", None) is getattr(embed, "weight", None):
+        return None
+    return head
+
+
 def apply_fsdp(model: nn.Module, layers: nn.ModuleList, layout: ParallelLayout, *, param_dtype: torch.dtype,
-               cpu_offload: bool) -> bool:
-    """``fully_shard`` each decoder layer, then the root (which keeps embeddings and head), where
-    :func:`fsdp_needed`; returns whether it did."""
+               cpu_offload: bool, head: nn.Module | None = None) -> bool:
+    """``fully_shard`` each decoder layer, the output ``head`` (:func:`output_head_unit`), then the
+    root (which keeps the rest), where :func:`fsdp_needed`; returns whether it did. The head is
+    gathered once per forward and kept until its backward, which comes right after."""
     if not fsdp_needed(layout, param_dtype=param_dtype, cpu_offload=cpu_offload):
         return False
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) \
@@ -137,5 +154,7 @@ def apply_fsdp(model: nn.Module, layers: nn.ModuleList, layout: ParallelLayout, 
         kwargs["offload_policy"] = CPUOffloadPolicy()
     for layer in layers:
         fully_shard(layer, **kwargs)
+    if head is not None:
+        fully_shard(head, reshard_after_forward=False, **kwargs)
     fully_shard(model, **kwargs)
     return True

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 
 from nrl_backend_dtensor import lora
 from nrl_backend_dtensor import weights as weights_io
@@ -30,7 +31,7 @@ from nrl_backend_dtensor.microbatch import ModelInputs, model_inputs
 from nrl_backend_dtensor.model import LogprobModel, build_hf_model_on_meta, hf_name, load_hf_config, load_hf_model
 from nrl_backend_dtensor.moe import RouterMetrics, check_tensor_parallel
 from nrl_backend_dtensor.optim import build_optimizer, build_scheduler, clip_grad_norm
-from nrl_backend_dtensor.parallel import apply_fsdp, apply_tensor_parallel, build_layout
+from nrl_backend_dtensor.parallel import apply_fsdp, apply_tensor_parallel, build_layout, output_head_unit
 from nrl_backend_dtensor.sharded_load import LoadStats, checkpoint_index, load_own_shards, why_not_sharded
 from nrl_core.api import (
     KINDS,
@@ -48,6 +49,7 @@ from nrl_core.api import (
     iter_buckets,
     logprob_temperature,
     main_group_timeout,
+    map_large_host_allocations,
     model_device,
     parse_dtype,
     to_device,
@@ -73,6 +75,7 @@ class DTensorPolicyWorker(TrainingEngine):
 
     def __init__(self, config: dict[str, Any], rank: int | None = None, world_size: int | None = None) -> None:
         _ensure_process_group()
+        map_large_host_allocations()  # before the first layer-sized buffer: the heap keeps no slack from them
         self.config = config
         self.policy: dict[str, Any] = config["policy"]
         self.dcfg: dict[str, Any] = self.policy.get("dtensor_config") or {}
@@ -120,7 +123,7 @@ class DTensorPolicyWorker(TrainingEngine):
         self.model = LogprobModel(hf_model, self.policy.get("logprob_chunk_size"), logprob_temperature(config),
                                   value_head=self.value_head is not None)
         self.fsdp = apply_fsdp(self.model, hf_model.model.layers, self.layout, param_dtype=getattr(torch, precision),
-                               cpu_offload=self.cpu_offload)
+                               cpu_offload=self.cpu_offload, head=output_head_unit(hf_model))
         if checkpoint is not None:  # each rank reads only its own shards
             self.load_stats = load_own_shards(hf_model, model_name, checkpoint,
                                               torch.device("cpu") if self.cpu_offload else self.device)
@@ -227,10 +230,13 @@ class DTensorPolicyWorker(TrainingEngine):
             yield
 
     def _reshard(self) -> None:
-        """FSDP2 keeps the root's parameters gathered after a forward without backward; put the
-        shards back so that parameters() and state dicts see the sharded DTensors again."""
+        """FSDP2 keeps the root's parameters, and the output head's, gathered after a forward
+        without backward; put the shards back so that parameters() and state dicts see the sharded
+        DTensors again."""
         if self.fsdp:
-            self.model.reshard()
+            for module in self.model.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
 
     # ------------------------------------------------------------------ memory hand-off (colocated)
 

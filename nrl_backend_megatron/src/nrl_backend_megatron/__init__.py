@@ -4,4 +4,4 @@ Importing this package is cheap: ``plugin`` and ``schema`` never import torch or
 listing plugins or validating a config stays fast. The worker and its helpers import them lazily.
 """
 
-__version__ = "0.14.0"
+__version__ = "0.15.0"

@@ -77,6 +77,7 @@ from nrl_core.api import (
     host_copy,
     init_reference_model,
     logprob_temperature,
+    map_large_host_allocations,
     model_device,
     move_optimizer_state,
     move_tensors,
@@ -124,6 +125,7 @@ class MegatronPolicyWorker(TrainingEngine):
 
     def __init__(self, config: Mapping[str, Any], rank: int = 0, world_size: int = 1) -> None:
         cpu_shim.install()
+        map_large_host_allocations()  # before the first layer-sized buffer: the heap keeps no slack from them
         from transformers import AutoConfig
 
         self.rank = rank
