@@ -12,7 +12,7 @@ DP-2/DP-1 ratios of the worst rank, and one JSON line. The default model is ``nr
 
 It also prints ``nrl plan``'s prediction for a rank of each world against the measured peak.
 
-    OMP_NUM_THREADS=1 python benchmarks/bench_memory_per_rank.py [--backend dtensor|megatron] [--size gpu] [--layers N] [--no-reference]
+    OMP_NUM_THREADS=1 python benchmarks/bench_memory_per_rank.py [--backend dtensor|megatron] [--size gpu] [--layers N] [--vocab N] [--steps N] [--no-reference] [--head-in-root]
 """
 
 from __future__ import annotations
@@ -46,6 +46,8 @@ def _rank(rank: int, world: int, port: int, model: str, args: argparse.Namespace
     args.port, args.threads = port, 1
     spec, policy = bench_policy(model, args)
     import_object(spec.worker)  # the worker's own imports belong to the baseline
+    if args.head_in_root:  # DTensor's output head in the root FSDP unit, as before 14df6b9: the reference
+        importlib.import_module("nrl_backend_dtensor.worker").output_head_unit = lambda hf_model: None
     baseline = psutil.Process().memory_full_info().pss
     peaks = {}
     with TreeSampler(os.getpid(), interval=0.25, mem_interval=0.25) as load:
@@ -61,7 +63,8 @@ def _rank(rank: int, world: int, port: int, model: str, args: argparse.Namespace
     mask[:, 0] = 0
     batch = TokenBatch(input_ids=ids, input_lengths=torch.full((args.batch,), args.seq), fields={"token_mask": mask})
     with TreeSampler(os.getpid(), interval=0.25, mem_interval=0.25) as step:
-        loss = worker.train(batch, NLLLoss())["loss"]
+        for _ in range(args.steps):  # from the second on, the optimizer's state is there during backward
+            loss = worker.train(batch, NLLLoss())["loss"]
     peaks["step"] = step.peak("pss") - baseline
     stats = getattr(worker, "load_stats", None)  # absent before sharded loading: every rank read it all
     out.put((rank, {**peaks, "loss": loss, "bytes_read": stats.bytes_read if stats else -1,
@@ -136,6 +139,10 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=None, help="decoder layers instead of the size's")
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=1, help="SFT steps sampled as the step phase")
+    parser.add_argument("--vocab", type=int, default=None, help="vocabulary size instead of the test cache's")
+    parser.add_argument("--head-in-root", action="store_true",
+                        help="DTensor: keep the output head in the root FSDP unit (the layout before 14df6b9)")
     parser.add_argument("--no-reference", action="store_true",
                         help="workers keep no reference copy, as an SFT run's (the default keeps one, as DPO's)")
     args = parser.parse_args()
@@ -143,6 +150,8 @@ def main() -> None:
     from nrl_core.testing.tiny_models import cached_tiny_model
 
     layers = {} if args.layers is None else {"num_hidden_layers": args.layers}
+    if args.vocab is not None:
+        layers["vocab_size"] = args.vocab
     model = str(cached_tiny_model("llama", size=args.size, **layers))
     args.warm_only = args.backend == "megatron"
     if args.warm_only:  # the one-time conversion, outside every measured load
@@ -163,6 +172,7 @@ def main() -> None:
     print(f"worst DP-2 rank / DP-1 rank: load {ratios['load']:.3f}, step {ratios['step']:.3f}, "
           f"optimizer state {ratios['optimizer_bytes']:.3f}")
     print(json.dumps({"bench": "memory_per_rank", "backend": args.backend, "size": args.size, "layers": args.layers,
+                      "vocab": args.vocab, "steps": args.steps, "head_in_root": args.head_in_root,
                       "dp1": runs[1], "dp2": runs[2], "plan": plan, **{f"ratio_{k}": v for k, v in ratios.items()}}))
 
 
