@@ -271,13 +271,9 @@ def trim_host_heap() -> None:
     """Give the C heap's free pages back to the system. glibc keeps freed memory for reuse, in one
     arena per thread, so the buffers a checkpoint read frees would otherwise stay in the process
     (and add up over a load's reader threads) rather than return when the read is done."""
-    import ctypes
-
-    try:
-        trim = ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc: nothing to trim this way
-        return
-    trim(0)
+    trim = _glibc("malloc_trim")
+    if trim is not None:  # another C library: nothing to trim this way
+        trim(0)
 
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number (malloc.h)
@@ -291,13 +287,19 @@ def map_large_host_allocations() -> None:
     where the tensors kept between them fragment it and the freed space stays with the process:
     a data-parallel rank's peak then carries slack that no sharding removes. Pinning the threshold
     also keeps the dynamic one from ever rising again."""
+    mallopt = _glibc("mallopt")
+    if mallopt is not None:  # another C library: its own allocator's policy applies
+        mallopt(M_MMAP_THRESHOLD, HOST_MAP_THRESHOLD)
+
+
+def _glibc(name: str) -> Any:
+    """glibc's function ``name``, or None where the C library is another one."""
     import ctypes
 
     try:
-        mallopt = ctypes.CDLL("libc.so.6").mallopt
-    except (OSError, AttributeError):  # not glibc: its own allocator's policy applies
-        return
-    mallopt(M_MMAP_THRESHOLD, HOST_MAP_THRESHOLD)
+        return getattr(ctypes.CDLL("libc.so.6"), name)
+    except (OSError, AttributeError):
+        return None
 
 
 # --------------------------------------------------------------------------- precision

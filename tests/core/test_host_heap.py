@@ -22,8 +22,8 @@ def rss():
 
 if sys.argv[1] == "mapped":
     map_large_host_allocations()
-del_first = torch.ones(6 << 20)  # a 24 MiB buffer freed: glibc's dynamic threshold rises to it
-del del_first
+first = torch.ones(6 << 20)  # a 24 MiB buffer freed: glibc's dynamic threshold rises to it
+del first
 layer = torch.ones(3 << 20)  # a 12 MiB one, then a small tensor kept after it, as a step keeps activations
 kept = torch.ones(16)
 before = rss()

@@ -36,14 +36,16 @@ def fsdp_worker(**overrides) -> DTensorPolicyWorker:
         return worker(**overrides)
 
 
-def test_one_rank_in_float32_skips_fsdp_and_trains_bit_identically():
+@pytest.mark.parametrize("chunk", [None, 16])
+def test_one_rank_in_float32_skips_fsdp_and_trains_bit_identically(chunk):
     """FSDP2 at one rank shards nothing but copies every layer's parameters in and its gradients
     out; the worker leaves it out there, and the logprobs, losses, gradient norms and weights are
-    exactly the wrapped worker's."""
+    exactly the wrapped worker's. Chunked logprobs call the output head, an FSDP unit of its own,
+    once per chunk and again when each chunk is recomputed in backward."""
     from torch.distributed.fsdp import FSDPModule
 
     batch = make_batch()
-    plain, wrapped = worker(), fsdp_worker()
+    plain, wrapped = worker(logprob_chunk_size=chunk), fsdp_worker(logprob_chunk_size=chunk)
     assert not plain.fsdp and not any(isinstance(m, FSDPModule) for m in plain.model.modules())
     assert wrapped.fsdp and isinstance(wrapped.model, FSDPModule)
     for _ in range(2):
