@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import re
 import statistics
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -298,8 +297,16 @@ def test_a_tied_output_layer_follows_its_embedding_at_refit() -> None:
     assert gap < LOGPROB_TOLERANCE
 
 
+#: gpt-oss's engine on the CPU (``nrl_gen_vllm.checks.cpu_model_note``): 4.5e-3 measured here, and
+#: 2.1e-3 for greedy tokens against HF's logprobs, the same before a refit and after. Before its sinks
+#: and experts went through vLLM's weight loaders (``nrl_gen_vllm/direct_loads.py``) they kept the
+#: engine's placeholders: a gap of 2.7.
+GPT_OSS_TOLERANCE = 2e-2
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["gemma4", "nemotron_h", "nemotron_h_moe", "deepseek_v3", "glm4_moe_lite"])
+@pytest.mark.parametrize("family", ["gemma4", "nemotron_h", "nemotron_h_moe", "deepseek_v3", "glm4_moe_lite",
+                                    "gpt_oss"])
 def test_newer_families_sample_from_the_trainers_weights_after_refit(family: str) -> None:
     """Each newer family's engine, refit from a DTensor trainer, samples from the trainer's model:
     Gemma 4's per-layer scalars (buffers, not parameters) travel with the weights; Nemotron-H's
@@ -307,11 +314,55 @@ def test_newer_families_sample_from_the_trainers_weights_after_refit(family: str
     prefill's steps), and its squared-ReLU experts run through nrl's ungated path
     (``nrl_gen_vllm/cpu_moe.py``), reloaded as they are at each refit; DeepSeek-V3's and
     GLM-4.7-Flash's latent attention rotates its 3-D queries and keys right
-    (``nrl_gen_vllm/cpu_rope.py``: before, only a sequence's first position matched)."""
+    (``nrl_gen_vllm/cpu_rope.py``: before, only a sequence's first position matched); gpt-oss's
+    attention sinks and stacked experts go through vLLM's weight loaders, which its own loader
+    bypasses (``nrl_gen_vllm/direct_loads.py``)."""
     from nrl_core.testing.distributed import run_distributed
 
     gap, = run_distributed(_trainer_refit_gap, 1, family)
-    assert gap < LOGPROB_TOLERANCE
+    assert gap < (GPT_OSS_TOLERANCE if family == "gpt_oss" else LOGPROB_TOLERANCE)
+
+
+def _samples(rank: int, world_size: int, model_dir: str, refit_from: str | None) -> tuple[list, list]:
+    """Seeded samples and their logprobs of an engine on ``model_dir``, refit first (in buckets
+    smaller than a layer's experts) to the weights of ``refit_from`` when given."""
+    from transformers import AutoTokenizer
+
+    from nrl_core.refit.hf_source import HFWeightSource
+    from nrl_gen_vllm.worker import VllmGenerationWorker
+    from tests.vllm.helpers import generation_config, hf_model
+
+    worker = VllmGenerationWorker(generation_config(model_dir))
+    try:
+        if refit_from is not None:
+            refit(HFWeightSource(hf_model(refit_from)), worker, RefitPlan(bucket_bytes=128 * 1024))
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        out = worker.generate([tokenizer(f"Q: What is {a} + {b}?\nA:").input_ids for a, b in ((3, 4), (12, 7))])
+    finally:
+        worker.shutdown()
+    return [list(ids) for ids in out.token_ids], [list(lps) for lps in out.logprobs]
+
+
+@pytest.mark.slow
+def test_a_gpt_oss_engine_refit_to_other_weights_samples_as_one_started_from_them(tmp_path) -> None:
+    """Every gpt-oss weight a refit carries lands, the sinks and experts vLLM's loader writes past
+    its weight loaders included: the refit engine's seeded samples and logprobs equal, to the bit,
+    those of an engine started from the same weights."""
+    import shutil
+
+    from nrl_core.testing.distributed import run_distributed
+    from nrl_core.testing.tiny_models import cached_tiny_model
+    from tests.vllm.helpers import hf_model
+
+    start = cached_tiny_model("gpt_oss", "small")
+    other = tmp_path / "other"
+    hf_model(start, perturb_seed=1).save_pretrained(str(other))
+    for path in start.iterdir():
+        if path.name.startswith(("tokenizer", "chat_template")):
+            shutil.copy(path, other / path.name)
+    refit_samples, = run_distributed(_samples, 1, str(start), str(other))
+    started_samples, = run_distributed(_samples, 1, str(other), None)
+    assert refit_samples == started_samples
 
 
 def test_load_format_defaults_to_dummy_and_refuses_other_loaders() -> None:
@@ -331,53 +382,60 @@ def test_an_engine_built_without_lora_refuses_an_adapter(engine) -> None:
         engine.import_adapter([tensors], manifest_of(tensors), {"r": 8})
 
 
-@pytest.mark.parametrize("family, refusal", [("gpt_oss", "does not compute gpt-oss as the trainer does")])
-def test_models_the_cpu_engine_cannot_serve_are_refused_in_one_line(family: str, refusal: str) -> None:
+def test_the_cpu_engine_warns_of_what_it_computes_differently() -> None:
+    """vLLM's CPU build computes gpt-oss's logprobs up to about 5e-3 from the trainer's (its
+    sampling test below bounds them); the other newer families have no note."""
     from transformers import AutoConfig
 
-    from nrl_core.errors import ConfigError
     from nrl_core.testing.tiny_models import cached_tiny_model
-    from nrl_gen_vllm.checks import check_cpu_model
+    from nrl_gen_vllm.checks import cpu_model_note
 
-    with pytest.raises(ConfigError, match=rf"^policy\.model_name: vLLM's CPU build .*{re.escape(refusal)}"):
-        check_cpu_model(AutoConfig.from_pretrained(cached_tiny_model(family)))
-    check_cpu_model(AutoConfig.from_pretrained(cached_tiny_model("nemotron_h")))
-    for served in ("nemotron_h_moe", "deepseek_v3", "glm4_moe_lite"):
-        check_cpu_model(AutoConfig.from_pretrained(cached_tiny_model(served)))
+    note = cpu_model_note(AutoConfig.from_pretrained(cached_tiny_model("gpt_oss")))
+    assert note is not None and note.startswith("vLLM's CPU build computes gpt-oss's logprobs up to about 5e-3")
+    for family in ("nemotron_h", "nemotron_h_moe", "deepseek_v3", "glm4_moe_lite", "gemma4"):
+        assert cpu_model_note(AutoConfig.from_pretrained(cached_tiny_model(family))) is None
 
 
-def test_a_refit_vllms_layerwise_reload_cannot_see_is_refused_before_loading(tmp_path) -> None:
-    """vLLM's gpt-oss loader copies its sinks and experts into the parameters directly; a layerwise
-    reload sees only weight-loader calls, so after a refit they kept vLLM's placeholder values
-    (measured: sinks of about 1e-3, and a logprob gap of 2.7 to the trainer). The refit is refused
-    before anything loads; other architectures, and a hub id without a local config, pass."""
+def test_a_refit_into_quantized_gpt_oss_experts_is_refused_before_loading(tmp_path) -> None:
+    """vLLM's gpt-oss loader takes a quantized checkpoint's experts in their packed format only,
+    which trained weights are not; an unquantized gpt-oss, other architectures, and a hub id
+    without a local config pass."""
+    import json
+
     from nrl_core.testing.tiny_models import cached_tiny_model
-    from nrl_gen_vllm.checkpoint import check_reloadable, model_architectures
+    from nrl_gen_vllm.checkpoint import check_reloadable, model_config_json
 
-    with pytest.raises(RefitError, match=r"^refit rejected, weights unchanged; vLLM's GptOssForCausalLM loader "
-                                         r"writes its attention sinks, expert weights and expert biases directly"):
-        check_reloadable(model_architectures(cached_tiny_model("gpt_oss")))
-    check_reloadable(model_architectures(cached_tiny_model("llama")))
-    check_reloadable(model_architectures(tmp_path / "openai/gpt-oss-20b"))
+    config = model_config_json(cached_tiny_model("gpt_oss"))
+    check_reloadable(config)
+    check_reloadable(model_config_json(cached_tiny_model("llama")))
+    check_reloadable(model_config_json(tmp_path / "openai/gpt-oss-20b"))
+    quantized = tmp_path / "quantized"
+    quantized.mkdir()
+    (quantized / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "mxfp4"}}))
+    with pytest.raises(RefitError, match=r"^refit rejected, weights unchanged; vLLM's GptOssForCausalLM loader takes "
+                                         r"this checkpoint's experts in mxfp4 only .*unquantized copy of the checkpoint"):
+        check_reloadable(model_config_json(quantized))
 
 
-def test_a_hub_ids_architecture_is_read_from_the_local_cache_only(tmp_path, monkeypatch) -> None:
-    """The gpt-oss refusal also finds a hub id (the common case on a GPU) when its config is in the
-    Hugging Face cache; an id the cache lacks is not looked up on the network."""
+def test_a_hub_ids_config_is_read_from_the_local_cache_only(tmp_path, monkeypatch) -> None:
+    """The refusal also finds a hub id (the common case on a GPU: openai/gpt-oss-20b ships its
+    experts in mxfp4) when its config is in the Hugging Face cache; an id the cache lacks is not
+    looked up on the network."""
     import huggingface_hub.constants
 
-    from nrl_gen_vllm.checkpoint import check_reloadable, model_architectures
+    from nrl_gen_vllm.checkpoint import check_reloadable, model_config_json
 
     snapshot = tmp_path / "models--openai--gpt-oss-20b" / "snapshots" / "abc123"
     snapshot.mkdir(parents=True)
-    (snapshot / "config.json").write_text('{"architectures": ["GptOssForCausalLM"]}')
+    (snapshot / "config.json").write_text('{"architectures": ["GptOssForCausalLM"], '
+                                          '"quantization_config": {"quant_method": "mxfp4"}}')
     (tmp_path / "models--openai--gpt-oss-20b" / "refs").mkdir()
     (tmp_path / "models--openai--gpt-oss-20b" / "refs" / "main").write_text("abc123")
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
-    assert model_architectures("openai/gpt-oss-20b") == ["GptOssForCausalLM"]
-    with pytest.raises(RefitError, match="vLLM's GptOssForCausalLM loader writes"):
-        check_reloadable(model_architectures("openai/gpt-oss-20b"))
-    assert model_architectures("openai/gpt-oss-120b") == []
+    assert model_config_json("openai/gpt-oss-20b")["architectures"] == ["GptOssForCausalLM"]
+    with pytest.raises(RefitError, match="vLLM's GptOssForCausalLM loader takes this checkpoint's experts in mxfp4"):
+        check_reloadable(model_config_json("openai/gpt-oss-20b"))
+    assert model_config_json("openai/gpt-oss-120b") == {}
 
 
 def test_speculative_decoding_is_refused_on_the_cpu_engine_in_one_line() -> None:

@@ -61,16 +61,14 @@ def _config(root: Path) -> dict[str, Any]:
         return {}
 
 
-#: Architectures whose vLLM loader (0.32) copies some tensors straight into their parameters rather
-#: than through the parameters' weight loaders. vLLM's layerwise reload, which an nrl refit uses,
-#: sees only weight-loader calls: those tensors would keep the values they had (after a placeholder
-#: start, vLLM's dummy ones) while the rest took the trainer's.
-DIRECT_LOADERS = {"GptOssForCausalLM": "attention sinks, expert weights and expert biases"}
+#: Architectures whose vLLM loader (0.32) reads a quantized checkpoint's experts in their packed
+#: format only (``quantization_config``): a refit of trained, unquantized weights cannot fill them.
+PACKED_QUANTIZED_EXPERTS = frozenset({"GptOssForCausalLM"})
 
 
-def model_architectures(model: str | os.PathLike[str]) -> list[str]:
-    """The architectures a model's ``config.json`` names: a directory's, or a hub id's from the local
-    Hugging Face cache (never the network); none when neither has it."""
+def model_config_json(model: str | os.PathLike[str]) -> dict[str, Any]:
+    """A model's ``config.json``: a directory's, or a hub id's from the local Hugging Face cache
+    (never the network); empty when neither has it."""
     root = Path(model)
     if not (root / "config.json").is_file():
         try:
@@ -78,22 +76,23 @@ def model_architectures(model: str | os.PathLike[str]) -> list[str]:
 
             cached = try_to_load_from_cache(str(model), "config.json")
         except Exception:  # noqa: BLE001 - not a repo id: nothing cached under it
-            return []
+            return {}
         if not isinstance(cached, str):
-            return []
+            return {}
         root = Path(cached).parent
-    return list(_config(root).get("architectures") or [])
+    return _config(root)
 
 
-def check_reloadable(architectures: list[str]) -> None:
-    """Raise :class:`RefitError` before anything loads when one of the model's architectures
-    (:func:`model_architectures`) is among :data:`DIRECT_LOADERS`."""
-    for architecture in architectures:
-        if architecture in DIRECT_LOADERS:
-            raise RefitError(f"refit rejected, weights unchanged; vLLM's {architecture} loader writes its "
-                             f"{DIRECT_LOADERS[architecture]} directly, which vLLM's layerwise reload (how nrl "
-                             "refits an engine) does not see, so they would keep their old values; nrl cannot "
-                             "refit this architecture yet")
+def check_reloadable(config: dict[str, Any]) -> None:
+    """Raise :class:`RefitError` before anything loads when the engine's model (its ``config.json``,
+    :func:`model_config_json`) is one a refit cannot fill: gpt-oss served from a quantized checkpoint."""
+    quantization = (config.get("quantization_config") or {}).get("quant_method")
+    architecture = next((a for a in config.get("architectures") or [] if a in PACKED_QUANTIZED_EXPERTS), None)
+    if architecture and quantization:
+        raise RefitError(f"refit rejected, weights unchanged; vLLM's {architecture} loader takes this checkpoint's "
+                         f"experts in {quantization} only (its quantization_config), and a refit sends trained, "
+                         "unquantized weights; start the engine from an unquantized copy of the checkpoint "
+                         "(its experts in bfloat16)")
 
 
 def _tied(model_dir: str | os.PathLike[str]) -> bool:

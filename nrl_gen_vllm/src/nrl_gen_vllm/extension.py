@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from nrl_gen_vllm import direct_loads
 from nrl_gen_vllm.cpu_moe import process_experts_on_reload, reloading, run_ungated_experts, translate_expert_ids
 from nrl_gen_vllm.cpu_rope import rotate_three_dimensional_inputs_natively
 from nrl_gen_vllm.cpu_sampler import use_eager_rank_count
@@ -159,9 +160,13 @@ class NrlWorkerExtension:
 
         state = self._nrl_reload
         counter = state["counter"]
+        model = self.model_runner.model
         named = with_tied_names(named, state["ties"], state["done"])
+        named = counter.track(named) if counter else iter(named)
+        if type(model).__name__ in direct_loads.ARCHITECTURES:  # after the counter: a view's reads count for its tensor
+            named = direct_loads.through_weight_loaders(named, model)
         with set_current_vllm_config(self.vllm_config), reloading(), counter or contextlib.nullcontext():
-            loaded = self.model_runner.model.load_weights(weights=counter.track(named) if counter else iter(named))
+            loaded = model.load_weights(weights=named)
         return len(loaded) if loaded is not None else -1
 
     @torch.no_grad()

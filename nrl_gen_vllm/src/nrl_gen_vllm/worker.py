@@ -38,8 +38,8 @@ from nrl_core.api import environment_variables as environment
 from nrl_core.api import timeline_mark as mark
 from nrl_core.api import verify_manifest as verify
 from nrl_gen_vllm import cpu_shm
-from nrl_gen_vllm.checkpoint import check_against_checkpoint, check_reloadable, checkpoint_shapes, model_architectures
-from nrl_gen_vllm.checks import check_cpu_engine_kwargs, check_cpu_model, engine_start_error
+from nrl_gen_vllm.checkpoint import check_against_checkpoint, check_reloadable, checkpoint_shapes, model_config_json
+from nrl_gen_vllm.checks import check_cpu_engine_kwargs, cpu_model_note, engine_start_error
 from nrl_gen_vllm.cpu_sampler import use_eager_rank_count
 from nrl_gen_vllm.engine_args import user_engine_kwargs
 from nrl_gen_vllm.engines import AsyncEngine, FollowerEngine, SyncEngine
@@ -146,7 +146,7 @@ class VllmGenerationWorker:
         self.max_model_len = int(vcfg.get("max_model_len") or policy.get("max_total_sequence_length") or 512)
         self.sleep_level = int(vcfg.get("sleep_level") or 1)
         self._checkpoint = checkpoint_shapes(self.model_dir)
-        self._architectures = model_architectures(self.model_dir)  # read once: every refit checks them
+        self._model_config = model_config_json(self.model_dir)  # read once: every refit checks it
 
         self.async_engine = bool(vcfg.get("async_engine"))
         if self.async_engine:
@@ -168,7 +168,8 @@ class VllmGenerationWorker:
             check_cpu_engine_kwargs(generation.get("vllm_kwargs"))
             hf_config = local_model_config(config)
             if hf_config is not None:
-                check_cpu_model(hf_config)
+                if (note := cpu_model_note(hf_config)) is not None:
+                    logger.warning(note)
                 if has_recurrent_layers(hf_config):  # vLLM caches their prefixes only in chunked prefill's steps
                     engine_kwargs["enable_prefix_caching"] = False
         if _is_cpu() and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
@@ -393,7 +394,7 @@ class VllmGenerationWorker:
     def _check_layout(self, manifest: list[WeightSpec]) -> None:
         """:func:`check_against_checkpoint` against what this rank loads when ``manifest`` is its
         part (:meth:`refit_wants`), else against the whole checkpoint."""
-        check_reloadable(self._architectures)
+        check_reloadable(self._model_config)
         names = {spec.name for spec in manifest}
         if self.follower and not names:
             return
