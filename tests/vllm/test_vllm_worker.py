@@ -323,9 +323,10 @@ def test_newer_families_sample_from_the_trainers_weights_after_refit(family: str
     assert gap < (GPT_OSS_TOLERANCE if family == "gpt_oss" else LOGPROB_TOLERANCE)
 
 
-def _samples(rank: int, world_size: int, model_dir: str, refit_from: str | None) -> tuple[list, list]:
+def _samples(rank: int, world_size: int, model_dir: str, refit_from: str | None) -> tuple[list, list, dict]:
     """Seeded samples and their logprobs of an engine on ``model_dir``, refit first (in buckets
-    smaller than a layer's experts) to the weights of ``refit_from`` when given."""
+    smaller than a layer's experts) to the weights of ``refit_from`` when given, and what the
+    engine says it built."""
     from transformers import AutoTokenizer
 
     from nrl_core.refit.hf_source import HFWeightSource
@@ -338,9 +339,10 @@ def _samples(rank: int, world_size: int, model_dir: str, refit_from: str | None)
             refit(HFWeightSource(hf_model(refit_from)), worker, RefitPlan(bucket_bytes=128 * 1024))
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         out = worker.generate([tokenizer(f"Q: What is {a} + {b}?\nA:").input_ids for a, b in ((3, 4), (12, 7))])
+        served, = worker._engine.collective_rpc("nrl_served_model")
     finally:
         worker.shutdown()
-    return [list(ids) for ids in out.token_ids], [list(lps) for lps in out.logprobs]
+    return [list(ids) for ids in out.token_ids], [list(lps) for lps in out.logprobs], served
 
 
 @pytest.mark.slow
@@ -363,6 +365,7 @@ def test_a_gpt_oss_engine_refit_to_other_weights_samples_as_one_started_from_the
     refit_samples, = run_distributed(_samples, 1, str(start), str(other))
     started_samples, = run_distributed(_samples, 1, str(other), None)
     assert refit_samples == started_samples
+    assert refit_samples[2] == {"architecture": "GptOssForCausalLM", "quantization": None}
 
 
 def test_load_format_defaults_to_dummy_and_refuses_other_loaders() -> None:
@@ -396,46 +399,19 @@ def test_the_cpu_engine_warns_of_what_it_computes_differently() -> None:
         assert cpu_model_note(AutoConfig.from_pretrained(cached_tiny_model(family))) is None
 
 
-def test_a_refit_into_quantized_gpt_oss_experts_is_refused_before_loading(tmp_path) -> None:
-    """vLLM's gpt-oss loader takes a quantized checkpoint's experts in their packed format only,
-    which trained weights are not; an unquantized gpt-oss, other architectures, and a hub id
-    without a local config pass."""
-    import json
+def test_a_refit_into_quantized_gpt_oss_experts_is_refused_before_loading() -> None:
+    """vLLM's gpt-oss loader takes a quantized checkpoint's experts (``openai/gpt-oss-20b``'s are in
+    mxfp4) in their packed format only, which trained weights are not; what vLLM built is asked of
+    the engine itself (its quantization after any overrides). Unquantized gpt-oss and other
+    architectures pass."""
+    from nrl_gen_vllm.checkpoint import check_reloadable
 
-    from nrl_core.testing.tiny_models import cached_tiny_model
-    from nrl_gen_vllm.checkpoint import check_reloadable, model_config_json
-
-    config = model_config_json(cached_tiny_model("gpt_oss"))
-    check_reloadable(config)
-    check_reloadable(model_config_json(cached_tiny_model("llama")))
-    check_reloadable(model_config_json(tmp_path / "openai/gpt-oss-20b"))
-    quantized = tmp_path / "quantized"
-    quantized.mkdir()
-    (quantized / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "mxfp4"}}))
     with pytest.raises(RefitError, match=r"^refit rejected, weights unchanged; vLLM's GptOssForCausalLM loader takes "
                                          r"this checkpoint's experts in mxfp4 only .*unquantized copy of the checkpoint"):
-        check_reloadable(model_config_json(quantized))
-
-
-def test_a_hub_ids_config_is_read_from_the_local_cache_only(tmp_path, monkeypatch) -> None:
-    """The refusal also finds a hub id (the common case on a GPU: openai/gpt-oss-20b ships its
-    experts in mxfp4) when its config is in the Hugging Face cache; an id the cache lacks is not
-    looked up on the network."""
-    import huggingface_hub.constants
-
-    from nrl_gen_vllm.checkpoint import check_reloadable, model_config_json
-
-    snapshot = tmp_path / "models--openai--gpt-oss-20b" / "snapshots" / "abc123"
-    snapshot.mkdir(parents=True)
-    (snapshot / "config.json").write_text('{"architectures": ["GptOssForCausalLM"], '
-                                          '"quantization_config": {"quant_method": "mxfp4"}}')
-    (tmp_path / "models--openai--gpt-oss-20b" / "refs").mkdir()
-    (tmp_path / "models--openai--gpt-oss-20b" / "refs" / "main").write_text("abc123")
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
-    assert model_config_json("openai/gpt-oss-20b")["architectures"] == ["GptOssForCausalLM"]
-    with pytest.raises(RefitError, match="vLLM's GptOssForCausalLM loader takes this checkpoint's experts in mxfp4"):
-        check_reloadable(model_config_json("openai/gpt-oss-20b"))
-    assert model_config_json("openai/gpt-oss-120b") == {}
+        check_reloadable({"architecture": "GptOssForCausalLM", "quantization": "mxfp4"})
+    check_reloadable({"architecture": "GptOssForCausalLM", "quantization": None})
+    check_reloadable({"architecture": "Qwen3MoeForCausalLM", "quantization": "fp8"})
+    check_reloadable({})
 
 
 def test_speculative_decoding_is_refused_on_the_cpu_engine_in_one_line() -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -62,33 +63,16 @@ def _config(root: Path) -> dict[str, Any]:
 
 
 #: Architectures whose vLLM loader (0.32) reads a quantized checkpoint's experts in their packed
-#: format only (``quantization_config``): a refit of trained, unquantized weights cannot fill them.
+#: format only: a refit of trained, unquantized weights cannot fill them.
 PACKED_QUANTIZED_EXPERTS = frozenset({"GptOssForCausalLM"})
 
 
-def model_config_json(model: str | os.PathLike[str]) -> dict[str, Any]:
-    """A model's ``config.json``: a directory's, or a hub id's from the local Hugging Face cache
-    (never the network); empty when neither has it."""
-    root = Path(model)
-    if not (root / "config.json").is_file():
-        try:
-            from huggingface_hub import try_to_load_from_cache
-
-            cached = try_to_load_from_cache(str(model), "config.json")
-        except Exception:  # noqa: BLE001 - not a repo id: nothing cached under it
-            return {}
-        if not isinstance(cached, str):
-            return {}
-        root = Path(cached).parent
-    return _config(root)
-
-
-def check_reloadable(config: dict[str, Any]) -> None:
-    """Raise :class:`RefitError` before anything loads when the engine's model (its ``config.json``,
-    :func:`model_config_json`) is one a refit cannot fill: gpt-oss served from a quantized checkpoint."""
-    quantization = (config.get("quantization_config") or {}).get("quant_method")
-    architecture = next((a for a in config.get("architectures") or [] if a in PACKED_QUANTIZED_EXPERTS), None)
-    if architecture and quantization:
+def check_reloadable(served: Mapping[str, Any]) -> None:
+    """Raise :class:`RefitError` before anything loads when the model vLLM built (its class and
+    quantization method, the extension's ``nrl_served_model``) is one a refit cannot fill: gpt-oss
+    served from a quantized checkpoint."""
+    architecture, quantization = served.get("architecture"), served.get("quantization")
+    if architecture in PACKED_QUANTIZED_EXPERTS and quantization:
         raise RefitError(f"refit rejected, weights unchanged; vLLM's {architecture} loader takes this checkpoint's "
                          f"experts in {quantization} only (its quantization_config), and a refit sends trained, "
                          "unquantized weights; start the engine from an unquantized copy of the checkpoint "

@@ -180,7 +180,8 @@ def cpu_model_note(hf_config: Any) -> str | None:
     text = getattr(hf_config, "text_config", None) or hf_config
     if getattr(text, "model_type", None) == "gpt_oss":
         return ("vLLM's CPU build computes gpt-oss's logprobs up to about 5e-3 from the trainer's (other models' "
-                "within 1e-3); GRPO's importance weights correct for it, and train/token_mult_prob_error shows it")
+                "within 1e-3); train/token_mult_prob_error shows it, and loss_fn.use_importance_sampling_correction "
+                "corrects for it")
     return None
 
 

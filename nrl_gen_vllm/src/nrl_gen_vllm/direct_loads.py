@@ -10,6 +10,9 @@ vLLM can also load gpt-oss's experts one at a time, through the experts' weight 
 each rank's tensor-parallel part and skips the experts another rank holds
 (``mlp.experts.<id>.gate_up_proj``: its per-expert checkpoints). So a stacked tensor goes in as its
 per-expert views, and each rank's sinks (its heads) go through their parameter's loader here.
+vLLM keeps those views until their layer is complete, and a view keeps the buffer it lies in: a
+layer whose experts straddle two buckets holds the first bucket's buffer until the second is loaded
+(``released.py`` copies out only the tensors it handed, not views of them).
 """
 
 from __future__ import annotations
@@ -20,8 +23,13 @@ from typing import Any
 
 import torch
 
-#: The architectures whose refits take this route.
-ARCHITECTURES = frozenset({"GptOssForCausalLM"})
+
+def takes_this_route(model: Any) -> bool:
+    """Whether ``model`` (vLLM's model, unwrapped) is one whose loader writes past its weight loaders."""
+    from vllm.model_executor.models.gpt_oss import GptOssForCausalLM
+
+    return isinstance(model, GptOssForCausalLM)
+
 
 _STACKED_EXPERTS = re.compile(r"^(?P<experts>.+\.mlp\.experts)\.(?P<tensor>(?:gate_up|down)_proj(?:_bias)?)$")
 _SINKS = re.compile(r"^.+\.self_attn\.sinks$")
@@ -47,6 +55,7 @@ def load_sinks(model: Any, name: str, tensor: torch.Tensor) -> None:
     """One layer's attention sinks, this rank's heads of them (vLLM's loader cuts them so), through
     the parameter's weight loader; nothing for a layer of another pipeline stage."""
     from vllm.distributed import get_tensor_model_parallel_rank
+    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
     from vllm.model_executor.models.utils import is_pp_missing_parameter
 
     mapped = model.hf_to_vllm_mapper.map_name(name)
@@ -54,4 +63,5 @@ def load_sinks(model: Any, name: str, tensor: torch.Tensor) -> None:
         return
     param = model.get_parameter(mapped)
     heads = param.shape[0]
-    param.weight_loader(param, tensor.narrow(0, get_tensor_model_parallel_rank() * heads, heads))
+    loader = getattr(param, "weight_loader", default_weight_loader)
+    loader(param, tensor.narrow(0, get_tensor_model_parallel_rank() * heads, heads))

@@ -160,10 +160,10 @@ class NrlWorkerExtension:
 
         state = self._nrl_reload
         counter = state["counter"]
-        model = self.model_runner.model
+        model = self.model_runner.get_model()  # unwrapped: on a GPU the runner holds it in a CUDA-graph wrapper
         named = with_tied_names(named, state["ties"], state["done"])
         named = counter.track(named) if counter else iter(named)
-        if type(model).__name__ in direct_loads.ARCHITECTURES:  # after the counter: a view's reads count for its tensor
+        if direct_loads.takes_this_route(model):  # after the counter: a view's reads count for its tensor
             named = direct_loads.through_weight_loaders(named, model)
         with set_current_vllm_config(self.vllm_config), reloading(), counter or contextlib.nullcontext():
             loaded = model.load_weights(weights=named)
@@ -197,6 +197,15 @@ class NrlWorkerExtension:
         # own once it is loaded, so the mapping goes before the next part's (released.py)
         parts = released(_file_part(path, layout), files_end_with_the_bucket=True)
         return self.nrl_load_part(itertools.chain.from_iterable(parts))
+
+    def nrl_served_model(self) -> dict[str, Any]:
+        """The model vLLM built, as a refit check needs it: its class, and the quantization method
+        vLLM's loader dispatches on (the checkpoint's, after any overrides), or None."""
+        model = self.model_runner.get_model()
+        quantization = getattr(getattr(model, "config", None), "quantization_config", None) or {}
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else \
+            getattr(quantization, "quant_method", None)
+        return {"architecture": type(model).__name__, "quantization": method}
 
     def nrl_count_refit_reads(self, enabled: bool = True) -> None:
         """From the next refit on, count the bytes this rank reads of each tensor

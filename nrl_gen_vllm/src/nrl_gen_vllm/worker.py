@@ -38,7 +38,7 @@ from nrl_core.api import environment_variables as environment
 from nrl_core.api import timeline_mark as mark
 from nrl_core.api import verify_manifest as verify
 from nrl_gen_vllm import cpu_shm
-from nrl_gen_vllm.checkpoint import check_against_checkpoint, check_reloadable, checkpoint_shapes, model_config_json
+from nrl_gen_vllm.checkpoint import check_against_checkpoint, check_reloadable, checkpoint_shapes
 from nrl_gen_vllm.checks import check_cpu_engine_kwargs, cpu_model_note, engine_start_error
 from nrl_gen_vllm.cpu_sampler import use_eager_rank_count
 from nrl_gen_vllm.engine_args import user_engine_kwargs
@@ -146,7 +146,7 @@ class VllmGenerationWorker:
         self.max_model_len = int(vcfg.get("max_model_len") or policy.get("max_total_sequence_length") or 512)
         self.sleep_level = int(vcfg.get("sleep_level") or 1)
         self._checkpoint = checkpoint_shapes(self.model_dir)
-        self._model_config = model_config_json(self.model_dir)  # read once: every refit checks it
+        self._served: dict[str, Any] | None = None  # what vLLM built, asked at the first refit (_check_layout)
 
         self.async_engine = bool(vcfg.get("async_engine"))
         if self.async_engine:
@@ -394,7 +394,10 @@ class VllmGenerationWorker:
     def _check_layout(self, manifest: list[WeightSpec]) -> None:
         """:func:`check_against_checkpoint` against what this rank loads when ``manifest`` is its
         part (:meth:`refit_wants`), else against the whole checkpoint."""
-        check_reloadable(self._model_config)
+        if self._served is None:
+            served = self._engine.collective_rpc("nrl_served_model")
+            self._served = served[0] if served else {}  # a follower's engine answers nothing: its first rank's checks
+        check_reloadable(self._served)
         names = {spec.name for spec in manifest}
         if self.follower and not names:
             return
