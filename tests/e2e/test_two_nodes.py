@@ -3,7 +3,8 @@ CPUs and node id), joined through ``cluster.ray_address`` as a real multi-node j
 
 Joining a cluster (not nrl's private local Ray) makes worker groups rendezvous over rank 0's
 ``TCPStore`` at its node address, the cross-node path, instead of the local file store; both
-nodes share one address here, so the node *ids* tell where a worker runs.
+nodes share one address here, so the node *ids* tell where a worker runs. Megatron's conversions
+land in the suite's shared directory (tests/conftest.py): each tiny model converts once.
 """
 
 from __future__ import annotations
@@ -102,15 +103,13 @@ def test_generation_on_the_other_node_refits_by_broadcast(cluster_address: str, 
         assert after.token_ids != before.token_ids, "training should have changed the greedy answers"
 
 
-def test_megatron_training_spans_both_nodes(cluster_address: str, model: Path, tmp_path: Path,
-                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_megatron_training_spans_both_nodes(cluster_address: str, model: Path) -> None:
     """Tensor parallel 2 with one rank per node; ``distributed_timeout_minutes`` is the main
     group's timeout on both."""
     from nrl_core.algorithms.installed import choose_backends, load_and_validate
     from nrl_core.algorithms.policy import Policy
     from nrl_core.process_groups import main_group_timeout
 
-    monkeypatch.setenv("NRL_MEGATRON_CHECKPOINT_DIR", str(tmp_path / "converted"))
     config = load_and_validate(str(CONFIG), [
         f"policy.model_name={model}", f"cluster.ray_address={cluster_address}", "cluster.num_nodes=2",
         "policy.train_global_batch_size=8", "policy.train_micro_batch_size=4", "policy.logprob_batch_size=8",
@@ -156,8 +155,7 @@ def _blocks(exported: dict, wants: list) -> dict[str, float]:
 
 @pytest.mark.parametrize("source", list(SLICED_SOURCES))
 def test_each_engine_rank_gets_its_blocks_from_every_training_layout(source: str, cluster_address: str,
-                                                                     tmp_path: Path,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+                                                                     tmp_path: Path) -> None:
     """Sinks that name blocks as a tensor-parallel 2 engine does (and, for a mixture of experts,
     their half of the experts as vLLM's expert parallelism does), fed by each training layout:
     on the training node over shared memory and broadcast, and on the other node over broadcast,
@@ -174,7 +172,6 @@ def test_each_engine_rank_gets_its_blocks_from_every_training_layout(source: str
     from nrl_core.testing.tiny_models import cached_tiny_model
 
     family, overrides = SLICED_SOURCES[source]
-    monkeypatch.setenv("NRL_MEGATRON_CHECKPOINT_DIR", str(tmp_path / "converted"))
     config = load_and_validate(str(CONFIG), [
         f"policy.model_name={cached_tiny_model(family, **TENSOR_PARALLEL_MODEL.get(source, {}))}",
         f"cluster.ray_address={cluster_address}",
