@@ -41,8 +41,11 @@ def init_local_group(rank: int = 0, world_size: int = 1, port: int | None = None
 
 
 #: What the fork server imports once, so that processes forked from it need not (missing ones are
-#: skipped): what test ranks import, and what a driver process of ``nrl`` imports (Ray).
-PRELOAD: tuple[str, ...] = ("torch", "torch.distributed", "transformers", "megatron.core", "ray")
+#: skipped): what test ranks import, and what a driver process of ``nrl`` imports (Ray). The
+#: Megatron backend's package comes before Megatron-Core, as in a worker, so that its fused
+#: functions compile on first call (nrl_backend_megatron/compile_on_call.py).
+PRELOAD: tuple[str, ...] = ("torch", "torch.distributed", "transformers", "nrl_backend_megatron", "megatron.core",
+                            "ray")
 
 
 def rank_context() -> Any:
