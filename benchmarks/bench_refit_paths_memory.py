@@ -22,7 +22,7 @@ complete) plus 10%.
 * ``async-shared-memory``, ``in-flight``: the async engine in an actor (the actor and its child
   sampled), refitted as a run between steps does and as an in-flight update does.
 
-    OMP_NUM_THREADS=1 python benchmarks/bench_refit_paths_memory.py [--paths ...] [--size bench] [--layers 24] [--bucket-mb 16] [--rounds 3] [--refits 4]
+    OMP_NUM_THREADS=1 python benchmarks/bench_refit_paths_memory.py [--paths ...] [--size bench] [--layers 24] [--bucket-mb 16] [--rounds 3] [--refits 4] [--by-kind]
 """
 
 from __future__ import annotations
@@ -77,13 +77,27 @@ REFITS = 4
 """Refits sampled after the first by default: the second refit (warm-up) and three steady ones."""
 
 
-def _sampled(pid: int, run: Any) -> dict[str, Any]:
-    """Each refit's peak PSS above the PSS before it, and what the last left above the first's start."""
-    from process_tree_sampler import TreeSampler
+BY_KIND = False
+"""``--by-kind``: each refit is sampled by kind of mapping instead (smaps_kinds.py), which costs more per sample."""
 
-    peaks, uss_peaks, seconds = [], [], []
+
+def _sampled(pid: int, run: Any) -> dict[str, Any]:
+    """Each refit's peak PSS above the PSS before it, and what the last left above the first's start;
+    with :data:`BY_KIND`, also each refit's growth by kind of mapping at its peak and after it."""
+    from process_tree_sampler import TreeSampler
+    from smaps_kinds import PeakByKind
+
+    peaks, uss_peaks, seconds, by_kind = [], [], [], []
     start = TreeSampler(pid).sample().pss
     for _ in range(REFITS):
+        if BY_KIND:
+            with PeakByKind(pid) as kinds:
+                began = time.perf_counter()
+                run()
+                seconds.append(time.perf_counter() - began)
+            peaks.append(max(kinds.peak.total() - kinds.before.total(), 0))
+            by_kind.append({"peak": kinds.growth("peak"), "after": kinds.growth("after")})
+            continue
         sampler = TreeSampler(pid, interval=0.02, mem_interval=0.02)
         baseline = sampler.sample()
         with sampler:
@@ -92,7 +106,7 @@ def _sampled(pid: int, run: Any) -> dict[str, Any]:
             seconds.append(time.perf_counter() - began)
         peaks.append(max(sampler.peak("pss"), baseline.pss) - baseline.pss)
         uss_peaks.append(max(sampler.peak("uss"), baseline.uss) - baseline.uss)
-    return {"peaks": peaks, "uss_peaks": uss_peaks, "seconds": seconds,
+    return {"peaks": peaks, "uss_peaks": uss_peaks or peaks, "seconds": seconds, "by_kind": by_kind,
             "retained": TreeSampler(pid).sample().pss - start}
 
 
@@ -147,8 +161,12 @@ def _in_actors(path: str, model_dir: str, bucket: int) -> dict[str, Any]:
         shutdown_ray()
 
 
+def _by_kind_mib(growth: dict[str, int]) -> str:
+    return ", ".join(f"{kind} {delta / 2**20:+.1f}" for kind, delta in growth.items()) or "nothing"
+
+
 def main() -> None:
-    global REFITS
+    global REFITS, BY_KIND
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS))
     parser.add_argument("--size", default="bench")
@@ -156,11 +174,13 @@ def main() -> None:
     parser.add_argument("--bucket-mb", type=float, default=16.0)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--refits", type=int, default=REFITS, help="sampled after the first (at least 4)")
+    parser.add_argument("--by-kind", action="store_true",
+                        help="sample each refit by kind of mapping (heap, anonymous, refit parts, files)")
     parser.add_argument("--one", choices=PATHS, help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     args = parser.parse_args()
     bucket = int(args.bucket_mb * 2**20)
-    REFITS = max(args.refits, 4)
+    REFITS, BY_KIND = max(args.refits, 4), args.by_kind
     if args.one:
         run = _colocated if args.one.startswith("colocated") else _in_actors
         print(json.dumps(run(args.one, args.model, bucket)))
@@ -176,7 +196,8 @@ def main() -> None:
     for round_ in range(args.rounds):
         for path in args.paths:
             proc = subprocess.run([sys.executable, __file__, "--one", path, "--model", model_dir, "--bucket-mb",
-                                   str(args.bucket_mb), "--refits", str(REFITS)], capture_output=True, text=True)
+                                   str(args.bucket_mb), "--refits", str(REFITS), *(["--by-kind"] if BY_KIND else [])],
+                              capture_output=True, text=True)
             if proc.returncode != 0:
                 sys.exit(f"{path}: failed\n{proc.stderr[-3000:]}")
             result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -185,6 +206,9 @@ def main() -> None:
                   + " MiB (USS " + ", ".join(f"{p / 2**20:.1f}" for p in result["uss_peaks"])
                   + f"), retained {result['retained'] / 2**20:.1f} MiB, seconds "
                   + ", ".join(f"{t:.2f}" for t in result["seconds"]), flush=True)
+            for refit_, kinds in enumerate(result["by_kind"], start=2):
+                print(f"  refit {refit_} by kind, MiB: at the peak " + _by_kind_mib(kinds["peak"])
+                      + "; after " + _by_kind_mib(kinds["after"]), flush=True)
 
     def mib(values: list[int]) -> str:
         return f"{statistics.median(values) / 2**20:.1f} ({', '.join(f'{v / 2**20:.1f}' for v in values)})"
