@@ -72,15 +72,21 @@ class _JitLoader(importlib.abc.Loader):
 
 
 class _JitFinder(importlib.abc.MetaPathFinder):
+    """Finds ``megatron.core.jit`` as the finders after it would, and wraps its loader."""
+
     def find_spec(self, name: str, path: Sequence[str] | None,
                   target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
         if name != JIT_MODULE:
             return None
-        sys.meta_path.remove(self)  # once: the module is imported once per process
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is not None and spec.loader is not None:
-            spec.loader = _JitLoader(spec.loader)
-        return spec
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _JitLoader(spec.loader)
+                return spec
+        return None
 
 
 def install() -> None:
