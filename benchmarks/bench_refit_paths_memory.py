@@ -78,7 +78,8 @@ REFITS = 4
 
 
 BY_KIND = False
-"""``--by-kind``: each refit is sampled by kind of mapping instead (smaps_kinds.py), which costs more per sample."""
+"""``--by-kind``: each refit is sampled by kind of mapping instead (smaps_kinds.py): no USS, and
+slower refits on the colocated paths, whose sampler shares the refitting process."""
 
 
 def _sampled(pid: int, run: Any) -> dict[str, Any]:
@@ -106,7 +107,7 @@ def _sampled(pid: int, run: Any) -> dict[str, Any]:
             seconds.append(time.perf_counter() - began)
         peaks.append(max(sampler.peak("pss"), baseline.pss) - baseline.pss)
         uss_peaks.append(max(sampler.peak("uss"), baseline.uss) - baseline.uss)
-    return {"peaks": peaks, "uss_peaks": uss_peaks or peaks, "seconds": seconds, "by_kind": by_kind,
+    return {"peaks": peaks, "uss_peaks": uss_peaks, "seconds": seconds, "by_kind": by_kind,
             "retained": TreeSampler(pid).sample().pss - start}
 
 
@@ -202,9 +203,9 @@ def main() -> None:
                 sys.exit(f"{path}: failed\n{proc.stderr[-3000:]}")
             result = json.loads(proc.stdout.strip().splitlines()[-1])
             results[path].append(result)
+            uss = ", ".join(f"{p / 2**20:.1f}" for p in result["uss_peaks"]) or "not sampled by kind"
             print(f"round {round_ + 1} {path}: peaks " + ", ".join(f"{p / 2**20:.1f}" for p in result["peaks"])
-                  + " MiB (USS " + ", ".join(f"{p / 2**20:.1f}" for p in result["uss_peaks"])
-                  + f"), retained {result['retained'] / 2**20:.1f} MiB, seconds "
+                  + f" MiB (USS {uss}), retained {result['retained'] / 2**20:.1f} MiB, seconds "
                   + ", ".join(f"{t:.2f}" for t in result["seconds"]), flush=True)
             for refit_, kinds in enumerate(result["by_kind"], start=2):
                 print(f"  refit {refit_} by kind, MiB: at the peak " + _by_kind_mib(kinds["peak"])

@@ -1,4 +1,4 @@
-"""Megatron-Core's fused functions compile on their first call on a CPU machine
+"""Megatron-Core's fused functions compile on their first call where torch is built without CUDA
 (nrl_backend_megatron/compile_on_call.py): the same results, a cheaper import."""
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ def test_a_function_compiles_once_on_its_first_call_with_the_decorators_options(
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(torch.version.cuda is not None, reason="torch built for CUDA compiles at import, as before")
 def test_importing_megatron_through_nrl_leaves_its_fused_functions_to_compile_on_first_call() -> None:
     """In a fresh process (a test process may have imported Megatron-Core first): Megatron-Core's
     fused functions are deferred, and Inductor's compiler is not imported."""
@@ -47,7 +48,7 @@ import megatron.core.jit as jit
 from megatron.core.fusions.fused_bias_gelu import bias_gelu
 assert "torch._inductor.compile_fx" not in sys.modules, "inductor was imported"
 assert jit.jit_fuser.__qualname__.startswith("compiled_on_first_call"), jit.jit_fuser
-assert bias_gelu.__qualname__ == "bias_gelu" and bias_gelu.__code__ is not bias_gelu.__wrapped__.__code__
+assert bias_gelu.__qualname__ == "bias_gelu" and bias_gelu.__code__.co_name == "first_call_compiles"
 print("ok")
 """
     proc = subprocess.run([sys.executable, "-W", "ignore", "-c", script], capture_output=True, text=True, timeout=300)

@@ -1,4 +1,4 @@
-"""On a machine without CUDA, Megatron-Core's fused functions compile on their first call, not at import.
+"""Where torch is built without CUDA, Megatron-Core's fused functions compile on their first call, not at import.
 
 Why: ``megatron.core.jit`` makes ``torch.compile`` its ``jit_fuser``, and the modules that import
 Megatron-Core's package decorate their fused element-wise functions with it. Each decoration
@@ -8,7 +8,8 @@ never call those functions. ``torch.compile`` compiles on the first call anyway,
 that calls it then computes the same; only the import is cheaper.
 
 :func:`install` adds a finder that wraps the loading of ``megatron.core.jit`` alone; it does
-nothing where CUDA is available, or once that module has been imported.
+nothing where torch is built for CUDA or ROCm (decided from the build, not by asking the driver,
+which would start CUDA in a process that may still fork), or once that module has been imported.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ class _JitLoader(importlib.abc.Loader):
     def exec_module(self, module: ModuleType) -> None:
         import torch
 
-        if torch.cuda.is_available():
+        if torch.version.cuda is not None or getattr(torch.version, "hip", None) is not None:
             self.loader.exec_module(module)
             return
         real = torch.compile
@@ -72,14 +73,16 @@ class _JitLoader(importlib.abc.Loader):
 
 
 class _JitFinder(importlib.abc.MetaPathFinder):
-    """Finds ``megatron.core.jit`` as the finders after it would, and wraps its loader."""
+    """Finds ``megatron.core.jit`` as the other finders would, and wraps its loader."""
+
+    nrl_jit_finder = True  # how another copy of this class (a reloaded module) is recognised
 
     def find_spec(self, name: str, path: Sequence[str] | None,
                   target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
         if name != JIT_MODULE:
             return None
         for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
+            if getattr(finder, "nrl_jit_finder", False) or not hasattr(finder, "find_spec"):
                 continue
             spec = finder.find_spec(name, path, target)
             if spec is not None:
@@ -91,6 +94,6 @@ class _JitFinder(importlib.abc.MetaPathFinder):
 
 def install() -> None:
     """Put the finder first on ``sys.meta_path`` unless Megatron-Core's jit module is already imported."""
-    if JIT_MODULE in sys.modules or any(isinstance(finder, _JitFinder) for finder in sys.meta_path):
+    if JIT_MODULE in sys.modules or any(getattr(finder, "nrl_jit_finder", False) for finder in sys.meta_path):
         return
     sys.meta_path.insert(0, _JitFinder())
