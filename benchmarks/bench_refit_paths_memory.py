@@ -91,22 +91,18 @@ def _sampled(pid: int, run: Any) -> dict[str, Any]:
     peaks, uss_peaks, seconds, by_kind = [], [], [], []
     start = TreeSampler(pid).sample().pss
     for _ in range(REFITS):
-        if BY_KIND:
-            with PeakByKind(pid) as kinds:
-                began = time.perf_counter()
-                run()
-                seconds.append(time.perf_counter() - began)
-            peaks.append(max(kinds.peak.total() - kinds.before.total(), 0))
-            by_kind.append({"peak": kinds.growth("peak"), "after": kinds.growth("after")})
-            continue
-        sampler = TreeSampler(pid, interval=0.02, mem_interval=0.02)
-        baseline = sampler.sample()
+        sampler = PeakByKind(pid) if BY_KIND else TreeSampler(pid, interval=0.02, mem_interval=0.02)
+        baseline = None if BY_KIND else sampler.sample()
         with sampler:
             began = time.perf_counter()
             run()
             seconds.append(time.perf_counter() - began)
-        peaks.append(max(sampler.peak("pss"), baseline.pss) - baseline.pss)
-        uss_peaks.append(max(sampler.peak("uss"), baseline.uss) - baseline.uss)
+        if isinstance(sampler, PeakByKind):
+            peaks.append(max(sampler.peak.total() - sampler.before.total(), 0))
+            by_kind.append({"peak": sampler.growth("peak"), "after": sampler.growth("after")})
+        else:
+            peaks.append(max(sampler.peak("pss"), baseline.pss) - baseline.pss)
+            uss_peaks.append(max(sampler.peak("uss"), baseline.uss) - baseline.uss)
     return {"peaks": peaks, "uss_peaks": uss_peaks, "seconds": seconds, "by_kind": by_kind,
             "retained": TreeSampler(pid).sample().pss - start}
 
