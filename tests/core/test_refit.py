@@ -6,7 +6,6 @@ from __future__ import annotations
 import glob
 import multiprocessing as mp
 import os
-import time
 from typing import Any
 
 import pytest
@@ -35,6 +34,15 @@ SHAPES = {"embed.weight": (64, 32), "layers.0.w": (32, 96), "layers.0.b": (96,),
 
 def _leftovers(session_id: str) -> list[str]:
     return glob.glob(f"/dev/shm/nrl-refit-{session_id}-*")
+
+
+@pytest.fixture
+def own_shm_dir(monkeypatch, tmp_path) -> str:
+    """Shared-memory refits write into a directory of their own, so what a test finds left there
+    is its own: other tests' refits share /dev/shm meanwhile."""
+    monkeypatch.setattr(SharedMemoryTransport, "prepare",
+                        lambda self, session: session.with_options(shm_dir=str(tmp_path)))
+    return str(tmp_path)
 
 
 # --------------------------------------------------------------------------- buckets and manifests
@@ -229,15 +237,15 @@ def test_a_pipelined_local_refit_loads_as_exported_and_a_failed_one_still_ends_t
     assert source.exported == full.exported  # the failed refit's export still ran to its end
 
 
-def test_shared_memory_in_one_process_round_trips_bf16_and_cleans_up() -> None:
+def test_shared_memory_in_one_process_round_trips_bf16_and_cleans_up(own_shm_dir) -> None:
     source, sink = RandomWeightSource(SHAPES, seed=2, dtype="bfloat16"), RecordingSink()
-    before = set(glob.glob("/dev/shm/nrl-refit-*"))
     report = refit(source, sink, RefitPlan(transport="shared_memory", bucket_bytes=4096, dtype="bfloat16"))
     assert report.transport == "shared_memory" and sink.buckets > 2
     for name, tensor in source.tensors.items():
         assert torch.equal(sink.received[name], tensor) and sink.received[name].dtype == torch.bfloat16
+    assert os.listdir(own_shm_dir)  # the sender's pool, kept for the next refit
     release_shared_buffers()
-    assert set(glob.glob("/dev/shm/nrl-refit-*")) <= before
+    assert os.listdir(own_shm_dir) == []
 
 
 def test_shared_memory_buffers_are_reused_across_refits() -> None:
@@ -342,16 +350,14 @@ def test_shared_memory_between_two_processes_delivers_identical_tensors() -> Non
                      RandomWeightSource(SHAPES, seed=3).weight_manifest("float32"))
 
 
-def test_shared_memory_too_small_is_a_clear_error_before_anything_is_written(monkeypatch) -> None:
-    release_shared_buffers()
-    before = set(glob.glob("/dev/shm/nrl-refit-*"))
+def test_shared_memory_too_small_is_a_clear_error_before_anything_is_written(monkeypatch, own_shm_dir) -> None:
     full = os.statvfs_result((4096, 4096, 10, 0, 0, 10, 0, 0, 0, 255))  # no free blocks
     monkeypatch.setattr(os, "statvfs", lambda path: full)
     sink = RecordingSink()
     with pytest.raises(NrlError, match=r"^refit: the next weight bucket .* has 0.0 MiB free but needs .*--shm-size"):
         refit(RandomWeightSource(SHAPES, seed=9), sink, RefitPlan(transport="shared_memory", bucket_bytes=2048))
     assert sink.weight_version == 0 and sink.received == {}
-    assert set(glob.glob("/dev/shm/nrl-refit-*")) <= before
+    assert os.listdir(own_shm_dir) == []
 
 
 def test_a_shared_file_is_reserved_whole_or_refused_in_one_line_leaving_nothing(monkeypatch) -> None:
@@ -406,29 +412,15 @@ def test_buffers_of_a_killed_sender_are_removed_by_the_next_pool() -> None:
     assert not os.path.exists(stale)
 
 
-def test_missing_tensor_is_rejected_and_shared_memory_is_cleaned_up() -> None:
+def test_missing_tensor_is_rejected_and_shared_memory_is_cleaned_up(own_shm_dir) -> None:
     source, sink = RandomWeightSource(SHAPES, seed=4), RecordingSink()
-    before = set(glob.glob("/dev/shm/nrl-refit-*"))
     manifest = source.weight_manifest("float32") + [WeightSpec(name="lost.weight", shape=(4,), dtype="float32")]
     source.weight_manifest = lambda dtype: manifest  # type: ignore[method-assign]
     with pytest.raises(RefitError, match="lost.weight"):
         refit(source, sink, RefitPlan(transport="shared_memory", bucket_bytes=2048))
     assert sink.weight_version == 0
     release_shared_buffers()
-    assert _left_after(before) == set()
-
-
-def _left_after(before: set[str]) -> set[str]:
-    """The refit files that were not there ``before``: this process's pool files, and session files,
-    waiting a while for those of another test's refit running meanwhile to be cleaned up (other
-    processes' pools last their run and are left out)."""
-    deadline = time.monotonic() + 30
-    while True:
-        left = {path for path in glob.glob("/dev/shm/nrl-refit-*") if path not in before
-                and ("-pool-" not in path or f"-pool-{os.getpid()}-" in path)}
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.1)
+    assert os.listdir(own_shm_dir) == []
 
 
 # --------------------------------------------------------------------------- between Ray actors
