@@ -32,6 +32,7 @@ import tempfile
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from nrl_core.cluster.ray_cluster import FORWARDED_ENV_NAMES, FORWARDED_ENV_PREFIXES
 from nrl_core.testing.distributed import adopt_environment, rank_context, run_as_interpreter
@@ -76,6 +77,8 @@ def _run_cli(args: Sequence[str], environ: dict[str, str], cwd: str, base_path: 
              err: str) -> None:
     """The forked process: become ``python -m nrl_core.cli ARGS`` and exit with its status."""
     adopt_environment(environ)
+    if ZYGOTE_SOCKET in environ:
+        _start_workers_through(LAUNCHER)
     os.chdir(cwd)
     python_path = [p for p in environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     sys.path[:] = [cwd, *python_path, *base_path]
@@ -98,16 +101,34 @@ def _run_cli(args: Sequence[str], environ: dict[str, str], cwd: str, base_path: 
     run_as_interpreter(cli)
 
 
+def _start_workers_through(launcher: Path) -> None:
+    """Make the Ray this process starts run ``launcher`` in place of Ray's ``default_worker.py``."""
+    import ray._private.parameter
+
+    params = ray._private.parameter.RayParams.__init__
+
+    def through_launcher(self: Any, *args: Any, **kwargs: Any) -> None:
+        params(self, *args, **kwargs)
+        self.worker_path = str(launcher)
+
+    ray._private.parameter.RayParams.__init__ = through_launcher  # type: ignore[method-assign]
+
+
 def nrl(args: Sequence[str], *, env: Mapping[str, str] | None = None, cwd: str | Path | None = None,
-        timeout: float = 900.0, join_shared_ray: bool = False) -> subprocess.CompletedProcess[str]:
+        timeout: float = 900.0, join_shared_ray: bool = False,
+        own_ray_from_zygote: bool = False) -> subprocess.CompletedProcess[str]:
     """``nrl ARGS`` in a new process (see the module docstring), like ``subprocess.run(..., capture_output=True,
     text=True)``; ``env`` replaces the environment (default: this process's). With ``join_shared_ray``
     the command joins :func:`shared_ray` unless ``env`` names a ``RAY_ADDRESS`` (empty: a Ray of its
-    own). A command still running after ``timeout`` seconds is killed and raises
-    :class:`subprocess.TimeoutExpired`."""
+    own). With ``own_ray_from_zygote``, a Ray the command starts itself forks its workers from the
+    worker zygote, as the shared Ray does: for runs that need a Ray of their own (to count what is
+    left of it) but neither kill, freeze nor measure its workers. A command still running after
+    ``timeout`` seconds is killed and raises :class:`subprocess.TimeoutExpired`."""
     environ = dict(os.environ if env is None else env)
     if join_shared_ray and "RAY_ADDRESS" not in environ:
         environ["RAY_ADDRESS"] = shared_ray()
+    if own_ray_from_zygote and not environ.get("RAY_ADDRESS"):
+        environ[ZYGOTE_SOCKET] = _start_zygote()
     directory = str(Path(cwd or os.getcwd()).resolve())
     with tempfile.TemporaryDirectory(prefix="nrl-cli-") as tmp:
         out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")

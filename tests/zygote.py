@@ -10,7 +10,9 @@ after its imports: it takes the launcher's arguments, environment, working direc
 streams and ``sys.path`` (``PYTHONPATH`` first), and runs Ray's ``default_worker.py`` as
 ``__main__``. The launcher falls back to a fresh interpreter whenever a variable read at import time
 differs (tests/ray_worker_launcher.py), so a worker never runs with libraries set up for another
-environment. Tests that own their Ray (killing, freezing or measuring it) start Ray's own workers.
+environment. A run with a Ray of its own that only counts what the run leaves forks its workers
+here too (``own_ray_from_zygote`` in tests/launch.py); tests that kill, freeze or measure their Ray's
+workers start Ray's own.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ LOAD_RNG = ("policy.dtensor_config.load_rng=true",)
 
 
 def nrl_train(tmp: Path, model: Path, *overrides: str, algorithm: str = "grpo",
-              env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+              env: Mapping[str, str] | None = None, own_ray_from_zygote: bool = False) -> subprocess.CompletedProcess[str]:
     """``nrl train`` on the tiny CPU GRPO config, scaled to a few steps of a few prompts."""
     args = [
         f"policy.model_name={model}", "grpo.max_num_steps=3", "grpo.num_prompts_per_step=4",
@@ -35,7 +35,7 @@ def nrl_train(tmp: Path, model: Path, *overrides: str, algorithm: str = "grpo",
         "policy.logprob_batch_size=16", "grpo.val_period=2", "grpo.max_val_samples=8", "grpo.val_batch_size=8",
         "grpo.val_at_start=false", "data.generate.num_train=64", "data.generate.num_val=8", *overrides,
     ]
-    return run_nrl(tmp, CONFIG, algorithm, args, env=env)
+    return run_nrl(tmp, CONFIG, algorithm, args, env=env, own_ray_from_zygote=own_ray_from_zygote)
 
 
 def cached_export(name: str, key: object, train: Callable[[Path], None]) -> Path:
@@ -59,16 +59,18 @@ def cached_export(name: str, key: object, train: Callable[[Path], None]) -> Path
 
 
 def run_nrl(tmp: Path, config: Path, algorithm: str, overrides: list[str],
-            env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+            env: Mapping[str, str] | None = None, own_ray_from_zygote: bool = False) -> subprocess.CompletedProcess[str]:
     """``nrl train ALGORITHM --config CONFIG`` in a new process, as a user runs it, writing its
     checkpoints and logs under ``tmp`` (checkpoints every step, no HF export, no plots unless the
     overrides say otherwise), on the suite's shared Ray unless ``env`` names a ``RAY_ADDRESS``
-    (empty: a local Ray of the run's own)."""
+    (empty: a local Ray of the run's own, whose workers fork from the worker zygote with
+    ``own_ray_from_zygote``)."""
     args = [f"checkpointing.checkpoint_dir={tmp / 'ckpt'}", "checkpointing.save_period=1",
             f"logger.log_dir={tmp / 'logs'}", "logger.tensorboard_enabled=false", "logger.plot=false",
             "checkpointing.export_hf=false", "checkpointing.keep_top_k=null", *overrides]
     env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "NRL_STRICT_PLUGINS": "1", **(env or {})}
-    return nrl(["train", algorithm, "--config", str(config), *args], env=env, cwd=tmp, join_shared_ray=True)
+    return nrl(["train", algorithm, "--config", str(config), *args], env=env, cwd=tmp, join_shared_ray=True,
+               own_ray_from_zygote=own_ray_from_zygote)
 
 
 def metrics(tmp: Path) -> list[dict]:

@@ -1,8 +1,9 @@
-"""A faulty plugin in a real GRPO run (``nrl train``, a Ray of the run's own): an environment
-(raising, answering wrongly, or silent past its ``call_timeout_s``), an advantage estimator, a
-loss or a training backend's ``train`` that raises; the run exits 2 with one line naming the
-plugin's distribution, entry point and method, and nothing of it is left running. The environment's faults in-process, with
-every message: tests/core/test_guarded_env.py; a data processor's: tests/core/test_processor_faults.py."""
+"""A faulty plugin in a real GRPO run (``nrl train``, a Ray of the run's own, its workers forked
+from the suite's worker zygote): an environment (raising, answering wrongly, or silent past its
+``call_timeout_s``), an advantage estimator, a loss or a training backend's ``train`` that raises;
+the run exits 2 with one line naming the plugin's distribution, entry point and method, and
+nothing of it is left running. The environment's faults in-process, with every message:
+tests/core/test_guarded_env.py; a data processor's: tests/core/test_processor_faults.py."""
 
 from __future__ import annotations
 
@@ -67,7 +68,8 @@ def test_a_faulty_plugin_stops_the_run_in_one_line_naming_it(case, tmp_path, mod
     overrides, (kind, name), line = FAULTS[case]
     env = {"NRL_PLUGINS": "tests.e2e.faulty_plugins", "RAY_ADDRESS": "",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = nrl_train(tmp_path, model, "grpo.max_num_steps=1", "checkpointing.enabled=false", *overrides, env=env)
+    proc = nrl_train(tmp_path, model, "grpo.max_num_steps=1", "checkpointing.enabled=false", *overrides, env=env,
+                     own_ray_from_zygote=True)
     left = left_after_teardown(lambda: _working_in(tmp_path))
     for pid in left:  # end what the run left, so that nothing outlives the test
         with contextlib.suppress(ProcessLookupError):
