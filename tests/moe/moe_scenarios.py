@@ -251,3 +251,45 @@ def hybrid_world2(rank: int, world: int, paths: dict[str, str]) -> dict[str, Any
         out[f"{tag}/export"] = _export(w)  # gathered part by part at TP 2
         out[f"{tag}/metrics"] = [w.train(batch, loss) for _ in range(3)]
     return out
+
+
+def gpt_oss_batch() -> Any:
+    """Rows longer than the tiny gpt-oss's sliding window of 16, so its windowed layers leave keys out."""
+    return make_batch(rows=4, width=28)
+
+
+def gpt_oss_world1(rank: int, world: int, path: str) -> dict[str, Any]:
+    """gpt-oss on one rank: logits (also with a clamp its activations reach), logprobs of padded and
+    of packed rows, the export, three training steps and the export after them."""
+    from nrl_backend_megatron.worker import MegatronPolicyWorker
+
+    out: dict[str, Any] = {}
+    batch = gpt_oss_batch()
+    clamped = MegatronPolicyWorker(make_config(path, hf_config_overrides={"swiglu_limit": 0.05}), rank, world)
+    out["clamped/logits"] = _logits(clamped, batch)
+    packing = {"enabled": True, "train_mb_tokens": 64, "logprob_mb_tokens": 64}
+    packed = MegatronPolicyWorker(make_config(path, sequence_packing=packing), rank, world)
+    out["packed/logprobs"] = gather_shards(packed.get_logprobs(batch), batch)
+    w = MegatronPolicyWorker(make_config(path), rank, world)
+    out["logits"] = _logits(w, batch)
+    out["logprobs"] = gather_shards(w.get_logprobs(batch), batch)
+    out["export"] = _export(w)
+    out["metrics"] = [w.train(batch, _loss()) for _ in range(3)]
+    out["trained"] = _export(w)
+    return out
+
+
+def gpt_oss_world2(rank: int, world: int, path: str) -> dict[str, Any]:
+    """gpt-oss at tensor parallel 2 with sequence parallelism (heads and their sinks split) and at
+    expert parallel 2."""
+    from nrl_backend_megatron.worker import MegatronPolicyWorker
+
+    out: dict[str, Any] = {}
+    batch, loss = gpt_oss_batch(), _loss()
+    for tag, megatron in (("tp2", {"tensor_model_parallel_size": 2, "sequence_parallel": True}),
+                          ("ep2", {"expert_model_parallel_size": 2})):
+        w = MegatronPolicyWorker(make_config(path, megatron=megatron), rank, world)
+        out[f"{tag}/logprobs"] = gather_shards(w.get_logprobs(batch), batch)
+        out[f"{tag}/metrics"] = [w.train(batch, loss) for _ in range(3)]
+        out[f"{tag}/trained"] = _export(w)
+    return out

@@ -9,4 +9,4 @@ from nrl_backend_megatron import compile_on_call
 
 compile_on_call.install()
 
-__version__ = "0.15.0"
+__version__ = "0.16.0"

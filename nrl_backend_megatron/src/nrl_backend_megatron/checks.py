@@ -41,6 +41,10 @@ def check_config(config: Mapping[str, Any]) -> None:
             check_hybrid(hf_config, layout.tp)
         else:
             hf_inv_freq(hf_config)  # refuses RoPE variants the backend cannot reproduce
+        if family_of(hf_config).gpt_oss:
+            from nrl_backend_megatron import gpt_oss
+
+            gpt_oss.config_kwargs(hf_config)  # refuses what Megatron-Core's pieces would compute otherwise
     check_value_head(policy, section, hf_config)
     # Transformer Engine with CUDA is only known where the workers run (they check again); not installed, never
     check_recompute(section, hf_config, transformer_engine=transformer_engine_installed())

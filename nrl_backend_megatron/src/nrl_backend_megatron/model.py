@@ -4,7 +4,8 @@ Why each choice: the local layer spec (pure PyTorch) is the only one that runs w
 Transformer Engine's spec is used when TE is importable (GPU machines). RoPE frequencies are taken
 from the HF model's own rotary-embedding class and written over Megatron's, so every scaling
 variant HF computes in ``inv_freq`` (default, linear, llama3) matches exactly; variants that also
-rescale cos/sin or depend on sequence length are refused in one line.
+rescale cos/sin or depend on sequence length are refused in one line, but for gpt-oss's YaRN,
+whose rescaling Megatron's attention applies (gpt_oss.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 
 import torch
 
+from nrl_backend_megatron import gpt_oss
 from nrl_backend_megatron.convert.families import family_of, head_dim, head_kind, moe_layers, num_experts
 from nrl_backend_megatron.convert.mapping import tied_embeddings
 from nrl_backend_megatron.memory import recompute_kwargs
@@ -64,7 +66,8 @@ def rope_theta(hf_config: Any) -> float:
 def hf_inv_freq(hf_config: Any) -> torch.Tensor:
     """RoPE inverse frequencies exactly as the HF model computes them (scaling included)."""
     kind = _rope_type(hf_config)
-    if kind not in SUPPORTED_ROPE_TYPES:
+    rescaled = family_of(hf_config).gpt_oss and kind == "yarn"  # Megatron's attention rescales (gpt_oss.py)
+    if kind not in SUPPORTED_ROPE_TYPES and not rescaled:
         raise ConfigError("policy.model_name", f"RoPE type '{kind}' is not supported by the Megatron backend; "
                                                f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
@@ -75,7 +78,17 @@ def hf_inv_freq(hf_config: Any) -> torch.Tensor:
         cfg = type(hf_config).from_dict(hf_config.to_dict())
         cfg.head_dim = head_dim(hf_config)
     rope = LlamaRotaryEmbedding(cfg)
-    if not math.isclose(float(getattr(rope, "attention_scaling", 1.0)), 1.0):
+    if rescaled:
+        from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+            _yarn_get_concentration_factor,
+        )
+
+        ours = _yarn_get_concentration_factor(gpt_oss.yarn_attributes(hf_config)["yarn_rotary_scaling_factor"],
+                                              None, None)
+        if not math.isclose(float(rope.attention_scaling), ours, rel_tol=1e-6):
+            raise ConfigError("policy.model_name", f"YaRN scales attention by {float(rope.attention_scaling)} in HF and "
+                                                   f"{ours} in Megatron-Core; not supported by the Megatron backend")
+    elif not math.isclose(float(getattr(rope, "attention_scaling", 1.0)), 1.0):
         raise ConfigError("policy.model_name", f"RoPE type '{kind}' rescales attention; not supported by the "
                                                "Megatron backend")
     return rope.inv_freq.detach().to(torch.float32).clone()
@@ -106,12 +119,15 @@ def transformer_config(hf_config: Any, layout: ParallelLayout, *, params_dtype: 
         config_class, attention = TransformerConfig, dict(
             num_query_groups=getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads,
             kv_channels=head_dim(hf_config), qk_layernorm=family.qk_norm)
+    shape = dict(add_bias_linear=False, add_qkv_bias=family.qkv_bias, **shape)
+    if family.gpt_oss:
+        shape.update(gpt_oss.config_kwargs(hf_config))
     if "layernorm_epsilon" not in shape:
         shape["layernorm_epsilon"] = hf_config.rms_norm_eps
-    return config_class(
+    config = config_class(
         num_layers=hf_config.num_hidden_layers, hidden_size=hf_config.hidden_size,
         num_attention_heads=hf_config.num_attention_heads, **attention, **shape,
-        normalization="RMSNorm", add_bias_linear=False, add_qkv_bias=family.qkv_bias,
+        normalization="RMSNorm",
         attention_dropout=0.0, hidden_dropout=0.0,
         tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
         context_parallel_size=layout.cp, sequence_parallel=layout.sequence_parallel,
@@ -124,6 +140,10 @@ def transformer_config(hf_config: Any, layout: ParallelLayout, *, params_dtype: 
         expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=1,
         **moe_config_kwargs(hf_config, moe or {}, on_gpu),
     )
+    if family.gpt_oss:  # read by Megatron's attention, not fields of its config
+        for name, value in gpt_oss.yarn_attributes(hf_config).items():
+            setattr(config, name, value)
+    return config
 
 
 def latent_attention_kwargs(hf_config: Any) -> dict[str, Any]:
@@ -173,6 +193,8 @@ def layer_spec(hf_config: Any, config: Any) -> Any:
             for spec in block.layer_specs:
                 _use_packed_attention(spec)
             with_sequence_parallel_norms(block)
+            if family.gpt_oss:
+                gpt_oss.with_expert_output_projections(block)
         return block
     if te_available():
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
@@ -227,6 +249,8 @@ def build_model(hf_config: Any, config: Any, *, pre_process: bool, post_process:
         with torch.device("cpu"):
             frequencies = hf_inv_freq(hf_config)
         model.rotary_pos_emb.inv_freq = frequencies.to("cpu" if device.type == "meta" else device)
+    if family_of(hf_config).gpt_oss:
+        gpt_oss.mark_sinks_tensor_parallel(model)
     return _finish(model, hf_config, config, post_process)
 
 

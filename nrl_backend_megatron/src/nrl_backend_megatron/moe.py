@@ -8,7 +8,8 @@ What comes from where:
   over all experts, takes the top k and renormalises them, which is Megatron's default top-k
   routing (softmax over the top-k logits); Qwen2-MoE does not renormalise, which is Megatron's
   ``moe_router_pre_softmax``; Qwen2-MoE's shared expert has a sigmoid gate
-  (``moe_shared_expert_gate``);
+  (``moe_shared_expert_gate``); gpt-oss softmaxes over its top-k biased logits, which is the
+  renormalised case;
 * how it trains (expert parallelism, load-balancing loss, router dtype, token dispatcher, fusions)
   from NeMo RL's keys. ``moe_router_topk`` (nrl's key) overrides the model's top-k for training only.
 
@@ -22,7 +23,13 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from nrl_backend_megatron.convert.families import family_of, moe_layers, num_experts, shared_expert_width
+from nrl_backend_megatron.convert.families import (
+    expert_width,
+    family_of,
+    moe_layers,
+    num_experts,
+    shared_expert_width,
+)
 from nrl_core.api import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -34,6 +41,12 @@ LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "no
 
 def is_moe(hf_config: Any) -> bool:
     return num_experts(hf_config) > 0
+
+
+def renormalises_top_k(hf_config: Any) -> bool:
+    """Whether the model's top-k routing weights sum to one: HF's ``norm_topk_prob``, or gpt-oss's
+    softmax over the top-k logits (the same weights)."""
+    return bool(getattr(hf_config, "norm_topk_prob", False)) or family_of(hf_config).gpt_oss
 
 
 def token_dispatcher(section: Mapping[str, Any], on_gpu: bool) -> str:
@@ -87,7 +100,7 @@ def check_moe_section(section: Mapping[str, Any], hf_config: Any, on_gpu: bool) 
     topk = int(section.get("moe_router_topk") or hf_config.num_experts_per_tok)
     if not 1 <= topk <= experts:
         raise ConfigError(f"{KEY}.moe_router_topk", f"must be between 1 and the model's {experts} experts, got {topk}")
-    if topk == 1 and getattr(hf_config, "norm_topk_prob", False):
+    if topk == 1 and renormalises_top_k(hf_config):
         raise ConfigError(f"{KEY}.moe_router_topk", "top-1 routing of a model that renormalises its top-k "
                           "probabilities (norm_topk_prob) weights every expert output by 1, which Megatron-Core "
                           "cannot express; use 2 or more")
@@ -105,9 +118,9 @@ def moe_config_kwargs(hf_config: Any, section: Mapping[str, Any], on_gpu: bool) 
                        "with top-%d routing while generation engines built from the checkpoint route to %d experts",
                        KEY, topk, hf_config.num_experts_per_tok, topk, hf_config.num_experts_per_tok)
     kwargs: dict[str, Any] = dict(
-        num_moe_experts=num_experts(hf_config), moe_ffn_hidden_size=int(hf_config.moe_intermediate_size),
+        num_moe_experts=num_experts(hf_config), moe_ffn_hidden_size=expert_width(hf_config),
         moe_router_topk=topk, moe_router_score_function="softmax",
-        moe_router_pre_softmax=not bool(getattr(hf_config, "norm_topk_prob", False)),
+        moe_router_pre_softmax=not renormalises_top_k(hf_config),
         moe_layer_freq=[1 if sparse else 0 for sparse in moe_layers(hf_config)],
         moe_grouped_gemm=False, moe_token_dispatcher_type=token_dispatcher(section, on_gpu),
         moe_router_load_balancing_type=section.get("moe_router_load_balancing_type") or "none",

@@ -8,6 +8,11 @@ sum of squared sequence lengths, where a block-diagonal mask over the whole row 
 (row length)^2 scores per head and layer for the backward (on a GPU, out of memory at a few
 thousand tokens). RoPE position resets are done by Megatron's ``Attention`` itself from the same
 ``cu_seqlens`` before this is called.
+
+gpt-oss's layers add a learned sink logit per head, which takes a share of each softmax and is then
+dropped, and every other layer attends within a sliding window; SDPA has no sink term, so those
+layers compute each sequence's attention eagerly (its scores are the sequence's alone, as above),
+and padded rows too, where Megatron's own masked softmax would build its window mask on CUDA.
 """
 
 from __future__ import annotations
@@ -37,9 +42,14 @@ class PackedDotProductAttention(DotProductAttention):
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: torch.Tensor | None, attn_mask_type: Any = None,
                 attention_bias: torch.Tensor | None = None, packed_seq_params: Any = None) -> torch.Tensor:
-        if packed_seq_params is None:
+        sinks, window = getattr(self, "softmax_offset", None), self.scale_mask_softmax.window_size
+        if packed_seq_params is None and (sinks is None and window is None or attention_mask is not None):
             return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias)
-        if attention_bias is None and getattr(self, "softmax_offset", None) is None:
+        if attention_bias is None and packed_seq_params is None:  # right-padded rows: each row a sequence
+            rows = zip(query.unbind(1), key.unbind(1), value.unbind(1))
+            length = torch.tensor([0, query.shape[0]], dtype=torch.int32)
+            return torch.cat([self._per_sequence(q, k, v, length) for q, k, v in rows], dim=1)
+        if attention_bias is None:
             return self._per_sequence(query, key, value, packed_seq_params.cu_seqlens_q)
         # THD: [t, heads, dim] -> [t, 1, heads, dim] (one packed row)
         total = query.shape[0]
@@ -51,23 +61,55 @@ class PackedDotProductAttention(DotProductAttention):
     def _per_sequence(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       cu_seqlens: torch.Tensor) -> torch.Tensor:
         dropout = self.attention_dropout.p if self.training else 0.0
-        return per_sequence_attention(query, key, value, cu_seqlens, self.softmax_scale, dropout)
+        window = self.scale_mask_softmax.window_size
+        return per_sequence_attention(query, key, value, cu_seqlens, self.softmax_scale, dropout,
+                                      window_left=None if window is None else int(window[0]),
+                                      sinks=getattr(self, "softmax_offset", None))
 
 
 def per_sequence_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
-                           scale: float | None, dropout: float) -> torch.Tensor:
+                           scale: float | None, dropout: float, *, window_left: int | None = None,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """THD ``[t, heads, dim]`` in, ``[t, 1, heads * value dim]`` out, each sequence attending only to
-    itself (trailing padding after the last boundary is one more sequence)."""
+    itself (trailing padding after the last boundary is one more sequence). ``window_left``: a
+    query sees at most that many keys before its own; ``sinks``: a logit per head in each softmax."""
     total = query.shape[0]
     bounds = cu_seqlens.to("cpu").tolist()
     sizes = [end - start for start, end in zip(bounds, bounds[1:]) if end > start]
     if bounds[-1] < total:
         sizes.append(total - bounds[-1])
     q, k, v = (t.permute(1, 0, 2).unsqueeze(0) for t in (query, key, value))  # [1, heads, t, dim]
-    parts = [F.scaled_dot_product_attention(qs, ks, vs, dropout_p=dropout, is_causal=True, scale=scale,
-                                            enable_gqa=q.shape[1] != k.shape[1])
+    parts = [_causal(qs, ks, vs, scale, dropout, window_left, sinks)
              for qs, ks, vs in zip(q.split(sizes, dim=2), k.split(sizes, dim=2), v.split(sizes, dim=2))]
     return torch.cat(parts, dim=2)[0].permute(1, 0, 2).reshape(total, 1, -1)
+
+
+def _causal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None, dropout: float,
+            window_left: int | None, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Causal attention over one sequence ``[1, heads, s, dim]``: SDPA, or eagerly with sinks."""
+    length, gqa = query.shape[2], query.shape[1] != key.shape[1]
+    band = None
+    if window_left is not None and length > window_left + 1:
+        i = torch.arange(length, device=query.device)
+        band = (i[None, :] <= i[:, None]) & (i[None, :] >= i[:, None] - window_left)
+    if sinks is None:
+        if band is None:
+            return F.scaled_dot_product_attention(query, key, value, dropout_p=dropout, is_causal=True, scale=scale,
+                                                  enable_gqa=gqa)
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=band, dropout_p=dropout, scale=scale,
+                                              enable_gqa=gqa)
+    if gqa:
+        repeat = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
+    if band is None:
+        band = torch.ones(length, length, dtype=torch.bool, device=query.device).tril()
+    factor = scale if scale is not None else query.shape[-1] ** -0.5
+    scores = (query.float() @ key.float().transpose(-1, -2)) * factor
+    scores = scores.masked_fill(~band, float("-inf"))
+    sink = sinks.float().reshape(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    probs = F.dropout(probs, p=dropout) if dropout else probs
+    return (probs.to(value.dtype) @ value)
 
 
 class LatentDotProductAttention(MegatronModule):

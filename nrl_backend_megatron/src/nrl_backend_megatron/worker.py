@@ -40,7 +40,7 @@ from nrl_backend_megatron.checkpoint_dir import (
     require_converted,
 )
 from nrl_backend_megatron.checks import check_value_head, layout_of, logging_level
-from nrl_backend_megatron.convert import canonical_shapes, family_of, megatron_to_hf_items
+from nrl_backend_megatron.convert import canonical_shapes, family_of, megatron_to_hf_stream
 from nrl_backend_megatron.convert.families import head_kind
 from nrl_backend_megatron.convert.megatron_checkpoint import MegatronCheckpointError, check_tensors, locate_checked
 from nrl_backend_megatron.convert.sharded import convert_in_subprocess, load_shard, save_conversion, sharded_state_for
@@ -542,20 +542,16 @@ class MegatronPolicyWorker(TrainingEngine):
 
     def weight_manifest(self, dtype: str) -> list[WeightSpec]:
         """Every HF-named weight ``export_weights`` yields, full shapes, in order."""
-        specs = []
-        for name, shape in canonical_shapes(self.hf_config).items():
-            meta = torch.empty(shape, device="meta")
-            for hf_name, t in megatron_to_hf_items(name, meta, self.hf_config):
-                specs.append(WeightSpec(name=hf_name, shape=tuple(t.shape), dtype=dtype))
-        return specs
+        metas = ((name, torch.empty(shape, device="meta")) for name, shape in canonical_shapes(self.hf_config).items())
+        return [WeightSpec(name=hf_name, shape=tuple(t.shape), dtype=dtype)
+                for hf_name, t in megatron_to_hf_stream(metas, self.hf_config)]
 
     def export_weights(self, bucket_bytes: int, dtype: str) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Full HF tensors (gathered over TP, broadcast over PP) in buckets of <= ``bucket_bytes``."""
         from nrl_core.api import iter_buckets
 
-        named = (item for name, full in self._full_megatron(getattr(torch, dtype))
-                 for item in megatron_to_hf_items(name, full, self.hf_config))
-        yield from iter_buckets(named, bucket_bytes)
+        yield from iter_buckets(megatron_to_hf_stream(self._full_megatron(getattr(torch, dtype)), self.hf_config),
+                                bucket_bytes)
 
     def tokenizer_source(self) -> str:
         return self.model_path

@@ -9,7 +9,12 @@ sigmoid gate. DeepSeek-V3 (and GLM-4.7-Flash, built like it) replace the attenti
 latent attention, route by sigmoid scores with a correction bias that chooses experts but does not
 weigh them, and add an ungated shared expert; their first layers are dense. Nemotron-H is not
 Llama-shaped: each of its layers is one Mamba-2 mixer, attention (no RoPE) or a squared-ReLU MLP,
-with its own pre-norm (``nrl_backend_megatron.hybrid``).
+with its own pre-norm (``nrl_backend_megatron.hybrid``). gpt-oss has experts in every layer and
+biases on every projection, its router's and its experts' too; each attention head has a learned
+sink logit, every other layer attends within a sliding window, RoPE is YaRN-scaled, and each
+expert's gated unit is clamped (``swiglu_limit``) with ``(up + 1) * gate * sigmoid(1.702 gate)``.
+HF stores its experts stacked, one tensor per projection with gate and up interleaved
+(:mod:`~nrl_backend_megatron.convert.mapping`).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ class Family:
     shared_expert: bool = False
     latent: bool = False  # multi-head latent attention and DeepSeek-V3's routing
     hybrid: bool = False  # Mamba, attention and MLP layers in a pattern (Nemotron-H: hybrid.py)
+    gpt_oss: bool = False  # biased projections, attention sinks, clamped experts stacked in HF (above)
 
 
 FAMILIES: dict[str, Family] = {
@@ -44,6 +50,7 @@ FAMILIES: dict[str, Family] = {
     "Glm4MoeLiteForCausalLM": Family("glm4_moe_lite", "Glm4MoeLiteForCausalLM", qkv_bias=False, qk_norm=False,
                                      moe=True, shared_expert=True, latent=True),
     "NemotronHForCausalLM": Family("nemotron_h", "NemotronHForCausalLM", qkv_bias=False, qk_norm=False, hybrid=True),
+    "GptOssForCausalLM": Family("gpt_oss", "GptOssForCausalLM", qkv_bias=True, qk_norm=False, moe=True, gpt_oss=True),
 }
 
 
@@ -103,6 +110,8 @@ def moe_layers(hf_config: Any) -> list[bool]:
         return [int(hf_config.n_routed_experts) > 0 and i >= dense and i % step == 0
                 for i in range(hf_config.num_hidden_layers)]
     experts = int(getattr(hf_config, "num_experts", 0) or 0)
+    if family.gpt_oss:  # experts in every layer
+        return [experts > 0] * hf_config.num_hidden_layers
     step = int(getattr(hf_config, "decoder_sparse_step", 1) or 1)
     dense = set(getattr(hf_config, "mlp_only_layers", None) or [])
     return [experts > 0 and i not in dense and (i + 1) % step == 0 for i in range(hf_config.num_hidden_layers)]
@@ -124,3 +133,10 @@ def shared_expert_width(hf_config: Any) -> int:
     if family_of(hf_config).latent:
         return int(hf_config.n_shared_experts or 0) * int(hf_config.moe_intermediate_size)
     return int(hf_config.shared_expert_intermediate_size)
+
+
+def expert_width(hf_config: Any) -> int:
+    """A routed expert's intermediate width (gpt-oss names it ``intermediate_size``)."""
+    if family_of(hf_config).gpt_oss:
+        return int(hf_config.intermediate_size)
+    return int(hf_config.moe_intermediate_size)

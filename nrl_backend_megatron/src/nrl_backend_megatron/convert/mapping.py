@@ -15,6 +15,13 @@ The MoE router (``mlp.router``) and the shared expert's sigmoid gate (``mlp.shar
 gate_weight``) are plain copies. One table, :func:`layer_rules`, drives both directions and the
 shapes; both directions only slice and concatenate, so HF → Megatron → HF is bit-identical.
 
+gpt-oss keeps each projection of all of a layer's experts in one HF tensor (``mlp.experts.
+gate_up_proj`` ``[experts, hidden, 2 x width]`` with gate and up columns interleaved, its bias,
+``down_proj`` ``[experts, width, hidden]`` and its bias): a Megatron expert tensor is one expert's
+slice of it, transposed to ``[out, in]`` and de-interleaved to ``[gate; up]``. The way back needs
+every expert of the layer, so :func:`megatron_to_hf_stream` gathers them before it yields the HF
+tensor.
+
 A value model (an HF classifier's config, see :func:`~nrl_backend_megatron.convert.families.head_kind`)
 has HF's ``score`` where a causal LM has ``lm_head``: Megatron's ``output_layer.weight`` (and
 ``output_layer.bias``) are ``score.weight`` (``score.bias``), of one row.
@@ -23,7 +30,7 @@ has HF's ``score`` where a causal LM has ``lm_head``: Megatron's ``output_layer.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,13 +111,32 @@ class Rule:
     """One canonical Megatron tensor of a decoder layer and the HF tensor(s) it is made of.
 
     ``how``: ``copy`` (one HF tensor, same layout), ``qkv`` (q, k, v fused by query group, see
-    :func:`fuse_qkv`) or ``gate_up`` (SwiGLU ``[gate; up]`` stacked along the output dimension).
+    :func:`fuse_qkv`) or ``gate_up`` (SwiGLU ``[gate; up]`` stacked along the output dimension);
+    with ``expert`` set, expert ``expert``'s slice of a stacked HF tensor (:data:`_STACKED`).
     """
 
     megatron: str
     hf: tuple[str, ...]
     how: str
     shape: tuple[int, ...]
+    expert: int | None = None
+
+
+def _interleave(gate: torch.Tensor, up: torch.Tensor, dim: int) -> torch.Tensor:
+    """gpt-oss's layout: gate and up alternating along ``dim`` (gate first)."""
+    return torch.stack([gate, up], dim=dim + 1).flatten(dim, dim + 1)
+
+
+# how → (HF expert slice → Megatron tensor, Megatron tensor → HF expert slice)
+_STACKED: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]] = {
+    # [hidden, 2 x width] interleaved  <->  [gate; up] of [width, hidden] each
+    "stacked_gate_up": (lambda t: torch.cat([t[:, 0::2].t(), t[:, 1::2].t()]).contiguous(),
+                        lambda m: _interleave(*(part.t() for part in torch.chunk(m, 2)), dim=1).contiguous()),
+    "stacked_gate_up_bias": (lambda t: torch.cat([t[0::2], t[1::2]]).contiguous(),
+                             lambda m: _interleave(*torch.chunk(m, 2), dim=0).contiguous()),
+    "stacked_transposed": (lambda t: t.t().contiguous(), lambda m: m.t().contiguous()),  # [width, hidden]
+    "stacked_copy": (lambda t: t.contiguous(), lambda m: m.contiguous()),
+}
 
 
 def _swiglu(megatron: str, hf: str, width: int, hidden: int) -> list[Rule]:
@@ -209,6 +235,23 @@ def _squared_relu(megatron: str, hf: str, width: int, hidden: int) -> list[Rule]
             Rule(f"{megatron}.linear_fc2.weight", (f"{hf}.down_proj.weight",), "copy", (hidden, width))]
 
 
+def _gpt_oss_moe_rules(cfg: Any) -> list[Rule]:
+    """gpt-oss's router (a bias too) and its experts, each a slice of HF's stacked tensors."""
+    hidden, experts, width = cfg.hidden_size, num_experts(cfg), cfg.intermediate_size
+    rules = [Rule("mlp.router.weight", ("mlp.router.weight",), "copy", (experts, hidden)),
+             Rule("mlp.router.bias", ("mlp.router.bias",), "copy", (experts,))]
+    for e in range(experts):
+        local = f"mlp.experts.local_experts.{e}"
+        rules += [Rule(f"{local}.linear_fc1.weight", ("mlp.experts.gate_up_proj",), "stacked_gate_up",
+                       (2 * width, hidden), e),
+                  Rule(f"{local}.linear_fc1.bias", ("mlp.experts.gate_up_proj_bias",), "stacked_gate_up_bias",
+                       (2 * width,), e),
+                  Rule(f"{local}.linear_fc2.weight", ("mlp.experts.down_proj",), "stacked_transposed",
+                       (hidden, width), e),
+                  Rule(f"{local}.linear_fc2.bias", ("mlp.experts.down_proj_bias",), "stacked_copy", (hidden,), e)]
+    return rules
+
+
 def layer_rules(cfg: Any, layer: int) -> list[Rule]:
     """Every canonical tensor of decoder layer ``layer``, in export order (attention, then MLP)."""
     family = family_of(cfg)
@@ -230,9 +273,14 @@ def layer_rules(cfg: Any, layer: int) -> list[Rule]:
     if family.qk_norm:
         rules += [Rule("self_attention.q_layernorm.weight", ("self_attn.q_norm.weight",), "copy", (dims.d,)),
                   Rule("self_attention.k_layernorm.weight", ("self_attn.k_norm.weight",), "copy", (dims.d,))]
-    rules += [Rule("self_attention.linear_proj.weight", ("self_attn.o_proj.weight",), "copy",
-                   (hidden, dims.heads * dims.d)),
-              Rule("pre_mlp_layernorm.weight", ("post_attention_layernorm.weight",), "copy", (hidden,))]
+    rules.append(Rule("self_attention.linear_proj.weight", ("self_attn.o_proj.weight",), "copy",
+                      (hidden, dims.heads * dims.d)))
+    if family.gpt_oss:
+        rules += [Rule("self_attention.linear_proj.bias", ("self_attn.o_proj.bias",), "copy", (hidden,)),
+                  Rule("self_attention.core_attention.softmax_offset", ("self_attn.sinks",), "copy", (dims.heads,))]
+    rules.append(Rule("pre_mlp_layernorm.weight", ("post_attention_layernorm.weight",), "copy", (hidden,)))
+    if family.gpt_oss:
+        return rules + _gpt_oss_moe_rules(cfg)
     if not moe_layers(cfg)[layer]:
         return rules + _swiglu("mlp", "mlp", cfg.intermediate_size, hidden)
     rules.append(Rule("mlp.router.weight", ("mlp.gate.weight",), "copy", (num_experts(cfg), hidden)))
@@ -245,6 +293,8 @@ def layer_rules(cfg: Any, layer: int) -> list[Rule]:
 
 
 def _join(rule: Rule, parts: list[torch.Tensor], cfg: Any) -> torch.Tensor:
+    if rule.expert is not None:
+        return _STACKED[rule.how][0](parts[0][rule.expert])
     if rule.how == "qkv":
         return fuse_qkv(*parts, cfg)
     if rule.how == "gate_up":
@@ -253,6 +303,9 @@ def _join(rule: Rule, parts: list[torch.Tensor], cfg: Any) -> torch.Tensor:
 
 
 def _split(rule: Rule, tensor: torch.Tensor, cfg: Any) -> tuple[torch.Tensor, ...]:
+    if rule.expert is not None:
+        raise ValueError(f"'{rule.megatron}' is one expert's slice of the HF tensor {rule.hf[0]}; convert a layer's "
+                         "experts together (megatron_to_hf_stream)")
     if rule.how == "qkv":
         return split_qkv(tensor, cfg)
     if rule.how == "gate_up":
@@ -360,12 +413,32 @@ def megatron_to_hf_items(name: str, tensor: torch.Tensor, cfg: Any) -> Iterator[
         yield f"{names.layers}.{index}.{hf_suffix}", part
 
 
+def megatron_to_hf_stream(pairs: Iterable[tuple[str, torch.Tensor]], cfg: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """Full canonical Megatron tensors, in :func:`canonical_shapes`' order → the HF tensors, each
+    as soon as what it is made of has passed: an HF tensor that stacks a layer's experts (gpt-oss)
+    once its last expert has, the others at once (:func:`megatron_to_hf_items`)."""
+    stacked = {name: (rule, hf[0]) for name, (rule, hf) in source_table(cfg).items()
+               if rule is not None and rule.expert is not None}
+    pending: dict[str, list[torch.Tensor | None]] = {}
+    for name, tensor in pairs:
+        if name not in stacked:
+            yield from megatron_to_hf_items(name, tensor, cfg)
+            continue
+        rule, hf_name = stacked[name]
+        slots = pending.setdefault(hf_name, [None] * num_experts(cfg))
+        slots[rule.expert] = _STACKED[rule.how][1](tensor)  # type: ignore[index]
+        if all(slot is not None for slot in slots):
+            del pending[hf_name]
+            yield hf_name, torch.stack(slots)  # type: ignore[arg-type]
+    if pending:
+        name = sorted(pending)[0]
+        missing = [e for e, slot in enumerate(pending[name]) if slot is None]
+        raise ValueError(f"experts {missing} of {name} were not among the Megatron tensors")
+
+
 def megatron_to_hf(mg: Mapping[str, torch.Tensor], cfg: Any) -> dict[str, torch.Tensor]:
     """A full canonical Megatron state dict → the HF state dict (``lm_head`` omitted when tied)."""
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in mg.items():
-        out.update(megatron_to_hf_items(name, tensor, cfg))
-    return out
+    return dict(megatron_to_hf_stream(mg.items(), cfg))
 
 
 def canonical_shapes(cfg: Any) -> dict[str, tuple[int, ...]]:

@@ -178,8 +178,8 @@ FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups"
 
 def architecture_of_hf(hf_config: Any) -> dict[str, Any]:
     """What a Megatron checkpoint of the model ``hf_config`` describes must say."""
-    from nrl_backend_megatron.convert.families import family_of, head_dim, num_experts
-    from nrl_backend_megatron.model import rope_theta
+    from nrl_backend_megatron.convert.families import expert_width, family_of, head_dim, num_experts
+    from nrl_backend_megatron.model import _rope_type, rope_theta
 
     family = family_of(hf_config)
     if family.hybrid:
@@ -193,11 +193,12 @@ def architecture_of_hf(hf_config: Any) -> dict[str, Any]:
             "kv_channels": head_dim(hf_config), "ffn_hidden_size": hf_config.intermediate_size,
             "vocab_size": hf_config.vocab_size,
             "untie_embeddings_and_output_weights": not bool(hf_config.tie_word_embeddings),
-            "normalization": "RMSNorm", "gated_linear_unit": True, "add_bias_linear": False,
+            "normalization": "RMSNorm", "gated_linear_unit": True, "add_bias_linear": family.gpt_oss,
             "add_qkv_bias": bool(family.qkv_bias), "qk_layernorm": bool(family.qk_norm),
-            "position_embedding_type": "rope", "rotary_base": rope_theta(hf_config),
+            "position_embedding_type": "yarn" if family.gpt_oss and _rope_type(hf_config) == "yarn" else "rope",
+            "rotary_base": rope_theta(hf_config),
             "norm_epsilon": float(hf_config.rms_norm_eps), "num_experts": experts,
-            "moe_ffn_hidden_size": getattr(hf_config, "moe_intermediate_size", None) if experts else None,
+            "moe_ffn_hidden_size": expert_width(hf_config) if experts else None,
             "moe_router_topk": getattr(hf_config, "num_experts_per_tok", None) if experts else None}
 
 
