@@ -270,7 +270,7 @@ def test_unsupported_architecture_is_one_line() -> None:
 
     cfg = GPT2Config()
     cfg.architectures = ["GPT2LMHeadModel"]
-    with pytest.raises(ConfigError, match="supported: DeepseekV3ForCausalLM, Glm4MoeLiteForCausalLM, LlamaForCausalLM, NemotronHForCausalLM, Qwen2") as err:
+    with pytest.raises(ConfigError, match="supported: DeepseekV3ForCausalLM, Glm4MoeLiteForCausalLM, GptOssForCausalLM, LlamaForCausalLM, NemotronHForCausalLM, Qwen2") as err:
         family_of(cfg)
     assert "\n" not in str(err.value)
 
@@ -308,10 +308,14 @@ def test_what_needs_cuda_is_one_line_on_cpu(optimizer: dict, key: str) -> None:
 
 
 @pytest.mark.parametrize("heads,groups", [(4, 4), (4, 2)])
-def test_packed_attention_runs_each_sequence_on_its_own(heads: int, groups: int) -> None:
+@pytest.mark.parametrize("window_left,with_sinks", [(None, False), (3, False), (None, True), (3, True)])
+def test_packed_attention_runs_each_sequence_on_its_own(heads: int, groups: int, window_left: int | None,
+                                                       with_sinks: bool) -> None:
     """The packed (THD) path splits the row at ``cu_seqlens`` and equals the block-diagonal causal
     mask it replaced (which held row-length^2 scores per head and layer: out of memory on a GPU),
-    grouped-query attention and trailing padding included."""
+    grouped-query attention and trailing padding included; with gpt-oss's sliding window (a query
+    sees ``window_left`` keys before its own) and its sink logit per head, which takes a share of
+    each softmax and is dropped."""
     from types import SimpleNamespace
 
     from nrl_backend_megatron.packed_attention import PackedDotProductAttention, block_causal_mask
@@ -320,14 +324,24 @@ def test_packed_attention_runs_each_sequence_on_its_own(heads: int, groups: int)
     total, dim, scale = 23, 8, 0.3
     q = torch.randn(total, heads, dim, generator=g, dtype=torch.float64)
     k, v = (torch.randn(total, groups, dim, generator=g, dtype=torch.float64) for _ in range(2))
+    sinks = torch.randn(heads, generator=g, dtype=torch.float64) if with_sinks else None
     cu = torch.tensor([0, 5, 5, 14, 20])  # an empty sequence, then 3 tokens of padding
-    this = SimpleNamespace(attention_dropout=torch.nn.Dropout(0.0), training=True, softmax_scale=scale)
+    window = None if window_left is None else (window_left, 0)
+    this = SimpleNamespace(attention_dropout=torch.nn.Dropout(0.0), training=True, softmax_scale=scale,
+                           scale_mask_softmax=SimpleNamespace(window_size=window), softmax_offset=sinks)
     out = PackedDotProductAttention._per_sequence(this, q, k, v, cu)
 
     kk, vv = (t.repeat_interleave(heads // groups, dim=1) for t in (k, v))
     scores = torch.einsum("thd,shd->hts", q, kk) * scale
-    scores = scores.masked_fill(block_causal_mask(cu, total)[0], float("-inf"))
-    expected = torch.einsum("hts,shd->thd", scores.softmax(-1), vv).reshape(total, 1, heads * dim)
+    masked = block_causal_mask(cu, total)[0]
+    if window_left is not None:
+        i = torch.arange(total)
+        masked = masked | (i[None, :] < i[:, None] - window_left)
+    scores = scores.masked_fill(masked, float("-inf"))
+    if sinks is not None:
+        scores = torch.cat([scores, sinks[:, None, None].expand(heads, total, 1)], dim=-1)
+    probs = scores.softmax(-1)[..., :total]
+    expected = torch.einsum("hts,shd->thd", probs, vv).reshape(total, 1, heads * dim)
     assert out.shape == (total, 1, heads * dim)
     torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
 

@@ -104,9 +104,10 @@ def _causal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: 
     if band is None:
         band = torch.ones(length, length, dtype=torch.bool, device=query.device).tril()
     factor = scale if scale is not None else query.shape[-1] ** -0.5
-    scores = (query.float() @ key.float().transpose(-1, -2)) * factor
+    wide = torch.promote_types(query.dtype, torch.float32)  # the softmax in float32 at least, as Megatron's
+    scores = (query.to(wide) @ key.to(wide).transpose(-1, -2)) * factor
     scores = scores.masked_fill(~band, float("-inf"))
-    sink = sinks.float().reshape(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+    sink = sinks.to(wide).reshape(1, -1, 1, 1).expand(*scores.shape[:3], 1)
     probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
     probs = F.dropout(probs, p=dropout) if dropout else probs
     return (probs.to(value.dtype) @ value)
