@@ -45,11 +45,11 @@ import sys
 import ray
 import ray._private.parameter
 from nrl_core.cluster.ray_cluster import LOCAL_SYSTEM_CONFIG
-if len(sys.argv) > 1:  # workers start through the zygote (tests/zygote.py)
+if len(sys.argv) > 1:  # workers start through the zygote (tests/zygote.py), set up without Ray's import
     _params = ray._private.parameter.RayParams.__init__
     def _through_zygote(self, *args, **kwargs):
         _params(self, *args, **kwargs)
-        self.worker_path = sys.argv[1]
+        self.worker_path, self.setup_worker_path = sys.argv[1], sys.argv[2]
     ray._private.parameter.RayParams.__init__ = _through_zygote
 ray.init(address="local", include_dashboard=False, log_to_driver=False, _system_config=dict(LOCAL_SYSTEM_CONFIG))
 print(ray.get_runtime_context().gcs_address, flush=True)
@@ -62,6 +62,7 @@ _zygote: subprocess.Popen[str] | None = None
 _zygote_address: str | None = None
 ZYGOTE = Path(__file__).with_name("zygote.py")
 LAUNCHER = Path(__file__).with_name("ray_worker_launcher.py")
+SETUP_WORKER = Path(__file__).with_name("ray_setup_worker.py")
 
 
 @functools.cache
@@ -78,7 +79,7 @@ def _run_cli(args: Sequence[str], environ: dict[str, str], cwd: str, base_path: 
     """The forked process: become ``python -m nrl_core.cli ARGS`` and exit with its status."""
     adopt_environment(environ)
     if ZYGOTE_SOCKET in environ:
-        _start_workers_through(LAUNCHER)
+        _start_workers_through(LAUNCHER, SETUP_WORKER)
     os.chdir(cwd)
     python_path = [p for p in environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     sys.path[:] = [cwd, *python_path, *base_path]
@@ -101,15 +102,16 @@ def _run_cli(args: Sequence[str], environ: dict[str, str], cwd: str, base_path: 
     run_as_interpreter(cli)
 
 
-def _start_workers_through(launcher: Path) -> None:
-    """Make the Ray this process starts run ``launcher`` in place of Ray's ``default_worker.py``."""
+def _start_workers_through(launcher: Path, setup: Path) -> None:
+    """Make the Ray this process starts run ``launcher`` in place of Ray's ``default_worker.py``,
+    and ``setup`` in place of its ``setup_worker.py`` (tests/ray_setup_worker.py)."""
     import ray._private.parameter
 
     params = ray._private.parameter.RayParams.__init__
 
     def through_launcher(self: Any, *args: Any, **kwargs: Any) -> None:
         params(self, *args, **kwargs)
-        self.worker_path = str(launcher)
+        self.worker_path, self.setup_worker_path = str(launcher), str(setup)
 
     ray._private.parameter.RayParams.__init__ = through_launcher  # type: ignore[method-assign]
 
@@ -157,7 +159,7 @@ def shared_ray() -> str:
     head = [sys.executable, "-c", _SHARED_HEAD]
     try:
         env[ZYGOTE_SOCKET] = _start_zygote()
-        head.append(str(LAUNCHER))
+        head += [str(LAUNCHER), str(SETUP_WORKER)]
     except RuntimeError as exc:  # slower, not wrong: Ray starts its own workers
         warnings.warn(f"{exc}; the shared Ray's workers start as fresh interpreters", stacklevel=2)
     _shared = subprocess.Popen(head, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,

@@ -75,3 +75,23 @@ def test_workers_start_from_the_zygote_as_a_fresh_interpreter_would(tmp_path):
     assert forked["spawned_exit"] == 3  # spawned through the zygote (torch already there), status intact
     assert fresh["spawned_exit"] == 4  # a fresh worker spawns a fresh interpreter
     assert end["killed_worker_gone"]
+
+
+def _set_up(context: dict, worker: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(HERE.parent / "ray_setup_worker.py"),
+                           f"--serialized-runtime-env-context={json.dumps(context)}", "--language=PYTHON", *worker],
+                          capture_output=True, text=True, timeout=60, cwd=tmp_path,
+                          env={**os.environ, "SETUP_TEST_HOME": "/h"})
+
+
+def test_the_set_up_step_sets_the_runs_variables_as_rays_does_and_leaves_the_rest_to_ray(tmp_path):
+    """tests/ray_setup_worker.py in place of Ray's setup_worker.py: the context's variables with
+    ``${X}`` expanded and unknown ones emptied, then the worker command; a context it does not
+    handle (here another entry point) goes to Ray's own script, which runs that entry point."""
+    show = "import os; print(os.environ['A'], repr(os.environ['B']))"
+    run = _set_up({"env_vars": {"A": "x${SETUP_TEST_HOME}y", "B": "${SETUP_TEST_NOT_SET}"}}, ["-c", show], tmp_path)
+    assert run.returncode == 0 and run.stdout == "x/hy ''\n", run.stderr
+    entry = tmp_path / "entry.py"
+    entry.write_text("print('entry point')\n")
+    run = _set_up({"override_worker_entrypoint": str(entry)}, [str(tmp_path / "not_there.py")], tmp_path)
+    assert run.returncode == 0 and run.stdout == "entry point\n", run.stderr
