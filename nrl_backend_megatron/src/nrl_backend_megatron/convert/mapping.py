@@ -417,8 +417,9 @@ def megatron_to_hf_stream(pairs: Iterable[tuple[str, torch.Tensor]], cfg: Any) -
     """Full canonical Megatron tensors, in :func:`canonical_shapes`' order → the HF tensors, each
     as soon as what it is made of has passed: an HF tensor that stacks a layer's experts (gpt-oss)
     once its last expert has, the others at once (:func:`megatron_to_hf_items`)."""
+    # only gpt-oss stacks experts: other models skip building the table, once per refit and manifest
     stacked = {name: (rule, hf[0]) for name, (rule, hf) in source_table(cfg).items()
-               if rule is not None and rule.expert is not None}
+               if rule is not None and rule.expert is not None} if family_of(cfg).gpt_oss else {}
     pending: dict[str, list[torch.Tensor | None]] = {}
     for name, tensor in pairs:
         if name not in stacked:
