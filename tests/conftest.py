@@ -19,6 +19,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+# Ray's log monitor lists its logs directory for new worker logs ten times a second until the
+# directory holds a thousand of them; a shared Ray's directory collects hundreds over the suite,
+# and each listing matches every name there. With the threshold at 0 it lists every half second
+# (LOG_NAME_UPDATE_INTERVAL_S) and still reads the files it knows ten times a second.
+os.environ.setdefault("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Every host computes as an AVX2 host does (docs/testing.md, "The float path"): torch's own kernels
 # and its float32 random fill (the tiny models' weights), MKL's and oneDNN's code paths. Set here,
