@@ -5,4 +5,4 @@ from nrl_core.errors import ConfigError, NrlError, PluginError
 from nrl_core.hookspecs import hookimpl
 
 __all__ = ["CheckpointOptions", "ConfigError", "NrlError", "PluginError", "hookimpl"]
-__version__ = "1.26.0"
+__version__ = "1.27.0"

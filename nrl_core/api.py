@@ -180,10 +180,13 @@ _SECTIONS: dict[str, dict[str, str]] = {
     "Weights and refit": {
         "Bucket": "nrl_core.refit.buckets",
         "checkpoint_layout": "nrl_core.refit.hf_source",
+        "collect_lent_buffers": "nrl_core.refit.device_share",
         "dtype_name": "nrl_core.refit.buckets",
         "HFWeightSource": "nrl_core.refit.hf_source",
         "is_owned_region": "nrl_core.refit.slices",
         "iter_buckets": "nrl_core.refit.buckets",
+        "lend_device_buffer": "nrl_core.refit.device_share",
+        "open_lent_buffer": "nrl_core.refit.device_share",
         "parse_dtype": "nrl_core.refit.buckets",
         "plain_config": "nrl_core.refit.adapters",
         "shared_file": "nrl_core.refit.shm_space",

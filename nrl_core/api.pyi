@@ -156,6 +156,9 @@ from nrl_core.refit.buckets import dtype_name as dtype_name
 from nrl_core.refit.buckets import iter_buckets as iter_buckets
 from nrl_core.refit.buckets import parse_dtype as parse_dtype
 from nrl_core.refit.buckets import spec_of as spec_of
+from nrl_core.refit.device_share import collect_lent_buffers as collect_lent_buffers
+from nrl_core.refit.device_share import lend_device_buffer as lend_device_buffer
+from nrl_core.refit.device_share import open_lent_buffer as open_lent_buffer
 from nrl_core.refit.hf_source import HFWeightSource as HFWeightSource
 from nrl_core.refit.hf_source import checkpoint_layout as checkpoint_layout
 from nrl_core.refit.manifest import RefitError as RefitError
@@ -312,6 +315,7 @@ __all__ = [
     "checkpoint_layout",
     "choose_backends",
     "cluster_topology",
+    "collect_lent_buffers",
     "copy_tokenizer",
     "data_parallel_size",
     "derive_seed",
@@ -342,6 +346,7 @@ __all__ = [
     "is_owned_region",
     "iter_buckets",
     "last_token_values",
+    "lend_device_buffer",
     "load_and_validate",
     "load_bytes_item",
     "load_file",
@@ -360,6 +365,7 @@ __all__ = [
     "new_output_dir",
     "next_token_logprobs_at",
     "next_token_topk",
+    "open_lent_buffer",
     "pack_bins",
     "pack_sequences",
     "parse_dtype",

@@ -6,18 +6,21 @@
 #             mem_get_info) and a Qwen3-MoE model; torch.multiprocessing ranks, no Ray.
 #   grpo      benchmarks/gpu/grpo_check.py: `nrl train sft` then `nrl train grpo` on one GPU with
 #             Ray, the DTensor backend and rollouts from nrl-gen-hf; passes when the reward rises.
+#   refit     benchmarks/gpu/refit_check.py: a part of weights handed to a second process on the GPU
+#             lent by CUDA IPC handle against through /dev/shm (GB/s), and a one-rank NCCL refit
+#             group made and destroyed 50 times (seconds; threads, descriptors, device memory).
 #
-#   scripts/gpu_check.sh [--wheels DIR] [--out DIR] [--parts backends,grpo] [--dry-run]
+#   scripts/gpu_check.sh [--wheels DIR] [--out DIR] [--parts refit,backends,grpo] [--dry-run]
 #   scripts/gpu_check.sh --download-wheels DIR   # where pip reaches an index: the wheels a bare machine needs
 #
 # --wheels DIR installs every wheel in DIR (no index, no dependency resolution: DIR holds what the
 # machine lacks) and this checkout's distributions, editable, into the interpreter's environment
 # ($PYTHON, default python3): meant for a disposable GPU machine. The grpo part needs the editable
 # install (plugins are found through their entry points); the backends part runs from the checkout.
-# Parts run in the order given. Each has a time limit (NRL_GPU_CHECK_BACKENDS_S, NRL_GPU_CHECK_GRPO_S)
+# Parts run in the order given. Each has a time limit (NRL_GPU_CHECK_REFIT_S, NRL_GPU_CHECK_BACKENDS_S, NRL_GPU_CHECK_GRPO_S)
 # so that one hang still leaves the other's result; NRL_GPU_CHECK_GRPO_STEPS sets GRPO's steps, and
 # NRL_GPU_CHECK_ONLY (e.g. megatron) and NRL_GPU_CHECK_MODELS (dense, moe) narrow the backends part. Results: DIR/backends.json, DIR/grpo.json. Exit status: 0 every
-# check passed, 1 one failed, 2 no GPU (use --dry-run for the CPU path).
+# check passed, 1 one failed, 2 no GPU (use --dry-run for the CPU path). Results also: DIR/refit.json.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
@@ -45,12 +48,12 @@ if [[ "${1:-}" == "--download-wheels" ]]; then
   exit 0
 fi
 
-wheels="" out="" parts="backends,grpo" dry=()
+wheels="" out="" parts="refit,backends,grpo" dry=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --wheels) wheels="${2:?--wheels DIR}"; shift 2 ;;
     --out) out="${2:?--out DIR}"; shift 2 ;;
-    --parts) parts="${2:?--parts backends,grpo}"; shift 2 ;;
+    --parts) parts="${2:?--parts refit,backends,grpo}"; shift 2 ;;
     --dry-run) dry=(--dry-run); shift ;;
     *) echo "gpu_check: unknown argument $1 (see the header of scripts/gpu_check.sh)" >&2; exit 64 ;;
   esac
@@ -76,6 +79,12 @@ status=0
 IFS=, read -r -a order <<< "$parts"
 for part in "${order[@]}"; do
   case "$part" in
+    refit)
+      timeout --kill-after=10 "${NRL_GPU_CHECK_REFIT_S:-300}" "$PY" benchmarks/gpu/refit_check.py "${dry[@]}" \
+        --out "$out/refit.json"
+      code=$?
+      ((code == 124)) && echo "refit: FAIL timed out after ${NRL_GPU_CHECK_REFIT_S:-300} s"
+      ((code == 2)) && exit 2 ;;
     backends)
       timeout --kill-after=10 "${NRL_GPU_CHECK_BACKENDS_S:-900}" "$PY" benchmarks/gpu/gpu_check.py "${dry[@]}" \
         --backends "${NRL_GPU_CHECK_ONLY:-dtensor,megatron}" --models "${NRL_GPU_CHECK_MODELS:-dense,moe}" \
@@ -88,7 +97,7 @@ for part in "${order[@]}"; do
         ${NRL_GPU_CHECK_GRPO_STEPS:+--steps "$NRL_GPU_CHECK_GRPO_STEPS"} --out "$out/grpo.json" --workdir "$out/grpo_run"
       code=$?
       ((code == 124)) && echo "grpo: FAIL timed out after ${NRL_GPU_CHECK_GRPO_S:-900} s (its logs: $out/grpo_run/*.log)" ;;
-    *) echo "gpu_check: unknown part '$part' (backends, grpo)" >&2; exit 64 ;;
+    *) echo "gpu_check: unknown part '$part' (refit, backends, grpo)" >&2; exit 64 ;;
   esac
   ((code)) && status=1
 done

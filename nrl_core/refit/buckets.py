@@ -62,23 +62,48 @@ def bucket_bytes_from_gb(gb: float) -> int:
     return max(2**20, int(gb * 2**30))
 
 
-def iter_buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[Bucket]:
-    """Group ``named`` in order into buckets whose total size stays within ``bucket_bytes``.
+def module_of(name: str) -> str:
+    """The module a weight belongs to, as a receiver loading module by module sees it: up to the
+    first numbered part of its name (``model.layers.3``), else the name less its last part."""
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[:i + 1])
+    return name.rpartition(".")[0]
 
-    Order is preserved so a layer's weights tend to arrive together (vLLM's layerwise reload
-    processes a layer as soon as all of its weights have arrived).
+
+def iter_buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[Bucket]:
+    """Group ``named`` in order into buckets whose total size stays within ``bucket_bytes`` (a
+    single larger tensor forms its own bucket).
+
+    A bucket also ends where a module ends (:func:`module_of`, a decoder layer) when the next
+    module, if as large as the last whole one, would not fit in what is left. vLLM's layerwise
+    reload keeps a module's tensors until it has all of them, so a module split over two buckets
+    makes the receiver hold its part of the first bucket, or a copy of it, while the second
+    arrives; a module larger than a bucket is split all the same.
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     bucket: Bucket = []
     size = 0
+    module: str | None = None
+    module_bytes = last_module_bytes = 0
     for name, tensor in named:
         nbytes = tensor_nbytes(tensor)
+        key = module_of(name)
+        if key != module:
+            if module is not None:
+                last_module_bytes = module_bytes
+            module, module_bytes = key, 0
+            if bucket and size + last_module_bytes > bucket_bytes:
+                yield bucket
+                bucket, size = [], 0
         if bucket and size + nbytes > bucket_bytes:
             yield bucket
             bucket, size = [], 0
         bucket.append((name, tensor))
         size += nbytes
+        module_bytes += nbytes
     if bucket:
         yield bucket
 

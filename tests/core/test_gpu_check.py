@@ -36,6 +36,19 @@ def test_without_a_gpu_the_check_says_to_use_the_dry_run(tmp_path: Path) -> None
     assert run.returncode == 2 and "run with --dry-run" in run.stdout, run.stdout + run.stderr[-2000:]
 
 
+def test_dry_run_of_the_refit_part_makes_and_destroys_its_groups_and_hands_parts_over(tmp_path: Path) -> None:
+    """The refit part on the CPU: fifty gloo refit groups leave no thread or descriptor behind, and a
+    part handed to a second process through /dev/shm lands whole (its CUDA IPC half needs a GPU)."""
+    run = _run(["--dry-run", "--parts", "refit", "--out", str(tmp_path / "out")], tmp_path)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    summary = json.loads((tmp_path / "out" / "refit.json").read_text())
+    groups = summary["groups"]
+    assert summary["ok"] and groups["backend"] == "gloo" and groups["rounds"] == 50
+    assert groups["grew"]["threads"] <= 2 and groups["grew"]["descriptors"] <= 4, groups
+    assert set(summary["transfers"]) == {"4 MiB through /dev/shm", "16 MiB through /dev/shm"}
+    assert all(result["gb_per_s"] > 0 for result in summary["transfers"].values())
+
+
 @pytest.mark.slow
 def test_dry_run_trains_both_backends_and_matches_hf(tmp_path: Path) -> None:
     run = _run(["--dry-run", "--parts", "backends", "--out", str(tmp_path / "out")], tmp_path)

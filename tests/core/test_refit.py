@@ -15,7 +15,7 @@ from nrl_core.algorithms.refit_orchestrator import choose_transport, refit
 from nrl_core.contracts import WeightSpec
 from nrl_core.errors import ConfigError, NrlError
 from nrl_core.refit import RefitError, iter_buckets, verify
-from nrl_core.refit.buckets import manifest_bytes
+from nrl_core.refit.buckets import manifest_bytes, module_of
 from nrl_core.refit.endpoints import receive_into, send_handles
 from nrl_core.refit.plan import RefitMode, RefitPlan
 from nrl_core.refit.transports import (
@@ -55,6 +55,26 @@ def test_buckets_are_bounded_ordered_and_complete() -> None:
     assert [n for b in buckets for n, _ in b] == [n for n, _ in named]
     with pytest.raises(ValueError):
         list(iter_buckets(named, 0))
+
+
+def test_a_bucket_ends_where_a_layer_ends_when_the_next_layer_would_not_fit() -> None:
+    """Layers of 30 elements in buckets of 70: two layers a bucket, none split over two (a split
+    layer makes vLLM's layerwise reload keep part of a bucket while the next arrives); a layer
+    larger than a bucket (the sixth, 90) is still split, each bucket within the bound."""
+    def layer(i: int, sizes: tuple[int, ...] = (10, 15, 5)) -> list[tuple[str, torch.Tensor]]:
+        return [(f"model.layers.{i}.{part}.weight", torch.zeros(n)) for part, n in zip(("qkv", "up", "down"), sizes)]
+
+    named = [("model.embed_tokens.weight", torch.zeros(40)), *[t for i in range(5) for t in layer(i)],
+             *layer(5, (40, 40, 10)), ("model.norm.weight", torch.zeros(1))]
+    buckets = list(iter_buckets(named, bucket_bytes=70 * 4))
+    layers = [sorted({module_of(n) for n, _ in b}) for b in buckets]
+    assert layers[:3] == [["model.embed_tokens"], ["model.layers.0", "model.layers.1"],
+                          ["model.layers.2", "model.layers.3"]]
+    assert [n for b in buckets for n, _ in b] == [n for n, _ in named]
+    assert all(sum(t.numel() for _, t in b) <= 70 for b in buckets)
+    assert [sum("model.layers.5" in modules for modules in layers), layers[-1]] == [2, ["model.norm"]], layers
+    assert module_of("lm_head.weight") == "lm_head" and module_of("model.language_model.layers.7.mlp.w") == \
+        "model.language_model.layers.7"
 
 
 def test_manifest_check_accepts_exact_and_names_every_problem() -> None:

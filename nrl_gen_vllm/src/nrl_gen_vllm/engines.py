@@ -89,9 +89,12 @@ class SyncEngine:
 
 class AsyncEngine:
     lora_request: Any = None
-    streams_weights = True  # its workers run in another process: the tensors travel in parts, in files
+    streams_weights = True  # its workers run in another process: the tensors travel in parts
 
     def __init__(self, **engine_kwargs: Any) -> None:
+        # one worker, on this process's GPU: parts of weights on the GPU stay there (_packed)
+        workers = int(engine_kwargs.get("tensor_parallel_size") or 1) * int(engine_kwargs.get("pipeline_parallel_size") or 1)
+        self._lends_device_buffers = workers == 1
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="nrl-vllm-async", daemon=True)
         self._thread.start()
@@ -167,8 +170,10 @@ class AsyncEngine:
         within :data:`PART_BYTES`, and a larger tensor is a part of its own), each packed into one
         ``/dev/shm`` file the engine's workers map and load before the next part is written (one
         layerwise reload spans the parts). A part's space is reserved before its first byte: a
-        ``/dev/shm`` too small is one line, not a SIGBUS mid-copy. The weights get ``version`` as
-        their label. ``named`` may be a stream that is still arriving.
+        ``/dev/shm`` too small is one line, not a SIGBUS mid-copy. A part on a GPU, for an engine
+        whose one worker runs on that GPU, is packed on the device instead and lent to the worker
+        by CUDA IPC handle (``lend_device_buffer``), with no copy through host memory. The weights
+        get ``version`` as their label. ``named`` may be a stream that is still arriving.
 
         ``in_flight``: requests may be running, so the load lands between two engine steps: the
         scheduler pauses keeping its requests, the parts load, and it resumes (as NeMo RL's
@@ -185,12 +190,12 @@ class AsyncEngine:
         begun = succeeded = False
         try:
             for part in parts:
-                with _packed_file(part) as (path, layout):
+                with _packed(part, self._lends_device_buffers) as (method, where, layout):
                     if not begun:
                         begun = True
                         self._run(self._begin(in_flight, recompute_kv_cache))
                     self.parts_loaded += 1
-                    self._run(self.engine.collective_rpc("nrl_load_part_from_file", args=(path, layout)))
+                    self._run(self.engine.collective_rpc(method, args=(where, layout)))
             succeeded = True
         finally:
             if begun:
@@ -304,16 +309,42 @@ milliseconds, and a part is whole tensors, so one larger tensor is a part of its
 
 
 def _parts(named: Iterable[tuple[str, Any]], part_bytes: int) -> Iterator[list[tuple[str, Any]]]:
-    part: list[tuple[str, Any]] = []
-    size = 0
-    for name, tensor in named:
-        part.append((name, tensor))
-        size += tensor.numel() * tensor.element_size()
-        if size >= part_bytes:
-            yield part
-            part, size = [], 0
-    if part:
-        yield part
+    """``named`` in parts of at most ``part_bytes`` that end where a layer ends when the next would
+    not fit (``iter_buckets``): a layer split over two parts makes the engine copy out its first
+    half before the second part's file is mapped."""
+    from nrl_core.api import iter_buckets
+
+    return iter_buckets(named, part_bytes)
+
+
+@contextlib.contextmanager
+def _packed(part: list[tuple[str, Any]], lend_device: bool) -> Iterator[tuple[str, Any, list[list[Any]]]]:
+    """``part`` packed where its reader takes it: the worker's method that loads it, the buffer's
+    handle or file, and the layout. On the GPU when every tensor is there and the engine's one
+    worker shares the GPU (``lend_device``), else in a ``/dev/shm`` file."""
+    if lend_device and part and all(getattr(tensor, "is_cuda", False) for _, tensor in part):
+        with _packed_on_device(part) as (handle, layout):
+            yield "nrl_load_part_from_device", handle, layout
+    else:
+        with _packed_file(part) as (path, layout):
+            yield "nrl_load_part_from_file", path, layout
+
+
+def _layout(part: list[tuple[str, Any]]) -> tuple[list[list[Any]], int]:
+    """Each tensor's ``[name, dtype, shape, offset, nbytes]`` in one flat buffer, and its size."""
+    layout, offset = [], 0
+    for name, tensor in part:
+        nbytes = tensor.numel() * tensor.element_size()
+        layout.append([name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), offset, nbytes])
+        offset += nbytes
+    return layout, offset
+
+
+def _pack(data: Any, part: list[tuple[str, Any]], layout: list[list[Any]]) -> None:
+    import torch
+
+    for (_name, tensor), (_, _, _, start, nbytes) in zip(part, layout):
+        data[start:start + nbytes].copy_(tensor.detach().contiguous().view(-1).view(torch.uint8))
 
 
 @contextlib.contextmanager
@@ -324,14 +355,28 @@ def _packed_file(part: list[tuple[str, Any]]) -> Iterator[tuple[str, list[list[A
 
     from nrl_core.api import shared_file
 
-    layout, offset = [], 0
-    for name, tensor in part:
-        nbytes = tensor.numel() * tensor.element_size()
-        layout.append([name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), offset, nbytes])
-        offset += nbytes
-    with shared_file(offset, "nrl-async-refit-", "the async engine's refit") as path:
-        data = torch.from_file(path, shared=True, size=max(offset, 1), dtype=torch.uint8)
-        for (_name, tensor), (_, _, _, start, nbytes) in zip(part, layout):
-            data[start:start + nbytes].copy_(tensor.detach().contiguous().view(-1).view(torch.uint8))
+    layout, total = _layout(part)
+    with shared_file(total, "nrl-async-refit-", "the async engine's refit") as path:
+        data = torch.from_file(path, shared=True, size=max(total, 1), dtype=torch.uint8)
+        _pack(data, part, layout)
         del data
         yield path, layout
+
+
+@contextlib.contextmanager
+def _packed_on_device(part: list[tuple[str, Any]]) -> Iterator[tuple[list[Any], list[list[Any]]]]:
+    """``part`` packed into one buffer on its GPU, lent by CUDA IPC handle until the worker has
+    loaded it; the handle and the layout."""
+    import torch
+
+    from nrl_core.api import collect_lent_buffers, lend_device_buffer
+
+    layout, total = _layout(part)
+    data = torch.empty(max(total, 1), dtype=torch.uint8, device=part[0][1].device)
+    _pack(data, part, layout)
+    torch.cuda.current_stream(data.device).synchronize()  # every byte written before the worker reads
+    try:
+        yield lend_device_buffer(data), layout
+    finally:
+        del data
+        collect_lent_buffers()

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from nrl_core.api import open_lent_buffer
 from nrl_gen_vllm import direct_loads
 from nrl_gen_vllm.cpu_moe import process_experts_on_reload, reloading, run_ungated_experts, translate_expert_ids
 from nrl_gen_vllm.cpu_rope import rotate_three_dimensional_inputs_natively
@@ -84,7 +85,15 @@ def _file_part(path: str, layout: list[list[Any]]) -> Iterator[list[tuple[str, t
 
 def _file_views(path: str, layout: list[list[Any]]) -> list[tuple[str, torch.Tensor]]:
     total = max((int(offset) + int(nbytes) for _, _, _, offset, nbytes in layout), default=0)
-    data = torch.from_file(path, shared=True, size=max(total, 1), dtype=torch.uint8)
+    return _views(torch.from_file(path, shared=True, size=max(total, 1), dtype=torch.uint8), layout)
+
+
+def _device_part(handle: list[Any], layout: list[list[Any]]) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """The tensors packed in a GPU buffer lent by CUDA IPC, as one bucket of views (see _file_part)."""
+    yield _views(open_lent_buffer(handle), layout)
+
+
+def _views(data: torch.Tensor, layout: list[list[Any]]) -> list[tuple[str, torch.Tensor]]:
     return [(name, data[offset:offset + nbytes].view(getattr(torch, dtype)).view(shape))
             for name, dtype, shape, offset, nbytes in layout]
 
@@ -197,6 +206,16 @@ class NrlWorkerExtension:
         # own once it is loaded, so the mapping goes before the next part's (released.py)
         parts = released(_file_part(path, layout), files_end_with_the_bucket=True)
         return self.nrl_load_part(itertools.chain.from_iterable(parts))
+
+    @torch.no_grad()
+    def nrl_load_part_from_device(self, handle: list[Any], layout: list[list[Any]]) -> int:
+        """:meth:`nrl_load_part_from_file` for a part the caller lent on this worker's GPU
+        (``lend_device_buffer``): read as views of the buffer, no copy through host memory. The
+        caller frees the buffer once this returns, so the loads finish first."""
+        parts = released(_device_part(handle, layout))
+        loaded = self.nrl_load_part(itertools.chain.from_iterable(parts))
+        torch.cuda.current_stream().synchronize()
+        return loaded
 
     def nrl_served_model(self) -> dict[str, Any]:
         """The model vLLM built, as a refit check needs it: its class, and the quantization method
