@@ -7,9 +7,10 @@
   the bytes stay on the device; through ``/dev/shm`` (``_packed_file``, its path off the GPU) they
   go to host memory and back. GB/s of each, the median of a few parts per size.
 * **A refit group made and destroyed fifty times.** The broadcast transport's group (NCCL on a GPU)
-  of one rank, through the transport's own ``_Group``, each time used for one broadcast (NCCL makes
-  its communicator at the first): seconds per round, and the threads, open descriptors and free
-  device memory after the last round against after the first. Nothing may grow with the rounds.
+  of one rank, through the transport's own ``prepare`` and ``_Group``, each time used for one
+  broadcast (NCCL makes its communicator at the first): seconds per round, and the threads, open
+  descriptors and free device memory after the last round against after the first. Nothing may
+  grow with the rounds.
 
 ``--dry-run`` runs it on the CPU (gloo groups; the shared-memory half only, at small sizes), as the
 suite does (tests/core/test_gpu_check.py).
@@ -123,17 +124,17 @@ def _counts(cuda: bool) -> dict[str, int]:
 
 def group_rounds(cuda: bool, rounds: int = ROUNDS) -> dict[str, Any]:
     """Make a one-rank refit group, broadcast once, destroy it: ``rounds`` times."""
-    from nrl_core.net import free_port
-    from nrl_core.refit.transports import RefitSession, _Group, broadcast_backend
+    from nrl_core.refit.transports import BroadcastTransport, RefitSession, _Group, broadcast_backend
 
     backend = broadcast_backend(cuda)
     if cuda:
         torch.cuda.set_device(0)
     seconds, after_first = [], None
     for round_ in range(rounds):
-        session = RefitSession(options={"backend": backend, "host": "127.0.0.1", "port": free_port(), "world_size": 1,
-                                        "timeout_s": 60})
         start = time.perf_counter()
+        # the transport's own start: its store binds a port the system picks, which the group takes
+        session = BroadcastTransport().prepare(RefitSession(options={
+            "backend": backend, "host": "127.0.0.1", "world_size": 1, "timeout_s": 60}))
         group = _Group(session, 0)
         probe = torch.ones(1024, device=group.device)
         group.broadcast(probe)
