@@ -57,6 +57,7 @@ def _reader(conn: Any, cuda: bool) -> None:
     """The second process: open each part, copy every tensor into a weight of its own, answer."""
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     from nrl_core.api import open_lent_buffer
+    from nrl_gen_vllm.part_layout import size_of, views
 
     weights: dict[str, torch.Tensor] = {}
     while True:
@@ -64,14 +65,12 @@ def _reader(conn: Any, cuda: bool) -> None:
         if message is None:
             return
         method, where, layout = message
-        total = max(int(offset) + int(nbytes) for _, _, _, offset, nbytes in layout)
         data = open_lent_buffer(where) if method == "nrl_load_part_from_device" else \
-            torch.from_file(where, shared=True, size=total, dtype=torch.uint8)
-        for name, dtype, shape, offset, nbytes in layout:
-            view = data[offset:offset + nbytes].view(getattr(torch, dtype)).view(shape)
+            torch.from_file(where, shared=True, size=size_of(layout), dtype=torch.uint8)
+        for name, view in views(data, layout):
             target = weights.get(name)
             if target is None:
-                target = weights[name] = torch.empty(shape, dtype=view.dtype, device=device)
+                target = weights[name] = torch.empty(view.shape, dtype=view.dtype, device=device)
             target.copy_(view)
         del data, view
         if cuda:

@@ -34,6 +34,32 @@ def test_a_part_off_the_gpu_goes_through_a_file_that_holds_its_bytes_and_is_remo
     assert not os.path.exists(path)
 
 
+def test_a_part_of_mixed_dtypes_reads_back_as_the_worker_reads_it() -> None:
+    from nrl_gen_vllm.extension import _file_views
+
+    part = [("model.layers.0.norm.weight", torch.arange(3, dtype=torch.bfloat16)),  # 6 bytes: odd for float32
+            ("model.layers.0.mlp.weight", torch.arange(6, dtype=torch.float32).view(2, 3)),
+            ("model.layers.0.mlp.bias", torch.arange(5, dtype=torch.float16))]
+    with _packed(part, lend_device=False) as (_method, path, layout):
+        read = _file_views(path, layout)
+        assert [name for name, _ in read] == [name for name, _ in part]
+        for (_, sent), (_, got) in zip(part, read):
+            assert got.dtype == sent.dtype and torch.equal(got, sent)
+        del read
+
+
+def test_a_part_entry_that_does_not_fit_its_buffer_is_refused_in_one_line() -> None:
+    from nrl_gen_vllm.part_layout import views
+
+    data = torch.zeros(64, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"^refit part: 'w' names dtype 'load', which is not a torch dtype$"):
+        views(data, [["w", "load", [2], 0, 8]])
+    with pytest.raises(ValueError, match=r"^refit part: 'w' \(float32 \[4\]\) does not fit at byte 2 of a 64-byte"):
+        views(data, [["w", "float32", [4], 2, 16]])
+    with pytest.raises(ValueError, match="does not fit at byte 56 of a 64-byte buffer as 16 bytes"):
+        views(data, [["w", "float32", [4], 56, 16]])
+
+
 def test_a_lent_buffer_must_be_flat_bytes_on_a_gpu_and_its_handle_whole() -> None:
     with pytest.raises(ValueError, match=r"a flat contiguous uint8 CUDA tensor, got torch.uint8 \(8,\) on cpu"):
         lend_device_buffer(torch.zeros(8, dtype=torch.uint8))

@@ -330,23 +330,6 @@ def _packed(part: list[tuple[str, Any]], lend_device: bool) -> Iterator[tuple[st
             yield "nrl_load_part_from_file", path, layout
 
 
-def _layout(part: list[tuple[str, Any]]) -> tuple[list[list[Any]], int]:
-    """Each tensor's ``[name, dtype, shape, offset, nbytes]`` in one flat buffer, and its size."""
-    layout, offset = [], 0
-    for name, tensor in part:
-        nbytes = tensor.numel() * tensor.element_size()
-        layout.append([name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), offset, nbytes])
-        offset += nbytes
-    return layout, offset
-
-
-def _pack(data: Any, part: list[tuple[str, Any]], layout: list[list[Any]]) -> None:
-    import torch
-
-    for (_name, tensor), (_, _, _, start, nbytes) in zip(part, layout):
-        data[start:start + nbytes].copy_(tensor.detach().contiguous().view(-1).view(torch.uint8))
-
-
 @contextlib.contextmanager
 def _packed_file(part: list[tuple[str, Any]]) -> Iterator[tuple[str, list[list[Any]]]]:
     """``part`` packed into a fresh ``/dev/shm`` file (its space reserved first), removed on exit;
@@ -354,11 +337,12 @@ def _packed_file(part: list[tuple[str, Any]]) -> Iterator[tuple[str, list[list[A
     import torch
 
     from nrl_core.api import shared_file
+    from nrl_gen_vllm.part_layout import layout_of, pack
 
-    layout, total = _layout(part)
+    layout, total = layout_of(part)
     with shared_file(total, "nrl-async-refit-", "the async engine's refit") as path:
         data = torch.from_file(path, shared=True, size=max(total, 1), dtype=torch.uint8)
-        _pack(data, part, layout)
+        pack(data, part, layout)
         del data
         yield path, layout
 
@@ -370,10 +354,11 @@ def _packed_on_device(part: list[tuple[str, Any]]) -> Iterator[tuple[list[Any], 
     import torch
 
     from nrl_core.api import collect_lent_buffers, lend_device_buffer
+    from nrl_gen_vllm.part_layout import layout_of, pack
 
-    layout, total = _layout(part)
+    layout, total = layout_of(part)
     data = torch.empty(max(total, 1), dtype=torch.uint8, device=part[0][1].device)
-    _pack(data, part, layout)
+    pack(data, part, layout)
     torch.cuda.current_stream(data.device).synchronize()  # every byte written before the worker reads
     try:
         yield lend_device_buffer(data), layout

@@ -19,6 +19,7 @@ from nrl_gen_vllm import direct_loads
 from nrl_gen_vllm.cpu_moe import process_experts_on_reload, reloading, run_ungated_experts, translate_expert_ids
 from nrl_gen_vllm.cpu_rope import rotate_three_dimensional_inputs_natively
 from nrl_gen_vllm.cpu_sampler import use_eager_rank_count
+from nrl_gen_vllm.part_layout import size_of, views
 from nrl_gen_vllm.refit_reads import RefitReadCounter
 from nrl_gen_vllm.released import released
 
@@ -84,18 +85,12 @@ def _file_part(path: str, layout: list[list[Any]]) -> Iterator[list[tuple[str, t
 
 
 def _file_views(path: str, layout: list[list[Any]]) -> list[tuple[str, torch.Tensor]]:
-    total = max((int(offset) + int(nbytes) for _, _, _, offset, nbytes in layout), default=0)
-    return _views(torch.from_file(path, shared=True, size=max(total, 1), dtype=torch.uint8), layout)
+    return views(torch.from_file(path, shared=True, size=size_of(layout), dtype=torch.uint8), layout)
 
 
 def _device_part(handle: list[Any], layout: list[list[Any]]) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """The tensors packed in a GPU buffer lent by CUDA IPC, as one bucket of views (see _file_part)."""
-    yield _views(open_lent_buffer(handle), layout)
-
-
-def _views(data: torch.Tensor, layout: list[list[Any]]) -> list[tuple[str, torch.Tensor]]:
-    return [(name, data[offset:offset + nbytes].view(getattr(torch, dtype)).view(shape))
-            for name, dtype, shape, offset, nbytes in layout]
+    yield views(open_lent_buffer(handle), layout)
 
 
 def with_tied_names(named: Iterable[tuple[str, torch.Tensor]], ties: dict[str, list[str]],
