@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import site
 import subprocess
 import sys
 from pathlib import Path
@@ -16,12 +17,21 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 
 
-def _run(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
+def _run(args: list[str], tmp_path: Path, bare: bool = False) -> subprocess.CompletedProcess[str]:
+    """The script on this interpreter, Ray and vLLM unimportable; ``bare``: nrl's distributions
+    too, as on a GPU machine where nothing but PyTorch's stack is installed (``-S`` skips the
+    ``.pth`` files of their editable installs; the site directories stay on the path)."""
     absent = tmp_path / "absent"  # importing these fails, as where they are not installed
     for name in ("ray", "vllm"):
         (absent / name).mkdir(parents=True)
         (absent / name / "__init__.py").write_text(f"raise ImportError('{name} is not installed here')\n")
-    env = dict(os.environ, PYTHON=sys.executable, PYTHONPATH=str(absent),
+    python, path = sys.executable, [str(absent)]
+    if bare:
+        python = str(tmp_path / "python-without-site")
+        Path(python).write_text(f'#!/bin/sh\nexec "{sys.executable}" -S "$@"\n')
+        os.chmod(python, 0o755)
+        path += site.getsitepackages()
+    env = dict(os.environ, PYTHON=python, PYTHONPATH=os.pathsep.join(path),
                NRL_MEGATRON_CHECKPOINT_DIR=str(tmp_path / "converted"))
     return subprocess.run(["bash", str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=600)
 
@@ -38,8 +48,9 @@ def test_without_a_gpu_the_check_says_to_use_the_dry_run(tmp_path: Path) -> None
 
 def test_dry_run_of_the_refit_part_makes_and_destroys_its_groups_and_hands_parts_over(tmp_path: Path) -> None:
     """The refit part on the CPU: fifty gloo refit groups leave no thread or descriptor behind, and a
-    part handed to a second process through /dev/shm lands whole (its CUDA IPC half needs a GPU)."""
-    run = _run(["--dry-run", "--parts", "refit", "--out", str(tmp_path / "out")], tmp_path)
+    part handed to a second process through /dev/shm lands whole (its CUDA IPC half needs a GPU).
+    No nrl distribution is installed for it, as on the GPU machine: it runs from the checkout."""
+    run = _run(["--dry-run", "--parts", "refit", "--out", str(tmp_path / "out")], tmp_path, bare=True)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     summary = json.loads((tmp_path / "out" / "refit.json").read_text())
     groups = summary["groups"]

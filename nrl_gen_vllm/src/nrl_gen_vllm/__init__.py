@@ -4,4 +4,4 @@ Importing this package does not import vLLM; :mod:`nrl_gen_vllm.worker` does, wh
 built, so ``nrl plugins`` and config checks stay fast.
 """
 
-__version__ = "0.13.0"
+__version__ = "0.13.1"
