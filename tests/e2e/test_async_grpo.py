@@ -385,11 +385,39 @@ def _send_an_unlisted_tensor_last(worker) -> None:
     worker.export_weights = export_weights
 
 
+def _pause_after_the_first_group(worker) -> None:
+    """The async engine pauses, keeping its requests, once its first group is out: the refits land
+    in requests still in flight however late they come (a loaded host once let every request finish
+    first). Each load that fails records whether the engine is paused after it."""
+    engine = worker._engine
+    stream, end = engine.stream, engine._end
+    engine.PAUSED_AFTER_TORN = []
+
+    def paused_stream(*args):
+        groups = stream(*args)
+        first = next(groups)
+        engine._run(engine.engine.pause_generation(mode="keep", clear_cache=False))
+        yield first
+        yield from groups
+
+    async def recorded_end(succeeded, *args):
+        await end(succeeded, *args)
+        if not succeeded:
+            engine.PAUSED_AFTER_TORN.append(await engine.engine.is_paused())
+
+    engine.stream, engine._end = paused_stream, recorded_end
+
+
+def _paused_after_torn(worker) -> list[bool]:
+    return worker._engine.PAUSED_AFTER_TORN
+
+
 def test_an_in_flight_refit_torn_part_way_keeps_the_requests_paused_until_a_refit_succeeds(model, ray_session):
     """The engine takes the in-flight refit in parts (small ones here); a tensor the manifest never
     named arrives after parts loaded, so the refit is torn, and the requests in flight stay paused
     (no token from torn weights). The next refit resumes them, and each response's tokens are
-    version 0 and then 1."""
+    version 0 and then 1. (The engine is held paused from its first group on, so the refits
+    certainly find requests in flight.)"""
     from nrl_core.algorithms.grpo import RolloutGroup, merge_groups
     from nrl_core.algorithms.loss import NLLLoss
     from nrl_core.cluster._host import WorkerHost
@@ -405,6 +433,7 @@ def test_an_in_flight_refit_torn_part_way_keeps_the_requests_paused_until_a_refi
     with policy_and_generation(model, overrides) as (_, policy, generation):
         generation.configure_in_flight(recompute_kv_cache=False)
         generation.hosts.call(WorkerHost.execute, _small_parts, on=0)
+        generation.hosts.call(WorkerHost.execute, _pause_after_the_first_group, on=0)
         policy.train(training_batch(0), NLLLoss())
         generation.mark_stale()
         prompts = [[5 + i % 400 for i in range(254)]] + chat_prompts(model)
@@ -418,6 +447,7 @@ def test_an_in_flight_refit_torn_part_way_keeps_the_requests_paused_until_a_refi
         groups += list(stream)
         # (the host's calls wait behind its stream: counted once the stream is done) both refits in parts
         assert generation.hosts.call(WorkerHost.execute, _parts_loaded, on=0) > 4
+        assert generation.hosts.call(WorkerHost.execute, _paused_after_torn, on=0) == [True]
         rollouts = merge_groups([RolloutGroup(prompt=None, output=o, rewards=[0.0, 0.0]) for _, o in sorted(groups)[1:]])
         versions = [rollouts.versions_of(i) for i in range(8)]
         assert all(v == sorted(v) and set(v) <= {0, 1} for v in versions) and any(1 in v for v in versions)
