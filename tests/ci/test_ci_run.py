@@ -1,5 +1,5 @@
 """``.ci/run`` itself, on a one-test selection: it prints pytest's wall time, and fails in one line
-naming the slowest tests when that time passes the alarm (lowered here from 45 minutes to 1 s)."""
+naming the slowest tests when that time passes the alarm (lowered here from 75 minutes to 1 s)."""
 
 from __future__ import annotations
 
