@@ -12,6 +12,8 @@ import sys
 import xml.etree.ElementTree as ET
 
 BUDGET_S = 30 * 60
+# above the suite on the slowest host seen, and with the install still below CI's 90-minute limit
+ALARM_S = 75 * 60
 SLOWEST = 20
 
 
@@ -32,4 +34,4 @@ def main(report: str, alarm_s: float) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], float(sys.argv[2]) if len(sys.argv) > 2 else 70 * 60))
+    sys.exit(main(sys.argv[1], float(sys.argv[2]) if len(sys.argv) > 2 else ALARM_S))
